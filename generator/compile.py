@@ -1,0 +1,233 @@
+"""Ahead-of-time build: rendered source -> cubin (CuPy's nvcc path, explicit arch) + ptxas resource figures.
+
+Layout of build/:
+  <name>/kernel.cu        rendered source (rewritten only when it changed)
+  <name>/kernel.cubin     the variant's binary (a hard link to its object: identical sources share one)
+  objects/<key>/          kernel.cubin, kernel.ptx, ptxas.log, meta.json for one cache key
+  manifest.json           every variant built into this directory: parameters, key, paths, resources
+Every file is written to a temporary name and renamed, so a killed or concurrent build never leaves a partial file
+under a final name; the manifest is merged under a lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from . import __version__
+from .render import PlanError, SMEM_LIMIT, plan, render
+from .variants import Variant
+
+NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v")
+MANIFEST = "manifest.json"
+REGS_PER_SM, THREADS_PER_SM, SMEM_PER_SM = 65536, 2048, 228 * 1024
+
+
+class CompileError(RuntimeError):
+    """nvcc failed for a variant: the message names it and carries the compiler's output."""
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text() == text:
+        return False
+    atomic_write(path, text)
+    return True
+
+
+def _link(src: Path, dst: Path) -> None:
+    """Atomically make dst the same file as src (hard link; copy where links are not possible)."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        atomic_write(dst, src.read_bytes())
+        return
+    os.replace(tmp, dst)
+
+
+_compiler_version: str | None = None
+
+
+def compiler_version() -> str:
+    global _compiler_version
+    if _compiler_version is None:
+        from cupy.cuda import get_nvcc_path
+        nvcc = get_nvcc_path() or "nvcc"
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+        _compiler_version = out.strip().splitlines()[-1]
+    return _compiler_version
+
+
+def cache_key(source: str, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, " ".join(NVCC_OPTIONS), arch, compiler_version(), __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, stack, spills and static shared memory of decoder_layer from `ptxas -v` output."""
+    def grab(pattern, default=0):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else default
+    return {
+        "registers": grab(r"Used (\d+) registers"),
+        "stack_frame": grab(r"(\d+) bytes stack frame"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "static_smem": grab(r"(\d+) bytes smem"),
+        "barriers": grab(r"used (\d+) barriers"),
+    }
+
+
+def blocks_per_sm(registers: int, threads: int, smem: int) -> int:
+    """Resident blocks per SM that registers, threads and shared memory allow (sm_90 limits)."""
+    regs = max(1, (registers + 7) // 8 * 8) * threads
+    by_smem = SMEM_PER_SM // (smem + 1024) if smem else 32
+    return max(0, min(REGS_PER_SM // regs, THREADS_PER_SM // threads, by_smem))
+
+
+def _compile_object(source: str, arch: str, obj: Path) -> dict:
+    from cupy.cuda import compiler
+    t0 = time.perf_counter()
+    log = io.StringIO()
+    try:
+        cubin = compiler.compile_using_nvcc(source, options=NVCC_OPTIONS, arch=arch, code_type="cubin",
+                                            log_stream=log)
+        ptx = compiler.compile_using_nvcc(source, options=("-std=c++17",), arch=arch, code_type="ptx")
+    except Exception as exc:  # CuPy raises its own error type carrying nvcc's output
+        raise CompileError(str(exc)) from None
+    seconds = time.perf_counter() - t0
+    meta = {"cubin_sha256": hashlib.sha256(cubin).hexdigest(), "compile_s": round(seconds, 2),
+            "cubin_bytes": len(cubin), "ptx_bytes": len(ptx), **parse_ptxas(log.getvalue())}
+    atomic_write(obj / "ptxas.log", log.getvalue())
+    atomic_write(obj / "kernel.ptx", ptx)
+    atomic_write(obj / "kernel.cubin", cubin)
+    atomic_write(obj / "meta.json", json.dumps(meta, indent=1))  # last: its presence marks a complete object
+    return meta
+
+
+def object_meta(obj: Path) -> dict | None:
+    """The object's figures if it is complete and its cubin is intact, else None (rebuild)."""
+    try:
+        meta = json.loads((obj / "meta.json").read_text())
+        ok = hashlib.sha256((obj / "kernel.cubin").read_bytes()).hexdigest() == meta["cubin_sha256"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return meta if ok else None
+
+
+@contextlib.contextmanager
+def locked(build_dir: Path):
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_manifest(build_dir: Path) -> dict:
+    try:
+        return json.loads((Path(build_dir) / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {"variants": {}}
+
+
+def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None, arch: str = "90",
+          progress=None) -> dict:
+    """Render and compile every variant; returns {"entries": [...], "errors": [...], "distinct": n}.
+
+    Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
+    variant (status "error") so one bad variant does not hide the others.
+    """
+    build_dir = Path(build_dir)
+    jobs = jobs or os.cpu_count() or 1
+    entries: dict[str, dict] = {}
+    by_key: dict[str, list[tuple[Variant, dict]]] = {}
+    sources: dict[str, str] = {}
+    for v in variants:
+        entry = {"name": v.name, "params": v.params(), "status": "ok"}
+        entries[v.name] = entry
+        try:
+            p = plan(v)
+        except PlanError as exc:
+            entry.update(status="refused", error=str(exc))
+            continue
+        src = render(v, p)
+        key = cache_key(src, arch)
+        write_if_changed(build_dir / v.name / "kernel.cu", src)
+        entry.update(key=key, arch=arch, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(), source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin",
+                     object=f"objects/{key}")
+        by_key.setdefault(key, []).append((v, entry))
+        sources[key] = src
+
+    def one(key):
+        obj = build_dir / "objects" / key
+        meta = object_meta(obj)
+        cached = meta is not None
+        if not cached:
+            meta = _compile_object(sources[key], arch, obj)
+        return key, meta, cached
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(one, key): key for key in by_key}
+        for fut in as_completed(futures):
+            key = futures[fut]
+            try:
+                _, meta, cached = fut.result()
+            except CompileError as exc:
+                for v, entry in by_key[key]:
+                    entry.update(status="error", error=f"{v.name}: nvcc failed:\n{exc}")
+                if progress:
+                    progress(len(by_key[key]))
+                continue
+            for v, entry in by_key[key]:
+                _link(build_dir / "objects" / key / "kernel.cubin", build_dir / v.name / "kernel.cubin")
+                smem = entry["plan"]["smem_bytes"]
+                entry["resources"] = {
+                    **{k: meta[k] for k in ("cubin_bytes", "ptx_bytes", "registers", "stack_frame", "spill_stores",
+                                            "spill_loads", "static_smem", "compile_s")},
+                    "dynamic_smem": smem,
+                    "smem_total": smem + meta["static_smem"],
+                    "smem_pct": round(100 * (smem + meta["static_smem"]) / SMEM_LIMIT, 1),
+                    "blocks_per_sm": blocks_per_sm(meta["registers"], entry["plan"]["threads"],
+                                                   smem + meta["static_smem"]),
+                    "cached": cached,
+                }
+            if progress:
+                progress(len(by_key[key]))
+
+    with locked(build_dir):
+        manifest = read_manifest(build_dir)
+        manifest["variants"].update(entries)
+        manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)
+        atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    return {"entries": list(entries.values()), "distinct": len(by_key),
+            "errors": [e for e in entries.values() if e["status"] == "error"]}

@@ -1,0 +1,127 @@
+"""Variant -> plan (every compile-time constant, the shared-memory layout) -> rendered CUDA source.
+
+The plan is the single source of truth for the kernel's layout: the template only prints its numbers, the loader
+sizes the workspace from it, and the manifest records it.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jinja2
+
+from .variants import Variant
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+THREADS = 512          # one block of 16 warps per SM (cooperative grid of num_sms blocks)
+NUM_SMS = 132          # H100/H200 SXM: only used to balance the plan; the kernel strides over gridDim
+SMEM_LIMIT = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
+GRID_SYNCS = 4
+DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+
+
+class PlanError(ValueError):
+    """The variant cannot be generated (e.g. over the shared-memory budget); one line."""
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def plan_gemv(n: int, k: int, batch: int, even_rows: bool = False) -> dict:
+    """Rows per task R, threads per task GT and unroll U for one projection of N rows of length K."""
+    chunks = k // 8
+    gt = max(64, min(THREADS, _pow2_floor(chunks)))
+    groups = NUM_SMS * (THREADS // gt)
+    # more rows per task = more loads in flight and fewer activation reads per weight byte, but the accumulators
+    # (R * batch floats) must stay in registers and the last round of tasks must not leave most groups idle
+    candidates = [r for r in (8, 4, 2) if n % r == 0 and r * batch <= 32 and (not even_rows or r % 2 == 0)]
+    if not candidates:
+        candidates = [2] if even_rows else [1]
+    def balance(r):
+        tasks = n // r
+        return tasks / (math.ceil(tasks / groups) * groups)
+    r = next((r for r in candidates if balance(r) >= 0.85), max(candidates, key=balance))
+    iters = math.ceil(chunks / gt)
+    u = max(1, min(iters, 80 // (4 * r + 4 * batch)))
+    return {"R": r, "GT": gt, "U": u, "tasks": n // r, "balance": round(balance(r), 3)}
+
+
+def plan(v: Variant) -> dict:
+    m = v.model
+    if v.mode != "decode":
+        raise PlanError(f"{v.name}: mode '{v.mode}' has no template yet (decode only)")
+    esize = DTYPE_BYTES[m.dtype]
+    q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    qkv = plan_gemv(q_dim + 2 * kv_dim, m.hidden, v.batch)
+    o = plan_gemv(m.hidden, q_dim, v.batch)
+    gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch, even_rows=True)
+    down = plan_gemv(m.hidden, m.intermediate, v.batch)
+
+    # attention split size: as long as possible while a full cache still gives every block a few tasks
+    att_c = 512
+    while att_c > 64 and v.batch * m.kv_heads * math.ceil(v.seq_len / att_c) < 4 * NUM_SMS:
+        att_c //= 2
+    att_c = min(att_c, _pow2_ceil(v.seq_len))
+    nsplit = math.ceil(v.seq_len / att_c)
+
+    nw = THREADS // 32
+    red_bytes = max(2 * nw * _pow2_ceil(g["R"] * v.batch) * 4 for g in (qkv, o, gu, down))
+    red_bytes = max(red_bytes, nw * 2 * v.batch * 4)  # the norm's scratch shares the region
+    smem = {"SMEM_XS": 0, "SMEM_RED": _align(v.batch * m.hidden * esize)}
+    gemv_bytes = smem["SMEM_RED"] + red_bytes
+    smem["SMEM_QS"] = 0
+    smem["SMEM_SC"] = _align((m.group + 1) * m.head_dim * 4)
+    smem["SMEM_ML"] = smem["SMEM_SC"] + _align(m.group * att_c * 4)
+    smem["SMEM_VRED"] = smem["SMEM_ML"] + _align((2 * m.group + 1) * 4)
+    att_bytes = smem["SMEM_VRED"] + nw * m.group * m.head_dim * 4
+    smem_bytes = max(gemv_bytes, att_bytes)
+    if smem_bytes > SMEM_LIMIT:
+        stage = "norm+projection" if gemv_bytes >= att_bytes else "attention"
+        raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block ({stage} stage), over the "
+                        f"sm_90 limit of {SMEM_LIMIT} B (227 KB); lower batch or hidden size")
+
+    consts = {
+        "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
+        "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
+        "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
+        "ATT_C": att_c, "ATT_NSPLIT": nsplit, **smem,
+    }
+    for prefix, g in (("QKV", qkv), ("O", o), ("GU", gu), ("DOWN", down)):
+        consts.update({f"{prefix}_R": g["R"], f"{prefix}_GT": g["GT"], f"{prefix}_U": g["U"]})
+    return {
+        "consts": consts,
+        "gemv": {"qkv": qkv, "o": o, "gate_up": gu, "down": down},
+        "threads": THREADS,
+        "smem_bytes": smem_bytes,
+        "grid_syncs": GRID_SYNCS,
+        "workspace_floats": {
+            "qkv": v.batch * (q_dim + 2 * kv_dim),
+            "part": v.batch * m.heads * nsplit * (m.head_dim + 2),
+            "h": v.batch * m.hidden,
+        },
+        "workspace_elems": {"attn": v.batch * q_dim, "act": v.batch * m.intermediate},
+        "counters": v.batch * m.kv_heads,
+    }
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+
+
+def render(v: Variant, p: dict | None = None) -> str:
+    p = p or plan(v)
+    m = v.model
+    return _env().get_template("layer.cu.j2").render(
+        name=v.name, consts=p["consts"], grid_syncs=p["grid_syncs"],
+        norm_eps=f"{m.norm_eps!r}f", score_scale=f"{math.log2(math.e) / math.sqrt(m.head_dim)!r}f",
+        norm=m.norm, activation=m.activation, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, dtype=m.dtype)

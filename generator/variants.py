@@ -1,0 +1,251 @@
+"""variants.yaml -> validated, expanded list of Variant (the first step of the one-way data flow).
+
+Every error is a VariantError whose message is ONE line naming the file, the variant, the field and the rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import itertools
+import re
+from pathlib import Path
+
+import yaml
+
+
+class VariantError(ValueError):
+    """Bad variants file: the message is one line (file, variant, field, rule)."""
+
+
+DTYPES = ("bf16", "fp16")
+NORMS = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("silu", "gelu")
+MODES = ("decode",)
+ROPE_SCALING_TYPES = ("llama3",)
+
+# field -> (python types accepted, required?, default)
+MODEL_FIELDS: dict[str, tuple[tuple[type, ...], bool, object]] = {
+    "hidden": ((int,), True, None),
+    "heads": ((int,), True, None),
+    "kv_heads": ((int,), True, None),
+    "head_dim": ((int,), True, None),
+    "intermediate": ((int,), True, None),
+    "layers": ((int,), True, None),
+    "norm": ((str,), True, None),
+    "norm_eps": ((float, int), True, None),
+    "rope_theta": ((float, int), True, None),
+    "rope_scaling": ((dict, type(None)), False, None),
+    "activation": ((str,), True, None),
+    "qkv_bias": ((bool,), True, None),
+    "qk_norm": ((bool,), True, None),
+    "dtype": ((str,), True, None),
+    "matrix": ((dict,), False, None),
+}
+MATRIX_FIELDS = ("mode", "batch", "seq_len")
+LLAMA3_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "low_freq_factor": (int, float),
+                         "high_freq_factor": (int, float), "original_max_position_embeddings": int}
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One decoder-layer shape (what a model's config fixes)."""
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    norm: str
+    norm_eps: float
+    rope_theta: float
+    activation: str
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str
+    rope_scaling: tuple | None = None  # sorted (key, value) pairs, hashable
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A model shape at one point of the matrix: what one kernel is generated for."""
+    model: Model
+    mode: str
+    batch: int
+    seq_len: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.name}_{self.mode}_b{self.batch}_s{self.seq_len}_{self.model.dtype}"
+
+    def params(self) -> dict:
+        d = dataclasses.asdict(self.model)
+        d["rope_scaling"] = dict(self.model.rope_scaling) if self.model.rope_scaling else None
+        d.update(mode=self.mode, batch=self.batch, seq_len=self.seq_len)
+        return d
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML silently keeps the last of two equal keys; a duplicate variant name must be an error."""
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _type_name(types):
+    return " or ".join({int: "integer", float: "number", str: "string", bool: "boolean", dict: "mapping",
+                        type(None): "null", list: "list"}[t] for t in types)
+
+
+def _check_type(where, field, value, types):
+    # bool is an int subclass in Python: `hidden: true` must not pass as 1
+    if isinstance(value, bool) and bool not in types:
+        raise VariantError(f"{where}: field '{field}' must be {_type_name(types)}, got {value!r}")
+    if not isinstance(value, types):
+        raise VariantError(f"{where}: field '{field}' must be {_type_name(types)}, got {value!r}")
+
+
+def _parse_matrix(where, raw) -> dict:
+    if not isinstance(raw, dict):
+        raise VariantError(f"{where}: field 'matrix' must be a mapping with keys {', '.join(MATRIX_FIELDS)}")
+    for key in raw:
+        if key not in MATRIX_FIELDS:
+            raise VariantError(f"{where}: unknown field 'matrix.{key}' (allowed: {', '.join(MATRIX_FIELDS)})")
+    out = {}
+    for key in MATRIX_FIELDS:
+        if key not in raw:
+            raise VariantError(f"{where}: missing field 'matrix.{key}'")
+        vals = raw[key] if isinstance(raw[key], list) else [raw[key]]
+        if not vals:
+            raise VariantError(f"{where}: field 'matrix.{key}' must not be empty")
+        for v in vals:
+            if key == "mode":
+                if v not in MODES:
+                    raise VariantError(f"{where}: field 'matrix.mode' must be one of {', '.join(MODES)}, got {v!r}")
+            else:
+                _check_type(where, f"matrix.{key}", v, (int,))
+                if v <= 0:
+                    raise VariantError(f"{where}: field 'matrix.{key}' must be positive, got {v}")
+        if len(set(vals)) != len(vals):
+            raise VariantError(f"{where}: field 'matrix.{key}' lists a value twice: {vals}")
+        out[key] = vals
+    return out
+
+
+def _parse_rope_scaling(where, raw):
+    if raw is None:
+        return None
+    rtype = raw.get("rope_type")
+    if rtype not in ROPE_SCALING_TYPES:
+        raise VariantError(f"{where}: field 'rope_scaling.rope_type' must be one of "
+                           f"{', '.join(ROPE_SCALING_TYPES)}, got {rtype!r}")
+    for key in raw:
+        if key not in LLAMA3_SCALING_FIELDS:
+            raise VariantError(f"{where}: unknown field 'rope_scaling.{key}' for rope_type llama3")
+    for key, types in LLAMA3_SCALING_FIELDS.items():
+        if key not in raw:
+            raise VariantError(f"{where}: missing field 'rope_scaling.{key}'")
+        _check_type(where, f"rope_scaling.{key}", raw[key], types if isinstance(types, tuple) else (types,))
+        if key != "rope_type" and raw[key] <= 0:
+            raise VariantError(f"{where}: field 'rope_scaling.{key}' must be positive, got {raw[key]}")
+    return tuple(sorted(raw.items()))
+
+
+def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
+    """Validate one model entry; returns the Model and its own matrix override (or None)."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise VariantError(f"{where}: variant name {name!r} must be lower-case letters, digits, '.', '_' or '-'")
+    if not isinstance(raw, dict):
+        raise VariantError(f"{where}: entry must be a mapping of fields, got {type(raw).__name__}")
+    for key in raw:
+        if key not in MODEL_FIELDS:
+            raise VariantError(f"{where}: unknown field '{key}' (allowed: {', '.join(MODEL_FIELDS)})")
+    for key, (types, required, _) in MODEL_FIELDS.items():
+        if key not in raw:
+            if required:
+                raise VariantError(f"{where}: missing field '{key}'")
+            continue
+        _check_type(where, key, raw[key], types)
+    for key in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers"):
+        if raw[key] <= 0:
+            raise VariantError(f"{where}: field '{key}' must be positive, got {raw[key]}")
+    for key in ("norm_eps", "rope_theta"):
+        if raw[key] <= 0:
+            raise VariantError(f"{where}: field '{key}' must be positive, got {raw[key]}")
+    if raw["heads"] % raw["kv_heads"]:
+        raise VariantError(f"{where}: field 'heads' ({raw['heads']}) must be divisible by kv_heads "
+                           f"({raw['kv_heads']})")
+    if raw["head_dim"] % 16 or raw["head_dim"] > 256:
+        raise VariantError(f"{where}: field 'head_dim' must be a multiple of 16 and at most 256, "
+                           f"got {raw['head_dim']}")
+    if raw["hidden"] % 8 or raw["intermediate"] % 8:
+        bad = "hidden" if raw["hidden"] % 8 else "intermediate"
+        raise VariantError(f"{where}: field '{bad}' must be a multiple of 8 (16-byte vector loads), got {raw[bad]}")
+    for key, allowed in (("dtype", DTYPES), ("norm", NORMS), ("activation", ACTIVATIONS)):
+        if raw[key] not in allowed:
+            raise VariantError(f"{where}: field '{key}' must be one of {', '.join(allowed)}, got {raw[key]!r}")
+    model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS if k not in ("matrix", "rope_scaling")},
+                  rope_scaling=_parse_rope_scaling(where, raw.get("rope_scaling")))
+    model = dataclasses.replace(model, norm_eps=float(model.norm_eps), rope_theta=float(model.rope_theta))
+    matrix = _parse_matrix(where, raw["matrix"]) if "matrix" in raw else None
+    return model, matrix
+
+
+def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
+    """Parse and validate a variants file's text, expanding every model over its matrix."""
+    try:
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise VariantError(f"{path}:{line}: YAML syntax error: {problem}") from None
+    if not isinstance(doc, dict):
+        raise VariantError(f"{path}: top level must be a mapping with keys 'models' and 'matrix'")
+    for key in doc:
+        if key not in ("models", "matrix"):
+            raise VariantError(f"{path}: unknown top-level field '{key}' (allowed: models, matrix)")
+    if not isinstance(doc.get("models"), dict) or not doc["models"]:
+        raise VariantError(f"{path}: field 'models' must be a non-empty mapping of name -> shape")
+    default_matrix = _parse_matrix(f"{path}: matrix", doc["matrix"]) if "matrix" in doc else None
+    variants: list[Variant] = []
+    for name, raw in doc["models"].items():
+        where = f"{path}: variant '{name}'"
+        model, matrix = parse_model(where, name, raw)
+        matrix = matrix or default_matrix
+        if matrix is None:
+            raise VariantError(f"{where}: no matrix (give a top-level 'matrix' or the variant's own)")
+        for mode, batch, seq_len in itertools.product(matrix["mode"], matrix["batch"], matrix["seq_len"]):
+            variants.append(Variant(model, mode, batch, seq_len))
+    return variants
+
+
+def load(path: str | Path) -> list[Variant]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise VariantError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    return parse(text, str(path))
+
+
+def select(variants: list[Variant], only: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Variant]:
+    """Filter by name globs (fnmatch): keep those matching any --only, drop those matching any --exclude."""
+    kept = [v for v in variants if not only or any(fnmatch.fnmatchcase(v.name, g) for g in only)]
+    return [v for v in kept if not any(fnmatch.fnmatchcase(v.name, g) for g in exclude)]
