@@ -39,19 +39,23 @@ def _pow2_ceil(n: int) -> int:
 def plan_gemv(n: int, k: int, batch: int, even_rows: bool = False) -> dict:
     """Rows per task R, threads per task GT and unroll U for one projection of N rows of length K."""
     chunks = k // 8
-    gt = max(64, min(THREADS, _pow2_floor(chunks)))
+    # about four 16-byte chunks per thread per row: several independent groups (tasks) per SM, so one group's
+    # reduction overlaps the others' loads
+    gt = max(64, min(256, _pow2_floor(chunks // 4)))
     groups = NUM_SMS * (THREADS // gt)
     # more rows per task = more loads in flight and fewer activation reads per weight byte, but the accumulators
     # (R * batch floats) must stay in registers and the last round of tasks must not leave most groups idle
     candidates = [r for r in (8, 4, 2) if n % r == 0 and r * batch <= 32 and (not even_rows or r % 2 == 0)]
     if not candidates:
         candidates = [2] if even_rows else [1]
+
     def balance(r):
         tasks = n // r
         return tasks / (math.ceil(tasks / groups) * groups)
     r = next((r for r in candidates if balance(r) >= 0.85), max(candidates, key=balance))
     iters = math.ceil(chunks / gt)
-    u = max(1, min(iters, 80 // (4 * r + 4 * batch)))
+    # ~16 weight loads in flight per thread, within a register budget shared with the R * batch accumulators
+    u = max(1, min(iters, 16 // r, (64 - r * batch) // (4 * r)))
     return {"R": r, "GT": gt, "U": u, "tasks": n // r, "balance": round(balance(r), 3)}
 
 
@@ -66,11 +70,15 @@ def plan(v: Variant) -> dict:
     gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch, even_rows=True)
     down = plan_gemv(m.hidden, m.intermediate, v.batch)
 
-    # attention split size: as long as possible while a full cache still gives every block a few tasks
-    att_c = 512
-    while att_c > 64 and v.batch * m.kv_heads * math.ceil(v.seq_len / att_c) < 4 * NUM_SMS:
-        att_c //= 2
-    att_c = min(att_c, _pow2_ceil(v.seq_len))
+    # attention: every warp walks batches of ATT_NP rows per row slot with its own online softmax (K and V of the
+    # next batch prefetched into registers); a task covers ATT_C rows, a multiple of one batch for every warp,
+    # chosen so that a full cache gives about two tasks per SM
+    nw = THREADS // 32
+    lanes = _pow2_ceil(m.head_dim // 8)
+    att_np = 2 if m.group <= 4 else 1  # registers: GROUP * 8 accumulators + two batches of K and V rows
+    att_c = nw * (32 // lanes) * att_np
+    while v.batch * m.kv_heads * math.ceil(v.seq_len / att_c) > 2 * NUM_SMS and att_c < v.seq_len:
+        att_c *= 2
     nsplit = math.ceil(v.seq_len / att_c)
 
     nw = THREADS // 32
@@ -79,10 +87,9 @@ def plan(v: Variant) -> dict:
     smem = {"SMEM_XS": 0, "SMEM_RED": _align(v.batch * m.hidden * esize)}
     gemv_bytes = smem["SMEM_RED"] + red_bytes
     smem["SMEM_QS"] = 0
-    smem["SMEM_SC"] = _align((m.group + 1) * m.head_dim * 4)
-    smem["SMEM_ML"] = smem["SMEM_SC"] + _align(m.group * att_c * 4)
-    smem["SMEM_VRED"] = smem["SMEM_ML"] + _align((2 * m.group + 1) * 4)
-    att_bytes = smem["SMEM_VRED"] + nw * m.group * m.head_dim * 4
+    smem["SMEM_WST"] = _align((m.group + 1) * m.head_dim * 4)
+    smem["SMEM_FLAG"] = smem["SMEM_WST"] + _align(nw * m.group * (m.head_dim + 2) * 4)
+    att_bytes = smem["SMEM_FLAG"] + 16
     smem_bytes = max(gemv_bytes, att_bytes)
     if smem_bytes > SMEM_LIMIT:
         stage = "norm+projection" if gemv_bytes >= att_bytes else "attention"
@@ -93,7 +100,7 @@ def plan(v: Variant) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_C": att_c, "ATT_NSPLIT": nsplit, **smem,
+        "ATT_C": att_c, "ATT_NP": att_np, "ATT_NSPLIT": nsplit, **smem,
     }
     for prefix, g in (("QKV", qkv), ("O", o), ("GU", gu), ("DOWN", down)):
         consts.update({f"{prefix}_R": g["R"], f"{prefix}_GT": g["GT"], f"{prefix}_U": g["U"]})

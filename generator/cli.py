@@ -1,0 +1,189 @@
+"""`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import compile as gcompile, report as greport, variants as gvariants
+from .render import PlanError, plan, render
+
+# a pipe or CI log is not a terminal: rich would squeeze the table into 80 columns
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def fail(msg: str, code: int = 2):
+    err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def load_selected(variants_file: str, only=(), exclude=()) -> list:
+    try:
+        vs = gvariants.load(variants_file)
+    except gvariants.VariantError as exc:
+        fail(str(exc))
+    selected = gvariants.select(vs, tuple(only), tuple(exclude))
+    if not selected:
+        fail(f"{variants_file}: no variant matches --only {' '.join(only) or '*'}"
+             + (f" --exclude {' '.join(exclude)}" if exclude else ""))
+    return selected
+
+
+variants_opt = click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
+                            help="variants file")
+build_dir_opt = click.option("--build-dir", default="build", show_default=True, help="build directory")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Fused decoder-layer kernel generator: one CUDA kernel per layer shape, built ahead of time."""
+
+
+@main.command("list")
+@variants_opt
+@build_dir_opt
+@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
+def list_cmd(variants_file, build_dir, only):
+    """List the declared variants and their build status."""
+    vs = load_selected(variants_file, only)
+    built = gcompile.read_manifest(Path(build_dir))["variants"]
+    t = Table(header_style="bold")
+    for h in ("variant", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "build"):
+        t.add_column(h)
+    for v in vs:
+        m, e = v.model, built.get(v.name)
+        if e is None:
+            status = "not built"
+        elif e["status"] != "ok":
+            status = e["status"]
+        else:
+            try:
+                fresh = hashlib.sha256(render(v).encode()).hexdigest() == e.get("source_sha256")
+            except PlanError:
+                fresh = False
+            status = "built" if fresh else "stale"
+        t.add_row(v.name, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
+                  str(v.batch), str(v.seq_len), status)
+    console.print(t)
+
+
+@main.command("render")
+@click.argument("name")
+@variants_opt
+def render_cmd(name, variants_file):
+    """Print the rendered CUDA source of one variant."""
+    vs = {v.name: v for v in load_selected(variants_file)}
+    if name not in vs:
+        fail(f"{variants_file}: no variant named '{name}' (see `megakernel list`)")
+    try:
+        click.echo(render(vs[name], plan(vs[name])), nl=False)
+    except PlanError as exc:
+        fail(str(exc))
+
+
+@main.command("build")
+@variants_opt
+@build_dir_opt
+@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
+@click.option("--exclude", multiple=True, help="glob over variant names to skip (repeatable)")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
+@click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
+@click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused")
+def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
+    """Render and compile the variants, then print the resource report."""
+    if not re.fullmatch(r"\d{2,3}a?", arch):
+        fail(f"--arch: expected digits such as 90 or 90a, got '{arch}'")
+    vs = load_selected(variants_file, only, exclude)
+    jobs = jobs or os.cpu_count() or 1
+    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task("build", total=len(vs))
+        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n))
+    built = [e for e in result["entries"] if e["status"] == "ok"]
+    compiled = sum(1 for e in built if not e["resources"]["cached"])
+    err_console.print(f"{len(vs)} variants: {compiled} compiled, {len(built) - compiled} up to date, "
+                      f"{result['distinct']} distinct binaries", highlight=False)
+    for e in result["entries"]:
+        if e["status"] == "refused":
+            err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False)
+    for e in result["errors"]:
+        err_console.print(f"error: {e['error']}", markup=False, highlight=False)
+    rep = greport.build_report(build_dir, gpu=False)
+    names = {v.name for v in vs}
+    greport.print_report({"rows": [r for r in rep["rows"] if r["name"] in names], "totals": rep["totals"]}, console)
+    for r in rep["rows"]:
+        if r["name"] in names and "spills" in r["flags"]:
+            err_console.print(f"warning: {r['name']} spills {r['spill_stores']} B / loads {r['spill_loads']} B "
+                              "to local memory", highlight=False)
+    if result["errors"]:
+        sys.exit(1)
+    if strict and any(r["flags"] for r in rep["rows"] if r["name"] in names):
+        sys.exit(1)
+
+
+@main.command("report")
+@build_dir_opt
+@click.option("--bench-dir", default="bench/results", show_default=True, help="where benchmark results live")
+@click.option("--no-gpu", is_flag=True, help="do not measure module load times even where a GPU is present")
+@click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged")
+def report_cmd(build_dir, bench_dir, no_gpu, strict):
+    """Resource figures of every built variant, joined with the latest benchmark."""
+    try:
+        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    greport.print_report(rep, console)
+    if strict and rep["totals"]["flagged"]:
+        sys.exit(1)
+
+
+@main.command("clean")
+@build_dir_opt
+def clean_cmd(build_dir):
+    """Remove the build directory."""
+    p = Path(build_dir)
+    if not p.exists():
+        return
+    if not ((p / "manifest.json").exists() or (p / "objects").exists() or not any(p.iterdir())):
+        fail(f"{build_dir}: does not look like a megakernel build directory (no manifest.json); not removing it")
+    shutil.rmtree(p)
+    err_console.print(f"removed {build_dir}/", highlight=False)
+
+
+@main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench_cmd(ctx):
+    """Time fused vs unfused baselines on the GPU (see `megakernel bench --help`)."""
+    from bench.run import cli as bench_cli  # torch/CUDA imports only when benchmarking
+    bench_cli.main(args=ctx.args, prog_name="megakernel bench", standalone_mode=True)
+
+
+@main.command("from-hf")
+@click.argument("path")
+@click.option("--write", "write_file", default=None, help="append the entry to this variants file")
+@click.option("--name", default=None, help="variant name [from the directory / model_type]")
+def from_hf_cmd(path, write_file, name):
+    """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json."""
+    from . import hf
+    try:
+        text = hf.variant_entry_yaml(path, name=name)
+        if write_file:
+            hf.append_entry(write_file, text)
+            err_console.print(f"appended to {write_file}", highlight=False)
+        else:
+            click.echo(text, nl=False)
+    except (hf.HFConfigError, gvariants.VariantError) as exc:
+        fail(str(exc))
+
+
+if __name__ == "__main__":
+    main()
