@@ -74,6 +74,8 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     for label, layers in (("fused", fused), ("torch_graph", base)):
         g = graph_of(stack(layers))
         timings[label] = time_replays(g.replay, n)
+    fused[0](xs, pos_dev, validate=False)
+    row["stage_us"] = {k: round(t, 1) for k, t in fused[0].stage_us().items()}  # one launch, weights from HBM
     row["layers_timed"] = n
     row["bytes"] = nbytes
     row["us"] = round(timings["fused"]["median"], 2)
@@ -93,9 +95,10 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")
 @click.option("--build-dir", default=str(ROOT / "build"), show_default=True)
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
+@click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
 @click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True)
 @click.option("--seed", type=int, default=None, help="default: fresh from the clock")
-def main(variants_file, only, build_dir, no_tests, out, seed):
+def main(variants_file, only, build_dir, no_tests, test_paths, out, seed):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seed = seed if seed is not None else int(time.time()) % 100000
@@ -112,7 +115,8 @@ def main(variants_file, only, build_dir, no_tests, out, seed):
         env = dict(os.environ, MEGAKERNEL_VARIANTS=variants_file, MEGAKERNEL_BUILD=build_dir,
                    MEGAKERNEL_ONLY=",".join(only))
         t1 = time.time()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", str(ROOT / "tests")],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE",
+                            *[str(ROOT / t) for t in test_paths.split(",")]],
                            env=env, capture_output=True, text=True, cwd=ROOT)
         (out / "pytest_gpu.log").write_text(r.stdout + r.stderr)
         tests = (r.stdout.strip().splitlines() or ["no output"])[-1]
@@ -138,13 +142,14 @@ def main(variants_file, only, build_dir, no_tests, out, seed):
     (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
     print(f"\n{doc['gpu']}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s  tests: {tests}")
     hdr = f"{'variant':40s} {'rel_err':>8s} {'pass':>4s} {'us':>8s} {'torch_g':>8s} {'speedup':>7s} {'%BW':>6s}"
-    print(hdr)
+    print(hdr + "   stages (us): qkv att o gu down")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:40s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
         else:
             print(f"{r['variant']:40s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:8.1f} "
-                  f"{r['torch_graph_us']:8.1f} {r['speedup']:7.2f} {r['pct_bw']:6.1f}")
+                  f"{r['torch_graph_us']:8.1f} {r['speedup']:7.2f} {r['pct_bw']:6.1f}   "
+                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()))
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
 
 

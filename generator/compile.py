@@ -30,6 +30,8 @@ from .variants import Variant
 NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v")
 MANIFEST = "manifest.json"
 REGS_PER_SM, THREADS_PER_SM, SMEM_PER_SM = 65536, 2048, 228 * 1024
+_UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it); restored on the next line
+os.umask(_UMASK)
 
 
 class CompileError(RuntimeError):
@@ -40,6 +42,7 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600: give the final file a normal file's mode
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()

@@ -152,7 +152,8 @@ class FusedDecoderLayer:
         # one buffer for all scratch so the custom op can declare it mutated; views carve it up (16-byte aligned)
         wf, we = self.plan["workspace_floats"], self.plan["workspace_elems"]
         sizes = [("qkv", wf["qkv"] * 4), ("part", wf["part"] * 4), ("h", wf["h"] * 4),
-                 ("count", self.plan["counters"] * 4), ("attn", we["attn"] * 2), ("act", we["act"] * 2)]
+                 ("count", self.plan["counters"] * 4), ("attn", we["attn"] * 2), ("act", we["act"] * 2),
+                 ("clock", 8 * 8)]
         offs, total = {}, 0
         for key, nbytes in sizes:
             offs[key] = total
@@ -182,6 +183,16 @@ class FusedDecoderLayer:
         self.grid = sms * min(occ, 1)
         self.id = next(_IDS)
         _LAYERS[self.id] = self
+
+    STAGES = ("norm+qkv_proj", "attention", "o_proj", "norm+gate_up", "down_proj")
+
+    def stage_us(self) -> dict[str, float]:
+        """Time of each stage in the last launch (block 0's SM clock, barrier waits included); synchronises."""
+        import cupy
+        off = self._ws_offsets["clock"]
+        c = self.workspace[off:off + 48].view(torch.int64).cpu().tolist()
+        khz = cupy.cuda.Device(self.device.index).attributes["ClockRate"]
+        return {s: (c[i + 1] - c[i]) / khz * 1e3 for i, s in enumerate(self.STAGES)}
 
     # -- weights read back in HF layout (for tests) --
     def weights(self) -> dict[str, torch.Tensor]:
@@ -233,7 +244,7 @@ class FusedDecoderLayer:
                 ptr(P.get("ln2_b")), ptr(P["w_gu"]), ptr(P["w_down"]), ptr(self.inv_freq), ptr(self.k_cache),
                 ptr(self.v_cache), np.uint64(self._ptr("qkv")), np.uint64(self._ptr("part")),
                 np.uint64(self._ptr("count")), np.uint64(self._ptr("attn")), np.uint64(self._ptr("h")),
-                np.uint64(self._ptr("act")))
+                np.uint64(self._ptr("act")), np.uint64(self._ptr("clock")))
         # torch's current stream, read at every call (a cached stream would break CUDA-graph capture)
         stream = SimpleNamespace(ptr=torch.cuda.current_stream(self.device).cuda_stream)
         self._fn((self.grid, 1, 1), (self.plan["threads"], 1, 1), args, self.plan["smem_bytes"], stream, True)

@@ -70,15 +70,16 @@ def plan(v: Variant) -> dict:
     gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch, even_rows=True)
     down = plan_gemv(m.hidden, m.intermediate, v.batch)
 
-    # attention: every warp walks batches of ATT_NP rows per row slot with its own online softmax (K and V of the
-    # next batch prefetched into registers); a task covers ATT_C rows, a multiple of one batch for every warp,
-    # chosen so that a full cache gives about two tasks per SM
+    # attention: every warp walks batches of ATT_NP rows per row slot with its own online softmax; a task covers
+    # ATT_C rows (a whole number of batches for every warp), sized so that a full cache is one round of tasks:
+    # each task pays fixed latencies (queries, the combine), so fewer and longer tasks win
     nw = THREADS // 32
     lanes = _pow2_ceil(m.head_dim // 8)
-    att_np = 2 if m.group <= 4 else 1  # registers: GROUP * 8 accumulators + two batches of K and V rows
-    att_c = nw * (32 // lanes) * att_np
-    while v.batch * m.kv_heads * math.ceil(v.seq_len / att_c) > 2 * NUM_SMS and att_c < v.seq_len:
-        att_c *= 2
+    # rows per slot per batch (registers: GROUP * (8 + ATT_NP) floats), batches in flight + 1 (1 KB per batch per warp)
+    att_np, att_stages = (2 if m.group <= 4 else 1), 4
+    step = nw * (32 // lanes) * att_np
+    pairs = v.batch * m.kv_heads
+    att_c = max(step, math.ceil(v.seq_len / max(1, NUM_SMS // pairs) / step) * step)
     nsplit = math.ceil(v.seq_len / att_c)
 
     nw = THREADS // 32
@@ -88,7 +89,8 @@ def plan(v: Variant) -> dict:
     gemv_bytes = smem["SMEM_RED"] + red_bytes
     smem["SMEM_QS"] = 0
     smem["SMEM_WST"] = _align((m.group + 1) * m.head_dim * 4)
-    smem["SMEM_FLAG"] = smem["SMEM_WST"] + _align(nw * m.group * (m.head_dim + 2) * 4)
+    ring = nw * att_stages * att_np * 2 * 32 * 16
+    smem["SMEM_FLAG"] = smem["SMEM_WST"] + _align(max(ring, nw * m.group * (m.head_dim + 2) * 4))
     att_bytes = smem["SMEM_FLAG"] + 16
     smem_bytes = max(gemv_bytes, att_bytes)
     if smem_bytes > SMEM_LIMIT:
@@ -100,7 +102,7 @@ def plan(v: Variant) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_C": att_c, "ATT_NP": att_np, "ATT_NSPLIT": nsplit, **smem,
+        "ATT_C": att_c, "ATT_NP": att_np, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }
     for prefix, g in (("QKV", qkv), ("O", o), ("GU", gu), ("DOWN", down)):
         consts.update({f"{prefix}_R": g["R"], f"{prefix}_GT": g["GT"], f"{prefix}_U": g["U"]})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import itertools
+import math
 import re
 from pathlib import Path
 
@@ -98,7 +99,11 @@ def _construct_mapping(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
+        try:
+            dup = key in seen
+        except TypeError:  # unhashable key: SafeLoader's construct_mapping reports it with its line
+            continue
+        if dup:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
         seen[key] = key_node.start_mark.line
@@ -162,8 +167,8 @@ def _parse_rope_scaling(where, raw):
         if key not in raw:
             raise VariantError(f"{where}: missing field 'rope_scaling.{key}'")
         _check_type(where, f"rope_scaling.{key}", raw[key], types if isinstance(types, tuple) else (types,))
-        if key != "rope_type" and raw[key] <= 0:
-            raise VariantError(f"{where}: field 'rope_scaling.{key}' must be positive, got {raw[key]}")
+        if key != "rope_type" and not 0 < raw[key] < math.inf:
+            raise VariantError(f"{where}: field 'rope_scaling.{key}' must be positive and finite, got {raw[key]}")
     return tuple(sorted(raw.items()))
 
 
@@ -186,8 +191,8 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
         if raw[key] <= 0:
             raise VariantError(f"{where}: field '{key}' must be positive, got {raw[key]}")
     for key in ("norm_eps", "rope_theta"):
-        if raw[key] <= 0:
-            raise VariantError(f"{where}: field '{key}' must be positive, got {raw[key]}")
+        if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
+            raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")
     if raw["heads"] % raw["kv_heads"]:
         raise VariantError(f"{where}: field 'heads' ({raw['heads']}) must be divisible by kv_heads "
                            f"({raw['kv_heads']})")
@@ -242,6 +247,8 @@ def load(path: str | Path) -> list[Variant]:
         text = path.read_text()
     except OSError as exc:
         raise VariantError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise VariantError(f"{path}: cannot read variants file: not UTF-8 text (byte {exc.start})") from None
     return parse(text, str(path))
 
 

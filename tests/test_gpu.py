@@ -1,0 +1,203 @@
+"""GPU tests of the fused layer (marked gpu; skipped where CUDA is absent).
+
+Every declared decode variant (MEGAKERNEL_VARIANTS, default variants.yaml; MEGAKERNEL_ONLY=glob,glob restricts)
+plus user shapes that are not in the default file, on fresh random inputs (the seed is printed on failure).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator import compile as gcompile, reference, variants as gvariants, verify
+from generator.loader import load
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = int(os.environ.get("MEGAKERNEL_SEED", time.time_ns() % 1_000_000))
+
+# shapes a user might declare that the default file does not: layernorm + gelu, fp16, head_dim 96 (lanes per row
+# not a power of two), head_dim 256, plain multi-head attention (group 1), a large group, odd batch
+USER_YAML = """
+matrix: {mode: [decode], batch: [3], seq_len: [300]}
+models:
+  user-ln-gelu-fp16:
+    {hidden: 512, heads: 8, kv_heads: 2, head_dim: 96, intermediate: 1376, layers: 4, norm: layernorm,
+     norm_eps: 1.0e-5, rope_theta: 10000.0, activation: gelu, qkv_bias: true, qk_norm: false, dtype: fp16}
+  user-mha-hd256:
+    {hidden: 1024, heads: 4, kv_heads: 4, head_dim: 256, intermediate: 2816, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: true, dtype: bf16,
+     matrix: {mode: [decode], batch: [1, 5], seq_len: [2000]}}
+  user-group8:
+    {hidden: 1024, heads: 16, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+     rope_scaling: {rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192}}
+"""
+
+
+def _declared():
+    vs = gvariants.load(os.environ.get("MEGAKERNEL_VARIANTS", ROOT / "variants.yaml"))
+    only = [g for g in os.environ.get("MEGAKERNEL_ONLY", "").split(",") if g]
+    return [v for v in gvariants.select(vs, tuple(only)) if v.mode == "decode"]
+
+
+DECLARED = _declared()
+USER = gvariants.parse(USER_YAML, "user.yaml")
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    """Declared variants in the project's build dir (cached), user shapes in a temporary one."""
+    main = Path(os.environ.get("MEGAKERNEL_BUILD", ROOT / "build"))
+    res = gcompile.build(DECLARED, main)
+    assert not res["errors"], res["errors"][0]["error"]
+    user = tmp_path_factory.mktemp("user-build")
+    res = gcompile.build(USER, user)
+    assert not res["errors"], res["errors"][0]["error"]
+    return {v.name: main for v in DECLARED} | {v.name: user for v in USER}
+
+
+def _layer(v, build_dir, seed):
+    W = reference.random_weights(v.model, seed=seed, device="cuda")
+    return load(v.name, W, build_dir=build_dir[v.name])
+
+
+@pytest.mark.parametrize("v", DECLARED + USER, ids=lambda v: v.name)
+def test_matches_reference(v, build_dir):
+    layer = _layer(v, build_dir, SEED)
+    x, pos = verify.random_inputs(layer, SEED)
+    r = verify.check_step(layer, x, pos)
+    msg = f"seed {SEED} pos {pos.tolist()}: " + ", ".join(
+        f"{k}={r[k]}" for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched"))
+    assert verify.passed(r, v.model.dtype), msg
+
+
+def _small(vs):
+    """One small-cache variant per model: the multi-step and graph tests need not run on all 45."""
+    seen, out = set(), []
+    for v in sorted(vs, key=lambda v: (v.seq_len, -v.batch)):
+        if v.model.name not in seen:
+            seen.add(v.model.name)
+            out.append(v)
+    return out
+
+
+@pytest.mark.parametrize("v", _small(DECLARED) + USER[:1], ids=lambda v: v.name)
+def test_32_steps_track_reference(v, build_dir):
+    layer = _layer(v, build_dir, SEED + 1)
+    x, pos = verify.random_inputs(layer, SEED + 1)
+    pos = torch.randint(0, v.seq_len - 32, (v.batch,), generator=torch.Generator().manual_seed(SEED),
+                        dtype=torch.int32)
+    kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+    W = layer.weights()
+    for step in range(32):
+        out = layer(x, pos)
+        ref = reference.decoder_layer(x, pos.cuda(), W, kc, vc, v.model)
+        err = verify.rel_err(out, ref)
+        assert err <= verify.REL_TOL[v.model.dtype], f"seed {SEED} step {step}: rel_err {err}"
+        # the next input: this step's output (as a model would feed it), positions advance
+        x = out
+        pos = pos + 1
+    assert verify.rel_err(layer.k_cache, kc) <= 1e-2 and verify.rel_err(layer.v_cache, vc) <= 1e-2
+
+
+@pytest.mark.parametrize("v", _small(DECLARED)[:2], ids=lambda v: v.name)
+def test_cuda_graph_replay_equals_direct_call(v, build_dir):
+    layer = _layer(v, build_dir, SEED + 2)
+    x, pos = verify.random_inputs(layer, SEED + 2)
+    pos_dev = pos.cuda()
+    k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
+    direct = layer(x, pos_dev).clone()
+    k1 = layer.k_cache.clone()
+    layer.k_cache.copy_(k0)
+    layer.v_cache.copy_(v0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, pos_dev, validate=False)
+    torch.cuda.current_stream().wait_stream(s)
+    layer.k_cache.copy_(k0)
+    layer.v_cache.copy_(v0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x, pos_dev, validate=False)
+    layer.k_cache.copy_(k0)
+    layer.v_cache.copy_(v0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, direct)
+    assert torch.equal(layer.k_cache, k1)
+
+
+def test_torch_compile_and_custom_op(build_dir):
+    v = _small(DECLARED)[0]
+    layer = _layer(v, build_dir, SEED + 3)
+    x, pos = verify.random_inputs(layer, SEED + 3)
+    pos_dev = pos.cuda()
+    k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
+    eager = layer(x, pos_dev)
+    layer.k_cache.copy_(k0)
+    layer.v_cache.copy_(v0)
+    compiled = torch.compile(lambda a, p: layer(a, p, validate=False) * 1.0)
+    assert torch.equal(compiled(x, pos_dev), eager)
+    torch.library.opcheck(torch.ops.megakernel.decoder_layer.default,
+                          (x, pos_dev, layer.k_cache, layer.v_cache, layer.workspace, layer.id),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_inputs_raise_before_launch(build_dir):
+    v = _small(DECLARED)[0]
+    layer = _layer(v, build_dir, SEED + 4)
+    x, pos = verify.random_inputs(layer, SEED + 4)
+    k0 = layer.k_cache.clone()
+    B, H, S = v.batch, v.model.hidden, v.seq_len
+    cases = {
+        "x": [x[:, :-1], x.float(), x.cpu()],
+        "pos": [pos[:-1] if B > 1 else pos.repeat(2), pos.long(), torch.full((B,), -1, dtype=torch.int32),
+                torch.full((B,), S, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32).cuda()],
+    }
+    for name, bad in cases.items():
+        for t in bad:
+            args = (t, pos) if name == "x" else (x, t)
+            with pytest.raises(ValueError, match=f"^{name}:"):
+                layer(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(layer.k_cache, k0)
+    W = reference.random_weights(v.model, seed=1, device="cuda")
+    for mutate, pattern in ((lambda w: w.pop("mlp.up_proj.weight"), "mlp.up_proj.weight"),
+                            (lambda w: w.__setitem__("extra.weight", w["mlp.up_proj.weight"]), "extra.weight"),
+                            (lambda w: w.__setitem__("mlp.up_proj.weight", w["mlp.up_proj.weight"].float()),
+                             "mlp.up_proj.weight"),
+                            (lambda w: w.__setitem__("mlp.up_proj.weight", w["mlp.up_proj.weight"].cpu()),
+                             "mlp.up_proj.weight")):
+        w = dict(W)
+        mutate(w)
+        with pytest.raises(ValueError, match=pattern):
+            load(v.name, w, build_dir=build_dir[v.name])
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool, build_dir):
+    v = USER[0]  # small, odd batch, non-power-of-two lanes, layernorm: the most index arithmetic
+    script = (f"import torch; from generator import reference, verify; from generator.loader import load; "
+              f"from generator.variants import parse; import tests.test_gpu as t; "
+              f"v = t.USER[0]; W = reference.random_weights(v.model, seed=1, device='cuda'); "
+              f"L = load(v.name, W, build_dir={str(build_dir[v.name])!r}); x, pos = verify.random_inputs(L, 1); "
+              f"r = verify.check_step(L, x, pos); print('rel_err', r['rel_err'])")
+    r = subprocess.run(["compute-sanitizer", f"--tool={tool}", sys.executable, "-c", script],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), MEGAKERNEL_ONLY="none-such"))
+    out = r.stdout + r.stderr
+    summary = "ERROR SUMMARY: 0 errors" if tool == "memcheck" else "RACECHECK SUMMARY: 0 hazards"
+    assert summary in out, out[-3000:]
+    assert "rel_err" in out, out[-3000:]

@@ -1,0 +1,249 @@
+"""variants.yaml: parsing, expansion, name globs, and one-line errors for every kind of bad input.
+
+BAD_CASES is also used by test_cli.py (the CLI must turn each into exit 2 and leave build/ untouched).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import yaml
+
+from generator import render as grender, variants as gvariants
+from generator.variants import VariantError
+
+from conftest import ROOT
+
+DEFAULT_MODELS = ("qwen2.5-0.5b", "llama3.2-1b", "qwen3-1.7b", "llama3-8b", "qwen2.5-7b")
+
+TINY = {"hidden": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 128, "layers": 1,
+        "norm": "rmsnorm", "norm_eps": 1.0e-5, "rope_theta": 10000.0, "activation": "silu", "qkv_bias": False,
+        "qk_norm": False, "dtype": "bf16"}
+
+
+def doc_text(**changes) -> str:
+    """A valid one-model file (`tiny`) with fields changed (None deletes a field)."""
+    model = copy.deepcopy(TINY)
+    for k, v in changes.items():
+        if v is None:
+            model.pop(k)
+        else:
+            model[k] = v
+    return yaml.safe_dump({"matrix": {"mode": ["decode"], "batch": [1], "seq_len": [64]},
+                           "models": {"tiny": model}}, sort_keys=False)
+
+
+GOOD_TEXT = doc_text()
+# line numbers below refer to this layout: "models:" then "  tiny:" then one field a line
+TINY_LINES = GOOD_TEXT.splitlines()
+
+
+def _replace_line(field: str, new: str) -> str:
+    lines = list(TINY_LINES)
+    i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{field}:"))
+    lines[i] = new
+    return "\n".join(lines) + "\n", i + 1
+
+
+def _syntax_colon():
+    text, line = _replace_line("heads", "    heads: 2: 3")
+    return text, [f"line {line}", "YAML syntax error", "mapping values are not allowed"]
+
+
+def _syntax_tab():
+    text, line = _replace_line("heads", "\theads: 2")
+    return text, [f"line {line}", "YAML syntax error", "cannot start any token"]
+
+
+def _duplicate_variant():
+    # PyYAML keeps the last of two equal keys unless told otherwise: a second `tiny:` must be an error
+    text = GOOD_TEXT + "  tiny:\n" + "".join(f"    {l.strip()}\n" for l in TINY_LINES
+                                            if l.startswith("    "))
+    line = len(GOOD_TEXT.splitlines()) + 1
+    return text, [f"line {line}", "duplicate key 'tiny'"]
+
+
+def _duplicate_field():
+    text, line = _replace_line("heads", "    heads: 2\n    heads: 4")
+    return text, [f"line {line + 1}", "duplicate key 'heads'"]
+
+
+# id -> (file text, substrings the one-line message must contain besides the file name).
+# Each names the variant (where the file got that far), the field and the rule.
+V = "variant 'tiny'"
+BAD_CASES = {
+    "unknown-key": (doc_text(hiden=64), [V, "unknown field 'hiden'", "allowed:"]),
+    "missing-key": (doc_text(intermediate=None), [V, "missing field 'intermediate'"]),
+    "type-str-for-int": (doc_text(hidden="64"), [V, "field 'hidden'", "must be integer", "'64'"]),
+    "type-bool-for-int": (doc_text(hidden=True), [V, "field 'hidden'", "must be integer", "True"]),
+    "type-float-for-int": (doc_text(heads=2.0), [V, "field 'heads'", "must be integer"]),
+    "type-int-for-bool": (doc_text(qkv_bias=1), [V, "field 'qkv_bias'", "must be boolean"]),
+    "type-str-for-float": (doc_text(norm_eps="small"), [V, "field 'norm_eps'", "must be number"]),
+    "type-list-for-str": (doc_text(norm=["rmsnorm"]), [V, "field 'norm'", "must be string"]),
+    "yaml-syntax-colon": _syntax_colon(),
+    "yaml-syntax-tab": _syntax_tab(),
+    "heads-not-divisible": (doc_text(heads=6, kv_heads=4), [V, "field 'heads'", "divisible by kv_heads"]),
+    "head-dim-not-16x": (doc_text(head_dim=40), [V, "field 'head_dim'", "multiple of 16", "got 40"]),
+    "head-dim-over-256": (doc_text(head_dim=272), [V, "field 'head_dim'", "at most 256", "got 272"]),
+    "hidden-zero": (doc_text(hidden=0), [V, "field 'hidden'", "must be positive"]),
+    "heads-negative": (doc_text(heads=-2), [V, "field 'heads'", "must be positive"]),
+    "kv-heads-zero": (doc_text(kv_heads=0), [V, "field 'kv_heads'", "must be positive"]),
+    "intermediate-zero": (doc_text(intermediate=0), [V, "field 'intermediate'", "must be positive"]),
+    "head-dim-negative": (doc_text(head_dim=-32), [V, "field 'head_dim'", "must be positive"]),
+    "norm-eps-zero": (doc_text(norm_eps=0.0), [V, "field 'norm_eps'", "must be positive"]),
+    "norm-eps-nan": (doc_text(norm_eps=float("nan")), [V, "field 'norm_eps'", "finite"]),
+    "batch-zero": (GOOD_TEXT.replace("batch:\n  - 1", "batch:\n  - 0"), ["matrix", "field 'matrix.batch'",
+                                                                          "must be positive"]),
+    "seq-len-negative": (GOOD_TEXT.replace("seq_len:\n  - 64", "seq_len:\n  - -64"),
+                         ["matrix", "field 'matrix.seq_len'", "must be positive"]),
+    "unknown-dtype": (doc_text(dtype="fp8"), [V, "field 'dtype'", "must be one of bf16, fp16", "'fp8'"]),
+    "unknown-norm": (doc_text(norm="batchnorm"), [V, "field 'norm'", "must be one of rmsnorm, layernorm"]),
+    "unknown-activation": (doc_text(activation="relu"), [V, "field 'activation'", "must be one of silu, gelu"]),
+    "unknown-mode": (GOOD_TEXT.replace("- decode", "- prefill"), ["field 'matrix.mode'", "must be one of"]),
+    "unknown-rope-type": (doc_text(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+                          [V, "field 'rope_scaling.rope_type'", "must be one of llama3"]),
+    "duplicate-variant-name": _duplicate_variant(),
+    "duplicate-field": _duplicate_field(),
+    "bad-variant-name": (GOOD_TEXT.replace("  tiny:", "  Tiny Model:"), ["'Tiny Model'", "lower-case"]),
+    "unknown-top-level": (GOOD_TEXT + "modles: {}\n", ["unknown top-level field 'modles'"]),
+    "empty-file": ("", ["top level must be a mapping"]),
+}
+
+
+def check_one_line(msg: str, path: str, expect: list[str]) -> None:
+    assert "\n" not in msg, f"message is not one line: {msg!r}"
+    assert msg.startswith(path), f"message does not start with the file name {path!r}: {msg!r}"
+    for s in expect:
+        assert s in msg, f"{s!r} not in {msg!r}"
+
+
+# ---------------------------------------------------------------- the default file
+
+def test_default_file_expands_to_45_named_variants():
+    vs = gvariants.load(ROOT / "variants.yaml")
+    names = [v.name for v in vs]
+    assert len(vs) == 45
+    assert len(set(names)) == 45
+    expected = {f"{m}_decode_b{b}_s{s}_bf16"
+                for m, b, s in itertools.product(DEFAULT_MODELS, (1, 4, 8), (1024, 4096, 32768))}
+    assert set(names) == expected
+    assert "llama3.2-1b_decode_b1_s4096_bf16" in names
+
+
+def test_default_models_have_their_features():
+    models = {v.model.name: v.model for v in gvariants.load(ROOT / "variants.yaml")}
+    assert models["qwen3-1.7b"].qk_norm and models["qwen3-1.7b"].head_dim == 128
+    assert models["qwen2.5-7b"].qkv_bias and models["qwen2.5-0.5b"].qkv_bias
+    assert not models["llama3-8b"].qkv_bias and not models["llama3-8b"].qk_norm
+    assert dict(models["llama3.2-1b"].rope_scaling)["rope_type"] == "llama3"
+    assert models["llama3-8b"].group == 4 and models["qwen2.5-0.5b"].group == 7
+
+
+def test_every_default_variant_plans_within_budget_and_renders():
+    for v in gvariants.load(ROOT / "variants.yaml"):
+        p = grender.plan(v)  # raises PlanError if over the shared-memory budget
+        assert p["smem_bytes"] <= grender.SMEM_LIMIT
+        src = grender.render(v, p)
+        assert 'extern "C" __global__' in src and "decoder_layer" in src
+        assert "{{" not in src and "{%" not in src
+        assert f"constexpr int BATCH = {v.batch};" in src
+        assert f"constexpr int SEQ_LEN = {v.seq_len};" in src
+
+
+def test_params_round_trip_the_fields():
+    v = gvariants.parse(GOOD_TEXT, "t.yaml")[0]
+    p = v.params()
+    for k, val in TINY.items():
+        assert p[k] == val
+    assert (p["mode"], p["batch"], p["seq_len"], p["rope_scaling"]) == ("decode", 1, 64, None)
+
+
+# ---------------------------------------------------------------- good input
+
+def test_per_model_matrix_overrides_and_numbers_are_normalised():
+    text = yaml.safe_dump({
+        "matrix": {"mode": ["decode"], "batch": [1, 2], "seq_len": [64]},
+        "models": {
+            "a": dict(TINY, rope_theta=10000, norm_eps=1),  # integers where floats are expected
+            "b": dict(TINY, matrix={"mode": "decode", "batch": 4, "seq_len": [32, 128]},
+                      rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        }})
+    vs = gvariants.parse(text, "t.yaml")
+    assert [v.name for v in vs] == ["a_decode_b1_s64_bf16", "a_decode_b2_s64_bf16",
+                                    "b_decode_b4_s32_bf16", "b_decode_b4_s128_bf16"]
+    a = vs[0].model
+    assert isinstance(a.rope_theta, float) and isinstance(a.norm_eps, float)
+    b = vs[2]
+    assert b.params()["rope_scaling"] == {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hash(b)  # frozen and hashable, rope_scaling included
+
+
+def test_select_globs():
+    vs = gvariants.load(ROOT / "variants.yaml")
+    sel = gvariants.select
+    assert {v.name for v in sel(vs, ("llama3.2-1b_*",))} == {
+        f"llama3.2-1b_decode_b{b}_s{s}_bf16" for b in (1, 4, 8) for s in (1024, 4096, 32768)}
+    assert len(sel(vs, ("*_b1_*",))) == 15
+    assert len(sel(vs, ("*_b1_*", "*_b8_*"))) == 30  # several --only: union
+    assert len(sel(vs, (), ("*_s32768_*",))) == 30
+    assert [v.name for v in sel(vs, ("llama3-8b_*",), ("*_b4_*", "*_b8_*", "*_s1024_*", "*_s32768_*"))] == [
+        "llama3-8b_decode_b1_s4096_bf16"]
+    assert sel(vs, ("nothing*",)) == []
+    assert sel(vs) == vs
+    assert sel(vs, ("LLAMA*",)) == []  # case-sensitive, as names are lower-case
+
+
+# ---------------------------------------------------------------- bad input: one line each
+
+def test_bad_cases_are_valid_yaml_variations_of_a_good_file():
+    assert len(gvariants.parse(GOOD_TEXT, "t.yaml")) == 1
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_gives_one_line_error(case, tmp_path):
+    text, expect = BAD_CASES[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(VariantError) as info:
+        gvariants.load(path)
+    check_one_line(str(info.value), str(path), expect)
+    assert info.value.__cause__ is None or info.value.__suppress_context__
+
+
+def test_missing_file_is_one_line(tmp_path):
+    with pytest.raises(VariantError) as info:
+        gvariants.load(tmp_path / "nope.yaml")
+    check_one_line(str(info.value), str(tmp_path / "nope.yaml"), ["cannot read", "No such file"])
+
+
+def test_binary_file_is_one_line(tmp_path):
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"\xff\xfe\x00\x01models")
+    with pytest.raises(VariantError) as info:
+        gvariants.load(p)
+    check_one_line(str(info.value), str(p), ["not UTF-8"])
+
+
+def test_unhashable_key_is_one_line():
+    with pytest.raises(VariantError) as info:
+        gvariants.parse(GOOD_TEXT + "  ? [a, b]\n  : 1\n", "t.yaml")
+    check_one_line(str(info.value), "t.yaml", ["line", "unhashable key"])
+
+
+def test_every_field_is_checked_for_presence():
+    required = [k for k, (_, req, _) in gvariants.MODEL_FIELDS.items() if req]
+    assert set(required) == set(TINY)
+    for k in required:
+        with pytest.raises(VariantError, match=f"missing field '{k}'"):
+            gvariants.parse(doc_text(**{k: None}), "t.yaml")
+
+
+def test_bool_is_not_an_int_anywhere():
+    for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers"):
+        with pytest.raises(VariantError, match=f"field '{k}' must be integer, got True"):
+            gvariants.parse(doc_text(**{k: True}), "t.yaml")
+    with pytest.raises(VariantError, match="matrix.batch"):
+        gvariants.parse(GOOD_TEXT.replace("batch:\n  - 1", "batch:\n  - true"), "t.yaml")
