@@ -159,7 +159,8 @@ def clean_cmd(build_dir):
     err_console.print(f"removed {build_dir}/", highlight=False)
 
 
-@main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command("bench", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def bench_cmd(ctx):
     """Time fused vs unfused baselines on the GPU (see `megakernel bench --help`)."""

@@ -27,7 +27,7 @@ from . import __version__
 from .render import PlanError, SMEM_LIMIT, plan, render
 from .variants import Variant
 
-NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v")
+NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v", "-lineinfo")  # line tables: compute-sanitizer and profilers name source lines
 MANIFEST = "manifest.json"
 REGS_PER_SM, THREADS_PER_SM, SMEM_PER_SM = 65536, 2048, 228 * 1024
 _UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it); restored on the next line

@@ -161,7 +161,7 @@ def _map_rope(cfg_path, cfg) -> tuple[float, dict | None]:
     return theta, scaling
 
 
-def _refuse_unsupported(cfg_path, cfg, model_type, layers):
+def _refuse_unsupported(cfg_path, cfg, model_type):
     for field in MOE_FIELDS:
         v = cfg.get(field)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
@@ -217,18 +217,20 @@ def _map_config(path, name=None) -> tuple[str, dict, list[str], Path, dict]:
         head_dim = hidden // heads
     intermediate = _check_int(cfg_path, cfg, "intermediate_size")
     layers = _check_int(cfg_path, cfg, "num_hidden_layers")
-    _refuse_unsupported(cfg_path, cfg, model_type, layers)
+    _refuse_unsupported(cfg_path, cfg, model_type)
 
     eps = cfg.get("rms_norm_eps")
     eps = 1e-6 if eps is None else _check_number(cfg_path, "rms_norm_eps", eps)
     rope_theta, rope_scaling = _map_rope(cfg_path, cfg)
 
     act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise HFConfigError(f"{cfg_path}: field 'hidden_act' is {act!r}: the kernel computes silu or exact (erf) "
                             "gelu only")
 
-    qkv_bias = model_type == "qwen2" or (model_type != "mistral" and _truthy(cfg.get("attention_bias")))
+    # qwen2 always has q/k/v biases (and none on o_proj); attention_bias elsewhere biases o_proj too (refused
+    # above for llama and qwen3; mistral has no biases whatever the field says)
+    qkv_bias = model_type == "qwen2"
     qk_norm = model_type == "qwen3"
 
     dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
@@ -300,7 +302,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
         mode = 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -308,11 +313,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
         raise
 
 

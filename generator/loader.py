@@ -63,16 +63,43 @@ def find_entry(name: str, build_dir: str | Path) -> tuple[dict, Path]:
     return entry, cubin
 
 
+def _fragment_index() -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) inside a 16x16 tile of each lane's 8 elements of an mma.m16n8k16 A fragment, in register order."""
+    lane = torch.arange(32)
+    gid, tig = lane // 4, lane % 4
+    rows = torch.stack([gid, gid, gid + 8, gid + 8, gid, gid, gid + 8, gid + 8], dim=1)
+    cols = torch.stack([2 * tig, 2 * tig + 1, 2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9, 2 * tig + 8,
+                        2 * tig + 9], dim=1)
+    return rows, cols
+
+
+def to_fragments(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/16, 32, 8]: one 16-byte load gives a lane its A fragment of a 16x16 tile."""
+    n, k = w.shape
+    rows, cols = _fragment_index()
+    tiles = w.reshape(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # [mt, kt, 16, 16]
+    return tiles[:, :, rows.to(w.device), cols.to(w.device)].contiguous()
+
+
+def from_fragments(f: torch.Tensor) -> torch.Tensor:
+    mt, kt = f.shape[:2]
+    rows, cols = _fragment_index()
+    tiles = torch.empty(mt, kt, 16, 16, dtype=f.dtype, device=f.device)
+    tiles[:, :, rows.to(f.device), cols.to(f.device)] = f
+    return tiles.permute(0, 2, 1, 3).reshape(mt * 16, kt * 16)
+
+
 def pack_weights(weights: dict[str, torch.Tensor], m: Model) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> the kernel's layout: [q; k; v] rows, gate/up rows interleaved (gate_i, up_i)."""
+    """HF-named tensors -> the kernel's layout: [q; k; v] rows, gate/up rows interleaved (gate_i, up_i), every
+    projection in tensor-core fragment order (to_fragments)."""
     W = weights
     packed = {
-        "w_qkv": torch.cat([W["self_attn.q_proj.weight"], W["self_attn.k_proj.weight"],
-                            W["self_attn.v_proj.weight"]]).contiguous(),
-        "w_o": W["self_attn.o_proj.weight"].contiguous(),
-        "w_gu": torch.stack([W["mlp.gate_proj.weight"], W["mlp.up_proj.weight"]], dim=1)
-                     .reshape(2 * m.intermediate, m.hidden).contiguous(),
-        "w_down": W["mlp.down_proj.weight"].contiguous(),
+        "w_qkv": to_fragments(torch.cat([W["self_attn.q_proj.weight"], W["self_attn.k_proj.weight"],
+                                         W["self_attn.v_proj.weight"]])),
+        "w_o": to_fragments(W["self_attn.o_proj.weight"]),
+        "w_gu": to_fragments(torch.stack([W["mlp.gate_proj.weight"], W["mlp.up_proj.weight"]], dim=1)
+                             .reshape(2 * m.intermediate, m.hidden)),
+        "w_down": to_fragments(W["mlp.down_proj.weight"]),
         "ln1_w": W["input_layernorm.weight"].contiguous(),
         "ln2_w": W["post_attention_layernorm.weight"].contiguous(),
     }
@@ -91,11 +118,13 @@ def pack_weights(weights: dict[str, torch.Tensor], m: Model) -> dict[str, torch.
 def unpack_weights(packed: dict[str, torch.Tensor], m: Model) -> dict[str, torch.Tensor]:
     """Inverse of pack_weights (for tests and for reading a packed layer back)."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    gu = packed["w_gu"].view(m.intermediate, 2, m.hidden)
+    qkv = from_fragments(packed["w_qkv"])
+    gu = from_fragments(packed["w_gu"]).view(m.intermediate, 2, m.hidden)
     W = {
-        "self_attn.q_proj.weight": packed["w_qkv"][:q], "self_attn.k_proj.weight": packed["w_qkv"][q:q + kv],
-        "self_attn.v_proj.weight": packed["w_qkv"][q + kv:], "self_attn.o_proj.weight": packed["w_o"],
-        "mlp.gate_proj.weight": gu[:, 0], "mlp.up_proj.weight": gu[:, 1], "mlp.down_proj.weight": packed["w_down"],
+        "self_attn.q_proj.weight": qkv[:q], "self_attn.k_proj.weight": qkv[q:q + kv],
+        "self_attn.v_proj.weight": qkv[q + kv:], "self_attn.o_proj.weight": from_fragments(packed["w_o"]),
+        "mlp.gate_proj.weight": gu[:, 0], "mlp.up_proj.weight": gu[:, 1],
+        "mlp.down_proj.weight": from_fragments(packed["w_down"]),
         "input_layernorm.weight": packed["ln1_w"], "post_attention_layernorm.weight": packed["ln2_w"],
     }
     if m.norm == "layernorm":

@@ -36,27 +36,16 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def plan_gemv(n: int, k: int, batch: int, even_rows: bool = False) -> dict:
-    """Rows per task R, threads per task GT and unroll U for one projection of N rows of length K."""
-    chunks = k // 8
-    # about four 16-byte chunks per thread per row: several independent groups (tasks) per SM, so one group's
-    # reduction overlaps the others' loads
-    gt = max(64, min(256, _pow2_floor(chunks // 4)))
-    groups = NUM_SMS * (THREADS // gt)
-    # more rows per task = more loads in flight and fewer activation reads per weight byte, but the accumulators
-    # (R * batch floats) must stay in registers and the last round of tasks must not leave most groups idle
-    candidates = [r for r in (8, 4, 2) if n % r == 0 and r * batch <= 32 and (not even_rows or r % 2 == 0)]
-    if not candidates:
-        candidates = [2] if even_rows else [1]
-
-    def balance(r):
-        tasks = n // r
-        return tasks / (math.ceil(tasks / groups) * groups)
-    r = next((r for r in candidates if balance(r) >= 0.85), max(candidates, key=balance))
-    iters = math.ceil(chunks / gt)
-    # ~16 weight loads in flight per thread, within a register budget shared with the R * batch accumulators
-    u = max(1, min(iters, 16 // r, (64 - r * batch) // (4 * r)))
-    return {"R": r, "GT": gt, "U": u, "tasks": n // r, "balance": round(balance(r), 3)}
+def plan_gemv(n: int, k: int, batch: int) -> dict:
+    """Warps per task NWG and k-tiles in flight per warp U for one projection (tasks are 16-row tiles)."""
+    ktiles = k // 16
+    # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
+    nwg = max(1, min(16, _pow2_floor(ktiles // 4)))
+    groups = NUM_SMS * (THREADS // 32 // nwg)
+    tasks = n // 16
+    u = max(1, min(8, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane
+    balance = tasks / (math.ceil(tasks / groups) * groups)
+    return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 
 
 def plan(v: Variant) -> dict:
@@ -67,7 +56,7 @@ def plan(v: Variant) -> dict:
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
     qkv = plan_gemv(q_dim + 2 * kv_dim, m.hidden, v.batch)
     o = plan_gemv(m.hidden, q_dim, v.batch)
-    gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch, even_rows=True)
+    gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch)
     down = plan_gemv(m.hidden, m.intermediate, v.batch)
 
     # attention: every warp walks batches of ATT_NP rows per row slot with its own online softmax; a task covers
@@ -82,10 +71,10 @@ def plan(v: Variant) -> dict:
     att_c = max(step, math.ceil(v.seq_len / max(1, NUM_SMS // pairs) / step) * step)
     nsplit = math.ceil(v.seq_len / att_c)
 
-    nw = THREADS // 32
-    red_bytes = max(2 * nw * _pow2_ceil(g["R"] * v.batch) * 4 for g in (qkv, o, gu, down))
+    red_bytes = 2 * nw * 16 * v.batch * 4       # per warp: a 16 x batch tile, double-buffered
     red_bytes = max(red_bytes, nw * 2 * v.batch * 4)  # the norm's scratch shares the region
-    smem = {"SMEM_XS": 0, "SMEM_RED": _align(v.batch * m.hidden * esize)}
+    xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
+    smem = {"SMEM_XS": 0, "SMEM_RED": _align(v.batch * xs_ld * esize)}
     gemv_bytes = smem["SMEM_RED"] + red_bytes
     smem["SMEM_QS"] = 0
     smem["SMEM_WST"] = _align((m.group + 1) * m.head_dim * 4)
@@ -102,10 +91,10 @@ def plan(v: Variant) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_C": att_c, "ATT_NP": att_np, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
+        "XS_LD": xs_ld, "ATT_C": att_c, "ATT_NP": att_np, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }
     for prefix, g in (("QKV", qkv), ("O", o), ("GU", gu), ("DOWN", down)):
-        consts.update({f"{prefix}_R": g["R"], f"{prefix}_GT": g["GT"], f"{prefix}_U": g["U"]})
+        consts.update({f"{prefix}_NWG": g["NWG"], f"{prefix}_U": g["U"]})
     return {
         "consts": consts,
         "gemv": {"qkv": qkv, "o": o, "gate_up": gu, "down": down},

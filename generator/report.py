@@ -61,10 +61,18 @@ def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
 
 def latest_bench(bench_dir: Path) -> dict[str, dict]:
     """Per variant: the fused provider's figures and speedups from the newest bench/results/*.json."""
-    files = sorted(bench_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    if not files:
+    docs = []
+    for p in bench_dir.glob("*.json"):
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if any("provider" in r for r in doc.get("rows", [])):  # benchmark files only (not gpu_check's)
+            docs.append((p.stat().st_mtime, p, doc))
+    if not docs:
         return {}
-    doc = json.loads(files[-1].read_text())
+    _, path, doc = max(docs, key=lambda d: d[0])
+    files = [path]
     out = {}
     for row in doc.get("rows", []):
         if row.get("provider") != "fused":

@@ -111,6 +111,9 @@ def _construct_mapping(loader, node, deep=False):
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# YAML 1.1 (PyYAML) reads 1e-5 and 1e-05 (how HF configs write eps) as strings: take them as floats, as YAML 1.2 does
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"), list("-+0123456789."))
 
 
 def _type_name(types):
@@ -199,9 +202,9 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     if raw["head_dim"] % 16 or raw["head_dim"] > 256:
         raise VariantError(f"{where}: field 'head_dim' must be a multiple of 16 and at most 256, "
                            f"got {raw['head_dim']}")
-    if raw["hidden"] % 8 or raw["intermediate"] % 8:
-        bad = "hidden" if raw["hidden"] % 8 else "intermediate"
-        raise VariantError(f"{where}: field '{bad}' must be a multiple of 8 (16-byte vector loads), got {raw[bad]}")
+    if raw["hidden"] % 16 or raw["intermediate"] % 16:
+        bad = "hidden" if raw["hidden"] % 16 else "intermediate"
+        raise VariantError(f"{where}: field '{bad}' must be a multiple of 16 (tensor-core tiles), got {raw[bad]}")
     for key, allowed in (("dtype", DTYPES), ("norm", NORMS), ("activation", ACTIVATIONS)):
         if raw[key] not in allowed:
             raise VariantError(f"{where}: field '{key}' must be one of {', '.join(allowed)}, got {raw[key]!r}")

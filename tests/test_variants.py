@@ -181,6 +181,16 @@ def test_per_model_matrix_overrides_and_numbers_are_normalised():
     hash(b)  # frozen and hashable, rope_scaling included
 
 
+def test_exponent_floats_without_a_dot_are_numbers():
+    # YAML 1.1 would read these as strings; HF's config.json writes eps as 1e-05
+    text = GOOD_TEXT.replace("norm_eps: 1.0e-05", "norm_eps: 1e-05").replace("rope_theta: 10000.0", "rope_theta: 1E4")
+    assert "norm_eps: 1e-05" in text and "rope_theta: 1E4" in text
+    m = gvariants.parse(text, "t.yaml")[0].model
+    assert (m.norm_eps, m.rope_theta) == (1e-5, 10000.0)
+    with pytest.raises(VariantError, match="field 'hidden' must be integer, got 64.0"):
+        gvariants.parse(text.replace("hidden: 64", "hidden: 6.4e1"), "t.yaml")
+
+
 def test_select_globs():
     vs = gvariants.load(ROOT / "variants.yaml")
     sel = gvariants.select

@@ -1,0 +1,515 @@
+"""`megakernel bench` without a GPU: rows, speedups, layer counts, interleaving, writing, plots, the CLI."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import run as brun  # noqa: E402
+from bench.timing import layer_bytes  # noqa: E402
+from generator import variants as gvariants  # noqa: E402
+
+VARIANTS = ROOT / "variants.yaml"
+
+
+def _variant(name_glob):
+    return gvariants.select(gvariants.load(VARIANTS), (name_glob,))[0]
+
+
+def _row(provider, us, *, variant="m_decode_b4_s4096_bf16", model="m", batch=4, seq_len=4096, nbytes=100_000_000,
+         copy_gbps=4000.0, layers=32, status="ok", error=None):
+    stats = {"median": us, "p10": 0.9 * us, "p90": 1.2 * us} if status == "ok" else None
+    return brun.make_row(variant, provider, model=model, batch=batch, seq_len=seq_len, model_layers=layers,
+                         layers_timed=8, nbytes=nbytes, copy_gbps=copy_gbps, stats=stats, status=status, error=error)
+
+
+# -- rows -----------------------------------------------------------------------------------------------------------
+
+def test_field_names_are_what_report_reads():
+    assert brun.FIELDS == ["variant", "provider", "batch", "seq_len", "layers_timed", "us_median", "us_p10", "us_p90",
+                           "bytes", "gbps", "pct_bw", "floor_us", "tokens_per_s", "speedup_vs_eager",
+                           "speedup_vs_torch_graph", "speedup_vs_compile", "status", "error"]
+    r = _row("fused", 50.0)
+    assert list(r)[:len(brun.FIELDS)] == brun.FIELDS
+
+
+def test_row_figures_from_fake_timings():
+    r = _row("fused", 50.0, nbytes=100_000_000, copy_gbps=4000.0, batch=4, layers=32)
+    assert r["us_median"] == 50.0 and r["us_p10"] == pytest.approx(45.0) and r["us_p90"] == pytest.approx(60.0)
+    assert r["bytes"] == 100_000_000
+    assert r["gbps"] == pytest.approx(2000.0)             # 1e8 B in 50 µs
+    assert r["pct_bw"] == pytest.approx(50.0)             # of 4000 GB/s
+    assert r["floor_us"] == pytest.approx(25.0)           # 1e8 B at 4000 GB/s
+    assert r["tokens_per_s"] == pytest.approx(4 * 1e6 / (50.0 * 32), rel=1e-4)
+    assert r["status"] == "ok" and r["error"] is None
+    assert r["batch"] == 4 and r["seq_len"] == 4096 and r["layers_timed"] == 8 and r["model"] == "m"
+
+
+def test_untimed_row_keeps_the_floor_and_nothing_else():
+    r = _row("compile", 0, status="skipped", error="not in --compile-subset")
+    assert r["us_median"] is None and r["gbps"] is None and r["tokens_per_s"] is None
+    assert r["floor_us"] == pytest.approx(25.0)
+    assert (r["status"], r["error"]) == ("skipped", "not in --compile-subset")
+
+
+def test_speedups_on_the_fused_row_only():
+    rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0),
+            _row("compile", 0, status="skipped", error="not in --compile-subset")]
+    brun.add_speedups(rows)
+    fused = rows[0]
+    assert fused["speedup_vs_eager"] == pytest.approx(8.0)
+    assert fused["speedup_vs_torch_graph"] == pytest.approx(2.0)
+    assert fused["speedup_vs_compile"] is None
+    for r in rows[1:]:
+        assert r["speedup_vs_eager"] is None and r["speedup_vs_torch_graph"] is None and r["speedup_vs_compile"] is None
+
+
+def test_speedups_none_when_fused_failed_and_per_variant():
+    rows = [_row("fused", 0, status="failed-check", error="rel_err 1e-1"), _row("eager", 400.0),
+            _row("fused", 20.0, variant="v2"), _row("compile", 30.0, variant="v2")]
+    brun.add_speedups(rows)
+    assert rows[0]["speedup_vs_eager"] is None
+    assert rows[2]["speedup_vs_compile"] == pytest.approx(1.5)
+    assert rows[2]["speedup_vs_eager"] is None                # eager not run for v2
+
+
+def test_summarize_matches_time_replays_quantiles():
+    s = brun.summarize([float(i) for i in range(1, 101)])
+    assert s["median"] == pytest.approx(50.5) and s["p10"] == 11.0 and s["p90"] == 91.0 and s["n"] == 100
+
+
+def test_check_output():
+    ref = torch.randn(4, 64)
+    assert brun.check_output(ref + 1e-3 * torch.randn(4, 64), ref)[0]
+    ok, err = brun.check_output(ref * 1.1, ref)
+    assert not ok and err == pytest.approx(0.1, rel=1e-3)
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    assert brun.check_output(bad, ref) == (False, math.inf)
+
+
+# -- layer counts, memory -------------------------------------------------------------------------------------------
+
+def test_layer_count_choice():
+    mb = 2**20
+    assert brun.n_layers_for(30 * mb) == 8                 # 8 x 30 MB = 240 MB = 4 x 60 MB
+    assert brun.n_layers_for(500 * mb) == 8                # at least 8
+    assert brun.n_layers_for(10 * mb) == 24                # small layers: more of them
+    assert brun.n_layers_for(7 * mb) == math.ceil(240 / 7)
+    for name in ("qwen2.5-0.5b_decode_b1_s1024_bf16", "llama3-8b_decode_b8_s32768_bf16"):
+        v = _variant(name)
+        nb = layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
+        n = brun.n_layers_for(nb)
+        assert n >= 8 and n * nb >= 4 * brun.L2_BYTES
+
+
+def test_layer_count_memory_cap():
+    mb = 2**20
+    assert brun.choose_layers(30 * mb) == (8, None)
+    assert brun.choose_layers(30 * mb, requested=3) == (3, None)
+    assert brun.choose_layers(30 * mb, mem_per_layer=10**9, mem_avail=100e9) == (8, None)
+    n, note = brun.choose_layers(300 * mb, mem_per_layer=10**10, mem_avail=55e9)
+    assert n == 5 and "memory" in note                     # 5 x 300 MB still >= 4 x L2
+    with pytest.raises(brun.BudgetError):
+        brun.choose_layers(30 * mb, mem_per_layer=10**10, mem_avail=55e9)  # 5 x 30 MB < 4 x L2
+    with pytest.raises(brun.BudgetError):
+        brun.choose_layers(30 * mb, requested=4, mem_per_layer=10**10, mem_avail=5e9)
+
+
+def test_every_default_variant_fits_an_h200():
+    """The biggest KV (8B, batch 8, seq 32768: 1.07 GB per layer) with the default layer count fits ~130 GB."""
+    worst = 0
+    for v in gvariants.load(VARIANTS):
+        nb = layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
+        per_layer, per_variant = brun.memory_estimate(v.model, v.batch, v.seq_len)
+        n, note = brun.choose_layers(nb, mem_per_layer=per_layer, mem_avail=0.9 * 139e9 - per_variant)
+        assert n >= 8 and note is None, v.name
+        worst = max(worst, n * per_layer + per_variant)
+    assert worst < 100e9
+
+
+def test_default_compile_subset():
+    vs = gvariants.load(VARIANTS)
+    assert len(vs) == 45
+    chosen = [v for v in vs if brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, False)]
+    assert sorted((v.batch, v.seq_len) for v in chosen) == sorted([(1, 4096), (8, 4096)] * 5)
+    assert not any(brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, True) for v in vs)
+    assert all(brun.wants_compile(v.name, ("*",), False) for v in vs)
+
+
+# -- interleaving ---------------------------------------------------------------------------------------------------
+
+def test_interleave_round_robin_pools_samples():
+    calls = []
+    runs = {p: (lambda p=p: calls.append(("run", p))) for p in ("fused", "eager", "torch_graph")}
+
+    def sample(run, k):
+        run()
+        name = calls[-1][1]
+        calls.append(("sample", name))
+        return [float(len(calls))] * k
+
+    pooled = brun.interleave(runs, rounds=3, reps_per_round=2, sample=sample)
+    assert {p: len(s) for p, s in pooled.items()} == {"fused": 6, "eager": 6, "torch_graph": 6}
+    order = [name for kind, name in calls if kind == "sample"]
+    assert order == ["fused", "eager", "torch_graph", "eager", "torch_graph", "fused",
+                     "torch_graph", "fused", "eager"]
+    # one untimed warm-up run before each provider's samples in every round
+    assert calls[:3] == [("run", "fused"), ("run", "fused"), ("sample", "fused")]
+    assert brun.interleave({}, rounds=2, reps_per_round=2, sample=sample) == {}
+
+
+def test_compiled_step_is_shared_by_distinct_layers():
+    """One torch.compile of the wrapping function serves every layer of a stack (weights differ, code does not):
+    checked with the eager backend, whose guards are those of any backend."""
+    from torch._dynamo.utils import counters
+    from bench.baselines import TorchLayer
+    from generator import reference
+    v = _variant("qwen2.5-0.5b_decode_b1_s1024_bf16")
+    m = v.model
+    layers = [TorchLayer(reference.random_weights(m, seed=i), m, v.batch, 64, device="cpu") for i in range(3)]
+    for L in layers:
+        L.k_cache.normal_()
+        L.v_cache.normal_()
+    x = torch.randn(v.batch, m.hidden).to(torch.bfloat16)
+    pos = torch.full((v.batch,), 63, dtype=torch.int32)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(brun._torch_layer_step, backend="eager", dynamic=False)
+        y = x
+        for L in layers:
+            y = compiled(L, y, pos)
+        assert counters["stats"]["unique_graphs"] == 1
+        assert torch.isfinite(y.float()).all()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_baseline_passes_the_reference_check_on_cpu():
+    """The bf16 TorchLayer is within REL_TOL of the fp32 reference (random caches, pos = seq_len-1)."""
+    from bench.baselines import TorchLayer
+    from generator import reference
+    for name in ("qwen2.5-0.5b_decode_b4_s1024_bf16", "qwen3-1.7b_decode_b1_s1024_bf16"):
+        v = _variant(name)
+        m, S = v.model, 256
+        W = reference.random_weights(m, seed=1)
+        L = TorchLayer(W, m, v.batch, S, device="cpu")
+        L.k_cache.normal_()
+        L.v_cache.normal_()
+        x = torch.randn(v.batch, m.hidden).to(torch.bfloat16)
+        pos = torch.full((v.batch,), S - 1, dtype=torch.int32)
+        ref = reference.decoder_layer(x, pos, W, L.k_cache.clone(), L.v_cache.clone(), m)
+        holder = {}
+        brun._stack([L], lambda layer, y: layer(y, pos), x, holder)()
+        ok, err = brun.check_output(holder["first"].float(), ref)
+        assert ok, (name, err)
+
+
+# -- writing --------------------------------------------------------------------------------------------------------
+
+def _fake_doc():
+    rows = []
+    for model, layers in (("tiny-a", 24), ("tiny-b", 16)):
+        for batch in (1, 4, 8):
+            for seq in (1024, 4096, 32768):
+                name = f"{model}_decode_b{batch}_s{seq}_bf16"
+                nbytes = 30_000_000 + batch * seq * 2048
+                base = nbytes / 3000e9 * 1e6         # 75% of the 4000 GB/s copy bandwidth
+                vr = [brun.make_row(name, p, model=model, batch=batch, seq_len=seq, model_layers=layers,
+                                    layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
+                                    stats={"median": base * f, "p10": base * f * 0.95, "p90": base * f * 1.1})
+                      for p, f in (("fused", 1.0), ("eager", 6.0), ("torch_graph", 1.8))]
+                if batch != 4 and seq == 4096:
+                    vr.append(brun.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
+                                            model_layers=layers, layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
+                                            stats={"median": base * 1.5, "p10": base * 1.4, "p90": base * 1.7},
+                                            compile_s=12.5, compile_graphs=1))
+                else:
+                    vr.append(brun.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
+                                            model_layers=layers, layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
+                                            status="skipped", error="not in --compile-subset"))
+                rows += brun.add_speedups(vr)
+    rows[1].update(status="failed-check", error="rel_err 5.00e-02 > 2e-02 vs the fp32 reference",
+                   us_median=None, us_p10=None, us_p90=None, gbps=None, pct_bw=None, tokens_per_s=None)
+    brun.add_speedups(rows)
+    return {"gpu": "NVIDIA H200", "date": "2026-01-02", "copy_gbps": 4000.0, "torch": "2.11.0", "cupy": "14.2.0",
+            "elapsed_s": 123.4, "complete": True,
+            "settings": {"reps": 40, "rounds": 4, "compile_subset": list(brun.DEFAULT_COMPILE_SUBSET),
+                         "no_compile": False, "seed": 1, "positions": "seq_len-1"},
+            "rows": rows}
+
+
+def test_write_json_and_csv(tmp_path):
+    doc = _fake_doc()
+    jpath, cpath = brun.write_results(doc, tmp_path / "results", "nvidia-h200-2026-01-02")
+    assert jpath.name == "nvidia-h200-2026-01-02.json" and cpath.name == "nvidia-h200-2026-01-02.csv"
+    back = json.loads(jpath.read_text())
+    assert back["rows"] == doc["rows"] and back["gpu"] == "NVIDIA H200" and back["copy_gbps"] == 4000.0
+    with open(cpath, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames[:len(brun.FIELDS)] == brun.FIELDS
+        rows = list(reader)
+    assert len(rows) == len(doc["rows"])
+    assert rows[0]["provider"] == "fused" and float(rows[0]["us_median"]) == pytest.approx(doc["rows"][0]["us_median"])
+    assert rows[1]["status"] == "failed-check" and rows[1]["us_median"] == ""     # None -> empty cell
+
+
+def test_report_reads_the_bench_rows(tmp_path):
+    """generator/report.py's latest_bench joins on these names."""
+    from generator.report import latest_bench
+    doc = _fake_doc()
+    brun.write_results(doc, tmp_path, "nvidia-h200-2026-01-02")
+    got = latest_bench(tmp_path)
+    fused = next(r for r in doc["rows"] if r["variant"] == "tiny-a_decode_b1_s4096_bf16" and r["provider"] == "fused")
+    assert got["tiny-a_decode_b1_s4096_bf16"]["fused_us"] == fused["us_median"]
+    assert got["tiny-a_decode_b1_s4096_bf16"]["speedup_compile"] == fused["speedup_vs_compile"] is not None
+    assert got["tiny-a_decode_b1_s4096_bf16"]["speedup_torch_graph"] == pytest.approx(1.8)
+
+
+def test_result_stem(tmp_path):
+    assert brun.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert brun.result_stem(tmp_path, "NVIDIA H200", "2026-01-02") == "nvidia-h200-2026-01-02"
+    (tmp_path / "nvidia-h200-2026-01-02.json").write_text("{}")
+    again = brun.result_stem(tmp_path, "NVIDIA H200", "2026-01-02")
+    assert again.startswith("nvidia-h200-2026-01-02-") and again != "nvidia-h200-2026-01-02"
+
+
+def test_table_prints(tmp_path):
+    from rich.console import Console
+    con = Console(record=True, width=250)
+    brun.print_table(_fake_doc(), con)
+    text = con.export_text()
+    assert "tiny-a_decode_b1_s4096_bf16" in text and "WRONG" in text and "elapsed 123 s" in text
+
+
+# -- plots ----------------------------------------------------------------------------------------------------------
+
+def test_plots_from_a_results_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plots
+    jpath, _ = brun.write_results(_fake_doc(), tmp_path, "nvidia-h200-2026-01-02")
+    paths = plots.plot_results(jpath)
+    names = sorted(p.name for p in paths)
+    assert names == ["nvidia-h200-2026-01-02-tiny-a-batch.png", "nvidia-h200-2026-01-02-tiny-a-kvlen.png",
+                     "nvidia-h200-2026-01-02-tiny-b-batch.png", "nvidia-h200-2026-01-02-tiny-b-kvlen.png"]
+    for p in paths:
+        assert p.parent == tmp_path and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plots_module_command_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    jpath, _ = brun.write_results(_fake_doc(), tmp_path / "res", "x")
+    out = tmp_path / "png"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "bench.plots", str(jpath), "--out-dir", str(out)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.glob("*.png")) == ["x-tiny-a-batch.png", "x-tiny-a-kvlen.png",
+                                                         "x-tiny-b-batch.png", "x-tiny-b-kvlen.png"]
+    r = subprocess.run([sys.executable, "-m", "bench.plots", str(tmp_path / "missing.json")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:")
+
+
+def test_plots_skip_untimed_models(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plots
+    doc = _fake_doc()
+    for r in doc["rows"]:
+        if r["model"] == "tiny-b":
+            r["status"] = "error"
+    paths = plots.plot_results(doc, tmp_path, stem="s")
+    assert sorted(p.name for p in paths) == ["s-tiny-a-batch.png", "s-tiny-a-kvlen.png"]
+    assert plots.model_of({"variant": "llama3.2-1b_decode_b1_s4096_bf16"}) == "llama3.2-1b"
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+
+def test_bench_cli_help():
+    r = CliRunner().invoke(brun.cli, ["--help"], prog_name="megakernel bench")
+    assert r.exit_code == 0, r.output
+    for opt in ("--variants", "--only", "--build-dir", "--out-dir", "--layers", "--reps", "--compile-subset",
+                "--no-compile", "--seed"):
+        assert opt in r.output
+
+
+def test_megakernel_bench_help_forwards(monkeypatch):
+    """What `megakernel bench --help` prints once generator/cli.py's bench command leaves --help to bench.run."""
+    from generator.cli import main
+    monkeypatch.setattr(main.commands["bench"], "add_help_option", False)
+    r = CliRunner().invoke(main, ["bench", "--help"])
+    assert r.exit_code == 0, r.output
+    assert "megakernel bench" in r.output and "--compile-subset" in r.output
+
+
+def test_megakernel_bench_help():
+    from generator.cli import main
+    r = CliRunner().invoke(main, ["bench", "--help"])
+    assert r.exit_code == 0, r.output
+    if "--compile-subset" not in r.output:
+        pytest.xfail("generator/cli.py's bench command answers --help itself (needs add_help_option=False)")
+
+
+def test_megakernel_bench_without_gpu_exits_2(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from generator.cli import main
+    r = CliRunner().invoke(main, ["bench", "--variants", str(VARIANTS), "--out-dir", str(tmp_path / "res")])
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "CUDA GPU" in lines[0], r.output
+    assert not (tmp_path / "res").exists()
+
+
+def test_bench_rejects_bad_options():
+    r = CliRunner().invoke(brun.cli, ["--layers", "0"])
+    assert r.exit_code == 2
+
+
+# -- one variant end to end, on the CPU -----------------------------------------------------------------------------
+
+def _small_variant(batch=2, seq_len=96):
+    import dataclasses
+    v = _variant("qwen2.5-0.5b_decode_b1_s1024_bf16")
+    return dataclasses.replace(v, batch=batch, seq_len=seq_len)
+
+
+def test_bench_variant_end_to_end_on_cpu(tmp_path):
+    """The whole per-variant flow (stacks, reference check, compile once, interleaved timing, rows) with the CPU
+    backend; the fused provider reports its load error (nothing is built in tmp_path) instead of being timed."""
+    v = _small_variant()
+    logs = []
+    rows, info = brun.bench_variant(v, build_dir=str(tmp_path / "build"), fused_error=None, layers=2, seed=3,
+                                    rounds=2, reps=4, compile_mode="yes", copy_gbps=100.0, log=logs.append,
+                                    backend=brun.cpu_backend())
+    by = {r["provider"]: r for r in rows}
+    assert list(by) == list(brun.PROVIDERS)
+    assert by["fused"]["status"] == "error" and "LoadError" in by["fused"]["error"]
+    assert by["fused"]["speedup_vs_eager"] is None
+    for p in ("eager", "torch_graph", "compile"):
+        r = by[p]
+        assert r["status"] == "ok", (p, r["error"])
+        assert r["layers_timed"] == 2 and r["us_median"] > 0 and r["us_p10"] <= r["us_median"] <= r["us_p90"]
+        assert r["rel_err"] is not None and r["rel_err"] <= brun.REL_TOL
+        assert r["bytes"] == layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
+    assert by["compile"]["compile_graphs"] == 1 and info["compile_s"] is not None
+    assert not logs
+
+
+def test_bench_variant_reports_a_wrong_provider(tmp_path, monkeypatch):
+    """A provider whose layer-0 output is off is reported (failed-check), not timed; skipped compile says why."""
+    from bench.baselines import TorchLayer
+    real = TorchLayer.__call__
+    monkeypatch.setattr(TorchLayer, "__call__", lambda self, x, pos: real(self, x, pos) * 1.5)
+    rows, _ = brun.bench_variant(_small_variant(batch=1), build_dir=str(tmp_path), fused_error="build refused: x",
+                                 layers=2, seed=1, rounds=1, reps=2, compile_mode="not in --compile-subset",
+                                 copy_gbps=100.0, log=lambda m: None, backend=brun.cpu_backend())
+    by = {r["provider"]: r for r in rows}
+    assert (by["fused"]["status"], by["fused"]["error"]) == ("error", "build refused: x")
+    for p in ("eager", "torch_graph"):
+        assert by[p]["status"] == "failed-check" and by[p]["us_median"] is None and "rel_err" in by[p]["error"]
+    assert (by["compile"]["status"], by["compile"]["error"]) == ("skipped", "not in --compile-subset")
+
+
+def test_bench_variant_memory_skip(tmp_path):
+    rows, _ = brun.bench_variant(_small_variant(), build_dir=str(tmp_path), fused_error=None, layers=None, seed=1,
+                                 rounds=1, reps=1, compile_mode="yes", copy_gbps=100.0, log=lambda m: None,
+                                 backend=brun.cpu_backend(mem_free=1e6))
+    assert all(r["status"] == "skipped" and r["error"].startswith("memory:") for r in rows)
+
+
+TINY = """
+matrix: {mode: [decode], batch: [1, 2], seq_len: [64, 128]}
+models:
+  tiny:
+    hidden: 128
+    heads: 4
+    kv_heads: 2
+    head_dim: 32
+    intermediate: 256
+    layers: 4
+    norm: rmsnorm
+    norm_eps: 1.0e-6
+    rope_theta: 10000.0
+    activation: silu
+    qkv_bias: false
+    qk_norm: false
+    dtype: bf16
+"""
+
+
+def _fake_gpu(monkeypatch, built_status="ok"):
+    import bench.timing
+    from generator import compile as gcompile
+    monkeypatch.setattr(brun, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 80GB")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench.timing, "copy_bandwidth", lambda *a, **k: 100.0)
+    monkeypatch.setattr(brun, "cuda_backend", brun.cpu_backend)
+    monkeypatch.setattr(gcompile, "build", lambda vs, build_dir, **k: {
+        "entries": [{"name": v.name, "status": built_status,
+                     **({} if built_status == "ok" else {"error": f"{v.name}: too big\nmore"})} for v in vs],
+        "distinct": len(vs), "errors": []})
+
+
+def test_cli_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch):
+    """The command's whole flow on the CPU backend: files, plots, the table last, the elapsed time."""
+    import importlib.util
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    _fake_gpu(monkeypatch)
+    (tmp_path / "v.yaml").write_text(TINY)
+    out = tmp_path / "results"
+    r = CliRunner().invoke(brun.cli, ["--variants", str(tmp_path / "v.yaml"), "--build-dir", str(tmp_path / "b"),
+                                      "--out-dir", str(out), "--layers", "2", "--reps", "2", "--rounds", "2",
+                                      "--compile-subset", "*_b1_s64_*", "--seed", "7"],
+                           prog_name="megakernel bench")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "pos = seq_len-1" in r.output and "torch.compile" in r.output and "1 of 4 variants" in r.output
+    assert "elapsed" in r.output.split("megakernel bench: µs per layer")[-1]       # the table (and its caption) last
+    date = __import__("time").strftime("%Y-%m-%d")
+    stem = f"fake-gpu-80gb-{date}"
+    doc = json.loads((out / f"{stem}.json").read_text())
+    assert doc["complete"] and doc["gpu"] == "Fake GPU 80GB" and doc["copy_gbps"] == 100.0
+    assert doc["settings"]["seed"] == 7 and doc["elapsed_s"] > 0 and doc["torch"] == torch.__version__
+    assert len(doc["rows"]) == 4 * 4
+    by = {(r["variant"], r["provider"]): r for r in doc["rows"]}
+    assert by[("tiny_decode_b1_s64_bf16", "compile")]["status"] == "ok"
+    assert by[("tiny_decode_b2_s128_bf16", "compile")]["status"] == "skipped"
+    assert all(by[(v, "eager")]["status"] == "ok" for v, _ in by)
+    assert all(by[(v, "fused")]["status"] == "error" for v, _ in by)      # nothing built for real
+    assert (out / f"{stem}.csv").exists()
+    if has_mpl:
+        assert sorted(p.name for p in out.glob("*.png")) == [f"{stem}-tiny-batch.png", f"{stem}-tiny-kvlen.png"]
+    else:
+        assert "warning: plots not written" in r.output
+
+
+def test_cli_time_budget_and_refused_builds(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, built_status="refused")
+    (tmp_path / "v.yaml").write_text(TINY)
+    out = tmp_path / "results"
+    r = CliRunner().invoke(brun.cli, ["--variants", str(tmp_path / "v.yaml"), "--out-dir", str(out), "--layers", "1",
+                                      "--reps", "1", "--rounds", "1", "--no-compile", "--no-plots", "--seed", "1",
+                                      "--time-budget", "0.001"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    doc = json.loads(next(out.glob("*.json")).read_text())
+    assert {r["status"] for r in doc["rows"]} == {"skipped"}
+    assert all("time budget" in r["error"] for r in doc["rows"])
+    assert not list(out.glob("*.png"))
+
+
+def test_cli_bad_only(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch)
+    r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "nope*"])
+    assert r.exit_code == 2 and "no variant matches --only nope*" in r.output

@@ -1,0 +1,410 @@
+"""The ahead-of-time build on a machine without a GPU: layout, manifest, report, cache, shared objects, refusal of
+over-budget variants, compile errors, and a killed or concurrent build never leaving a corrupt cubin.
+
+Compiles are the expensive part (a tiny variant takes ~5 s of one core), so most tests reuse the session's tiny
+build (conftest.tiny_build) or copy its content-addressed objects into a fresh build dir.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from generator import compile as gcompile, render as grender, report as greport, variants as gvariants
+
+from conftest import ROOT, TINY_NAMES, cli_env, run_cli, sha256
+
+ELF = b"\x7fELF"
+RESOURCE_KEYS = ("cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
+                 "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "cached")
+
+
+def tiny_model_yaml(name: str, seq_lens, batch=(1,), **extra) -> str:
+    fields = {"hidden": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 128, "layers": 1,
+              "norm": "rmsnorm", "norm_eps": 1.0e-5, "rope_theta": 10000.0, "activation": "silu",
+              "qkv_bias": False, "qk_norm": False, "dtype": "bf16", **extra}
+    body = ", ".join(f"{k}: {json.dumps(v)}" for k, v in fields.items())
+    return (f"matrix: {{mode: [decode], batch: {list(batch)}, seq_len: {list(seq_lens)}}}\n"
+            f"models:\n  {name}: {{{body}}}\n")
+
+
+def manifest(build_dir: Path) -> dict:
+    return json.loads((Path(build_dir) / "manifest.json").read_text())
+
+
+def assert_objects_intact(build_dir: Path) -> None:
+    """Every complete object's cubin matches its meta.json and is an ELF file; every ok variant's cubin is its
+    object's bytes."""
+    build_dir = Path(build_dir)
+    metas = list(build_dir.glob("objects/*/meta.json"))
+    for meta_path in metas:
+        meta = json.loads(meta_path.read_text())
+        cubin = meta_path.parent / "kernel.cubin"
+        data = cubin.read_bytes()
+        assert data[:4] == ELF, f"{cubin} is not an ELF file"
+        assert hashlib.sha256(data).hexdigest() == meta["cubin_sha256"], f"{cubin} does not match its meta.json"
+        assert len(data) == meta["cubin_bytes"]
+    if (build_dir / "manifest.json").exists():
+        for name, e in manifest(build_dir)["variants"].items():
+            if e["status"] != "ok":
+                continue
+            obj = build_dir / e["object"]
+            assert gcompile.object_meta(obj) is not None, f"{name}: object {obj} incomplete or corrupt"
+            assert (build_dir / e["cubin"]).read_bytes() == (obj / "kernel.cubin").read_bytes(), name
+
+
+# ---------------------------------------------------------------- layout, manifest, report
+
+def test_build_writes_source_cubin_and_manifest(tiny_build):
+    d = tiny_build["dir"]
+    m = manifest(d)
+    assert set(m["variants"]) == set(TINY_NAMES)
+    assert m["arch"] == "90" and m["compiler"] and m["package_version"]
+    declared = {v.name: v for v in gvariants.load(tiny_build["variants"])}
+    for name in TINY_NAMES:
+        e = m["variants"][name]
+        assert e["status"] == "ok", e
+        assert e["name"] == name
+        assert e["params"] == declared[name].params()
+        assert e["source"] == f"{name}/kernel.cu" and e["cubin"] == f"{name}/kernel.cubin"
+        assert e["object"] == f"objects/{e['key']}"
+        src = (d / e["source"]).read_text()
+        assert src == grender.render(declared[name])
+        assert hashlib.sha256(src.encode()).hexdigest() == e["source_sha256"]
+        assert "decoder_layer" in src
+        cubin = (d / e["cubin"]).read_bytes()
+        assert cubin[:4] == ELF
+        obj = d / e["object"]
+        for f in ("kernel.cubin", "kernel.ptx", "ptxas.log", "meta.json"):
+            assert (obj / f).is_file(), obj / f
+        assert "decoder_layer" in (obj / "ptxas.log").read_text()  # the ptxas -v log is kept
+        r = e["resources"]
+        assert set(RESOURCE_KEYS) <= set(r), set(RESOURCE_KEYS) - set(r)
+        assert r["cubin_bytes"] == len(cubin)
+        assert r["ptx_bytes"] == (obj / "kernel.ptx").stat().st_size
+        assert 0 < r["registers"] <= 255
+        assert r["dynamic_smem"] == e["plan"]["smem_bytes"]
+        assert r["smem_total"] == r["dynamic_smem"] + r["static_smem"]
+        assert r["smem_pct"] == round(100 * r["smem_total"] / grender.SMEM_LIMIT, 1)
+        assert r["blocks_per_sm"] >= 1 and r["compile_s"] > 0
+        assert min(r["spill_stores"], r["spill_loads"], r["stack_frame"], r["static_smem"]) >= 0
+        assert r["cached"] is False
+    assert_objects_intact(d)
+
+
+def test_build_files_are_readable_by_others(tiny_build):
+    # atomic writes go through mkstemp (mode 0600): the final files must get an ordinary file's mode
+    e = manifest(tiny_build["dir"])["variants"][TINY_NAMES[0]]
+    for rel in ("manifest.json", "report.json", e["source"], e["cubin"]):
+        mode = (tiny_build["dir"] / rel).stat().st_mode & 0o777
+        assert mode == 0o666 & ~gcompile._UMASK, f"{rel}: mode {oct(mode)}"
+
+
+def test_report_json_and_csv_hold_the_figures(tiny_build):
+    d = tiny_build["dir"]
+    m = manifest(d)["variants"]
+    rep = json.loads((d / "report.json").read_text())
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert set(rows) == set(TINY_NAMES)
+    with open(d / "report.csv", newline="") as f:
+        csv_rows = {r["name"]: r for r in csv.DictReader(f)}
+    assert set(csv_rows) == set(TINY_NAMES)
+    for name in TINY_NAMES:
+        res = m[name]["resources"]
+        for k in RESOURCE_KEYS:
+            if k == "cached":
+                continue
+            assert rows[name][k] == res[k], (name, k)
+            assert csv_rows[name][k] == str(res[k]), (name, k)
+        assert rows[name]["status"] == "ok"
+    t = rep["totals"]
+    assert t["variants"] == 3 and t["built"] == 3 and t["distinct_binaries"] == 2
+    keys = {m[n]["key"]: m[n]["resources"]["cubin_bytes"] for n in TINY_NAMES}
+    assert t["binary_bytes"] == sum(keys.values())
+    assert t["load_ms"] is None  # no GPU here
+    # the terminal table went to stdout
+    for name in TINY_NAMES:
+        assert name in tiny_build["stdout"]
+    assert "distinct binaries" in tiny_build["stdout"]
+
+
+def test_identical_sources_share_one_object(tiny_build):
+    d = tiny_build["dir"]
+    m = manifest(d)["variants"]
+    a, b, c = (m[n] for n in TINY_NAMES)
+    # same shape under two names (only `layers` differs, which the kernel does not see)
+    assert a["params"]["layers"] != b["params"]["layers"]
+    assert a["key"] == b["key"] != c["key"]
+    assert (d / a["source"]).read_text() == (d / b["source"]).read_text()
+    assert os.path.samefile(d / a["cubin"], d / b["cubin"])  # one binary, hard-linked under both names
+    assert len(list(d.glob("objects/*/meta.json"))) == 2
+    assert "3 variants:" in tiny_build["stderr"] and "2 distinct binaries" in tiny_build["stderr"]
+
+
+def test_cache_key_covers_source_and_arch():
+    k = gcompile.cache_key("int x;", "90")
+    assert k == gcompile.cache_key("int x;", "90")
+    assert k != gcompile.cache_key("int y;", "90")
+    assert k != gcompile.cache_key("int x;", "90a")
+
+
+def test_parse_ptxas():
+    log = ("ptxas info    : Compiling entry function 'decoder_layer' for 'sm_90'\n"
+           "ptxas info    : Function properties for decoder_layer\n"
+           "    40 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers, 16 bytes smem, 448 bytes cmem[0]\n")
+    assert gcompile.parse_ptxas(log) == {"registers": 128, "stack_frame": 40, "spill_stores": 8,
+                                         "spill_loads": 12, "static_smem": 16, "barriers": 1}
+
+
+# ---------------------------------------------------------------- second build, --only
+
+def test_second_build_recompiles_nothing(copy_build, tiny_build, tmp_path):
+    d = copy_build()
+    before = manifest(d)["variants"]
+    files = {}
+    for name in TINY_NAMES:
+        e = before[name]
+        for rel in (e["source"], f"{e['object']}/kernel.cubin", f"{e['object']}/meta.json",
+                    f"{e['object']}/kernel.ptx"):
+            st = (d / rel).stat()
+            files[rel] = (st.st_ino, st.st_mtime_ns, sha256(d / rel))
+    t0 = time.monotonic()
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert "0 compiled, 3 up to date, 2 distinct binaries" in r.stderr
+    after = manifest(d)["variants"]
+    for name in TINY_NAMES:
+        assert after[name]["resources"]["cached"] is True
+        assert after[name]["key"] == before[name]["key"]
+        # the figures are carried over from the object, not re-measured
+        for k in RESOURCE_KEYS:
+            if k != "cached":
+                assert after[name]["resources"][k] == before[name]["resources"][k]
+    for rel, (ino, mtime, digest) in files.items():
+        st = (d / rel).stat()
+        assert (st.st_ino, st.st_mtime_ns, sha256(d / rel)) == (ino, mtime, digest), f"{rel} was rewritten"
+    assert_objects_intact(d)
+    rep = json.loads((d / "report.json").read_text())
+    assert all(row["cached"] for row in rep["rows"])
+
+
+def test_only_and_exclude_restrict_the_build(tiny_build, tmp_path):
+    # a fresh build dir holding only the content-addressed objects: what --only selects is linked, not compiled
+    d = tmp_path / "build"
+    shutil.copytree(tiny_build["dir"] / "objects", d / "objects")
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-c*"],
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1 variants: 0 compiled, 1 up to date" in r.stderr
+    assert set(manifest(d)["variants"]) == {TINY_NAMES[2]}
+    assert not (d / TINY_NAMES[0]).exists() and not (d / TINY_NAMES[1]).exists()
+    assert (d / TINY_NAMES[2] / "kernel.cubin").read_bytes()[:4] == ELF
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-*",
+                 "--exclude", "*_fp16", "--exclude", "tiny-b*"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert set(manifest(d)["variants"]) == {TINY_NAMES[0], TINY_NAMES[2]}  # merged with the earlier build
+    assert not (d / TINY_NAMES[1]).exists()
+    rows = json.loads((d / "report.json").read_text())["rows"]
+    assert {r["name"] for r in rows} == {TINY_NAMES[0], TINY_NAMES[2]}
+    assert_objects_intact(d)
+
+
+# ---------------------------------------------------------------- refusal and compile errors
+
+OVER_BUDGET = """\
+matrix: {mode: [decode], batch: [8], seq_len: [1024]}
+models:
+  huge:
+    {hidden: 16384, heads: 128, kv_heads: 8, head_dim: 128, intermediate: 53248, layers: 126, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+"""
+
+
+def test_over_budget_variant_is_refused(tmp_path):
+    f = tmp_path / "huge.yaml"
+    f.write_text(OVER_BUDGET)
+    v = gvariants.load(f)[0]
+    with pytest.raises(grender.PlanError) as info:
+        grender.plan(v)
+    msg = str(info.value)
+    assert "\n" not in msg and v.name in msg and "shared memory" in msg and "227 KB" in msg
+    d = tmp_path / "build"
+    r = run_cli(["build", "--variants", f, "--build-dir", d], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr  # flagged, not fatal without --strict
+    assert f"warning: refused {v.name}: needs" in r.stderr and "227 KB" in r.stderr
+    assert "Traceback" not in r.stderr
+    e = manifest(d)["variants"][v.name]
+    assert e["status"] == "refused" and "227 KB" in e["error"]
+    assert not list(d.glob("objects/*")) and not (d / v.name / "kernel.cubin").exists()  # nothing compiled
+    row = json.loads((d / "report.json").read_text())["rows"][0]
+    assert row["flags"] == "refused"
+    r = run_cli(["build", "--variants", f, "--build-dir", d, "--strict"], cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert f"refused {v.name}" in r.stderr
+    r = run_cli(["report", "--build-dir", d, "--strict", "--no-gpu"], cwd=tmp_path)
+    assert r.returncode == 1 and "1 flagged" in r.stdout
+
+
+def test_compile_error_names_the_variant(copy_build, tiny_build, monkeypatch):
+    d = copy_build()
+    real_render = gcompile.render
+
+    def broken(v, p=None):
+        src = real_render(v, p)
+        return src + "\n#error megakernel_test_broken\n" if v.model.name == "tiny-c" else src
+    monkeypatch.setattr(gcompile, "render", broken)
+    vs = gvariants.load(tiny_build["variants"])
+    result = gcompile.build(vs, d, jobs=2)
+    assert [e["name"] for e in result["errors"]] == [TINY_NAMES[2]]
+    err = result["errors"][0]["error"]
+    assert err.startswith(f"{TINY_NAMES[2]}: nvcc failed")
+    assert "megakernel_test_broken" in err  # the compiler's own message
+    ok = {e["name"]: e for e in result["entries"] if e["status"] == "ok"}
+    assert set(ok) == set(TINY_NAMES[:2]) and all(e["resources"]["cached"] for e in ok.values())
+    bad_key = next(e for e in result["entries"] if e["status"] == "error")["key"]
+    assert gcompile.object_meta(d / "objects" / bad_key) is None  # a failed compile is not cached
+    assert manifest(d)["variants"][TINY_NAMES[2]]["status"] == "error"
+    # the loader will not use it
+    from generator.loader import LoadError, find_entry
+    with pytest.raises(LoadError, match="error"):
+        find_entry(TINY_NAMES[2], d)
+    # fixed source: the good object is still there
+    monkeypatch.setattr(gcompile, "render", real_render)
+    result = gcompile.build(vs, d, jobs=2)
+    assert not result["errors"] and all(e["resources"]["cached"] for e in result["entries"])
+
+
+def test_compile_error_through_the_cli(tiny_build, tmp_path):
+    templates = tmp_path / "templates"
+    shutil.copytree(grender.TEMPLATES, templates)
+    with open(templates / "layer.cu.j2", "a") as f:
+        f.write("\nthis_is_not_cuda megakernel_test_broken;\n")
+    code = ("import sys, pathlib, generator.render as r; r.TEMPLATES = pathlib.Path(sys.argv[1]); "
+            "from generator.cli import main; main(sys.argv[2:], prog_name='megakernel')")
+    d = tmp_path / "build"
+    r = subprocess.run([sys.executable, "-c", code, templates, "build", "--variants", tiny_build["variants"],
+                        "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path, env=cli_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert f"error: {TINY_NAMES[0]}: nvcc failed" in r.stderr
+    assert "megakernel_test_broken" in r.stderr and "error" in r.stderr.split("nvcc failed", 1)[1]
+    assert "Traceback" not in r.stderr
+    assert manifest(d)["variants"][TINY_NAMES[0]]["status"] == "error"
+
+
+# ---------------------------------------------------------------- corruption, kill, concurrency
+
+def test_corrupt_cubin_is_detected_and_rebuilt(copy_build, tiny_build, tmp_path):
+    d = copy_build()
+    e = manifest(d)["variants"][TINY_NAMES[2]]
+    obj = d / e["object"]
+    good = gcompile.object_meta(obj)
+    assert good is not None
+    data = bytearray((obj / "kernel.cubin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (obj / "kernel.cubin").write_bytes(bytes(data))
+    assert gcompile.object_meta(obj) is None
+    # other incomplete states read as "rebuild" too
+    other = d / manifest(d)["variants"][TINY_NAMES[0]]["object"]
+    scratch = tmp_path / "scratch"
+    shutil.copytree(other, scratch)
+    (scratch / "meta.json").write_text("{\"cubin_sha256\": ")  # truncated
+    assert gcompile.object_meta(scratch) is None
+    (scratch / "meta.json").unlink()  # killed before the meta was written
+    assert gcompile.object_meta(scratch) is None
+    assert gcompile.object_meta(other) is not None
+
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1 compiled, 2 up to date" in r.stderr
+    m = manifest(d)["variants"]
+    assert m[TINY_NAMES[2]]["resources"]["cached"] is False
+    assert m[TINY_NAMES[0]]["resources"]["cached"] is True
+    assert gcompile.object_meta(obj)["cubin_sha256"] == good["cubin_sha256"]  # nvcc output is deterministic
+    assert_objects_intact(d)
+
+
+def test_killed_build_then_rebuild_gives_correct_cubins(tmp_path):
+    f = tmp_path / "kill.yaml"
+    f.write_text(tiny_model_yaml("killme", seq_lens=(16, 32)))  # two distinct objects
+    d = tmp_path / "build"
+    args = [sys.executable, "-m", "generator.cli", "build", "--variants", str(f), "--build-dir", str(d), "-j", "1"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(d.glob("objects/*/meta.json")):  # the first object is complete: the second is compiling
+            assert proc.poll() is None, "the build ended before it could be killed"
+            assert time.monotonic() < deadline, "no object appeared"
+            time.sleep(0.01)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its nvcc children
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    complete = {p.parent.name for p in d.glob("objects/*/meta.json")}
+    assert len(complete) == 1, "killed too late: both objects were complete"
+    assert not (d / "manifest.json").exists()  # the manifest is written when the build ends
+    assert_objects_intact(d)  # whatever is under a final name is whole
+
+    r = run_cli(["build", "--variants", f, "--build-dir", d, "-j", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1 compiled, 1 up to date" in r.stderr
+    m = manifest(d)["variants"]
+    assert set(m) == {"killme_decode_b1_s16_bf16", "killme_decode_b1_s32_bf16"}
+    assert {e["key"] for e in m.values() if e["resources"]["cached"]} == complete
+    assert_objects_intact(d)
+    for e in m.values():
+        assert (d / e["cubin"]).read_bytes()[:4] == ELF
+
+
+def test_two_builds_at_once_on_one_build_dir(tmp_path):
+    # both start with the shared variant, so they race on compiling and writing the same object
+    f1, f2 = tmp_path / "one.yaml", tmp_path / "two.yaml"
+    f1.write_text(tiny_model_yaml("conc", seq_lens=(40, 24)))
+    f2.write_text(tiny_model_yaml("conc", seq_lens=(40, 56)))
+    d = tmp_path / "build"
+    procs = [subprocess.Popen([sys.executable, "-m", "generator.cli", "build", "--variants", str(f), "--build-dir",
+                               str(d), "-j", "1"], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for f in (f1, f2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err
+    m = manifest(d)["variants"]
+    assert set(m) == {f"conc_decode_b1_s{s}_bf16" for s in (24, 40, 56)}  # the union
+    assert all(e["status"] == "ok" for e in m.values())
+    assert len(list(d.glob("objects/*/meta.json"))) == 3
+    assert_objects_intact(d)
+    r = run_cli(["report", "--build-dir", d, "--no-gpu"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((d / "report.json").read_text())["rows"]
+    assert len(rows) == 3 and all(row["status"] == "ok" for row in rows)
+
+
+# ---------------------------------------------------------------- one real shape
+
+def test_a_default_variant_compiles(tmp_path):
+    name = "qwen3-1.7b_decode_b8_s32768_bf16"  # qk_norm, head_dim 128, the largest batch and cache
+    d = tmp_path / "build"
+    r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d, "--only", name], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    e = manifest(d)["variants"][name]
+    assert e["status"] == "ok"
+    assert e["resources"]["blocks_per_sm"] >= 1
+    assert e["resources"]["smem_total"] <= grender.SMEM_LIMIT
+    assert_objects_intact(d)

@@ -1,0 +1,723 @@
+"""Hugging Face checkpoints (CPU, offline): our reference layer equals transformers' decoder layer on the same weights,
+positions and cache; `megakernel from-hf` maps the published configs of real models to variants.yaml's entries and
+refuses what the kernel does not compute; load_hf finds checkpoint problems before anything touches CUDA."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from generator import hf, reference, variants as gvariants
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------------------------------------------------------
+# the published config.json of real checkpoints (as on the Hugging Face hub)
+# ---------------------------------------------------------------------------------------------------------------
+
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+QWEN2_5_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN2_5_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+QWEN3_1_7B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+MISTRAL_7B_V0_3 = {
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768,
+}
+LLAMA3_8_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+# (directory name, config, entry of variants.yaml, fields that differ from that entry)
+REAL = [
+    ("Llama-3.2-1B", LLAMA_3_2_1B, "llama3.2-1b", {}),
+    ("Llama-3.1-8B", LLAMA_3_1_8B, "llama3-8b", {"rope_scaling": LLAMA3_8_SCALING}),
+    ("Qwen2.5-0.5B", QWEN2_5_0_5B, "qwen2.5-0.5b", {}),
+    ("Qwen2.5-7B", QWEN2_5_7B, "qwen2.5-7b", {}),
+    ("Qwen3-1.7B", QWEN3_1_7B, "qwen3-1.7b", {}),
+]
+
+
+def write_config(tmp_path: Path, dirname: str, cfg: dict) -> Path:
+    d = tmp_path / dirname
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
+def cli_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["NO_COLOR"] = "1"
+    return env
+
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`megakernel ARGS` (python -m generator.cli: this checkout, the interpreter running the tests)."""
+    return subprocess.run([sys.executable, "-m", "generator.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=cli_env(), timeout=300)
+
+
+def variants_yaml_models() -> dict:
+    return yaml.safe_load((ROOT / "variants.yaml").read_text())["models"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json -> variants.yaml entry
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dirname,cfg,entry,override", REAL, ids=[r[0] for r in REAL])
+def test_real_configs_map_to_variants_yaml_entries(tmp_path, dirname, cfg, entry, override):
+    d = write_config(tmp_path, dirname, cfg)
+    name, fields = hf.model_entry(d)
+    assert name == dirname.lower()
+    expected = {k: v for k, v in variants_yaml_models()[entry].items() if k != "matrix"}
+    expected.update(override)
+    assert fields == expected
+    # a config.json path gives the same entry
+    assert hf.model_entry(d / "config.json") == (name, fields)
+
+
+@pytest.mark.parametrize("dirname,cfg,entry,override", REAL, ids=[r[0] for r in REAL])
+def test_cli_from_hf_prints_a_pasteable_entry(tmp_path, dirname, cfg, entry, override):
+    d = write_config(tmp_path, dirname, cfg)
+    r = run_cli("from-hf", d)
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load("models:\n" + r.stdout)
+    name, fields = hf.model_entry(d)
+    assert doc["models"] == {name: fields}
+    # pasted under models: of a file with a matrix, it parses with the same rules as variants.yaml
+    vs = gvariants.parse("matrix: {mode: decode, batch: 1, seq_len: 1024}\nmodels:\n" + r.stdout)
+    assert [v.name for v in vs] == [f"{name}_decode_b1_s1024_bf16"]
+
+
+def test_console_script(tmp_path):
+    exe = shutil.which("megakernel")
+    if exe is None:
+        pytest.skip("megakernel is not installed on PATH")
+    d = write_config(tmp_path, "Qwen3-1.7B", QWEN3_1_7B)
+    r = subprocess.run([exe, "from-hf", str(d), "--name", "q3"], capture_output=True, text=True, timeout=120,
+                       env=cli_env())
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load("models:\n" + r.stdout)["models"]["q3"]["qk_norm"] is True
+
+
+def test_mistral_without_sliding_window_maps(tmp_path):
+    d = write_config(tmp_path, "Mistral-7B-Instruct-v0.3", MISTRAL_7B_V0_3)
+    name, fields = hf.model_entry(d)
+    assert name == "mistral-7b-instruct-v0.3"
+    assert fields == {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
+                      "layers": 32, "norm": "rmsnorm", "norm_eps": 1e-5, "rope_theta": 1e6, "activation": "silu",
+                      "qkv_bias": False, "qk_norm": False, "dtype": "bf16"}
+    # a window as long as the model's context never slides
+    d2 = write_config(tmp_path, "m2", {**MISTRAL_7B_V0_3, "sliding_window": 32768})
+    assert hf.model_entry(d2)[1] == fields
+
+
+def test_transformers5_rope_parameters_layout(tmp_path):
+    old = hf.model_entry(write_config(tmp_path, "a", LLAMA_3_1_8B))[1]
+    cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
+    cfg["rope_parameters"] = {**LLAMA_3_1_8B["rope_scaling"], "rope_theta": 500000.0}
+    cfg["dtype"] = "bfloat16"
+    assert hf.model_entry(write_config(tmp_path, "b", cfg))[1] == old
+    # default rope_type: no scaling; no rope at all: theta 10000
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0}
+    fields = hf.model_entry(write_config(tmp_path, "c", cfg))[1]
+    assert "rope_scaling" not in fields and fields["rope_theta"] == 123456.0
+    del cfg["rope_parameters"]
+    fields = hf.model_entry(write_config(tmp_path, "d", cfg))[1]
+    assert "rope_scaling" not in fields and fields["rope_theta"] == 10000.0
+
+
+def test_defaults_and_names(tmp_path):
+    minimal = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 1024,
+               "num_hidden_layers": 2}
+    name, fields = hf.model_entry(write_config(tmp_path, "My Model (v2)!", minimal))
+    assert name == "my-model-v2"
+    assert fields["kv_heads"] == 8 and fields["head_dim"] == 64 and fields["rope_theta"] == 10000.0
+    assert fields["activation"] == "silu" and fields["dtype"] == "bf16" and fields["qkv_bias"] is False
+    # a hub cache snapshot is named after its repository, not its commit hash
+    snap = tmp_path / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
+    assert hf.model_entry(write_config(snap.parent, snap.name, LLAMA_3_2_1B))[0] == "llama-3.2-1b"
+    # nothing usable in the directory name: the model_type
+    assert hf.model_entry(write_config(tmp_path, "___", minimal))[0] == "llama"
+    assert hf.model_entry(write_config(tmp_path, "x", minimal), name="mine")[0] == "mine"
+    # qwen3's default head_dim is 128, not hidden/heads
+    q3 = {k: v for k, v in QWEN3_1_7B.items() if k != "head_dim"}
+    assert hf.model_entry(write_config(tmp_path, "q3", q3))[1]["head_dim"] == 128
+
+
+def test_float32_checkpoint_maps_to_bf16_with_a_comment(tmp_path):
+    d = write_config(tmp_path, "f32", {**QWEN2_5_0_5B, "torch_dtype": "float32"})
+    assert hf.model_entry(d)[1]["dtype"] == "bf16"
+    text = hf.variant_entry_yaml(d)
+    assert any(ln.strip().startswith("#") and "float32" in ln for ln in text.splitlines())
+    d16 = write_config(tmp_path, "f16", {**QWEN2_5_0_5B, "torch_dtype": "float16"})
+    assert hf.model_entry(d16)[1]["dtype"] == "fp16"
+
+
+def test_entry_yaml_quotes_names_yaml_would_retype(tmp_path):
+    d = write_config(tmp_path, "1.5", QWEN2_5_0_5B)
+    text = hf.variant_entry_yaml(d)
+    assert list(yaml.safe_load("models:\n" + text)["models"]) == ["1.5"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# refusals: exit 2, one `error:` line naming the file and the field
+# ---------------------------------------------------------------------------------------------------------------
+
+def _without(cfg, *keys):
+    return {k: v for k, v in cfg.items() if k not in keys}
+
+
+REFUSED = [
+    ("model_type", {**LLAMA_3_2_1B, "model_type": "mixtral"}),
+    ("model_type", _without(LLAMA_3_2_1B, "model_type")),
+    ("sliding_window", {**MISTRAL_7B_V0_3, "sliding_window": 4096}),
+    ("use_sliding_window", {**QWEN2_5_7B, "use_sliding_window": True}),
+    ("layer_types", {**QWEN2_5_7B, "layer_types": ["full_attention"] * 27 + ["sliding_attention"]}),
+    ("num_local_experts", {**MISTRAL_7B_V0_3, "num_local_experts": 8}),
+    ("num_experts", {**QWEN2_5_7B, "num_experts": 64}),
+    ("rope_scaling.rope_type", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                  "original_max_position_embeddings": 32768}}),
+    ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ("rope_parameters.rope_type", {**_without(LLAMA_3_1_8B, "rope_scaling"),
+                                   "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}}),
+    ("rope_scaling.low_freq_factor", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                        "high_freq_factor": 4.0}}),
+    ("partial_rotary_factor", {**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}),
+    ("hidden_act", {**LLAMA_3_2_1B, "hidden_act": "gelu_pytorch_tanh"}),
+    ("hidden_act", {**LLAMA_3_2_1B, "hidden_act": "relu"}),
+    ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "float64"}),
+    ("attention_bias", {**LLAMA_3_2_1B, "attention_bias": True}),
+    ("mlp_bias", {**LLAMA_3_2_1B, "mlp_bias": True}),
+    ("quantization_config", {**QWEN2_5_7B, "quantization_config": {"quant_method": "awq", "bits": 4}}),
+    ("use_mrope", {**QWEN2_5_7B, "use_mrope": True}),
+    ("hidden_size", _without(LLAMA_3_2_1B, "hidden_size")),
+    ("num_hidden_layers", {**LLAMA_3_2_1B, "num_hidden_layers": "16"}),
+    ("head_dim", {**LLAMA_3_2_1B, "head_dim": 72}),      # the variants.yaml rule (multiple of 16), via parse_model
+    ("kv_heads", {**LLAMA_3_2_1B, "num_key_value_heads": 7}),
+]
+
+
+@pytest.mark.parametrize("field,cfg", REFUSED, ids=[f"{i}-{f}" for i, (f, _) in enumerate(REFUSED)])
+def test_refusals_exit_2_with_one_error_line(tmp_path, field, cfg):
+    d = write_config(tmp_path, "model", cfg)
+    with pytest.raises((hf.HFConfigError, gvariants.VariantError)) as exc:
+        hf.model_entry(d)
+    assert "\n" not in str(exc.value) and str(d / "config.json") in str(exc.value) and field in str(exc.value)
+    r = run_cli("from-hf", d)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert str(d / "config.json") in lines[0] and field in lines[0]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", None])
+def test_unreadable_config_exit_2(tmp_path, content):
+    d = tmp_path / "m"
+    d.mkdir()
+    if content is not None:
+        (d / "config.json").write_text(content)
+    r = run_cli("from-hf", d)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "config.json" in lines[0], r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --write
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_write_appends_and_still_parses(tmp_path):
+    vfile = tmp_path / "variants.yaml"
+    shutil.copy(ROOT / "variants.yaml", vfile)
+    before = gvariants.load(vfile)
+    d = write_config(tmp_path, "Mistral-7B-Instruct-v0.3", MISTRAL_7B_V0_3)
+    r = run_cli("from-hf", d, "--write", vfile)
+    assert r.returncode == 0, r.stderr
+    after = gvariants.load(vfile)
+    new = [v for v in after if v.model.name == "mistral-7b-instruct-v0.3"]
+    assert len(new) == 9 and len(after) == len(before) + 9  # expanded over the file's matrix
+    assert vfile.read_text().startswith((ROOT / "variants.yaml").read_text().rstrip("\n"))
+    # a second time: refused, file untouched
+    text = vfile.read_text()
+    r = run_cli("from-hf", d, "--write", vfile)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "mistral-7b-instruct-v0.3" in lines[0]
+    assert vfile.read_text() == text
+    # under another name it goes in
+    r = run_cli("from-hf", d, "--write", vfile, "--name", "mistral-b")
+    assert r.returncode == 0, r.stderr
+    assert "mistral-b" in {v.model.name for v in gvariants.load(vfile)}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".variants.yaml")]  # no temp file left
+
+
+def test_write_inserts_inside_models_when_other_keys_follow(tmp_path):
+    vfile = tmp_path / "v.yaml"
+    vfile.write_text("# header\nmodels:\n    a:\n        hidden: 512\n        heads: 8\n        kv_heads: 8\n"
+                     "        head_dim: 64\n        intermediate: 1024\n        layers: 2\n        norm: rmsnorm\n"
+                     "        norm_eps: 1.0e-5\n        rope_theta: 10000.0\n        activation: silu\n"
+                     "        qkv_bias: false\n        qk_norm: false\n        dtype: bf16\n\n"
+                     "# the matrix\nmatrix: {mode: [decode], batch: [1], seq_len: [64]}\n")
+    d = write_config(tmp_path, "Qwen3-1.7B", QWEN3_1_7B)
+    hf.append_entry(vfile, hf.variant_entry_yaml(d))
+    names = [v.name for v in gvariants.load(vfile)]
+    assert names == ["a_decode_b1_s64_bf16", "qwen3-1.7b_decode_b1_s64_bf16"]
+    text = vfile.read_text()
+    assert text.index("qwen3-1.7b:") < text.index("# the matrix") < text.index("matrix:")
+    assert "\n    qwen3-1.7b:\n      " in text  # the file's own indentation
+
+
+def test_write_refuses_what_would_not_parse(tmp_path):
+    vfile = tmp_path / "v.yaml"
+    vfile.write_text("models:\n  a: {hidden: 512}\n")  # no matrix anywhere: the new entry could not expand
+    original = vfile.read_text()
+    d = write_config(tmp_path, "Qwen3-1.7B", QWEN3_1_7B)
+    with pytest.raises(gvariants.VariantError):
+        hf.append_entry(vfile, hf.variant_entry_yaml(d))
+    assert vfile.read_text() == original
+    r = run_cli("from-hf", d, "--write", tmp_path / "missing.yaml")
+    assert r.returncode == 2 and r.stderr.startswith("error: ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny random models: our reference layer == transformers' decoder layer
+# ---------------------------------------------------------------------------------------------------------------
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def rope_kwargs(cfg_cls, theta: float, scaling: dict | None = None) -> dict:
+    """transformers 5 takes rope_parameters (rope_theta inside); 4.x takes rope_theta and rope_scaling."""
+    if "rope_parameters" in inspect.signature(cfg_cls.__init__).parameters:
+        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}
+    return {"rope_theta": theta, **({"rope_scaling": scaling} if scaling else {})}
+
+
+LLAMA3_TINY_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}  # wavelengths 16..64: all three bands in play
+
+
+def tiny_models():
+    T = transformers
+    no_hd = {k: v for k, v in TINY.items() if k != "head_dim"}
+    return {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY, **rope_kwargs(T.LlamaConfig, 10000.0))),
+        "llama3-scaling": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+            TINY, **rope_kwargs(T.LlamaConfig, 500000.0, LLAMA3_TINY_SCALING))),
+        "qwen2-bias": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+            no_hd, tie_word_embeddings=True, **rope_kwargs(T.Qwen2Config, 1e6))),
+        "qwen3-qknorm": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(
+            TINY, num_attention_heads=8, rms_norm_eps=1e-6, **rope_kwargs(T.Qwen3Config, 1e6))),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(
+            TINY, sliding_window=None, **rope_kwargs(T.MistralConfig, 1e6))),
+    }
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights scaled like a trained model's (unit-variance activations, peaked attention, non-trivial norms and
+    biases): transformers' init leaves norms at 1 and biases at 0, which would test nothing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+def make_tiny(kind: str, tmp_path: Path, seed: int = 0, save_dtype=None):
+    cfg_cls, model_cls, kwargs = tiny_models()[kind]
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize(model, seed)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    d = tmp_path / f"tiny-{kind}"
+    model.save_pretrained(d)
+    return model, d
+
+
+def cache_kv(cache, i):
+    if hasattr(cache, "layers"):
+        return cache.layers[i].keys, cache.layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
+def cache_kwarg(model) -> str:
+    # transformers renamed forward's past_key_values to cache (the old name still works there, with a warning)
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def hf_decode_step(model, ids: torch.Tensor, P: int):
+    """Prefill ids[:, :P] into a DynamicCache, then decode ids[:, P] at position P, capturing every layer's input
+    and output. -> (inputs, outputs, cache before the step, cache after), per layer."""
+    from transformers import DynamicCache
+    layers = model.model.layers
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(model)
+    ins, outs, hooks = {}, {}, []
+
+    def pre(i):
+        def hook(mod, args, kwargs):
+            ins[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        return hook
+
+    def post(i):
+        def hook(mod, args, kwargs, out):
+            outs[i] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        return hook
+
+    with torch.no_grad():
+        model(input_ids=ids[:, :P], use_cache=True, **{kw: cache})
+        before = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+            hooks.append(layer.register_forward_hook(post(i), with_kwargs=True))
+        try:
+            model(input_ids=ids[:, P:P + 1], use_cache=True, **{kw: cache})
+        finally:
+            for h in hooks:
+                h.remove()
+        after = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
+    return ins, outs, before, after
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("kind", list(tiny_models()))
+def test_reference_layer_equals_transformers(tmp_path, kind):
+    model, d = make_tiny(kind, tmp_path)
+    m = hf.model_from_hf(d)  # the mapping of the config transformers itself wrote
+    cfg = model.config
+    assert (m.hidden, m.heads, m.kv_heads, m.head_dim) == (cfg.hidden_size, cfg.num_attention_heads,
+                                                           cfg.num_key_value_heads, 64)
+    assert m.qkv_bias == (kind == "qwen2-bias") and m.qk_norm == (kind == "qwen3-qknorm")
+    assert dict(m.rope_scaling or {}) == (LLAMA3_TINY_SCALING if kind == "llama3-scaling" else {})
+    assert m.rope_theta == {"llama": 1e4, "llama3-scaling": 5e5}.get(kind, 1e6)
+    B, P, CAP = 2, 37, 64
+    ids = torch.randint(0, cfg.vocab_size, (B, P + 1), generator=torch.Generator().manual_seed(1))
+    ins, outs, before, after = hf_decode_step(model, ids, P)
+    ck = hf._Checkpoint(d)
+    pos = torch.full((B,), P, dtype=torch.int32)
+    for i in range(m.layers):
+        # the weights as load_hf reads them from the safetensors file
+        W = {short: ck.get(full) for short, full in ck.check_layer(i).items()}
+        assert all(torch.equal(W[k], v) for k, v in model.model.layers[i].state_dict().items())
+        k_before, v_before = before[i]
+        assert k_before.shape == (B, m.kv_heads, P, m.head_dim)
+        kc = torch.zeros(B, m.kv_heads, CAP, m.head_dim)
+        vc = torch.zeros_like(kc)
+        kc[:, :, :P], vc[:, :, :P] = k_before, v_before
+        x = ins[i][:, 0]
+        out = reference.decoder_layer(x, pos, W, kc, vc, m)
+        err = rel(out, outs[i][:, 0])
+        assert err <= 1e-5, f"{kind} layer {i}: relative error {err:.2e}"
+        # the appended cache row is transformers' post-RoPE k and v at position P
+        assert rel(kc[:, :, P], after[i][0][:, :, P]) <= 1e-5
+        assert rel(vc[:, :, P], after[i][1][:, :, P]) <= 1e-5
+        assert kc[:, :, P + 1:].abs().sum() == 0
+
+
+def test_llama3_scaling_changes_the_result(tmp_path):
+    """The llama3 case is not vacuous: the same layer without scaling gives a different output."""
+    model, d = make_tiny("llama3-scaling", tmp_path)
+    m = hf.model_from_hf(d)
+    B, P = 2, 37
+    ids = torch.randint(0, 128, (B, P + 1), generator=torch.Generator().manual_seed(1))
+    ins, outs, before, _ = hf_decode_step(model, ids, P)
+    W = model.model.layers[0].state_dict()
+    res = {}
+    for label, mm in (("scaled", m), ("plain", gvariants.Model(**{**m.__dict__, "rope_scaling": None}))):
+        kc = torch.zeros(B, m.kv_heads, 64, m.head_dim)
+        vc = torch.zeros_like(kc)
+        kc[:, :, :P], vc[:, :, :P] = before[0]
+        res[label] = rel(reference.decoder_layer(ins[0][:, 0], torch.full((B,), P), W, kc, vc, mm), outs[0][:, 0])
+    assert res["scaled"] <= 1e-5 < 1e-3 < res["plain"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# load_hf: checkpoint problems are found from the safetensors headers, before the build dir or CUDA
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rewrite_single(d: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return f
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    return make_tiny("llama", tmp_path)[1]
+
+
+def test_load_hf_missing_tensor(tiny_llama, tmp_path):
+    f = _rewrite_single(tiny_llama, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(tiny_llama, 1, variant="nothing-built", build_dir=tmp_path / "no-build", device="cpu")
+    msg = str(exc.value)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and str(f) in msg and "\n" not in msg
+    assert not torch.cuda.is_initialized()
+
+
+def test_load_hf_wrong_shape(tiny_llama, tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:64].clone()
+    f = _rewrite_single(tiny_llama, edit)
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(tiny_llama, 0, variant="nothing-built", build_dir=tmp_path / "no-build", device="cuda")
+    msg = str(exc.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and str(f) in msg and "(64, 256)" in msg
+    assert "(128, 256)" in msg
+    assert not torch.cuda.is_initialized()
+
+
+def test_load_hf_tensor_the_kernel_does_not_compute(tiny_llama, tmp_path):
+    f = _rewrite_single(tiny_llama, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.bias",
+                                                             torch.zeros(256)))
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(tiny_llama, 0, variant="nothing-built", build_dir=tmp_path / "no-build")
+    assert "model.layers.0.self_attn.o_proj.bias" in str(exc.value) and str(f) in str(exc.value)
+
+
+def test_load_hf_sharded_checkpoint_names_the_shard(tmp_path):
+    from safetensors.torch import load_file, save_file
+    model, _ = make_tiny("qwen2-bias", tmp_path)
+    d = tmp_path / "sharded"
+    model.save_pretrained(d, max_shard_size="300KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    ck = hf._Checkpoint(d)
+    for i in range(3):
+        ck.check_layer(i)  # every layer is found across the shards
+    name = "model.layers.2.self_attn.v_proj.bias"
+    shard = d / index[name]
+    tensors = load_file(str(shard))
+    tensors[name] = torch.zeros(3)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(d, 2, variant="x", build_dir=tmp_path / "no-build")
+    assert name in str(exc.value) and str(shard) in str(exc.value) and "(3,)" in str(exc.value)
+    # listed in the index but absent from its shard
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(d, 2, variant="x", build_dir=tmp_path / "no-build")
+    assert name in str(exc.value) and str(shard) in str(exc.value)
+    # not in the index at all
+    index_doc = json.loads((d / "model.safetensors.index.json").read_text())
+    del index_doc["weight_map"][name]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index_doc))
+    with pytest.raises(hf.HFCheckpointError) as exc:
+        hf.load_hf(d, 2, variant="x", build_dir=tmp_path / "no-build")
+    assert name in str(exc.value) and "model.safetensors.index.json" in str(exc.value)
+
+
+def test_load_hf_bad_layer_index_and_no_checkpoint(tiny_llama, tmp_path):
+    with pytest.raises(hf.HFConfigError, match="num_hidden_layers"):
+        hf.load_hf(tiny_llama, 3, variant="x", build_dir=tmp_path / "no-build")
+    d = write_config(tmp_path, "config-only", QWEN3_1_7B)
+    with pytest.raises(hf.HFCheckpointError, match="model.safetensors"):
+        hf.load_hf(d, 0, variant="x", build_dir=tmp_path / "no-build")
+
+
+def test_load_hf_then_needs_a_build(tiny_llama, tmp_path):
+    from generator.loader import LoadError
+    with pytest.raises(LoadError, match="megakernel build"):
+        hf.load_hf(tiny_llama, 0, variant="x", build_dir=tmp_path / "no-build")
+
+
+def test_load_hf_refuses_a_variant_that_computes_another_layer(tiny_llama, tmp_path, monkeypatch):
+    m = hf.model_from_hf(tiny_llama)
+    other = gvariants.Variant(gvariants.Model(**{**m.__dict__, "norm_eps": 1e-6}), "decode", 1, 64)
+    monkeypatch.setattr(hf, "_built_variant", lambda name, build_dir: other)
+    with pytest.raises(hf.HFConfigError, match="norm_eps"):
+        hf.load_hf(tiny_llama, 0, variant=other.name, build_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FusedModel plumbing on the CPU, with the reference standing in for the kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+class ReferenceLayer:
+    """What loader.load returns, computed by generator.reference (fp32 caches) instead of the cubin."""
+
+    def __init__(self, variant, weights, device):
+        self.variant, self.model, self.device = variant, variant.model, torch.device(device)
+        self.W = weights
+        shape = (variant.batch, self.model.kv_heads, variant.seq_len, self.model.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
+
+    def check_positions(self, pos):
+        assert 0 <= int(pos.min()) and int(pos.max()) < self.variant.seq_len
+
+    def __call__(self, x, pos, *, validate=True):
+        return reference.decoder_layer(x, pos, self.W, self.k_cache, self.v_cache, self.model).to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["llama3-scaling", "qwen2-bias", "qwen3-qknorm"])
+def test_fused_model_plumbing_matches_transformers(tmp_path, monkeypatch, kind):
+    from generator import loader
+    model, d = make_tiny(kind, tmp_path)
+    m = hf.model_from_hf(d, name="tiny")
+    B, T, NEW = 2, 5, 12
+    v = gvariants.Variant(m, "decode", B, 32)
+    loads = []
+    monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)  # exact comparison: fp32 end to end
+    monkeypatch.setattr(hf, "_built_variant", lambda name, build_dir: v)
+    monkeypatch.setattr(loader, "load", lambda name, weights, build_dir, device:
+                        loads.append(name) or ReferenceLayer(v, weights, device))
+    fm = hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path / "b", device="cpu")
+    assert loads == [v.name] * m.layers and fm.vocab == model.config.vocab_size
+    assert (fm.lm_head is fm.embed) == (kind == "qwen2-bias")  # tie_word_embeddings
+
+    prompt = torch.randint(0, fm.vocab, (B, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                                 do_sample=False, pad_token_id=0)
+        ref_logits = model(input_ids=ref_seq).logits
+    assert ref_seq.shape == (B, T + NEW)
+    for t in range(T + NEW - 1):
+        ours = fm.step(ref_seq[:, t], torch.full((B,), t, dtype=torch.int32))
+        assert ours.dtype == torch.float32 and ours.shape == (B, fm.vocab)
+        assert rel(ours, ref_logits[:, t]) <= 1e-4, f"step {t}"
+    out = fm.generate(prompt, NEW)
+    assert torch.equal(out, ref_seq)
+    with pytest.raises(ValueError, match="batch"):
+        fm.step(torch.zeros(B + 1, dtype=torch.long), torch.zeros(B + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="seq_len"):
+        fm.generate(prompt, 32)
+
+
+def test_fused_model_needs_lm_head_unless_tied(tmp_path):
+    from safetensors.torch import load_file, save_file
+    _, d = make_tiny("llama", tmp_path)
+    f = d / "model.safetensors"
+    t = load_file(str(f))
+    del t["lm_head.weight"]
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(hf.HFCheckpointError, match="lm_head.weight"):
+        hf.FusedModel.from_hf(d, variant="x", build_dir=tmp_path / "no-build")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the user's path end to end, up to the GPU: from-hf --write, megakernel build (nvcc needs no device), load_hf
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built_tiny(tmp_path_factory):
+    try:
+        from cupy.cuda import get_nvcc_path
+        nvcc = get_nvcc_path()
+    except Exception:  # noqa: BLE001 - no CuPy or no CUDA toolkit: nothing to build with
+        nvcc = None
+    if not nvcc:
+        pytest.skip("no nvcc: cannot build a variant")
+    root = tmp_path_factory.mktemp("hf_build")
+    _, d = make_tiny("llama", root)  # saved in fp32: mapped to bf16, weights cast when loaded
+    vfile = root / "variants.yaml"
+    vfile.write_text("matrix: {mode: [decode], batch: [1], seq_len: [64]}\nmodels:\n")
+    r = run_cli("from-hf", d, "--write", vfile, cwd=root)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("build", "--variants", vfile, "--build-dir", root / "build", "-j", "2", cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d, root / "build", "tiny-llama_decode_b1_s64_bf16"
+
+
+def test_built_variant_passes_every_check_up_to_the_gpu(built_tiny):
+    from generator.loader import LoadError
+    d, build, name = built_tiny
+    # every check passed: the loader itself refuses a CPU device
+    with pytest.raises(ValueError, match="runs on CUDA") as exc:
+        hf.load_hf(d, 1, variant=name, build_dir=build, device="cpu")
+    assert not isinstance(exc.value, hf.HFConfigError)
+    with pytest.raises(ValueError, match="runs on CUDA") as exc:
+        hf.FusedModel.from_hf(d, variant=name, build_dir=build, device="cpu")
+    assert not isinstance(exc.value, hf.HFConfigError)
+    with pytest.raises(LoadError, match="not in"):
+        hf.load_hf(d, 1, variant="tiny-llama_decode_b2_s64_bf16", build_dir=build, device="cpu")
+
+
+def test_built_variant_of_another_shape_is_refused(built_tiny, tmp_path):
+    d, build, name = built_tiny
+    d2 = tmp_path / "other-eps"
+    shutil.copytree(d, d2)
+    cfg = json.loads((d2 / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-6
+    (d2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.HFConfigError) as exc:
+        hf.load_hf(d2, 0, variant=name, build_dir=build, device="cpu")
+    msg = str(exc.value)
+    assert "norm_eps" in msg and str(d2 / "config.json") in msg and name in msg and "\n" not in msg
