@@ -194,9 +194,17 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     def one(key):
         obj = build_dir / "objects" / key
         meta = object_meta(obj)
-        cached = meta is not None
-        if not cached:
-            meta = _compile_object(sources[key], arch, obj)
+        if meta is not None:
+            return key, meta, True
+        # one compile per object across concurrent builds: two compiles of one source differ (-lineinfo records
+        # CuPy's temporary path), so interleaved writes could pair one's cubin with the other's meta.json
+        obj.mkdir(parents=True, exist_ok=True)
+        with open(obj / ".lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            meta = object_meta(obj)
+            cached = meta is not None
+            if not cached:
+                meta = _compile_object(sources[key], arch, obj)
         return key, meta, cached
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -17,6 +17,7 @@ THREADS = 512          # one block of 16 warps per SM (cooperative grid of num_s
 NUM_SMS = 132          # H100/H200 SXM: only used to balance the plan; the kernel strides over gridDim
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
 GRID_SYNCS = 4
+RING_BUDGET = 150 * 1024  # shared memory for the attention K/V ring (leaves room for L1)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
 
 
@@ -43,7 +44,7 @@ def plan_gemv(n: int, k: int, batch: int) -> dict:
     nwg = max(1, min(16, _pow2_floor(ktiles // 4)))
     groups = NUM_SMS * (THREADS // 32 // nwg)
     tasks = n // 16
-    u = max(1, min(8, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane
+    u = max(1, min(6, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane (registers)
     balance = tasks / (math.ceil(tasks / groups) * groups)
     return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 
@@ -59,14 +60,14 @@ def plan(v: Variant) -> dict:
     gu = plan_gemv(2 * m.intermediate, m.hidden, v.batch)
     down = plan_gemv(m.hidden, m.intermediate, v.batch)
 
-    # attention: every warp walks batches of ATT_NP rows per row slot with its own online softmax; a task covers
-    # ATT_C rows (a whole number of batches for every warp), sized so that a full cache is one round of tasks:
-    # each task pays fixed latencies (queries, the combine), so fewer and longer tasks win
+    # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
+    # shared memory (rows padded by 16 bytes); a task covers ATT_C rows (whole tiles for every warp), sized so a
+    # full cache is one round of tasks: each task pays fixed latencies (queries, the combine), so fewer, longer win
     nw = THREADS // 32
-    lanes = _pow2_ceil(m.head_dim // 8)
-    # rows per slot per batch (registers: GROUP * (8 + ATT_NP) floats), batches in flight + 1 (1 KB per batch per warp)
-    att_np, att_stages = (2 if m.group <= 4 else 1), 4
-    step = nw * (32 // lanes) * att_np
+    tile = 16 * (m.head_dim + 8) * esize * 2            # one 16-key tile of K and V
+    att_stages = 2
+    att_warps = max(1, min(nw, RING_BUDGET // (att_stages * tile)))
+    step = 16 * att_warps
     pairs = v.batch * m.kv_heads
     att_c = max(step, math.ceil(v.seq_len / max(1, NUM_SMS // pairs) / step) * step)
     nsplit = math.ceil(v.seq_len / att_c)
@@ -77,9 +78,10 @@ def plan(v: Variant) -> dict:
     smem = {"SMEM_XS": 0, "SMEM_RED": _align(v.batch * xs_ld * esize)}
     gemv_bytes = smem["SMEM_RED"] + red_bytes
     smem["SMEM_QS"] = 0
-    smem["SMEM_WST"] = _align((m.group + 1) * m.head_dim * 4)
-    ring = nw * att_stages * att_np * 2 * 32 * 16
-    smem["SMEM_FLAG"] = smem["SMEM_WST"] + _align(max(ring, nw * m.group * (m.head_dim + 2) * 4))
+    smem["SMEM_PT"] = _align((m.group + 1) * m.head_dim * 4)
+    smem["SMEM_WST"] = smem["SMEM_PT"] + _align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
+    ring = att_warps * att_stages * tile
+    smem["SMEM_FLAG"] = smem["SMEM_WST"] + _align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
     att_bytes = smem["SMEM_FLAG"] + 16
     smem_bytes = max(gemv_bytes, att_bytes)
     if smem_bytes > SMEM_LIMIT:
@@ -91,7 +93,7 @@ def plan(v: Variant) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "XS_LD": xs_ld, "ATT_C": att_c, "ATT_NP": att_np, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
+        "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }
     for prefix, g in (("QKV", qkv), ("O", o), ("GU", gu), ("DOWN", down)):
         consts.update({f"{prefix}_NWG": g["NWG"], f"{prefix}_U": g["U"]})

@@ -10,6 +10,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -331,7 +332,7 @@ def test_corrupt_cubin_is_detected_and_rebuilt(copy_build, tiny_build, tmp_path)
     m = manifest(d)["variants"]
     assert m[TINY_NAMES[2]]["resources"]["cached"] is False
     assert m[TINY_NAMES[0]]["resources"]["cached"] is True
-    assert gcompile.object_meta(obj)["cubin_sha256"] == good["cubin_sha256"]  # nvcc output is deterministic
+    assert gcompile.object_meta(obj) is not None  # (not byte-identical to the first: -lineinfo records a tmp path)
     assert_objects_intact(d)
 
 
@@ -385,6 +386,9 @@ def test_two_builds_at_once_on_one_build_dir(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert "Traceback" not in err
+    # the shared object was compiled once: the second build waited for it and reused it
+    compiled = [int(re.search(r"(\d+) compiled", err).group(1)) for _, err in outs]
+    assert sum(compiled) == 3, [err for _, err in outs]
     m = manifest(d)["variants"]
     assert set(m) == {f"conc_decode_b1_s{s}_bf16" for s in (24, 40, 56)}  # the union
     assert all(e["status"] == "ok" for e in m.values())
@@ -408,3 +412,25 @@ def test_a_default_variant_compiles(tmp_path):
     assert e["resources"]["blocks_per_sm"] >= 1
     assert e["resources"]["smem_total"] <= grender.SMEM_LIMIT
     assert_objects_intact(d)
+
+
+@pytest.mark.skipif(os.environ.get("MEGAKERNEL_FULL_BUILD") != "1",
+                    reason="set MEGAKERNEL_FULL_BUILD=1 to build all 45 default variants (~6 min on 2 cores; CI does)")
+def test_every_default_variant_builds(tmp_path):
+    d = tmp_path / "build"
+    r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path, timeout=3000)
+    assert r.returncode == 0, r.stderr
+    names = {v.name for v in gvariants.load(ROOT / "variants.yaml")}
+    m = manifest(d)["variants"]
+    assert set(m) == names and all(e["status"] == "ok" for e in m.values())
+    rep = json.loads((d / "report.json").read_text())
+    assert {row["name"] for row in rep["rows"]} == names
+    for row in rep["rows"]:
+        for k in RESOURCE_KEYS:
+            if k != "cached":
+                assert row[k] is not None, (row["name"], k)
+        assert row["blocks_per_sm"] >= 1 and row["smem_total"] <= grender.SMEM_LIMIT, row["name"]
+    assert rep["totals"]["built"] == 45
+    assert_objects_intact(d)
+    r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path)
+    assert r.returncode == 0 and "45 variants: 0 compiled, 45 up to date" in r.stderr, r.stderr

@@ -93,9 +93,10 @@ def test_only_matching_nothing(workdir):
 
 # ---------------------------------------------------------------- list, render
 
-def test_list_default_variants():
-    r = run_cli(["list"], cwd=ROOT)  # reads ./variants.yaml; only reads build/
+def test_list_default_variants(tmp_path):
+    r = run_cli(["list", "--variants", ROOT / "variants.yaml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "build").exists()
     for name in DEFAULT_NAMES:
         assert name in r.stdout
     assert len(DEFAULT_NAMES) == 45

@@ -86,6 +86,7 @@ BAD_CASES = {
     "heads-not-divisible": (doc_text(heads=6, kv_heads=4), [V, "field 'heads'", "divisible by kv_heads"]),
     "head-dim-not-16x": (doc_text(head_dim=40), [V, "field 'head_dim'", "multiple of 16", "got 40"]),
     "head-dim-over-256": (doc_text(head_dim=272), [V, "field 'head_dim'", "at most 256", "got 272"]),
+    "hidden-not-16x": (doc_text(hidden=72), [V, "field 'hidden'", "must be a multiple of"]),
     "hidden-zero": (doc_text(hidden=0), [V, "field 'hidden'", "must be positive"]),
     "heads-negative": (doc_text(heads=-2), [V, "field 'heads'", "must be positive"]),
     "kv-heads-zero": (doc_text(kv_heads=0), [V, "field 'kv_heads'", "must be positive"]),
