@@ -44,7 +44,7 @@ def plan_gemv(n: int, k: int, batch: int) -> dict:
     nwg = max(1, min(16, _pow2_floor(ktiles // 4)))
     groups = NUM_SMS * (THREADS // 32 // nwg)
     tasks = n // 16
-    u = max(1, min(6, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane (registers)
+    u = max(1, min(8, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane (registers)
     balance = tasks / (math.ceil(tasks / groups) * groups)
     return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 
