@@ -17,8 +17,8 @@ from . import compile as gcompile, report as greport, variants as gvariants
 from .render import PlanError, plan, render
 
 # a pipe or CI log is not a terminal: rich would squeeze the table into 80 columns
-console = Console(width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+console = Console(width=None if sys.stdout.isatty() else 240)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 240)
 
 
 def fail(msg: str, code: int = 2):

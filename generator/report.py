@@ -132,10 +132,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
     rows = report["rows"]
     bench_cols = [c for c in BENCH_COLUMNS if any(r.get(c) is not None for r in rows)]
     t = Table(title="megakernel: cost per variant", show_lines=False, header_style="bold")
+    short = {"fused_us": "fused µs", "pct_bw": "% BW", "speedup_torch_graph": "× graph", "speedup_eager": "× eager",
+             "speedup_compile": "× compile"}
     heads = ["variant", "cubin KB", "PTX KB", "regs", "spill B", "stack", "smem KB", "% of 227KB", "blk/SM",
-             "compile s", "load ms"] + bench_cols + ["flags"]
+             "compile s", "load ms"] + [short[c] for c in bench_cols] + ["flags"]
     for h in heads:
-        t.add_column(h, justify="left" if h in ("variant", "flags") else "right")
+        t.add_column(h, justify="left" if h in ("variant", "flags") else "right", no_wrap=h == "variant")
     for r in rows:
         if r["status"] != "ok":
             t.add_row(r["name"], *["-"] * (len(heads) - 2), f"[red]{r['flags']}[/red]")
@@ -145,7 +147,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
                  f"[red]{spill}[/red]" if spill else "0", str(r["stack_frame"]),
                  f"{r['smem_total'] / 1024:.1f}", f"{r['smem_pct']:.0f}", str(r["blocks_per_sm"]),
                  f"{r['compile_s']:.1f}", "-" if r.get("load_ms") is None else f"{r['load_ms']:.2f}"]
-        cells += ["-" if r.get(c) is None else f"{r[c]}" for c in bench_cols]
+        cells += ["-" if r.get(c) is None else f"{r[c]:.1f}" if c in ("fused_us", "pct_bw") else f"{r[c]:.2f}"
+                  for c in bench_cols]
         cells.append(f"[yellow]{r['flags']}[/yellow]" if r["flags"] else "")
         t.add_row(*cells)
     console.print(t)
