@@ -109,8 +109,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
         task = bar.add_task("build", total=len(vs))
         result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n))
     built = [e for e in result["entries"] if e["status"] == "ok"]
-    compiled = sum(1 for e in built if not e["resources"]["cached"])
-    err_console.print(f"{len(vs)} variants: {compiled} compiled, {len(built) - compiled} up to date, "
+    compiled = {e["key"] for e in built if not e["resources"]["cached"]}
+    fresh = sum(1 for e in built if e["resources"]["cached"])
+    err_console.print(f"{len(vs)} variants: {len(compiled)} binaries compiled, {fresh} variants up to date, "
                       f"{result['distinct']} distinct binaries", highlight=False)
     for e in result["entries"]:
         if e["status"] == "refused":
@@ -186,5 +187,13 @@ def from_hf_cmd(path, write_file, name):
         fail(str(exc))
 
 
+def run():
+    """Console-script entry: a corrupt build directory is bad input too (one line, exit 2)."""
+    try:
+        main()
+    except gcompile.ManifestError as exc:
+        fail(str(exc))
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -156,11 +156,22 @@ def locked(build_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class ManifestError(ValueError):
+    """build/manifest.json exists but cannot be read: one line saying how to recover."""
+
+
 def read_manifest(build_dir: Path) -> dict:
+    path = Path(build_dir) / MANIFEST
     try:
-        return json.loads((Path(build_dir) / MANIFEST).read_text())
+        doc = json.loads(path.read_text())
     except FileNotFoundError:
         return {"variants": {}}
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
+        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run `megakernel clean` and "
+                            "build again")
+    return doc
 
 
 def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None, arch: str = "90",
@@ -171,6 +182,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     variant (status "error") so one bad variant does not hide the others.
     """
     build_dir = Path(build_dir)
+    read_manifest(build_dir)  # a corrupt manifest is reported before any compile, not after
     jobs = jobs or os.cpu_count() or 1
     entries: dict[str, dict] = {}
     by_key: dict[str, list[tuple[Variant, dict]]] = {}

@@ -143,7 +143,7 @@ def test_default_compile_subset():
     vs = gvariants.load(VARIANTS)
     assert len(vs) == 45
     chosen = [v for v in vs if brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, False)]
-    assert sorted((v.batch, v.seq_len) for v in chosen) == sorted([(1, 4096), (8, 4096)] * 5)
+    assert sorted((v.batch, v.seq_len) for v in chosen) == [(1, 4096)] * 5
     assert not any(brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, True) for v in vs)
     assert all(brun.wants_compile(v.name, ("*",), False) for v in vs)
 
@@ -290,7 +290,7 @@ def test_table_prints(tmp_path):
     from rich.console import Console
     con = Console(record=True, width=250)
     brun.print_table(_fake_doc(), con)
-    text = con.export_text()
+    text = " ".join(con.export_text().split())  # the caption may wrap
     assert "tiny-a_decode_b1_s4096_bf16" in text and "WRONG" in text and "elapsed 123 s" in text
 
 

@@ -183,7 +183,7 @@ def test_second_build_recompiles_nothing(copy_build, tiny_build, tmp_path):
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60
-    assert "0 compiled, 3 up to date, 2 distinct binaries" in r.stderr
+    assert "0 binaries compiled, 3 variants up to date, 2 distinct binaries" in r.stderr
     after = manifest(d)["variants"]
     for name in TINY_NAMES:
         assert after[name]["resources"]["cached"] is True
@@ -207,7 +207,7 @@ def test_only_and_exclude_restrict_the_build(tiny_build, tmp_path):
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-c*"],
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 variants: 0 compiled, 1 up to date" in r.stderr
+    assert "1 variants: 0 binaries compiled, 1 variants up to date" in r.stderr
     assert set(manifest(d)["variants"]) == {TINY_NAMES[2]}
     assert not (d / TINY_NAMES[0]).exists() and not (d / TINY_NAMES[1]).exists()
     assert (d / TINY_NAMES[2] / "kernel.cubin").read_bytes()[:4] == ELF
@@ -328,7 +328,7 @@ def test_corrupt_cubin_is_detected_and_rebuilt(copy_build, tiny_build, tmp_path)
 
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 compiled, 2 up to date" in r.stderr
+    assert "1 binaries compiled, 2 variants up to date" in r.stderr
     m = manifest(d)["variants"]
     assert m[TINY_NAMES[2]]["resources"]["cached"] is False
     assert m[TINY_NAMES[0]]["resources"]["cached"] is True
@@ -363,7 +363,7 @@ def test_killed_build_then_rebuild_gives_correct_cubins(tmp_path):
 
     r = run_cli(["build", "--variants", f, "--build-dir", d, "-j", "1"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 compiled, 1 up to date" in r.stderr
+    assert "1 binaries compiled, 1 variants up to date" in r.stderr
     m = manifest(d)["variants"]
     assert set(m) == {"killme_decode_b1_s16_bf16", "killme_decode_b1_s32_bf16"}
     assert {e["key"] for e in m.values() if e["resources"]["cached"]} == complete
@@ -387,7 +387,7 @@ def test_two_builds_at_once_on_one_build_dir(tmp_path):
         assert p.returncode == 0, err
         assert "Traceback" not in err
     # the shared object was compiled once: the second build waited for it and reused it
-    compiled = [int(re.search(r"(\d+) compiled", err).group(1)) for _, err in outs]
+    compiled = [int(re.search(r"(\d+) binaries compiled", err).group(1)) for _, err in outs]
     assert sum(compiled) == 3, [err for _, err in outs]
     m = manifest(d)["variants"]
     assert set(m) == {f"conc_decode_b1_s{s}_bf16" for s in (24, 40, 56)}  # the union
@@ -433,4 +433,4 @@ def test_every_default_variant_builds(tmp_path):
     assert rep["totals"]["built"] == 45
     assert_objects_intact(d)
     r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path)
-    assert r.returncode == 0 and "45 variants: 0 compiled, 45 up to date" in r.stderr, r.stderr
+    assert r.returncode == 0 and "45 variants: 0 binaries compiled, 45 variants up to date" in r.stderr, r.stderr

@@ -226,3 +226,14 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert test_cmd in ci, ".ci/run must run the README's test command"
     assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
     assert (ROOT / ".ci" / "run").stat().st_mode & 0o111
+
+
+@pytest.mark.parametrize("cmd", [["list"], ["report", "--no-gpu"], ["build", "--only", "qwen2.5-0.5b_decode_b1_s1024_bf16"]])
+def test_corrupt_manifest_is_one_line_exit_2(cmd, tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "manifest.json").write_text("{not json")
+    r = run_cli(cmd + ["--build-dir", str(d)], cwd=ROOT)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
