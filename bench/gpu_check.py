@@ -8,7 +8,6 @@ Details go to $OUT (or --out): gpu_check.json and the pytest log.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,17 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baselines import TorchLayer  # noqa: E402
+from bench.run import n_layers_for  # noqa: E402  (distinct layers: one pass over the stack >= 4x the L2)
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
-
-L2_BYTES = 60 * 2**20
-
-
-def n_layers_for(nbytes: int) -> int:
-    """Distinct layers so that one pass over the stack is at least 4x the L2."""
-    return max(8, math.ceil(4 * L2_BYTES / nbytes))
-
 
 def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     m = v.model

@@ -27,7 +27,6 @@ import io
 import json
 import math
 import re
-import statistics
 import sys
 import time
 import types
@@ -38,6 +37,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.timing import summarize, time_samples
 from generator import variants as gvariants
 
 L2_BYTES = 60 * 2**20           # H100/H200 L2: a stack of distinct layers must not fit in it
@@ -116,13 +116,6 @@ def memory_estimate(m, batch: int, seq_len: int) -> tuple[int, int]:
     ref_tmp = kv + 2 * m.heads * seq_len * m.head_dim * 4 + 4 * weights
     per_variant = 3 * sdpa_tmp + ref_tmp + (1 << 30)
     return per_layer, per_variant
-
-
-def summarize(samples: list[float]) -> dict:
-    """median, p10, p90 of per-layer µs samples (the same quantiles as bench.timing.time_replays)."""
-    per = sorted(samples)
-    q = lambda f: per[min(len(per) - 1, int(f * len(per)))]  # noqa: E731
-    return {"median": statistics.median(per), "p10": q(0.1), "p90": q(0.9), "n": len(per)}
 
 
 def make_row(variant: str, provider: str, *, model: str, batch: int, seq_len: int, model_layers: int,
@@ -223,21 +216,6 @@ def interleave(runs: dict, *, rounds: int, reps_per_round: int, sample, warmup: 
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPU parts
-
-def time_samples(run, n_layers: int, reps: int) -> list[float]:
-    """µs per layer of `reps` runs, CUDA events around each, synchronised between runs (as time_replays does, so
-    an eager provider's launch overhead is not hidden behind a queue of earlier work)."""
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3 / n_layers)
-    return out
-
 
 @dataclasses.dataclass
 class Backend:

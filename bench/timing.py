@@ -40,22 +40,33 @@ def graph_of(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return g
 
 
-def time_replays(run, n_layers: int, reps: int = 30, warmup: int = 3) -> dict:
-    """run() executes the whole stack once; returns µs per layer: median, p10, p90 over reps."""
-    for _ in range(warmup):
-        run()
+def time_samples(run, n_layers: int, reps: int) -> list[float]:
+    """µs per layer of `reps` runs of run(), CUDA events around each, synchronised between runs (so an eager
+    provider's launch overhead is not hidden behind a queue of earlier work)."""
     torch.cuda.synchronize()
-    per = []
+    out = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         run()
         e.record()
         e.synchronize()
-        per.append(s.elapsed_time(e) * 1e3 / n_layers)
-    per.sort()
+        out.append(s.elapsed_time(e) * 1e3 / n_layers)
+    return out
+
+
+def summarize(samples: list[float]) -> dict:
+    """median, p10, p90 of per-layer µs samples."""
+    per = sorted(samples)
     q = lambda f: per[min(len(per) - 1, int(f * len(per)))]  # noqa: E731
-    return {"median": statistics.median(per), "p10": q(0.1), "p90": q(0.9)}
+    return {"median": statistics.median(per), "p10": q(0.1), "p90": q(0.9), "n": len(per)}
+
+
+def time_replays(run, n_layers: int, reps: int = 30, warmup: int = 3) -> dict:
+    """run() executes the whole stack once; returns µs per layer: median, p10, p90 over reps."""
+    for _ in range(warmup):
+        run()
+    return summarize(time_samples(run, n_layers, reps))
 
 
 def layer_bytes(m, batch: int, pos) -> int:

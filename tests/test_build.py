@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from generator import compile as gcompile, render as grender, report as greport, variants as gvariants
+from generator import compile as gcompile, render as grender, variants as gvariants
 
 from conftest import ROOT, TINY_NAMES, cli_env, run_cli, sha256
 

@@ -159,7 +159,7 @@ def test_bad_inputs_raise_before_launch(build_dir):
     layer = _layer(v, build_dir, SEED + 4)
     x, pos = verify.random_inputs(layer, SEED + 4)
     k0 = layer.k_cache.clone()
-    B, H, S = v.batch, v.model.hidden, v.seq_len
+    B, S = v.batch, v.seq_len
     cases = {
         "x": [x[:, :-1], x.float(), x.cpu()],
         "pos": [pos[:-1] if B > 1 else pos.repeat(2), pos.long(), torch.full((B,), -1, dtype=torch.int32),

@@ -3,9 +3,7 @@ positions and cache; `megakernel from-hf` maps the published configs of real mod
 refuses what the kernel does not compute; load_hf finds checkpoint problems before anything touches CUDA."""
 from __future__ import annotations
 
-import inspect
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -17,6 +15,8 @@ import torch
 import yaml
 
 from generator import hf, reference, variants as gvariants
+from generator.verify import rel_err as rel  # noqa: E402
+from hf_util import hf_decode_step, randomize, rope_kwargs  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -349,13 +349,6 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_att
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def rope_kwargs(cfg_cls, theta: float, scaling: dict | None = None) -> dict:
-    """transformers 5 takes rope_parameters (rope_theta inside); 4.x takes rope_theta and rope_scaling."""
-    if "rope_parameters" in inspect.signature(cfg_cls.__init__).parameters:
-        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}
-    return {"rope_theta": theta, **({"rope_scaling": scaling} if scaling else {})}
-
-
 LLAMA3_TINY_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}  # wavelengths 16..64: all three bands in play
 
@@ -376,22 +369,6 @@ def tiny_models():
     }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights scaled like a trained model's (unit-variance activations, peaked attention, non-trivial norms and
-    biases): transformers' init leaves norms at 1 and biases at 0, which would test nothing."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-
-
 def make_tiny(kind: str, tmp_path: Path, seed: int = 0, save_dtype=None):
     cfg_cls, model_cls, kwargs = tiny_models()[kind]
     config = cfg_cls(**kwargs)
@@ -403,55 +380,6 @@ def make_tiny(kind: str, tmp_path: Path, seed: int = 0, save_dtype=None):
     d = tmp_path / f"tiny-{kind}"
     model.save_pretrained(d)
     return model, d
-
-
-def cache_kv(cache, i):
-    if hasattr(cache, "layers"):
-        return cache.layers[i].keys, cache.layers[i].values
-    return cache.key_cache[i], cache.value_cache[i]
-
-
-def cache_kwarg(model) -> str:
-    # transformers renamed forward's past_key_values to cache (the old name still works there, with a warning)
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def hf_decode_step(model, ids: torch.Tensor, P: int):
-    """Prefill ids[:, :P] into a DynamicCache, then decode ids[:, P] at position P, capturing every layer's input
-    and output. -> (inputs, outputs, cache before the step, cache after), per layer."""
-    from transformers import DynamicCache
-    layers = model.model.layers
-    cache = DynamicCache(config=model.config)
-    kw = cache_kwarg(model)
-    ins, outs, hooks = {}, {}, []
-
-    def pre(i):
-        def hook(mod, args, kwargs):
-            ins[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
-        return hook
-
-    def post(i):
-        def hook(mod, args, kwargs, out):
-            outs[i] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-        return hook
-
-    with torch.no_grad():
-        model(input_ids=ids[:, :P], use_cache=True, **{kw: cache})
-        before = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
-        for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
-            hooks.append(layer.register_forward_hook(post(i), with_kwargs=True))
-        try:
-            model(input_ids=ids[:, P:P + 1], use_cache=True, **{kw: cache})
-        finally:
-            for h in hooks:
-                h.remove()
-        after = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
-    return ins, outs, before, after
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("kind", list(tiny_models()))

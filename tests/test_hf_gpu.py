@@ -4,7 +4,6 @@ inputs and cache, (2) FusedModel's logits over a 32-step greedy decode against t
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 
 import pytest
@@ -16,6 +15,8 @@ pytestmark = [pytest.mark.gpu,
 transformers = pytest.importorskip("transformers")
 
 from generator import compile as gcompile, hf, variants as gvariants  # noqa: E402
+from generator.verify import rel_err as rel  # noqa: E402
+from hf_util import hf_decode_step, randomize, rope_kwargs  # noqa: E402
 
 LAYER_TOL = 1e-2    # fused layer vs transformers' bf16 layer
 LOGITS_TOL = 2e-2   # fused model (bf16) vs transformers' fp32 copy of the same weights
@@ -24,13 +25,6 @@ BATCH, SEQ_LEN, PROMPT, NEW = 1, 64, 8, 32
 COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def rope_kwargs(cfg_cls, theta: float, scaling: dict | None = None) -> dict:
-    """transformers 5 takes rope_parameters (rope_theta inside); 4.x takes rope_theta and rope_scaling."""
-    if "rope_parameters" in inspect.signature(cfg_cls.__init__).parameters:
-        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}
-    return {"rope_theta": theta, **({"rope_scaling": scaling} if scaling else {})}
 
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -50,39 +44,6 @@ def kinds():
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(COMMON, head_dim=128, rms_norm_eps=1e-6,
                                                           **rope_kwargs(T.Qwen3Config, 1e6))),
     }
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Trained-like scales (unit-variance activations, non-trivial norms and biases), drawn on the CPU."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-
-
-def cache_kwarg(model) -> str:
-    # transformers renamed forward's past_key_values to cache (the old name still works there, with a warning)
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def cache_kv(cache, i):
-    if hasattr(cache, "layers"):
-        return cache.layers[i].keys, cache.layers[i].values
-    return cache.key_cache[i], cache.value_cache[i]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="module")
@@ -108,40 +69,6 @@ def tiny(tmp_path_factory):
     bad = [f"{e['name']}: {e['status']}: {e.get('error', '')[:2000]}" for e in result["entries"] if e["status"] != "ok"]
     assert not bad, "\n".join(bad)
     return out, build
-
-
-def hf_decode_step(model, ids: torch.Tensor, P: int):
-    """Prefill ids[:, :P], then decode ids[:, P] at position P; every layer's input/output of that step and the
-    cache before and after it."""
-    from transformers import DynamicCache
-    layers = model.model.layers
-    cache = DynamicCache(config=model.config)
-    kw = cache_kwarg(model)
-    ins, outs, hooks = {}, {}, []
-
-    def pre(i):
-        def hook(mod, args, kwargs):
-            ins[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
-        return hook
-
-    def post(i):
-        def hook(mod, args, kwargs, o):
-            outs[i] = (o[0] if isinstance(o, tuple) else o).detach().clone()
-        return hook
-
-    with torch.no_grad():
-        model(input_ids=ids[:, :P], use_cache=True, **{kw: cache})
-        before = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
-        for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
-            hooks.append(layer.register_forward_hook(post(i), with_kwargs=True))
-        try:
-            model(input_ids=ids[:, P:P + 1], use_cache=True, **{kw: cache})
-        finally:
-            for h in hooks:
-                h.remove()
-        after = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
-    return ins, outs, before, after
 
 
 @pytest.mark.parametrize("kind", list(kinds()))
