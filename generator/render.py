@@ -33,10 +33,6 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def plan_gemv(n: int, k: int, batch: int) -> dict:
     """Warps per task NWG and k-tiles in flight per warp U for one projection (tasks are 16-row tiles)."""
     ktiles = k // 16
