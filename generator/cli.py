@@ -188,11 +188,21 @@ def from_hf_cmd(path, write_file, name):
 
 
 def run():
-    """Console-script entry: a corrupt build directory is bad input too (one line, exit 2)."""
+    """Console-script entry: every bad input is one line on stderr and exit 2, click's own usage errors included
+    (an unknown option, `-j 0`), and a corrupt build directory too."""
     try:
-        main()
+        rv = main(standalone_mode=False)
+    except click.UsageError as exc:
+        ctx = exc.ctx
+        if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())) and ctx:  # bare `megakernel`
+            click.echo(ctx.get_help())
+            sys.exit(0)
+        fail(f"{ctx.command_path + ': ' if ctx else ''}{exc.format_message()}")
+    except click.exceptions.Abort:
+        fail("aborted", 1)
     except gcompile.ManifestError as exc:
         fail(str(exc))
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

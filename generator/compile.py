@@ -160,6 +160,19 @@ class ManifestError(ValueError):
     """build/manifest.json exists but cannot be read: one line saying how to recover."""
 
 
+def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
+    """Delete temporary files a killed build left behind (never under a final name). Only old ones: a build
+    running beside this one may be writing its own right now."""
+    removed = 0
+    if Path(build_dir).is_dir():
+        for p in Path(build_dir).rglob(".*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+                    removed += 1
+    return removed
+
+
 def read_manifest(build_dir: Path) -> dict:
     path = Path(build_dir) / MANIFEST
     try:
@@ -183,6 +196,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     """
     build_dir = Path(build_dir)
     read_manifest(build_dir)  # a corrupt manifest is reported before any compile, not after
+    remove_stale_temps(build_dir)
     jobs = jobs or os.cpu_count() or 1
     entries: dict[str, dict] = {}
     by_key: dict[str, list[tuple[Variant, dict]]] = {}

@@ -434,3 +434,14 @@ def test_every_default_variant_builds(tmp_path):
     assert_objects_intact(d)
     r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0 and "45 variants: 0 binaries compiled, 45 variants up to date" in r.stderr, r.stderr
+
+
+def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path):
+    d = tmp_path / "b" / "objects" / "k"
+    d.mkdir(parents=True)
+    old, fresh = d / ".kernel.cubin.abc.tmp", d / ".kernel.cubin.def.tmp"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"being written")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert gcompile.remove_stale_temps(tmp_path / "b") == 1
+    assert not old.exists() and fresh.exists()

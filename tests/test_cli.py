@@ -237,3 +237,10 @@ def test_corrupt_manifest_is_one_line_exit_2(cmd, tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["build", "-j", "0"], ["build", "--nope"], ["nosuchcmd"], ["render"]])
+def test_click_usage_errors_are_one_line(args):
+    r = run_cli(args, cwd=ROOT)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
