@@ -215,6 +215,28 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     return model, matrix
 
 
+def _model_at_line(text: str, line: int) -> str | None:
+    """The name of the `models:` entry whose block holds 0-based `line` (for errors YAML reports by line only)."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if re.match(r"^models\s*:", ln)), None)
+    if start is None or line <= start:
+        return None
+    indent = None
+    for ln in lines[start + 1:]:
+        if ln.strip() and not ln.lstrip().startswith("#"):
+            indent = len(ln) - len(ln.lstrip())
+            break
+    if not indent:
+        return None
+    for ln in reversed(lines[start + 1:min(line, len(lines) - 1) + 1]):
+        if ln.strip() and not ln.lstrip().startswith("#") and len(ln) - len(ln.lstrip()) < indent:
+            return None  # left the models block
+        m = re.match(rf"^ {{{indent}}}([^\s:#][^:]*?)\s*:", ln)
+        if m:
+            return m.group(1).strip("'\"")
+    return None
+
+
 def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
     """Parse and validate a variants file's text, expanding every model over its matrix."""
     try:
@@ -223,7 +245,9 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise VariantError(f"{path}:{line}: YAML syntax error: {problem}") from None
+        owner = _model_at_line(text, mark.line) if mark is not None else None
+        where = f" variant '{owner}':" if owner else ""
+        raise VariantError(f"{path}:{line}:{where} YAML syntax error: {problem}") from None
     if not isinstance(doc, dict):
         raise VariantError(f"{path}: top level must be a mapping with keys 'models' and 'matrix'")
     for key in doc:

@@ -258,3 +258,13 @@ def test_bool_is_not_an_int_anywhere():
             gvariants.parse(doc_text(**{k: True}), "t.yaml")
     with pytest.raises(VariantError, match="matrix.batch"):
         gvariants.parse(GOOD_TEXT.replace("batch:\n  - 1", "batch:\n  - true"), "t.yaml")
+
+
+def test_duplicate_field_error_names_the_variant():
+    text = ("matrix: {mode: [decode], batch: [1], seq_len: [64]}\n"
+            "models:\n  tiny-a:\n    hidden: 256\n  tiny-b:\n    hidden: 256\n    heads: 4\n    heads: 8\n")
+    with pytest.raises(VariantError) as e:
+        gvariants.parse(text, "v.yaml")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("v.yaml: line 8:") and "variant 'tiny-b'" in msg
+    assert "duplicate key 'heads'" in msg
