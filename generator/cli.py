@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import compile as gcompile, report as greport, variants as gvariants
+from . import compile as gcompile, manifest as gmanifest, report as greport, variants as gvariants
 from .render import PlanError, plan, render
+from .targets import TargetError, arch as get_arch
 
 # a pipe or CI log is not a terminal: rich would squeeze the table into 80 columns
 console = Console(width=None if sys.stdout.isatty() else 240)
@@ -56,21 +57,13 @@ def list_cmd(variants_file, build_dir, only):
     """List the declared variants and their build status."""
     vs = load_selected(variants_file, only)
     built = gcompile.read_manifest(Path(build_dir))["variants"]
+    digest = gmanifest.kernel_sources_digest()
     t = Table(header_style="bold")
     for h in ("variant", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "build"):
         t.add_column(h)
     for v in vs:
         m, e = v.model, built.get(v.name)
-        if e is None:
-            status = "not built"
-        elif e["status"] != "ok":
-            status = e["status"]
-        else:
-            try:
-                fresh = hashlib.sha256(render(v).encode()).hexdigest() == e.get("source_sha256")
-            except PlanError:
-                fresh = False
-            status = "built" if fresh else "stale"
+        status = gmanifest.status(e, v, digest)
         t.add_row(v.name, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
                   str(v.batch), str(v.seq_len), status)
     console.print(t)
@@ -100,14 +93,17 @@ def render_cmd(name, variants_file):
 @click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused")
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
     """Render and compile the variants, then print the resource report."""
-    if not re.fullmatch(r"\d{2,3}a?", arch):
-        fail(f"--arch: expected digits such as 90 or 90a, got '{arch}'")
+    try:
+        get_arch(arch)
+    except TargetError as exc:
+        fail(str(exc))
     vs = load_selected(variants_file, only, exclude)
     jobs = jobs or os.cpu_count() or 1
     with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         task = bar.add_task("build", total=len(vs))
-        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n))
+        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n),
+                                variants_file=variants_file)
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])

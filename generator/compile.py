@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from . import __version__
-from .render import PlanError, SMEM_LIMIT, plan, render
+from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
+from .render import PlanError, plan, render
+from .targets import DEFAULT_ARCH, arch as get_arch
 from .variants import Variant
 
 NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v", "-lineinfo")  # line tables: compute-sanitizer and profilers name source lines
-MANIFEST = "manifest.json"
-REGS_PER_SM, THREADS_PER_SM, SMEM_PER_SM = 65536, 2048, 228 * 1024
 _UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it); restored on the next line
 os.umask(_UMASK)
 
@@ -108,11 +108,13 @@ def parse_ptxas(log: str) -> dict:
     }
 
 
-def blocks_per_sm(registers: int, threads: int, smem: int) -> int:
-    """Resident blocks per SM that registers, threads and shared memory allow (sm_90 limits)."""
+def blocks_per_sm(registers: int, threads: int, smem: int, arch: str = DEFAULT_ARCH) -> int:
+    """Resident blocks per SM that registers, threads and shared memory allow on sm_`arch` (1 KB of shared memory
+    per block is reserved by the driver)."""
+    a = get_arch(arch)
     regs = max(1, (registers + 7) // 8 * 8) * threads
-    by_smem = SMEM_PER_SM // (smem + 1024) if smem else 32
-    return max(0, min(REGS_PER_SM // regs, THREADS_PER_SM // threads, by_smem))
+    by_smem = a.smem_per_sm // (smem + 1024) if smem else 32
+    return max(0, min(a.regs_per_sm // regs, a.threads_per_sm // threads, by_smem))
 
 
 def _compile_object(source: str, arch: str, obj: Path) -> dict:
@@ -156,10 +158,6 @@ def locked(build_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-class ManifestError(ValueError):
-    """build/manifest.json exists but cannot be read: one line saying how to recover."""
-
-
 def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
     """Delete temporary files a killed build left behind (never under a final name). Only old ones: a build
     running beside this one may be writing its own right now."""
@@ -173,28 +171,19 @@ def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
     return removed
 
 
-def read_manifest(build_dir: Path) -> dict:
-    path = Path(build_dir) / MANIFEST
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {"variants": {}}
-    except (ValueError, UnicodeDecodeError):
-        doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
-        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run `megakernel clean` and "
-                            "build again")
-    return doc
-
-
-def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None, arch: str = "90",
-          progress=None) -> dict:
-    """Render and compile every variant; returns {"entries": [...], "errors": [...], "distinct": n}.
+def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
+          arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None) -> dict:
+    """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
-    variant (status "error") so one bad variant does not hide the others.
+    variant (status "error") so one bad variant does not hide the others. `variants_file` (where the variants
+    were declared) is recorded so that loading can tell when a declaration changed since. Raises TargetError for
+    an architecture the kernel cannot target.
     """
     build_dir = Path(build_dir)
+    target = get_arch(arch)
+    digest = kernel_sources_digest()
+    vfile = str(Path(variants_file).resolve()) if variants_file else None
     read_manifest(build_dir)  # a corrupt manifest is reported before any compile, not after
     remove_stale_temps(build_dir)
     jobs = jobs or os.cpu_count() or 1
@@ -202,18 +191,19 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     by_key: dict[str, list[tuple[Variant, dict]]] = {}
     sources: dict[str, str] = {}
     for v in variants:
-        entry = {"name": v.name, "params": v.params(), "status": "ok"}
+        entry = {"name": v.name, "params": v.params(), "status": "ok", "arch": target.sm,
+                 "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile}
         entries[v.name] = entry
         try:
-            p = plan(v)
+            p = plan(v, target.sm)
         except PlanError as exc:
             entry.update(status="refused", error=str(exc))
             continue
         src = render(v, p)
         key = cache_key(src, arch)
         write_if_changed(build_dir / v.name / "kernel.cu", src)
-        entry.update(key=key, arch=arch, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(), source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin",
-                     object=f"objects/{key}")
+        entry.update(key=key, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(),
+                     source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin", object=f"objects/{key}")
         by_key.setdefault(key, []).append((v, entry))
         sources[key] = src
 
@@ -253,9 +243,10 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                                             "spill_loads", "static_smem", "compile_s")},
                     "dynamic_smem": smem,
                     "smem_total": smem + meta["static_smem"],
-                    "smem_pct": round(100 * (smem + meta["static_smem"]) / SMEM_LIMIT, 1),
+                    "smem_limit": target.smem_per_block,
+                    "smem_pct": round(100 * (smem + meta["static_smem"]) / target.smem_per_block, 1),
                     "blocks_per_sm": blocks_per_sm(meta["registers"], entry["plan"]["threads"],
-                                                   smem + meta["static_smem"]),
+                                                   smem + meta["static_smem"], target.sm),
                     "cached": cached,
                 }
             if progress:

@@ -1,6 +1,6 @@
 """The decoder layer in plain PyTorch, fp32 math, CPU or GPU: the ground truth the fused kernel is checked against.
 
-One function per kernel stage, with the stage's template name (templates/stages/<name>.cuh.j2). Weight names are
+One function per kernel stage, with the stage's header name (templates/stages/<name>.cuh). Weight names are
 those of HF transformers. The KV caches are the layer's state: they keep the model dtype, as the kernel's do.
 """
 from __future__ import annotations
@@ -9,33 +9,12 @@ import math
 
 import torch
 
+from .host import inv_freq
+from .interface import weight_shapes
+from .targets import DTYPES, torch_dtype
 from .variants import Model
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def weight_shapes(m: Model) -> dict[str, tuple[int, ...]]:
-    """Every tensor a layer of this model has, named as in HF transformers."""
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    shapes = {
-        "input_layernorm.weight": (m.hidden,),
-        "self_attn.q_proj.weight": (q, m.hidden),
-        "self_attn.k_proj.weight": (kv, m.hidden),
-        "self_attn.v_proj.weight": (kv, m.hidden),
-        "self_attn.o_proj.weight": (m.hidden, q),
-        "post_attention_layernorm.weight": (m.hidden,),
-        "mlp.gate_proj.weight": (m.intermediate, m.hidden),
-        "mlp.up_proj.weight": (m.intermediate, m.hidden),
-        "mlp.down_proj.weight": (m.hidden, m.intermediate),
-    }
-    if m.norm == "layernorm":
-        shapes["input_layernorm.bias"] = (m.hidden,)
-        shapes["post_attention_layernorm.bias"] = (m.hidden,)
-    if m.qkv_bias:
-        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    if m.qk_norm:
-        shapes.update({"self_attn.q_norm.weight": (m.head_dim,), "self_attn.k_norm.weight": (m.head_dim,)})
-    return shapes
+TORCH_DTYPES = {name: torch_dtype(name) for name in DTYPES}
 
 
 def random_weights(m: Model, *, seed: int = 0, device="cpu", dtype=None) -> dict[str, torch.Tensor]:
@@ -53,23 +32,6 @@ def random_weights(m: Model, *, seed: int = 0, device="cpu", dtype=None) -> dict
             t = t / math.sqrt(shape[1])
         out[name] = t.to(dtype)
     return out
-
-
-def inv_freq(m: Model, device="cpu") -> torch.Tensor:
-    """RoPE inverse frequencies in fp32, computed as HF does (llama3 scaling included)."""
-    base = 1.0 / (m.rope_theta ** (torch.arange(0, m.head_dim, 2, dtype=torch.int64).float() / m.head_dim))
-    if m.rope_scaling:
-        s = dict(m.rope_scaling)
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old / lo, old / hi
-        wavelen = 2 * math.pi / base
-        scaled = torch.where(wavelen > low_wavelen, base / factor, base)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        base = torch.where(medium, smoothed, scaled)
-    return base.to(device)
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: Model) -> torch.Tensor:
@@ -138,16 +100,24 @@ def down_proj(act: torch.Tensor, h: torch.Tensor, W: dict) -> torch.Tensor:
 
 def decoder_layer(x: torch.Tensor, pos: torch.Tensor, W: dict, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   m: Model, *, return_parts: bool = False):
-    """One decode step: x [B, hidden], pos [B] -> [B, hidden] fp32; k_cache/v_cache updated in place."""
+    """One decode step: x [B, hidden], pos [B] -> [B, hidden] fp32; k_cache/v_cache updated in place.
+
+    return_parts=True also returns each step's result under its stage name, as the kernel's workspace holds it:
+    qkv_proj [B, q_dim + 2 kv_dim] (raw, before q/k norm and RoPE), attention [B, q_dim], o_proj [B, hidden] (the
+    residual h), gate_up [B, intermediate], down_proj [B, hidden] (the output); plus q, k, v after RoPE."""
     xn = norm(x, W["input_layernorm.weight"], W.get("input_layernorm.bias"), m)
     q, k, v = qkv_proj(xn, W, m)
+    B = x.shape[0]
+    qkv = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], dim=1)
     q = rope(qk_norm(q, W.get("self_attn.q_norm.weight"), m), pos, m)
     k = rope(qk_norm(k, W.get("self_attn.k_norm.weight"), m), pos, m)
     kv_append(k_cache, v_cache, k, v, pos)
     attn = attention(q, k_cache, v_cache, pos, m)
     h = o_proj(attn, x, W)
     hn = norm(h, W["post_attention_layernorm.weight"], W.get("post_attention_layernorm.bias"), m)
-    out = down_proj(gate_up(hn, W, m), h, W)
+    act = gate_up(hn, W, m)
+    out = down_proj(act, h, W)
     if return_parts:
-        return out, {"q": q, "k": k, "v": v, "attn": attn, "h": h}
+        return out, {"q": q, "k": k, "v": v, "qkv_proj": qkv, "attention": attn, "o_proj": h, "gate_up": act,
+                     "down_proj": out, "attn": attn, "h": h}
     return out

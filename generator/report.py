@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .compile import atomic_write, read_manifest
-from .render import SMEM_LIMIT
+from .targets import DEFAULT_ARCH, arch as get_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
@@ -28,8 +28,9 @@ def flags(entry: dict) -> list[str]:
     r = entry["resources"]
     if r["spill_stores"] or r["spill_loads"]:
         out.append("spills")
-    if r["smem_total"] > SMEM_LIMIT:
-        out.append("smem>227KB")
+    limit = r.get("smem_limit") or get_arch(entry.get("arch", DEFAULT_ARCH)).smem_per_block
+    if r["smem_total"] > limit:
+        out.append(f"smem>{limit // 1024}KB")
     if r["blocks_per_sm"] < 1:
         out.append("no-residency")
     return out

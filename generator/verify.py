@@ -7,8 +7,9 @@ import math
 import torch
 
 from . import reference
+from .targets import DTYPES
 
-REL_TOL = {"bf16": 1e-2, "fp16": 1e-2}
+REL_TOL = {name: d.rel_tol for name, d in DTYPES.items()}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -37,17 +38,26 @@ def random_inputs(layer, seed: int, *, positions: str = "random"):
     return x, pos
 
 
+# the workspace buffer where the kernel leaves each step's result (the last step's is the output)
+STEP_BUFFERS = {"qkv_proj": "qkv", "attention": "attn", "o_proj": "h", "gate_up": "act"}
+
+
 def check_step(layer, x: torch.Tensor, pos: torch.Tensor) -> dict:
-    """One step through the kernel with a NaN-poisoned output vs. the reference on copies of the caches."""
+    """One step through the kernel with a NaN-poisoned output vs. the reference on copies of the caches.
+
+    Returns rel_err (output), unwritten (NaN count), k_err/v_err (appended cache rows), cache_untouched (every
+    other row bit-exact), stage_err {step: rel_err of its workspace result}, first_bad_stage (the first step out
+    of tolerance, where the fault is; None when all pass), overflows (values the dtype could not hold), out."""
     m = layer.model
     kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
     W = layer.weights()
     out = torch.full_like(x, float("nan"))
     pos_dev = pos.to(layer.device)
     layer.check_positions(pos)
+    layer.overflows()  # reset the counter
     layer.launch(x, pos_dev, out)
     torch.cuda.synchronize(layer.device)
-    ref = reference.decoder_layer(x, pos_dev, W, kc, vc, m)
+    ref, parts = reference.decoder_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
     idx = torch.arange(x.shape[0], device=layer.device)
     p = pos_dev.long()
     new_k, new_v = layer.k_cache[idx, :, p], layer.v_cache[idx, :, p]
@@ -55,12 +65,18 @@ def check_step(layer, x: torch.Tensor, pos: torch.Tensor) -> dict:
     mask = torch.ones(layer.k_cache.shape[:3], dtype=torch.bool, device=layer.device)
     mask[idx, :, p] = False
     untouched = bool((layer.k_cache[mask] == kc[mask]).all() and (layer.v_cache[mask] == vc[mask]).all())
+    stage_err = {s: rel_err(layer.buffer(b), parts[s]) for s, b in STEP_BUFFERS.items()}
+    stage_err["down_proj"] = rel_err(out, ref)
+    tol = REL_TOL[m.dtype]
     return {
-        "rel_err": rel_err(out, ref),
+        "rel_err": stage_err["down_proj"],
         "unwritten": int(torch.isnan(out).sum()),
         "k_err": rel_err(new_k, kc[idx, :, p]),
         "v_err": rel_err(new_v, vc[idx, :, p]),
         "cache_untouched": untouched,
+        "stage_err": stage_err,
+        "first_bad_stage": next((s for s in layer.STAGES if stage_err.get(s, 0.0) > tol), None),
+        "overflows": layer.overflows(),
         "out": out,
     }
 

@@ -119,11 +119,11 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
     status = build_status(r.stdout)
     assert status == {n: "built" for n in TINY_NAMES}, r.stdout
     m = json.loads((d / "manifest.json").read_text())
-    m["variants"][TINY_NAMES[0]]["source_sha256"] = "0" * 64  # as if the templates had changed since
+    m["variants"][TINY_NAMES[0]]["sources_sha256"] = "0" * 64  # as if the templates had changed since
     (d / "manifest.json").write_text(json.dumps(m))
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert build_status(r.stdout) == {TINY_NAMES[0]: "stale"}, r.stdout
+    assert build_status(r.stdout) == {TINY_NAMES[0]: "stale (templates)"}, r.stdout
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", tmp_path / "none"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert build_status(r.stdout) == {n: "not built" for n in TINY_NAMES}, r.stdout

@@ -208,7 +208,7 @@ def test_find_entry_variant_not_built(tiny_build):
 def test_find_entry_stale_build(copy_build):
     d = copy_build()
     m = json.loads((d / "manifest.json").read_text())
-    m["variants"][TINY_NAMES[0]]["source_sha256"] = "f" * 64
+    m["variants"][TINY_NAMES[0]]["sources_sha256"] = "f" * 64
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(LoadError) as info:
         loader.find_entry(TINY_NAMES[0], d)

@@ -1,10 +1,15 @@
 // ---- stage: down_proj ---- down projection plus the second residual: out = h + act @ Wd^T.
-__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned char* smem) {
+#pragma once
+#include "../gemv.cuh"
+__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
+                          unsigned char* smem) {
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U>(w_down, ws_act, reinterpret_cast<float*>(smem + SMEM_RED),
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += DOWN_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
-                out[(size_t)b * HIDDEN + n] = from_f(ws_h[(size_t)b * HIDDEN + n] + tile(i / BATCH, b));
+                const float o = ws_h[(size_t)b * HIDDEN + n] + tile(i / BATCH, b);
+                count_overflow(o, ws_status);
+                out[(size_t)b * HIDDEN + n] = from_f(o);
             }
         });
 }

@@ -2,6 +2,8 @@
 // shared memory as T, rows XS_LD apart (padded: the tensor-core B fragments read 8 rows without bank conflicts):
 // the projection that follows reads its input from there. Every block normalises the whole
 // (small) activation itself, so no grid barrier is needed between the norm and the projection.
+#pragma once
+#include "../common.cuh"
 template <class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch) {
     constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;

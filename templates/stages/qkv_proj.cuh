@@ -1,6 +1,9 @@
 // ---- stage: qkv_proj ---- input norm, then q, k and v of every sequence in one GEMV over the packed
 // [q; k; v] weight (+ bias where the model has one). Raw fp32 results go to ws_qkv[b][QKV_DIM]; q/k norm and RoPE
 // happen in the attention stage, which needs whole heads.
+#pragma once
+#include "../gemv.cuh"
+#include "norm.cuh"
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qkv, const T* b_qkv, float* ws_qkv,
                          unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);

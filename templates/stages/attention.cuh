@@ -8,6 +8,11 @@
 // (qk_norm, rope, scale) in shared memory; the task that holds row pos also appends the new k and v.
 // Splits of one (sequence, kv head) meet through a counter: the last to finish combines the partial results
 // (max-rescaled sums) and writes the attention output, so no extra grid barrier is needed.
+#pragma once
+#include "../gemv.cuh"
+#include "qk_norm.cuh"
+#include "rope.cuh"
+#include "kv_append.cuh"
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));

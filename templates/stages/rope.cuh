@@ -1,6 +1,8 @@
 // ---- stage: rope ---- rotary embedding, HF "rotate_half" convention: dims d and d + HEAD_DIM/2 form a pair,
 // angle = position * inv_freq[d mod HEAD_DIM/2] (inv_freq is computed on the host, so scaled RoPE variants only
 // change that table). v: one head in shared memory, one warp; the result is also multiplied by `scale`.
+#pragma once
+#include "../common.cuh"
 __device__ __forceinline__ void rope(float* v, int position, const float* __restrict__ inv_freq, float scale, int lane) {
     constexpr int HALF = HEAD_DIM / 2;
     float out[(HALF + 31) / 32][2];

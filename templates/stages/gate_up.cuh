@@ -1,5 +1,8 @@
 // ---- stage: gate_up ---- post-attention norm, then gate and up projections in one GEMV over a weight whose rows
 // are interleaved (gate_i, up_i), so a 16-row tile holds both halves of act(gate) * up and writes it directly.
+#pragma once
+#include "../gemv.cuh"
+#include "norm.cuh"
 __device__ __forceinline__ float activation(float g) {
 #if ACT_GELU
     return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
@@ -9,7 +12,7 @@ __device__ __forceinline__ float activation(float g) {
 }
 
 __device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
-                        unsigned char* smem) {
+                        unsigned* ws_status, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
     gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U>(w_gu, xs, reinterpret_cast<float*>(smem + SMEM_RED),
@@ -18,7 +21,9 @@ __device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T
                 const int pr = i / BATCH, b = i % BATCH;
                 const float g = tile(2 * pr, b);
                 const float u = tile(2 * pr + 1, b);
-                ws_act[(size_t)b * INTER + row0 / 2 + pr] = from_f(activation(g) * u);
+                const float a = activation(g) * u;
+                count_overflow(a, ws_status);
+                ws_act[(size_t)b * INTER + row0 / 2 + pr] = from_f(a);
             }
         });
 }

@@ -1,5 +1,7 @@
 // ---- stage: o_proj ---- output projection of the attention result plus the residual: h = x + attn @ Wo^T,
 // kept in fp32 (ws_h) for the second norm and the final residual.
+#pragma once
+#include "../gemv.cuh"
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, unsigned char* smem) {
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U>(w_o, ws_attn, reinterpret_cast<float*>(smem + SMEM_RED),
         [&](int row0, auto tile, int gt) {

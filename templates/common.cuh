@@ -1,32 +1,24 @@
+// Helpers every stage uses: element conversions, 16-byte vector loads, warp reductions, cp.async.
+#pragma once
+#ifndef MEGAKERNEL_CONFIG  // a generated kernel defines its config first; opened alone, a header uses this example
+#include "example_config.cuh"
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
 
-// ---- variant constants (from the planner; the manifest records the same numbers) ----
-{% for k, v in consts.items() %}constexpr int {{ k }} = {{ v }};
-{% endfor %}constexpr float NORM_EPS = {{ norm_eps }};
-constexpr float SCORE_SCALE = {{ score_scale }};  // log2(e) / sqrt(head_dim): softmax runs on exp2
-#define NORM_LAYERNORM {{ 1 if norm == "layernorm" else 0 }}
-#define ACT_GELU {{ 1 if activation == "gelu" else 0 }}
-#define QKV_BIAS {{ 1 if qkv_bias else 0 }}
-#define QK_NORM {{ 1 if qk_norm else 0 }}
-
-{% if dtype == "bf16" %}
-typedef __nv_bfloat16 T;
-typedef __nv_bfloat162 T2;
+#if DTYPE_BF16
 __device__ __forceinline__ float to_f(T v) { return __bfloat162float(v); }
 __device__ __forceinline__ T from_f(float v) { return __float2bfloat16(v); }
 __device__ __forceinline__ float2 to_f2(T2 v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ T2 from_f2(float a, float b) { return __floats2bfloat162_rn(a, b); }
-{% else %}
-typedef __half T;
-typedef __half2 T2;
+#else
 __device__ __forceinline__ float to_f(T v) { return __half2float(v); }
 __device__ __forceinline__ T from_f(float v) { return __float2half(v); }
 __device__ __forceinline__ float2 to_f2(T2 v) { return __half22float2(v); }
 __device__ __forceinline__ T2 from_f2(float a, float b) { return __floats2half2_rn(a, b); }
-{% endif %}
+#endif
 
 // 8 elements = one 16-byte vector: the unit of every load in this kernel.
 __device__ __forceinline__ void unpack8(const uint4 u, float (&f)[8]) {
@@ -71,3 +63,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+// A value about to be stored as T that T cannot hold (fp16 above 65504) becomes inf: count it in status[0] so the
+// host can say so (FusedDecoderLayer.overflows()). bf16 has fp32's range: the check compiles away.
+__device__ __forceinline__ void count_overflow(float v, unsigned* status) {
+    if (T_MAX < 3.0e38f && fabsf(v) > T_MAX) atomicAdd(status, 1u);
+}

@@ -1,11 +1,12 @@
 // ---- GEMV engine shared by the four projection stages (not a stage itself) ----
+#pragma once
+#include "common.cuh"
 // out[n][b] = sum_k W[n][k] * X[b][k] on the tensor cores: mma.sync m16n8k16 with 16 weight rows as M, 16 of K,
 // and the batch as N (8 sequences per n-tile, zero-padded). A task is one 16-row tile of W over the whole of K,
 // done by a group of GEMV_NWG warps that split K; the weights are packed on the host in fragment order, so one
 // coalesced 16-byte load gives a lane its whole A fragment of a 16x16 tile. The warps' accumulators meet in shared
 // memory and the stage's epilogue reads tile(r, b).
 
-__host__ __device__ constexpr int pow2_ceil(int v) { int p = 1; while (p < v) p *= 2; return p; }
 constexpr int NTILE = (BATCH + 7) / 8;  // n-tiles of 8 sequences
 
 template <int NWG>
@@ -20,11 +21,7 @@ struct Tile {  // the task's 16 x BATCH results, summed over the group's warps
 };
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
-{% if dtype == "bf16" %}
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-{% else %}
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-{% endif %}
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 "
                  "{ %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, { %0, %1, %2, %3 };"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));

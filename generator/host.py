@@ -1,0 +1,26 @@
+"""Values the host computes for a kernel from a variant's parameters (covered by the build's identity, since the
+kernel source does not contain them)."""
+from __future__ import annotations
+
+import math
+
+from .variants import Model
+
+
+def inv_freq(m: Model, device="cpu"):
+    """RoPE inverse frequencies [head_dim / 2] fp32, as transformers computes them
+    (modeling_rope_utils._compute_default_rope_parameters; llama3 scaling: _compute_llama3_parameters)."""
+    import torch
+    base = 1.0 / (m.rope_theta ** (torch.arange(0, m.head_dim, 2, dtype=torch.int64).float() / m.head_dim))
+    if m.rope_scaling:
+        s = dict(m.rope_scaling)
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / base
+        scaled = torch.where(wavelen > low_wavelen, base / factor, base)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        base = torch.where(medium, smoothed, scaled)
+    return base.to(device)

@@ -1,0 +1,217 @@
+"""The kernel's interface, written once as data: the C parameter list, the weights it takes (HF names, how they are
+packed), and the workspace buffers (element type, shape, alignment). The renderer prints the parameter list from
+ARGS, the build records every buffer's offset in the manifest (workspace_layout), and the loader builds the
+launch's argument tuple and carves its workspace from that same record. Adding a buffer is one line in WORKSPACE.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .variants import Model
+
+ALIGN = 256  # bytes: every workspace buffer starts on a 256-byte boundary (16-byte vector loads, cp.async)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One kernel parameter. ctype uses T for the activation dtype's element type."""
+    name: str
+    ctype: str
+    role: str              # input | output | weight | param | cache | workspace
+    optional: bool = False  # passed as a null pointer where the model has no such tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A workspace buffer: ctype elements, shape from the plan's constants (so one line serves every mode)."""
+    name: str
+    ctype: str
+    shape: Callable[[dict], tuple[int, ...]]
+    doc: str
+
+
+CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
+
+# Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
+# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, BATCH.
+WORKSPACE: tuple[Buffer, ...] = (
+    Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
+    Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
+           "attention split partials: acc[head_dim], max, sum"),
+    Buffer("count", "unsigned", lambda c: (c["ROWS"] * c["KV_HEADS"],), "splits finished per (token, kv head)"),
+    Buffer("attn", "T", lambda c: (c["ROWS"], c["Q_DIM"]), "attention output"),
+    Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
+    Buffer("act", "T", lambda c: (c["ROWS"], c["INTER"]), "act(gate) * up"),
+    Buffer("clock", "long long", lambda c: (8,), "block 0's SM clock at each stage boundary"),
+    Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
+)
+
+ARGS: tuple[Arg, ...] = (
+    Arg("x", "const T*", "input"),
+    Arg("pos", "const int*", "input"),
+    Arg("out", "T*", "output"),
+    Arg("w_qkv", "const T*", "weight"),
+    Arg("b_qkv", "const T*", "weight", optional=True),
+    Arg("q_norm_w", "const T*", "weight", optional=True),
+    Arg("k_norm_w", "const T*", "weight", optional=True),
+    Arg("ln1_w", "const T*", "weight"),
+    Arg("ln1_b", "const T*", "weight", optional=True),
+    Arg("w_o", "const T*", "weight"),
+    Arg("ln2_w", "const T*", "weight"),
+    Arg("ln2_b", "const T*", "weight", optional=True),
+    Arg("w_gu", "const T*", "weight"),
+    Arg("w_down", "const T*", "weight"),
+    Arg("inv_freq", "const float*", "param"),
+    Arg("k_cache", "T*", "cache"),
+    Arg("v_cache", "T*", "cache"),
+    *(Arg(f"ws_{b.name}", f"{b.ctype}*", "workspace") for b in WORKSPACE),
+)
+
+
+def c_params() -> str:
+    """The kernel's C parameter list (ARGS in order); pointers that the kernel only reads are __restrict__."""
+    return ",\n    ".join(f"{a.ctype} {'__restrict__ ' if a.ctype.startswith('const') else ''}{a.name}" for a in ARGS)
+
+
+def workspace_layout(consts: dict) -> dict:
+    """{"buffers": {name: {"offset", "bytes", "ctype", "shape"}}, "bytes": total}: offsets ALIGN-aligned."""
+    out, total = {}, 0
+    for b in WORKSPACE:
+        shape = tuple(int(s) for s in b.shape(consts))
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * CTYPE_BYTES[b.ctype]
+        out[b.name] = {"offset": total, "bytes": nbytes, "ctype": b.ctype, "shape": list(shape)}
+        total += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return {"buffers": out, "bytes": total}
+
+
+# ---- weights: HF names in, packed kernel arguments out ----
+
+def weight_shapes(m: Model) -> dict[str, tuple[int, ...]]:
+    """Every tensor one layer of model `m` has, named as in HF transformers (LlamaDecoderLayer and kin), with its
+    shape ([out_features, in_features] for projections)."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    shapes = {
+        "input_layernorm.weight": (m.hidden,),
+        "self_attn.q_proj.weight": (q, m.hidden),
+        "self_attn.k_proj.weight": (kv, m.hidden),
+        "self_attn.v_proj.weight": (kv, m.hidden),
+        "self_attn.o_proj.weight": (m.hidden, q),
+        "post_attention_layernorm.weight": (m.hidden,),
+        "mlp.gate_proj.weight": (m.intermediate, m.hidden),
+        "mlp.up_proj.weight": (m.intermediate, m.hidden),
+        "mlp.down_proj.weight": (m.hidden, m.intermediate),
+    }
+    if m.norm == "layernorm":
+        shapes["input_layernorm.bias"] = (m.hidden,)
+        shapes["post_attention_layernorm.bias"] = (m.hidden,)
+    if m.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if m.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (m.head_dim,), "self_attn.k_norm.weight": (m.head_dim,)})
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A weight argument: HF tensors joined by `join` (cat: stacked rows; interleave: row i of each in turn), then
+    stored in the variant's weight format if `matrix` (a projection), as is otherwise (norm weights, biases)."""
+    arg: str
+    sources: tuple[str, ...]
+    join: str = "cat"
+    matrix: bool = False
+    when: Callable[[Model], bool] = lambda m: True
+
+
+PACKED: tuple[Packed, ...] = (
+    Packed("w_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), matrix=True),
+    Packed("w_o", ("self_attn.o_proj.weight",), matrix=True),
+    # gate and up rows interleaved (gate_i, up_i): a 16-row tile holds both halves of act(gate) * up
+    Packed("w_gu", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), join="interleave", matrix=True),
+    Packed("w_down", ("mlp.down_proj.weight",), matrix=True),
+    Packed("ln1_w", ("input_layernorm.weight",)),
+    Packed("ln2_w", ("post_attention_layernorm.weight",)),
+    Packed("ln1_b", ("input_layernorm.bias",), when=lambda m: m.norm == "layernorm"),
+    Packed("ln2_b", ("post_attention_layernorm.bias",), when=lambda m: m.norm == "layernorm"),
+    Packed("b_qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+           when=lambda m: m.qkv_bias),
+    Packed("q_norm_w", ("self_attn.q_norm.weight",), when=lambda m: m.qk_norm),
+    Packed("k_norm_w", ("self_attn.k_norm.weight",), when=lambda m: m.qk_norm),
+)
+
+
+def _fragment_index():
+    """(row, col) inside a 16x16 tile of each lane's 8 elements of an mma.m16n8k16 A fragment, in register order
+    (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type")."""
+    import torch
+    lane = torch.arange(32)
+    gid, tig = lane // 4, lane % 4
+    rows = torch.stack([gid, gid, gid + 8, gid + 8, gid, gid, gid + 8, gid + 8], dim=1)
+    cols = torch.stack([2 * tig, 2 * tig + 1, 2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9, 2 * tig + 8,
+                        2 * tig + 9], dim=1)
+    return rows, cols
+
+
+def to_fragments(w):
+    """[N, K] -> [N/16, K/16, 32, 8]: one 16-byte load gives a lane its A fragment of a 16x16 tile."""
+    n, k = w.shape
+    rows, cols = _fragment_index()
+    tiles = w.reshape(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # [mt, kt, 16, 16]
+    return tiles[:, :, rows.to(w.device), cols.to(w.device)].contiguous()
+
+
+def from_fragments(f):
+    """Inverse of to_fragments: [N/16, K/16, 32, 8] -> [N, K]."""
+    import torch
+    mt, kt = f.shape[:2]
+    rows, cols = _fragment_index()
+    tiles = torch.empty(mt, kt, 16, 16, dtype=f.dtype, device=f.device)
+    tiles[:, :, rows.to(f.device), cols.to(f.device)] = f
+    return tiles.permute(0, 2, 1, 3).reshape(mt * 16, kt * 16)
+
+
+# weight format packing name (targets.WeightFormat.packing) -> (pack [N, K] tensor, unpack)
+PACKINGS = {"fragments": (to_fragments, from_fragments)}
+
+
+def pack_weights(weights: dict, m: Model, packing: str = "fragments") -> dict:
+    """HF-named tensors (weight_shapes) -> {arg name: tensor in the kernel's layout}, per PACKED."""
+    import torch
+    pack = PACKINGS[packing][0]
+    out = {}
+    for p in PACKED:
+        if not p.when(m):
+            continue
+        ts = [weights[s] for s in p.sources]
+        if p.join == "interleave":
+            t = torch.stack(ts, dim=1).reshape(-1, ts[0].shape[-1])
+        else:
+            t = torch.cat(ts) if len(ts) > 1 else ts[0]
+        out[p.arg] = pack(t) if p.matrix else t.contiguous()
+    return out
+
+
+def unpack_weights(packed: dict, m: Model, packing: str = "fragments") -> dict:
+    """Inverse of pack_weights: the HF-named tensors back from the kernel's layout."""
+    unpack = PACKINGS[packing][1]
+    shapes = weight_shapes(m)
+    out = {}
+    for p in PACKED:
+        if not p.when(m):
+            continue
+        t = unpack(packed[p.arg]) if p.matrix else packed[p.arg]
+        if p.join == "interleave":
+            k = len(p.sources)
+            t = t.view(-1, k, t.shape[-1])
+            for i, s in enumerate(p.sources):
+                out[s] = t[:, i]
+        else:
+            o = 0
+            for s in p.sources:
+                n = shapes[s][0]
+                out[s] = t[o:o + n]
+                o += n
+    return out

@@ -1,0 +1,137 @@
+"""build/manifest.json: what a build recorded about each variant, read without the renderer (no Jinja, no
+templates needed), so a build directory can be loaded on its own.
+
+A variant's build is current when (1) the parameters it was built from equal the ones declared now (every field,
+rope_theta and rope_scaling included: the host computes some of them, so the source hash alone cannot tell), and
+(2) the files that decide a kernel's source (KERNEL_SOURCES) hash to what they hashed at build time, where that
+source tree is present.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .variants import Model, Variant
+
+MANIFEST = "manifest.json"
+ROOT = Path(__file__).resolve().parent.parent
+# what decides a kernel's source besides its parameters
+KERNEL_SOURCES = ("templates", "generator/render.py", "generator/plan.py", "generator/interface.py",
+                  "generator/targets.py", "generator/modes")
+
+
+class ManifestError(ValueError):
+    """build/manifest.json exists but cannot be read: one line saying how to recover."""
+
+
+class LoadError(RuntimeError):
+    """The build for a variant is missing, stale, corrupt or for another GPU (the message says which command
+    fixes it)."""
+
+
+def read_manifest(build_dir: Path) -> dict:
+    """The manifest's JSON ({"variants": {}} where there is none). Raises ManifestError when unreadable."""
+    path = Path(build_dir) / MANIFEST
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"variants": {}}
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
+        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run `megakernel clean` and "
+                            "build again")
+    return doc
+
+
+def kernel_sources_digest(root: Path | None = None) -> str | None:
+    """sha256 over every file of KERNEL_SOURCES under `root` (default: this package's tree); None where that
+    source tree is absent (a build directory shipped without the generator)."""
+    root = root or ROOT
+    if not (root / "templates").is_dir():
+        return None
+    h = hashlib.sha256()
+    for rel in KERNEL_SOURCES:
+        p = root / rel
+        files = sorted(f for f in p.rglob("*") if f.is_file() and "__pycache__" not in f.parts) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def identity(params: dict, arch: str) -> str:
+    """sha256 of a variant's every parameter and its arch: equal identities build the same kernel from the same
+    kernel sources."""
+    return hashlib.sha256(json.dumps({"params": params, "arch": arch}, sort_keys=True).encode()).hexdigest()
+
+
+def variant_from_entry(entry: dict) -> Variant:
+    """The Variant a manifest entry was built from."""
+    p = dict(entry["params"])
+    mode, batch, seq_len = p.pop("mode"), p.pop("batch"), p.pop("seq_len")
+    rs = p.pop("rope_scaling")
+    return Variant(Model(**p, rope_scaling=tuple(sorted(rs.items())) if rs else None), mode, batch, seq_len)
+
+
+def changed_fields(entry: dict, v: Variant) -> list[str]:
+    """The parameters of `v` (as declared now) that differ from those its build recorded."""
+    built, now = entry.get("params", {}), v.params()
+    return sorted(k for k in set(built) | set(now) if built.get(k) != now.get(k))
+
+
+def status(entry: dict | None, v: Variant | None = None, digest: str | None = None) -> str:
+    """"not built", "refused", "error", "stale (<fields>)", "stale (templates)" or "built" for a manifest entry,
+    against the variant as declared now (`v`) and the kernel sources' digest now (`digest`; None: not checked)."""
+    if entry is None:
+        return "not built"
+    if entry["status"] != "ok":
+        return entry["status"]
+    if v is not None:
+        fields = changed_fields(entry, v)
+        if fields:
+            return f"stale ({', '.join(fields)})"
+    if digest is not None and entry.get("sources_sha256") != digest:
+        return "stale (templates)"
+    return "built"
+
+
+def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tuple[dict, Path]:
+    """The manifest entry and cubin path of variant `name`, checked: present, built, current (against `v` if
+    given, else the variants file the build recorded, where it exists; and against the kernel sources, where they
+    exist) and intact. Raises LoadError naming the build command."""
+    from . import variants as gvariants
+    build_dir = Path(build_dir)
+    fix = f"run `megakernel build --build-dir {build_dir} --only '{name}'`"
+    try:
+        manifest = read_manifest(build_dir)
+    except ManifestError:
+        raise LoadError(f"{name}: {build_dir}/manifest.json is corrupt: {fix}") from None
+    if not (build_dir / MANIFEST).exists():
+        raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix}")
+    entry = manifest["variants"].get(name)
+    if entry is None:
+        raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix}")
+    if entry["status"] != "ok":
+        raise LoadError(f"{name}: its build {entry['status']}: {entry.get('error', '').splitlines()[0]}")
+    if v is None and entry.get("variants_file"):
+        try:  # the declaration the build came from, as it reads now (a removed or broken file: not checked)
+            v = next((d for d in gvariants.load(entry["variants_file"]) if d.name == name), None)
+        except gvariants.VariantError:
+            v = None
+    st = status(entry, v, kernel_sources_digest())
+    if st == "stale (templates)":
+        raise LoadError(f"{name}: build is stale (templates or generator changed since it was built): {fix}")
+    if st != "built":
+        what = st[len("stale ("):-1]
+        raise LoadError(f"{name}: build is stale ({what} changed in {entry.get('variants_file')} since it was "
+                        f"built): {fix}")
+    cubin = build_dir / entry["cubin"]
+    meta_path = build_dir / entry["object"] / "meta.json"
+    try:
+        ok = hashlib.sha256(cubin.read_bytes()).hexdigest() == json.loads(meta_path.read_text())["cubin_sha256"]
+    except (OSError, ValueError, KeyError):
+        ok = False
+    if not ok:
+        raise LoadError(f"{name}: {cubin} is missing or corrupt: {fix}")
+    return entry, cubin

@@ -1,0 +1,72 @@
+"""Planning pieces every mode shares: the Mode/Step declaration, the GEMV tiling rule, the shared-memory check.
+
+A mode (generator/modes/<mode>.py) declares its stages in order, the barrier after each, and a plan function that
+turns a Variant into every compile-time constant of the kernel. Nothing here knows a particular mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from .targets import Arch
+
+THREADS = 512  # one block of 16 warps per SM (cooperative grid of one block per SM)
+
+
+class PlanError(ValueError):
+    """The variant cannot be generated for its target (e.g. over the shared-memory budget); one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One top-level stage of a mode: `stage` names templates/stages/<stage>.cuh and generator.reference.<stage>;
+    `call` is its C call in the kernel body (arguments named as in generator.interface.ARGS, plus `smem`);
+    `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none"."""
+    stage: str
+    call: str
+    then: str = "grid"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A kernel mode (decode, prefill, ...): its steps in order and its planner (Variant, Arch) -> plan dict."""
+    name: str
+    steps: tuple[Step, ...]
+    plan: Callable
+    doc: str
+
+    @property
+    def grid_syncs(self) -> int:
+        return sum(s.then == "grid" for s in self.steps)
+
+
+def align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def plan_gemv(n: int, k: int, sms: int) -> dict:
+    """Warps per task NWG and k-tiles in flight per warp U for one [n, k] projection (tasks are 16-row tiles),
+    balanced for `sms` blocks of THREADS threads."""
+    ktiles = k // 16
+    # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
+    nwg = max(1, min(16, pow2_floor(ktiles // 4)))
+    groups = sms * (THREADS // 32 // nwg)
+    tasks = n // 16
+    u = max(1, min(8, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane (registers)
+    balance = tasks / (math.ceil(tasks / groups) * groups)
+    return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
+
+
+def check_smem(name: str, arch: Arch, parts: dict[str, tuple[int, str]]) -> int:
+    """The block's shared memory: the largest of the stages' needs `parts` {stage: (bytes, advice)}. Raises
+    PlanError naming the stage, the target and what would lower that stage's need."""
+    stage, (need, advice) = max(parts.items(), key=lambda kv: kv[1][0])
+    if need > arch.smem_per_block:
+        raise PlanError(f"{name}: needs {need} B of shared memory per block ({stage} stage), over sm_{arch.sm}'s "
+                        f"limit of {arch.smem_per_block} B ({arch.smem_per_block // 1024} KB); {advice}")
+    return need

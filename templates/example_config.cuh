@@ -1,0 +1,46 @@
+// ---- example config (for opening a header alone; a test keeps it equal to the render) of llama3.2-1b_decode_b1_s4096_bf16 (generated: every number comes from the planner; the manifest records the same) ----
+#define MEGAKERNEL_CONFIG 1
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+constexpr int HIDDEN = 2048;
+constexpr int HEADS = 32;
+constexpr int KV_HEADS = 8;
+constexpr int HEAD_DIM = 64;
+constexpr int INTER = 8192;
+constexpr int BATCH = 1;
+constexpr int SEQ_LEN = 4096;
+constexpr int THREADS = 512;
+constexpr int GROUP = 4;
+constexpr int Q_DIM = 2048;
+constexpr int KV_DIM = 512;
+constexpr int QKV_DIM = 3072;
+constexpr int XS_LD = 2056;
+constexpr int ATT_C = 256;
+constexpr int ATT_WARPS = 16;
+constexpr int ATT_STAGES = 2;
+constexpr int ATT_NSPLIT = 16;
+constexpr int SMEM_XS = 0;
+constexpr int SMEM_RED = 4112;
+constexpr int SMEM_QS = 0;
+constexpr int SMEM_PT = 1280;
+constexpr int SMEM_WST = 7424;
+constexpr int SMEM_FLAG = 154880;
+constexpr int QKV_NWG = 16;
+constexpr int QKV_U = 8;
+constexpr int O_NWG = 16;
+constexpr int O_U = 8;
+constexpr int GU_NWG = 16;
+constexpr int GU_U = 8;
+constexpr int DOWN_NWG = 16;
+constexpr int DOWN_U = 8;
+constexpr float NORM_EPS = 1e-05f;
+constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+constexpr float T_MAX = 3.3895313892515355e+38f;  // largest finite T
+#define DTYPE_BF16 1
+#define MMA_AB "bf16"
+#define NORM_LAYERNORM 0
+#define ACT_GELU 0
+#define QKV_BIAS 0
+#define QK_NORM 0
