@@ -1,0 +1,20 @@
+"""Hugging Face checkpoints -> variants.yaml entries, fused layers and a whole fused model.
+
+    config.py      config.json -> variants.yaml model fields (model_entry, model_from_hf; `megakernel from-hf`)
+    yaml_edit.py   the entry as YAML text, appended to a variants file (variant_entry_yaml, append_entry)
+    checkpoint.py  safetensors files: which holds each tensor, shapes and dtypes from the headers
+    model.py       load_hf (one FusedDecoderLayer) and FusedModel (embeddings + every layer + lm_head)
+
+Only what the kernel computes exactly is mapped; anything else is a one-line HFConfigError naming the file and the
+field, never approximated. Checkpoint problems are found from the safetensors headers, before any tensor is read
+or anything touches CUDA.
+"""
+from .checkpoint import HFCheckpointError, _Checkpoint
+from .config import (HFConfigError, Mapped, Window, check_window, config_path, default_name, map_config,
+                     model_entry, model_from_hf, read_config)
+from .model import FusedModel, HFPrecisionWarning, load_hf
+from .yaml_edit import append_entry, variant_entry_yaml
+
+__all__ = ["FusedModel", "HFCheckpointError", "HFConfigError", "HFPrecisionWarning", "Mapped", "Window",
+           "append_entry", "check_window", "config_path", "default_name", "load_hf", "map_config", "model_entry",
+           "model_from_hf", "read_config", "variant_entry_yaml", "_Checkpoint"]

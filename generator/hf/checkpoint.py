@@ -1,0 +1,124 @@
+"""A safetensors checkpoint directory: which file holds each tensor, its shape and dtype, from the headers only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import HFConfigError, map_config
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# buffers some old checkpoints saved with the layer: recomputed from the config, never used as weights
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(HFConfigError):
+    """A checkpoint's tensors do not match its config: one line naming the tensor and the file."""
+
+
+def weights_file(cfg_path: Path, cfg: dict) -> Path:
+    """The file transformers 5.24 loads from a local directory (modeling_utils._get_resolved_checkpoint_files): the
+    config's `transformers_weights` if set, else model.safetensors, else model.safetensors.index.json. A
+    model.safetensors wins over an index next to it (e.g. a stale one left by an earlier sharded save)."""
+    d = cfg_path.parent
+    explicit = cfg.get("transformers_weights")
+    if explicit is not None:
+        p = (d / str(explicit)).resolve()
+        if not str(explicit).endswith((".safetensors", ".safetensors.index.json")) or d.resolve() not in p.parents:
+            raise HFCheckpointError(f"{cfg_path}: field 'transformers_weights' is {explicit!r}: must name a "
+                                    "*.safetensors or *.safetensors.index.json file inside the model directory")
+        if not p.is_file():
+            raise HFCheckpointError(f"{p}: no such file (named by field 'transformers_weights' of {cfg_path})")
+        return d / str(explicit)
+    for name in (SINGLE, INDEX):
+        if (d / name).is_file():
+            return d / name
+    raise HFCheckpointError(f"{d}: no {SINGLE} or {INDEX} (only safetensors checkpoints are supported)")
+
+
+class _Checkpoint:
+    """A model directory: its mapped config (`mapped`, `model`) and where each tensor lives (`files`: tensor name ->
+    file). Every error is an HFConfigError / HFCheckpointError naming the file; no tensor is read until get()."""
+
+    def __init__(self, path):
+        self.mapped = map_config(path)
+        self.cfg_path, self.cfg = self.mapped.cfg_path, self.mapped.cfg
+        self.dir = self.cfg_path.parent
+        self.model = self.mapped.model()
+        self.index_path = weights_file(self.cfg_path, self.cfg)
+        self.files: dict[str, Path] = {}
+        if self.index_path.name.endswith(".index.json"):
+            try:
+                weight_map = json.loads(self.index_path.read_text())["weight_map"]
+                items = weight_map.items()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise HFCheckpointError(f"{self.index_path}: not a safetensors index (no 'weight_map' object)") \
+                    from None
+            for tensor, shard in items:
+                self.files[tensor] = self.dir / shard
+        else:
+            for tensor in self._open(self.index_path).keys():
+                self.files[tensor] = self.index_path
+        self.prefix = "model." if any(t.startswith("model.layers.") for t in self.files) else ""
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, file: Path):
+        from safetensors import safe_open
+        try:
+            return safe_open(str(file), framework="pt")
+        except FileNotFoundError:
+            raise HFCheckpointError(f"{file}: shard listed in {self.index_path.name} is missing") from None
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise HFCheckpointError(f"{file}: not a readable safetensors file: {str(exc).splitlines()[0]}") \
+                from None
+
+    def handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file]
+
+    def where(self, tensor: str) -> Path:
+        """The file holding `tensor`; HFCheckpointError if it is not in the checkpoint."""
+        file = self.files.get(tensor)
+        if file is None:
+            raise HFCheckpointError(f"{self.index_path}: tensor '{tensor}' is missing")
+        if tensor not in self.handle(file).keys():
+            raise HFCheckpointError(f"{file}: tensor '{tensor}' is missing (listed in {self.index_path.name})")
+        return file
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self.handle(self.where(tensor)).get_slice(tensor).get_shape())
+
+    def dtype(self, tensor: str) -> str:
+        """The stored dtype as safetensors names it: "BF16", "F16", "F32", ..."""
+        return self.handle(self.where(tensor)).get_slice(tensor).get_dtype()
+
+    def check(self, tensor: str, shape: tuple[int, ...]) -> None:
+        got = self.shape(tensor)
+        if got != tuple(shape):
+            raise HFCheckpointError(f"{self.where(tensor)}: tensor '{tensor}' has shape {got}, expected "
+                                    f"{tuple(shape)} (from {self.cfg_path.name})")
+
+    def get(self, tensor: str):
+        """The tensor as stored (CPU, its own dtype)."""
+        return self.handle(self.where(tensor)).get_tensor(tensor)
+
+    def check_layer(self, i: int) -> dict[str, str]:
+        """Shapes of every tensor of layer i against reference.weight_shapes; -> {short name: full name}."""
+        from .. import reference
+        layers = self.model.layers
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers:
+            raise HFConfigError(f"{self.cfg_path}: layer_idx {i!r} out of range: field 'num_hidden_layers' is "
+                                f"{layers}")
+        pre = f"{self.prefix}layers.{i}."
+        expected = reference.weight_shapes(self.model)
+        names = {}
+        for short, shape in expected.items():
+            self.check(pre + short, shape)
+            names[short] = pre + short
+        for tensor in self.files:
+            if tensor.startswith(pre) and tensor[len(pre):] not in expected \
+                    and not tensor.endswith(IGNORED_SUFFIXES):
+                raise HFCheckpointError(f"{self.files[tensor]}: tensor '{tensor}' is not computed by the kernel "
+                                        f"(a layer of {self.cfg_path.name}'s shape has: {', '.join(expected)})")
+        return names

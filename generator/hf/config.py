@@ -1,0 +1,349 @@
+"""A Hugging Face config.json -> the fields of a variants.yaml model entry, read as transformers 5 reads them.
+
+Only what the kernel computes exactly is mapped; anything else (MoE, other RoPE scalings, tanh GELU, o_proj or MLP
+biases, quantized weights) is an HFConfigError: one line naming the file and the field. A sliding window is mapped
+with its size (Mapped.window): it takes effect only where the KV cache (seq_len) is longer than the window, so it is
+checked against seq_len wherever seq_len is known (check_window: `from-hf --write`, load_hf, FusedModel.from_hf).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from .. import variants as gvariants
+
+
+class HFConfigError(ValueError):
+    """A config.json or checkpoint we cannot map exactly: the message is one line naming the file and the field."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# hidden_act -> our activation; only functions the kernel computes exactly ("gelu" is HF's exact erf GELU)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# transformers 5.24's config defaults where config.json omits the field (MistralConfig, Qwen2Config, Qwen3Config)
+MISTRAL_DEFAULT_WINDOW = 4096
+QWEN_DEFAULT_WINDOW = 4096
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A sliding window as transformers applies it: query p attends to keys p-size+1..p on `layers`."""
+    size: int
+    source: str              # where it comes from, for messages: "field 'sliding_window' of /x/config.json"
+    layers: tuple[int, ...]  # the layers it applies to
+
+    def describe(self, n_layers: int) -> str:
+        if len(self.layers) == n_layers:
+            return f"{self.source}, every layer"
+        lo, hi = self.layers[0], self.layers[-1]
+        span = f"layers {lo}-{hi}" if hi - lo + 1 == len(self.layers) else f"{len(self.layers)} layers"
+        return f"{self.source}, {span}"
+
+
+class Mapped(NamedTuple):
+    name: str
+    fields: dict          # variants.yaml model fields (rope_scaling omitted when None)
+    notes: list[str]      # for YAML comments
+    cfg_path: Path
+    cfg: dict             # the raw config.json
+    window: Window | None
+
+    def model(self) -> gvariants.Model:
+        """The validated Model (what Variant(model, "decode", batch, seq_len) needs)."""
+        return gvariants.parse_model(f"{self.cfg_path}: variant '{self.name}'", self.name, self.fields)[0]
+
+
+def config_path(path) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def read_config(path) -> tuple[Path, dict]:
+    """A model directory or its config.json -> (config.json path, parsed JSON object). HFConfigError if unreadable."""
+    cfg_path = config_path(path)
+    try:
+        text = cfg_path.read_text()
+    except FileNotFoundError:
+        raise HFConfigError(f"{cfg_path}: no such file (give a model directory holding config.json, or the "
+                            "config.json itself)") from None
+    except OSError as exc:
+        raise HFConfigError(f"{cfg_path}: cannot read: {exc.strerror}") from None
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise HFConfigError(f"{cfg_path}: not valid JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{cfg_path}: top level must be a JSON object, got {type(cfg).__name__}")
+    return cfg_path, cfg
+
+
+def default_name(cfg_path: Path, model_type: str) -> str:
+    """The model directory's name, lower-cased, sanitised to [a-z0-9._-]; for a hub cache snapshot
+    (models--org--Name/snapshots/<hash>/) the repository's name; the model_type when nothing usable is left."""
+    d = cfg_path.resolve().parent
+    raw = d.name
+    if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--"):
+        raw = d.parent.parent.name.split("--")[-1]
+    name = re.sub(r"[^a-z0-9._-]+", "-", raw.lower())
+    name = re.sub(r"^[^a-z0-9]+", "", name).rstrip("-")
+    return name if gvariants.NAME_RE.match(name or "") else model_type
+
+
+def _check_int(cfg_path, cfg, field, *, default=None, required=True):
+    v = cfg.get(field)
+    if v is None:
+        if default is not None or not required:
+            return default
+        raise HFConfigError(f"{cfg_path}: missing field '{field}'")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HFConfigError(f"{cfg_path}: field '{field}' must be an integer, got {v!r}")
+    if v <= 0:
+        raise HFConfigError(f"{cfg_path}: field '{field}' must be positive, got {v}")
+    return v
+
+
+def _check_number(cfg_path, field, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise HFConfigError(f"{cfg_path}: field '{field}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _truthy(v) -> bool:
+    return v not in (None, False, 0, "", [], {})
+
+
+def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) as transformers 5.24 reads them (RotaryEmbeddingConfigMixin.
+    convert_rope_params_to_dict / standardize_rope_params): a non-empty legacy `rope_scaling` replaces
+    `rope_parameters` whole; a rope_theta (or partial_rotary_factor) inside the chosen dict wins over the top-level
+    one, which is only a default; the rope type is `rope_type`, else `type`, else default."""
+    legacy, params5 = cfg.get("rope_scaling"), cfg.get("rope_parameters")
+    for field, v in (("rope_scaling", legacy), ("rope_parameters", params5)):
+        if v is not None and not isinstance(v, dict):
+            raise HFConfigError(f"{cfg_path}: field '{field}' must be an object or null, got {v!r}")
+    if legacy:
+        where, params = "rope_scaling", legacy
+        if params5 and params5 != legacy:
+            notes.append("both rope_scaling and rope_parameters given: rope_scaling is used and rope_parameters "
+                         "ignored, as transformers does")
+    else:
+        where, params = "rope_parameters", params5 or {}
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise HFConfigError(f"{cfg_path}: field '{where}.{nested[0]}': per-layer-type RoPE parameters "
+                            "are not supported (one RoPE for every layer only)")
+
+    top = cfg.get("rope_theta")
+    if "rope_theta" in params:
+        theta = _check_number(cfg_path, f"{where}.rope_theta", params["rope_theta"])
+        if top is not None and top != params["rope_theta"]:
+            notes.append(f"top-level rope_theta {top} ignored: {where}.rope_theta {params['rope_theta']} takes "
+                         "precedence, as in transformers")
+    else:
+        theta = 10000.0 if top is None else _check_number(cfg_path, "rope_theta", top)
+
+    prf_field = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if prf is not None and prf != 1 and prf != 1.0:
+        raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: only full-width RoPE (1.0) is supported")
+    type_key = "rope_type" if "rope_type" in params else "type"
+    rtype = params.get(type_key)
+    if rtype in (None, "default"):
+        return theta, None
+    if rtype != "llama3":
+        raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: only llama3 RoPE scaling (or "
+                            "none) is supported")
+    scaling = {"rope_type": "llama3"}
+    for key in LLAMA3_KEYS:
+        v = params.get(key)
+        if key == "original_max_position_embeddings":
+            # transformers' precedence: a top-level value, then the rope dict's, then max_position_embeddings
+            v = cfg.get(key, v if v is not None else cfg.get("max_position_embeddings"))
+            if v is None:
+                raise HFConfigError(f"{cfg_path}: missing field '{where}.{key}'")
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise HFConfigError(f"{cfg_path}: field '{where}.{key}' must be a positive integer, got {v!r}")
+            scaling[key] = v
+        else:
+            if v is None:
+                raise HFConfigError(f"{cfg_path}: missing field '{where}.{key}' (needed by llama3 RoPE scaling)")
+            scaling[key] = _check_number(cfg_path, f"{where}.{key}", v)
+    if scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+        raise HFConfigError(f"{cfg_path}: field '{where}.high_freq_factor' must differ from low_freq_factor")
+    return theta, scaling
+
+
+def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
+    """The window transformers 5.24 applies, or None (full attention on every layer).
+
+    mistral: `sliding_window`, MistralConfig's default 4096 when the key is absent, none when null (MistralModel
+    masks every layer with it). qwen2/qwen3: `sliding_window` (default 4096) only if `use_sliding_window`, on the
+    layers that `layer_types` marks sliding_attention; without layer_types, layers >= `max_window_layers` (default
+    28) (Qwen2Config.__post_init__). llama: LlamaModel's mask ignores `sliding_window`, but generate()'s cache
+    (cache_utils.get_layer_types_and_kwargs) keeps only the last window of keys, so a non-null one counts too."""
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise HFConfigError(f"{cfg_path}: field 'layer_types' must list one type per layer "
+                                f"(num_hidden_layers {layers}), got {layer_types!r}")
+        allowed = ("full_attention", "sliding_attention") if model_type in ("qwen2", "qwen3") \
+            else ("full_attention",)
+        bad = [t for t in layer_types if t not in allowed]
+        if bad:
+            raise HFConfigError(f"{cfg_path}: field 'layer_types' lists {bad[0]!r}: only "
+                                f"{' and '.join(allowed)} layers are supported for {model_type}")
+
+    if model_type in ("qwen2", "qwen3"):
+        use = cfg.get("use_sliding_window", False)
+        size = cfg.get("sliding_window", QWEN_DEFAULT_WINDOW) if _truthy(use) else None
+        source = "field 'sliding_window'" + (" (absent: default 4096)" if "sliding_window" not in cfg else "") + \
+            f" with use_sliding_window true, of {cfg_path}"
+        if layer_types is None:
+            first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise HFConfigError(f"{cfg_path}: field 'max_window_layers' must be an integer, got {first!r}")
+            sliding = tuple(range(max(first, 0), layers)) if size is not None else ()
+            source += f" (layers >= max_window_layers {first})"
+        else:
+            sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+            if sliding and size is None:
+                raise HFConfigError(f"{cfg_path}: field 'layer_types' lists 'sliding_attention' but field "
+                                    "'use_sliding_window' is false or 'sliding_window' null: transformers has no "
+                                    "window for those layers and fails")
+        if not sliding:
+            return None
+    elif model_type == "mistral":
+        size = cfg.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        source = f"field 'sliding_window' of {cfg_path}" if "sliding_window" in cfg else \
+            f"field 'sliding_window' absent from {cfg_path}: MistralConfig's default {MISTRAL_DEFAULT_WINDOW}"
+        sliding = tuple(range(layers))
+    else:
+        size = cfg.get("sliding_window")
+        source = f"field 'sliding_window' of {cfg_path}"
+        sliding = tuple(range(layers))
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise HFConfigError(f"{cfg_path}: field 'sliding_window' must be a positive integer or null, got {size!r}")
+    return Window(size, source, sliding)
+
+
+def check_window(window: Window | None, seq_len: int, where: str, n_layers: int | None = None,
+                 layer: int | None = None) -> None:
+    """A window takes no effect where seq_len <= its size (the cache holds at most that many keys); a shorter window
+    would mask keys the kernel attends to: HFConfigError naming `where` (file and variant), seq_len and the window.
+    `layer`: check only that layer (a layer the window does not apply to always passes); `n_layers`: the model's,
+    to say which layers the window covers (None: `window.source` says it already)."""
+    if window is None or seq_len <= window.size or (layer is not None and layer not in window.layers):
+        return
+    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} "
+                        f"({window.source if n_layers is None else window.describe(n_layers)}): sliding-window attention is not supported (the kernel "
+                        f"attends to the whole cache; seq_len <= {window.size} is exact)")
+
+
+def _refuse_unsupported(cfg_path, cfg, model_type):
+    for field in MOE_FIELDS:
+        v = cfg.get(field)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            raise HFConfigError(f"{cfg_path}: field '{field}' is {v}: mixture-of-experts layers are not supported")
+    if cfg.get("quantization_config") is not None:
+        raise HFConfigError(f"{cfg_path}: field 'quantization_config' is set: quantized checkpoints are not "
+                            "supported (bf16/fp16/fp32 weights only)")
+    if _truthy(cfg.get("use_mrope")):
+        raise HFConfigError(f"{cfg_path}: field 'use_mrope' is true: multimodal RoPE is not supported")
+    # biases the kernel does not add: o_proj (attention_bias in llama/qwen3 biases o_proj too) and the MLP's
+    if model_type in ("llama", "qwen3") and _truthy(cfg.get("attention_bias")):
+        raise HFConfigError(f"{cfg_path}: field 'attention_bias' is true: it adds an o_proj bias too, which the "
+                            "kernel does not compute (only qwen2-style q/k/v biases are supported)")
+    if _truthy(cfg.get("mlp_bias")):
+        raise HFConfigError(f"{cfg_path}: field 'mlp_bias' is true: MLP biases are not supported")
+
+
+def map_config(path, name=None) -> Mapped:
+    """A model directory or config.json -> Mapped (validated with variants.yaml's own rules). HFConfigError (or
+    VariantError for a shape variants.yaml refuses), one line naming the file and the field."""
+    cfg_path, cfg = read_config(path)
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        raise HFConfigError(f"{cfg_path}: missing field 'model_type'")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConfigError(f"{cfg_path}: field 'model_type' is {model_type!r}: supported are "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    notes: list[str] = []
+    hidden = _check_int(cfg_path, cfg, "hidden_size")
+    heads = _check_int(cfg_path, cfg, "num_attention_heads")
+    kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads", default=heads)
+    head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
+    head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
+    if head_dim is None:
+        if hidden % heads:
+            raise HFConfigError(f"{cfg_path}: field 'hidden_size' ({hidden}) is not divisible by "
+                                f"num_attention_heads ({heads}) and there is no head_dim")
+        head_dim = hidden // heads
+    intermediate = _check_int(cfg_path, cfg, "intermediate_size")
+    layers = _check_int(cfg_path, cfg, "num_hidden_layers")
+    _refuse_unsupported(cfg_path, cfg, model_type)
+    window = _sliding_window(cfg_path, cfg, model_type, layers)
+    if window is not None:
+        notes.append(f"sliding_window {window.size} ({window.describe(layers)}): a window >= seq_len never takes "
+                     f"effect, so seq_len <= {window.size} is exact; --write and load_hf refuse a longer seq_len")
+
+    eps = cfg.get("rms_norm_eps")
+    eps = 1e-6 if eps is None else _check_number(cfg_path, "rms_norm_eps", eps)
+    rope_theta, rope_scaling = _map_rope(cfg_path, cfg, notes)
+
+    act = cfg.get("hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise HFConfigError(f"{cfg_path}: field 'hidden_act' is {act!r}: the kernel computes silu or exact (erf) "
+                            "gelu only")
+
+    # qwen2 always has q/k/v biases (and none on o_proj); attention_bias elsewhere biases o_proj too (refused
+    # above for llama and qwen3; mistral has no biases whatever the field says)
+    qkv_bias = model_type == "qwen2"
+    qk_norm = model_type == "qwen3"
+
+    # transformers keeps `dtype` when both are given (PreTrainedConfig.__post_init__)
+    dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    raw_dtype = cfg.get(dtype_field)
+    if raw_dtype is None:
+        dtype = "bf16"
+        notes.append("no dtype/torch_dtype in config.json: bf16 assumed")
+    else:
+        key = str(raw_dtype).removeprefix("torch.")
+        if key not in DTYPES:
+            raise HFConfigError(f"{cfg_path}: field '{dtype_field}' is {raw_dtype!r}: supported are "
+                                f"{', '.join(DTYPES)}")
+        dtype = DTYPES[key]
+        if key == "float32":
+            notes.append(f"{dtype_field} float32 in config.json: mapped to bf16 (weights are cast when loaded)")
+
+    fields = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+              "intermediate": intermediate, "layers": layers, "norm": "rmsnorm", "norm_eps": eps,
+              "rope_theta": rope_theta, "rope_scaling": rope_scaling, "activation": ACTIVATIONS[act],
+              "qkv_bias": qkv_bias, "qk_norm": qk_norm, "dtype": dtype}
+    if rope_scaling is None:
+        del fields["rope_scaling"]
+    if name is None:
+        name = default_name(cfg_path, model_type)
+    # the same rules as variants.yaml (divisibility, head_dim, name, ...); the message names the config file
+    gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields)
+    return Mapped(name, fields, notes, cfg_path, cfg, window)
+
+
+def model_entry(path, name=None) -> tuple[str, dict]:
+    """A model directory (or its config.json) -> (variant name, variants.yaml model fields)."""
+    m = map_config(path, name)
+    return m.name, m.fields
+
+
+def model_from_hf(path, name=None) -> gvariants.Model:
+    """The validated Model (what Variant(model, "decode", batch, seq_len) needs) of a checkpoint's config."""
+    return map_config(path, name).model()

@@ -1,0 +1,233 @@
+"""Fused layers from a checkpoint: load_hf (one FusedDecoderLayer) and FusedModel (embeddings, every layer, lm_head).
+
+Everything is checked from the config and the safetensors headers before a tensor is read or CUDA is touched."""
+from __future__ import annotations
+
+import warnings
+
+from .. import variants as gvariants
+from .checkpoint import HFCheckpointError, _Checkpoint
+from .config import HFConfigError, check_window
+
+
+class HFPrecisionWarning(UserWarning):
+    """bf16/fp32 weights cast to an fp16 variant: fp16 overflows (inf) above 65,504, bf16 and fp32 do not."""
+
+
+def _built_variant(name: str, build_dir):
+    """The Variant recorded in the build directory's manifest (LoadError naming the build command otherwise)."""
+    from .. import loader
+    entry, _ = loader.find_entry(name, build_dir)
+    return loader._variant_from_entry(entry)
+
+
+_COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
+             "rope_scaling", "activation", "qkv_bias", "qk_norm")
+
+
+def _check_variant_fits(ck: _Checkpoint, v) -> None:
+    """The built variant must compute exactly this checkpoint's layer (its dtype may differ: weights are cast)."""
+    for field in _COMPARED:
+        a, b = getattr(v.model, field), getattr(ck.model, field)
+        if field == "rope_scaling":
+            a, b = dict(a) if a else None, dict(b) if b else None
+        if a != b:
+            raise HFConfigError(f"{ck.cfg_path}: variant '{v.name}' was built with {field}={a!r} but the config "
+                                f"gives {field}={b!r}")
+
+
+def _warn_fp16(ck: _Checkpoint, v, tensor: str) -> None:
+    """HFPrecisionWarning (one line) when a bf16 or fp32 model (config dtype/torch_dtype, else the stored dtype of
+    `tensor`) is cast to an fp16 variant: its intermediates may exceed fp16's 65,504 and become inf."""
+    if v.model.dtype != "fp16":
+        return
+    field = "dtype" if ck.cfg.get("dtype") is not None else "torch_dtype"
+    raw = str(ck.cfg.get(field)).removeprefix("torch.")
+    if raw in ("bfloat16", "float32"):
+        src, what = ck.cfg_path, f"field '{field}' is {raw}"
+    else:
+        stored = ck.dtype(tensor)
+        if stored not in ("BF16", "F32"):
+            return
+        src, what = ck.where(tensor), f"tensor '{tensor}' is stored as {stored}"
+    warnings.warn(HFPrecisionWarning(
+        f"{src}: {what} but variant '{v.name}' is fp16: fp16 overflows to inf above 65504 where bf16 does not, so "
+        "activations of a bf16/fp32-trained model may overflow (a bf16 variant is safe)"), stacklevel=3)
+
+
+def _check_variant(ck: _Checkpoint, v, layers) -> None:
+    """Before any tensor is read: the variant computes these layers exactly (HFConfigError naming the field), its
+    seq_len is within any sliding window they have, and an fp16 variant of a bf16 model warns."""
+    _check_variant_fits(ck, v)
+    for i in layers:
+        check_window(ck.mapped.window, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'", ck.model.layers, i)
+    _warn_fp16(ck, v, f"{ck.prefix}layers.{layers[0]}.self_attn.q_proj.weight")
+
+
+def _variant_name(variant) -> str:
+    if isinstance(variant, gvariants.Variant):
+        return variant.name
+    if not isinstance(variant, str):
+        raise TypeError(f"variant: a built variant's name (str), got {type(variant).__name__}")
+    return variant
+
+
+def _load_layer(ck: _Checkpoint, layer_idx: int, name: str, v, build_dir, device):
+    from .. import loader, reference
+    names = ck.check_layer(layer_idx)  # every shape check: headers only, no tensor read, no CUDA
+    dtype = reference.TORCH_DTYPES[v.model.dtype]
+    weights = {short: ck.get(full).to(device=device, dtype=dtype) for short, full in names.items()}
+    return loader.load(name, weights, build_dir=build_dir, device=device)
+
+
+def load_hf(path, layer_idx: int, variant, build_dir="build", device="cuda"):
+    """Layer `layer_idx` of a safetensors checkpoint as a FusedDecoderLayer of the built variant `variant`.
+
+    Checks, in order and before touching CUDA: the config maps (HFConfigError), every tensor of the layer exists
+    with the shape the config gives (HFCheckpointError naming the tensor and the file), the variant is built and
+    computes exactly this layer (LoadError / HFConfigError), and its seq_len is no longer than a sliding window
+    the layer has (HFConfigError naming seq_len and sliding_window; a window >= seq_len never takes effect). An
+    fp16 variant of a bf16/fp32 model warns (HFPrecisionWarning). Then the tensors are read, cast to the variant's
+    dtype, moved to `device` and handed to generator.loader.load. -> FusedDecoderLayer: x [batch, hidden] ->
+    [batch, hidden] in the variant's dtype."""
+    ck = _Checkpoint(path)
+    ck.check_layer(layer_idx)
+    name = _variant_name(variant)
+    v = _built_variant(name, build_dir)
+    _check_variant(ck, v, [layer_idx])
+    return _load_layer(ck, layer_idx, name, v, build_dir, device)
+
+
+class FusedModel:
+    """A whole checkpoint: embeddings, every layer as a fused kernel, final norm and lm_head in torch.
+
+    The KV caches live in the layers (capacity = the variant's seq_len); every sequence of the batch is at its own
+    position, given to step()."""
+
+    def __init__(self, layers, embed, norm_weight, lm_head, model, variant, device):
+        self.layers = layers
+        self.embed = embed
+        self.norm_weight = norm_weight
+        self.lm_head = lm_head
+        self.model = model          # the checkpoint's Model (config)
+        self.variant = variant      # the built Variant (batch, seq_len, dtype)
+        self.device = device
+        self.dtype = embed.dtype
+
+    @property
+    def batch(self) -> int:
+        return self.variant.batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.variant.seq_len
+
+    @property
+    def vocab(self) -> int:
+        return self.embed.shape[0]
+
+    @classmethod
+    def from_hf(cls, path, variant, build_dir="build", device="cuda") -> "FusedModel":
+        """Every layer of a checkpoint on the built variant `variant`, with load_hf's checks for each (all before
+        a tensor is read). embed [vocab, hidden] and lm_head [vocab, hidden] in the variant's dtype, the final
+        norm's weight in fp32. tie_word_embeddings as transformers 5 loads it (PreTrainedModel.tie_weights): the
+        embedding is the lm_head, unless the checkpoint ships both with different values, then both are used as
+        shipped (with a warning); a tied checkpoint with only lm_head.weight uses it as the embedding."""
+        import torch
+
+        from .. import reference
+        ck = _Checkpoint(path)
+        for i in range(ck.model.layers):  # every tensor checked before anything is read
+            ck.check_layer(i)
+        H = ck.model.hidden
+        embed_name, norm_name, head_name = f"{ck.prefix}embed_tokens.weight", f"{ck.prefix}norm.weight", \
+            "lm_head.weight"
+        tie = bool(ck.cfg.get("tie_word_embeddings", False))  # False: the default of every supported config class
+        if tie and embed_name not in ck.files and head_name in ck.files:
+            embed_name = head_name  # transformers ties the other way round when only the lm_head was saved
+        vocab = ck.shape(embed_name)[0] if embed_name in ck.files else ck.cfg.get("vocab_size")
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
+        ck.check(embed_name, (vocab, H))
+        ck.check(norm_name, (H,))
+        both = embed_name != head_name and head_name in ck.files
+        if not tie or both:
+            ck.check(head_name, (vocab, H))
+        name = _variant_name(variant)
+        v = _built_variant(name, build_dir)
+        _check_variant(ck, v, list(range(ck.model.layers)))
+
+        dtype = reference.TORCH_DTYPES[v.model.dtype]
+        dev = torch.device(device)
+        layers = [_load_layer(ck, i, name, v, build_dir, dev) for i in range(ck.model.layers)]
+        if layers:
+            dev = layers[0].device  # "cuda" -> "cuda:N"
+        embed_raw = ck.get(embed_name)
+        embed = embed_raw.to(device=dev, dtype=dtype)
+        norm_w = ck.get(norm_name).to(device=dev, dtype=torch.float32)
+        lm_head = embed
+        if not tie or both:
+            head_raw = ck.get(head_name)
+            if not tie or not torch.equal(head_raw, embed_raw.to(head_raw.dtype)):
+                if tie:
+                    warnings.warn(f"{ck.where(head_name)}: field 'tie_word_embeddings' of {ck.cfg_path} is true but "
+                                  f"tensor '{head_name}' differs from '{embed_name}': both are used as shipped, "
+                                  "untied, as transformers does", stacklevel=2)
+                lm_head = head_raw.to(device=dev, dtype=dtype)
+        return cls(layers, embed, norm_w, lm_head, ck.model, v, dev)
+
+    def _check_batch(self, what: str, n: int) -> None:
+        if n != self.batch:
+            raise ValueError(f"{what}: batch {n}, but variant '{self.variant.name}' was built for batch "
+                             f"{self.batch}")
+
+    def step(self, token_ids, pos):
+        """token_ids [B] (int), pos [B] int32 (each sequence's position) -> logits [B, vocab] float32."""
+        import torch
+
+        from .. import reference
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+            raise ValueError(f"token_ids: a 1-d integer tensor [batch], got shape "
+                             f"{tuple(getattr(token_ids, 'shape', ()))}")
+        self._check_batch("token_ids", token_ids.shape[0])
+        if not isinstance(pos, torch.Tensor):
+            pos = torch.as_tensor(pos, dtype=torch.int32)
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (self.batch,):
+            raise ValueError(f"pos: an int32 tensor of shape ({self.batch},), got {pos.dtype} "
+                             f"{tuple(pos.shape)}")
+        with torch.no_grad():
+            ids = token_ids.to(self.device).long()
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab:
+                raise ValueError(f"token_ids: values must be in [0, {self.vocab - 1}], got {lo}..{hi}")
+            x = self.embed[ids]
+            if self.layers:
+                self.layers[0].check_positions(pos.cpu())  # once, on the host; the layers then skip the check
+            pos_dev = pos.to(self.device)
+            for layer in self.layers:
+                x = layer(x, pos_dev, validate=False)
+            h = reference.norm(x, self.norm_weight, None, self.model)
+            return (h.to(self.lm_head.dtype) @ self.lm_head.T).float()
+
+    def generate(self, input_ids, max_new_tokens: int):
+        """Greedy decoding: input_ids [B, T] -> [B, T + max_new_tokens]. The prompt is fed token by token through
+        the decode kernel (every sequence at the same position)."""
+        import torch
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids: a 2-d integer tensor [batch, tokens], got shape "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        B, T = input_ids.shape
+        self._check_batch("input_ids", B)
+        if T < 1 or max_new_tokens < 0:
+            raise ValueError(f"input_ids: at least one token, and max_new_tokens >= 0 (got {T}, {max_new_tokens})")
+        if T + max_new_tokens - 1 > self.seq_len:
+            raise ValueError(f"input_ids: {T} prompt + {max_new_tokens} new tokens need {T + max_new_tokens - 1} "
+                             f"cache rows, over variant '{self.variant.name}''s seq_len {self.seq_len}")
+        out = [input_ids[:, t].to(self.device).long() for t in range(T)]
+        if max_new_tokens == 0:
+            return input_ids.clone()
+        for t in range(T + max_new_tokens - 1):
+            logits = self.step(out[t], torch.full((B,), t, dtype=torch.int32))
+            if t >= T - 1:
+                out.append(logits.argmax(dim=-1))
+        return torch.stack(out, dim=1).to(input_ids.device)

@@ -1,0 +1,132 @@
+"""variants.yaml editing: a mapped config as the text of a `models:` entry, and appending it to a file atomically."""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from .. import variants as gvariants
+from .config import HFConfigError, Window, check_window, map_config
+
+FIELD_ORDER = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "norm", "norm_eps",
+               "rope_theta", "rope_scaling", "activation", "qkv_bias", "qk_norm", "dtype")
+# the comment variant_entry_yaml writes for a sliding window; append_entry reads the size back from it
+_WINDOW_COMMENT = re.compile(r"^\s*#\s*sliding_window (\d+) \((.*)\): ")
+
+
+def _yaml_line(key, value) -> str:
+    """One `key: value` line; a mapping value in flow style ({a: 1, b: 2}), as variants.yaml writes rope_scaling."""
+    if isinstance(value, dict):
+        flow = yaml.safe_dump(value, sort_keys=False, default_flow_style=True, width=10**9).strip()
+        return f"{_yaml_line(key, None).removesuffix(' null')} {flow}"
+    return yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=10**9).rstrip("\n")
+
+
+def variant_entry_yaml(path, name=None) -> str:
+    """YAML text of a model directory's (or config.json's) entry, indented to paste under `models:` (two spaces
+    for the name, four for fields), with notes as comments. HFConfigError / VariantError as map_config."""
+    name, fields, notes, cfg_path, cfg, _ = map_config(path, name)
+    lines = [f"  # from {cfg_path} (model_type {cfg['model_type']})"]
+    lines.append("  " + _yaml_line(name, None).removesuffix(" null"))
+    lines += [f"    # {n}" for n in notes]
+    lines += ["    " + _yaml_line(k, fields[k]) for k in FIELD_ORDER if k in fields]
+    return "\n".join(lines) + "\n"
+
+
+_MODELS_LINE = re.compile(r"^models:\s*(#.*)?$")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o644
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError):
+            raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
+        raise
+
+
+def append_entry(variants_file, text: str) -> None:
+    """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping,
+    atomically. Writes nothing, raising HFConfigError / VariantError (one line), when the name is already there,
+    the result does not parse as a variants file, or the entry's sliding window (its `# sliding_window N (...)`
+    comment) is shorter than a seq_len the file's matrix gives it."""
+    path = Path(variants_file)
+    try:
+        old = path.read_text()
+    except OSError as exc:
+        raise HFConfigError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    try:
+        entry = yaml.safe_load("models:\n" + text)
+    except yaml.YAMLError as exc:
+        raise HFConfigError(f"{path}: the entry to append is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(entry, dict) or not isinstance(entry.get("models"), dict) or len(entry["models"]) != 1:
+        raise HFConfigError(f"{path}: the entry to append must be exactly one 'name:' mapping indented under "
+                            "models:")
+    (new_name,) = entry["models"]
+    try:
+        doc = yaml.safe_load(old)
+    except yaml.YAMLError:
+        gvariants.parse(old, str(path))  # raises the VariantError with the line of the syntax error
+        raise
+    existing = doc.get("models") if isinstance(doc, dict) else None
+    if isinstance(existing, dict) and new_name in existing:
+        raise HFConfigError(f"{path}: field 'models' already has an entry '{new_name}' (choose another with --name)")
+
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if _MODELS_LINE.match(ln.rstrip("\n"))), None)
+    if start is None:
+        raise HFConfigError(f"{path}: field 'models' not found as a top-level block mapping ('models:' on a line "
+                            "of its own)")
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t#"):
+        end += 1
+    # blank lines and top-level comments just before the next top-level key belong to that key
+    insert = end
+    while insert > start + 1 and (not lines[insert - 1].strip() or
+                                  (end < len(lines) and lines[insert - 1].startswith("#"))):
+        insert -= 1
+    # follow the file's indentation of entry names
+    indent = next((len(ln) - len(ln.lstrip(" ")) for ln in lines[start + 1:end]
+                   if ln.strip() and not ln.lstrip().startswith("#")), 2)
+    body = text if text.endswith("\n") else text + "\n"
+    if indent != 2:
+        def reindent(ln: str) -> str:
+            if not ln.strip():
+                return ln
+            lead = len(ln) - len(ln.lstrip(" "))
+            return " " * max(0, lead + indent - 2) + ln[lead:]
+        body = "".join(reindent(ln) for ln in body.splitlines(keepends=True))
+    before = "".join(lines[:insert])
+    if before and not before.endswith("\n"):
+        before += "\n"
+    new = before + body + "".join(lines[insert:])
+    expanded = gvariants.parse(new, str(path))  # the result must still be a valid variants file (VariantError)
+    window = next(filter(None, map(_WINDOW_COMMENT.match, text.splitlines())), None)
+    if window is not None:
+        size, source = int(window.group(1)), window.group(2)
+        for v in expanded:
+            if v.model.name == new_name:
+                check_window(Window(size, source, ()), v.seq_len, f"{path}: variant '{v.name}'")
+    _atomic_write_text(path, new)
+
+

@@ -1,0 +1,318 @@
+"""Config and checkpoint faults read as transformers 5 reads them (CPU, offline; every config and checkpoint is built
+here): sliding windows against seq_len, rope_scaling vs rope_parameters, tied lm_head, model.safetensors vs an index,
+fp16 variants of bf16 models."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from generator import hf, loader, reference, variants as gvariants
+from generator.verify import rel_err as rel
+from test_hf import (LLAMA_3_1_8B, MISTRAL_7B_V0_3, QWEN2_5_7B, TINY, ReferenceLayer, make_tiny, run_cli,
+                     write_config)
+from hf_util import randomize, rope_kwargs
+
+transformers = pytest.importorskip("transformers")
+
+MATRIX = "matrix: {{mode: [decode], batch: [1], seq_len: {seq}}}\nmodels:\n"
+
+
+def hf_config(d):
+    return transformers.AutoConfig.from_pretrained(d)
+
+
+def one_line(exc) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def fake_build(monkeypatch, v):
+    """load_hf / FusedModel see `v` as built, and get ReferenceLayers (fp32, CPU) instead of cubins."""
+    monkeypatch.setattr(hf.model, "_built_variant", lambda name, build_dir: v)
+    monkeypatch.setattr(loader, "load", lambda name, weights, build_dir, device: ReferenceLayer(v, weights, device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1a/1b sliding windows: read as transformers does, then checked against seq_len
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_mistral_without_sliding_window_key_has_transformers_default_window(tmp_path):
+    cfg = {k: v for k, v in MISTRAL_7B_V0_3.items() if k != "sliding_window"}
+    d = write_config(tmp_path, "mistral-v0.1-like", cfg)
+    assert hf_config(d).sliding_window == 4096  # MistralConfig's default, applied by transformers
+    text = hf.variant_entry_yaml(d)
+    assert "# sliding_window 4096 (" in text and "seq_len <= 4096 is exact" in text
+    # a window >= every seq_len never takes effect: appended
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(MATRIX.format(seq=[1024, 4096]))
+    hf.append_entry(ok, text)
+    assert [v.seq_len for v in gvariants.load(ok)] == [1024, 4096]
+    # seq_len 32768 > 4096: refused in one line naming both files and both fields; file untouched
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MATRIX.format(seq=[1024, 4096, 32768]))
+    before = bad.read_text()
+    with pytest.raises(hf.HFConfigError) as exc:
+        hf.append_entry(bad, text)
+    msg = one_line(exc)
+    assert all(s in msg for s in (str(bad), "seq_len 32768", "sliding_window 4096", str(d / "config.json"),
+                                  "_s32768_"))
+    assert bad.read_text() == before
+    r = run_cli("from-hf", d, "--write", bad)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "sliding_window 4096" in r.stderr
+    m = hf.map_config(d)
+    assert m.window.size == 4096 and m.window.layers == tuple(range(32)) and "absent" in m.window.source
+    # an explicit null is full attention (Mistral-7B-v0.3)
+    assert hf.map_config(write_config(tmp_path, "v03", MISTRAL_7B_V0_3)).window is None
+
+
+@pytest.mark.parametrize("over,window_layers", [
+    ({"use_sliding_window": True}, None),                            # max_window_layers 28 = every layer: none slide
+    ({"use_sliding_window": True, "max_window_layers": 20}, range(20, 28)),
+    ({"use_sliding_window": True, "max_window_layers": 20, "sliding_window": None}, None),
+    ({"use_sliding_window": False, "max_window_layers": 0, "sliding_window": 512}, None),
+    ({"use_sliding_window": True, "layer_types": ["full_attention"] * 27 + ["sliding_attention"],
+      "sliding_window": 4096}, [27]),
+])
+def test_qwen2_window_layers_as_transformers_reads_them(tmp_path, over, window_layers):
+    d = write_config(tmp_path, "q", {**QWEN2_5_7B, **over})
+    t = hf_config(d)
+    theirs = [i for i, lt in enumerate(t.layer_types) if lt == "sliding_attention"]
+    assert hf.model_entry(d)[0] == "q"  # mapped, not refused: the window is checked against seq_len later
+    w = hf.map_config(d).window
+    assert (w.layers if w else []) == tuple(theirs) if theirs else w is None
+    assert theirs == (list(window_layers) if window_layers is not None else [])
+    if w:
+        assert w.size == t.sliding_window
+
+
+def test_window_shorter_than_seq_len_is_refused_per_layer(tmp_path, monkeypatch):
+    """Layer 2 of a tiny qwen2 slides over 16 keys: a seq_len 32 variant computes it wrongly (transformers' output
+    really differs beyond the window) and is refused; layers 0-1 and a seq_len 16 variant are exact."""
+    T = transformers
+    kw = {k: v for k, v in TINY.items() if k != "head_dim"}
+    cfg = T.Qwen2Config(**kw, use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                        **rope_kwargs(T.Qwen2Config, 1e6))
+    assert cfg.layer_types == ["full_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = T.Qwen2ForCausalLM(cfg).eval()
+    randomize(model, 0)
+    d = tmp_path / "tiny-qwen2-window"
+    model.save_pretrained(d)
+    m = hf.model_from_hf(d, name="tiny")
+    for seq_len, refused in ((32, True), (16, False)):
+        v = gvariants.Variant(m, "decode", 2, seq_len)
+        fake_build(monkeypatch, v)
+        hf.load_hf(d, 1, variant=v.name, build_dir=tmp_path, device="cpu")  # a full-attention layer
+        if refused:
+            with pytest.raises(hf.HFConfigError) as exc:
+                hf.load_hf(d, 2, variant=v.name, build_dir=tmp_path, device="cpu")
+            msg = one_line(exc)
+            assert "seq_len 32" in msg and "sliding_window 16" in msg and str(d / "config.json") in msg
+            with pytest.raises(hf.HFConfigError, match="sliding_window 16"):
+                hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+        else:
+            # window == seq_len: never takes effect; our full-attention layers give transformers' logits
+            monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)
+            fm = hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+            ids = torch.randint(0, fm.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                ref = model(input_ids=ids).logits
+            for t in range(16):
+                assert rel(fm.step(ids[:, t], torch.full((2,), t, dtype=torch.int32)), ref[:, t]) <= 1e-4
+    # beyond the window transformers' layer really differs from full attention: the refusal is needed
+    full = T.Qwen2ForCausalLM(T.Qwen2Config(**kw, **rope_kwargs(T.Qwen2Config, 1e6))).eval()
+    full.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, full(input_ids=ids).logits
+    assert torch.allclose(a[:, :16], b[:, :16], atol=1e-5) and rel(a[:, 20:], b[:, 20:]) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1c RoPE: rope_scaling vs rope_parameters, rope_theta inside vs outside, as transformers 5 standardises them
+# ---------------------------------------------------------------------------------------------------------------
+
+L3 = LLAMA_3_1_8B["rope_scaling"]
+ROPE_CASES = {
+    # a non-empty legacy rope_scaling replaces rope_parameters whole; theta from the top level
+    "scaling-beats-parameters": {"rope_theta": 500000.0, "rope_scaling": L3,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    # a rope_theta inside the dict beats the top-level one
+    "theta-inside-scaling": {"rope_theta": 500000.0, "rope_scaling": {**L3, "rope_theta": 1e6}},
+    "theta-inside-parameters": {"rope_theta": 500000.0, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 1e6}},
+    # an empty rope_scaling does not replace rope_parameters
+    "empty-scaling": {"rope_theta": 500000.0, "rope_scaling": {}, "rope_parameters": {**L3, "rope_theta": 2e5}},
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_fields_read_as_transformers_does(tmp_path, case):
+    cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    d = write_config(tmp_path, case, {**cfg, **ROPE_CASES[case]})
+    theirs = dict(hf_config(d).rope_parameters)
+    m = hf.model_from_hf(d)
+    assert m.rope_theta == theirs.pop("rope_theta")
+    assert dict(m.rope_scaling or {}) == ({} if theirs["rope_type"] == "default" else theirs)
+    if case == "scaling-beats-parameters":
+        assert "rope_parameters ignored" in hf.variant_entry_yaml(d)
+    if case.startswith("theta-inside"):
+        assert "top-level rope_theta 500000.0 ignored" in hf.variant_entry_yaml(d)
+
+
+def test_rope_scaling_precedence_changes_the_layer(tmp_path):
+    """Real numbers: a tiny llama whose config.json has a llama3 rope_scaling and a default rope_parameters; our
+    reference layer with the mapping equals transformers' layer (which uses rope_scaling)."""
+    from hf_util import hf_decode_step
+    model, d = make_tiny("llama3-scaling", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = cfg.pop("rope_parameters")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = transformers.LlamaForCausalLM.from_pretrained(d).eval()
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    m = hf.model_from_hf(d)
+    B, P = 1, 40
+    ids = torch.randint(0, 128, (B, P + 1), generator=torch.Generator().manual_seed(1))
+    ins, outs, before, _ = hf_decode_step(model, ids, P)
+    kc = torch.zeros(B, m.kv_heads, 64, m.head_dim)
+    vc = torch.zeros_like(kc)
+    kc[:, :, :P], vc[:, :, :P] = before[0]
+    out = reference.decoder_layer(ins[0][:, 0], torch.full((B,), P), model.model.layers[0].state_dict(), kc, vc, m)
+    assert rel(out, outs[0][:, 0]) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 checkpoints: tied lm_head, model.safetensors vs an index
+# ---------------------------------------------------------------------------------------------------------------
+
+def _edit_single(d, edit):
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(d / "model.safetensors"))
+    edit(t)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return t
+
+
+@pytest.mark.parametrize("shipped", ["different", "equal", "only-lm-head"])
+def test_tied_embeddings_with_a_shipped_lm_head(tmp_path, monkeypatch, shipped):
+    model, d = make_tiny("qwen2-bias", tmp_path)  # tie_word_embeddings true: saved without lm_head.weight
+
+    def edit(t):
+        emb = t["model.embed_tokens.weight"]
+        t["lm_head.weight"] = emb.clone() if shipped == "equal" else torch.randn(emb.shape)
+        if shipped == "only-lm-head":
+            del t["model.embed_tokens.weight"]
+    t = _edit_single(d, edit)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    m = hf.model_from_hf(d, name="tiny")
+    v = gvariants.Variant(m, "decode", 2, 32)
+    fake_build(monkeypatch, v)
+    monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fm = hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+    ours_warned = [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
+    assert torch.equal(fm.lm_head, theirs.lm_head.weight)
+    assert torch.equal(fm.embed, theirs.model.embed_tokens.weight)
+    assert torch.equal(fm.lm_head, t["lm_head.weight"])
+    if shipped == "different":
+        assert len(ours_warned) == 1 and "\n" not in ours_warned[0] and "lm_head.weight" in ours_warned[0]
+        assert str(d / "model.safetensors") in ours_warned[0] and str(d / "config.json") in ours_warned[0]
+        assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()
+    else:
+        assert not ours_warned and fm.lm_head is fm.embed
+    ids = torch.randint(0, fm.vocab, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = theirs(input_ids=ids).logits
+    for i in range(6):
+        assert rel(fm.step(ids[:, i], torch.full((2,), i, dtype=torch.int32)), ref[:, i]) <= 1e-4
+
+
+def _two_saves(tmp_path):
+    """A directory holding model.safetensors (seed 1) and a complete sharded copy of another model (seed 0)."""
+    T = transformers
+    cfg_cls, model_cls, kwargs = T.LlamaConfig, T.LlamaForCausalLM, dict(TINY, **rope_kwargs(T.LlamaConfig, 1e4))
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        mdl = model_cls(cfg_cls(**kwargs)).eval()
+        randomize(mdl, seed)
+        models.append(mdl)
+    d = tmp_path / "both"
+    models[0].save_pretrained(d, max_shard_size="300KB")
+    assert (d / "model.safetensors.index.json").exists() and not (d / "model.safetensors").exists()
+    return models, d
+
+
+def test_single_file_wins_over_an_index_next_to_it(tmp_path):
+    from safetensors.torch import save_file
+    models, d = _two_saves(tmp_path)
+    save_file({k: v.contiguous() for k, v in models[1].state_dict().items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    theirs = transformers.LlamaForCausalLM.from_pretrained(d)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(theirs.state_dict()[name], models[1].state_dict()[name])  # transformers read the single file
+    ck = hf._Checkpoint(d)
+    assert ck.index_path == d / "model.safetensors"
+    assert torch.equal(ck.get(name), theirs.state_dict()[name])
+
+
+def test_stale_index_left_by_a_resave_as_one_file(tmp_path, monkeypatch):
+    models, d = _two_saves(tmp_path)
+    models[1].save_pretrained(d)  # transformers removes the old shards but leaves the index behind
+    assert (d / "model.safetensors.index.json").exists() and not list(d.glob("model-0*"))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(d)
+    m = hf.model_from_hf(d, name="tiny")
+    v = gvariants.Variant(m, "decode", 1, 32)
+    fake_build(monkeypatch, v)
+    monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)
+    fm = hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+    assert torch.equal(fm.lm_head, theirs.lm_head.weight)
+    assert torch.equal(fm.layers[2].W["mlp.down_proj.weight"], theirs.model.layers[2].mlp.down_proj.weight)
+
+
+def test_transformers_weights_field_names_the_file(tmp_path):
+    models, d = _two_saves(tmp_path)
+    models[1].save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", d / "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "transformers_weights": "model.safetensors.index.json"}))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(transformers.LlamaForCausalLM.from_pretrained(d).state_dict()[name],
+                       models[0].state_dict()[name])
+    assert torch.equal(hf._Checkpoint(d).get(name), models[0].state_dict()[name])
+    (d / "config.json").write_text(json.dumps({**cfg, "transformers_weights": "../x.safetensors"}))
+    with pytest.raises(hf.HFCheckpointError, match="transformers_weights"):
+        hf._Checkpoint(d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3 fp16 variants of bf16 models warn: fp16 overflows above 65,504 where bf16 does not
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("saved,variant_dtype,warns", [
+    (torch.bfloat16, "fp16", True), (None, "fp16", True),        # bf16 and fp32 checkpoints cast to fp16
+    (torch.bfloat16, "bf16", False), (torch.float16, "fp16", False),
+])
+def test_fp16_variant_of_a_bf16_model_warns(tmp_path, monkeypatch, saved, variant_dtype, warns):
+    assert torch.isinf(torch.tensor(70000.0).half()) and torch.isfinite(torch.tensor(70000.0).bfloat16())
+    _, d = make_tiny("llama", tmp_path, save_dtype=saved)
+    m = hf.model_from_hf(d, name="tiny")
+    v = gvariants.Variant(gvariants.Model(**{**m.__dict__, "dtype": variant_dtype}), "decode", 1, 32)
+    fake_build(monkeypatch, v)
+    for load in (lambda: hf.load_hf(d, 0, variant=v.name, build_dir=tmp_path, device="cpu"),
+                 lambda: hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load()
+        ours = [str(w.message) for w in caught if issubclass(w.category, hf.HFPrecisionWarning)]
+        assert len(ours) == int(warns)
+        if warns:
+            assert "\n" not in ours[0] and "65504" in ours[0] and v.name in ours[0]
+            assert str(d / "config.json") in ours[0] and "dtype" in ours[0]
