@@ -169,17 +169,14 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
     declared = None
     if Path(variants_file).exists() or variants_file != "variants.yaml":
         declared = {v.name for v in load_selected(variants_file)}
-    gpu = not no_gpu
-    if gpu:
-        why = cuda_unavailable()
-        if why:
-            err_console.print(f"note: {why}: module load times not measured (--no-gpu: do not try)",
-                              markup=False, highlight=False, soft_wrap=True)
-            gpu = False
+    why = None if no_gpu else cuda_unavailable()  # torch's check first: never a bare error from a load
     try:
-        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=gpu, declared=declared)
+        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared)
     except FileNotFoundError as exc:
         fail(str(exc))
+    if why:
+        err_console.print(f"note: {why}: module load times not measured (--no-gpu: do not try)",
+                          markup=False, highlight=False, soft_wrap=True)
     greport.print_report(rep, console, wide=wide)
     if rep.get("not_declared"):
         err_console.print(f"not declared in {variants_file} (ignored): {', '.join(rep['not_declared'])}",

@@ -521,3 +521,103 @@ def test_cli_bad_only(tmp_path, monkeypatch):
     _fake_gpu(monkeypatch)
     r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "nope*"])
     assert r.exit_code == 2 and "no variant matches --only nope*" in r.output
+
+
+# -- the split: registry, best baseline, help, imports ----------------------------------------------------------------
+
+def test_bench_help_states_the_default_compile_subset():
+    r = CliRunner().invoke(brun.cli, ["--help"], prog_name="megakernel bench", terminal_width=200)
+    text = " ".join(r.output.split())
+    assert "batch 1 and 8" not in text
+    assert "batch 1 at seq_len 4096" in text
+    assert all(g in text for g in measure.DEFAULT_COMPILE_SUBSET)           # show_default prints the globs
+    chosen = [v for v in gvariants.load(VARIANTS) if measure.wants_compile(v.name, measure.DEFAULT_COMPILE_SUBSET,
+                                                                             False)]
+    assert {(v.batch, v.seq_len) for v in chosen} == {(1, 4096)}             # what the help says
+    assert len(chosen) == len({v.model.name for v in gvariants.load(VARIANTS)})  # one variant per model
+
+
+def test_registry_is_a_list_of_providers():
+    names = [p.name for p in providers.PROVIDERS]
+    assert names == ["fused", "eager", "torch_graph", "compile"] and providers.PROVIDER_NAMES == tuple(names)
+    assert providers.BASELINES == ("eager", "torch_graph", "compile")
+    assert [p.graph for p in providers.PROVIDERS] == [True, False, True, True]
+    assert providers.by_name("compile").compile_mode == "default"
+    # the torch baselines share one stack; the fused layer has its own
+    keys = {p.name: p.stack_key for p in providers.PROVIDERS}
+    assert keys["eager"] is keys["torch_graph"] is keys["compile"] and keys["fused"] != keys["eager"]
+    src = (ROOT / "bench" / "providers.py").read_text()
+    assert "ServingLayer" in src and "FlashInferLayer" in src and "flashinfer_available" in src  # the marked place
+
+
+def test_best_baseline_is_the_fastest_one_present():
+    rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0), _row("compile", 80.0)]
+    results.add_speedups(rows)
+    assert (rows[0]["best_baseline"], rows[0]["speedup_vs_best"]) == ("compile", pytest.approx(1.6))
+    rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0),
+            _row("compile", 0, status="error", error="x"), _row("newbase", 60.0)]  # not registered: still a baseline
+    results.add_speedups(rows)
+    assert (rows[0]["best_baseline"], rows[0]["speedup_vs_best"]) == ("newbase", pytest.approx(1.2))
+    assert rows[0]["speedup_vs_newbase"] == pytest.approx(1.2) and rows[0]["speedup_vs_compile"] is None
+
+
+def test_table_shows_the_best_baseline():
+    from rich.console import Console
+    con = Console(record=True, width=250)
+    brun.print_table(_fake_doc(), con)
+    text = con.export_text()
+    assert "× best" in text and "compile" in text and "graph µs" in text
+    line = next(ln for ln in text.splitlines() if "tiny-a_decode_b1_s4096_bf16" in ln)
+    assert "1.50" in line and "compile" in line                               # compile is 1.5x, graph 1.8x
+
+
+def test_a_new_provider_is_one_class(tmp_path):
+    """A provider added to the list is built, checked, timed and compared like the others (CPU backend)."""
+    from bench.baselines import TorchLayer
+
+    class Slow(TorchLayer):
+        def __call__(self, x, pos):
+            for _ in range(3):
+                out = super().__call__(x, pos)
+            return out
+
+    class SlowProvider(providers.TorchEager):
+        name, label = "slow", "slow"
+        layer_class = Slow
+
+    class Missing(providers.TorchEager):
+        name, label = "missing", "missing"
+
+        def unavailable(self):
+            return "library not installed"
+
+    regs = [*providers.PROVIDERS, SlowProvider(), Missing()]
+    rows, _ = measure.bench_variant(_small_variant(batch=1), build_dir=str(tmp_path), fused_error="build refused: x",
+                                    layers=2, seed=1, rounds=1, reps=2, compile_mode="not in --compile-subset",
+                                    copy_gbps=100.0, log=lambda m: None, backend=measure.cpu_backend(),
+                                    providers=regs)
+    by = {r["provider"]: r for r in rows}
+    assert list(by) == [p.name for p in regs]
+    assert by["slow"]["status"] == "ok" and by["slow"]["rel_err"] <= measure.REL_TOL and by["slow"]["us_median"] > 0
+    assert (by["missing"]["status"], by["missing"]["error"]) == ("skipped", "library not installed")
+
+
+def test_library_never_imports_the_cli_or_bench():
+    import ast
+    for path in sorted((ROOT / "generator").glob("*.py")):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")] + [f".{a.name}" for a in node.names
+                                                                    if node.level and not node.module]
+            for mod in mods:
+                assert not mod.startswith("bench") and mod not in (".cli", "generator.cli") \
+                    and not mod.startswith(".cli"), f"{path.name} imports {mod}"
+    # and the bench modules each hold one idea: no CLI in the providers, measurement or results
+    for name in ("providers", "measure", "results"):
+        src = (ROOT / "bench" / f"{name}.py").read_text()
+        assert "import click" not in src and "bench.run" not in src, name
