@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import compile as gcompile, manifest as gmanifest, report as greport, variants as gvariants
+from . import __version__, compile as gcompile, manifest as gmanifest, report as greport, toolchain, variants as gvariants
 from .render import PlanError, plan, render
 from .targets import TargetError, arch as get_arch
 
@@ -45,6 +46,7 @@ build_dir_opt = click.option("--build-dir", default="build", show_default=True, 
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="megakernel", message="%(prog)s %(version)s")
 def main():
     """Fused decoder-layer kernel generator: one CUDA kernel per layer shape, built ahead of time."""
 
@@ -98,11 +100,25 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
     except TargetError as exc:
         fail(str(exc))
     vs = load_selected(variants_file, only, exclude)
+    try:
+        toolchain.find_nvcc()  # no nvcc, or a broken NVCC=: one line now, not a traceback from inside CuPy
+    except toolchain.ToolchainError as exc:
+        fail(str(exc))
     jobs = jobs or os.cpu_count() or 1
-    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as bar:
-        task = bar.add_task("build", total=len(vs))
-        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n),
+    if sys.stdout.isatty():
+        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as bar:
+            task = bar.add_task("build", total=len(vs))
+            result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n),
+                                    variants_file=variants_file)
+    else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
+        done, t0 = [0], time.perf_counter()
+
+        def progress(n):
+            done[0] += n
+            click.echo(f"built {done[0]}/{len(vs)} variants ({time.perf_counter() - t0:.0f} s)")
+            sys.stdout.flush()
+        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
                                 variants_file=variants_file)
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
@@ -114,31 +130,54 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
             err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False)
     for e in result["errors"]:
         err_console.print(f"error: {e['error']}", markup=False, highlight=False)
-    rep = greport.build_report(build_dir, gpu=False)
     names = {v.name for v in vs}
-    greport.print_report({"rows": [r for r in rep["rows"] if r["name"] in names], "totals": rep["totals"]}, console)
+    declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
+    rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
+    greport.print_report(rep, console)
     for r in rep["rows"]:
-        if r["name"] in names and "spills" in r["flags"]:
+        if "spills" in r["flags"]:
             err_console.print(f"warning: {r['name']} spills {r['spill_stores']} B / loads {r['spill_loads']} B "
                               "to local memory", highlight=False)
     if result["errors"]:
         sys.exit(1)
-    if strict and any(r["flags"] for r in rep["rows"] if r["name"] in names):
+    if strict and rep["totals"]["flagged"]:
         sys.exit(1)
 
 
+def cuda_unavailable() -> str | None:
+    """None where torch sees a CUDA GPU, else one line saying why not (torch's own check, before any load)."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return None
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return f"no CUDA GPU visible to torch {torch.__version__} ({build})"
+
+
 @main.command("report")
+@variants_opt
 @build_dir_opt
 @click.option("--bench-dir", default="bench/results", show_default=True, help="where benchmark results live")
 @click.option("--no-gpu", is_flag=True, help="do not measure module load times even where a GPU is present")
-@click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged")
-def report_cmd(build_dir, bench_dir, no_gpu, strict):
-    """Resource figures of every built variant, joined with the latest benchmark."""
+@click.option("--strict", is_flag=True, help="exit 1 if any declared variant is flagged")
+@click.option("--wide", is_flag=True, help="every column (report.json and report.csv always have them all)")
+def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
+    """Resource figures of the built variants still declared in the variants file, joined with the latest
+    benchmark. Entries of the build directory no longer declared are named in one line, not reported."""
+    declared = None
+    if Path(variants_file).exists() or variants_file != "variants.yaml":
+        declared = {v.name for v in load_selected(variants_file)}
+    why = None if no_gpu else cuda_unavailable()  # torch's check first: never a bare error from a load
     try:
-        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu)
+        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared)
     except FileNotFoundError as exc:
         fail(str(exc))
-    greport.print_report(rep, console)
+    if why:
+        err_console.print(f"note: {why}: module load times not measured (--no-gpu: do not try)",
+                          markup=False, highlight=False, soft_wrap=True)
+    greport.print_report(rep, console, wide=wide)
+    if rep.get("not_declared"):
+        err_console.print(f"not declared in {variants_file} (ignored): {', '.join(rep['not_declared'])}",
+                          markup=False, highlight=False, soft_wrap=True)
     if strict and rep["totals"]["flagged"]:
         sys.exit(1)
 

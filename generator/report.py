@@ -7,7 +7,9 @@ import io
 import json
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from .compile import atomic_write, read_manifest
@@ -16,7 +18,8 @@ from .targets import DEFAULT_ARCH, arch as get_arch
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
            "flags"]
-BENCH_COLUMNS = ["fused_us", "pct_bw", "speedup_torch_graph", "speedup_eager", "speedup_compile"]
+BENCH_COLUMNS = ["fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_eager",
+                 "speedup_compile"]
 
 
 def flags(entry: dict) -> list[str]:
@@ -82,23 +85,64 @@ def latest_bench(bench_dir: Path) -> dict[str, dict]:
                                "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
                                "speedup_eager": row.get("speedup_vs_eager"),
                                "speedup_compile": row.get("speedup_vs_compile"),
+                               "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline"),
                                "bench_file": files[-1].name}
     return out
 
 
-def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True) -> dict:
+def totals_of(rows: list[dict], *, loads_measured: bool) -> dict:
+    """Footer figures of exactly these rows: variants, built, distinct binaries (objects shared by identical
+    sources count once), their bytes, their compile seconds, load ms (None where not measured), flagged."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    objects = {r.get("key") or r["name"]: r for r in ok}
+    return {
+        "variants": len(rows), "built": len(ok),
+        "distinct_binaries": len(objects),
+        "binary_bytes": sum(r["cubin_bytes"] for r in objects.values()),
+        "compile_s": round(sum(r["compile_s"] for r in objects.values()), 1),
+        "load_ms": round(sum(r["load_ms"] for r in ok if r.get("load_ms") is not None), 2) if loads_measured else None,
+        "flagged": sum(1 for r in rows if r["flags"]),
+    }
+
+
+def select(report: dict, names) -> dict:
+    """The report restricted to `names` (rows kept in order), its totals recomputed over them."""
+    names = set(names)
+    rows = [r for r in report["rows"] if r["name"] in names]
+    return {**report, "rows": rows,
+            "totals": totals_of(rows, loads_measured=report["totals"]["load_ms"] is not None)}
+
+
+def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
+                 declared=None, write: bool = True) -> dict:
+    """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...]}.
+
+    declared: variant names still in the variants file; manifest entries outside it are left out of rows and
+    totals and listed in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
+    GPU. Writes build_dir/report.json and report.csv (every column) unless write=False.
+    Raises FileNotFoundError when nothing is built (or nothing declared is)."""
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
     if not manifest["variants"]:
         raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet (run `megakernel build`)")
-    loads = measure_load_times(manifest, build_dir) if gpu else {}
+    entries = manifest["variants"]
+    not_declared = []
+    if declared is not None:
+        declared = set(declared)
+        not_declared = sorted(n for n in entries if n not in declared)
+        entries = {n: e for n, e in entries.items() if n in declared}
+        if not entries:
+            raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
+                                    "(run `megakernel build`)")
+    loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     bench = latest_bench(Path(bench_dir)) if bench_dir else {}
     rows = []
-    for name, e in sorted(manifest["variants"].items()):
+    for name, e in sorted(entries.items()):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
         if e["status"] == "ok":
             row.update({k: e["resources"].get(k) for k in COLUMNS if k in e["resources"]})
             row["cached"] = e["resources"].get("cached")
+            row["key"] = e.get("key")
         else:
             row["error"] = e.get("error", "").splitlines()[0]
         if name in loads:
@@ -106,53 +150,98 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row["attributes"] = loads[name]["attributes"]
         row.update(bench.get(name, {}))
         rows.append(row)
-    ok = [r for r in rows if r["status"] == "ok"]
-    objects = {e["key"]: e["resources"]["cubin_bytes"] for e in manifest["variants"].values() if e["status"] == "ok"}
-    compile_s = {e["key"]: e["resources"]["compile_s"] for e in manifest["variants"].values() if e["status"] == "ok"}
-    totals = {
-        "variants": len(rows), "built": len(ok),
-        "distinct_binaries": len(objects),
-        "binary_bytes": sum(objects.values()),
-        "compile_s": round(sum(compile_s.values()), 1),
-        "load_ms": round(sum(r["load_ms"] for r in ok if r.get("load_ms") is not None), 2) if loads else None,
-        "flagged": sum(1 for r in rows if r["flags"]),
-    }
-    report = {"rows": rows, "totals": totals}
-    atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
-    buf = io.StringIO()
-    cols = COLUMNS + [c for c in BENCH_COLUMNS if any(c in r for r in rows)]
-    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write(build_dir / "report.csv", buf.getvalue())
+    report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared}
+    if write:
+        atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
+        buf = io.StringIO()
+        cols = COLUMNS + [c for c in BENCH_COLUMNS if any(c in r for r in rows)]
+        w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write(build_dir / "report.csv", buf.getvalue())
     return report
 
 
-def print_report(report: dict, console: Console | None = None) -> None:
-    console = console or Console()
-    rows = report["rows"]
-    bench_cols = [c for c in BENCH_COLUMNS if any(r.get(c) is not None for r in rows)]
-    t = Table(title="megakernel: cost per variant", show_lines=False, header_style="bold")
-    short = {"fused_us": "fused µs", "pct_bw": "% BW", "speedup_torch_graph": "× graph", "speedup_eager": "× eager",
-             "speedup_compile": "× compile"}
-    heads = ["variant", "cubin KB", "PTX KB", "regs", "spill B", "stack", "smem KB", "% of 227KB", "blk/SM",
-             "compile s", "load ms"] + [short[c] for c in bench_cols] + ["flags"]
-    for h in heads:
-        t.add_column(h, justify="left" if h in ("variant", "flags") else "right", no_wrap=h == "variant")
+def _num(spec):
+    return lambda r, k: "-" if r.get(k) is None else format(r[k], spec)
+
+
+# (key, header, cell(row, key) -> str, keep): the terminal table's columns, every one shown with --wide. Without
+# it, columns with keep=False are left out and the rest dropped from the end of DROP_ORDER until the table fits.
+TABLE_COLUMNS = [
+    ("name", "variant", lambda r, k: r["name"], True),
+    ("cubin_bytes", "cubin\nKB", lambda r, k: f"{r[k] / 1024:.0f}", True),
+    ("ptx_bytes", "PTX\nKB", lambda r, k: f"{r[k] / 1024:.0f}", False),
+    ("registers", "regs", _num("d"), True),
+    ("spill", "spill\nB", lambda r, k: (lambda s: f"[red]{s}[/red]" if s else "0")(
+        r["spill_stores"] + r["spill_loads"]), True),
+    ("stack_frame", "stack\nB", _num("d"), False),
+    ("smem_total", "smem\nKB", lambda r, k: f"{r[k] / 1024:.1f}", True),
+    ("smem_pct", "% of\n227KB", _num(".0f"), False),
+    ("blocks_per_sm", "blk/\nSM", _num("d"), True),
+    ("compile_s", "compile\ns", _num(".1f"), False),
+    ("load_ms", "load\nms", _num(".2f"), True),
+    ("fused_us", "fused\nµs", _num(".1f"), True),
+    ("pct_bw", "%\nBW", _num(".1f"), True),
+    ("speedup_best", "×\nbest", _num(".2f"), True),
+    ("best_baseline", "best\nbaseline", lambda r, k: r.get(k) or "-", True),
+    ("speedup_torch_graph", "×\ngraph", _num(".2f"), False),
+    ("speedup_compile", "×\ncompile", _num(".2f"), False),
+    ("speedup_eager", "×\neager", _num(".2f"), False),
+    ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
+]
+DROP_ORDER = ["cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
+              "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
+BENCH_KEYS = {"fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
+              "speedup_eager"}
+
+
+def _table(rows: list[dict], cols: list[tuple]) -> Table:
+    t = Table(title="megakernel: cost per variant", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1))
+    for key, head, _, _ in cols:
+        if key == "name":
+            t.add_column(head, justify="left", no_wrap=True)
+        elif key in ("flags", "best_baseline"):
+            t.add_column(head, justify="left", no_wrap=True)
+        else:
+            t.add_column(head, justify="right", no_wrap=True)
     for r in rows:
         if r["status"] != "ok":
-            t.add_row(r["name"], *["-"] * (len(heads) - 2), f"[red]{r['flags']}[/red]")
-            continue
-        spill = r["spill_stores"] + r["spill_loads"]
-        cells = [r["name"], f"{r['cubin_bytes'] / 1024:.0f}", f"{r['ptx_bytes'] / 1024:.0f}", str(r["registers"]),
-                 f"[red]{spill}[/red]" if spill else "0", str(r["stack_frame"]),
-                 f"{r['smem_total'] / 1024:.1f}", f"{r['smem_pct']:.0f}", str(r["blocks_per_sm"]),
-                 f"{r['compile_s']:.1f}", "-" if r.get("load_ms") is None else f"{r['load_ms']:.2f}"]
-        cells += ["-" if r.get(c) is None else f"{r[c]:.1f}" if c in ("fused_us", "pct_bw") else f"{r[c]:.2f}"
-                  for c in bench_cols]
-        cells.append(f"[yellow]{r['flags']}[/yellow]" if r["flags"] else "")
+            cells = [r["name"] if k == "name" else f"[red]{r['flags']}[/red]" if k == "flags"
+                     else "-" for k, _, _, _ in cols]
+        else:
+            cells = [cell(r, key) for key, _, cell, _ in cols]
         t.add_row(*cells)
-    console.print(t)
+    return t
+
+
+def print_report(report: dict, console: Console | None = None, *, wide: bool = False) -> None:
+    """The terminal table of a report and its footer. Without `wide`, the columns that fit the console's width
+    (variant, fused µs, × best and flags always); with it, every column at its natural width."""
+    console = console or Console()
+    rows = report["rows"]
+    present = {k for r in rows for k, v in r.items() if v is not None}
+    cols = [c for c in TABLE_COLUMNS if c[0] not in BENCH_KEYS or c[0] in present]
+    unbounded = console.options.update_width(100_000)
+    natural = lambda t: Measurement.get(console, unbounded, t).maximum  # noqa: E731 - width with nothing cut
+    if wide:
+        t = _table(rows, cols)
+        saved = console._width  # print's own width= is capped at the console's: widen the console for this table
+        console.width = max(console.width, natural(t))
+        try:
+            console.print(t)
+        finally:
+            console._width = saved
+    else:
+        cols = [c for c in cols if c[3]]
+        drop = list(DROP_ORDER)
+        t = _table(rows, cols)
+        while drop and natural(t) > console.width:
+            key = drop.pop(0)
+            cols = [c for c in cols if c[0] != key]
+            t = _table(rows, cols)
+        console.print(t)
     tot = report["totals"]
     console.print(f"{tot['built']}/{tot['variants']} built, {tot['distinct_binaries']} distinct binaries, "
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"

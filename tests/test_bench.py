@@ -16,8 +16,8 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import run as brun  # noqa: E402
-from bench.timing import layer_bytes  # noqa: E402
+from bench import measure, providers, results, run as brun  # noqa: E402
+from bench.timing import layer_bytes, summarize  # noqa: E402
 from generator import variants as gvariants  # noqa: E402
 
 VARIANTS = ROOT / "variants.yaml"
@@ -30,18 +30,21 @@ def _variant(name_glob):
 def _row(provider, us, *, variant="m_decode_b4_s4096_bf16", model="m", batch=4, seq_len=4096, nbytes=100_000_000,
          copy_gbps=4000.0, layers=32, status="ok", error=None):
     stats = {"median": us, "p10": 0.9 * us, "p90": 1.2 * us} if status == "ok" else None
-    return brun.make_row(variant, provider, model=model, batch=batch, seq_len=seq_len, model_layers=layers,
+    return results.make_row(variant, provider, model=model, batch=batch, seq_len=seq_len, model_layers=layers,
                          layers_timed=8, nbytes=nbytes, copy_gbps=copy_gbps, stats=stats, status=status, error=error)
 
 
 # -- rows -----------------------------------------------------------------------------------------------------------
 
 def test_field_names_are_what_report_reads():
-    assert brun.FIELDS == ["variant", "provider", "batch", "seq_len", "layers_timed", "us_median", "us_p10", "us_p90",
-                           "bytes", "gbps", "pct_bw", "floor_us", "tokens_per_s", "speedup_vs_eager",
-                           "speedup_vs_torch_graph", "speedup_vs_compile", "status", "error"]
+    assert results.FIELDS[:13] == ["variant", "provider", "batch", "seq_len", "layers_timed", "us_median", "us_p10",
+                                   "us_p90", "bytes", "gbps", "pct_bw", "floor_us", "tokens_per_s"]
+    assert results.FIELDS[13:] == ["speedup_vs_best", "best_baseline",
+                                   *[f"speedup_vs_{b}" for b in providers.BASELINES], "status", "error"]
+    for name in ("speedup_vs_eager", "speedup_vs_torch_graph", "speedup_vs_compile"):  # generator/report.py's
+        assert name in results.FIELDS
     r = _row("fused", 50.0)
-    assert list(r)[:len(brun.FIELDS)] == brun.FIELDS
+    assert list(r)[:len(results.FIELDS)] == results.FIELDS
 
 
 def test_row_figures_from_fake_timings():
@@ -66,11 +69,12 @@ def test_untimed_row_keeps_the_floor_and_nothing_else():
 def test_speedups_on_the_fused_row_only():
     rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0),
             _row("compile", 0, status="skipped", error="not in --compile-subset")]
-    brun.add_speedups(rows)
+    results.add_speedups(rows)
     fused = rows[0]
     assert fused["speedup_vs_eager"] == pytest.approx(8.0)
     assert fused["speedup_vs_torch_graph"] == pytest.approx(2.0)
     assert fused["speedup_vs_compile"] is None
+    assert fused["best_baseline"] == "torch_graph" and fused["speedup_vs_best"] == pytest.approx(2.0)
     for r in rows[1:]:
         assert r["speedup_vs_eager"] is None and r["speedup_vs_torch_graph"] is None and r["speedup_vs_compile"] is None
 
@@ -78,53 +82,55 @@ def test_speedups_on_the_fused_row_only():
 def test_speedups_none_when_fused_failed_and_per_variant():
     rows = [_row("fused", 0, status="failed-check", error="rel_err 1e-1"), _row("eager", 400.0),
             _row("fused", 20.0, variant="v2"), _row("compile", 30.0, variant="v2")]
-    brun.add_speedups(rows)
+    results.add_speedups(rows)
     assert rows[0]["speedup_vs_eager"] is None
     assert rows[2]["speedup_vs_compile"] == pytest.approx(1.5)
     assert rows[2]["speedup_vs_eager"] is None                # eager not run for v2
+    assert rows[0]["speedup_vs_best"] is None and rows[0]["best_baseline"] is None
+    assert (rows[2]["best_baseline"], rows[2]["speedup_vs_best"]) == ("compile", pytest.approx(1.5))
 
 
 def test_summarize_matches_time_replays_quantiles():
-    s = brun.summarize([float(i) for i in range(1, 101)])
+    s = summarize([float(i) for i in range(1, 101)])
     assert s["median"] == pytest.approx(50.5) and s["p10"] == 11.0 and s["p90"] == 91.0 and s["n"] == 100
 
 
 def test_check_output():
     ref = torch.randn(4, 64)
-    assert brun.check_output(ref + 1e-3 * torch.randn(4, 64), ref)[0]
-    ok, err = brun.check_output(ref * 1.1, ref)
+    assert measure.check_output(ref + 1e-3 * torch.randn(4, 64), ref)[0]
+    ok, err = measure.check_output(ref * 1.1, ref)
     assert not ok and err == pytest.approx(0.1, rel=1e-3)
     bad = ref.clone()
     bad[0, 0] = float("nan")
-    assert brun.check_output(bad, ref) == (False, math.inf)
+    assert measure.check_output(bad, ref) == (False, math.inf)
 
 
 # -- layer counts, memory -------------------------------------------------------------------------------------------
 
 def test_layer_count_choice():
     mb = 2**20
-    assert brun.n_layers_for(30 * mb) == 8                 # 8 x 30 MB = 240 MB = 4 x 60 MB
-    assert brun.n_layers_for(500 * mb) == 8                # at least 8
-    assert brun.n_layers_for(10 * mb) == 24                # small layers: more of them
-    assert brun.n_layers_for(7 * mb) == math.ceil(240 / 7)
+    assert measure.n_layers_for(30 * mb) == 8                 # 8 x 30 MB = 240 MB = 4 x 60 MB
+    assert measure.n_layers_for(500 * mb) == 8                # at least 8
+    assert measure.n_layers_for(10 * mb) == 24                # small layers: more of them
+    assert measure.n_layers_for(7 * mb) == math.ceil(240 / 7)
     for name in ("qwen2.5-0.5b_decode_b1_s1024_bf16", "llama3-8b_decode_b8_s32768_bf16"):
         v = _variant(name)
         nb = layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
-        n = brun.n_layers_for(nb)
-        assert n >= 8 and n * nb >= 4 * brun.L2_BYTES
+        n = measure.n_layers_for(nb)
+        assert n >= 8 and n * nb >= 4 * measure.L2_BYTES
 
 
 def test_layer_count_memory_cap():
     mb = 2**20
-    assert brun.choose_layers(30 * mb) == (8, None)
-    assert brun.choose_layers(30 * mb, requested=3) == (3, None)
-    assert brun.choose_layers(30 * mb, mem_per_layer=10**9, mem_avail=100e9) == (8, None)
-    n, note = brun.choose_layers(300 * mb, mem_per_layer=10**10, mem_avail=55e9)
+    assert measure.choose_layers(30 * mb) == (8, None)
+    assert measure.choose_layers(30 * mb, requested=3) == (3, None)
+    assert measure.choose_layers(30 * mb, mem_per_layer=10**9, mem_avail=100e9) == (8, None)
+    n, note = measure.choose_layers(300 * mb, mem_per_layer=10**10, mem_avail=55e9)
     assert n == 5 and "memory" in note                     # 5 x 300 MB still >= 4 x L2
-    with pytest.raises(brun.BudgetError):
-        brun.choose_layers(30 * mb, mem_per_layer=10**10, mem_avail=55e9)  # 5 x 30 MB < 4 x L2
-    with pytest.raises(brun.BudgetError):
-        brun.choose_layers(30 * mb, requested=4, mem_per_layer=10**10, mem_avail=5e9)
+    with pytest.raises(measure.BudgetError):
+        measure.choose_layers(30 * mb, mem_per_layer=10**10, mem_avail=55e9)  # 5 x 30 MB < 4 x L2
+    with pytest.raises(measure.BudgetError):
+        measure.choose_layers(30 * mb, requested=4, mem_per_layer=10**10, mem_avail=5e9)
 
 
 def test_every_default_variant_fits_an_h200():
@@ -132,8 +138,8 @@ def test_every_default_variant_fits_an_h200():
     worst = 0
     for v in gvariants.load(VARIANTS):
         nb = layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
-        per_layer, per_variant = brun.memory_estimate(v.model, v.batch, v.seq_len)
-        n, note = brun.choose_layers(nb, mem_per_layer=per_layer, mem_avail=0.9 * 139e9 - per_variant)
+        per_layer, per_variant = measure.memory_estimate(v.model, v.batch, v.seq_len)
+        n, note = measure.choose_layers(nb, mem_per_layer=per_layer, mem_avail=0.9 * 139e9 - per_variant)
         assert n >= 8 and note is None, v.name
         worst = max(worst, n * per_layer + per_variant)
     assert worst < 100e9
@@ -142,10 +148,10 @@ def test_every_default_variant_fits_an_h200():
 def test_default_compile_subset():
     vs = gvariants.load(VARIANTS)
     assert len(vs) == 45
-    chosen = [v for v in vs if brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, False)]
+    chosen = [v for v in vs if measure.wants_compile(v.name, measure.DEFAULT_COMPILE_SUBSET, False)]
     assert sorted((v.batch, v.seq_len) for v in chosen) == [(1, 4096)] * 5
-    assert not any(brun.wants_compile(v.name, brun.DEFAULT_COMPILE_SUBSET, True) for v in vs)
-    assert all(brun.wants_compile(v.name, ("*",), False) for v in vs)
+    assert not any(measure.wants_compile(v.name, measure.DEFAULT_COMPILE_SUBSET, True) for v in vs)
+    assert all(measure.wants_compile(v.name, ("*",), False) for v in vs)
 
 
 # -- interleaving ---------------------------------------------------------------------------------------------------
@@ -160,14 +166,14 @@ def test_interleave_round_robin_pools_samples():
         calls.append(("sample", name))
         return [float(len(calls))] * k
 
-    pooled = brun.interleave(runs, rounds=3, reps_per_round=2, sample=sample)
+    pooled = measure.interleave(runs, rounds=3, reps_per_round=2, sample=sample)
     assert {p: len(s) for p, s in pooled.items()} == {"fused": 6, "eager": 6, "torch_graph": 6}
     order = [name for kind, name in calls if kind == "sample"]
     assert order == ["fused", "eager", "torch_graph", "eager", "torch_graph", "fused",
                      "torch_graph", "fused", "eager"]
     # one untimed warm-up run before each provider's samples in every round
     assert calls[:3] == [("run", "fused"), ("run", "fused"), ("sample", "fused")]
-    assert brun.interleave({}, rounds=2, reps_per_round=2, sample=sample) == {}
+    assert measure.interleave({}, rounds=2, reps_per_round=2, sample=sample) == {}
 
 
 def test_compiled_step_is_shared_by_distinct_layers():
@@ -187,7 +193,7 @@ def test_compiled_step_is_shared_by_distinct_layers():
     torch._dynamo.reset()
     counters.clear()
     try:
-        compiled = torch.compile(brun._torch_layer_step, backend="eager", dynamic=False)
+        compiled = torch.compile(providers.torch_layer_step, backend="eager", dynamic=False)
         y = x
         for L in layers:
             y = compiled(L, y, pos)
@@ -212,8 +218,8 @@ def test_baseline_passes_the_reference_check_on_cpu():
         pos = torch.full((v.batch,), S - 1, dtype=torch.int32)
         ref = reference.decoder_layer(x, pos, W, L.k_cache.clone(), L.v_cache.clone(), m)
         holder = {}
-        brun._stack([L], lambda layer, y: layer(y, pos), x, holder)()
-        ok, err = brun.check_output(holder["first"].float(), ref)
+        measure.stack_step([L], lambda layer, y: layer(y, pos), x, holder)()
+        ok, err = measure.check_output(holder["first"].float(), ref)
         assert ok, (name, err)
 
 
@@ -227,39 +233,39 @@ def _fake_doc():
                 name = f"{model}_decode_b{batch}_s{seq}_bf16"
                 nbytes = 30_000_000 + batch * seq * 2048
                 base = nbytes / 3000e9 * 1e6         # 75% of the 4000 GB/s copy bandwidth
-                vr = [brun.make_row(name, p, model=model, batch=batch, seq_len=seq, model_layers=layers,
+                vr = [results.make_row(name, p, model=model, batch=batch, seq_len=seq, model_layers=layers,
                                     layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
                                     stats={"median": base * f, "p10": base * f * 0.95, "p90": base * f * 1.1})
                       for p, f in (("fused", 1.0), ("eager", 6.0), ("torch_graph", 1.8))]
                 if batch != 4 and seq == 4096:
-                    vr.append(brun.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
+                    vr.append(results.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
                                             model_layers=layers, layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
                                             stats={"median": base * 1.5, "p10": base * 1.4, "p90": base * 1.7},
                                             compile_s=12.5, compile_graphs=1))
                 else:
-                    vr.append(brun.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
+                    vr.append(results.make_row(name, "compile", model=model, batch=batch, seq_len=seq,
                                             model_layers=layers, layers_timed=8, nbytes=nbytes, copy_gbps=4000.0,
                                             status="skipped", error="not in --compile-subset"))
-                rows += brun.add_speedups(vr)
+                rows += results.add_speedups(vr)
     rows[1].update(status="failed-check", error="rel_err 5.00e-02 > 2e-02 vs the fp32 reference",
                    us_median=None, us_p10=None, us_p90=None, gbps=None, pct_bw=None, tokens_per_s=None)
-    brun.add_speedups(rows)
+    results.add_speedups(rows)
     return {"gpu": "NVIDIA H200", "date": "2026-01-02", "copy_gbps": 4000.0, "torch": "2.11.0", "cupy": "14.2.0",
             "elapsed_s": 123.4, "complete": True,
-            "settings": {"reps": 40, "rounds": 4, "compile_subset": list(brun.DEFAULT_COMPILE_SUBSET),
+            "settings": {"reps": 40, "rounds": 4, "compile_subset": list(measure.DEFAULT_COMPILE_SUBSET),
                          "no_compile": False, "seed": 1, "positions": "seq_len-1"},
             "rows": rows}
 
 
 def test_write_json_and_csv(tmp_path):
     doc = _fake_doc()
-    jpath, cpath = brun.write_results(doc, tmp_path / "results", "nvidia-h200-2026-01-02")
+    jpath, cpath = results.write_results(doc, tmp_path / "results", "nvidia-h200-2026-01-02")
     assert jpath.name == "nvidia-h200-2026-01-02.json" and cpath.name == "nvidia-h200-2026-01-02.csv"
     back = json.loads(jpath.read_text())
     assert back["rows"] == doc["rows"] and back["gpu"] == "NVIDIA H200" and back["copy_gbps"] == 4000.0
     with open(cpath, newline="") as f:
         reader = csv.DictReader(f)
-        assert reader.fieldnames[:len(brun.FIELDS)] == brun.FIELDS
+        assert reader.fieldnames[:len(results.FIELDS)] == results.FIELDS
         rows = list(reader)
     assert len(rows) == len(doc["rows"])
     assert rows[0]["provider"] == "fused" and float(rows[0]["us_median"]) == pytest.approx(doc["rows"][0]["us_median"])
@@ -270,7 +276,7 @@ def test_report_reads_the_bench_rows(tmp_path):
     """generator/report.py's latest_bench joins on these names."""
     from generator.report import latest_bench
     doc = _fake_doc()
-    brun.write_results(doc, tmp_path, "nvidia-h200-2026-01-02")
+    results.write_results(doc, tmp_path, "nvidia-h200-2026-01-02")
     got = latest_bench(tmp_path)
     fused = next(r for r in doc["rows"] if r["variant"] == "tiny-a_decode_b1_s4096_bf16" and r["provider"] == "fused")
     assert got["tiny-a_decode_b1_s4096_bf16"]["fused_us"] == fused["us_median"]
@@ -279,10 +285,10 @@ def test_report_reads_the_bench_rows(tmp_path):
 
 
 def test_result_stem(tmp_path):
-    assert brun.gpu_slug("NVIDIA H200") == "nvidia-h200"
-    assert brun.result_stem(tmp_path, "NVIDIA H200", "2026-01-02") == "nvidia-h200-2026-01-02"
+    assert results.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert results.result_stem(tmp_path, "NVIDIA H200", "2026-01-02") == "nvidia-h200-2026-01-02"
     (tmp_path / "nvidia-h200-2026-01-02.json").write_text("{}")
-    again = brun.result_stem(tmp_path, "NVIDIA H200", "2026-01-02")
+    again = results.result_stem(tmp_path, "NVIDIA H200", "2026-01-02")
     assert again.startswith("nvidia-h200-2026-01-02-") and again != "nvidia-h200-2026-01-02"
 
 
@@ -299,7 +305,7 @@ def test_table_prints(tmp_path):
 def test_plots_from_a_results_file(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import plots
-    jpath, _ = brun.write_results(_fake_doc(), tmp_path, "nvidia-h200-2026-01-02")
+    jpath, _ = results.write_results(_fake_doc(), tmp_path, "nvidia-h200-2026-01-02")
     paths = plots.plot_results(jpath)
     names = sorted(p.name for p in paths)
     assert names == ["nvidia-h200-2026-01-02-tiny-a-batch.png", "nvidia-h200-2026-01-02-tiny-a-kvlen.png",
@@ -310,7 +316,7 @@ def test_plots_from_a_results_file(tmp_path):
 
 def test_plots_module_command_line(tmp_path):
     pytest.importorskip("matplotlib")
-    jpath, _ = brun.write_results(_fake_doc(), tmp_path / "res", "x")
+    jpath, _ = results.write_results(_fake_doc(), tmp_path / "res", "x")
     out = tmp_path / "png"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "bench.plots", str(jpath), "--out-dir", str(out)], cwd=tmp_path,
@@ -390,18 +396,18 @@ def test_bench_variant_end_to_end_on_cpu(tmp_path):
     backend; the fused provider reports its load error (nothing is built in tmp_path) instead of being timed."""
     v = _small_variant()
     logs = []
-    rows, info = brun.bench_variant(v, build_dir=str(tmp_path / "build"), fused_error=None, layers=2, seed=3,
+    rows, info = measure.bench_variant(v, build_dir=str(tmp_path / "build"), fused_error=None, layers=2, seed=3,
                                     rounds=2, reps=4, compile_mode="yes", copy_gbps=100.0, log=logs.append,
-                                    backend=brun.cpu_backend())
+                                    backend=measure.cpu_backend())
     by = {r["provider"]: r for r in rows}
-    assert list(by) == list(brun.PROVIDERS)
+    assert list(by) == list(providers.PROVIDER_NAMES)
     assert by["fused"]["status"] == "error" and "LoadError" in by["fused"]["error"]
     assert by["fused"]["speedup_vs_eager"] is None
     for p in ("eager", "torch_graph", "compile"):
         r = by[p]
         assert r["status"] == "ok", (p, r["error"])
         assert r["layers_timed"] == 2 and r["us_median"] > 0 and r["us_p10"] <= r["us_median"] <= r["us_p90"]
-        assert r["rel_err"] is not None and r["rel_err"] <= brun.REL_TOL
+        assert r["rel_err"] is not None and r["rel_err"] <= measure.REL_TOL
         assert r["bytes"] == layer_bytes(v.model, v.batch, [v.seq_len - 1] * v.batch)
     assert by["compile"]["compile_graphs"] == 1 and info["compile_s"] is not None
     assert not logs
@@ -412,9 +418,9 @@ def test_bench_variant_reports_a_wrong_provider(tmp_path, monkeypatch):
     from bench.baselines import TorchLayer
     real = TorchLayer.__call__
     monkeypatch.setattr(TorchLayer, "__call__", lambda self, x, pos: real(self, x, pos) * 1.5)
-    rows, _ = brun.bench_variant(_small_variant(batch=1), build_dir=str(tmp_path), fused_error="build refused: x",
+    rows, _ = measure.bench_variant(_small_variant(batch=1), build_dir=str(tmp_path), fused_error="build refused: x",
                                  layers=2, seed=1, rounds=1, reps=2, compile_mode="not in --compile-subset",
-                                 copy_gbps=100.0, log=lambda m: None, backend=brun.cpu_backend())
+                                 copy_gbps=100.0, log=lambda m: None, backend=measure.cpu_backend())
     by = {r["provider"]: r for r in rows}
     assert (by["fused"]["status"], by["fused"]["error"]) == ("error", "build refused: x")
     for p in ("eager", "torch_graph"):
@@ -423,9 +429,9 @@ def test_bench_variant_reports_a_wrong_provider(tmp_path, monkeypatch):
 
 
 def test_bench_variant_memory_skip(tmp_path):
-    rows, _ = brun.bench_variant(_small_variant(), build_dir=str(tmp_path), fused_error=None, layers=None, seed=1,
+    rows, _ = measure.bench_variant(_small_variant(), build_dir=str(tmp_path), fused_error=None, layers=None, seed=1,
                                  rounds=1, reps=1, compile_mode="yes", copy_gbps=100.0, log=lambda m: None,
-                                 backend=brun.cpu_backend(mem_free=1e6))
+                                 backend=measure.cpu_backend(mem_free=1e6))
     assert all(r["status"] == "skipped" and r["error"].startswith("memory:") for r in rows)
 
 
@@ -456,7 +462,9 @@ def _fake_gpu(monkeypatch, built_status="ok"):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 80GB")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench.timing, "copy_bandwidth", lambda *a, **k: 100.0)
-    monkeypatch.setattr(brun, "cuda_backend", brun.cpu_backend)
+    monkeypatch.setattr(brun, "cuda_backend", measure.cpu_backend)
+    from generator import toolchain
+    monkeypatch.setattr(toolchain, "find_nvcc", lambda: "nvcc")
     monkeypatch.setattr(gcompile, "build", lambda vs, build_dir, **k: {
         "entries": [{"name": v.name, "status": built_status,
                      **({} if built_status == "ok" else {"error": f"{v.name}: too big\nmore"})} for v in vs],
@@ -513,3 +521,103 @@ def test_cli_bad_only(tmp_path, monkeypatch):
     _fake_gpu(monkeypatch)
     r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "nope*"])
     assert r.exit_code == 2 and "no variant matches --only nope*" in r.output
+
+
+# -- the split: registry, best baseline, help, imports ----------------------------------------------------------------
+
+def test_bench_help_states_the_default_compile_subset():
+    r = CliRunner().invoke(brun.cli, ["--help"], prog_name="megakernel bench", terminal_width=200)
+    text = " ".join(r.output.split())
+    assert "batch 1 and 8" not in text
+    assert "batch 1 at seq_len 4096" in text
+    assert all(g in text for g in measure.DEFAULT_COMPILE_SUBSET)           # show_default prints the globs
+    chosen = [v for v in gvariants.load(VARIANTS) if measure.wants_compile(v.name, measure.DEFAULT_COMPILE_SUBSET,
+                                                                             False)]
+    assert {(v.batch, v.seq_len) for v in chosen} == {(1, 4096)}             # what the help says
+    assert len(chosen) == len({v.model.name for v in gvariants.load(VARIANTS)})  # one variant per model
+
+
+def test_registry_is_a_list_of_providers():
+    names = [p.name for p in providers.PROVIDERS]
+    assert names == ["fused", "eager", "torch_graph", "compile"] and providers.PROVIDER_NAMES == tuple(names)
+    assert providers.BASELINES == ("eager", "torch_graph", "compile")
+    assert [p.graph for p in providers.PROVIDERS] == [True, False, True, True]
+    assert providers.by_name("compile").compile_mode == "default"
+    # the torch baselines share one stack; the fused layer has its own
+    keys = {p.name: p.stack_key for p in providers.PROVIDERS}
+    assert keys["eager"] is keys["torch_graph"] is keys["compile"] and keys["fused"] != keys["eager"]
+    src = (ROOT / "bench" / "providers.py").read_text()
+    assert "ServingLayer" in src and "FlashInferLayer" in src and "flashinfer_available" in src  # the marked place
+
+
+def test_best_baseline_is_the_fastest_one_present():
+    rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0), _row("compile", 80.0)]
+    results.add_speedups(rows)
+    assert (rows[0]["best_baseline"], rows[0]["speedup_vs_best"]) == ("compile", pytest.approx(1.6))
+    rows = [_row("fused", 50.0), _row("eager", 400.0), _row("torch_graph", 100.0),
+            _row("compile", 0, status="error", error="x"), _row("newbase", 60.0)]  # not registered: still a baseline
+    results.add_speedups(rows)
+    assert (rows[0]["best_baseline"], rows[0]["speedup_vs_best"]) == ("newbase", pytest.approx(1.2))
+    assert rows[0]["speedup_vs_newbase"] == pytest.approx(1.2) and rows[0]["speedup_vs_compile"] is None
+
+
+def test_table_shows_the_best_baseline():
+    from rich.console import Console
+    con = Console(record=True, width=250)
+    brun.print_table(_fake_doc(), con)
+    text = con.export_text()
+    assert "× best" in text and "compile" in text and "graph µs" in text
+    line = next(ln for ln in text.splitlines() if "tiny-a_decode_b1_s4096_bf16" in ln)
+    assert "1.50" in line and "compile" in line                               # compile is 1.5x, graph 1.8x
+
+
+def test_a_new_provider_is_one_class(tmp_path):
+    """A provider added to the list is built, checked, timed and compared like the others (CPU backend)."""
+    from bench.baselines import TorchLayer
+
+    class Slow(TorchLayer):
+        def __call__(self, x, pos):
+            for _ in range(3):
+                out = super().__call__(x, pos)
+            return out
+
+    class SlowProvider(providers.TorchEager):
+        name, label = "slow", "slow"
+        layer_class = Slow
+
+    class Missing(providers.TorchEager):
+        name, label = "missing", "missing"
+
+        def unavailable(self):
+            return "library not installed"
+
+    regs = [*providers.PROVIDERS, SlowProvider(), Missing()]
+    rows, _ = measure.bench_variant(_small_variant(batch=1), build_dir=str(tmp_path), fused_error="build refused: x",
+                                    layers=2, seed=1, rounds=1, reps=2, compile_mode="not in --compile-subset",
+                                    copy_gbps=100.0, log=lambda m: None, backend=measure.cpu_backend(),
+                                    providers=regs)
+    by = {r["provider"]: r for r in rows}
+    assert list(by) == [p.name for p in regs]
+    assert by["slow"]["status"] == "ok" and by["slow"]["rel_err"] <= measure.REL_TOL and by["slow"]["us_median"] > 0
+    assert (by["missing"]["status"], by["missing"]["error"]) == ("skipped", "library not installed")
+
+
+def test_library_never_imports_the_cli_or_bench():
+    import ast
+    for path in sorted((ROOT / "generator").glob("*.py")):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")] + [f".{a.name}" for a in node.names
+                                                                    if node.level and not node.module]
+            for mod in mods:
+                assert not mod.startswith("bench") and mod not in (".cli", "generator.cli") \
+                    and not mod.startswith(".cli"), f"{path.name} imports {mod}"
+    # and the bench modules each hold one idea: no CLI in the providers, measurement or results
+    for name in ("providers", "measure", "results"):
+        src = (ROOT / "bench" / f"{name}.py").read_text()
+        assert "import click" not in src and "bench.run" not in src, name

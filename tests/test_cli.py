@@ -2,6 +2,7 @@
 no traceback, and build/ left exactly as it was; the other commands do what they say."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -244,3 +245,198 @@ def test_click_usage_errors_are_one_line(args):
     r = run_cli(args, cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+
+
+# ---------------------------------------------------------------- a new user's first hour
+
+def run_cli_env(args, cwd, **env) -> subprocess.CompletedProcess:
+    """run_cli with extra environment variables (None removes one)."""
+    e = cli_env()
+    for k, v in env.items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = str(v)
+    return subprocess.run([sys.executable, "-m", "generator.cli", *map(str, args)], cwd=str(cwd), env=e,
+                          capture_output=True, text=True, timeout=300)
+
+
+ONE_SMALL = ["build", "--variants", ROOT / "variants.yaml", "--only", "qwen2.5-0.5b_decode_b1_s1024*"]
+
+
+def test_broken_nvcc_env_is_one_line(tmp_path):
+    r = run_cli_env(ONE_SMALL + ["--build-dir", tmp_path / "b"], tmp_path, NVCC=tmp_path / "no" / "nvcc")
+    assert_bad_input(r, "NVCC=", "not an executable")
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'nvcc: broken install' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    r = run_cli_env(ONE_SMALL + ["--build-dir", tmp_path / "b"], tmp_path, NVCC=fake)
+    assert_bad_input(r, "nvcc --version", "broken install", "install the CUDA toolkit")
+    r = run_cli_env(ONE_SMALL + ["--build-dir", tmp_path / "b"], tmp_path, NVCC="")
+    assert_bad_input(r, "NVCC is set but empty")
+    assert not (tmp_path / "b").exists()
+
+
+def test_no_nvcc_is_one_line(tmp_path):
+    """No nvcc anywhere: CuPy's search (PATH, CUDA_PATH, /usr/local/cuda) finds none. That search cannot be emptied
+    from the environment on a machine with CUDA installed, so the subprocess stubs it and runs the real CLI."""
+    code = ("import sys, cupy.cuda; cupy.cuda.get_nvcc_path = lambda: None; from generator import cli; "
+            "sys.argv = ['megakernel', *sys.argv[1:]]; cli.run()")
+    e = cli_env()
+    e.pop("NVCC", None)
+    e["PATH"] = "/usr/bin:/bin"
+    r = subprocess.run([sys.executable, "-c", code, *map(str, ONE_SMALL), "--build-dir", str(tmp_path / "b")],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
+    assert_bad_input(r, "nvcc not found", "install the CUDA toolkit", "NVCC=")
+    assert not (tmp_path / "b").exists()
+
+
+def test_find_nvcc_here():
+    from generator import toolchain
+    path = toolchain.find_nvcc()
+    assert "nvcc" in path
+
+
+def test_report_without_cuda_says_one_line(copy_build, tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    copy_build(tmp_path / "build")
+    r = run_cli(["report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note: no CUDA GPU") and "Traceback" not in r.stderr, r.stderr
+    r = run_cli(["report", "--no-gpu"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def _fake_bench_rows(rows):
+    for i, r in enumerate(rows):
+        r.update(fused_us=123.4 + i, pct_bw=91.8, speedup_torch_graph=1.98, speedup_eager=7.9, speedup_compile=1.37,
+                 speedup_best=1.37, best_baseline="compile", load_ms=1.23)
+    return rows
+
+
+LONG_NAMES = ["qwen2.5-0.5b_decode_b1_s32768_bf16", "llama3.2-1b_decode_b8_s32768_bf16"]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_report_table_fits_80_and_120_columns(tiny_build, width):
+    from rich.console import Console
+    from generator import report as greport
+    rep = greport.build_report(tiny_build["dir"], gpu=False, write=False)
+    rows = _fake_bench_rows(rep["rows"])
+    long = [dict(rows[0], name=n) for n in LONG_NAMES]          # the default variants' longest names
+    flagged = dict(rows[1], name="tiny-z_decode_b1_s64_bf16", flags="spills,smem>227KB")
+    refused = {"name": "tiny-r_decode_b1_s64_bf16", "status": "refused", "flags": "refused", "error": "too big"}
+    rows = rows + long + [flagged, refused]
+    rep = {"rows": rows, "totals": greport.totals_of(rows, loads_measured=True)}
+    con = Console(width=width, record=True, color_system=None)
+    greport.print_report(rep, con)
+    text = con.export_text()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for r in rows:
+        assert r["name"] in text
+    for must in ("fused", "best", "flags", "123.4", "1.37", "spills, smem>227KB", "refused"):
+        assert must in text, (must, text)
+    if width == 120:
+        for must in ("regs", "smem", "spill"):
+            assert must in text, (must, text)
+    wide = Console(width=width, record=True, color_system=None)
+    greport.print_report(rep, wide, wide=True)
+    wtext = wide.export_text()
+    assert "…" not in wtext
+    for must in ("PTX", "stack", "compile", "graph", "eager", "% of", "baseline"):
+        assert must in wtext, must
+
+
+def test_build_prints_progress_lines_when_stdout_is_not_a_tty(tiny_build, copy_build, tmp_path):
+    d = copy_build()
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    progress = [ln for ln in r.stdout.splitlines() if ln.startswith("built ")]
+    assert progress and progress[-1].startswith(f"built {len(TINY_NAMES)}/{len(TINY_NAMES)} variants"), r.stdout
+    assert len(progress) == 2  # one per finished binary: tiny-a and tiny-b share one
+
+
+def test_build_footer_counts_the_selection(tiny_build, copy_build, tmp_path):
+    d = copy_build()
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1/1 built, 1 distinct binaries" in r.stdout, r.stdout
+    assert TINY_NAMES[2] not in r.stdout
+    rows = json.loads((d / "report.json").read_text())["rows"]  # report.json: every declared variant built
+    assert {row["name"] for row in rows} == set(TINY_NAMES)
+
+
+def test_report_considers_only_declared_variants(tiny_build, copy_build, tmp_path):
+    """A refused entry whose variant was removed from the variants file no longer fails `report --strict`."""
+    d = copy_build(tmp_path / "build")
+    m = json.loads((d / "manifest.json").read_text())
+    m["variants"]["gone_decode_b1_s64_bf16"] = {"name": "gone_decode_b1_s64_bf16", "status": "refused",
+                                                "error": "gone_decode_b1_s64_bf16: shared memory over budget"}
+    (d / "manifest.json").write_text(json.dumps(m))
+    shutil.copy(tiny_build["variants"], tmp_path / "variants.yaml")
+    r = run_cli(["report", "--no-gpu", "--strict"], cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "gone_decode" not in r.stdout and f"{len(TINY_NAMES)}/{len(TINY_NAMES)} built" in r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "not declared" in ln]
+    assert len(lines) == 1 and "gone_decode_b1_s64_bf16" in lines[0] and "variants.yaml" in lines[0], r.stderr
+    # a variants file declaring fewer: the footer counts what is shown
+    text = (tmp_path / "variants.yaml").read_text()
+    (tmp_path / "only_c.yaml").write_text(text.split("  tiny-a:")[0] + "  tiny-c:" + text.split("  tiny-c:")[1])
+    r = run_cli(["report", "--no-gpu", "--variants", "only_c.yaml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1/1 built, 1 distinct binaries" in r.stdout and TINY_NAMES[0] not in r.stdout, r.stdout
+    rep = json.loads((d / "report.json").read_text())
+    assert [row["name"] for row in rep["rows"]] == [TINY_NAMES[2]]
+    assert rep["not_declared"] == sorted([TINY_NAMES[0], TINY_NAMES[1], "gone_decode_b1_s64_bf16"])
+    # still declared and refused: flagged as before
+    r = run_cli(["report", "--no-gpu", "--strict", "--variants", "nope.yaml"], cwd=tmp_path)
+    assert_bad_input(r, "nope.yaml")
+
+
+def test_version():
+    from generator import __version__
+    for flag in ("--version", "-V"):
+        r = run_cli([flag], cwd=ROOT)
+        assert r.returncode == 0 and r.stdout.strip() == f"megakernel {__version__}", (r.stdout, r.stderr)
+
+
+def readme_python_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)\n```", section, re.S)
+
+
+def test_readme_python_example_compiles():
+    blocks = readme_python_blocks()
+    assert len(blocks) >= 1
+    for src in blocks:
+        compile(src, "README", "exec")
+    first = blocks[0]
+    for must in ("import torch", "import generator", "random_weights", "generator.load(", "variants.load("):
+        assert must in first, must
+    name = re.search(r'name = "([^"]+)"', first).group(1)
+    assert name in DEFAULT_NAMES
+    before = (ROOT / "README.md").read_text().split("\n## Python\n", 1)[1].split("```python")[0]
+    globs = re.findall(r"megakernel build --only '([^']+)'", before)  # the build it needs is stated first
+    assert any(fnmatch.fnmatchcase(name, g) for g in globs), before
+
+
+@pytest.mark.gpu
+def test_readme_python_example_runs(tmp_path):
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    src = readme_python_blocks()[0]
+    name = re.search(r'name = "([^"]+)"', src).group(1)
+    shutil.copy(ROOT / "variants.yaml", tmp_path / "variants.yaml")
+    r = run_cli(["build", "--only", name], cwd=tmp_path, timeout=900)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "example.py").write_text(src)
+    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "torch.Size" in r.stdout and "bfloat16" in r.stdout
