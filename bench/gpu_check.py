@@ -1,7 +1,9 @@
-"""The one-call GPU check: build, run the GPU tests, verify every variant against the reference on fresh random
-inputs, time it against the unfused torch layer in a CUDA graph, and print a table last.
+"""The one-call GPU check: build, run the GPU tests, verify every variant (declared, and the held-out shapes of
+bench/heldout.yaml that no plan was tuned for) against the reference on fresh random inputs, time it against the
+unfused torch layer in a CUDA graph and against the FlashInfer layer (where FlashInfer is installed and has kernels
+for the shape), and print a table last.
 
-    python bench/gpu_check.py [--variants FILE] [--only GLOB ...] [--no-tests] [--out DIR]
+    python bench/gpu_check.py [--variants FILE] [--heldout FILE] [--only GLOB ...] [--no-tests] [--out DIR]
 
 Details go to $OUT (or --out): gpu_check.json and the pytest log.
 """
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baselines import TorchLayer  # noqa: E402
+from bench.providers import FlashInfer  # noqa: E402
 from bench.measure import n_layers_for  # noqa: E402  (distinct layers: one pass over the stack >= 4x the L2)
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
@@ -33,8 +36,9 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     layer = load(v.name, W, build_dir=build_dir)
     row["load_ms"] = round(layer.load_ms, 2)
     x, pos = verify.random_inputs(layer, seed)
-    res = verify.check_step(layer, x, pos)
-    row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched")})
+    res = verify.check_step(layer, x, pos, weights=W)
+    row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",
+                                    "overflows")})
     row["pass"] = verify.passed(res, m.dtype)
     del layer
 
@@ -44,7 +48,9 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     n = n_layers_for(nbytes)
     pos_dev = pos_full.cuda()
     xs = torch.randn(v.batch, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
-    fused, base = [], []
+    fused, base, fi = [], [], []
+    fi_provider = FlashInfer()
+    row["flashinfer"] = fi_provider.unavailable(v) or "ok"
     for i in range(n):
         Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
         fused.append(load(v.name, Wi, build_dir=build_dir))
@@ -53,6 +59,13 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
             c.normal_()
         base[-1].k_cache.copy_(fused[-1].k_cache)
         base[-1].v_cache.copy_(fused[-1].v_cache)
+        if row["flashinfer"] == "ok":
+            try:
+                fi.append(fi_provider.make_layer(v, Wi, build_dir=build_dir, device="cuda"))
+                fi_provider.load_cache(fi[-1], fused[-1].k_cache, fused[-1].v_cache)
+            except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
+                row["flashinfer"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                fi = []
 
     def stack(layers):
         def step():
@@ -62,8 +75,18 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
             return y
         return step
 
+    if fi:  # the baseline is checked before it is timed: layer 0 against the fp32 reference
+        kc, vc = base[0].k_cache.clone(), base[0].v_cache.clone()
+        ref = reference.decoder_layer(xs, pos_dev, base[0].W, kc, vc, m)
+        err = verify.rel_err(fi[0](xs, pos_dev), ref)
+        row["flashinfer_rel_err"] = err
+        if err > verify.REL_TOL[m.dtype]:
+            row["flashinfer"], fi = f"failed check: rel_err {err:.2e}", []
+        del kc, vc
     timings = {}
-    for label, layers in (("fused", fused), ("torch_graph", base)):
+    for label, layers in (("fused", fused), ("torch_graph", base), ("flashinfer", fi)):
+        if not layers:
+            continue
         g = graph_of(stack(layers))
         timings[label] = time_replays(g.replay, n)
     fused[0](xs, pos_dev, validate=False)
@@ -74,30 +97,42 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     row["us_p10"], row["us_p90"] = round(timings["fused"]["p10"], 2), round(timings["fused"]["p90"], 2)
     row["torch_graph_us"] = round(timings["torch_graph"]["median"], 2)
     row["speedup"] = round(timings["torch_graph"]["median"] / timings["fused"]["median"], 2)
+    row["flashinfer_us"] = round(timings["flashinfer"]["median"], 2) if "flashinfer" in timings else None
+    best = min(t["median"] for k, t in timings.items() if k != "fused")
+    row["best_baseline"] = min((k for k in timings if k != "fused"), key=lambda k: timings[k]["median"])
+    row["speedup_vs_best"] = round(best / timings["fused"]["median"], 2)
     row["gbps"] = round(nbytes / (timings["fused"]["median"] * 1e-6) / 1e9, 1)
     row["pct_bw"] = round(100 * row["gbps"] / bw, 1)
     row["floor_us"] = round(nbytes / (bw * 1e9) * 1e6, 2)
-    del fused, base
+    del fused, base, fi
     torch.cuda.empty_cache()
     return row
 
 
 @click.command()
 @click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True)
+@click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"), show_default=True,
+              help="shapes not in the variants file, built into BUILD_DIR-heldout ('' to skip)")
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")
 @click.option("--build-dir", default=str(ROOT / "build"), show_default=True)
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
 @click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
 @click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True)
 @click.option("--seed", type=int, default=None, help="default: fresh from the clock")
-def main(variants_file, only, build_dir, no_tests, test_paths, out, seed):
+def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out, seed):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seed = seed if seed is not None else int(time.time()) % 100000
     vs = gvariants.select(gvariants.load(variants_file), only)
+    held = gvariants.select(gvariants.load(heldout_file), only) if heldout_file else []
+    where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
     t0 = time.time()
-    result = gcompile.build(vs, build_dir)
-    print(f"build: {len(vs)} variants, {result['distinct']} binaries, {time.time() - t0:.1f} s", flush=True)
+    result = gcompile.build(vs, build_dir, variants_file=variants_file)
+    hres = gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file) if held else \
+        {"entries": [], "distinct": 0}
+    result["entries"] += hres["entries"]
+    print(f"build: {len(vs)} declared + {len(held)} held-out variants, {result['distinct'] + hres['distinct']} "
+          f"binaries, {time.time() - t0:.1f} s", flush=True)
     for e in result["entries"]:
         if e["status"] != "ok":
             print(f"  {e['name']}: {e['status']}: {e['error'].splitlines()[0]}", flush=True)
@@ -118,12 +153,13 @@ def main(variants_file, only, build_dir, no_tests, test_paths, out, seed):
     print(f"copy bandwidth: {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
     ok_names = {e["name"] for e in result["entries"] if e["status"] == "ok"}
-    for v in vs:
+    for v in vs + held:
         if v.name not in ok_names:
             rows.append({"variant": v.name, "pass": False, "error": "not built"})
             continue
         try:
-            row = check_variant(v, build_dir, seed, bw)
+            row = check_variant(v, where[v.name], seed, bw)
+            row["heldout"] = v in held
         except Exception as exc:  # keep going: one broken variant must not hide the others
             row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)
@@ -133,15 +169,22 @@ def main(variants_file, only, build_dir, no_tests, test_paths, out, seed):
            "copy_gbps": round(bw, 1), "tests": tests, "rows": rows}
     (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
     print(f"\n{doc['gpu']}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s  tests: {tests}")
-    hdr = f"{'variant':40s} {'rel_err':>8s} {'pass':>4s} {'us':>8s} {'torch_g':>8s} {'speedup':>7s} {'%BW':>6s}"
+    hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "
+           f"{'flashinf':>8s} {'x best':>6s}")
     print(hdr + "   stages (us): qkv att o gu down")
     for r in rows:
+        name = r["variant"] + ("*" if r.get("heldout") else "")
         if "error" in r:
-            print(f"{r['variant']:40s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
+            print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
         else:
-            print(f"{r['variant']:40s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:8.1f} "
-                  f"{r['torch_graph_us']:8.1f} {r['speedup']:7.2f} {r['pct_bw']:6.1f}   "
-                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()))
+            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
+            fi = f"{r['flashinfer_us']:8.1f}" if r["flashinfer_us"] else f"{'-':>8s}"
+            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
+                  f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f}   "
+                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)
+    skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
+    for why in skipped:
+        print(f"flashinfer: {why}")
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
 
 

@@ -290,7 +290,7 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
             status[p.name] = ("error", fused_error)
         elif p.compile_mode is not None and compile_mode != "yes":
             status[p.name] = ("skipped", compile_mode)
-        elif (why := p.unavailable()) is not None:
+        elif (why := p.unavailable(v)) is not None:
             status[p.name] = ("skipped", why)
 
     # the reference stack: TorchLayers with random caches (never zeros: every row is read at pos = seq_len-1);
@@ -310,8 +310,7 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
             own = []
             for W, b in zip(weights, base):
                 layer = p.make_layer(v, W, build_dir=build_dir, device=dev)
-                layer.k_cache.copy_(b.k_cache)
-                layer.v_cache.copy_(b.v_cache)
+                p.load_cache(layer, b.k_cache, b.v_cache)
                 own.append(layer)
             stacks[p.stack_key] = own
         except Exception as exc:  # noqa: BLE001 - reported in this provider's rows

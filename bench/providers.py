@@ -26,9 +26,15 @@ class Provider:
     compile_mode: str | None = None
     layer_class = None
 
-    def unavailable(self) -> str | None:
-        """None where this provider can run here, else the reason (one line): it is then skipped, not an error."""
+    def unavailable(self, v) -> str | None:
+        """None where this provider can run variant v here, else the reason (one line): it is then skipped, not an
+        error."""
         return None
+
+    def load_cache(self, layer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Give `layer` these cache contents ([batch, kv_heads, seq_len, head_dim])."""
+        layer.k_cache.copy_(k_cache)
+        layer.v_cache.copy_(v_cache)
 
     def make_layer(self, v, weights: dict[str, torch.Tensor], *, build_dir: str, device):
         """One layer of variant v with these weights; its caches are then overwritten with the shared contents."""
@@ -85,42 +91,45 @@ class TorchCompileGraph(TorchEager):
     name, label, graph, compile_mode = "compile", "compile", True, "default"
 
 
+class ServingCompileGraph(TorchEager):
+    """The layer as serving engines write it in PyTorch (bench/serving_layer.py: one GEMM for q/k/v, one for
+    gate/up) through torch.compile(mode="max-autotune-no-cudagraphs"), then a CUDA graph (--compile-subset only)."""
+    name, label, graph, compile_mode = "serving", "serving", True, "max-autotune-no-cudagraphs"
+
+    @property
+    def layer_class(self):
+        from bench.serving_layer import ServingLayer
+        return ServingLayer
+
+
+class FlashInfer(TorchEager):
+    """The layer as vLLM/SGLang build it from FlashInfer (bench/flashinfer_layer.py: fused add+RMSNorm, RoPE,
+    paged KV append, batch decode attention, cuBLAS GEMMs, silu_and_mul), captured in a CUDA graph; skipped with
+    the reason where FlashInfer is not installed or has no kernel for the shape."""
+    name, label, graph = "flashinfer", "flashinfer", True
+
+    def unavailable(self, v):
+        from bench.flashinfer_layer import flashinfer_available
+        return flashinfer_available(v.model)
+
+    def load_cache(self, layer, k_cache, v_cache):
+        layer.load_kv(k_cache, v_cache)
+
+    @property
+    def layer_class(self):
+        from bench.flashinfer_layer import FlashInferLayer
+        return FlashInferLayer
+
+
 # The registry: the order here is the order of rows, table columns and CSV speedup columns.
 PROVIDERS: list[Provider] = [
     Fused(),
     TorchEager(),
     TorchGraph(),
     TorchCompileGraph(),
-    # -- new baselines go here, one line each (bench/serving_layer.py, bench/flashinfer_layer.py; not written yet):
-    # ServingCompileGraph(),  # ServingLayer (merged q/k/v and gate/up GEMMs), name "serving",
-    #                         # compile_mode "max-autotune-no-cudagraphs", graph True
-    # FlashInfer(),           # FlashInferLayer, name "flashinfer", graph True; unavailable() returns
-    #                         # flashinfer_available() (None if usable, else the reason)
+    ServingCompileGraph(),
+    FlashInfer(),
 ]
-
-# The classes for those two lines, to be moved above the registry once the layer files exist:
-#
-# class ServingCompileGraph(TorchEager):
-#     """ServingLayer (merged GEMMs) through torch.compile(mode="max-autotune-no-cudagraphs"), then a CUDA graph."""
-#     name, label, graph, compile_mode = "serving", "serving", True, "max-autotune-no-cudagraphs"
-#
-#     @property
-#     def layer_class(self):
-#         from bench.serving_layer import ServingLayer
-#         return ServingLayer
-#
-# class FlashInfer(TorchEager):
-#     """FlashInferLayer (FlashInfer decode attention), captured in a CUDA graph; skipped where not installed."""
-#     name, label, graph = "flashinfer", "flashinfer", True
-#
-#     def unavailable(self):
-#         from bench.flashinfer_layer import flashinfer_available
-#         return flashinfer_available()
-#
-#     @property
-#     def layer_class(self):
-#         from bench.flashinfer_layer import FlashInferLayer
-#         return FlashInferLayer
 
 PROVIDER_NAMES: tuple[str, ...] = tuple(p.name for p in PROVIDERS)
 BASELINES: tuple[str, ...] = tuple(p.name for p in PROVIDERS if p.baseline)

@@ -1,9 +1,7 @@
 """`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 import sys
 import time

@@ -42,15 +42,16 @@ def random_inputs(layer, seed: int, *, positions: str = "random"):
 STEP_BUFFERS = {"qkv_proj": "qkv", "attention": "attn", "o_proj": "h", "gate_up": "act"}
 
 
-def check_step(layer, x: torch.Tensor, pos: torch.Tensor) -> dict:
+def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None = None) -> dict:
     """One step through the kernel with a NaN-poisoned output vs. the reference on copies of the caches.
 
     Returns rel_err (output), unwritten (NaN count), k_err/v_err (appended cache rows), cache_untouched (every
     other row bit-exact), stage_err {step: rel_err of its workspace result}, first_bad_stage (the first step out
-    of tolerance, where the fault is; None when all pass), overflows (values the dtype could not hold), out."""
+    of tolerance, where the fault is; None when all pass), overflows (values the dtype could not hold), out.
+    weights: the HF-named weights the layer was loaded with (default: read back from its packed copy)."""
     m = layer.model
     kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
-    W = layer.weights()
+    W = weights if weights is not None else layer.weights()
     out = torch.full_like(x, float("nan"))
     pos_dev = pos.to(layer.device)
     layer.check_positions(pos)
