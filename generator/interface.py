@@ -65,13 +65,15 @@ ARGS: tuple[Arg, ...] = (
     Arg("inv_freq", "const float*", "param"),
     Arg("k_cache", "T*", "cache"),
     Arg("v_cache", "T*", "cache"),
+    Arg("cache_len", "int", "param"),  # rows per sequence of the caches (decode: SEQ_LEN, a constant there)
     *(Arg(f"ws_{b.name}", f"{b.ctype}*", "workspace") for b in WORKSPACE),
 )
 
 
 def c_params() -> str:
     """The kernel's C parameter list (ARGS in order); pointers that the kernel only reads are __restrict__."""
-    return ",\n    ".join(f"{a.ctype} {'__restrict__ ' if a.ctype.startswith('const') else ''}{a.name}" for a in ARGS)
+    return ",\n    ".join(f"{a.ctype} {'__restrict__ ' if a.ctype.startswith('const') and '*' in a.ctype else ''}{a.name}"
+                           for a in ARGS)
 
 
 def workspace_layout(consts: dict) -> dict:

@@ -55,11 +55,13 @@ class FusedDecoderLayer:
     ValueError (a weight of the wrong name, shape, dtype or device) before anything is launched.
     """
 
-    def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor], device):
+    def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
+                 packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None):
         import cupy
         self.name = entry["name"]
         self.variant = variant_from_entry(entry)
         self.model = m = self.variant.model
+        self.mode = self.variant.mode
         self.plan = entry["plan"]
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -75,12 +77,37 @@ class FusedDecoderLayer:
             raise LoadError(f"{self.name}: built for sm_{built}, but {torch.cuda.get_device_name(self.device)} is "
                             f"sm_{major}{minor}: run `megakernel build --arch {major}{minor} --only '{self.name}'`")
         self.dtype = torch_dtype(m.dtype)
-        check_weights(weights, m, self.dtype, self.device)
-        self.packed = pack_weights(weights, m, weight_format(m.dtype).packing)
+        packing = weight_format(m.dtype).packing
+        if packed is not None:  # another layer's packed weights (one copy serves every variant of a layer)
+            self.packed = packed
+        else:
+            check_weights(weights, m, self.dtype, self.device)
+            self.packed = pack_weights(weights, m, packing)
         self.inv_freq = inv_freq(m, self.device).float().contiguous()
-        B, S = self.variant.batch, self.variant.seq_len
-        self.k_cache = torch.zeros(B, m.kv_heads, S, m.head_dim, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        B = self.variant.batch
+        if self.mode == "decode":
+            if cache_len not in (None, self.variant.seq_len):
+                raise ValueError(f"cache_len: a decode variant's cache holds seq_len = {self.variant.seq_len} rows, "
+                                 f"got {cache_len}")
+            cache_len = self.variant.seq_len
+        if caches is not None:
+            k, v = caches
+            want = (m.kv_heads, cache_len or k.shape[2], m.head_dim)
+            for nm, c in (("k_cache", k), ("v_cache", v)):
+                if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.shape[0] < B or tuple(c.shape[1:]) != want \
+                        or c.dtype != self.dtype or c.device != self.device or not c.is_contiguous():
+                    raise ValueError(f"{nm}: expected a contiguous {self.dtype} tensor [>= {B}, {want[0]}, "
+                                     f"{want[1]}, {want[2]}] on {self.device}, got "
+                                     f"{getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
+            cache_len = k.shape[2]
+            self.k_cache, self.v_cache = k[:B], v[:B]  # the first B sequences: a contiguous view
+        else:
+            if cache_len is None:
+                raise ValueError(f"cache_len: a {self.mode} variant needs the cache length (rows per sequence) or "
+                                 "caches=(k_cache, v_cache)")
+            self.k_cache = torch.zeros(B, m.kv_heads, cache_len, m.head_dim, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros_like(self.k_cache)
+        self.cache_len = int(cache_len)
         # one buffer for all scratch so the custom op can declare it mutated; the manifest's layout carves it up
         self._buffers = self.plan["workspace"]["buffers"]
         self.workspace = torch.zeros(self.plan["workspace"]["bytes"], dtype=torch.uint8, device=self.device)
@@ -109,7 +136,7 @@ class FusedDecoderLayer:
                       for a in ARGS if a.role == "workspace"})
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
-        self._argv = [ptr(fixed.get(a.name)) for a in ARGS]
+        self._argv = [np.int32(self.cache_len) if a.ctype == "int" else ptr(fixed.get(a.name)) for a in ARGS]
         self._live = [(i, a.name) for i, a in enumerate(ARGS) if a.role in ("input", "output")]
         assert {n for _, n in self._live} == {"x", "pos", "out"}, "interface.ARGS inputs/outputs changed"
         self.id = next(_IDS)
@@ -147,10 +174,18 @@ class FusedDecoderLayer:
     def weights(self) -> dict[str, torch.Tensor]:
         return unpack_weights(self.packed, self.model, weight_format(self.model.dtype).packing)
 
+    @property
+    def chunk(self) -> int:
+        """New tokens per sequence per launch: 1 for decode, seq_len for prefill."""
+        return 1 if self.mode == "decode" else self.variant.seq_len
+
     def check_inputs(self, x: torch.Tensor, pos: torch.Tensor) -> None:
+        """ValueError naming x or pos when a shape, dtype or device is wrong (decode: x [batch, hidden];
+        prefill: x [batch, chunk, hidden]; pos int32 [batch], on the layer's GPU or the CPU)."""
         B, H = self.variant.batch, self.model.hidden
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, H):
-            raise ValueError(f"x: shape {tuple(getattr(x, 'shape', ()))}, expected ({B}, {H})")
+        want = (B, H) if self.mode == "decode" else (B, self.chunk, H)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            raise ValueError(f"x: shape {tuple(getattr(x, 'shape', ()))}, expected {want}")
         if x.dtype != self.dtype:
             raise ValueError(f"x: dtype {x.dtype}, expected {self.dtype}")
         if x.device != self.device:
@@ -163,31 +198,51 @@ class FusedDecoderLayer:
             raise ValueError(f"pos: on {pos.device}, expected {self.device} or the CPU")
 
     def check_positions(self, pos: torch.Tensor) -> None:
+        """ValueError unless every sequence's new rows pos[b] .. pos[b] + chunk - 1 lie in the cache."""
         lo, hi = int(pos.min()), int(pos.max())
-        if lo < 0 or hi >= self.variant.seq_len:
-            raise ValueError(f"pos: values must be in [0, {self.variant.seq_len - 1}] (seq_len), got {lo}..{hi}")
+        if lo < 0 or hi + self.chunk > self.cache_len:
+            last = self.cache_len - self.chunk
+            what = "values" if self.mode == "decode" else f"start positions (+ chunk {self.chunk})"
+            raise ValueError(f"pos: {what} must be in [0, {last}] (cache of {self.cache_len} rows), got {lo}..{hi}")
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-        """One decode step: x [batch, hidden] (the variant's dtype, on its device), pos int32 [batch] -> out
-        [batch, hidden]; the caches gain row pos[b] of every sequence b.
-
-        pos on the CPU is checked on the host and copied through its own pinned buffer (no host sync; the copy
-        cannot be overwritten by a later call before it ran); under CUDA-graph capture it is refused, since a
-        graph would replay the value of capture time: pass pos on the GPU there. pos on the GPU is checked with
-        one device read unless validate=False or a graph is being captured (then the kernel's own guard turns an
-        out-of-range sequence's output into NaN and leaves its cache alone). Raises ValueError."""
-        self.check_inputs(x, pos)
+    def _positions(self, pos: torch.Tensor, validate: bool) -> torch.Tensor:
+        """pos on the device, checked: a CPU tensor on the host (copied through its own pinned block, which torch's
+        caching host allocator keeps until the copy has run, so a later call cannot overwrite it), refused under
+        CUDA-graph capture (the graph would replay the value of capture time); a GPU tensor with one device read
+        unless validate=False or a graph is being captured (then the kernel's guard turns an out-of-range
+        sequence's output into NaN and leaves its cache alone)."""
         if pos.device.type == "cpu":
             if torch.cuda.is_current_stream_capturing():
                 raise ValueError("pos: a CPU tensor cannot be captured in a CUDA graph (the graph would replay the "
                                  "value it had at capture); pass pos as a tensor on the GPU")
             self.check_positions(pos)
-            # torch's caching host allocator keeps this pinned block until the copy has run on the stream
-            pos = pos.pin_memory().to(self.device, non_blocking=True)
-        elif validate and not torch.cuda.is_current_stream_capturing():
+            return pos.pin_memory().to(self.device, non_blocking=True)
+        if validate and not torch.cuda.is_current_stream_capturing():
             self.check_positions(pos)
-        return torch.ops.megakernel.decoder_layer(x, pos.contiguous(), self.k_cache, self.v_cache, self.workspace,
-                                                  self.id)
+        return pos.contiguous()
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+        """One decode step: x [batch, hidden] (the variant's dtype, on its device), pos int32 [batch] (CPU or GPU,
+        see _positions) -> out [batch, hidden]; the caches gain row pos[b] of every sequence b. Raises
+        ValueError before anything is launched."""
+        if self.mode != "decode":
+            raise ValueError(f"{self.name} is a {self.mode} variant: call layer.prefill(x, start_pos)")
+        self.check_inputs(x, pos)
+        pos = self._positions(pos, validate)
+        return torch.ops.megakernel.decoder_layer(x, pos, self.k_cache, self.v_cache, self.workspace, self.id)
+
+    def prefill(self, x: torch.Tensor, start_pos: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+        """One prompt chunk: x [batch, chunk, hidden] (chunk = the variant's seq_len), start_pos int32 [batch] ->
+        out [batch, chunk, hidden]; token t of sequence b sits at position start_pos[b] + t, attends causally to
+        cache rows 0 .. start_pos[b] + t, and its k, v are written to that cache row. Raises ValueError."""
+        if self.mode != "prefill":
+            raise ValueError(f"{self.name} is a {self.mode} variant: prefill needs a prefill variant")
+        self.check_inputs(x, start_pos)
+        pos = self._positions(start_pos, validate)
+        B, C, H = x.shape
+        out = torch.ops.megakernel.decoder_layer(x.reshape(B * C, H), pos, self.k_cache, self.v_cache,
+                                                 self.workspace, self.id)
+        return out.view(B, C, H)
 
     def launch(self, x: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
         """Launch the kernel on torch's current stream with no checks: x, pos on the device, out [batch, hidden]."""
@@ -213,10 +268,15 @@ def _(x, pos, k_cache, v_cache, workspace, layer_id):
     return torch.empty_like(x)
 
 
-def load(name: str, weights: dict[str, torch.Tensor], *, build_dir: str | Path = "build",
-         device="cuda") -> FusedDecoderLayer:
+def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str | Path = "build", device="cuda",
+         packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None) -> FusedDecoderLayer:
     """Load variant `name` from a prebuilt build directory with HF-named weights (interface.weight_shapes, already
     on `device`, in the variant's dtype). Raises LoadError (missing, stale, corrupt or other-arch build; no CUDA)
-    or ValueError (bad weights)."""
+    or ValueError (bad weights).
+
+    packed: another layer's `.packed` (the same weights; then `weights` may be None): one copy serves every
+    variant of a layer. caches: (k_cache, v_cache) [>= batch, kv_heads, cache_len, head_dim] to use (the first
+    batch sequences) instead of new ones. cache_len: rows per sequence of new caches (prefill variants; a decode
+    variant's is its seq_len)."""
     entry, cubin = find_entry(name, build_dir)
-    return FusedDecoderLayer(entry, cubin, weights, device)
+    return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len)

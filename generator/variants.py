@@ -21,7 +21,7 @@ class VariantError(ValueError):
 DTYPES = ("bf16", "fp16")
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu")
-MODES = ("decode",)
+MODES = ("decode", "prefill")  # prefill: seq_len is the chunk of new tokens per sequence
 ROPE_SCALING_TYPES = ("llama3",)
 
 # field -> (python types accepted, required?, default)

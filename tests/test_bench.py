@@ -490,7 +490,7 @@ def test_cli_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch):
     doc = json.loads((out / f"{stem}.json").read_text())
     assert doc["complete"] and doc["gpu"] == "Fake GPU 80GB" and doc["copy_gbps"] == 100.0
     assert doc["settings"]["seed"] == 7 and doc["elapsed_s"] > 0 and doc["torch"] == torch.__version__
-    assert len(doc["rows"]) == 4 * 4
+    assert len(doc["rows"]) == 4 * len(providers.PROVIDERS)
     by = {(r["variant"], r["provider"]): r for r in doc["rows"]}
     assert by[("tiny_decode_b1_s64_bf16", "compile")]["status"] == "ok"
     assert by[("tiny_decode_b2_s128_bf16", "compile")]["status"] == "skipped"
@@ -539,10 +539,12 @@ def test_bench_help_states_the_default_compile_subset():
 
 def test_registry_is_a_list_of_providers():
     names = [p.name for p in providers.PROVIDERS]
-    assert names == ["fused", "eager", "torch_graph", "compile"] and providers.PROVIDER_NAMES == tuple(names)
-    assert providers.BASELINES == ("eager", "torch_graph", "compile")
-    assert [p.graph for p in providers.PROVIDERS] == [True, False, True, True]
+    assert names == ["fused", "eager", "torch_graph", "compile", "serving", "flashinfer"]
+    assert providers.PROVIDER_NAMES == tuple(names)
+    assert providers.BASELINES == ("eager", "torch_graph", "compile", "serving", "flashinfer")
+    assert [p.graph for p in providers.PROVIDERS] == [True, False, True, True, True, True]
     assert providers.by_name("compile").compile_mode == "default"
+    assert providers.by_name("serving").compile_mode == "max-autotune-no-cudagraphs"
     # the torch baselines share one stack; the fused layer has its own
     keys = {p.name: p.stack_key for p in providers.PROVIDERS}
     assert keys["eager"] is keys["torch_graph"] is keys["compile"] and keys["fused"] != keys["eager"]
@@ -588,7 +590,7 @@ def test_a_new_provider_is_one_class(tmp_path):
     class Missing(providers.TorchEager):
         name, label = "missing", "missing"
 
-        def unavailable(self):
+        def unavailable(self, v):
             return "library not installed"
 
     regs = [*providers.PROVIDERS, SlowProvider(), Missing()]

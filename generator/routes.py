@@ -1,0 +1,63 @@
+"""Measured routes: which path (the fused kernel or the unfused PyTorch layer) serves a variant on a GPU.
+
+`megakernel bench` times every prefill variant against the unfused layer (cuBLAS + SDPA, CUDA graph) and records
+the faster path here, per GPU: routes/<gpu-slug>.json = {"gpu": name, "date": ..., "routes": {variant: {"path":
+"fused"|"unfused", "fused_us": float, "unfused_us": float}}}. The runtime reads it; MEGAKERNEL_ROUTE=fused|unfused
+overrides every variant (a user who wants one path whatever was measured).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+ROUTES_DIR = Path(__file__).resolve().parent.parent / "routes"
+PATHS = ("fused", "unfused")
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (file names of results and routes)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def routes_file(gpu: str, routes_dir: Path | None = None) -> Path:
+    return Path(routes_dir or ROUTES_DIR) / f"{gpu_slug(gpu)}.json"
+
+
+def read_routes(gpu: str, routes_dir: Path | None = None) -> dict:
+    """{variant: {"path", "fused_us", "unfused_us"}} measured on `gpu` ({} where nothing was measured)."""
+    try:
+        doc = json.loads(routes_file(gpu, routes_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc.get("routes", {}) if isinstance(doc, dict) else {}
+
+
+def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "") -> Path:
+    """Merge {variant: {"fused_us", "unfused_us"}} into the GPU's routes file; path = the faster one."""
+    path = routes_file(gpu, routes_dir)
+    doc = {"gpu": gpu, "date": date, "routes": read_routes(gpu, routes_dir)}
+    for name, r in rows.items():
+        fused, unfused = r.get("fused_us"), r.get("unfused_us")
+        best = "fused" if fused is not None and (unfused is None or fused <= unfused) else "unfused"
+        doc["routes"][name] = {"path": best, "fused_us": fused, "unfused_us": unfused}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def route(variant: str, gpu: str, routes_dir: Path | None = None) -> tuple[str, str]:
+    """(path, why) for `variant` on `gpu`: the MEGAKERNEL_ROUTE override, else the measured route, else "fused"
+    (not measured on this GPU). Raises ValueError for a bad override."""
+    forced = os.environ.get("MEGAKERNEL_ROUTE", "")
+    if forced:
+        if forced not in PATHS:
+            raise ValueError(f"MEGAKERNEL_ROUTE: must be one of {', '.join(PATHS)}, got {forced!r}")
+        return forced, "MEGAKERNEL_ROUTE"
+    r = read_routes(gpu, routes_dir).get(variant)
+    if r is None:
+        return "fused", f"no measurement for {gpu} in {routes_file(gpu, routes_dir)}"
+    return r["path"], (f"measured on {gpu}: fused {r['fused_us']} µs, unfused {r['unfused_us']} µs")
