@@ -10,6 +10,7 @@ Details go to $OUT (or --out): gpu_check.json and the pytest log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,6 +29,64 @@ from bench.measure import n_layers_for  # noqa: E402  (distinct layers: one pass
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
+
+PREFILL_CACHE = 4096  # cache rows per sequence behind every prefill variant (a chunk longer than that: its length)
+
+
+def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
+    """A prefill variant: verified against the fp32 reference at random start positions (0 and a chunk ending at the
+    last cache row included), then timed as the first chunk of a prompt (start 0) against the unfused layer
+    (generator.unfused: cuBLAS GEMMs + SDPA's flash kernel), both as a stack of distinct layers in a CUDA graph.
+    The faster path is the variant's route (generator.routes)."""
+    from generator.unfused import UnfusedLayer
+    m = v.model
+    row = {"variant": v.name, "mode": "prefill"}
+    cache_len = max(PREFILL_CACHE, v.seq_len)
+    W = reference.random_weights(m, seed=seed, device="cuda")
+    layer = load(v.name, W, build_dir=build_dir, cache_len=cache_len)
+    x, start = verify.random_inputs(layer, seed)
+    res = verify.check_step(layer, x, start, weights=W)
+    row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",
+                                    "overflows")})
+    row["pass"] = verify.passed(res, m.dtype)
+    row["start_pos"] = start.tolist()
+    del layer, res
+
+    weight_bytes = sum(math.prod(s) for s in reference.weight_shapes(m).values()) * 2
+    n = n_layers_for(weight_bytes)
+    B, C = v.batch, v.seq_len
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    xs = torch.randn(B, C, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
+    fused, base = [], []
+    for i in range(n):
+        Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
+        fused.append(load(v.name, Wi, build_dir=build_dir, cache_len=cache_len))
+        base.append(UnfusedLayer(Wi, m, torch.zeros_like(fused[-1].k_cache), torch.zeros_like(fused[-1].v_cache)))
+    timings = {}
+    for label, call in (("fused", lambda L, y: L.prefill(y, zero, validate=False)),
+                        ("unfused", lambda L, y: L.prefill(y, zero, kv_len=C))):
+        layers = fused if label == "fused" else base
+
+        def step(layers=layers, call=call):
+            y = xs
+            for L in layers:
+                y = call(L, y)
+            return y
+        timings[label] = time_replays(graph_of(step).replay, n)
+    p = fused[0].plan
+    att_flops = 2 * 2 * B * m.heads * m.head_dim * C * (C + 1) / 2  # causal: QK^T and PV over half the square
+    flops = p["gemm_flops"] + att_flops
+    row.update(layers_timed=n, us=round(timings["fused"]["median"], 1),
+               unfused_us=round(timings["unfused"]["median"], 1),
+               speedup=round(timings["unfused"]["median"] / timings["fused"]["median"], 2),
+               tflops=round(flops / (timings["fused"]["median"] * 1e-6) / 1e12, 1),
+               unfused_tflops=round(flops / (timings["unfused"]["median"] * 1e-6) / 1e12, 1),
+               gbps=round(weight_bytes / (timings["fused"]["median"] * 1e-6) / 1e9, 1))
+    row["route"] = "fused" if row["us"] <= row["unfused_us"] else "unfused"
+    del fused, base
+    torch.cuda.empty_cache()
+    return row
+
 
 def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     m = v.model
@@ -158,7 +217,7 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
             rows.append({"variant": v.name, "pass": False, "error": "not built"})
             continue
         try:
-            row = check_variant(v, where[v.name], seed, bw)
+            row = (check_prefill if v.mode == "prefill" else check_variant)(v, where[v.name], seed, bw)
             row["heldout"] = v in held
         except Exception as exc:  # keep going: one broken variant must not hide the others
             row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -174,6 +233,8 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
     print(hdr + "   stages (us): qkv att o gu down")
     for r in rows:
         name = r["variant"] + ("*" if r.get("heldout") else "")
+        if r.get("mode") == "prefill":
+            continue
         if "error" in r:
             print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
         else:
@@ -182,6 +243,25 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
             print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
                   f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f}   "
                   + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)
+    pre = [r for r in rows if r.get("mode") == "prefill"]
+    if pre:
+        print(f"\n{'prefill variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>9s} {'TFLOP/s':>7s} "
+              f"{'unfused':>9s} {'TFLOP/s':>7s} {'x unf':>6s} route")
+        for r in pre:
+            name = r["variant"] + ("*" if r.get("heldout") else "")
+            if "error" in r:
+                print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
+                continue
+            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
+            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:9.1f} "
+                  f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
+                  f"{r['route']}{bad}")
+        from generator import routes
+        measured = {r["variant"]: {"fused_us": r["us"], "unfused_us": r["unfused_us"]}
+                    for r in pre if "error" not in r and r["pass"] and not r.get("heldout")}
+        if measured:
+            print(f"routes: {routes.record(doc['gpu'], measured, Path(out), doc['date'])} "
+                  f"(commit it as routes/{routes.gpu_slug(doc['gpu'])}.json)")
     skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
     for why in skipped:
         print(f"flashinfer: {why}")

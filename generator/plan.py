@@ -20,7 +20,8 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One top-level stage of a mode: `stage` names templates/stages/<stage>.cuh and generator.reference.<stage>;
+    """One top-level stage of a mode: `stage` names templates/<mode.headers>/<stage>.cuh and
+    generator.reference.<stage>;
     `call` is its C call in the kernel body (arguments named as in generator.interface.ARGS, plus `smem`);
     `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none"."""
     stage: str
@@ -35,6 +36,7 @@ class Mode:
     steps: tuple[Step, ...]
     plan: Callable
     doc: str
+    headers: str = "stages"   # where its steps' headers live under templates/
 
     @property
     def grid_syncs(self) -> int:

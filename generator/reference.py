@@ -64,23 +64,32 @@ def rope(t: torch.Tensor, pos: torch.Tensor, m: Model) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
-    """Write each sequence's new k, v [B, kv_heads, head_dim] at its own position (in place, cache dtype)."""
-    idx = torch.arange(k.shape[0], device=k.device)
-    k_cache[idx, :, pos.long()] = k.to(k_cache.dtype)
-    v_cache[idx, :, pos.long()] = v.to(v_cache.dtype)
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              seq: torch.Tensor | None = None):
+    """Write each token row's new k, v [R, kv_heads, head_dim] at its position pos [R] of its sequence seq [R]
+    (default: row r is sequence r), in place, in the cache dtype."""
+    seq = torch.arange(k.shape[0], device=k.device) if seq is None else seq.long()
+    k_cache[seq, :, pos.long()] = k.to(k_cache.dtype)
+    v_cache[seq, :, pos.long()] = v.to(v_cache.dtype)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, m: Model):
-    """q [B, heads, hd] over cache rows 0..pos[b] of its KV head; softmax in fp32. Returns [B, heads*hd]."""
-    out = []
-    for b in range(q.shape[0]):
-        n = int(pos[b]) + 1
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, m: Model,
+              seq: torch.Tensor | None = None):
+    """q [R, heads, hd] of token rows at positions pos [R] of sequences seq [R] (default: row r is sequence r):
+    each attends to cache rows 0..pos[r] of its sequence's KV head (causal); softmax in fp32. Returns [R, heads*hd]."""
+    R = q.shape[0]
+    seq = torch.arange(R, device=q.device) if seq is None else seq.to(q.device).long()
+    pos = pos.to(q.device).long()
+    out = torch.empty(R, m.heads * m.head_dim, dtype=torch.float32, device=q.device)
+    for b in torch.unique(seq).tolist():  # one sequence at a time, its rows at once under a causal mask
+        idx = (seq == b).nonzero().flatten()
+        n = int(pos[idx].max()) + 1
         k = k_cache[b, :, :n].float().repeat_interleave(m.group, dim=0)  # [heads, n, hd]
         v = v_cache[b, :, :n].float().repeat_interleave(m.group, dim=0)
-        s = torch.einsum("hd,hnd->hn", q[b], k) / math.sqrt(m.head_dim)
-        out.append(torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v).reshape(-1))
-    return torch.stack(out)
+        s = torch.einsum("rhd,hnd->rhn", q[idx].float(), k) / math.sqrt(m.head_dim)
+        s = s.masked_fill(torch.arange(n, device=q.device)[None, None, :] > pos[idx][:, None, None], float("-inf"))
+        out[idx] = torch.einsum("rhn,hnd->rhd", torch.softmax(s, dim=-1), v).reshape(len(idx), -1)
+    return out
 
 
 def o_proj(attn: torch.Tensor, x: torch.Tensor, W: dict) -> torch.Tensor:
@@ -99,20 +108,23 @@ def down_proj(act: torch.Tensor, h: torch.Tensor, W: dict) -> torch.Tensor:
 
 
 def decoder_layer(x: torch.Tensor, pos: torch.Tensor, W: dict, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  m: Model, *, return_parts: bool = False):
-    """One decode step: x [B, hidden], pos [B] -> [B, hidden] fp32; k_cache/v_cache updated in place.
+                  m: Model, *, return_parts: bool = False, seq: torch.Tensor | None = None):
+    """Token rows through the layer: x [R, hidden], pos [R] (each row's position), seq [R] (each row's sequence in
+    the caches; default row r is sequence r: one decode step) -> [R, hidden] fp32; k_cache/v_cache [B, kv_heads,
+    cache_len, head_dim] gain every row's k, v (all rows are appended before any attends: a prefill chunk sees
+    itself causally). As transformers' LlamaDecoderLayer.forward with a static cache.
 
     return_parts=True also returns each step's result under its stage name, as the kernel's workspace holds it:
-    qkv_proj [B, q_dim + 2 kv_dim] (raw, before q/k norm and RoPE), attention [B, q_dim], o_proj [B, hidden] (the
-    residual h), gate_up [B, intermediate], down_proj [B, hidden] (the output); plus q, k, v after RoPE."""
+    qkv_proj [R, q_dim + 2 kv_dim] (raw, before q/k norm and RoPE), attention [R, q_dim], o_proj [R, hidden] (the
+    residual h), gate_up [R, intermediate], down_proj [R, hidden] (the output); plus q, k, v after RoPE."""
     xn = norm(x, W["input_layernorm.weight"], W.get("input_layernorm.bias"), m)
     q, k, v = qkv_proj(xn, W, m)
-    B = x.shape[0]
-    qkv = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], dim=1)
+    R = x.shape[0]
+    qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], dim=1)
     q = rope(qk_norm(q, W.get("self_attn.q_norm.weight"), m), pos, m)
     k = rope(qk_norm(k, W.get("self_attn.k_norm.weight"), m), pos, m)
-    kv_append(k_cache, v_cache, k, v, pos)
-    attn = attention(q, k_cache, v_cache, pos, m)
+    kv_append(k_cache, v_cache, k, v, pos, seq)
+    attn = attention(q, k_cache, v_cache, pos, m, seq)
     h = o_proj(attn, x, W)
     hn = norm(h, W["post_attention_layernorm.weight"], W.get("post_attention_layernorm.bias"), m)
     act = gate_up(hn, W, m)
@@ -121,3 +133,17 @@ def decoder_layer(x: torch.Tensor, pos: torch.Tensor, W: dict, k_cache: torch.Te
         return out, {"q": q, "k": k, "v": v, "qkv_proj": qkv, "attention": attn, "o_proj": h, "gate_up": act,
                      "down_proj": out, "attn": attn, "h": h}
     return out
+
+
+def prefill_layer(x: torch.Tensor, start_pos: torch.Tensor, W: dict, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  m: Model, *, return_parts: bool = False):
+    """A prompt chunk: x [B, C, hidden], start_pos [B] (token t of sequence b at position start_pos[b] + t) ->
+    [B, C, hidden] fp32 (parts flattened to [B*C, ...] rows); caches updated in place."""
+    B, C, H = x.shape
+    dev = x.device
+    pos = (start_pos.to(dev).long()[:, None] + torch.arange(C, device=dev)[None, :]).reshape(-1)
+    seq = torch.arange(B, device=dev).repeat_interleave(C)
+    res = decoder_layer(x.reshape(B * C, H), pos, W, k_cache, v_cache, m, return_parts=return_parts, seq=seq)
+    if return_parts:
+        return res[0].view(B, C, H), res[1]
+    return res.view(B, C, H)

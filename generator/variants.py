@@ -40,7 +40,7 @@ MODEL_FIELDS: dict[str, tuple[tuple[type, ...], bool, object]] = {
     "qkv_bias": ((bool,), True, None),
     "qk_norm": ((bool,), True, None),
     "dtype": ((str,), True, None),
-    "matrix": ((dict,), False, None),
+    "matrix": ((dict, list), False, None),
 }
 MATRIX_FIELDS = ("mode", "batch", "seq_len")
 LLAMA3_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "low_freq_factor": (int, float),
@@ -129,6 +129,16 @@ def _check_type(where, field, value, types):
         raise VariantError(f"{where}: field '{field}' must be {_type_name(types)}, got {value!r}")
 
 
+def _parse_matrices(where, raw) -> list[dict]:
+    """A matrix, or a list of matrices (e.g. one for decode, one for prefill with its own batches and chunk
+    lengths): each is expanded and the variants joined; the same variant twice is an error."""
+    if isinstance(raw, list):
+        if not raw:
+            raise VariantError(f"{where}: field 'matrix' must not be an empty list")
+        return [_parse_matrix(where, r) for r in raw]
+    return [_parse_matrix(where, raw)]
+
+
 def _parse_matrix(where, raw) -> dict:
     if not isinstance(raw, dict):
         raise VariantError(f"{where}: field 'matrix' must be a mapping with keys {', '.join(MATRIX_FIELDS)}")
@@ -211,7 +221,7 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS if k not in ("matrix", "rope_scaling")},
                   rope_scaling=_parse_rope_scaling(where, raw.get("rope_scaling")))
     model = dataclasses.replace(model, norm_eps=float(model.norm_eps), rope_theta=float(model.rope_theta))
-    matrix = _parse_matrix(where, raw["matrix"]) if "matrix" in raw else None
+    matrix = _parse_matrices(where, raw["matrix"]) if "matrix" in raw else None
     return model, matrix
 
 
@@ -255,7 +265,7 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
             raise VariantError(f"{path}: unknown top-level field '{key}' (allowed: models, matrix)")
     if not isinstance(doc.get("models"), dict) or not doc["models"]:
         raise VariantError(f"{path}: field 'models' must be a non-empty mapping of name -> shape")
-    default_matrix = _parse_matrix(f"{path}: matrix", doc["matrix"]) if "matrix" in doc else None
+    default_matrix = _parse_matrices(f"{path}: matrix", doc["matrix"]) if "matrix" in doc else None
     variants: list[Variant] = []
     for name, raw in doc["models"].items():
         where = f"{path}: variant '{name}'"
@@ -263,8 +273,14 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
         matrix = matrix or default_matrix
         if matrix is None:
             raise VariantError(f"{where}: no matrix (give a top-level 'matrix' or the variant's own)")
-        for mode, batch, seq_len in itertools.product(matrix["mode"], matrix["batch"], matrix["seq_len"]):
-            variants.append(Variant(model, mode, batch, seq_len))
+        seen = set()
+        for mx in matrix:
+            for mode, batch, seq_len in itertools.product(mx["mode"], mx["batch"], mx["seq_len"]):
+                v = Variant(model, mode, batch, seq_len)
+                if v.name in seen:
+                    raise VariantError(f"{where}: two matrices both give {v.name}")
+                seen.add(v.name)
+                variants.append(v)
     return variants
 
 

@@ -21,18 +21,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_inputs(layer, seed: int, *, positions: str = "random"):
-    """Fresh x, positions and a random (never zero) cache. positions: 'random' (includes 0 and seq_len-1 when
-    batch allows), 'full' (all seq_len-1)."""
+    """Fresh x, positions and a random (never zero) cache. positions: 'random' (includes 0 and the last possible
+    position when batch allows), 'full' (all at the last possible position). Decode: x [batch, hidden], pos
+    [batch]; prefill: x [batch, chunk, hidden], start positions [batch] (the last: a chunk ending at the last cache
+    row)."""
     g = torch.Generator(device=layer.device).manual_seed(seed)
-    B, S = layer.variant.batch, layer.variant.seq_len
-    x = torch.randn(B, layer.model.hidden, generator=g, device=layer.device).to(layer.dtype)
+    B, C, S = layer.variant.batch, layer.chunk, layer.cache_len
+    shape = (B, layer.model.hidden) if layer.mode == "decode" else (B, C, layer.model.hidden)
+    x = torch.randn(shape, generator=g, device=layer.device).to(layer.dtype)
     layer.k_cache.copy_(torch.randn(layer.k_cache.shape, generator=g, device=layer.device))
     layer.v_cache.copy_(torch.randn(layer.v_cache.shape, generator=g, device=layer.device))
+    last = S - C
     if positions == "full":
-        pos = torch.full((B,), S - 1, dtype=torch.int32)
+        pos = torch.full((B,), last, dtype=torch.int32)
     else:
-        pos = torch.randint(0, S, (B,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
-        pos[0] = S - 1
+        pos = torch.randint(0, last + 1, (B,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        pos[0] = last
         if B > 1:
             pos[1] = 0
     return x, pos
@@ -43,12 +47,14 @@ STEP_BUFFERS = {"qkv_proj": "qkv", "attention": "attn", "o_proj": "h", "gate_up"
 
 
 def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None = None) -> dict:
-    """One step through the kernel with a NaN-poisoned output vs. the reference on copies of the caches.
+    """One launch (a decode step, or a prefill chunk) with a NaN-poisoned output vs. the reference on copies of the
+    caches.
 
-    Returns rel_err (output), unwritten (NaN count), k_err/v_err (appended cache rows), cache_untouched (every
-    other row bit-exact), stage_err {step: rel_err of its workspace result}, first_bad_stage (the first step out
-    of tolerance, where the fault is; None when all pass), overflows (values the dtype could not hold), out.
-    weights: the HF-named weights the layer was loaded with (default: read back from its packed copy)."""
+    Returns rel_err (output), unwritten (NaN count), k_err/v_err (the appended cache rows against the reference's),
+    cache_untouched (every other row bit-exact), stage_err {step: rel_err of its workspace result}, first_bad_stage
+    (the first step out of tolerance, where the fault is; None when all pass), overflows (values the dtype could
+    not hold), out. weights: the HF-named weights the layer was loaded with (default: read back from its packed
+    copy)."""
     m = layer.model
     kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
     W = weights if weights is not None else layer.weights()
@@ -56,27 +62,35 @@ def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None =
     pos_dev = pos.to(layer.device)
     layer.check_positions(pos)
     layer.overflows()  # reset the counter
-    layer.launch(x, pos_dev, out)
+    H = m.hidden
+    layer.launch(x.reshape(-1, H), pos_dev, out.view(-1, H))
     torch.cuda.synchronize(layer.device)
-    ref, parts = reference.decoder_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
-    idx = torch.arange(x.shape[0], device=layer.device)
-    p = pos_dev.long()
-    new_k, new_v = layer.k_cache[idx, :, p], layer.v_cache[idx, :, p]
-    # every row but the appended ones must be untouched, bit for bit
-    mask = torch.ones(layer.k_cache.shape[:3], dtype=torch.bool, device=layer.device)
-    mask[idx, :, p] = False
-    untouched = bool((layer.k_cache[mask] == kc[mask]).all() and (layer.v_cache[mask] == vc[mask]).all())
+    if layer.mode == "decode":
+        ref, parts = reference.decoder_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
+    else:
+        ref, parts = reference.prefill_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
+    # the rows this launch appends: pos[b] .. pos[b] + chunk - 1 of every sequence b
+    B, S = layer.k_cache.shape[0], layer.k_cache.shape[2]
+    rows = torch.arange(S, device=layer.device)[None, :]
+    new = (rows >= pos_dev.long()[:, None]) & (rows < pos_dev.long()[:, None] + layer.chunk)  # [B, S]
+    new = new[:, None, :].expand(B, m.kv_heads, S)
+    # every other row must be untouched, bit for bit (kc, vc: the reference appended the same rows)
+    untouched = bool((layer.k_cache[~new] == kc[~new]).all() and (layer.v_cache[~new] == vc[~new]).all())
     stage_err = {s: rel_err(layer.buffer(b), parts[s]) for s, b in STEP_BUFFERS.items()}
+    stage_err["kv_append"] = max(rel_err(layer.k_cache[new], kc[new]), rel_err(layer.v_cache[new], vc[new]))
     stage_err["down_proj"] = rel_err(out, ref)
     tol = REL_TOL[m.dtype]
+    order = list(layer.STAGES)
+    if "kv_append" not in order:  # decode appends inside its attention step
+        order.insert(order.index("attention"), "kv_append")
     return {
         "rel_err": stage_err["down_proj"],
         "unwritten": int(torch.isnan(out).sum()),
-        "k_err": rel_err(new_k, kc[idx, :, p]),
-        "v_err": rel_err(new_v, vc[idx, :, p]),
+        "k_err": rel_err(layer.k_cache[new], kc[new]),
+        "v_err": rel_err(layer.v_cache[new], vc[new]),
         "cache_untouched": untouched,
         "stage_err": stage_err,
-        "first_bad_stage": next((s for s in layer.STAGES if stage_err.get(s, 0.0) > tol), None),
+        "first_bad_stage": next((s for s in order if stage_err.get(s, 0.0) > tol), None),
         "overflows": layer.overflows(),
         "out": out,
     }

@@ -68,3 +68,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ void count_overflow(float v, unsigned* status) {
     if (T_MAX < 3.0e38f && fabsf(v) > T_MAX) atomicAdd(status, 1u);
 }
+// The MLP's activation of the gate: SiLU (x * sigmoid(x)) or exact GELU (erf), as transformers' ACT2FN.
+__device__ __forceinline__ float activation(float g) {
+#if ACT_GELU
+    return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+#else
+    return g / (1.f + __expf(-g));
+#endif
+}

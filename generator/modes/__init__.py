@@ -2,6 +2,6 @@
 from __future__ import annotations
 
 from ..plan import Mode
-from . import decode
+from . import decode, prefill
 
-MODES: dict[str, Mode] = {m.name: m for m in (decode.MODE,)}
+MODES: dict[str, Mode] = {m.name: m for m in (decode.MODE, prefill.MODE)}

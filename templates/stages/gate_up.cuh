@@ -3,14 +3,6 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
-__device__ __forceinline__ float activation(float g) {
-#if ACT_GELU
-    return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-#else
-    return g / (1.f + __expf(-g));
-#endif
-}
-
 __device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
                         unsigned* ws_status, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);

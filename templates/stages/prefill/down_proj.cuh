@@ -1,0 +1,12 @@
+// ---- stage: down_proj (prefill) ---- down projection of every token plus the second residual: out = h + act @ Wd^T.
+#pragma once
+#include "../../gemm.cuh"
+
+__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
+                          unsigned char* smem) {
+    gemm<HIDDEN, INTER>(w_down, ws_act, ROWS, smem, [&](int n, int t, float v) {
+        const float o = ws_h[(size_t)t * HIDDEN + n] + v;
+        count_overflow(o, ws_status);
+        out[(size_t)t * HIDDEN + n] = from_f(o);
+    });
+}

@@ -1,0 +1,12 @@
+// ---- stage: gate_up (prefill) ---- gate and up projections of every (normalised) token in one GEMM over the
+// interleaved weight (gate_i, up_i): each pair of rows gives act(gate) * up directly.
+#pragma once
+#include "../../gemm.cuh"
+
+__device__ void gate_up(const T* ws_xn, const T* w_gu, T* ws_act, unsigned* ws_status, unsigned char* smem) {
+    gemm<2 * INTER, HIDDEN, true>(w_gu, ws_xn, ROWS, smem, [&](int i, int t, float g, float u) {
+        const float a = activation(g) * u;
+        count_overflow(a, ws_status);
+        ws_act[(size_t)t * INTER + i] = from_f(a);
+    });
+}

@@ -1,0 +1,10 @@
+// ---- stage: o_proj (prefill) ---- output projection of every token plus the residual: h = x + attn @ Wo^T, kept
+// in fp32 (ws_h) for the second norm and the final residual.
+#pragma once
+#include "../../gemm.cuh"
+
+__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, unsigned char* smem) {
+    gemm<HIDDEN, Q_DIM>(w_o, ws_attn, ROWS, smem, [&](int n, int t, float v) {
+        ws_h[(size_t)t * HIDDEN + n] = to_f(x[(size_t)t * HIDDEN + n]) + v;
+    });
+}

@@ -1,0 +1,13 @@
+// ---- stage: qkv_proj (prefill) ---- q, k and v of every token of the chunk in one GEMM over the packed [q; k; v]
+// weight (+ bias): raw fp32 rows to ws_qkv[t][QKV_DIM] (q/k norm and RoPE follow in kv_append).
+#pragma once
+#include "../../gemm.cuh"
+
+__device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const T* b_qkv, float* ws_qkv, unsigned char* smem) {
+    gemm<QKV_DIM, HIDDEN>(w_qkv, ws_xn, ROWS, smem, [&](int n, int t, float v) {
+#if QKV_BIAS
+        v += to_f(b_qkv[n]);
+#endif
+        ws_qkv[(size_t)t * QKV_DIM + n] = v;
+    });
+}

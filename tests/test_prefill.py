@@ -1,0 +1,170 @@
+"""Prefill: a prompt chunk per launch. CPU: planning, limits, bad inputs that need no GPU. GPU (marked gpu):
+every declared prefill variant and held-out prefill shapes against the fp32 reference at random start positions
+(0 and a chunk ending at the last cache row included), cache rows equal to the reference's and no other row
+touched, and prefill-then-decode equal to decoding the prompt token by token."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from generator import render as grender, variants as gvariants
+from generator.plan import PlanError
+from generator.targets import ARCHS
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = int(os.environ.get("MEGAKERNEL_SEED", time.time_ns() % 1_000_000))
+CACHE_LEN = 4096
+
+# prefill shapes that are not in variants.yaml: odd chunk (not a multiple of 16), batch 3, fp16 + layernorm + gelu
+# + qkv bias, head_dim 96, GQA group 3, qk_norm, MHA head_dim 128
+HELD_OUT_YAML = """
+matrix: {mode: [prefill], batch: [3], seq_len: [40]}
+models:
+  pf-ln-gelu-fp16:
+    {hidden: 512, heads: 8, kv_heads: 2, head_dim: 96, intermediate: 1376, layers: 4, norm: layernorm,
+     norm_eps: 1.0e-5, rope_theta: 10000.0, activation: gelu, qkv_bias: true, qk_norm: false, dtype: fp16}
+  pf-g3-qknorm:
+    {hidden: 1536, heads: 12, kv_heads: 4, head_dim: 128, intermediate: 4096, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: true, dtype: bf16,
+     matrix: {mode: [prefill], batch: [1, 2], seq_len: [100, 300]}}
+  pf-mha:
+    {hidden: 1024, heads: 8, kv_heads: 8, head_dim: 128, intermediate: 2816, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+     matrix: {mode: [prefill], batch: [2], seq_len: [33]}}
+"""
+DECLARED = [v for v in gvariants.load(ROOT / "variants.yaml") if v.mode == "prefill"]
+HELD_OUT = gvariants.parse(HELD_OUT_YAML, "prefill-heldout.yaml")
+
+
+# ---------------------------------------------------------------- CPU
+
+def test_defaults_declare_prefill_for_the_1b_and_8b_shapes():
+    got = {(v.model.name, v.batch, v.seq_len) for v in DECLARED}
+    want = {(m, b, c) for m in ("llama3.2-1b", "llama3-8b") for b in (1, 4) for c in (16, 64, 128, 512, 2048)}
+    assert got == want
+
+
+@pytest.mark.parametrize("sm", sorted(ARCHS))
+def test_every_prefill_variant_plans_within_its_arch(sm):
+    for v in DECLARED + HELD_OUT:
+        try:
+            p = grender.plan(v, sm)
+        except PlanError as exc:
+            assert f"sm_{sm}" in str(exc)
+            continue
+        assert p["smem_bytes"] <= ARCHS[sm].smem_per_block
+        assert p["rows"] == v.batch * v.seq_len and p["grid_syncs"] == 7
+        assert p["workspace"]["buffers"]["xn"]["shape"] == [p["rows"], v.model.hidden]
+
+
+def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path):
+    from generator import compile as gcompile
+    v = HELD_OUT[0]
+    src = grender.render(v)
+    assert "__device__ void kv_append(" in src and "gemm<QKV_DIM, HIDDEN>" in src
+    assert "#include" not in src.replace("#include <", "")
+    res = gcompile.build([v], tmp_path / "b", jobs=1)
+    assert not res["errors"], res["errors"]
+    r = res["entries"][0]["resources"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = [pytest.mark.gpu]
+try:
+    import torch
+    _cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _cuda = False
+needs_cuda = pytest.mark.skipif(not _cuda, reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    from generator import compile as gcompile
+    main = Path(os.environ.get("MEGAKERNEL_BUILD", ROOT / "build"))
+    decl = gvariants.select(DECLARED, tuple(g for g in os.environ.get("MEGAKERNEL_ONLY", "").split(",") if g))
+    decode = [v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_decode_b1_s1024_bf16"]
+    res = gcompile.build(decl + decode, main)
+    assert not res["errors"], res["errors"][0]["error"]
+    held = tmp_path_factory.mktemp("prefill-heldout")
+    res = gcompile.build(HELD_OUT, held)
+    assert not res["errors"], res["errors"][0]["error"]
+    return {v.name: main for v in decl + decode} | {v.name: held for v in HELD_OUT}
+
+
+def _small_enough(v):
+    return v.batch * v.seq_len <= 2048  # the fp32 reference of 8192-token chunks is slow; they are timed instead
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("v", [v for v in DECLARED if _small_enough(v)] + HELD_OUT, ids=lambda v: v.name)
+def test_prefill_matches_reference(v, builds):
+    from generator import reference, verify
+    from generator.loader import load
+    if v.name not in builds:
+        pytest.skip("not selected by MEGAKERNEL_ONLY")
+    W = reference.random_weights(v.model, seed=SEED, device="cuda")
+    layer = load(v.name, W, build_dir=builds[v.name], cache_len=CACHE_LEN)
+    x, start = verify.random_inputs(layer, SEED)
+    r = verify.check_step(layer, x, start, weights=W)
+    msg = (f"seed {SEED} start {start.tolist()}: rel_err {r['rel_err']:.2e} stage_err {r['stage_err']} "
+           f"first bad stage {r['first_bad_stage']} unwritten {r['unwritten']} untouched {r['cache_untouched']}")
+    assert verify.passed(r, v.model.dtype), msg
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_then_decode_equals_token_by_token(builds):
+    """A 16-token prompt through the prefill kernel then one decode step == the 17 tokens decoded one by one."""
+    from generator import reference, verify
+    from generator.loader import load
+    pf, dec = "llama3.2-1b_prefill_b1_s16_bf16", "llama3.2-1b_decode_b1_s1024_bf16"
+    if pf not in builds:
+        pytest.skip("not selected by MEGAKERNEL_ONLY")
+    m = next(v for v in DECLARED if v.name == pf).model
+    W = reference.random_weights(m, seed=SEED + 1, device="cuda")
+    a = load(dec, W, build_dir=builds[dec])
+    p = load(pf, None, build_dir=builds[pf], packed=a.packed, caches=(a.k_cache, a.v_cache))
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    xs = torch.randn(1, 17, m.hidden, generator=g, device="cuda").to(torch.bfloat16)
+    a.k_cache.normal_(generator=g)
+    a.v_cache.normal_(generator=g)
+    k0, v0 = a.k_cache.clone(), a.v_cache.clone()
+    p.prefill(xs[:, :16], torch.tensor([0], dtype=torch.int32))
+    out_a = a(xs[:, 16], torch.tensor([16], dtype=torch.int32))
+    ka = a.k_cache[:, :, :17].clone()
+    a.k_cache.copy_(k0)
+    a.v_cache.copy_(v0)
+    for t in range(17):
+        out_b = a(xs[:, t], torch.tensor([t], dtype=torch.int32))
+    torch.cuda.synchronize()
+    assert verify.rel_err(out_a, out_b) <= 1e-2
+    assert verify.rel_err(ka, a.k_cache[:, :, :17]) <= 1e-2
+    assert torch.equal(a.k_cache[:, :, 17:], k0[:, :, 17:])  # nothing past the prompt
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_bad_inputs(builds):
+    from generator import reference
+    from generator.loader import load
+    v = HELD_OUT[0]
+    W = reference.random_weights(v.model, seed=1, device="cuda")
+    with pytest.raises(ValueError, match="cache_len"):
+        load(v.name, W, build_dir=builds[v.name])
+    layer = load(v.name, W, build_dir=builds[v.name], cache_len=128)
+    x = torch.randn(v.batch, v.seq_len, v.model.hidden, device="cuda").to(layer.dtype)
+    ok = torch.zeros(v.batch, dtype=torch.int32)
+    for bad, pat in ((x[:, :-1], "^x: shape"), (x.float(), "^x: dtype"), (x[:, 0], "^x: shape")):
+        with pytest.raises(ValueError, match=pat):
+            layer.prefill(bad, ok)
+    with pytest.raises(ValueError, match=r"^pos: start positions \(\+ chunk 40\) must be in \[0, 88\]"):
+        layer.prefill(x, torch.full((v.batch,), 89, dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefill variant: call layer.prefill"):
+        layer(x[:, 0], ok)
