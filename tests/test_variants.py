@@ -105,7 +105,7 @@ BAD_CASES = {
     "unknown-dtype": (doc_text(dtype="fp8"), [V, "field 'dtype'", "must be one of bf16, fp16", "'fp8'"]),
     "unknown-norm": (doc_text(norm="batchnorm"), [V, "field 'norm'", "must be one of rmsnorm, layernorm"]),
     "unknown-activation": (doc_text(activation="relu"), [V, "field 'activation'", "must be one of silu, gelu"]),
-    "unknown-mode": (GOOD_TEXT.replace("- decode", "- prefill"), ["field 'matrix.mode'", "must be one of"]),
+    "unknown-mode": (GOOD_TEXT.replace("- decode", "- training"), ["field 'matrix.mode'", "must be one of"]),
     "unknown-rope-type": (doc_text(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
                           [V, "field 'rope_scaling.rope_type'", "must be one of llama3"]),
     "duplicate-variant-name": _duplicate_variant(),
