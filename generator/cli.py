@@ -220,6 +220,95 @@ def from_hf_cmd(path, write_file, name):
         fail(str(exc))
 
 
+@main.command("generate")
+@click.argument("model_dir")
+@click.option("--prompt", "prompts", multiple=True, help="prompt text (needs a tokenizer in MODEL_DIR; repeatable: "
+              "one sequence each)")
+@click.option("--ids", "ids", multiple=True, help="prompt token ids, comma-separated (repeatable: one sequence each)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=None, help="repeat the prompt(s) to this many sequences")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off")
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--stop", "stops", default=None, help="stop token ids, comma-separated [the config's eos_token_id]")
+@click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
+              "variant that fits the model]")
+@click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
+              "decode variant is used)")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--no-graph", is_flag=True, help="run decode steps eagerly instead of replaying a CUDA graph")
+@build_dir_opt
+def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
+                 variant_names, cache_len, device, no_graph, build_dir):
+    """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
+    prints the text (or token ids), tokens/s, time to first token and the path that served each layer."""
+    import warnings
+
+    import torch
+
+    from . import hf, loader, serve
+    if bool(prompts) == bool(ids):
+        fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
+    if device.startswith("cuda") and (why := cuda_unavailable()):
+        fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
+    tok = None
+    if prompts:
+        try:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(model_dir)
+        except Exception as exc:  # noqa: BLE001 - no tokenizer files, or no transformers
+            fail(f"{model_dir}: --prompt needs a tokenizer in the model directory ({str(exc).splitlines()[0][:160]}); "
+                 "give --ids instead")
+        seqs = [tok(p)["input_ids"] for p in prompts]
+    else:
+        try:
+            seqs = [[int(t) for t in s.split(",") if t.strip()] for s in ids]
+        except ValueError:
+            fail(f"--ids: comma-separated integers, got {' '.join(ids)!r}")
+    if batch:
+        seqs = [seqs[i % len(seqs)] for i in range(batch)]
+    try:
+        stop_ids = None if stops is None else [int(t) for t in stops.split(",") if t.strip()]
+    except ValueError:
+        fail(f"--stop: comma-separated integers, got {stops!r}")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", serve.MissingVariantWarning)
+            model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=list(variant_names) or None,
+                                        device=device, cache_len=cache_len, max_batch=len(seqs))
+            model.use_graphs = model.use_graphs and not no_graph
+
+            def show(b, t):
+                if len(seqs) == 1:
+                    click.echo(tok.decode([t]) if tok else f"{t} ", nl=False)
+                    sys.stdout.flush()
+            out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, stop_tokens=stop_ids, callback=show)
+    except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
+        fail(str(exc))
+    click.echo()
+    for w in caught:
+        err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
+    if len(seqs) > 1:
+        for b, new in enumerate(out.tokens):
+            click.echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
+    paths = model.paths(len(seqs), max(len(s) for s in seqs))
+    n_new = sum(len(t) for t in out.tokens)
+    err_console.print(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
+                      f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
+                      highlight=False)
+    pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
+                    for p in out.prefill_pieces)
+    dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
+    err_console.print(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
+                      f"{pre}", markup=False, highlight=False, soft_wrap=True)
+    mem = model.memory()
+    err_console.print("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
+                      markup=False, highlight=False, soft_wrap=True)
+    del paths
+
+
 def run():
     """Console-script entry: every bad input is one line on stderr and exit 2, click's own usage errors included
     (an unknown option, `-j 0`), and a corrupt build directory too."""

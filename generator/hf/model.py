@@ -98,6 +98,47 @@ def load_hf(path, layer_idx: int, variant, build_dir="build", device="cuda"):
     return _load_layer(ck, layer_idx, name, v, build_dir, device)
 
 
+def _head_names(ck: _Checkpoint) -> dict:
+    """Names of the embedding, final norm and lm_head tensors, shape-checked from the headers (HFCheckpointError).
+    tie_word_embeddings as transformers 5 loads it (PreTrainedModel.tie_weights): the embedding is the lm_head,
+    unless the checkpoint ships both (then both are read, and used untied where they differ); a tied checkpoint
+    with only lm_head.weight uses it as the embedding. -> {"embed", "norm", "head", "tie", "both", "vocab"}."""
+    H = ck.model.hidden
+    embed_name, norm_name, head_name = f"{ck.prefix}embed_tokens.weight", f"{ck.prefix}norm.weight", "lm_head.weight"
+    tie = bool(ck.cfg.get("tie_word_embeddings", False))  # False: the default of every supported config class
+    if tie and embed_name not in ck.files and head_name in ck.files:
+        embed_name = head_name  # transformers ties the other way round when only the lm_head was saved
+    vocab = ck.shape(embed_name)[0] if embed_name in ck.files else ck.cfg.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
+    ck.check(embed_name, (vocab, H))
+    ck.check(norm_name, (H,))
+    both = embed_name != head_name and head_name in ck.files
+    if not tie or both:
+        ck.check(head_name, (vocab, H))
+    return {"embed": embed_name, "norm": norm_name, "head": head_name, "tie": tie, "both": both, "vocab": vocab}
+
+
+def _read_head(ck: _Checkpoint, head: dict, dtype, dev):
+    """(embed [vocab, hidden], final norm weight [hidden] as stored, lm_head [vocab, hidden]) on `dev`; embed and
+    lm_head in `dtype`, the same tensor when tied (a tied checkpoint whose lm_head differs warns, used untied)."""
+    import torch
+    embed_raw = ck.get(head["embed"])
+    embed = embed_raw.to(device=dev, dtype=dtype)
+    norm_w = ck.get(head["norm"]).to(device=dev)
+    lm_head = embed
+    tie, head_name, embed_name = head["tie"], head["head"], head["embed"]
+    if not tie or head["both"]:
+        head_raw = ck.get(head_name)
+        if not tie or not torch.equal(head_raw, embed_raw.to(head_raw.dtype)):
+            if tie:
+                warnings.warn(f"{ck.where(head_name)}: field 'tie_word_embeddings' of {ck.cfg_path} is true but "
+                              f"tensor '{head_name}' differs from '{embed_name}': both are used as shipped, "
+                              "untied, as transformers does", stacklevel=3)
+            lm_head = head_raw.to(device=dev, dtype=dtype)
+    return embed, norm_w, lm_head
+
+
 class FusedModel:
     """A whole checkpoint: embeddings, every layer as a fused kernel, final norm and lm_head in torch.
 
@@ -139,20 +180,7 @@ class FusedModel:
         ck = _Checkpoint(path)
         for i in range(ck.model.layers):  # every tensor checked before anything is read
             ck.check_layer(i)
-        H = ck.model.hidden
-        embed_name, norm_name, head_name = f"{ck.prefix}embed_tokens.weight", f"{ck.prefix}norm.weight", \
-            "lm_head.weight"
-        tie = bool(ck.cfg.get("tie_word_embeddings", False))  # False: the default of every supported config class
-        if tie and embed_name not in ck.files and head_name in ck.files:
-            embed_name = head_name  # transformers ties the other way round when only the lm_head was saved
-        vocab = ck.shape(embed_name)[0] if embed_name in ck.files else ck.cfg.get("vocab_size")
-        if not isinstance(vocab, int) or vocab <= 0:
-            raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
-        ck.check(embed_name, (vocab, H))
-        ck.check(norm_name, (H,))
-        both = embed_name != head_name and head_name in ck.files
-        if not tie or both:
-            ck.check(head_name, (vocab, H))
+        head = _head_names(ck)
         name = _variant_name(variant)
         v = _built_variant(name, build_dir)
         _check_variant(ck, v, list(range(ck.model.layers)))
@@ -162,18 +190,8 @@ class FusedModel:
         layers = [_load_layer(ck, i, name, v, build_dir, dev) for i in range(ck.model.layers)]
         if layers:
             dev = layers[0].device  # "cuda" -> "cuda:N"
-        embed_raw = ck.get(embed_name)
-        embed = embed_raw.to(device=dev, dtype=dtype)
-        norm_w = ck.get(norm_name).to(device=dev, dtype=torch.float32)
-        lm_head = embed
-        if not tie or both:
-            head_raw = ck.get(head_name)
-            if not tie or not torch.equal(head_raw, embed_raw.to(head_raw.dtype)):
-                if tie:
-                    warnings.warn(f"{ck.where(head_name)}: field 'tie_word_embeddings' of {ck.cfg_path} is true but "
-                                  f"tensor '{head_name}' differs from '{embed_name}': both are used as shipped, "
-                                  "untied, as transformers does", stacklevel=2)
-                lm_head = head_raw.to(device=dev, dtype=dtype)
+        embed, norm_w, lm_head = _read_head(ck, head, dtype, dev)
+        norm_w = norm_w.to(torch.float32)
         return cls(layers, embed, norm_w, lm_head, ck.model, v, dev)
 
     def _check_batch(self, what: str, n: int) -> None:

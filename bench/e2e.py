@@ -1,0 +1,191 @@
+"""End-to-end benchmark on a GPU (one run): the served model (generator.serve: fused variants, CUDA-graph decode)
+against the same model on the unfused layers in a CUDA graph, transformers `generate` eager, and transformers with a
+static cache + torch.compile (as its docs recommend: cache_implementation="static", forward compiled with
+mode="reduce-overhead", fullgraph=True).
+
+Measured: time to first token for prompts of 128 and 2048 tokens (batch 1), ms per output token at batch 1 and 8
+(128-token prompts), and agreement with transformers in fp32 on the same checkpoint (greedy tokens until the first
+divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint is built offline: a
+Llama-3.2-1B-shaped config with random weights, save_pretrained to --ckpt (bf16).
+
+    megakernel build --only 'llama3.2-1b_decode_*_s4096_bf16'
+    python -m bench.e2e --build-dir build --out bench/results/e2e.json     # or $OUT/e2e.json by default
+
+Prints a table and writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+
+
+def make_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A Llama-3.2-1B-shaped checkpoint with random weights scaled like a trained model's, saved in bf16."""
+    import transformers as T
+    if (path / "config.json").exists():
+        return path
+    cfg = T.LlamaConfig(**LLAMA_1B, rope_parameters={**ROPE, "rope_theta": 500000.0}, dtype="bfloat16")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.device("cuda"):
+        model = T.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g, device="cuda"))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda"))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1]))
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def _median(f, n):
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def prompts(batch, length, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def bench_served(model, args) -> dict:
+    """TTFT and ms/token of a generator.serve.Model."""
+    out = {}
+    for L in (128, 2048):
+        p = prompts(1, L, model.vocab).tolist()
+        model.generate(p, 1, stop_tokens=[])
+        out[f"ttft_ms_{L}"] = 1e3 * statistics.median(model.generate(p, 1, stop_tokens=[]).ttft_s
+                                                      for _ in range(args.reps))
+    for B in (1, 8):
+        p = prompts(B, 128, model.vocab).tolist()
+        model.generate(p, args.new_tokens, stop_tokens=[])  # graphs captured here
+        runs = [model.generate(p, args.new_tokens, stop_tokens=[]) for _ in range(args.reps)]
+        out[f"ms_per_token_b{B}"] = 1e3 * statistics.median(r.decode_s / (args.new_tokens - 1) for r in runs)
+        out[f"decode_path_b{B}"] = runs[0].decode_choice.variant or "unfused"
+    out["memory"] = model.memory()
+    return out
+
+
+def bench_hf(model, args) -> dict:
+    """TTFT and ms/token of transformers generate (greedy)."""
+    out = {}
+    kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=0)
+    for L in (128, 2048):
+        ids = prompts(1, L, model.config.vocab_size).cuda()
+        f = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, **kw)  # noqa: E731
+        f()
+        out[f"ttft_ms_{L}"] = 1e3 * _median(f, args.reps)
+    for B in (1, 8):
+        ids = prompts(B, 128, model.config.vocab_size).cuda()
+        mask = torch.ones_like(ids)
+        g1 = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **kw)  # noqa: E731
+        gn = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,  # noqa: E731
+                                    min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        gn()
+        t1, tn = _median(g1, args.reps), _median(gn, args.reps)
+        out[f"ms_per_token_b{B}"] = 1e3 * (tn - t1) / (args.new_tokens - 1)
+    return out
+
+
+def agreement(served, ref_fp32, n_new: int) -> dict:
+    """Greedy tokens of `served` against transformers fp32 (tokens equal before the first divergence, of n_new)
+    and logits rel. error, teacher-forced on our tokens."""
+    ids = prompts(1, 32, served.vocab, seed=5)
+    got = served.generate(ids.tolist(), n_new, stop_tokens=[], output_logits=True)
+    with torch.no_grad():
+        ref_tokens = ref_fp32.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
+                                       min_new_tokens=n_new, do_sample=False, pad_token_id=0)[0, 32:].tolist()
+        seq = torch.tensor([ids[0].tolist() + got.tokens[0][:-1]], device="cuda")
+        ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
+    ours = torch.stack([lg[0] for lg in got.logits]).float()
+    same = next((i for i, (a, b) in enumerate(zip(got.tokens[0], ref_tokens)) if a != b), n_new)
+    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
+            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
+            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b", help="checkpoint directory (made if absent)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip", action="append", default=[], help="provider to skip: served, unfused, hf, hf-compile")
+    ap.add_argument("--out", default=None, help="JSON file [$OUT/e2e.json, else bench/results/e2e.json]")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench/e2e.py needs a CUDA GPU")
+    import transformers as T
+
+    from generator import serve
+    ckpt = make_checkpoint(Path(args.ckpt))
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": T.__version__,
+           "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {}}
+    names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
+    if "served" not in args.skip:
+        m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=names)
+        res["providers"]["served (fused, graph)"] = bench_served(m, args)
+        res["agreement_fused_bf16_vs_hf_fp32"] = None
+        ref32 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
+        res["agreement_fused_bf16_vs_hf_fp32"] = agreement(m, ref32, 32)
+        del m
+        m32 = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=256, dtype=torch.float32)
+        res["agreement_unfused_fp32_vs_hf_fp32"] = agreement(m32, ref32, 32)
+        del m32, ref32
+        torch.cuda.empty_cache()
+    if "unfused" not in args.skip:
+        m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=args.seq_len, max_batch=8)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", serve.MissingVariantWarning)
+            res["providers"]["unfused layers (graph)"] = bench_served(m, args)
+        del m
+        torch.cuda.empty_cache()
+    if "hf" not in args.skip:
+        hfm = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        res["providers"]["transformers eager"] = bench_hf(hfm, args)
+        if "hf-compile" not in args.skip:
+            hfm.generation_config.cache_implementation = "static"
+            hfm.forward = torch.compile(hfm.forward, mode="reduce-overhead", fullgraph=True)
+            res["providers"]["transformers static + compile"] = bench_hf(hfm, args)
+        del hfm
+    cols = ("ttft_ms_128", "ttft_ms_2048", "ms_per_token_b1", "ms_per_token_b8")
+    print(f"{'provider':32} " + " ".join(f"{c:>16}" for c in cols))
+    for name, r in res["providers"].items():
+        print(f"{name:32} " + " ".join(f"{r.get(c, float('nan')):16.3f}" for c in cols))
+    for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32"):
+        if res.get(k):
+            print(f"{k}: {res[k]}")
+    out = Path(args.out) if args.out else Path(os.environ["OUT"]) / "e2e.json" if os.environ.get("OUT") else \
+        Path("bench/results/e2e.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,766 @@
+"""A whole model served end to end: dispatch over the declared variants, a decode step in a CUDA graph, generate().
+
+    Model.from_hf(path, build_dir=..., variants=...)   checkpoint + built variants -> a servable model
+    model.generate(prompts, max_new_tokens, ...)       batched prompts of any lengths, greedy or sampled, streamed
+    model.stats(), model.memory(), model.paths()       what served which call, and where the GPU memory went
+
+Dispatch (pure functions below, testable without a GPU): a decode step of B live sequences runs the fused variant of
+the smallest declared batch >= B (the rest padded), else the unfused PyTorch layer (generator.unfused) at batch B,
+warning once per missing shape with the variants.yaml entry that would cover it. A prompt is split into the declared
+prefill chunk lengths (largest first, per the measured route of generator.routes); what no fused chunk covers runs
+unfused. Every path shares one copy of each layer's packed weights and one KV cache per layer
+([max_batch, kv_heads, cache_len, head_dim]; a variant of batch b uses the first b sequences).
+
+The whole decode step (embedding, every layer, final norm, lm_head, next-token choice, feeding the token back and
+advancing the positions) is one CUDA graph per (path, batch, greedy/sampled), replayed with no host work; every
+check happens before. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
+so a seed gives the same tokens with or without graphs, at any padding, on any path that gives the same logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from . import reference
+from .unfused import UnfusedLayer
+from .variants import Model as ModelShape, Variant
+
+GiB = 1 << 30
+
+
+class ServeError(ValueError):
+    """A request or configuration the model cannot serve: one line saying what and why."""
+
+
+class MissingVariantWarning(UserWarning):
+    """A call ran on the unfused path because no built variant covers its shape; the message holds the
+    variants.yaml entry that would."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch: pure functions
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """How one call is served: path "fused" | "unfused" | "fused-decode" (prompt tokens one at a time through the
+    fused decode variant: only where the unfused layers are not loaded), the variant (None for unfused), the
+    batch it runs at (>= the live batch: the rest is padding), why, and `missing`: the (mode, batch, seq_len) of
+    the variant that would have served it fused, where none was declared."""
+    path: str
+    variant: str | None
+    batch: int
+    why: str
+    missing: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A run of prompt positions [start, start + length) served by one Choice (length = the chunk for fused)."""
+    start: int
+    length: int
+    choice: Choice
+
+
+def decode_choice(live: int, decode_variants: dict[int, str], routes: dict[str, str], seq_len: int,
+                  unfused: bool = True) -> Choice:
+    """The variant serving a decode step of `live` sequences: the smallest declared batch >= live whose route is
+    fused (padding the rest), else the unfused layer at batch `live`. decode_variants {batch: name}, routes
+    {name: "fused"|"unfused"} (missing: fused). ServeError when nothing can serve it (unfused=False)."""
+    if live < 1:
+        raise ServeError(f"batch: at least one sequence, got {live}")
+    fits = sorted(b for b in decode_variants if b >= live)
+    for b in fits:
+        name = decode_variants[b]
+        if routes.get(name, "fused") == "fused":
+            why = "declared" if b == live else f"declared; {b - live} padding sequence(s)"
+            return Choice("fused", name, b, why)
+    missing = None if fits else ("decode", live, seq_len)
+    why = (f"route of {decode_variants[fits[0]]} is unfused" if fits else
+           f"no declared decode variant of batch >= {live}")
+    if not unfused:
+        raise ServeError(f"decode of batch {live}: {why}, and the unfused layers are not loaded (unfused=False)")
+    return Choice("unfused", None, live, why, missing)
+
+
+def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int], str], routes: dict[str, str],
+                 *, max_unfused: int = 2048, decode: Choice | None = None, unfused: bool = True) -> list[Piece]:
+    """Split a prompt span [0, length) of `live` sequences into pieces. At each point the largest declared chunk
+    that fits in what is left and has a variant of batch >= live routed fused is taken (the smallest such batch);
+    positions no fused chunk covers are merged into unfused pieces of at most `max_unfused` tokens. prefill_variants
+    {(batch, chunk): name}. Without unfused layers (unfused=False) those positions go one token at a time through
+    the fused decode Choice `decode` ("fused-decode"). Each unfused piece names in `missing` the prefill variant
+    that would cover it: (\"prefill\", live, largest power of two <= its length, capped at 2048)."""
+    if length < 1:
+        raise ServeError(f"prompt: at least one token, got {length}")
+    chunks = {}
+    for (b, c), name in prefill_variants.items():
+        if b >= live and routes.get(name, "fused") == "fused" and (c not in chunks or b < chunks[c][0]):
+            chunks[c] = (b, name)
+    pieces: list[Piece] = []
+    s = 0
+    while s < length:
+        left = length - s
+        fit = [c for c in chunks if c <= left]
+        if fit:
+            c = max(fit)
+            b, name = chunks[c]
+            pieces.append(Piece(s, c, Choice("fused", name, b, "declared" if b == live else
+                                             f"declared; {b - live} padding sequence(s)")))
+            s += c
+            continue
+        # no fused chunk fits in what is left (chunks only get harder to fit): the rest is unfused
+        n = min(left, max_unfused)
+        if unfused:
+            want = min(2048, 1 << (n.bit_length() - 1))
+            why = "no declared prefill variant" if not prefill_variants else \
+                f"no fused prefill chunk <= {left} of batch >= {live}"
+            ch = Choice("unfused", None, live, why, ("prefill", live, want))
+        else:
+            if decode is None or decode.path != "fused":
+                raise ServeError(f"prefill of batch {live}: no fused prefill or decode variant serves it and the "
+                                 "unfused layers are not loaded (unfused=False)")
+            ch = Choice("fused-decode", decode.variant, decode.batch, "no unfused layers: token by token")
+        if pieces and pieces[-1].choice == ch and pieces[-1].length + n <= max_unfused:
+            last = pieces.pop()
+            pieces.append(Piece(last.start, last.length + n, ch))
+        else:
+            pieces.append(Piece(s, n, ch))
+        s += n
+    return pieces
+
+
+def common_seq_len(variants: Iterable[Variant]) -> int | None:
+    """The one seq_len (= cache rows per sequence) of the decode variants used together; None if there are none.
+    ServeError (one line) when they mix seq_lens: one KV cache per layer serves them all."""
+    lens = {}
+    for v in variants:
+        if v.mode == "decode":
+            lens.setdefault(v.seq_len, v.name)
+    if len(lens) > 1:
+        raise ServeError("decode variants mix seq_len " + ", ".join(f"{s} ({n})" for s, n in sorted(lens.items()))
+                         + ": one KV cache per layer serves all of them, so they must have one seq_len (pick them "
+                         "with variants=[...])")
+    return next(iter(lens), None)
+
+
+def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) -> None:
+    """ServeError unless every sequence's prompt and new tokens fit the cache: the last token fed is at position
+    len + max_new_tokens - 2, the longest prompt's last row must be < cache_len."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ServeError(f"max_new_tokens: a positive integer, got {max_new_tokens!r}")
+    need = max(prompt_lens) + max_new_tokens - 1
+    if need > cache_len:
+        raise ServeError(f"max_new_tokens: the longest prompt ({max(prompt_lens)} tokens) + {max_new_tokens} new "
+                         f"tokens need {need} cache rows, over the cache capacity {cache_len} (at most "
+                         f"{cache_len - max(prompt_lens) + 1} new tokens; or a larger cache_len / seq_len)")
+
+
+def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int) -> str:
+    """variants.yaml text that declares variant (mode, batch, seq_len) of a model: the model's entry (from
+    generator.hf.variant_entry_yaml) with its own `matrix:` line."""
+    return entry_yaml.rstrip("\n") + f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]}}\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# next-token choice: on the device, graph-capturable, reproducible from a seed
+# ---------------------------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (int64 tensors holding values in [0, 2^32); constants < 2^31: no int64 overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u [B, vocab] float32 in (0, 1), a function of (seed[b], step[b], token id) only. seed, step: int64 [B]."""
+    h = _mix32(_mix32(seed & _M32) ^ (step & _M32))
+    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = _mix32((h[:, None] + idx[None, :] * 0x9E3779B1) & _M32)
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Next tokens [B] int64 from logits [B, vocab] float32. Per sequence: temperature float32 [B] (0: greedy,
+    argmax), top_k int64 [B] (<= 0: off), top_p float32 [B] (1: off), seed int64 [B], step int64 [B] (the position
+    the token will take). As transformers' warpers in order (temperature, top-k, top-p: the smallest set of tokens
+    whose probability reaches top_p, at least one), then an exact draw by the Gumbel-max trick with noise from
+    uniform_noise: no host sync, no RNG state, capturable in a CUDA graph."""
+    V = logits.shape[-1]
+    greedy = logits.argmax(-1)
+    scaled, order = (logits / temperature.clamp_min(1e-6)[:, None]).sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    in_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    scaled = scaled.masked_fill(~in_k, float("-inf"))
+    probs = scaled.softmax(-1)
+    keep = in_k & ((probs.cumsum(-1) - probs) < top_p[:, None])
+    keep[:, 0] = True
+    g = -torch.log(-torch.log(uniform_noise(seed, step, V)))
+    score = torch.where(keep, scaled + g.gather(-1, order), torch.full_like(scaled, float("-inf")))
+    pick = order.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
+    return torch.where(temperature > 0, pick, greedy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------------------------
+
+def layer_weight_bytes(m: ModelShape, elt: int) -> int:
+    """Bytes of one layer's weights at `elt` bytes per element (packed or merged: the same count)."""
+    total = 0
+    for shape in reference.weight_shapes(m).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total * elt
+
+
+def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: int, cache_len: int,
+                fused: bool, unfused: bool, workspace_bytes: int) -> dict[str, int]:
+    """Bytes the model will hold on the GPU, before anything is loaded: weights (fused packed, unfused merged),
+    embedding + lm_head, KV caches (2 x layers x [max_batch, kv_heads, cache_len, head_dim]), the fused layers'
+    workspaces (workspace_bytes: sum over the variants of one layer's), and a margin for loading (one layer's
+    weights twice), logits and graphs."""
+    per_layer = layer_weight_bytes(m, elt)
+    out = {
+        "weights_fused": per_layer * m.layers if fused else 0,
+        "weights_unfused": per_layer * m.layers if unfused else 0,
+        "embed_lm_head": vocab * m.hidden * elt * (1 if tied else 2) + m.hidden * 4,
+        "kv_caches": 2 * m.layers * max_batch * m.kv_heads * cache_len * m.head_dim * elt,
+        "workspaces": workspace_bytes * m.layers,
+        "margin": 2 * per_layer + 8 * max_batch * vocab * 4 + 64 * (1 << 20),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def check_fits(plan: dict[str, int], free: int, total: int, what: str) -> None:
+    """ServeError (one line) when plan["total"] bytes exceed `free` bytes of the device."""
+    if plan["total"] > free:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.items() if k != "total" and v)
+        raise ServeError(f"{what}: needs {plan['total'] / GiB:.2f} GiB on the GPU ({parts} GiB) but only "
+                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: lower max_batch or cache_len, or "
+                         "load fewer variants / unfused=False")
+
+
+def checkpoint_bytes(files: Iterable[Path]) -> int:
+    """Size on disk of a checkpoint's safetensors files."""
+    return sum(Path(f).stat().st_size for f in set(files))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Generation:
+    """What generate() returns. tokens: the new tokens of each sequence (stop token included, nothing after it);
+    sequences: prompt + new tokens; ttft_s: seconds from the call to the first tokens (prefill); decode_s: seconds
+    of the decode loop; tokens_per_s: new tokens of live sequences per second of decode; paths: the Choice of the
+    decode step and of each prefill piece; logits: per step [B, vocab] float32 (output_logits=True; step 0 is the
+    prefill's)."""
+    tokens: list[list[int]]
+    sequences: list[list[int]]
+    ttft_s: float
+    decode_s: float
+    tokens_per_s: float
+    decode_choice: Choice
+    prefill_pieces: list[Piece]
+    logits: list[torch.Tensor] | None = None
+
+
+_COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
+             "rope_scaling", "activation", "qkv_bias", "qk_norm")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _same_shape(a: ModelShape, b: ModelShape) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in _COMPARED)
+
+
+class Model:
+    """A checkpoint served on the declared variants that fit it, with the unfused layer for the rest.
+
+    Attributes: shape (the layer's generator.variants.Model), dtype, device, vocab, cache_len, max_batch,
+    decode_variants {batch: name}, prefill_variants {(batch, chunk): name}, routes {name: "fused"|"unfused"},
+    fused {variant name: [FusedDecoderLayer per layer]}, unfused [UnfusedLayer per layer] or None, k_caches/v_caches
+    (one [max_batch, kv_heads, cache_len, head_dim] pair per layer), use_graphs (CUDA graphs for decode on a GPU).
+    Build with Model.from_hf.
+    """
+
+    def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
+                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=()):
+        self.shape = shape
+        self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
+        self.dtype, self.device = embed.dtype, embed.device
+        self.vocab = embed.shape[0]
+        self.fused, self.unfused = fused, unfused
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.max_batch = k_caches[0].shape[0] if k_caches else 1
+        self.cache_len = cache_len
+        self.routes, self.route_why = routes, route_why
+        self.decode_variants = {ls[0].variant.batch: n for n, ls in fused.items() if ls[0].variant.mode == "decode"}
+        self.prefill_variants = {(ls[0].variant.batch, ls[0].variant.seq_len): n for n, ls in fused.items()
+                                 if ls[0].variant.mode == "prefill"}
+        self.entry_yaml = entry_yaml
+        self.checkpoint_bytes = checkpoint_bytes
+        self.eos = tuple(eos)
+        self.use_graphs = self.device.type == "cuda"
+        self.max_unfused_chunk = 2048
+        self._warned: set = set()
+        self._counters: dict[tuple, dict] = {}
+        self._graphs: dict[tuple, tuple] = {}
+        self._bufs: dict[tuple, dict] = {}
+        self._graph_bytes = 0
+
+    # -- construction --
+    @classmethod
+    def from_hf(cls, path, *, build_dir="build", variants: Iterable[str] | None = None, device="cuda",
+                max_batch: int | None = None, cache_len: int | None = None, dtype: torch.dtype | None = None,
+                unfused: bool = True, gpu_name: str | None = None, routes_dir=None) -> "Model":
+        """Load a checkpoint directory (safetensors + config.json) for serving.
+
+        variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
+        layer: LoadError / HFConfigError); None: every variant of build_dir's manifest that computes it (none is
+        fine: everything runs unfused). Decode variants must share one seq_len, the cache length (ServeError);
+        cache_len (rows per sequence) is needed only when no decode variant is used. max_batch: sequences the caches
+        hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
+        variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
+        second copy of the weights: then every call must have a fused variant. On a GPU, the planned memory is
+        checked against torch.cuda.mem_get_info before any tensor is read (ServeError, one line). gpu_name and
+        routes_dir select the measured routes (generator.routes; default: this GPU's)."""
+        from . import loader, manifest, routes as groutes
+        from .hf import model as hfm
+        from .hf.checkpoint import _Checkpoint
+        from .hf.config import check_window
+        from .hf.yaml_edit import variant_entry_yaml
+
+        ck = _Checkpoint(path)
+        for i in range(ck.model.layers):
+            ck.check_layer(i)
+        head = hfm._head_names(ck)
+        shape = ck.model
+        dev = torch.device(device)
+        # the variants
+        if variants is None:
+            entries = manifest.read_manifest(Path(build_dir))["variants"]
+            chosen = sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape))
+        else:
+            if isinstance(variants, str):
+                raise ServeError("variants: a list of variant names, got a single string")
+            chosen = list(variants)
+        vs = []
+        for name in chosen:
+            v = hfm._built_variant(name, build_dir)
+            hfm._check_variant(ck, v, list(range(shape.layers)))
+            vs.append(v)
+        dts = {v.model.dtype for v in vs}
+        if len(dts) > 1:
+            raise ServeError(f"variants: mix dtypes {', '.join(sorted(dts))}: one copy of the weights serves all of "
+                             "them, so they must share one dtype")
+        if vs:
+            vdtype = reference.TORCH_DTYPES[dts.pop()]
+            if dtype is not None and dtype != vdtype:
+                raise ServeError(f"dtype: {dtype} but the variants are {vdtype}")
+            dtype = vdtype
+        elif dtype is None:
+            dtype = reference.TORCH_DTYPES[shape.dtype]
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ServeError(f"dtype: bf16, fp16 or fp32, got {dtype}")
+        seq = common_seq_len(vs)
+        if seq is not None and cache_len not in (None, seq):
+            raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
+        cache_len = seq if seq is not None else cache_len
+        if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 2:
+            raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
+                             f"sequence, >= 2), got {cache_len!r}")
+        check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers)
+        batches = [v.batch for v in vs]
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
+                                      or max_batch < 1):
+            raise ServeError(f"max_batch: a positive integer, got {max_batch!r}")
+        max_batch = max([max_batch or 1] + batches)
+        if not unfused and not any(v.mode == "decode" for v in vs):
+            raise ServeError("unfused=False: no decode variant is used, so nothing could serve a decode step")
+        # memory, before any tensor is read
+        elt = torch.finfo(dtype).bits // 8
+        ws = sum(manifest.read_manifest(Path(build_dir))["variants"][v.name]["plan"]["workspace"]["bytes"]
+                 for v in vs)
+        plan = plan_memory(shape, vocab=head["vocab"], tied=head["tie"] and not head["both"], elt=elt,
+                           max_batch=max_batch, cache_len=cache_len, fused=bool(vs), unfused=unfused,
+                           workspace_bytes=ws)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info(dev)
+            check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}")
+        if vs and dev.type != "cuda":
+            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
+        gpu = gpu_name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available()
+                           else "cpu")
+        routes, why = {}, {}
+        for v in vs:
+            routes[v.name], why[v.name] = groutes.route(v.name, gpu, routes_dir)
+        # load: one packed copy per layer, one cache pair per layer, shared by every variant
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        fused: dict[str, list] = {v.name: [] for v in vs}
+        unf, kcs, vcs = ([] if unfused else None), [], []
+        for i in range(shape.layers):
+            names = ck.check_layer(i)
+            W = {short: ck.get(full).to(device=dev, dtype=dtype) for short, full in names.items()}
+            k = torch.zeros(max_batch, shape.kv_heads, cache_len, shape.head_dim, dtype=dtype, device=dev)
+            vv = torch.zeros_like(k)
+            kcs.append(k)
+            vcs.append(vv)
+            packed = None
+            for v in vs:
+                layer = loader.load(v.name, W if packed is None else None, build_dir=build_dir, device=dev,
+                                    packed=packed, caches=(k, vv), cache_len=cache_len)
+                packed = layer.packed
+                fused[v.name].append(layer)
+            if unf is not None:
+                unf.append(UnfusedLayer(W, shape, k, vv))
+            del W
+        embed, norm_w, lm_head = hfm._read_head(ck, head, dtype, dev)
+        eos = ck.cfg.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        try:
+            entry = variant_entry_yaml(ck.cfg_path, name=vs[0].model.name if vs else None)
+        except Exception:  # noqa: BLE001 - the hint is best effort; the model itself loaded
+            entry = f"  # `megakernel from-hf {ck.dir}` prints this model's entry\n"
+        return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
+                   unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
+                   entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos)
+
+    # -- reports --
+    def stats(self) -> list[dict]:
+        """One row per (mode, path, variant) that served calls: calls, tokens (of live sequences), padded_tokens
+        (of padding sequences, fused only)."""
+        return [{"mode": k[0], "path": k[1], "variant": k[2], **c} for k, c in sorted(self._counters.items(),
+                                                                                     key=str)]
+
+    def reset_stats(self) -> None:
+        self._counters.clear()
+
+    def _count(self, mode: str, ch: Choice, live: int, tokens_per_seq: int = 1) -> None:
+        c = self._counters.setdefault((mode, ch.path, ch.variant or f"unfused b{ch.batch}"),
+                                      {"calls": 0, "tokens": 0, "padded_tokens": 0})
+        c["calls"] += 1
+        c["tokens"] += live * tokens_per_seq
+        c["padded_tokens"] += (ch.batch - live) * tokens_per_seq
+
+    def paths(self, batch: int = 1, prompt_len: int = 1) -> dict:
+        """Which path would serve each layer for a request of `batch` sequences and a `prompt_len` prompt:
+        {"decode": Choice, "prefill": [Piece], "layers": [{"layer": i, "decode": path/variant, "prefill": ...}]}.
+        Every layer has the same shape, so every layer takes the same path."""
+        d = decode_choice(batch, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
+        p = prefill_plan(prompt_len, batch, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
+                         decode=d, unfused=self.unfused is not None)
+        desc = lambda ch: ch.variant or f"unfused b{ch.batch}"  # noqa: E731
+        pre = ", ".join(sorted({desc(x.choice) for x in p}))
+        return {"decode": d, "prefill": p,
+                "layers": [{"layer": i, "decode": desc(d), "prefill": pre} for i in range(self.shape.layers)]}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held on the model's device: weights_fused (one packed copy per layer), weights_unfused, embed_lm_head,
+        kv_caches, workspaces (every fused layer's), graphs (pool growth measured around each capture), total; and
+        checkpoint_bytes (the safetensors files on disk) for comparison."""
+        def nbytes(t):
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        seen, fused_w, ws = set(), 0, 0
+        for layers in self.fused.values():
+            for layer in layers:
+                if id(layer.packed) not in seen:
+                    seen.add(id(layer.packed))
+                    fused_w += sum(nbytes(t) for t in layer.packed.values())
+                ws += layer.workspace.numel()
+        head = nbytes(self.embed) + (0 if self.lm_head is self.embed else nbytes(self.lm_head)) + \
+            nbytes(self.norm_weight)
+        out = {"weights_fused": fused_w, "weights_unfused": sum(u.weight_bytes for u in self.unfused or []),
+               "embed_lm_head": head, "kv_caches": sum(nbytes(k) + nbytes(v) for k, v in zip(self.k_caches,
+                                                                                            self.v_caches)),
+               "workspaces": ws, "graphs": self._graph_bytes}
+        out["total"] = sum(out.values())
+        out["checkpoint_bytes"] = self.checkpoint_bytes
+        return out
+
+    def _warn_missing(self, ch: Choice) -> None:
+        if ch.missing is None or ch.missing in self._warned:
+            return
+        self._warned.add(ch.missing)
+        mode, b, s = ch.missing
+        what = f"batch {b}" if mode == "decode" else f"batch {b}, chunks of {s}"
+        warnings.warn(MissingVariantWarning(
+            f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
+            f"to serve it fused, declare in variants.yaml under `models:` and `megakernel build`:\n"
+            + missing_entry(self.entry_yaml, mode, b, s)), stacklevel=4)
+
+    # -- the pieces of a step --
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm (layernorm for a layernorm shape) as transformers computes it, then lm_head -> fp32."""
+        xf = x.float()
+        if self.shape.norm == "layernorm":
+            h = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), self.norm_weight.float(), None,
+                                               self.shape.norm_eps).to(x.dtype)
+        else:
+            h = self.norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.norm_eps)
+                                    ).to(x.dtype)
+        return (h @ self.lm_head.T).float()
+
+    def _layers_decode(self, x: torch.Tensor, pos: torch.Tensor, ch: Choice) -> torch.Tensor:
+        if ch.path == "unfused":
+            for u in self.unfused:
+                x = u.decode(x, pos)
+        else:
+            for layer in self.fused[ch.variant]:
+                x = layer(x, pos, validate=False)
+        return x
+
+    def _buffers(self, ch: Choice) -> dict:
+        key = (ch.path, ch.variant, ch.batch)
+        if key not in self._bufs:
+            B, dev = ch.batch, self.device
+            self._bufs[key] = {
+                "tok": torch.zeros(B, dtype=torch.long, device=dev), "pos": torch.zeros(B, dtype=torch.int32,
+                                                                                        device=dev),
+                "temp": torch.zeros(B, device=dev), "topk": torch.zeros(B, dtype=torch.long, device=dev),
+                "topp": torch.ones(B, device=dev), "seed": torch.zeros(B, dtype=torch.long, device=dev),
+                "out": torch.zeros(B, dtype=torch.long, device=dev),
+                "logits": torch.zeros(B, self.vocab, device=dev)}
+        return self._bufs[key]
+
+    def _compute(self, ch: Choice, bufs: dict, sampled: bool) -> None:
+        """tok, pos -> logits, out (the next tokens); writes cache row pos of every sequence (idempotent)."""
+        x = self._layers_decode(self.embed[bufs["tok"]], bufs["pos"], ch)
+        logits = self._logits(x)
+        bufs["logits"].copy_(logits)
+        if sampled:
+            nxt = sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
+                                bufs["pos"].long() + 1)
+        else:
+            nxt = logits.argmax(-1)
+        bufs["out"].copy_(nxt)
+
+    @staticmethod
+    def _advance(bufs: dict) -> None:
+        bufs["tok"].copy_(bufs["out"])
+        bufs["pos"].add_(1)
+
+    def _step(self, ch: Choice, bufs: dict, sampled: bool) -> None:
+        """One decode step from the static buffers: replay of the captured graph (captured at the first call of
+        this (path, batch, sampled), after one eager warm-up step that computes the same values), or eagerly."""
+        if not (self.use_graphs and self.device.type == "cuda"):
+            self._compute(ch, bufs, sampled)
+            self._advance(bufs)
+            return
+        key = (ch.path, ch.variant, ch.batch, sampled)
+        g = self._graphs.get(key)
+        if g is None:
+            before = torch.cuda.memory_reserved(self.device)
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                self._compute(ch, bufs, sampled)  # warm-up: the same step (it rewrites the same cache rows)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._compute(ch, bufs, sampled)
+                self._advance(bufs)
+            self._graphs[key] = g
+            self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        g.replay()
+
+    def _prefill(self, tok: torch.Tensor, lens: list[int], pieces: list[Piece]) -> torch.Tensor:
+        """Prompts tok [B, T] (padded past each length) through every layer, piece by piece, in lockstep; -> the
+        hidden state [B, hidden] at each sequence's last prompt position. Padding positions write cache rows past a
+        sequence's length, which its decode steps overwrite before reading."""
+        B, T = tok.shape
+        H = self.shape.hidden
+        last = torch.empty(B, H, dtype=self.dtype, device=self.device)
+        for pc in pieces:
+            ch, s, C = pc.choice, pc.start, pc.length
+            self._count("prefill", ch, B, C)
+            if ch.path == "fused-decode":
+                ids = torch.zeros(ch.batch, dtype=torch.long, device=self.device)
+                pos = torch.full((ch.batch,), 0, dtype=torch.int32, device=self.device)
+                outs = []
+                for t in range(s, s + C):
+                    ids[:B] = tok[:, t]
+                    pos.fill_(t)
+                    outs.append(self._layers_decode(self.embed[ids], pos, ch)[:B])
+                h = torch.stack(outs, dim=1)
+            else:
+                ids = torch.zeros(ch.batch, C, dtype=torch.long, device=self.device)
+                ids[:B] = tok[:, s:s + C]
+                x = self.embed[ids]
+                start = torch.full((ch.batch,), s, dtype=torch.int32, device=self.device)
+                if ch.path == "unfused":
+                    for u in self.unfused:
+                        x = u.prefill(x, start, kv_len=s + C)
+                else:
+                    for layer in self.fused[ch.variant]:
+                        x = layer.prefill(x, start, validate=False)
+                h = x[:B]
+            for b, n in enumerate(lens):
+                if s <= n - 1 < s + C:
+                    last[b] = h[b, n - 1 - s]
+        return last
+
+    # -- generate --
+    def _check_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or prompts.dtype.is_floating_point:
+                raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] or a list of token-id lists, got "
+                                 f"{prompts.dtype} {tuple(prompts.shape)}")
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ServeError("prompts: a non-empty list of token-id lists (one per sequence)")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            prompts = [list(prompts)]  # one sequence given as a flat list
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)) or not p:
+                raise ServeError(f"prompts[{i}]: a non-empty list of token ids, got {p!r:.60}")
+            for t in p:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab:
+                    raise ServeError(f"prompts[{i}]: token ids must be integers in [0, {self.vocab - 1}], got {t!r}")
+            out.append(list(p))
+        if len(out) > self.max_batch:
+            raise ServeError(f"prompts: {len(out)} sequences, but the caches hold max_batch = {self.max_batch} "
+                             "(Model.from_hf(max_batch=...))")
+        return out
+
+    @torch.no_grad()
+    def stream(self, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | None = None,
+               output_logits: bool = False, _result: list | None = None) -> Iterator[tuple[int, int]]:
+        """generate() as an iterator of (sequence index, token id), in order as they are produced (a step's tokens
+        are read while the next step runs on the GPU). Arguments as generate()."""
+        prompts = self._check_prompts(prompts)
+        B = len(prompts)
+        lens = [len(p) for p in prompts]
+        check_length(lens, max_new_tokens, self.cache_len)
+        rules = (("temperature", temperature, "a number >= 0 (0: greedy)",
+                  _num(temperature) and temperature >= 0),
+                 ("top_k", top_k, "an integer >= 0 (0: off)", _int(top_k) and top_k >= 0),
+                 ("top_p", top_p, "a number in (0, 1] (1: off)", _num(top_p) and 0 < top_p <= 1),
+                 ("seed", seed, "an integer", _int(seed)))
+        for nm, val, rule, ok in rules:
+            if not ok:
+                raise ServeError(f"{nm}: {rule}, got {val!r}")
+        stops = set(self.eos if stop_tokens is None else stop_tokens)
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ServeError(f"stop_tokens: integer token ids, got {t!r}")
+        sampled = temperature > 0
+        dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
+        pieces = prefill_plan(max(lens), B, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
+                              decode=dch, unfused=self.unfused is not None)
+        for pc in pieces:
+            self._warn_missing(pc.choice)
+        if max_new_tokens > 1:
+            self._warn_missing(dch)
+        dev = self.device
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
+        t0 = time.perf_counter()
+        bufs = self._buffers(dch)
+        V = dch.batch
+        pad = V - B
+        bufs["temp"].copy_(torch.tensor([float(temperature)] * V))
+        bufs["topk"].copy_(torch.tensor([int(top_k)] * V))
+        bufs["topp"].copy_(torch.tensor([float(top_p)] * V))
+        bufs["seed"].copy_(torch.tensor([int(seed) + 7919 * b for b in range(B)] + [0] * pad))
+        T = max(lens)
+        tok = torch.tensor([p + [0] * (T - len(p)) for p in prompts], dtype=torch.long).to(dev)
+        last = self._prefill(tok, lens, pieces)
+        logits = self._logits(last)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        first = sample_tokens(logits, bufs["temp"][:B], bufs["topk"][:B], bufs["topp"][:B], bufs["seed"][:B],
+                              lens_t) if sampled else logits.argmax(-1)
+        all_logits = [logits.clone()] if output_logits else None
+        bufs["tok"].copy_(torch.cat([first, first.new_zeros(pad)]))
+        bufs["pos"].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32))
+        first_host = first.tolist()
+        sync()
+        ttft = time.perf_counter() - t0
+        new: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+
+        def deliver(row):
+            for b in range(B):
+                if not done[b]:
+                    new[b].append(row[b])
+                    done[b] = row[b] in stops
+                    yield b, row[b]
+        yield from deliver(first_host)
+        t1 = time.perf_counter()
+        n = max_new_tokens - 1
+        pinned = dev.type == "cuda"
+        host = torch.empty(max(n, 1), V, dtype=torch.long, pin_memory=pinned)
+        events = []
+        steps = 0
+        for i in range(n):
+            if all(done):
+                break
+            self._step(dch, bufs, sampled)
+            steps += 1
+            self._count("decode", dch, B)
+            host[i].copy_(bufs["tok"], non_blocking=pinned)
+            if output_logits:
+                all_logits.append(bufs["logits"][:B].clone())
+            if pinned:
+                ev = torch.cuda.Event()
+                ev.record()
+                events.append(ev)
+            if i >= 1:  # the previous step's tokens, read while this one runs
+                if pinned:
+                    events[i - 1].synchronize()
+                yield from deliver(host[i - 1].tolist())
+        if steps:  # the last step's tokens (nothing new where every sequence had stopped)
+            sync()
+            yield from deliver(host[steps - 1].tolist())
+        decode_s = time.perf_counter() - t1
+        gen_tokens = sum(len(x) for x in new) - B
+        if _result is not None:
+            _result.append(Generation(
+                tokens=new, sequences=[p + x for p, x in zip(prompts, new)], ttft_s=ttft, decode_s=decode_s,
+                tokens_per_s=gen_tokens / decode_s if decode_s > 0 else 0.0, decode_choice=dch,
+                prefill_pieces=pieces, logits=all_logits))
+
+    def generate(self, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | None = None,
+                 callback: Callable[[int, int], None] | None = None, output_logits: bool = False) -> Generation:
+        """Generate up to max_new_tokens tokens for each prompt.
+
+        prompts: a list of token-id lists of any lengths (or one flat list, or a 2-d int tensor), at most max_batch
+        of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
+        (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0: greedy; > 0:
+        sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses seed + 7919 b).
+        stop_tokens: a sequence ends after producing one (default: the config's eos_token_id). callback(seq, token)
+        is called for every token as it arrives (stream() is the iterator form). Returns a Generation. ServeError
+        (one line) for a bad argument or when the longest prompt + max_new_tokens - 1 exceeds cache_len."""
+        res: list = []
+        for b, t in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop_tokens=stop_tokens, output_logits=output_logits, _result=res):
+            if callback is not None:
+                callback(b, t)
+        return res[0]

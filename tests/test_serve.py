@@ -1,0 +1,406 @@
+"""generator.serve and generator.unfused: dispatch and padding choices, the fallback warning, sampling, generate on
+the CPU (unfused path) against transformers; on a GPU (marked gpu): padded == unpadded, graph == eager, seeded
+sampling reproducible, unfused numerics against the reference, fused against unfused."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from generator import reference, serve
+from generator.serve import Choice, ServeError, decode_choice, prefill_plan
+from generator.unfused import UnfusedLayer
+from generator.variants import Model as Shape, Variant
+from hf_util import randomize, rope_kwargs
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = Shape(name="t", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2, norm="rmsnorm",
+              norm_eps=1e-5, rope_theta=10000.0, activation="silu", qkv_bias=True, qk_norm=True, dtype="bf16")
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dispatch: pure functions
+# ------------------------------------------------------------------------------------------------------------
+
+DEC = {1: "m_decode_b1_s64_bf16", 4: "m_decode_b4_s64_bf16", 8: "m_decode_b8_s64_bf16"}
+
+
+@pytest.mark.parametrize("live,batch", [(1, 1), (2, 4), (3, 4), (4, 4), (5, 8), (8, 8)])
+def test_decode_picks_the_smallest_declared_batch_that_fits(live, batch):
+    ch = decode_choice(live, DEC, {}, 64)
+    assert ch == Choice("fused", DEC[batch], batch, ch.why) and ch.missing is None
+    assert ("padding" in ch.why) == (batch > live)
+
+
+def test_decode_falls_back_to_unfused_at_the_live_batch():
+    ch = decode_choice(9, DEC, {}, 64)
+    assert (ch.path, ch.variant, ch.batch, ch.missing) == ("unfused", None, 9, ("decode", 9, 64))
+    # a variant routed unfused is skipped for the next one that fits
+    ch = decode_choice(3, DEC, {DEC[4]: "unfused"}, 64)
+    assert (ch.path, ch.variant, ch.batch) == ("fused", DEC[8], 8)
+    ch = decode_choice(5, DEC, {DEC[8]: "unfused"}, 64)
+    assert (ch.path, ch.batch, ch.missing) == ("unfused", 5, None)  # declared, routed away: no warning
+    with pytest.raises(ServeError, match="unfused=False"):
+        decode_choice(9, DEC, {}, 64, unfused=False)
+    with pytest.raises(ServeError, match="at least one"):
+        decode_choice(0, DEC, {}, 64)
+
+
+PRE = {(4, 512): "p_b4_s512", (4, 128): "p_b4_s128", (1, 128): "p_b1_s128", (8, 2048): "p_b8_s2048"}
+
+
+def spans(pieces):
+    return [(p.start, p.length, p.choice.path, p.choice.variant, p.choice.batch) for p in pieces]
+
+
+def test_prefill_splits_into_declared_chunks_largest_first():
+    assert spans(prefill_plan(1000, 2, PRE, {})) == [
+        (0, 512, "fused", "p_b4_s512", 4), (512, 128, "fused", "p_b4_s128", 4), (640, 128, "fused", "p_b4_s128", 4),
+        (768, 128, "fused", "p_b4_s128", 4), (896, 104, "unfused", None, 2)]
+    # batch 1 takes the batch-1 chunk; batch 5 only the batch-8 one
+    assert spans(prefill_plan(256, 1, PRE, {}))[0][3] == "p_b1_s128"
+    assert spans(prefill_plan(4100, 5, PRE, {})) == [
+        (0, 2048, "fused", "p_b8_s2048", 8), (2048, 2048, "fused", "p_b8_s2048", 8), (4096, 4, "unfused", None, 5)]
+    # the measured route sends the 512 chunk to the unfused path: 128s instead
+    assert [p[1] for p in spans(prefill_plan(600, 2, PRE, {"p_b4_s512": "unfused"}))] == [128] * 4 + [88]
+
+
+def test_prefill_without_variants_is_unfused_in_bounded_pieces_naming_the_missing_variant():
+    ps = prefill_plan(5000, 3, {}, {}, max_unfused=2048)
+    assert spans(ps) == [(0, 2048, "unfused", None, 3), (2048, 2048, "unfused", None, 3),
+                         (4096, 904, "unfused", None, 3)]
+    assert ps[0].choice.missing == ("prefill", 3, 2048) and ps[2].choice.missing == ("prefill", 3, 512)
+    dec = decode_choice(3, DEC, {}, 64)
+    ps = prefill_plan(7, 3, {}, {}, decode=dec, unfused=False)
+    assert spans(ps) == [(0, 7, "fused-decode", DEC[4], 4)]
+    with pytest.raises(ServeError, match="unfused=False"):
+        prefill_plan(7, 9, {}, {}, decode=decode_choice(9, DEC, {}, 64), unfused=False)
+    with pytest.raises(ServeError, match="at least one token"):
+        prefill_plan(0, 1, PRE, {})
+
+
+def test_decode_variants_must_share_one_seq_len():
+    vs = [Variant(SHAPE, "decode", 1, 64), Variant(SHAPE, "decode", 4, 128), Variant(SHAPE, "prefill", 1, 32)]
+    with pytest.raises(ServeError) as exc:
+        serve.common_seq_len(vs)
+    assert "64" in str(exc.value) and "128" in str(exc.value) and "\n" not in str(exc.value)
+    assert serve.common_seq_len(vs[::2]) == 64 and serve.common_seq_len(vs[2:]) is None
+
+
+def test_length_check_is_one_clear_line():
+    serve.check_length([5, 3], 60, 64)
+    with pytest.raises(ServeError) as exc:
+        serve.check_length([5, 3], 61, 64)
+    assert "65 cache rows" in str(exc.value) and "capacity 64" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ServeError, match="max_new_tokens"):
+        serve.check_length([1], 0, 64)
+
+
+def test_missing_entry_declares_the_shape():
+    text = serve.missing_entry("  m:\n    hidden: 64\n", "decode", 3, 4096)
+    assert text.endswith("    matrix: {mode: [decode], batch: [3], seq_len: [4096]}\n")
+    import yaml
+    assert yaml.safe_load("models:\n" + text)["models"]["m"]["matrix"]["batch"] == [3]
+
+
+def test_memory_plan_and_refusal():
+    p = serve.plan_memory(SHAPE, vocab=1000, tied=False, elt=2, max_batch=4, cache_len=64, fused=True, unfused=False,
+                          workspace_bytes=1000)
+    assert p["kv_caches"] == 2 * 2 * 4 * 2 * 64 * 16 * 2 and p["weights_unfused"] == 0
+    assert p["total"] == sum(v for k, v in p.items() if k != "total")
+    serve.check_fits(p, p["total"], 2 * p["total"], "x")
+    with pytest.raises(ServeError) as exc:
+        serve.check_fits(p, p["total"] - 1, 2 * p["total"], "model")
+    assert "free" in str(exc.value) and "\n" not in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sampling
+# ------------------------------------------------------------------------------------------------------------
+
+def _sample(logits, temp, k=0, p=1.0, seed=0, step=None):
+    B = logits.shape[0]
+    step = torch.arange(B) if step is None else step
+    return serve.sample_tokens(logits, torch.full((B,), float(temp)), torch.full((B,), k), torch.full((B,), float(p)),
+                               torch.full((B,), seed), step)
+
+
+def test_sampling_greedy_topk1_and_reproducible():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_sample(logits, 0.0), logits.argmax(-1))
+    assert torch.equal(_sample(logits, 1.0, k=1), logits.argmax(-1))
+    assert torch.equal(_sample(logits, 1.0, p=1e-6), logits.argmax(-1))
+    a, b = _sample(logits, 1.0, seed=5), _sample(logits, 1.0, seed=5)
+    assert torch.equal(a, b) and not torch.equal(a, _sample(logits, 1.0, seed=6))
+    top3 = logits.topk(3).indices
+    s = _sample(logits, 2.0, k=3, seed=1)
+    assert all(int(s[i]) in top3[i].tolist() for i in range(16))
+
+
+def test_sampling_follows_the_distribution():
+    N = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].expand(N, 4).contiguous()
+    s = _sample(logits, 1.0, seed=11, step=torch.arange(N))
+    freq = torch.bincount(s, minlength=4).float() / N
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015), freq
+    # top_p 0.7: {0.5, 0.3} renormalised; temperature 0.5 sharpens
+    freq = torch.bincount(_sample(logits, 1.0, p=0.7, seed=2, step=torch.arange(N)), minlength=4).float() / N
+    assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0, 0]), atol=0.015), freq
+    freq = torch.bincount(_sample(logits, 0.5, seed=3, step=torch.arange(N)), minlength=4).float() / N
+    want = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
+    assert torch.allclose(freq, want / want.sum(), atol=0.015), freq
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the unfused layer against the reference
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_unfused_decode_and_prefill_equal_the_reference(dtype, tol, device="cpu"):
+    m, B, L = SHAPE, 3, 32
+    W = reference.random_weights(m, seed=1, device=device, dtype=dtype)
+    Wf = {k: v.float() for k, v in W.items()}
+    kc = torch.zeros(4, m.kv_heads, L, m.head_dim, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    u = UnfusedLayer(W, m, kc, vc)
+    rk, rv = torch.zeros_like(kc[:B]).float(), torch.zeros_like(vc[:B]).float()
+    g = torch.Generator().manual_seed(2)
+    # prefill 6 tokens at start 0, then 3 decode steps at per-sequence positions
+    x = torch.randn(B, 6, m.hidden, generator=g).to(device)
+    out = u.prefill(x.to(dtype), torch.zeros(B, dtype=torch.int32, device=device), kv_len=6)
+    ref = torch.stack([reference.decoder_layer(x[:, t], torch.full((B,), t), Wf, rk, rv, m) for t in range(6)], 1)
+    assert rel(out, ref) <= tol
+    for step in range(3):
+        pos = torch.tensor([6 + step, 4 + step, 2 + step], dtype=torch.int32, device=device)  # rewrites rows
+        x = torch.randn(B, m.hidden, generator=g).to(device)
+        out = u.decode(x.to(dtype), pos)
+        ref = reference.decoder_layer(x, pos.long(), Wf, rk, rv, m)
+        assert rel(out, ref) <= tol, step
+    assert rel(kc[:B, :, :9], rk[:, :, :9]) <= tol
+    with pytest.raises(ValueError, match="self_attn.q_norm.weight"):
+        UnfusedLayer({k: v for k, v in W.items() if "q_norm" not in k}, m, kc, vc)
+    with pytest.raises(ValueError, match="k_cache"):
+        UnfusedLayer(W, m, kc[:, :1], vc)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the whole model on the CPU (unfused path) against transformers
+# ------------------------------------------------------------------------------------------------------------
+
+def make_llama(d, seed=0, **over):
+    T = transformers
+    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=96, max_position_embeddings=256, rms_norm_eps=1e-5,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None, **rope_kwargs(T.LlamaConfig, 10000.0))
+    kw.update(over)
+    torch.manual_seed(seed)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**kw)).eval()
+    randomize(model, seed)
+    model.save_pretrained(d)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    return make_llama(d), d
+
+
+def cpu_model(d, **kw):
+    kw = {"build_dir": d / "no-build", "device": "cpu", "cache_len": 48, "dtype": torch.float32, "max_batch": 4,
+          **kw}
+    return serve.Model.from_hf(d, **kw)
+
+
+def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
+    hfm, d = tiny
+    model = cpu_model(d)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.generate(prompts, 12, output_logits=True)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hfm.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            ref_logits = hfm(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
+        assert got.tokens[b] == ref[0, len(p):].tolist(), b
+        assert got.sequences[b] == ref[0].tolist()
+        ours = torch.stack([lg[b] for lg in got.logits])
+        assert rel(ours, ref_logits) <= 1e-4
+    # the fallback warned once per missing shape, with an entry that declares it
+    msgs = [str(w.message) for w in caught if issubclass(w.category, serve.MissingVariantWarning)]
+    assert len(msgs) == 2 and "matrix: {mode: [decode], batch: [3], seq_len: [48]}" in msgs[1]
+    assert "matrix: {mode: [prefill], batch: [3], seq_len: [4]}" in msgs[0] and "hidden: 128" in msgs[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(prompts, 2)  # warned already
+    st = {(r["mode"], r["variant"]): r for r in model.stats()}
+    assert st[("decode", "unfused b3")]["calls"] == 12 and st[("decode", "unfused b3")]["tokens"] == 36
+    assert st[("prefill", "unfused b3")]["calls"] == 2
+    p = model.paths(3, 7)
+    assert p["decode"].path == "unfused" and len(p["layers"]) == 2
+
+
+def test_stream_stop_tokens_and_sampling(tiny):
+    _, d = tiny
+    model = cpu_model(d)
+    greedy = model.generate([[1, 2, 3], [4, 5]], 10).tokens
+    stop = greedy[0][3]
+    seen = []
+    out = model.generate([[1, 2, 3], [4, 5]], 10, stop_tokens=[stop], callback=lambda b, t: seen.append((b, t)))
+    assert out.tokens[0] == greedy[0][:greedy[0].index(stop) + 1]
+    assert out.tokens[1] == (greedy[1][:greedy[1].index(stop) + 1] if stop in greedy[1] else greedy[1])
+    assert sorted(seen) == sorted((b, t) for b in range(2) for t in out.tokens[b])
+    assert list(model.stream([[1, 2, 3]], 4)) == [(0, t) for t in greedy[0][:4]]
+    a = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
+    b = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
+    c = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=8).tokens
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prompts": [[1, 2], [3]] * 3}, "max_batch = 4"),
+    ({"prompts": [[1, 96]]}, r"\[0, 95\]"),
+    ({"prompts": [[]]}, "non-empty"),
+    ({"prompts": [[1]], "max_new_tokens": 49}, "cache capacity 48"),
+    ({"prompts": [[1]], "temperature": -1.0}, "temperature"),
+    ({"prompts": [[1]], "top_p": 0.0}, "top_p"),
+    ({"prompts": [[1]], "top_k": 1.5}, "top_k"),
+])
+def test_bad_requests_are_one_line_errors(tiny, kwargs, match):
+    _, d = tiny
+    model = cpu_model(d)
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ServeError, match=match) as exc:
+        model.generate(kwargs.pop("prompts"), **kwargs)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_configurations_are_one_line_errors(tiny):
+    _, d = tiny
+    with pytest.raises(ServeError, match="cache_len"):
+        serve.Model.from_hf(d, build_dir=d / "none", device="cpu")
+    with pytest.raises(ServeError, match="max_batch"):
+        cpu_model(d, max_batch=0)
+    with pytest.raises(ServeError, match="single string"):
+        cpu_model(d, variants="x")
+    from generator.loader import LoadError
+    with pytest.raises(LoadError):
+        cpu_model(d, variants=["tiny-llama_decode_b1_s48_bf16"])
+
+
+def test_memory_report_on_the_cpu(tiny):
+    _, d = tiny
+    model = cpu_model(d)
+    mem = model.memory()
+    assert mem["kv_caches"] == 2 * 2 * 4 * 2 * 48 * 32 * 4 and mem["weights_fused"] == 0
+    assert mem["weights_unfused"] == 2 * serve.layer_weight_bytes(model.shape, 4)
+    assert mem["checkpoint_bytes"] == (d / "model.safetensors").stat().st_size
+
+
+def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
+    _, d = tiny
+    r = cli(["generate", d, "--ids", "1,2,3", "--ids", "4,5", "--max-new-tokens", "5", "--device", "cpu",
+             "--cache-len", "32", "--build-dir", tmp_path / "b"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "time to first token" in r.stderr and "tokens/s" in r.stderr and "every layer" in r.stderr
+    assert "[0] " in r.stdout and "[1] " in r.stdout
+    r = cli(["generate", d, "--ids", "1,x", "--device", "cpu", "--cache-len", "32"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --ids")
+    r = cli(["generate", d, "--ids", "1", "--max-new-tokens", "40", "--device", "cpu", "--cache-len", "32"],
+            cwd=tmp_path)
+    assert r.returncode == 2 and "cache capacity 32" in r.stderr and r.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the fused variants of a built tiny model
+# ------------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny llama checkpoint and its decode variants b1 and b4 (seq_len 64), built by the CLI."""
+    from conftest import run_cli
+    root = tmp_path_factory.mktemp("serve_gpu")
+    d = root / "tiny-llama"
+    hfm = make_llama(d, seed=3)
+    vfile = root / "variants.yaml"
+    vfile.write_text("matrix: {mode: [decode], batch: [1, 4], seq_len: [64]}\nmodels:\n")
+    r = run_cli(["from-hf", d, "--write", vfile], cwd=root)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["build", "--variants", vfile, "--build-dir", root / "build", "--only", "*decode*"], cwd=root,
+                timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return hfm, d, root / "build"
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+@gpu
+@needs_cuda
+def test_gpu_padded_batch_equals_unpadded(built):
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    assert sorted(model.decode_variants) == [1, 4]
+    got = model.generate(PROMPTS, 16)  # batch 3 on the b4 variant: one padding sequence
+    assert got.decode_choice.batch == 4 and got.decode_choice.path == "fused"
+    for b, p in enumerate(PROMPTS):
+        one = model.generate([p], 16)
+        assert one.decode_choice.batch == 1
+        assert one.tokens[0] == got.tokens[b], b
+    st = {r["variant"]: r for r in model.stats() if r["mode"] == "decode"}
+    assert st[model.decode_variants[4]]["padded_tokens"] == 15
+
+
+@gpu
+@needs_cuda
+def test_gpu_graph_replay_equals_direct_steps(built):
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    for kw in ({}, {"temperature": 0.8, "top_k": 10, "seed": 1}):
+        model.use_graphs = True
+        a = model.generate(PROMPTS, 20, output_logits=True, **kw)
+        model.use_graphs = False
+        b = model.generate(PROMPTS, 20, output_logits=True, **kw)
+        assert a.tokens == b.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert model.memory()["graphs"] > 0
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampled_runs_reproducible_with_a_seed(built):
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    kw = dict(temperature=1.0, top_p=0.9, seed=123)
+    a, b = model.generate(PROMPTS, 24, **kw), model.generate(PROMPTS, 24, **kw)
+    assert a.tokens == b.tokens and a.tokens != model.generate(PROMPTS, 24, **{**kw, "seed": 124}).tokens
+
+
+@gpu
+@needs_cuda
+def test_gpu_fallback_numerics_equal_the_reference(built):
+    hfm, d, build = built
+    test_unfused_decode_and_prefill_equal_the_reference(torch.bfloat16, 1e-2, device="cuda")
+    # the unfused fallback (batch 5: no variant) and the fused path agree with transformers fp32 on the logits
+    fused = serve.Model.from_hf(d, build_dir=build, max_batch=5)
+    with pytest.warns(serve.MissingVariantWarning, match="batch: \\[5\\]"):
+        fb = fused.generate(PROMPTS + [[1], [2, 3]], 8, output_logits=True)
+    assert fb.decode_choice.path == "unfused"
+    fz = fused.generate(PROMPTS, 8, output_logits=True)
+    for b, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hfm(input_ids=torch.tensor([p + fz.tokens[b][:-1]])).logits[0, len(p) - 1:]
+        assert rel(torch.stack([lg[b] for lg in fz.logits]).cpu(), ref) <= 3e-2
+    assert any(r["path"] == "unfused" for r in fused.stats()) and any(r["path"] == "fused" for r in fused.stats())
