@@ -91,12 +91,17 @@ def render_cmd(name, variants_file):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
 @click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused")
-def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
+@click.option("--tuned-for", "tuned_for", default=None, metavar="GPU",
+              help="use the tuned plans of tuning/GPU.json (a GPU slug, e.g. nvidia-h200, or a .json path) "
+                   "[the only file in tuning/, if exactly one]")
+@click.option("--no-tuned", is_flag=True, help="default plans for every variant, whatever tuning/ holds")
+def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
     try:
         get_arch(arch)
     except TargetError as exc:
         fail(str(exc))
+    tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = load_selected(variants_file, only, exclude)
     try:
         toolchain.find_nvcc()  # no nvcc, or a broken NVCC=: one line now, not a traceback from inside CuPy
@@ -108,7 +113,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
                       console=err_console, transient=True) as bar:
             task = bar.add_task("build", total=len(vs))
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n),
-                                    variants_file=variants_file)
+                                    variants_file=variants_file, tuning_file=tfile)
     else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
         done, t0 = [0], time.perf_counter()
 
@@ -117,7 +122,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
             click.echo(f"built {done[0]}/{len(vs)} variants ({time.perf_counter() - t0:.0f} s)")
             sys.stdout.flush()
         result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
-                                variants_file=variants_file)
+                                variants_file=variants_file, tuning_file=tfile)
+    for w in result.get("warnings", []):
+        err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])
@@ -140,6 +147,28 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict):
         sys.exit(1)
     if strict and rep["totals"]["flagged"]:
         sys.exit(1)
+
+
+def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
+    """The tuning file a build uses: --tuned-for's (which must exist), none with --no-tuned, else the only file in
+    tuning/ (none where there are several: a note says to choose)."""
+    from . import tune as gtune
+    if no_tuned and tuned_for:
+        fail("--tuned-for and --no-tuned exclude each other")
+    if no_tuned:
+        return None
+    if tuned_for:
+        path = gtune.tuning_file(tuned_for)
+        if not path.is_file():
+            have = sorted(p.stem for p in gtune.tuning_dir().glob("*.json")) if gtune.tuning_dir().is_dir() else []
+            fail(f"--tuned-for {tuned_for}: no tuning file {gtune.display(path)} (have: {', '.join(have) or 'none'};"
+                 " `megakernel tune` on that GPU writes it)")
+        return path
+    path = gtune.default_tuning_file()
+    if path is None and gtune.tuning_dir().is_dir() and len(list(gtune.tuning_dir().glob("*.json"))) > 1:
+        err_console.print(f"note: several tuning files in {gtune.display(gtune.tuning_dir())}: default plans used "
+                          "(--tuned-for GPU picks one)", markup=False, highlight=False, soft_wrap=True)
+    return path
 
 
 def cuda_unavailable() -> str | None:
@@ -200,6 +229,16 @@ def bench_cmd(ctx):
     """Time fused vs unfused baselines on the GPU (see `megakernel bench --help`)."""
     from bench.run import cli as bench_cli  # torch/CUDA imports only when benchmarking
     bench_cli.main(args=ctx.args, prog_name="megakernel bench", standalone_mode=True)
+
+
+@main.command("tune", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def tune_cmd(ctx):
+    """Sweep each decode variant's plan candidates on the GPU; record the winners in tuning/<gpu>.json
+    (see `megakernel tune --help`)."""
+    from bench.tune import cli as tune_cli  # torch/CUDA imports only when tuning
+    tune_cli.main(args=ctx.args, prog_name="megakernel tune", standalone_mode=True)
 
 
 @main.command("from-hf")

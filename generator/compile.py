@@ -172,14 +172,21 @@ def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
 
 
 def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
-          arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None) -> dict:
+          arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None,
+          tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None) -> dict:
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
     variant (status "error") so one bad variant does not hide the others. `variants_file` (where the variants
-    were declared) is recorded so that loading can tell when a declaration changed since. Raises TargetError for
-    an architecture the kernel cannot target.
+    were declared) is recorded so that loading can tell when a declaration changed since. `tuning_file`
+    (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or stale entry
+    falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}: plan
+    overrides given directly (the tuner's candidates; a bad one refuses that variant). Each entry records
+    "plan_source" ("default", "tuned (<file>)" or "override") and, where a tuning file was consulted, what it held
+    for the variant ("tuning"), so a later change of that entry makes the build stale. Raises TargetError for an
+    architecture the kernel cannot target.
     """
+    from . import tune as gtune
     build_dir = Path(build_dir)
     target = get_arch(arch)
     digest = kernel_sources_digest()
@@ -190,12 +197,23 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     entries: dict[str, dict] = {}
     by_key: dict[str, list[tuple[Variant, dict]]] = {}
     sources: dict[str, str] = {}
+    warnings: list[str] = []
     for v in variants:
         entry = {"name": v.name, "params": v.params(), "status": "ok", "arch": target.sm,
-                 "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile}
+                 "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile,
+                 "plan_source": "default", "tuning": None, "tuned_figures": None}
         entries[v.name] = entry
+        ov = (overrides or {}).get(v.name) or {}
+        if ov:
+            entry["plan_source"] = "override"
+        elif tuning_file is not None:
+            ov, entry["plan_source"], entry["tuned_figures"], warn = gtune.resolve(v, target.sm, Path(tuning_file))
+            entry["tuning"] = {"file": gtune.display(Path(tuning_file)),
+                               "overrides": gtune.raw_overrides(Path(tuning_file), v.name)}
+            if warn:
+                warnings.append(warn)
         try:
-            p = plan(v, target.sm)
+            p = plan(v, target.sm, overrides=ov)
         except PlanError as exc:
             entry.update(status="refused", error=str(exc))
             continue
@@ -257,5 +275,5 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         manifest["variants"].update(entries)
         manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)
         atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    return {"entries": list(entries.values()), "distinct": len(by_key),
+    return {"entries": list(entries.values()), "distinct": len(by_key), "warnings": warnings,
             "errors": [e for e in entries.values() if e["status"] == "error"]}

@@ -93,7 +93,26 @@ def status(entry: dict | None, v: Variant | None = None, digest: str | None = No
             return f"stale ({', '.join(fields)})"
     if digest is not None and entry.get("sources_sha256") != digest:
         return "stale (templates)"
+    if digest is not None and tuning_changed(entry):
+        return "stale (tuning)"
     return "built"
+
+
+def tuning_changed(entry: dict) -> bool:
+    """Whether the tuning file the build consulted (entry["tuning"]: its path and what it held for the variant)
+    holds something else for it now (a new, changed or removed entry: a build now would plan differently)."""
+    t = entry.get("tuning")
+    if not t:
+        return False
+    path = Path(t["file"])
+    path = path if path.is_absolute() else ROOT / path
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = {}
+    e = doc.get(entry["name"]) if isinstance(doc, dict) else None
+    now = e.get("overrides") if isinstance(e, dict) else e
+    return now != t.get("overrides")
 
 
 def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tuple[dict, Path]:
@@ -122,6 +141,9 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     st = status(entry, v, kernel_sources_digest())
     if st == "stale (templates)":
         raise LoadError(f"{name}: build is stale (templates or generator changed since it was built): {fix}")
+    if st == "stale (tuning)":
+        raise LoadError(f"{name}: build is stale ({entry['tuning']['file']} changed its plan since it was built): "
+                        f"{fix}")
     if st != "built":
         what = st[len("stale ("):-1]
         raise LoadError(f"{name}: build is stale ({what} changed in {entry.get('variants_file')} since it was "

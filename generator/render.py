@@ -8,6 +8,7 @@ once, so build/<name>/kernel.cu is the whole kernel.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from pathlib import Path
@@ -24,12 +25,20 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 
 
-def plan(v: Variant, arch: str = DEFAULT_ARCH) -> dict:
+def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) -> dict:
     """The mode's plan for `v` on sm_`arch`, plus what every mode's plan holds: threads, smem_bytes, grid_syncs,
-    the workspace layout (generator.interface) and the arch. Raises PlanError or targets.TargetError (one line)."""
+    the workspace layout (generator.interface) and the arch. `overrides` {knob: int} replace knobs the mode's
+    planner would choose (generator.tune; only modes whose planner takes `overrides`); the planner validates them
+    and derives every dependent constant. Raises PlanError or targets.TargetError (one line)."""
     mode = MODES[v.mode]
     a = get_arch(arch)
-    p = mode.plan(v, a)
+    if overrides:
+        if "overrides" not in inspect.signature(mode.plan).parameters:
+            raise PlanError(f"{v.name}: mode {mode.name} takes no plan overrides (got {', '.join(sorted(overrides))})")
+        p = mode.plan(v, a, overrides=overrides)
+    else:
+        p = mode.plan(v, a)
+    p.setdefault("overrides", {})
     p.update(mode=mode.name, arch=a.sm, grid_syncs=mode.grid_syncs, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({"XN_ROWS": 0, **p["consts"], "ROWS": p["rows"]}))
     return p

@@ -17,7 +17,7 @@ from .targets import DEFAULT_ARCH, arch as get_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
-           "flags"]
+           "plan", "tuned_gain", "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_eager",
                  "speedup_compile"]
 
@@ -37,6 +37,24 @@ def flags(entry: dict) -> list[str]:
     if r["blocks_per_sm"] < 1:
         out.append("no-residency")
     return out
+
+
+def plan_fields(entry: dict) -> dict:
+    """"plan": which plan the build used ("default", "tuned (<file>)", "override"; entries of older builds:
+    "default"); "tuned_gain": default_us / tuned_us the tuner measured for it (None where not known)."""
+    src = entry.get("plan_source") or "default"
+    fig = entry.get("tuned_figures") or {}
+    gain = None
+    if src.startswith("tuned") and fig.get("default_us") and fig.get("tuned_us"):
+        gain = round(fig["default_us"] / fig["tuned_us"], 3)
+    return {"plan": src, "tuned_gain": gain}
+
+
+def _plan_cell(r: dict, k: str) -> str:
+    src = r.get("plan") or "default"
+    if not src.startswith("tuned"):
+        return src
+    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "")
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
@@ -139,6 +157,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     rows = []
     for name, e in sorted(entries.items()):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
+        row.update(plan_fields(e))
         if e["status"] == "ok":
             row.update({k: e["resources"].get(k) for k in COLUMNS if k in e["resources"]})
             row["cached"] = e["resources"].get("cached")
@@ -181,6 +200,7 @@ TABLE_COLUMNS = [
     ("blocks_per_sm", "blk/\nSM", _num("d"), True),
     ("compile_s", "compile\ns", _num(".1f"), False),
     ("load_ms", "load\nms", _num(".2f"), True),
+    ("plan", "plan", _plan_cell, True),
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
     ("speedup_best", "×\nbest", _num(".2f"), True),
@@ -190,7 +210,7 @@ TABLE_COLUMNS = [
     ("speedup_eager", "×\neager", _num(".2f"), False),
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
-DROP_ORDER = ["cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
+DROP_ORDER = ["plan", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
               "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
 BENCH_KEYS = {"fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
               "speedup_eager"}
@@ -202,7 +222,7 @@ def _table(rows: list[dict], cols: list[tuple]) -> Table:
     for key, head, _, _ in cols:
         if key == "name":
             t.add_column(head, justify="left", no_wrap=True)
-        elif key in ("flags", "best_baseline"):
+        elif key in ("flags", "best_baseline", "plan"):
             t.add_column(head, justify="left", no_wrap=True)
         else:
             t.add_column(head, justify="right", no_wrap=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..plan import THREADS, Mode, Step, align, check_smem, plan_gemv
+from ..plan import THREADS, Mode, PlanError, Step, align, check_smem, plan_gemv
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -21,15 +21,59 @@ STEPS = (
 )
 
 
-def plan(v: Variant, arch: Arch) -> dict:
+# the knobs a plan override (generator.tune) may set: per projection the warps per task NWG and the 16-byte loads
+# in flight U; the attention's walker warps, cache rows per task (-> ATT_NSPLIT) and ring depth
+PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
+KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U")) + ("ATT_WARPS", "ATT_C", "ATT_STAGES")
+NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
+U_RANGE = (1, 8)
+ATT_STAGES_RANGE = (2, 3)
+
+
+def _check_overrides(name: str, ov: dict) -> dict:
+    """The overrides as ints, or PlanError naming the first bad knob (unknown, not an int, out of range)."""
+    out = {}
+    for k, val in ov.items():
+        if k not in KNOBS:
+            raise PlanError(f"{name}: plan override {k}: unknown knob (one of {', '.join(KNOBS)})")
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
+        if k.endswith("_NWG") and val not in NWG_CHOICES:
+            raise PlanError(f"{name}: plan override {k}={val}: must be one of {NWG_CHOICES} (divides "
+                            f"{THREADS // 32} warps)")
+        if k.endswith("_U") and not U_RANGE[0] <= val <= U_RANGE[1]:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in {U_RANGE[0]}..{U_RANGE[1]}")
+        if k == "ATT_WARPS" and not 1 <= val <= THREADS // 32:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{THREADS // 32}")
+        if k == "ATT_STAGES" and not ATT_STAGES_RANGE[0] <= val <= ATT_STAGES_RANGE[1]:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
+        if k == "ATT_C" and val < 16:
+            raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
+        out[k] = val
+    return out
+
+
+def _fmt(ov: dict) -> str:
+    return " ".join(f"{k}={val}" for k, val in sorted(ov.items()))
+
+
+def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     """Every constexpr of the decode kernel for variant `v` on `arch`, the shared-memory layout and the GEMV
-    tiling. Raises PlanError when the block's shared memory would exceed the architecture's limit."""
+    tiling. `overrides` {knob: int} (KNOBS; generator.tune) replace the planner's choice of those knobs before the
+    constants that depend on them (ATT_NSPLIT, the shared-memory offsets) are derived. Raises PlanError when the
+    block's shared memory would exceed the architecture's limit or an override is bad (naming it)."""
+    ov = _check_overrides(v.name, dict(overrides or {}))
     m = v.model
     esize = DTYPES[m.dtype].bytes
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
     sms = arch.sms
     gemv = {"qkv": plan_gemv(q_dim + 2 * kv_dim, m.hidden, sms), "o": plan_gemv(m.hidden, q_dim, sms),
             "gate_up": plan_gemv(2 * m.intermediate, m.hidden, sms), "down": plan_gemv(m.hidden, m.intermediate, sms)}
+    for prefix, key in PROJECTIONS:
+        g = gemv[key]
+        g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
+        groups = sms * (THREADS // 32 // g["NWG"])
+        g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
 
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
     # shared memory (rows padded by 16 bytes); a task covers ATT_C rows (whole tiles for every warp), sized so a
@@ -37,12 +81,20 @@ def plan(v: Variant, arch: Arch) -> dict:
     # The ring takes two thirds of the block's shared memory at most (150 KB on sm_90), the rest stays L1.
     nw = THREADS // 32
     tile = 16 * (m.head_dim + 8) * esize * 2            # one 16-key tile of K and V
-    att_stages = 2
+    att_stages = ov.get("ATT_STAGES", 2)
     ring_budget = arch.smem_per_block * 2 // 3
-    att_warps = max(1, min(nw, ring_budget // (att_stages * tile)))
+    att_warps = ov.get("ATT_WARPS", max(1, min(nw, ring_budget // (att_stages * tile))))
     step = 16 * att_warps
     pairs = v.batch * m.kv_heads
     att_c = max(step, math.ceil(v.seq_len / max(1, sms // pairs) / step) * step)
+    if "ATT_C" in ov:
+        att_c = ov["ATT_C"]
+        if att_c % step:
+            raise PlanError(f"{v.name}: plan override ATT_C={att_c}: must be a multiple of 16 x ATT_WARPS = {step} "
+                            "(whole tiles for every walker warp)")
+        if att_c > max(step, align(v.seq_len, step)):
+            raise PlanError(f"{v.name}: plan override ATT_C={att_c}: over the cache length {v.seq_len} rounded up "
+                            f"to {step}")
     nsplit = math.ceil(v.seq_len / att_c)
 
     red_bytes = 2 * nw * 16 * v.batch * 4       # per warp: a 16 x batch tile, double-buffered
@@ -56,7 +108,12 @@ def plan(v: Variant, arch: Arch) -> dict:
     ring = att_warps * att_stages * tile
     smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
     att_bytes = smem["SMEM_FLAG"] + 16
-    smem_bytes = check_smem(v.name, arch, {
+    combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
+    if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:
+        raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "
+                        f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
+                        "ATT_C")
+    smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
         "norm+projection": (gemv_bytes, "the normalised input rows take batch x hidden x 2 B: lower batch"),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
@@ -68,9 +125,10 @@ def plan(v: Variant, arch: Arch) -> dict:
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }
-    for prefix, key in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down")):
+    for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_NWG": gemv[key]["NWG"], f"{prefix}_U": gemv[key]["U"]})
-    return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes}
+    return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
+            "overrides": dict(sorted(ov.items()))}
 
 
 MODE = Mode("decode", STEPS, plan, __doc__)

@@ -1,0 +1,259 @@
+"""`megakernel tune`: sweep each decode variant's plan candidates on this GPU and record the winner per variant in
+tuning/<gpu-slug>.json (generator.tune), which `megakernel build` then uses.
+
+Per variant: the candidates of generator.tune.candidates (the default plan and single-knob neighbours), each
+compiled as its own renamed variant into one temporary build directory (all in parallel), checked against the fp32
+reference (generator.verify.check_step on random inputs; a failing candidate is discarded and reported), then timed
+as gpu_check times the fused layer: a stack of distinct layers (bench.measure.n_layers_for) in a CUDA graph, every
+sequence at full context, candidates interleaved over rounds so drift hits them alike. A second round times the
+union of the stages' single-knob winners (stages are separated by grid barriers) against the default and the best
+single. A non-default plan wins only when it beats the default by more than 1% in the same run.
+
+    megakernel tune [--only GLOB] [--variants FILE] [--build-dir DIR] [--out FILE] [--shard I/N] [-j N]
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MIN_GAIN = 0.01  # a non-default plan must beat the default by this fraction (noise guard)
+
+
+def renamed(v, tag: str):
+    """`v` under another model name (its own entry, source and cache key in the tuner's build directory)."""
+    return dataclasses.replace(v, model=dataclasses.replace(v.model, name=f"{v.model.name}.{tag}"))
+
+
+def group_of(ov: dict) -> str:
+    """The stage a single-knob candidate tunes (QKV, O, GU, DOWN, ATT)."""
+    return next(iter(ov)).split("_")[0] if ov else ""
+
+
+def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int) -> list[dict]:
+    """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
+    overrides, pass, rel_err, error, us (median per layer; None where it failed)."""
+    import torch
+
+    from bench.measure import n_layers_for
+    from bench.timing import graph_of, layer_bytes, summarize, time_samples
+    from generator import reference, verify
+    from generator.loader import load
+
+    m = v.model
+    rows = [{"name": n, "overrides": ov, "pass": False, "us": None} for n, ov in cands]
+    W0 = reference.random_weights(m, seed=seed, device="cuda")
+    base = load(cands[0][0], W0, build_dir=build_dir)
+    for r in rows:  # correctness first: a wrong candidate is never timed
+        try:
+            L = load(r["name"], None, build_dir=build_dir, packed=base.packed, caches=(base.k_cache, base.v_cache))
+            x, pos = verify.random_inputs(L, seed)
+            res = verify.check_step(L, x, pos, weights=W0)
+            r["rel_err"] = res["rel_err"]
+            r["pass"] = verify.passed(res, m.dtype)
+            if not r["pass"]:
+                r["error"] = f"failed check: rel_err {res['rel_err']:.2e}, first bad stage {res['first_bad_stage']}"
+            del L
+        except Exception as exc:  # noqa: BLE001 - one broken candidate must not hide the others
+            r["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    del base, W0
+    ok = [r for r in rows if r["pass"]]
+    if not ok:
+        return rows
+
+    pos_full = torch.full((v.batch,), v.seq_len - 1, dtype=torch.int32)
+    n = n_layers_for(layer_bytes(m, v.batch, pos_full))
+    pos_dev = pos_full.cuda()
+    xs = torch.randn(v.batch, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
+    firsts = []
+    for i in range(n):  # n distinct layers: weights and caches shared by every candidate's stack
+        Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
+        firsts.append(load(ok[0]["name"], Wi, build_dir=build_dir))
+        del Wi
+        for c in (firsts[-1].k_cache, firsts[-1].v_cache):
+            c.normal_()
+    graphs = {}
+    for r in ok:
+        layers = firsts if r is ok[0] else [
+            load(r["name"], None, build_dir=build_dir, packed=f.packed, caches=(f.k_cache, f.v_cache)) for f in firsts]
+
+        def step(layers=layers):
+            y = xs
+            for L in layers:
+                y = L(y, pos_dev, validate=False)
+            return y
+        graphs[r["name"]] = (graph_of(step), layers)
+    samples = {r["name"]: [] for r in ok}
+    for name, (g, _) in graphs.items():  # warm-up
+        for _ in range(3):
+            g.replay()
+    for _ in range(rounds):
+        for name, (g, _) in graphs.items():
+            samples[name] += time_samples(g.replay, n, reps)
+    for r in ok:
+        r["us"] = round(summarize(samples[r["name"]])["median"], 3)
+        r["layers_timed"] = n
+    del graphs, firsts
+    torch.cuda.empty_cache()
+    return rows
+
+
+def pick(rows: list[dict]) -> dict:
+    """The winner: the fastest passing candidate if it beats the default (rows[0]) by MIN_GAIN, else the default."""
+    ok = [r for r in rows if r["us"] is not None]
+    best = min(ok, key=lambda r: r["us"])
+    d = rows[0]
+    if d["us"] is not None and best is not d and best["us"] > d["us"] * (1 - MIN_GAIN):
+        return d
+    return best
+
+
+@click.command()
+@click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True,
+              help="variants file (every decode variant in it, or those --only selects)")
+@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
+@click.option("--build-dir", default=None, help="where the candidates are compiled [a temporary directory, removed]")
+@click.option("--out", default=None, help="tuning file to merge the winners into [tuning/<gpu-slug>.json]")
+@click.option("--shard", default="0/1", show_default=True, help="I/N: tune every N-th variant from the I-th "
+              "(one process per GPU; they merge into one file under a lock)")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
+@click.option("--limit", type=click.IntRange(min=1), default=17, show_default=True,
+              help="candidates per variant, the default plan included")
+@click.option("--no-combine", is_flag=True, help="skip the second round (the union of the stages' winners)")
+@click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True, help="timed replays per round")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved rounds")
+@click.option("--seed", type=int, default=None, help="default: fresh from the clock")
+def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed):
+    """Sweep plan candidates per decode variant on this GPU; write the winners to tuning/<gpu>.json."""
+    from generator import compile as gcompile, tune as gtune, variants as gvariants
+    from generator.manifest import identity
+    from generator.targets import DEFAULT_ARCH
+
+    def fail(msg):
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(2)
+
+    import torch
+    if not torch.cuda.is_available():
+        fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")
+    try:
+        si, sn = (int(x) for x in shard.split("/"))
+        assert 0 <= si < sn
+    except (ValueError, AssertionError):
+        fail(f"--shard {shard}: must be I/N with 0 <= I < N")
+    try:
+        vs = gvariants.load(variants_file)
+    except gvariants.VariantError as exc:
+        fail(str(exc))
+    vs = [v for v in vs if v.mode == "decode" and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
+    if not vs:
+        fail(f"{variants_file}: no decode variant matches --only {' '.join(only) or '*'}")
+    vs = vs[si::sn]
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" if f"{major}{minor}" in ("90",) else DEFAULT_ARCH
+    gpu = torch.cuda.get_device_name()
+    out = Path(out) if out else gtune.tuning_file(gpu)
+    seed = seed if seed is not None else int(time.time()) % 100000
+    tmp = build_dir is None
+    bdir = Path(build_dir or tempfile.mkdtemp(prefix="megakernel-tune-"))
+    t0 = time.time()
+    try:
+        cands = {}
+        for v in vs:
+            cands[v.name] = [(renamed(v, f"c{i:02d}"), ov) for i, ov in enumerate(gtune.candidates(v, arch, limit))]
+
+        def compile_all(pairs):
+            t = time.time()
+            res = gcompile.build([c for c, _ in pairs], bdir, jobs=jobs, arch=arch,
+                                 overrides={c.name: ov for c, ov in pairs})
+            bad = {e["name"]: e.get("error", e["status"]).splitlines()[0] for e in res["entries"]
+                   if e["status"] != "ok"}
+            click.echo(f"compiled {len(pairs)} candidates ({res['distinct']} binaries) in {time.time() - t:.0f} s"
+                       f"{f', {len(bad)} failed' if bad else ''}", err=True)
+            return bad
+
+        bad = compile_all([p for ps in cands.values() for p in ps])
+        results = {}
+        for v in vs:
+            t = time.time()
+            ok = [(c.name, ov) for c, ov in cands[v.name] if c.name not in bad]
+            failed = [f"{ov or 'default'}: {bad[c.name]}" for c, ov in cands[v.name] if c.name in bad]
+            rows = measure(v, ok, bdir, seed, reps, rounds) if ok and cands[v.name][0][0].name not in bad else []
+            failed += [f"{r['overrides'] or 'default'}: {r['error']}" for r in rows if not r["pass"]]
+            results[v.name] = {"rows": rows, "failed": failed, "tried": len(cands[v.name])}
+            click.echo(f"{v.name}: {len(rows)} candidates timed in {time.time() - t:.0f} s; "
+                       + (f"default {rows[0]['us']} us, best {min(r['us'] for r in rows if r['us']):.2f} us"
+                          if rows and rows[0]["us"] else "default failed"), err=True)
+            for f in failed:
+                click.echo(f"  discarded {f}", err=True)
+
+        if not no_combine:  # round 2: the union of the stages' single-knob winners
+            pairs, second = [], {}
+            for v in vs:
+                rows = results[v.name]["rows"]
+                if not rows or rows[0]["us"] is None:
+                    continue
+                best_by_group = {}
+                for r in rows[1:]:
+                    if r["us"] is not None and r["us"] < rows[0]["us"] * (1 - MIN_GAIN):
+                        g = group_of(r["overrides"])
+                        if g not in best_by_group or r["us"] < best_by_group[g]["us"]:
+                            best_by_group[g] = r
+                merged = gtune.combine(v, arch, [r["overrides"] for r in best_by_group.values()])
+                if merged is not None:
+                    c = renamed(v, "x00")
+                    pairs.append((c, merged))
+                    second[v.name] = (c, merged)
+            bad2 = compile_all(pairs) if pairs else {}
+            for v in vs:
+                if v.name not in second or second[v.name][0].name in bad2:
+                    continue
+                rows = results[v.name]["rows"]
+                single = pick(rows)
+                again = [(rows[0]["name"], rows[0]["overrides"])]
+                if single is not rows[0]:
+                    again.append((single["name"], single["overrides"]))
+                again.append((second[v.name][0].name, second[v.name][1]))
+                rows2 = measure(v, again, bdir, seed + 7, reps, rounds)
+                results[v.name]["tried"] += 1
+                if not rows2[-1]["pass"]:
+                    results[v.name]["failed"].append(f"{rows2[-1]['overrides']}: {rows2[-1].get('error')}")
+                results[v.name]["rows"] = rows2  # the final comparison: all in one run
+                click.echo(f"{v.name}: combined {second[v.name][1]}: {rows2[-1]['us']} us vs default "
+                           f"{rows2[0]['us']} us", err=True)
+
+        entries = {}
+        date = time.strftime("%Y-%m-%d")
+        for v in vs:
+            rows = results[v.name]["rows"]
+            if not rows or rows[0]["us"] is None:
+                click.echo(f"{v.name}: default plan failed or not built: nothing recorded", err=True)
+                continue
+            w = pick(rows)
+            entries[v.name] = {"overrides": w["overrides"], "default_us": rows[0]["us"], "tuned_us": w["us"],
+                               "candidates": results[v.name]["tried"], "failed": len(results[v.name]["failed"]),
+                               "identity": identity(v.params(), arch), "gpu": gpu, "date": date}
+            click.echo(f"{v.name}: {w['overrides'] or 'default plan'}  {rows[0]['us']:.2f} -> {w['us']:.2f} us "
+                       f"(x{rows[0]['us'] / w['us']:.3f})")
+        if entries:
+            gtune.record(out, entries)
+            click.echo(f"wrote {len(entries)} entries to {gtune.display(out)} ({time.time() - t0:.0f} s)", err=True)
+    finally:
+        if tmp:
+            shutil.rmtree(bdir, ignore_errors=True)
+    sys.exit(0 if len(entries) == len(vs) else 1)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,199 @@
+"""Tuned plans: the candidate plans the tuner times, and tuning/<gpu-slug>.json, the winner per variant on a GPU.
+
+The planner (generator.modes.decode.plan) stays the single source of truth: a tuned plan is the default plan with a
+few knobs overridden ({"QKV_NWG": 8, "ATT_C": 512, ...}, decode.KNOBS), and the planner validates the overrides and
+derives every dependent constant (ATT_NSPLIT, the shared-memory offsets) from them. A bad or stale entry in a tuning
+file is ignored with a one-line warning, never an error.
+
+tuning/<gpu-slug>.json = {variant: {"overrides": {...}, "default_us", "tuned_us", "candidates": n, "failed": n,
+                                    "identity": sha256 of the variant's parameters and arch, "gpu", "date"}}
+
+This module imports neither torch nor bench: `bench/tune.py` compiles, verifies and times the candidates.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from .manifest import identity
+from .modes.decode import KNOBS, PROJECTIONS
+from .plan import PlanError
+from .routes import gpu_slug
+from .targets import DEFAULT_ARCH
+from .variants import Variant
+
+ROOT = Path(__file__).resolve().parent.parent
+TUNING_DIR = ROOT / "tuning"
+
+
+def tuning_dir() -> Path:
+    """tuning/ of this source tree, or $MEGAKERNEL_TUNING_DIR."""
+    return Path(os.environ.get("MEGAKERNEL_TUNING_DIR") or TUNING_DIR)
+
+
+def tuning_file(gpu: str, directory: Path | None = None) -> Path:
+    """The tuning file of `gpu` (a device name or its slug; a path ending in .json is taken as is)."""
+    if gpu.endswith(".json"):
+        return Path(gpu)
+    return Path(directory or tuning_dir()) / f"{gpu_slug(gpu)}.json"
+
+
+def default_tuning_file(directory: Path | None = None) -> Path | None:
+    """The only tuning file in tuning/, or None when there is none or more than one (then say --tuned-for)."""
+    d = Path(directory or tuning_dir())
+    files = sorted(d.glob("*.json")) if d.is_dir() else []
+    return files[0] if len(files) == 1 else None
+
+
+def display(path: Path) -> str:
+    """`path` relative to the source tree where it lies in it (what the manifest and messages show)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def read_tuning(path: Path) -> dict:
+    """The file's {variant: entry} ({} where it is missing or unreadable: a warning, not an error, is the caller's
+    business)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def raw_overrides(path: Path, name: str):
+    """What the file holds for variant `name` (its "overrides", or the entry itself when malformed; None where
+    absent): the manifest compares this to tell a build whose tuning changed."""
+    e = read_tuning(path).get(name)
+    return e.get("overrides") if isinstance(e, dict) else e
+
+
+def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict | None, str | None]:
+    """(overrides, plan_source, tuned figures or None, warning or None) for building `v` with tuning file `path`.
+
+    No file, or no entry for `v`: the default plan. An entry that is malformed, tuned for other parameters or
+    another arch, or that the planner refuses: the default plan and a one-line warning."""
+    from .render import plan  # render imports Jinja: only when resolving
+    if path is None:
+        return {}, "default", None, None
+    path = Path(path)
+    where = display(path)
+    if not path.exists():
+        return {}, "default", None, None
+    doc = read_tuning(path)
+    if not doc and path.stat().st_size:
+        return {}, "default", None, f"warning: {where}: not a tuning file (JSON object); default plans used"
+    e = doc.get(v.name)
+    if e is None:
+        return {}, "default", None, None
+    why = None
+    if not isinstance(e, dict) or not isinstance(e.get("overrides"), dict):
+        why = "malformed entry (no \"overrides\" object)"
+    elif e.get("identity") not in (None, identity(v.params(), str(arch))):
+        why = "tuned for other parameters or another arch (stale: run `megakernel tune` again)"
+    else:
+        try:
+            plan(v, str(arch), overrides=e["overrides"])
+        except PlanError as exc:
+            why = f"refused by the planner: {exc}"
+    if why:
+        return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
+    figures = {k: e[k] for k in ("default_us", "tuned_us") if isinstance(e.get(k), (int, float))}
+    return dict(e["overrides"]), f"tuned ({where})", figures or None, None
+
+
+def _half(n: int) -> int:
+    return n // 2
+
+
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[dict]:
+    """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
+    accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
+
+    Neighbours: per projection NWG halved and doubled (U as planned) and U doubled (halved where 8 already);
+    attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
+    ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
+    from .render import plan
+    base = plan(v, arch)
+    d = base["consts"]
+    if base["mode"] != "decode":
+        return [{}]
+    tries: list[dict] = []
+    for prefix, _ in PROJECTIONS:
+        nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
+        tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
+                  {f"{prefix}_U": u * 2 if u < 8 else u // 2}]
+    w, c = d["ATT_WARPS"], d["ATT_C"]
+    tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
+    tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
+    out, seen, stage3 = [{}], {knob_values(base)}, False
+    for ov in tries:
+        if len(out) >= limit:
+            break
+        if "ATT_STAGES" in ov and stage3:
+            continue
+        if any(val < 1 for val in ov.values()):
+            continue
+        try:
+            p = plan(v, arch, overrides=ov)
+        except PlanError:
+            continue
+        key = knob_values(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(ov)
+        stage3 = stage3 or "ATT_STAGES" in ov
+    return out
+
+
+def knob_values(p: dict) -> tuple:
+    """The tuned knobs' values in plan `p` (two overrides that plan the same kernel compare equal)."""
+    return tuple(p["consts"].get(k) for k in KNOBS)
+
+
+def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:
+    """The union of single-knob winners of different stages (the stages are separated by grid barriers, so their
+    knobs act nearly independently), if the planner accepts it and it differs from each of them; else None."""
+    from .render import plan
+    merged: dict = {}
+    for ov in winners:
+        if set(ov) & set(merged):
+            continue
+        merged.update(ov)
+    if len(merged) == 0 or any(merged == ov for ov in winners):
+        return None
+    try:
+        plan(v, arch, overrides=merged)
+    except PlanError:
+        return None
+    return merged
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """An exclusive lock on the directory itself (no lock file left in the repository)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def record(path: Path, rows: dict[str, dict]) -> Path:
+    """Merge {variant: entry} into the tuning file under a lock (several tuner shards may write one file)."""
+    from .compile import atomic_write
+    path = Path(path)
+    with _locked(path.parent):
+        doc = read_tuning(path)
+        doc.update(rows)
+        atomic_write(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path

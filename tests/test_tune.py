@@ -1,0 +1,209 @@
+"""The tuner's CPU side (candidates, plan overrides, tuning files, build/report picking up tuned plans) and, marked
+gpu, `megakernel tune` on one small variant."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from generator import manifest as gmanifest, render, tune as gtune, variants as gvariants
+from generator.manifest import identity
+from generator.modes.decode import KNOBS
+from generator.plan import PlanError
+
+from conftest import ROOT, TINY_NAMES, run_cli
+
+TINY = TINY_NAMES[0]  # tiny-a_decode_b1_s64_bf16
+
+
+def declared():
+    return gvariants.load(ROOT / "variants.yaml") + gvariants.load(ROOT / "bench" / "heldout.yaml")
+
+
+def tiny(tiny_variants_file, name=TINY):
+    return next(v for v in gvariants.load(tiny_variants_file) if v.name == name)
+
+
+@pytest.mark.parametrize("v", declared(), ids=lambda v: v.name)
+def test_candidates_default_first_all_plan_no_duplicates(v):
+    cands = gtune.candidates(v)
+    assert cands[0] == {}
+    assert 9 <= len(cands) <= 17
+    seen = set()
+    for ov in cands:
+        p = render.plan(v, overrides=ov)  # within budget (else PlanError)
+        assert p["smem_bytes"] <= 227 * 1024
+        key = gtune.knob_values(p)
+        assert key not in seen
+        seen.add(key)
+        assert p["overrides"] == dict(sorted(ov.items()))
+
+
+def test_override_changes_source_and_dependent_constants():
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b4_s32768_bf16")
+    d = render.plan(v)
+    c = d["consts"]
+    p = render.plan(v, overrides={"ATT_C": c["ATT_C"] * 2, "O_NWG": c["O_NWG"] // 2})
+    assert p["consts"]["ATT_C"] == c["ATT_C"] * 2 and p["consts"]["O_NWG"] == c["O_NWG"] // 2
+    assert p["consts"]["ATT_NSPLIT"] == -(-v.seq_len // (c["ATT_C"] * 2)) != c["ATT_NSPLIT"]
+    assert p["workspace"]["bytes"] != d["workspace"]["bytes"]  # partial results scale with the splits
+    s3 = render.plan(v, overrides={"ATT_STAGES": 3})
+    assert s3["consts"]["SMEM_FLAG"] > c["SMEM_FLAG"] and s3["smem_bytes"] > d["smem_bytes"]
+    w = render.plan(v, overrides={"ATT_WARPS": c["ATT_WARPS"] // 2})  # ATT_C re-derived for the new step
+    assert w["consts"]["ATT_C"] % (16 * w["consts"]["ATT_WARPS"]) == 0
+    src, src2 = render.render(v, d), render.render(v, p)
+    assert src != src2 and f"ATT_NSPLIT = {p['consts']['ATT_NSPLIT']};" in src2
+
+
+@pytest.mark.parametrize("ov,words", [
+    ({"FOO": 1}, ["FOO", "unknown knob"]),
+    ({"QKV_NWG": 3}, ["QKV_NWG=3", "divides"]),
+    ({"O_U": 9}, ["O_U=9", "1..8"]),
+    ({"ATT_STAGES": 4}, ["ATT_STAGES=4"]),
+    ({"GU_NWG": "8"}, ["GU_NWG", "integer"]),
+    ({"ATT_WARPS": 8, "ATT_C": 200}, ["ATT_C=200", "multiple of 16 x ATT_WARPS = 128"]),
+    ({"ATT_WARPS": 16, "ATT_STAGES": 3}, ["plan overrides", "shared memory"]),
+])
+def test_bad_override_is_one_line_plan_error(ov, words):
+    v = next(v for v in declared() if v.name == "llama3-8b_decode_b1_s4096_bf16")
+    with pytest.raises(PlanError) as ei:
+        render.plan(v, overrides=ov)
+    msg = str(ei.value)
+    assert "\n" not in msg and v.name in msg
+    for w in words:
+        assert w in msg
+
+
+def test_knobs_are_the_planned_constants():
+    v = declared()[0]
+    assert set(KNOBS) <= set(render.plan(v)["consts"])
+
+
+def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
+    v = tiny(tiny_variants_file)
+    f = tmp_path / "gpu.json"
+    good = {"overrides": {"QKV_NWG": 2}, "default_us": 10.0, "tuned_us": 8.0, "identity": identity(v.params(), "90")}
+    f.write_text(json.dumps({v.name: good}))
+    ov, src, fig, warn = gtune.resolve(v, "90", f)
+    assert ov == {"QKV_NWG": 2} and src.startswith("tuned (") and fig == {"default_us": 10.0, "tuned_us": 8.0}
+    assert warn is None
+    for bad, why in [({**good, "overrides": {"QKV_NWG": 3}}, "refused by the planner"),
+                     ({**good, "identity": "0" * 64}, "other parameters"),
+                     ({"overrides": 5}, "malformed"), ("junk", "malformed")]:
+        f.write_text(json.dumps({v.name: bad}))
+        ov, src, fig, warn = gtune.resolve(v, "90", f)
+        assert (ov, src, fig) == ({}, "default", None)
+        assert warn.startswith("warning: ") and why in warn and "\n" not in warn
+    f.write_text("{not json")
+    assert gtune.resolve(v, "90", f)[1] == "default" and "not a tuning file" in gtune.resolve(v, "90", f)[3]
+    assert gtune.resolve(v, "90", tmp_path / "absent.json")[:3] == ({}, "default", None)
+
+
+def test_record_merges(tmp_path):
+    f = tmp_path / "t" / "x.json"
+    gtune.record(f, {"a": {"overrides": {}}})
+    gtune.record(f, {"b": {"overrides": {"O_U": 2}}})
+    assert set(json.loads(f.read_text())) == {"a", "b"}
+    assert list(f.parent.iterdir()) == [f]
+
+
+def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_file):
+    tdir = tmp_path / "tuning"
+    tdir.mkdir()
+    v = tiny(tiny_variants_file)
+    (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {
+        "overrides": {"QKV_NWG": 2, "DOWN_U": 2}, "default_us": 12.0, "tuned_us": 10.0,
+        "identity": identity(v.params(), "90")}}))
+    env_dir = {"MEGAKERNEL_TUNING_DIR": str(tdir)}
+    b = tmp_path / "build"
+
+    def build(*extra):
+        import os
+        import subprocess
+        import sys
+        from conftest import cli_env
+        r = subprocess.run([sys.executable, "-m", "generator.cli", "build", "--variants", tiny_variants_file,
+                            "--build-dir", b, "--only", v.name, "-j", "2", *extra], cwd=tmp_path,
+                           env={**cli_env(), **env_dir}, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return r, gmanifest.read_manifest(b)["variants"][v.name]
+
+    r, e = build()  # the only file in tuning/: used by default
+    assert e["plan_source"] == "tuned (" + str((tdir / "nvidia-h200.json").resolve()) + ")"
+    assert e["plan"]["consts"]["QKV_NWG"] == 2 and e["plan"]["overrides"] == {"DOWN_U": 2, "QKV_NWG": 2}
+    assert "constexpr int QKV_NWG = 2;" in (b / v.name / "kernel.cu").read_text()
+    assert gmanifest.status(e, v, gmanifest.kernel_sources_digest()) == "built"
+    tuned_key = e["key"]
+    rep = run_cli(["report", "--variants", tiny_variants_file, "--build-dir", b, "--no-gpu", "--wide"], cwd=tmp_path)
+    assert "tuned ×1.20" in rep.stdout
+    row = json.loads((b / "report.json").read_text())["rows"][0]
+    assert row["plan"].startswith("tuned") and row["tuned_gain"] == 1.2
+
+    # the tuning entry changes: the build is stale until rebuilt
+    (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 4},
+                                                               "identity": identity(v.params(), "90")}}))
+    assert gmanifest.status(e, v, gmanifest.kernel_sources_digest()) == "stale (tuning)"
+    with pytest.raises(gmanifest.LoadError, match="stale"):
+        gmanifest.find_entry(v.name, b, v)
+
+    # a bad entry: one warning line, the default plan
+    (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 5}}}))
+    r, e = build("--tuned-for", "nvidia-h200")
+    warns = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:") and v.name in ln]
+    assert len(warns) == 1 and "QKV_NWG=5" in warns[0]
+    assert e["plan_source"] == "default" and e["plan"]["overrides"] == {} and e["key"] != tuned_key
+
+    r, e = build("--no-tuned")
+    assert e["plan_source"] == "default" and e["tuning"] is None
+    rep = run_cli(["report", "--variants", tiny_variants_file, "--build-dir", b, "--no-gpu", "--wide"], cwd=tmp_path)
+    assert "default" in rep.stdout
+
+
+def test_tuned_for_missing_file_is_one_line(tmp_path, tiny_variants_file, cli):
+    r = cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", "no-such-gpu"],
+            cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --tuned-for no-such-gpu") and not (tmp_path / "b").exists()
+
+
+# ---- GPU: the tuner end to end on one small variant -----------------------------------------------------------
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_tune_one_small_variant(tmp_path):
+    from conftest import cli_env
+    import subprocess
+    import sys
+    name = "qwen2.5-0.5b_decode_b1_s1024_bf16"
+    out = tmp_path / "tuning" / "gpu.json"
+    r = subprocess.run([sys.executable, "-m", "generator.cli", "tune", "--only", name, "--out", out, "--limit", "6",
+                        "--build-dir", tmp_path / "cands"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    e = json.loads(out.read_text())[name]
+    assert e["tuned_us"] <= e["default_us"] * 1.03
+    v = next(v for v in declared() if v.name == name)
+    ov, src, _, warn = gtune.resolve(v, "90", out)
+    assert warn is None and src.startswith("tuned") and ov == e["overrides"]
+    # the winner, built by `megakernel build --tuned-for FILE`, passes verification
+    b = tmp_path / "build"
+    r = subprocess.run([sys.executable, "-m", "generator.cli", "build", "--only", name, "--build-dir", b,
+                        "--tuned-for", out], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    import torch
+    from generator import reference, verify
+    from generator.loader import load
+    W = reference.random_weights(v.model, seed=3, device="cuda")
+    layer = load(name, W, build_dir=b)
+    assert layer.plan["overrides"] == e["overrides"]
+    x, pos = verify.random_inputs(layer, 3)
+    assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
+    torch.cuda.synchronize()
