@@ -34,18 +34,19 @@ class Buffer:
 CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
-# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, BATCH, XN_ROWS (rows of the prefill-only
-# buffers: 0 in decode).
+# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, and the prefill-only XN_ROWS and
+# SPLIT_FLOATS (0 in decode).
 WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
            "attention split partials: acc[head_dim], max, sum"),
-    Buffer("count", "unsigned", lambda c: (c["ROWS"] * c["KV_HEADS"],), "splits finished per (token, kv head)"),
+    Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
     Buffer("attn", "T", lambda c: (c["ROWS"], c["Q_DIM"]), "attention output"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("act", "T", lambda c: (c["ROWS"], c["INTER"]), "act(gate) * up"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
+    Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],), "split-K partial sums of the prefill GEMMs"),
     Buffer("clock", "long long", lambda c: (8,), "block 0's SM clock at each stage boundary"),
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
 )

@@ -40,7 +40,7 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
         p = mode.plan(v, a)
     p.setdefault("overrides", {})
     p.update(mode=mode.name, arch=a.sm, grid_syncs=mode.grid_syncs, steps=[s.stage for s in mode.steps],
-             workspace=interface.workspace_layout({"XN_ROWS": 0, **p["consts"], "ROWS": p["rows"]}))
+             workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
     return p
 
 

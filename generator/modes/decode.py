@@ -128,6 +128,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_NWG": gemv[key]["NWG"], f"{prefix}_U": gemv[key]["U"]})
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
+            "sizes": {"COUNTERS": v.batch * m.kv_heads, "XN_ROWS": 0, "SPLIT_FLOATS": 0},
             "overrides": dict(sorted(ov.items()))}
 
 
