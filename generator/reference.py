@@ -58,7 +58,7 @@ def qk_norm(t: torch.Tensor, w: torch.Tensor | None, m: Model) -> torch.Tensor:
 
 def rope(t: torch.Tensor, pos: torch.Tensor, m: Model) -> torch.Tensor:
     """t [B, heads, head_dim], pos [B]: HF rotate_half convention."""
-    freqs = pos.float()[:, None] * inv_freq(m, t.device)[None, :]  # [B, head_dim/2]
+    freqs = pos.to(t.device).float()[:, None] * inv_freq(m, t.device)[None, :]  # [B, head_dim/2]
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     a, b = t[..., : m.head_dim // 2], t[..., m.head_dim // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)

@@ -62,6 +62,26 @@ def render_config(v: Variant, p: dict) -> str:
     return _env().get_template("config.cuh.j2").render(**_config_vars(v, p))
 
 
+# what a stage header includes when opened alone (an editor, nvcc): the config of one default variant per mode
+EXAMPLES = {"decode": ("llama3.2-1b_decode_b1_s4096_bf16", "example_config.cuh"),
+            "prefill": ("llama3.2-1b_prefill_b1_s64_bf16", "example_config_prefill.cuh")}
+
+
+def write_example_configs(variants_file: str | Path = TEMPLATES.parent / "variants.yaml") -> list[Path]:
+    """Rewrite the EXAMPLES configs from their renders:
+    `python -c "import generator.render as r; r.write_example_configs()"`."""
+    from .variants import load
+    declared = {v.name: v for v in load(variants_file)}
+    out = []
+    for name, file in EXAMPLES.values():
+        v = declared[name]
+        text = render_config(v, plan(v)).replace(
+            "// ---- config (generated", f"// ---- example config of {name} (for opening a header alone; generated", 1)
+        (TEMPLATES / file).write_text(text)
+        out.append(TEMPLATES / file)
+    return out
+
+
 def _inline(text: str, base: Path, seen: set) -> str:
     """Replace each quoted #include with the file's text, once per file (#pragma once), recursively."""
     def sub(mt):
@@ -79,5 +99,5 @@ def render(v: Variant, p: dict | None = None) -> str:
     p = p or plan(v)
     mode = MODES[p["mode"]]
     top = _env().get_template("kernel.cu.j2").render(mode=mode, params=interface.c_params(), **_config_vars(v, p))
-    # the config is already at the top: an included "example_config.cuh" is skipped by MEGAKERNEL_CONFIG
-    return _inline(top, TEMPLATES, {(TEMPLATES / "example_config.cuh").resolve()})
+    # the config is already at the top: the example configs are never pasted in
+    return _inline(top, TEMPLATES, {(TEMPLATES / file).resolve() for _, file in EXAMPLES.values()})

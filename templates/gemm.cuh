@@ -11,6 +11,9 @@
 // to finish (found through a per-tile counter, reset by that task for the next launch: no barrier) adds the others'
 // partials to its own and runs the epilogue.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (the GEMM is prefill's)
+#include "example_config_prefill.cuh"
+#endif
 #include "gemv.cuh"
 
 constexpr int GEMM_WN = (THREADS / 32) / GEMM_WM;   // warp columns

@@ -84,25 +84,30 @@ def test_every_step_is_a_header_and_a_reference_function():
     for mode in MODES.values():
         assert mode.grid_syncs == sum(s.then == "grid" for s in mode.steps)
         for s in mode.steps:
-            assert (grender.TEMPLATES / "stages" / f"{s.stage}.cuh").is_file(), s.stage
+            assert (grender.TEMPLATES / mode.headers / f"{s.stage}.cuh").is_file(), s.stage
             assert callable(getattr(reference, s.stage)), s.stage
             assert s.call.startswith(f"{s.stage}(")
-    for header in (grender.TEMPLATES / "stages").glob("*.cuh"):
+    for header in (grender.TEMPLATES / "stages").rglob("*.cuh"):
         assert callable(getattr(reference, header.stem, None)), f"{header.name} has no reference function"
         assert "{{" not in header.read_text() and "{%" not in header.read_text(), f"{header.name} is not plain CUDA"
 
 
-def test_example_config_is_a_real_render():
-    text = (grender.TEMPLATES / "example_config.cuh").read_text()
-    want = grender.render_config(ONE, grender.plan(ONE))
-    assert text.split("\n", 1)[1] == want.split("\n", 1)[1], "run: python -m generator.render --example-config"
+def test_example_configs_are_real_renders():
+    declared = {v.name: v for v in DEFAULTS}
+    for mode, (name, file) in grender.EXAMPLES.items():
+        text = (grender.TEMPLATES / file).read_text()
+        v = declared[name]
+        assert v.mode == mode
+        want = grender.render_config(v, grender.plan(v))
+        assert text.split("\n", 1)[1] == want.split("\n", 1)[1], \
+            'run: python -c "import generator.render as r; r.write_example_configs()"'
 
 
 def test_every_header_compiles_alone(tmp_path):
     """An editor or nvcc opens a stage header by itself (against example_config.cuh)."""
     exe = nvcc()
-    headers = sorted((grender.TEMPLATES / "stages").glob("*.cuh")) + [grender.TEMPLATES / "gemv.cuh",
-                                                                        grender.TEMPLATES / "common.cuh"]
+    headers = sorted((grender.TEMPLATES / "stages").rglob("*.cuh")) + [
+        grender.TEMPLATES / f for f in ("gemv.cuh", "gemm.cuh", "common.cuh")]
 
     def one(h):
         return h, subprocess.run([exe, "-std=c++17", "-arch=sm_90", "-x", "cu", "-c", "-o", os.devnull, str(h)],

@@ -125,13 +125,15 @@ def check_one_line(msg: str, path: str, expect: list[str]) -> None:
 
 # ---------------------------------------------------------------- the default file
 
-def test_default_file_expands_to_45_named_variants():
+def test_default_file_expands_to_65_named_variants():
     vs = gvariants.load(ROOT / "variants.yaml")
     names = [v.name for v in vs]
-    assert len(vs) == 45
-    assert len(set(names)) == 45
+    assert len(vs) == 65  # 5 models x 9 decode + 2 models x 10 prefill
+    assert len(set(names)) == 65
     expected = {f"{m}_decode_b{b}_s{s}_bf16"
                 for m, b, s in itertools.product(DEFAULT_MODELS, (1, 4, 8), (1024, 4096, 32768))}
+    expected |= {f"{m}_prefill_b{b}_s{s}_bf16"
+                 for m, b, s in itertools.product(("llama3.2-1b", "llama3-8b"), (1, 4), (16, 64, 128, 512, 2048))}
     assert set(names) == expected
     assert "llama3.2-1b_decode_b1_s4096_bf16" in names
 
@@ -152,7 +154,8 @@ def test_every_default_variant_plans_within_budget_and_renders():
         src = grender.render(v, p)
         assert 'extern "C" __global__' in src and "decoder_layer" in src
         assert "{{" not in src and "{%" not in src
-        assert re.search(rf"\bBATCH\s*=\s*{v.batch}\b", src) and re.search(rf"\bSEQ_LEN\s*=\s*{v.seq_len}\b", src)
+        length = "SEQ_LEN" if v.mode == "decode" else "CHUNK"
+        assert re.search(rf"\bBATCH\s*=\s*{v.batch}\b", src) and re.search(rf"\b{length}\s*=\s*{v.seq_len}\b", src)
 
 
 def test_params_round_trip_the_fields():
@@ -199,11 +202,12 @@ def test_select_globs():
     vs = gvariants.load(ROOT / "variants.yaml")
     sel = gvariants.select
     assert {v.name for v in sel(vs, ("llama3.2-1b_*",))} == {
-        f"llama3.2-1b_decode_b{b}_s{s}_bf16" for b in (1, 4, 8) for s in (1024, 4096, 32768)}
-    assert len(sel(vs, ("*_b1_*",))) == 15
-    assert len(sel(vs, ("*_b1_*", "*_b8_*"))) == 30  # several --only: union
-    assert len(sel(vs, (), ("*_s32768_*",))) == 30
-    assert [v.name for v in sel(vs, ("llama3-8b_*",), ("*_b4_*", "*_b8_*", "*_s1024_*", "*_s32768_*"))] == [
+        f"llama3.2-1b_decode_b{b}_s{s}_bf16" for b in (1, 4, 8) for s in (1024, 4096, 32768)} | {
+        f"llama3.2-1b_prefill_b{b}_s{s}_bf16" for b in (1, 4) for s in (16, 64, 128, 512, 2048)}
+    assert len(sel(vs, ("*_decode_b1_*",))) == 15
+    assert len(sel(vs, ("*_decode_b1_*", "*_decode_b8_*"))) == 30  # several --only: union
+    assert len(sel(vs, ("*_decode_*",), ("*_s32768_*",))) == 30
+    assert [v.name for v in sel(vs, ("llama3-8b_*",), ("*_b4_*", "*_b8_*", "*_s1024_*", "*_s32768_*", "*prefill*"))] == [
         "llama3-8b_decode_b1_s4096_bf16"]
     assert sel(vs, ("nothing*",)) == []
     assert sel(vs) == vs

@@ -7,6 +7,9 @@
 // 64-key tiles of K and V through a double-buffered cp.async ring (rows padded by 16 bytes); a warp skips tiles
 // wholly past its rows' positions.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../gemv.cuh"
 
 constexpr int PA_KT = 64;                  // keys per tile
@@ -96,7 +99,7 @@ __device__ void attention(const int* __restrict__ pos, const T* ws_q, const T* k
             const T* kt = ring + (it & 1) * 2 * PA_TILE;
             const T* vt = kt + PA_TILE;
             for (int s0 = 0; s0 < PA_KT && k0 + s0 < wend; s0 += 16) {   // 16 keys at a time
-                float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // key n-tiles 0-7, 8-15
+                float sc[2][4] = {};  // key n-tiles 0-7, 8-15
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk) {
                     unsigned qa[4], kb[4];  // Q: (rows 0-7 | 8-15) x (dims 0-7 | 8-15); K: (keys ..) x (dims ..)

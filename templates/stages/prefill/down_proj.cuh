@@ -1,5 +1,8 @@
 // ---- stage: down_proj (prefill) ---- down projection of every token plus the second residual: out = h + act @ Wd^T.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../gemm.cuh"
 
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,

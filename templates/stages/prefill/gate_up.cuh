@@ -1,6 +1,9 @@
 // ---- stage: gate_up (prefill) ---- gate and up projections of every (normalised) token in one GEMM over the
 // interleaved weight (gate_i, up_i): each pair of rows gives act(gate) * up directly.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../gemm.cuh"
 
 __device__ void gate_up(const T* ws_xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,

@@ -4,6 +4,9 @@
 // memory. A sequence whose chunk does not fit the cache (start < 0 or start + CHUNK > cache_len: the loader checks
 // positions, this guards graph replays) writes no cache row; attention then makes its output NaN.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../qk_norm.cuh"
 #include "../rope.cuh"
 

@@ -2,6 +2,9 @@
 // into dst (T, rows of HIDDEN): one warp per row, rows strided over the grid's warps. The GEMM that follows reads
 // dst from global memory (L2), since a whole chunk's rows do not fit in one block's shared memory.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../common.cuh"
 
 template <class S>

@@ -1,6 +1,9 @@
 // ---- stage: o_proj (prefill) ---- output projection of every token plus the residual: h = x + attn @ Wo^T, kept
 // in fp32 (ws_h) for the second norm and the final residual.
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../gemm.cuh"
 
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, float* ws_split, unsigned* ws_count,

@@ -1,6 +1,9 @@
 // ---- stage: qkv_proj (prefill) ---- q, k and v of every token of the chunk in one GEMM over the packed [q; k; v]
 // weight (+ bias): raw fp32 rows to ws_qkv[t][QKV_DIM] (q/k norm and RoPE follow in kv_append).
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
+#include "../../example_config_prefill.cuh"
+#endif
 #include "../../gemm.cuh"
 
 __device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const T* b_qkv, float* ws_qkv, float* ws_split,

@@ -1,0 +1,39 @@
+// ---- example config of llama3.2-1b_prefill_b1_s64_bf16 (for opening a header alone; generated: every number comes from the planner; the manifest records the same) ----
+#define MEGAKERNEL_CONFIG 1
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#pragma nv_diag_suppress 177  // one config serves every stage: not every stage reads every constant
+constexpr int HIDDEN = 2048;
+constexpr int HEADS = 32;
+constexpr int KV_HEADS = 8;
+constexpr int HEAD_DIM = 64;
+constexpr int INTER = 8192;
+constexpr int BATCH = 1;
+constexpr int CHUNK = 64;
+constexpr int ROWS = 64;
+constexpr int THREADS = 384;
+constexpr int GROUP = 4;
+constexpr int Q_DIM = 2048;
+constexpr int KV_DIM = 512;
+constexpr int QKV_DIM = 3072;
+constexpr int ATT_NSPLIT = 0;
+constexpr int GEMM_WM = 2;
+constexpr int GEMM_TM = 2;
+constexpr int GEMM_TN = 2;
+constexpr int GEMM_BK = 64;
+constexpr int GEMM_STAGES = 7;
+constexpr int QKV_KSPLIT = 3;
+constexpr int O_KSPLIT = 4;
+constexpr int GU_KSPLIT = 1;
+constexpr int DOWN_KSPLIT = 4;
+constexpr float NORM_EPS = 1e-05f;
+constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+constexpr float T_MAX = 3.3895313892515355e+38f;  // largest finite T
+#define DTYPE_BF16 1
+#define MMA_AB "bf16"
+#define NORM_LAYERNORM 0
+#define ACT_GELU 0
+#define QKV_BIAS 0
+#define QK_NORM 0
