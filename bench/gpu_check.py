@@ -73,6 +73,8 @@ def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
                 y = call(L, y)
             return y
         timings[label] = time_replays(graph_of(step).replay, n)
+    fused[0].prefill(xs, zero, validate=False)
+    row["stage_us"] = {k: round(s, 1) for k, s in fused[0].stage_us().items()}  # one launch, weights from HBM
     p = fused[0].plan
     att_flops = 2 * 2 * B * m.heads * m.head_dim * C * (C + 1) / 2  # causal: QK^T and PV over half the square
     flops = p["gemm_flops"] + att_flops
@@ -246,7 +248,7 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
     pre = [r for r in rows if r.get("mode") == "prefill"]
     if pre:
         print(f"\n{'prefill variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>9s} {'TFLOP/s':>7s} "
-              f"{'unfused':>9s} {'TFLOP/s':>7s} {'x unf':>6s} route")
+              f"{'unfused':>9s} {'TFLOP/s':>7s} {'x unf':>6s} route    stages (us): norm qkv kv att o norm gu down")
         for r in pre:
             name = r["variant"] + ("*" if r.get("heldout") else "")
             if "error" in r:
@@ -255,7 +257,7 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
             bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
             print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:9.1f} "
                   f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
-                  f"{r['route']}{bad}")
+                  f"{r['route']}  " + " ".join(f"{s:.0f}" for s in r["stage_us"].values()) + bad)
         from generator import routes
         measured = {r["variant"]: {"fused_us": r["us"], "unfused_us": r["unfused_us"]}
                     for r in pre if "error" not in r and r["pass"] and not r.get("heldout")}
