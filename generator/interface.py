@@ -47,7 +47,7 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],), "split-K partial sums of the prefill GEMMs"),
-    Buffer("clock", "long long", lambda c: (8,), "block 0's SM clock at each stage boundary"),
+    Buffer("clock", "long long", lambda c: (16,), "block 0's SM clock at each step boundary (up to 15 steps)"),
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
 )
 

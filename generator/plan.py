@@ -38,6 +38,9 @@ class Mode:
     doc: str
     headers: str = "stages"   # where its steps' headers live under templates/
 
+    def __post_init__(self):
+        assert len(self.steps) < 16, "interface.WORKSPACE's clock buffer holds 16 stamps"
+
     @property
     def grid_syncs(self) -> int:
         return sum(s.then == "grid" for s in self.steps)
