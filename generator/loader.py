@@ -159,7 +159,11 @@ class FusedDecoderLayer:
         import cupy
         c = self.buffer("clock").cpu().tolist()
         khz = cupy.cuda.Device(self.device.index).attributes["ClockRate"]
-        return {s: (c[i + 1] - c[i]) / khz * 1e3 for i, s in enumerate(self.STAGES)}
+        out, seen = {}, {}
+        for i, s in enumerate(self.STAGES):  # a step that runs twice (prefill's norm) is "norm", then "norm (2)"
+            seen[s] = seen.get(s, 0) + 1
+            out[s if seen[s] == 1 else f"{s} ({seen[s]})"] = (c[i + 1] - c[i]) / khz * 1e3
+        return out
 
     def overflows(self, reset: bool = True) -> int:
         """How many values overflowed the dtype (became inf where the fp32 math was finite: fp16 above 65,504)

@@ -21,7 +21,6 @@ STEPS = (
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
 )
 
-GEMM_BK = 64
 MAX_STAGES = 8  # cp.async ring depth: 7 chunks in flight per SM keep HBM busy when a chunk is short (few tasks)
 # 12 warps: up to 168 registers a thread (16 warps cap it at 128, where head_dim-128 attention spills: its output
 # accumulators alone take 64)
@@ -35,11 +34,17 @@ def plan(v: Variant, arch: Arch) -> dict:
     esize = DTYPES[m.dtype].bytes
     rows = v.batch * v.seq_len
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    # block tiles (weight rows x tokens): 64 x 96 from 2 x 2 mma tiles a warp for short chunks (more tasks to
-    # spread over the SMs); 128 x 96 from 2 x 4 a warp for long ones (fewer fragment reads per mma; 4 x 4 spills)
-    wm, tm, tn = (2, 2, 2) if rows <= 96 else (4, 2, 4)
+    # block tiles (weight rows x tokens) and K chunk: a short chunk streams weights (tall tiles over few tokens, long
+    # K chunks: fewer barriers per byte, more bytes in flight); a long one is compute-bound (2 x 4 mma tiles a warp:
+    # fewer fragment reads per mma; 4 x 4 spills)
+    if rows <= 32:
+        wm, tm, tn, bk = 6, 2, 2, 128      # 192 x 32
+    elif rows <= 96:
+        wm, tm, tn, bk = 4, 2, 2, 128      # 128 x 48
+    else:
+        wm, tm, tn, bk = 4, 2, 4, 64       # 128 x 96
     bm, bn = wm * tm * 16, (THREADS // 32 // wm) * tn * 8
-    stage_bytes = (bm * GEMM_BK + bn * (GEMM_BK + 8)) * esize
+    stage_bytes = (bm * bk + bn * (bk + 8)) * esize
     stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
     gemm_bytes = stages * stage_bytes
     att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
@@ -55,20 +60,20 @@ def plan(v: Variant, arch: Arch) -> dict:
     for name, n, k in (("qkv", q_dim + 2 * kv_dim, m.hidden), ("o", m.hidden, q_dim),
                        ("gate_up", 2 * m.intermediate, m.hidden), ("down", m.hidden, m.intermediate)):
         count = -(-n // bm) * -(-rows // bn)
-        ksplit = max(1, min(-(-k // GEMM_BK) // 4, round(arch.sms / count)))
+        ksplit = max(1, min(-(-k // bk) // 4, arch.sms // count))  # never a second, partial wave
         tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": ksplit}
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_NSPLIT": 0, "GEMM_WM": wm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": GEMM_BK, "GEMM_STAGES": stages,
+        "ATT_NSPLIT": 0, "GEMM_WM": wm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
         **{f"{p}_KSPLIT": tiles[k]["KSPLIT"]
            for p, k in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))},
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
     sizes = {"XN_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
              "SPLIT_FLOATS": max(t["KSPLIT"] * rows * t["N"] if t["KSPLIT"] > 1 else 0 for t in tiles.values())}
-    return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": GEMM_BK, **tiles},
+    return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},
             "threads": THREADS, "smem_bytes": smem_bytes, "gemm_flops": flops, "sizes": sizes}
 
 
