@@ -27,14 +27,12 @@ MAX_STAGES = 8  # cp.async ring depth: 7 chunks in flight per SM keep HBM busy w
 THREADS = 384
 
 
-def split_k(tiles: int, chunks: int, outputs: int, sms: int) -> int:
-    """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each: the smallest within 15 % of the
-    least time in waves of `sms` tasks (ceil(tiles * s / sms) / s), with >= 2 chunks a task and the fp32 partials
-    (s x `outputs` floats) within 16 MB (long chunks have tiles enough and would only add partial traffic)."""
-    options = [s for s in range(1, max(1, chunks // 2) + 1) if s == 1 or s * outputs * 4 <= 16 * 2**20]
-    cost = {s: -(-tiles * s // sms) / s for s in options}
-    best = min(cost.values())
-    return min(s for s in options if cost[s] <= 1.15 * best)
+def split_k(tiles: int, chunks: int, sms: int) -> int:
+    """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each: about one task per SM where the
+    tiles are fewer than the SMs, never a second (partial) wave, >= 4 chunks a task. Measured on the H200 (see
+    bench/NOTES.md): finer splits (2 chunks a task, or a second wave to even out the tail) were slower: each split
+    pays the ring's fill and the partials' combine."""
+    return max(1, min(chunks // 4, sms // tiles))
 
 
 def plan(v: Variant, arch: Arch) -> dict:
@@ -69,7 +67,7 @@ def plan(v: Variant, arch: Arch) -> dict:
     for name, n, k in (("qkv", q_dim + 2 * kv_dim, m.hidden), ("o", m.hidden, q_dim),
                        ("gate_up", 2 * m.intermediate, m.hidden), ("down", m.hidden, m.intermediate)):
         count = -(-n // bm) * -(-rows // bn)
-        tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": split_k(count, -(-k // bk), rows * n, arch.sms)}
+        tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": split_k(count, -(-k // bk), arch.sms)}
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
