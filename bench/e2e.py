@@ -171,11 +171,18 @@ def main(argv=None):
         if "hf-compile" not in args.skip:
             hfm.generation_config.cache_implementation = "static"
             hfm.forward = torch.compile(hfm.forward, mode="reduce-overhead", fullgraph=True)
-            res["providers"]["transformers static + compile"] = bench_hf(hfm, args)
+            try:  # a failure here is reported in the results, not a lost run
+                res["providers"]["transformers static + compile"] = bench_hf(hfm, args)
+            except Exception as exc:  # noqa: BLE001
+                res["providers"]["transformers static + compile"] = {"error": f"{type(exc).__name__}: "
+                                                                              f"{str(exc).splitlines()[0][:200]}"}
         del hfm
     cols = ("ttft_ms_128", "ttft_ms_2048", "ms_per_token_b1", "ms_per_token_b8")
     print(f"{'provider':32} " + " ".join(f"{c:>16}" for c in cols))
     for name, r in res["providers"].items():
+        if "error" in r:
+            print(f"{name:32} error: {r['error']}")
+            continue
         print(f"{name:32} " + " ".join(f"{r.get(c, float('nan')):16.3f}" for c in cols))
     for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32"):
         if res.get(k):
