@@ -132,9 +132,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                       f"{result['distinct']} distinct binaries", highlight=False)
     for e in result["entries"]:
         if e["status"] == "refused":
-            err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False)
+            err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False, soft_wrap=True)
     for e in result["errors"]:
-        err_console.print(f"error: {e['error']}", markup=False, highlight=False)
+        err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
     rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
@@ -289,7 +289,11 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     from . import hf, loader, serve
     if bool(prompts) == bool(ids):
         fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
-    if device.startswith("cuda") and (why := cuda_unavailable()):
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        fail(f"--device: not a torch device: {device!r} (cuda, cuda:N or cpu)")
+    if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
     tok = None
     if prompts:
@@ -311,10 +315,16 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         stop_ids = None if stops is None else [int(t) for t in stops.split(",") if t.strip()]
     except ValueError:
         fail(f"--stop: comma-separated integers, got {stops!r}")
+    chosen = list(variant_names) or None
+    if dev.type == "cpu":  # the fused kernels run on CUDA only: the CPU serves the unfused layers
+        if chosen:
+            fail("--variant: fused variants run on CUDA; --device cpu serves the unfused layers (drop --variant)")
+        chosen = []
+        cache_len = cache_len or max(len(s) for s in seqs) + max_new_tokens
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
-            model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=list(variant_names) or None,
+            model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen,
                                         device=device, cache_len=cache_len, max_batch=len(seqs))
             model.use_graphs = model.use_graphs and not no_graph
 

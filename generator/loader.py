@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .host import inv_freq
-from .interface import ARGS, from_fragments, pack_weights, to_fragments, unpack_weights, weight_shapes  # noqa: F401  (re-exported)
+from .interface import ARGS, PACKED, from_fragments, pack_weights, to_fragments, unpack_weights, weight_shapes  # noqa: F401  (re-exported)
 from .manifest import LoadError, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
 from .variants import Model
@@ -79,6 +79,10 @@ class FusedDecoderLayer:
         self.dtype = torch_dtype(m.dtype)
         packing = weight_format(m.dtype).packing
         if packed is not None:  # another layer's packed weights (one copy serves every variant of a layer)
+            need = {p.arg for p in PACKED if p.when(m)}
+            if not isinstance(packed, dict) or set(packed) != need:
+                raise ValueError(f"packed: expected another layer's .packed with {', '.join(sorted(need))}, got "
+                                 f"{', '.join(sorted(packed)) if isinstance(packed, dict) else type(packed).__name__}")
             self.packed = packed
         else:
             check_weights(weights, m, self.dtype, self.device)

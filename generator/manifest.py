@@ -132,7 +132,8 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     if entry is None:
         raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix}")
     if entry["status"] != "ok":
-        raise LoadError(f"{name}: its build {entry['status']}: {entry.get('error', '').splitlines()[0]}")
+        why = (entry.get("error") or "no reason recorded").splitlines()[0]
+        raise LoadError(f"{name}: its build {entry['status']}: {why}")
     if v is None and entry.get("variants_file"):
         try:  # the declaration the build came from, as it reads now (a removed or broken file: not checked)
             v = next((d for d in gvariants.load(entry["variants_file"]) if d.name == name), None)

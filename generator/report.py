@@ -163,7 +163,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row["cached"] = e["resources"].get("cached")
             row["key"] = e.get("key")
         else:
-            row["error"] = e.get("error", "").splitlines()[0]
+            row["error"] = (e.get("error") or "no reason recorded").splitlines()[0]
         if name in loads:
             row["load_ms"] = loads[name]["load_ms"]
             row["attributes"] = loads[name]["attributes"]
@@ -196,7 +196,7 @@ TABLE_COLUMNS = [
         r["spill_stores"] + r["spill_loads"]), True),
     ("stack_frame", "stack\nB", _num("d"), False),
     ("smem_total", "smem\nKB", lambda r, k: f"{r[k] / 1024:.1f}", True),
-    ("smem_pct", "% of\n227KB", _num(".0f"), False),
+    ("smem_pct", "% of\nsmem", _num(".0f"), False),
     ("blocks_per_sm", "blk/\nSM", _num("d"), True),
     ("compile_s", "compile\ns", _num(".1f"), False),
     ("load_ms", "load\nms", _num(".2f"), True),

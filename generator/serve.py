@@ -393,7 +393,7 @@ class Model:
         cache_len = seq if seq is not None else cache_len
         if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 2:
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
-                             f"sequence, >= 2), got {cache_len!r}")
+                             f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")
         check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers)
         batches = [v.batch for v in vs]
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)

@@ -317,6 +317,13 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     r = cli(["generate", d, "--ids", "1", "--max-new-tokens", "40", "--device", "cpu", "--cache-len", "32"],
             cwd=tmp_path)
     assert r.returncode == 2 and "cache capacity 32" in r.stderr and r.stderr.count("\n") == 1
+    # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = cli(["generate", d, "--ids", "1", "--device", "tpu"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
+    r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --variant")
 
 
 # ------------------------------------------------------------------------------------------------------------

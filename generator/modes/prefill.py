@@ -59,8 +59,8 @@ def plan(v: Variant, arch: Arch) -> dict:
     append_bytes = (THREADS // 32) * m.head_dim * 4
     smem_bytes = check_smem(v.name, arch, {
         "projection GEMM": (gemm_bytes, "the GEMM ring is fixed by its tile: report this shape"),
-        "attention": (att_bytes, "64-key K/V tiles and 16 query rows per warp take 1024 x (head_dim + 8) B: a "
-                                 "smaller head_dim"),
+        "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
+                                 f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
     })
     tiles = {}
