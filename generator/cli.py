@@ -228,7 +228,7 @@ def clean_cmd(build_dir):
 def bench_cmd(ctx):
     """Time fused vs unfused baselines on the GPU (see `megakernel bench --help`)."""
     from bench.run import cli as bench_cli  # torch/CUDA imports only when benchmarking
-    bench_cli.main(args=ctx.args, prog_name="megakernel bench", standalone_mode=True)
+    _delegate(bench_cli, ctx.args, "megakernel bench")
 
 
 @main.command("tune", add_help_option=False,
@@ -238,7 +238,21 @@ def tune_cmd(ctx):
     """Sweep each decode variant's plan candidates on the GPU; record the winners in tuning/<gpu>.json
     (see `megakernel tune --help`)."""
     from bench.tune import cli as tune_cli  # torch/CUDA imports only when tuning
-    tune_cli.main(args=ctx.args, prog_name="megakernel tune", standalone_mode=True)
+    _delegate(tune_cli, ctx.args, "megakernel tune")
+
+
+def _delegate(command: click.Command, args: list, prog: str) -> None:
+    """Run a command that lives in bench/ with this CLI's conventions: a usage error is one `error:` line (exit 2),
+    `-h` is `--help`."""
+    args = ["--help" if a == "-h" else a for a in args]
+    try:
+        rv = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click.UsageError as exc:
+        fail(f"{prog}: {exc.format_message()}")
+    except click.exceptions.Abort:
+        fail("aborted", 1)
+    if isinstance(rv, int) and rv:
+        sys.exit(rv)
 
 
 @main.command("from-hf")

@@ -440,3 +440,12 @@ def test_readme_python_example_runs(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "torch.Size" in r.stdout and "bfloat16" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["bench", "tune"])
+def test_delegated_commands_usage_errors_are_one_line(cmd, tmp_path):
+    r = run_cli([cmd, "--bogus"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: megakernel {cmd}: No such option")
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = run_cli([cmd, "-h"], cwd=tmp_path)
+    assert r.returncode == 0 and f"Usage: megakernel {cmd}" in r.stdout
