@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from . import __version__
+from . import __version__, toolchain
 from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
 from .render import PlanError, plan, render
 from .targets import DEFAULT_ARCH, arch as get_arch
@@ -133,6 +133,7 @@ def _compile_object(source: str, arch: str, obj: Path) -> dict:
     atomic_write(obj / "ptxas.log", log.getvalue())
     atomic_write(obj / "kernel.ptx", ptx)
     atomic_write(obj / "kernel.cubin", cubin)
+    meta["sass"] = toolchain.sass_counts(str(obj / "kernel.cubin"))  # tensor-core instructions in the SASS
     atomic_write(obj / "meta.json", json.dumps(meta, indent=1))  # last: its presence marks a complete object
     return meta
 
@@ -266,6 +267,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                     "blocks_per_sm": blocks_per_sm(meta["registers"], entry["plan"]["threads"],
                                                    smem + meta["static_smem"], target.sm),
                     "cached": cached,
+                    "sass": meta.get("sass"),
                 }
             if progress:
                 progress(len(by_key[key]))

@@ -17,7 +17,7 @@ from .targets import DEFAULT_ARCH, arch as get_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
-           "plan", "tuned_gain", "flags"]
+           "plan", "tuned_gain", "mma_sass", "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_eager",
                  "speedup_compile"]
 
@@ -162,6 +162,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row.update({k: e["resources"].get(k) for k in COLUMNS if k in e["resources"]})
             row["cached"] = e["resources"].get("cached")
             row["key"] = e.get("key")
+            sass = e["resources"].get("sass")  # None: built before counting, or no cuobjdump/nvdisasm
+            row["mma_sass"] = None if not sass else sass.get("HMMA", 0) + sass.get("HGMMA", 0)
         else:
             row["error"] = (e.get("error") or "no reason recorded").splitlines()[0]
         if name in loads:
@@ -201,6 +203,7 @@ TABLE_COLUMNS = [
     ("compile_s", "compile\ns", _num(".1f"), False),
     ("load_ms", "load\nms", _num(".2f"), True),
     ("plan", "plan", _plan_cell, True),
+    ("mma_sass", "mma\nSASS", _num("d"), False),
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
     ("speedup_best", "×\nbest", _num(".2f"), True),

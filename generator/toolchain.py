@@ -57,3 +57,45 @@ def find_nvcc() -> str:
         raise ToolchainError(f"{source}: `nvcc --version` failed ({first}); {INSTALL_HINT}")
     _found[env] = " ".join(cmd)
     return _found[env]
+
+
+# the tensor-core instructions counted in a kernel's SASS: legacy warp-level mma (HMMA), Hopper's warpgroup mma
+# (HGMMA), and the shared-memory matrix loads that feed them (LDSM)
+SASS_OPS = ("HMMA", "HGMMA", "LDSM")
+
+
+def find_cuda_tool(name: str) -> str | None:
+    """Path of a CUDA binary tool (cuobjdump, nvdisasm): PATH, the toolkit beside nvcc, or the pip wheels'
+    nvidia/cu13/bin (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm); None where there is none."""
+    found = shutil.which(name)
+    if found:
+        return found
+    dirs = [os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "bin")]
+    try:
+        import nvidia
+        dirs += [os.path.join(p, sub, "bin") for p in nvidia.__path__ for sub in ("cu13", "cuda_cuobjdump",
+                                                                                 "cuda_nvdisasm")]
+    except ImportError:
+        pass
+    for d in dirs:
+        if os.access(os.path.join(d, name), os.X_OK):
+            return os.path.join(d, name)
+    return None
+
+
+def sass_counts(cubin: str) -> dict[str, int] | None:
+    """Static count of each SASS_OPS instruction in a cubin (cuobjdump -sass; it needs nvdisasm beside it or on
+    PATH); None where the tools are absent or fail (the report then shows "-")."""
+    tool, disasm = find_cuda_tool("cuobjdump"), find_cuda_tool("nvdisasm")
+    if tool is None or disasm is None:
+        return None
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(disasm), os.environ.get("PATH", "")]))
+    try:
+        r = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, timeout=120, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    import re
+    ops = re.findall(r"\b(" + "|".join(SASS_OPS) + r")\b", r.stdout)
+    return {op: ops.count(op) for op in SASS_OPS}

@@ -448,3 +448,17 @@ def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path):
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert gcompile.remove_stale_temps(tmp_path / "b") == 1
     assert not old.exists() and fresh.exists()
+
+
+def test_report_counts_tensor_core_instructions_in_the_sass(tiny_build):
+    """Every built kernel runs its projections and attention on the tensor cores: HMMA in its SASS, counted."""
+    from generator import toolchain
+    if toolchain.find_cuda_tool("cuobjdump") is None or toolchain.find_cuda_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    m = manifest(tiny_build["dir"])
+    for name in TINY_NAMES:
+        sass = m["variants"][name]["resources"]["sass"]
+        assert sass is not None and sass["HMMA"] > 0 and sass["LDSM"] > 0, (name, sass)
+    from generator.report import build_report
+    rep = build_report(tiny_build["dir"], gpu=False, write=False)
+    assert all(r["mma_sass"] > 0 for r in rep["rows"])
