@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import __version__, compile as gcompile, manifest as gmanifest, report as greport, toolchain, variants as gvariants
+from . import __version__, compile as gcompile, manifest as gmanifest, report as greport, toolchain
+from . import variants as gvariants
 from .render import PlanError, plan, render
 from .targets import TargetError, arch as get_arch
 

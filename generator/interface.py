@@ -76,8 +76,9 @@ ARGS: tuple[Arg, ...] = (
 
 def c_params() -> str:
     """The kernel's C parameter list (ARGS in order); pointers that the kernel only reads are __restrict__."""
-    return ",\n    ".join(f"{a.ctype} {'__restrict__ ' if a.ctype.startswith('const') and '*' in a.ctype else ''}{a.name}"
-                           for a in ARGS)
+    def restrict(a):
+        return "__restrict__ " if a.ctype.startswith("const") and "*" in a.ctype else ""
+    return ",\n    ".join(f"{a.ctype} {restrict(a)}{a.name}" for a in ARGS)
 
 
 def workspace_layout(consts: dict) -> dict:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from .host import inv_freq
-from .interface import ARGS, PACKED, from_fragments, pack_weights, to_fragments, unpack_weights, weight_shapes  # noqa: F401  (re-exported)
+from .interface import ARGS, PACKED, pack_weights, unpack_weights, weight_shapes
+from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
 from .variants import Model

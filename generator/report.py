@@ -18,8 +18,8 @@ from .targets import DEFAULT_ARCH, arch as get_arch
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
            "plan", "tuned_gain", "mma_sass", "flags"]
-BENCH_COLUMNS = ["fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_eager",
-                 "speedup_compile"]
+BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
+                 "speedup_eager", "speedup_compile"]
 
 
 def flags(entry: dict) -> list[str]:
@@ -82,30 +82,41 @@ def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
 
 
 def latest_bench(bench_dir: Path) -> dict[str, dict]:
-    """Per variant: the fused provider's figures and speedups from the newest bench/results/*.json."""
-    docs = []
+    """Per variant: the fused kernel's newest measured figures in bench/results/*.json, from `megakernel bench`
+    files (every provider's row) and `bench/gpu_check.py` files (one row per variant: decode µs, % of bandwidth and
+    speedups; prefill µs, TFLOP/s, × unfused and route). Newest = the file's recorded date, then its recorded time
+    (gpu_check writes one), then its name (deterministic in a fresh clone, where mtimes are the checkout's)."""
+    found: dict[str, tuple] = {}
     for p in bench_dir.glob("*.json"):
         try:
             doc = json.loads(p.read_text())
         except ValueError:
             continue
-        if any("provider" in r for r in doc.get("rows", [])):  # benchmark files only (not gpu_check's)
-            docs.append((p.stat().st_mtime, p, doc))
-    if not docs:
-        return {}
-    _, path, doc = max(docs, key=lambda d: d[0])
-    files = [path]
-    out = {}
-    for row in doc.get("rows", []):
-        if row.get("provider") != "fused":
+        if not isinstance(doc, dict):
             continue
-        out[row["variant"]] = {"fused_us": row.get("us_median"), "pct_bw": row.get("pct_bw"),
-                               "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
-                               "speedup_eager": row.get("speedup_vs_eager"),
-                               "speedup_compile": row.get("speedup_vs_compile"),
-                               "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline"),
-                               "bench_file": files[-1].name}
-    return out
+        when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
+        for row in doc.get("rows", []):
+            name = row.get("variant")
+            failed = row.get("error") or row.get("status", "ok") != "ok"
+            if not name or failed or row.get("provider", "fused") != "fused":
+                continue
+            if "provider" in row:  # megakernel bench
+                fig = {"fused_us": row.get("us_median"), "pct_bw": row.get("pct_bw"),
+                       "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
+                       "speedup_eager": row.get("speedup_vs_eager"), "speedup_compile": row.get("speedup_vs_compile"),
+                       "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline")}
+            elif row.get("mode") == "prefill":  # gpu_check, prefill
+                fig = {"fused_us": row.get("us"), "tflops": row.get("tflops"), "speedup_best": row.get("speedup"),
+                       "best_baseline": "unfused", "route": row.get("route")}
+            elif "us" in row:  # gpu_check, decode
+                fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"),
+                       "speedup_torch_graph": row.get("speedup"), "speedup_best": row.get("speedup_vs_best"),
+                       "best_baseline": row.get("best_baseline")}
+            else:
+                continue
+            if name not in found or when > found[name][0]:
+                found[name] = (when, {**fig, "bench_file": p.name})
+    return {name: fig for name, (_, fig) in found.items()}
 
 
 def totals_of(rows: list[dict], *, loads_measured: bool) -> dict:
@@ -206,6 +217,7 @@ TABLE_COLUMNS = [
     ("mma_sass", "mma\nSASS", _num("d"), False),
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
+    ("tflops", "TFLOP\n/s", _num(".0f"), False),
     ("speedup_best", "×\nbest", _num(".2f"), True),
     ("best_baseline", "best\nbaseline", lambda r, k: r.get(k) or "-", True),
     ("speedup_torch_graph", "×\ngraph", _num(".2f"), False),
@@ -215,7 +227,7 @@ TABLE_COLUMNS = [
 ]
 DROP_ORDER = ["plan", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
               "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
-BENCH_KEYS = {"fused_us", "pct_bw", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
+BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
               "speedup_eager"}
 
 
