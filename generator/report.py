@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 from rich import box
@@ -79,6 +80,11 @@ def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
         out[name] = {"load_ms": round(ms, 3), "attributes": {a: k.attributes[a] for a in
                      ("num_regs", "local_size_bytes", "shared_size_bytes", "max_threads_per_block")}}
     return out
+
+
+def natural_key(name: str) -> list:
+    """Sort key that orders the numbers in variant names by value (s1024 < s4096 < s32768)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def latest_bench(bench_dir: Path) -> dict[str, dict]:
@@ -166,7 +172,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     bench = latest_bench(Path(bench_dir)) if bench_dir else {}
     rows = []
-    for name, e in sorted(entries.items()):
+    for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
         row.update(plan_fields(e))
         if e["status"] == "ok":
