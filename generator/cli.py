@@ -357,7 +357,6 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
             click.echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
-    paths = model.paths(len(seqs), max(len(s) for s in seqs))
     n_new = sum(len(t) for t in out.tokens)
     err_console.print(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
                       f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
@@ -370,7 +369,6 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     mem = model.memory()
     err_console.print("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
                       markup=False, highlight=False, soft_wrap=True)
-    del paths
 
 
 def run():

@@ -141,6 +141,8 @@ class FusedDecoderLayer:
                       for a in ARGS if a.role == "workspace"})
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
+        missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]
+        assert not missing, f"interface.PACKED gives no {missing}"  # a null pointer the kernel would dereference
         self._argv = [np.int32(self.cache_len) if a.ctype == "int" else ptr(fixed.get(a.name)) for a in ARGS]
         self._live = [(i, a.name) for i, a in enumerate(ARGS) if a.role in ("input", "output")]
         assert {n for _, n in self._live} == {"x", "pos", "out"}, "interface.ARGS inputs/outputs changed"

@@ -356,14 +356,14 @@ class Model:
         from .hf.yaml_edit import variant_entry_yaml
 
         ck = _Checkpoint(path)
-        for i in range(ck.model.layers):
-            ck.check_layer(i)
+        layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # the whole checkpoint, before any load
         head = hfm._head_names(ck)
         shape = ck.model
         dev = torch.device(device)
         # the variants
+        # the build's records (not read where variants=[]: the unfused layers need no build)
+        entries = manifest.read_manifest(Path(build_dir))["variants"] if variants is None or variants else {}
         if variants is None:
-            entries = manifest.read_manifest(Path(build_dir))["variants"]
             chosen = sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape))
         else:
             if isinstance(variants, str):
@@ -404,8 +404,7 @@ class Model:
             raise ServeError("unfused=False: no decode variant is used, so nothing could serve a decode step")
         # memory, before any tensor is read
         elt = torch.finfo(dtype).bits // 8
-        ws = sum(manifest.read_manifest(Path(build_dir))["variants"][v.name]["plan"]["workspace"]["bytes"]
-                 for v in vs)
+        ws = sum(entries[v.name]["plan"]["workspace"]["bytes"] for v in vs)
         plan = plan_memory(shape, vocab=head["vocab"], tied=head["tie"] and not head["both"], elt=elt,
                            max_batch=max_batch, cache_len=cache_len, fused=bool(vs), unfused=unfused,
                            workspace_bytes=ws)
@@ -425,7 +424,7 @@ class Model:
         fused: dict[str, list] = {v.name: [] for v in vs}
         unf, kcs, vcs = ([] if unfused else None), [], []
         for i in range(shape.layers):
-            names = ck.check_layer(i)
+            names = layer_names[i]
             W = {short: ck.get(full).to(device=dev, dtype=dtype) for short, full in names.items()}
             k = torch.zeros(max_batch, shape.kv_heads, cache_len, shape.head_dim, dtype=dtype, device=dev)
             vv = torch.zeros_like(k)
