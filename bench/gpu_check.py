@@ -215,6 +215,8 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
     rows = []
     ok_names = {e["name"] for e in result["entries"] if e["status"] == "ok"}
     for v in vs + held:
+        if v.tp > 1:  # one process per GPU: bench/tp_check.py (torchrun) verifies and times them
+            continue
         if v.name not in ok_names:
             rows.append({"variant": v.name, "pass": False, "error": "not built"})
             continue
@@ -268,7 +270,30 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
     skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
     for why in skipped:
         print(f"flashinfer: {why}")
-    sys.exit(0 if all(r["pass"] for r in rows) else 1)
+    tp_ok = tensor_parallel(vs + held, variants_file, heldout_file, only, build_dir, out, seed)
+    sys.exit(0 if all(r["pass"] for r in rows) and tp_ok else 1)
+
+
+def tensor_parallel(vs, variants_file, heldout_file, only, build_dir, out, seed) -> bool:
+    """bench/tp_check.py under torchrun, one process per GPU, for the tp = 2 variants where 2 GPUs are visible; its
+    table printed here, its log and JSON in `out`. True when it passed or had nothing to run."""
+    if not any(v.tp == 2 for v in vs):
+        return True
+    if torch.cuda.device_count() < 2:
+        print(f"\ntensor parallel: {sum(v.tp == 2 for v in vs)} tp = 2 variants not run: "
+              f"{torch.cuda.device_count()} GPU visible (run bench/tp_check.py under torchrun on 2)")
+        return True
+    torch.cuda.empty_cache()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "bench" / "tp_check.py"), "--variants", variants_file, "--heldout", heldout_file or "",
+           "--build-dir", build_dir, "--out", str(out), "--seed", str(seed), *sum((["--only", g] for g in only), [])]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    (Path(out) / "tp_check.log").write_text(r.stdout + r.stderr)
+    lines = r.stdout.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(torch.cuda.get_device_name())), None)
+    print("\ntensor parallel (bench/tp_check.py):")
+    print("\n".join(lines[start:] if start is not None else (r.stdout + r.stderr).splitlines()[-15:]))
+    return r.returncode == 0
 
 
 if __name__ == "__main__":

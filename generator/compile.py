@@ -94,10 +94,11 @@ def cache_key(source: str, arch: str) -> str:
 
 
 def parse_ptxas(log: str) -> dict:
-    """Registers, stack, spills and static shared memory of decoder_layer from `ptxas -v` output."""
+    """Registers, stack, spills and static shared memory of the layer's kernel(s) from `ptxas -v` output: the
+    largest over the kernels where a tensor-parallel layer has several."""
     def grab(pattern, default=0):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else default
+        found = [int(x) for x in re.findall(pattern, log)]
+        return max(found) if found else default
     return {
         "registers": grab(r"Used (\d+) registers"),
         "stack_frame": grab(r"(\d+) bytes stack frame"),

@@ -70,6 +70,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("k_cache", "T*", "cache"),
     Arg("v_cache", "T*", "cache"),
     Arg("cache_len", "int", "param"),  # rows per sequence of the caches (decode: SEQ_LEN, a constant there)
+    Arg("tp_rank", "int", "param"),    # this GPU's rank in the tensor-parallel group (0 when TP = 1)
     *(Arg(f"ws_{b.name}", f"{b.ctype}*", "workspace") for b in WORKSPACE),
 )
 
@@ -120,6 +121,29 @@ def weight_shapes(m: Model) -> dict[str, tuple[int, ...]]:
     if m.qk_norm:
         shapes.update({"self_attn.q_norm.weight": (m.head_dim,), "self_attn.k_norm.weight": (m.head_dim,)})
     return shapes
+
+
+# tensor parallel (Megatron-LM, arXiv:1909.08053): tensors split across the GPUs of a layer, and the dimension; the
+# rest (norm weights, q/k norm) are replicated. Rows of q/k/v (and their biases) split by heads, gate/up by MLP
+# columns; o_proj and down_proj split their input columns to match, so each GPU's product is a partial sum.
+TP_SPLIT = {
+    "self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+    "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
+    "self_attn.o_proj.weight": 1,
+    "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
+}
+
+
+def shard_weights(weights: dict, tp: int, rank: int) -> dict:
+    """HF-named tensors of a whole layer -> the part GPU `rank` of `tp` holds (TP_SPLIT: contiguous blocks of heads
+    and MLP columns; shapes as weight_shapes(variants.shard_model(m, tp))); others are passed through as they are."""
+    if tp == 1:
+        return dict(weights)
+    out = {}
+    for name, t in weights.items():
+        dim = TP_SPLIT.get(name)
+        out[name] = t if dim is None else t.chunk(tp, dim=dim)[rank].contiguous()
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .host import inv_freq
-from .interface import ARGS, PACKED, pack_weights, unpack_weights, weight_shapes
+from .interface import ARGS, PACKED, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -48,20 +48,45 @@ def check_weights(weights: dict, m: Model, dtype: torch.dtype, device: torch.dev
             raise ValueError(f"weight '{name}': on {t.device}, expected {device}")
 
 
+def tp_rank(group, tp: int, name: str) -> int:
+    """This process's rank in torch.distributed process group `group` of a variant built for `tp` GPUs; ValueError
+    (one line) where the group is missing, of another size, or given to a tp = 1 variant."""
+    if tp == 1:
+        if group is not None and torch.distributed.get_world_size(group) != 1:
+            raise ValueError(f"group: {name} is built for one GPU (tp 1), got a process group of "
+                             f"{torch.distributed.get_world_size(group)}")
+        return 0
+    if group is None:
+        raise ValueError(f"group: {name} is split over tp = {tp} GPUs: pass the torch.distributed process group "
+                         "(NCCL, one process per GPU) that runs it")
+    size = torch.distributed.get_world_size(group)
+    if size != tp:
+        raise ValueError(f"group: {name} is built for tp = {tp} GPUs, the process group has {size}")
+    return torch.distributed.get_rank(group)
+
+
 class FusedDecoderLayer:
     """One decoder layer of one variant: owns the packed weights, the KV cache and the kernel's workspace.
 
-    k_cache, v_cache: [batch, kv_heads, seq_len, head_dim] in the variant's dtype (bf16/fp16), updated in place at
-    each step's positions. Built by generator.load(); raises LoadError (build for another GPU, no CUDA) or
-    ValueError (a weight of the wrong name, shape, dtype or device) before anything is launched.
+    k_cache, v_cache: [batch, kv_heads / tp, seq_len, head_dim] in the variant's dtype (bf16/fp16), updated in place
+    at each step's positions. Built by generator.load(); raises LoadError (build for another GPU, no CUDA) or
+    ValueError (a weight of the wrong name, shape, dtype or device; a bad process group) before anything is launched.
+    With tensor parallel (variant tp > 1) this process holds its rank's part of the layer (`shard`: heads, KV heads
+    and MLP columns / tp) and a step is one launch per part with an NCCL all-reduce of its partial sum between
+    (interface.TP_SPLIT; plan "kernels").
     """
 
     def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
-                 packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None):
+                 packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
+                 group=None):
         import cupy
         self.name = entry["name"]
         self.variant = variant_from_entry(entry)
         self.model = m = self.variant.model
+        self.shard = sm = self.variant.shard  # what this GPU holds (the model itself when tp = 1)
+        self.tp = self.variant.tp
+        self.group = group
+        self.rank = tp_rank(group, self.tp, self.name)
         self.mode = self.variant.mode
         self.plan = entry["plan"]
         self.device = torch.device(device)
@@ -80,14 +105,14 @@ class FusedDecoderLayer:
         self.dtype = torch_dtype(m.dtype)
         packing = weight_format(m.dtype).packing
         if packed is not None:  # another layer's packed weights (one copy serves every variant of a layer)
-            need = {p.arg for p in PACKED if p.when(m)}
+            need = {p.arg for p in PACKED if p.when(sm)}
             if not isinstance(packed, dict) or set(packed) != need:
                 raise ValueError(f"packed: expected another layer's .packed with {', '.join(sorted(need))}, got "
                                  f"{', '.join(sorted(packed)) if isinstance(packed, dict) else type(packed).__name__}")
             self.packed = packed
         else:
             check_weights(weights, m, self.dtype, self.device)
-            self.packed = pack_weights(weights, m, packing)
+            self.packed = pack_weights(shard_weights(weights, self.tp, self.rank), sm, packing)
         self.inv_freq = inv_freq(m, self.device).float().contiguous()
         B = self.variant.batch
         if self.mode == "decode":
@@ -97,7 +122,7 @@ class FusedDecoderLayer:
             cache_len = self.variant.seq_len
         if caches is not None:
             k, v = caches
-            want = (m.kv_heads, cache_len or k.shape[2], m.head_dim)
+            want = (sm.kv_heads, cache_len or k.shape[2], m.head_dim)
             for nm, c in (("k_cache", k), ("v_cache", v)):
                 if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.shape[0] < B or tuple(c.shape[1:]) != want \
                         or c.dtype != self.dtype or c.device != self.device or not c.is_contiguous():
@@ -110,7 +135,7 @@ class FusedDecoderLayer:
             if cache_len is None:
                 raise ValueError(f"cache_len: a {self.mode} variant needs the cache length (rows per sequence) or "
                                  "caches=(k_cache, v_cache)")
-            self.k_cache = torch.zeros(B, m.kv_heads, cache_len, m.head_dim, dtype=self.dtype, device=self.device)
+            self.k_cache = torch.zeros(B, sm.kv_heads, cache_len, m.head_dim, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros_like(self.k_cache)
         self.cache_len = int(cache_len)
         # one buffer for all scratch so the custom op can declare it mutated; the manifest's layout carves it up
@@ -120,14 +145,18 @@ class FusedDecoderLayer:
         with cupy.cuda.Device(self.device.index):
             t0 = time.perf_counter()
             self._module = cupy.RawModule(path=str(cubin), enable_cooperative_groups=True)
-            kernel = self._module.get_function("decoder_layer")
-            kernel.max_dynamic_shared_size_bytes = self.plan["smem_bytes"]
-            self._fn = kernel.kernel  # forces the module load
+            from cupy_backends.cuda.api import driver
+            # one kernel per launch of a step (several with tensor parallel): (function, the partial sum its launch
+            # leaves for an all-reduce, or None)
+            self._fns, occ = [], 1 << 30
+            for k in self.plan["kernels"]:
+                kernel = self._module.get_function(k["name"])
+                kernel.max_dynamic_shared_size_bytes = self.plan["smem_bytes"]
+                self._fns.append((kernel.kernel, k["reduce"]))  # .kernel forces the module load
+                occ = min(occ, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    kernel.kernel.ptr, self.plan["threads"], self.plan["smem_bytes"]))
             self.load_ms = (time.perf_counter() - t0) * 1e3
             self.attributes = kernel.attributes
-            from cupy_backends.cuda.api import driver
-            occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(self._fn.ptr, self.plan["threads"],
-                                                                   self.plan["smem_bytes"])
             sms = cupy.cuda.Device(self.device.index).attributes["MultiProcessorCount"]
         if occ < 1:
             raise RuntimeError(f"{self.name}: no block of {self.plan['threads']} threads with "
@@ -143,7 +172,8 @@ class FusedDecoderLayer:
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]
         assert not missing, f"interface.PACKED gives no {missing}"  # a null pointer the kernel would dereference
-        self._argv = [np.int32(self.cache_len) if a.ctype == "int" else ptr(fixed.get(a.name)) for a in ARGS]
+        ints = {"cache_len": self.cache_len, "tp_rank": self.rank}
+        self._argv = [np.int32(ints[a.name]) if a.ctype == "int" else ptr(fixed.get(a.name)) for a in ARGS]
         self._live = [(i, a.name) for i, a in enumerate(ARGS) if a.role in ("input", "output")]
         assert {n for _, n in self._live} == {"x", "pos", "out"}, "interface.ARGS inputs/outputs changed"
         self.id = next(_IDS)
@@ -183,7 +213,8 @@ class FusedDecoderLayer:
 
     # -- weights read back in HF layout (for tests) --
     def weights(self) -> dict[str, torch.Tensor]:
-        return unpack_weights(self.packed, self.model, weight_format(self.model.dtype).packing)
+        """This GPU's weights (its shard with tensor parallel) in HF layout."""
+        return unpack_weights(self.packed, self.shard, weight_format(self.model.dtype).packing)
 
     @property
     def chunk(self) -> int:
@@ -256,14 +287,20 @@ class FusedDecoderLayer:
         return out.view(B, C, H)
 
     def launch(self, x: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
-        """Launch the kernel on torch's current stream with no checks: x, pos on the device, out [batch, hidden]."""
+        """Launch the kernel(s) on torch's current stream with no checks: x, pos on the device, out [batch, hidden].
+        With tensor parallel, each launch's partial sum (the workspace's h, then out) is all-reduced over the group
+        (torch.distributed, NCCL) before the next: capturable in a CUDA graph like the launches."""
         live = {"x": x, "pos": pos, "out": out}
         args = list(self._argv)
         for i, name in self._live:
             args[i] = np.uint64(live[name].data_ptr())
+        args = tuple(args)
         # torch's current stream, read at every call (a cached stream would break CUDA-graph capture)
         stream = SimpleNamespace(ptr=torch.cuda.current_stream(self.device).cuda_stream)
-        self._fn((self.grid, 1, 1), (self.plan["threads"], 1, 1), tuple(args), self.plan["smem_bytes"], stream, True)
+        for fn, reduce in self._fns:
+            fn((self.grid, 1, 1), (self.plan["threads"], 1, 1), args, self.plan["smem_bytes"], stream, True)
+            if reduce:
+                torch.distributed.all_reduce(out if reduce == "out" else self.buffer(reduce), group=self.group)
 
 
 @torch.library.custom_op("megakernel::decoder_layer", mutates_args=("k_cache", "v_cache", "workspace"))
@@ -280,14 +317,17 @@ def _(x, pos, k_cache, v_cache, workspace, layer_id):
 
 
 def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str | Path = "build", device="cuda",
-         packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None) -> FusedDecoderLayer:
+         packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
+         group=None) -> FusedDecoderLayer:
     """Load variant `name` from a prebuilt build directory with HF-named weights (interface.weight_shapes, already
     on `device`, in the variant's dtype). Raises LoadError (missing, stale, corrupt or other-arch build; no CUDA)
     or ValueError (bad weights).
 
     packed: another layer's `.packed` (the same weights; then `weights` may be None): one copy serves every
-    variant of a layer. caches: (k_cache, v_cache) [>= batch, kv_heads, cache_len, head_dim] to use (the first
+    variant of a layer. caches: (k_cache, v_cache) [>= batch, kv_heads / tp, cache_len, head_dim] to use (the first
     batch sequences) instead of new ones. cache_len: rows per sequence of new caches (prefill variants; a decode
-    variant's is its seq_len)."""
+    variant's is its seq_len). group: the torch.distributed process group (NCCL, one process per GPU) of a variant
+    built with tp > 1; `weights` are then the whole layer's, and each rank keeps its part (interface.TP_SPLIT)."""
     entry, cubin = find_entry(name, build_dir)
-    return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len)
+    return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len,
+                             group=group)

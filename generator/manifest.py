@@ -69,9 +69,9 @@ def identity(params: dict, arch: str) -> str:
 def variant_from_entry(entry: dict) -> Variant:
     """The Variant a manifest entry was built from."""
     p = dict(entry["params"])
-    mode, batch, seq_len = p.pop("mode"), p.pop("batch"), p.pop("seq_len")
+    mode, batch, seq_len, tp = p.pop("mode"), p.pop("batch"), p.pop("seq_len"), p.pop("tp", 1)
     rs = p.pop("rope_scaling")
-    return Variant(Model(**p, rope_scaling=tuple(sorted(rs.items())) if rs else None), mode, batch, seq_len)
+    return Variant(Model(**p, rope_scaling=tuple(sorted(rs.items())) if rs else None), mode, batch, seq_len, tp)
 
 
 def changed_fields(entry: dict, v: Variant) -> list[str]:

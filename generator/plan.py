@@ -23,10 +23,13 @@ class Step:
     """One top-level stage of a mode: `stage` names templates/<mode.headers>/<stage>.cuh and
     generator.reference.<stage>;
     `call` is its C call in the kernel body (arguments named as in generator.interface.ARGS, plus `smem`);
-    `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none"."""
+    `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none".
+    `reduce` names what holds this step's partial sum when the layer is split over tp > 1 GPUs (a workspace buffer
+    or the output): the kernel ends after this step and the runtime all-reduces it before the next launch."""
     stage: str
     call: str
     then: str = "grid"
+    reduce: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,22 @@ class Mode:
     @property
     def grid_syncs(self) -> int:
         return sum(s.then == "grid" for s in self.steps)
+
+
+def kernels(mode: Mode, tp: int) -> list[dict]:
+    """The launches of one layer step: one kernel "decoder_layer" with every step when tp = 1; with tensor
+    parallel a kernel ends at each step that leaves a partial sum (Step.reduce), so the runtime can all-reduce
+    it between launches. Each: {"name", "first" (index of its first step), "steps", "reduce" (or None)}."""
+    out, cur = [], []
+    for i, s in enumerate(mode.steps):
+        cur.append(i)
+        if (tp > 1 and s.reduce) or i == len(mode.steps) - 1:
+            out.append({"first": cur[0], "steps": [mode.steps[j].stage for j in cur],
+                        "reduce": s.reduce if tp > 1 and s.reduce else None})
+            cur = []
+    for k, d in enumerate(out):
+        d["name"] = "decoder_layer" if len(out) == 1 else f"decoder_layer_{k}"
+    return out
 
 
 def align(n: int, a: int = 16) -> int:

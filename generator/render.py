@@ -18,6 +18,7 @@ import jinja2
 from . import interface
 from .modes import MODES
 from .plan import PlanError  # noqa: F401  (re-exported: callers catch render.PlanError)
+from .plan import kernels
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch
 from .variants import Variant
 
@@ -39,7 +40,10 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
     else:
         p = mode.plan(v, a)
     p.setdefault("overrides", {})
-    p.update(mode=mode.name, arch=a.sm, grid_syncs=mode.grid_syncs, steps=[s.stage for s in mode.steps],
+    ks = kernels(mode, v.tp)
+    # a barrier at a kernel's end is the launch boundary itself
+    syncs = sum(mode.steps[k["first"] + i].then == "grid" for k in ks for i in range(len(k["steps"]) - 1))
+    p.update(mode=mode.name, arch=a.sm, grid_syncs=syncs, kernels=ks, tp=v.tp, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
     return p
 
@@ -50,7 +54,7 @@ def _env() -> jinja2.Environment:
 
 
 def _config_vars(v: Variant, p: dict) -> dict:
-    m = v.model
+    m = v.shard
     dt = DTYPES[m.dtype]
     return dict(name=v.name, consts=p["consts"], dtype=dt, t_max=f"{dt.max_finite!r}f",
                 norm_eps=f"{m.norm_eps!r}f", score_scale=f"{math.log2(math.e) / math.sqrt(m.head_dim)!r}f",
@@ -98,6 +102,7 @@ def render(v: Variant, p: dict | None = None) -> str:
     """The whole CUDA source of variant `v` (plan `p`, or planned for sm_90)."""
     p = p or plan(v)
     mode = MODES[p["mode"]]
-    top = _env().get_template("kernel.cu.j2").render(mode=mode, params=interface.c_params(), **_config_vars(v, p))
+    top = _env().get_template("kernel.cu.j2").render(mode=mode, kernels=p["kernels"], params=interface.c_params(),
+                                                     **_config_vars(v, p))
     # the config is already at the top: the example configs are never pasted in
     return _inline(top, TEMPLATES, {(TEMPLATES / file).resolve() for _, file in EXAMPLES.values()})

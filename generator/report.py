@@ -14,11 +14,13 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from .compile import atomic_write, read_manifest
-from .targets import DEFAULT_ARCH, arch as get_arch
+from .interface import weight_shapes
+from .manifest import variant_from_entry
+from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
-           "plan", "tuned_gain", "mma_sass", "flags"]
+           "plan", "tuned_gain", "mma_sass", "tp", "gpu_bytes", "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
                  "speedup_eager", "speedup_compile"]
 
@@ -51,6 +53,24 @@ def plan_fields(entry: dict) -> dict:
     return {"plan": src, "tuned_gain": gain}
 
 
+def gpu_fields(entry: dict) -> dict:
+    """"tp": GPUs per layer; "gpu_bytes": what one GPU holds for the layer and a decode step streams at most: its
+    weights (its shard with tensor parallel) plus its KV cache full (decode: batch x seq_len rows; prefill: the
+    chunk's rows)."""
+    v = variant_from_entry(entry)
+    m, e = v.shard, DTYPES[v.model.dtype].bytes
+    weights = sum(_numel(s) for s in weight_shapes(m).values()) * e
+    kv = 2 * v.batch * v.seq_len * m.kv_heads * m.head_dim * e
+    return {"tp": v.tp, "gpu_bytes": weights + kv}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def _plan_cell(r: dict, k: str) -> str:
     src = r.get("plan") or "default"
     if not src.startswith("tuned"):
@@ -74,7 +94,7 @@ def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
             continue
         t0 = time.perf_counter()
         mod = cupy.RawModule(path=str(build_dir / e["cubin"]), enable_cooperative_groups=True)
-        k = mod.get_function("decoder_layer")
+        k = mod.get_function(e["plan"].get("kernels", [{"name": "decoder_layer"}])[0]["name"])
         _ = k.kernel
         ms = (time.perf_counter() - t0) * 1e3
         out[name] = {"load_ms": round(ms, 3), "attributes": {a: k.attributes[a] for a in
@@ -175,6 +195,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
         row.update(plan_fields(e))
+        row.update(gpu_fields(e))
         if e["status"] == "ok":
             row.update({k: e["resources"].get(k) for k in COLUMNS if k in e["resources"]})
             row["cached"] = e["resources"].get("cached")
@@ -208,6 +229,8 @@ def _num(spec):
 # it, columns with keep=False are left out and the rest dropped from the end of DROP_ORDER until the table fits.
 TABLE_COLUMNS = [
     ("name", "variant", lambda r, k: r["name"], True),
+    ("gpu_bytes", "MB per\nGPU", lambda r, k: f"{r[k] / 1e6:.0f}" + (f" ×{r['tp']}" if r.get("tp", 1) > 1 else ""),
+     True),
     ("cubin_bytes", "cubin\nKB", lambda r, k: f"{r[k] / 1024:.0f}", True),
     ("ptx_bytes", "PTX\nKB", lambda r, k: f"{r[k] / 1024:.0f}", False),
     ("registers", "regs", _num("d"), True),
@@ -231,7 +254,7 @@ TABLE_COLUMNS = [
     ("speedup_eager", "×\neager", _num(".2f"), False),
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
-DROP_ORDER = ["plan", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
+DROP_ORDER = ["plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total", "spill",
               "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
 BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
               "speedup_eager"}

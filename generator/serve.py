@@ -28,7 +28,7 @@ import torch
 
 from . import reference
 from .unfused import UnfusedLayer
-from .variants import Model as ModelShape, Variant
+from .variants import Model as ModelShape, Variant, shard_model
 
 GiB = 1 << 30
 
@@ -337,7 +337,7 @@ class Model:
     @classmethod
     def from_hf(cls, path, *, build_dir="build", variants: Iterable[str] | None = None, device="cuda",
                 max_batch: int | None = None, cache_len: int | None = None, dtype: torch.dtype | None = None,
-                unfused: bool = True, gpu_name: str | None = None, routes_dir=None) -> "Model":
+                unfused: bool = True, gpu_name: str | None = None, routes_dir=None, group=None) -> "Model":
         """Load a checkpoint directory (safetensors + config.json) for serving.
 
         variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
@@ -348,7 +348,11 @@ class Model:
         variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
         second copy of the weights: then every call must have a fused variant. On a GPU, the planned memory is
         checked against torch.cuda.mem_get_info before any tensor is read (ServeError, one line). gpu_name and
-        routes_dir select the measured routes (generator.routes; default: this GPU's)."""
+        routes_dir select the measured routes (generator.routes; default: this GPU's). group: a torch.distributed
+        process group (NCCL, one process per GPU, every rank calling from_hf and generate alike) for tensor
+        parallel: each rank holds its heads and MLP columns of every layer (interface.TP_SPLIT) and KV caches of
+        kv_heads / tp heads, the embedding and lm_head whole; the variants used must be built with that tp
+        (ServeError), and the unfused layers split the same way."""
         from . import loader, manifest, routes as groutes
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
@@ -363,8 +367,14 @@ class Model:
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
         entries = manifest.read_manifest(Path(build_dir))["variants"] if variants is None or variants else {}
+        tp = 1 if group is None else torch.distributed.get_world_size(group)
+        try:
+            local = shard_model(shape, tp)  # what each GPU holds of a layer
+        except ValueError as exc:
+            raise ServeError(f"group: {exc}") from None
         if variants is None:
-            chosen = sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape))
+            chosen = sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
+                            and manifest.variant_from_entry(e).tp == tp)
         else:
             if isinstance(variants, str):
                 raise ServeError("variants: a list of variant names, got a single string")
@@ -373,6 +383,9 @@ class Model:
         for name in chosen:
             v = hfm._built_variant(name, build_dir)
             hfm._check_variant(ck, v, list(range(shape.layers)))
+            if v.tp != tp:
+                raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
+                                 f"({'no process group' if group is None else 'the process group'})")
             vs.append(v)
         dts = {v.model.dtype for v in vs}
         if len(dts) > 1:
@@ -405,7 +418,7 @@ class Model:
         # memory, before any tensor is read
         elt = torch.finfo(dtype).bits // 8
         ws = sum(entries[v.name]["plan"]["workspace"]["bytes"] for v in vs)
-        plan = plan_memory(shape, vocab=head["vocab"], tied=head["tie"] and not head["both"], elt=elt,
+        plan = plan_memory(local, vocab=head["vocab"], tied=head["tie"] and not head["both"], elt=elt,
                            max_batch=max_batch, cache_len=cache_len, fused=bool(vs), unfused=unfused,
                            workspace_bytes=ws)
         if dev.type == "cuda" and torch.cuda.is_available():
@@ -426,18 +439,18 @@ class Model:
         for i in range(shape.layers):
             names = layer_names[i]
             W = {short: ck.get(full).to(device=dev, dtype=dtype) for short, full in names.items()}
-            k = torch.zeros(max_batch, shape.kv_heads, cache_len, shape.head_dim, dtype=dtype, device=dev)
+            k = torch.zeros(max_batch, local.kv_heads, cache_len, shape.head_dim, dtype=dtype, device=dev)
             vv = torch.zeros_like(k)
             kcs.append(k)
             vcs.append(vv)
             packed = None
             for v in vs:
                 layer = loader.load(v.name, W if packed is None else None, build_dir=build_dir, device=dev,
-                                    packed=packed, caches=(k, vv), cache_len=cache_len)
+                                    packed=packed, caches=(k, vv), cache_len=cache_len, group=group)
                 packed = layer.packed
                 fused[v.name].append(layer)
             if unf is not None:
-                unf.append(UnfusedLayer(W, shape, k, vv))
+                unf.append(UnfusedLayer(W, shape, k, vv, group=group))
             del W
         embed, norm_w, lm_head = hfm._read_head(ck, head, dtype, dev)
         eos = ck.cfg.get("eos_token_id")

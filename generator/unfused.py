@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from .host import inv_freq
-from .interface import weight_shapes
-from .variants import Model
+from .interface import shard_weights, weight_shapes
+from .variants import Model, shard_model
 
 
 class UnfusedLayer:
@@ -22,10 +22,15 @@ class UnfusedLayer:
     computes in that dtype (residuals and norms as transformers does: norms in fp32, cast back). They are merged
     (q|k|v, gate|up) into new tensors: the dict may be dropped afterwards. k_cache, v_cache: [max_batch, kv_heads,
     cache_len, head_dim] in the same dtype and device; a call of batch B uses the first B sequences.
+    group: a torch.distributed process group of tp processes for tensor parallel (Megatron-LM's split, as serving
+    engines run it): `weights` are the whole layer's, this rank keeps its heads and MLP columns
+    (interface.TP_SPLIT), the caches hold kv_heads / tp heads, and o_proj's and down_proj's partial products are
+    all-reduced (NCCL on the GPU, gloo on the CPU) before their residual adds.
     Raises ValueError naming the tensor for a wrong name, shape, dtype or device.
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], m: Model, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def __init__(self, weights: dict[str, torch.Tensor], m: Model, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 group=None):
         expected = weight_shapes(m)
         extra = sorted(set(weights) - set(expected))
         if extra:
@@ -38,6 +43,11 @@ class UnfusedLayer:
             if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
                 raise ValueError(f"weight '{name}': {t.dtype} {tuple(t.shape)} on {t.device}, expected {dtype} "
                                  f"{shape} on {device}")
+        self.group = group
+        tp = 1 if group is None else torch.distributed.get_world_size(group)
+        if tp > 1:
+            weights = shard_weights(weights, tp, torch.distributed.get_rank(group))
+            m = shard_model(m, tp)  # ValueError (one line) where tp does not divide the heads or columns
         want = (m.kv_heads, m.head_dim)
         for nm, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(c, torch.Tensor) or c.dim() != 4 or (c.shape[1], c.shape[3]) != want \
@@ -72,6 +82,12 @@ class UnfusedLayer:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     # -- pieces --
+    def _reduce(self, t):
+        """The sum of every rank's partial product t (tensor parallel), in place; t itself on one GPU."""
+        if self.group is not None:
+            torch.distributed.all_reduce(t, group=self.group)
+        return t
+
     def _norm(self, x, wb):
         w, b = wb
         if self.m.norm == "layernorm":
@@ -91,7 +107,7 @@ class UnfusedLayer:
     def _mlp(self, h):
         gate, up = F.linear(self._norm(h, self.ln2), self.w_gate_up).chunk(2, dim=-1)
         act = F.silu(gate) if self.m.activation == "silu" else F.gelu(gate)
-        return h + F.linear(act * up, self.w_down)
+        return h + self._reduce(F.linear(act * up, self.w_down))
 
     def _qkv(self, x, p):
         """x [..., hidden], p [...] long -> q [..., heads, hd], k, v [..., kv_heads, hd] (q, k normed and rotated)."""
@@ -120,7 +136,7 @@ class UnfusedLayer:
         qg = q.view(B, m.kv_heads, m.group, m.head_dim)  # a KV head's query heads are its "query length"
         mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]
         attn = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
-        h = x + F.linear(attn.reshape(B, self.q_size), self.w_o)
+        h = x + self._reduce(F.linear(attn.reshape(B, self.q_size), self.w_o))
         return self._mlp(h)
 
     def prefill(self, x: torch.Tensor, start_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
@@ -144,11 +160,11 @@ class UnfusedLayer:
             q4 = q.transpose(1, 2)  # [B, heads, C, hd]
             attn = F.scaled_dot_product_attention(q4, kc[:, :, :C], vc[:, :, :C], is_causal=True, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(B, C, self.q_size)
-            h = x + F.linear(attn, self.w_o)
+            h = x + self._reduce(F.linear(attn, self.w_o))
             return self._mlp(h)
         prow = p.repeat_interleave(m.group, dim=1)  # [B, C * group]
         mask = (self.rows[None, None, :L] <= prow[:, :, None])[:, None]  # [B, 1, C * group, L]
         attn = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mask)
         attn = attn.view(B, m.kv_heads, C, m.group, m.head_dim).permute(0, 2, 1, 3, 4).reshape(B, C, self.q_size)
-        h = x + F.linear(attn, self.w_o)
+        h = x + self._reduce(F.linear(attn, self.w_o))
         return self._mlp(h)

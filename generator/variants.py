@@ -42,7 +42,8 @@ MODEL_FIELDS: dict[str, tuple[tuple[type, ...], bool, object]] = {
     "dtype": ((str,), True, None),
     "matrix": ((dict, list), False, None),
 }
-MATRIX_FIELDS = ("mode", "batch", "seq_len")
+MATRIX_FIELDS = ("mode", "batch", "seq_len", "tp")
+MATRIX_DEFAULTS = {"tp": [1]}  # optional matrix fields: tensor-parallel degree 1 (one GPU) unless declared
 LLAMA3_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "low_freq_factor": (int, float),
                          "high_freq_factor": (int, float), "original_max_position_embeddings": int}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -79,16 +80,37 @@ class Variant:
     mode: str
     batch: int
     seq_len: int
+    tp: int = 1  # tensor-parallel degree: GPUs that share each layer (Megatron-LM's split, arXiv:1909.08053)
 
     @property
     def name(self) -> str:
-        return f"{self.model.name}_{self.mode}_b{self.batch}_s{self.seq_len}_{self.model.dtype}"
+        tp = f"_tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.model.name}_{self.mode}_b{self.batch}_s{self.seq_len}_{self.model.dtype}{tp}"
+
+    @property
+    def shard(self) -> Model:
+        """The layer one GPU computes: heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP columns
+        (and the matching input columns of o_proj and down_proj); the model itself when tp = 1."""
+        return shard_model(self.model, self.tp)
 
     def params(self) -> dict:
         d = dataclasses.asdict(self.model)
         d["rope_scaling"] = dict(self.model.rope_scaling) if self.model.rope_scaling else None
-        d.update(mode=self.mode, batch=self.batch, seq_len=self.seq_len)
+        d.update(mode=self.mode, batch=self.batch, seq_len=self.seq_len, tp=self.tp)
         return d
+
+
+def shard_model(m: Model, tp: int) -> Model:
+    """Model `m` as one of `tp` GPUs holds it (see Variant.shard). Raises ValueError (one line) where tp does not
+    divide the heads, the KV heads (they are not replicated) or the MLP columns into 16-row tiles."""
+    if tp == 1:
+        return m
+    for field, n, unit in (("heads", m.heads, 1), ("kv_heads", m.kv_heads, 1), ("intermediate", m.intermediate, 16)):
+        if n % (tp * unit):
+            rule = f"a multiple of 16 x tp = {16 * tp}" if unit == 16 else f"divisible by tp = {tp}"
+            extra = " (KV heads are split, not replicated)" if field == "kv_heads" else ""
+            raise ValueError(f"tp {tp}: field '{field}' ({n}) must be {rule}{extra}")
+    return dataclasses.replace(m, heads=m.heads // tp, kv_heads=m.kv_heads // tp, intermediate=m.intermediate // tp)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -147,6 +169,9 @@ def _parse_matrix(where, raw) -> dict:
             raise VariantError(f"{where}: unknown field 'matrix.{key}' (allowed: {', '.join(MATRIX_FIELDS)})")
     out = {}
     for key in MATRIX_FIELDS:
+        if key not in raw and key in MATRIX_DEFAULTS:
+            out[key] = MATRIX_DEFAULTS[key]
+            continue
         if key not in raw:
             raise VariantError(f"{where}: missing field 'matrix.{key}'")
         vals = raw[key] if isinstance(raw[key], list) else [raw[key]]
@@ -275,8 +300,15 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
             raise VariantError(f"{where}: no matrix (give a top-level 'matrix' or the variant's own)")
         seen = set()
         for mx in matrix:
-            for mode, batch, seq_len in itertools.product(mx["mode"], mx["batch"], mx["seq_len"]):
-                v = Variant(model, mode, batch, seq_len)
+            for mode, batch, seq_len, tp in itertools.product(mx["mode"], mx["batch"], mx["seq_len"], mx["tp"]):
+                if tp > 1 and mode != "decode":
+                    raise VariantError(f"{where}: field 'matrix.tp' {tp} with mode {mode}: tensor parallel is built "
+                                       "for decode only (a TP model's prompts run the unfused TP layer)")
+                try:
+                    shard_model(model, tp)
+                except ValueError as exc:
+                    raise VariantError(f"{where}: field 'matrix.tp': {exc}") from None
+                v = Variant(model, mode, batch, seq_len, tp)
                 if v.name in seen:
                     raise VariantError(f"{where}: two matrices both give {v.name}")
                 seen.add(v.name)

@@ -46,6 +46,25 @@ def random_inputs(layer, seed: int, *, positions: str = "random"):
 STEP_BUFFERS = {"qkv_proj": "qkv", "attention": "attn", "o_proj": "h", "gate_up": "act"}
 
 
+def _gather_heads(c: torch.Tensor, layer) -> torch.Tensor:
+    """The whole KV cache [B, kv_heads, S, hd] from every tensor-parallel rank's [B, kv_heads / tp, S, hd]."""
+    parts = [torch.empty_like(c) for _ in range(layer.tp)]
+    torch.distributed.all_gather(parts, c.contiguous(), group=layer.group)
+    return torch.cat(parts, dim=1)
+
+
+def _rank_part(stage: str, t: torch.Tensor, layer) -> torch.Tensor:
+    """The part of the whole layer's step result `t` that this tensor-parallel rank computes (its heads / MLP
+    columns); h (after the all-reduce) is whole on every rank."""
+    tp, r, m = layer.tp, layer.rank, layer.model
+    if tp == 1 or stage == "o_proj":
+        return t
+    if stage == "qkv_proj":
+        q, k, v = t.split([m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim], dim=-1)
+        return torch.cat([q.chunk(tp, -1)[r], k.chunk(tp, -1)[r], v.chunk(tp, -1)[r]], dim=-1)
+    return t.chunk(tp, -1)[r]  # attention: this rank's heads; gate_up: its MLP columns
+
+
 def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None = None) -> dict:
     """One launch (a decode step, or a prefill chunk) with a NaN-poisoned output vs. the reference on copies of the
     caches.
@@ -54,9 +73,15 @@ def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None =
     cache_untouched (every other row bit-exact), stage_err {step: rel_err of its workspace result}, first_bad_stage
     (the first step out of tolerance, where the fault is; None when all pass), overflows (values the dtype could
     not hold), out. weights: the HF-named weights the layer was loaded with (default: read back from its packed
-    copy)."""
+    copy). A tensor-parallel layer (every rank calls this with the same x, pos and whole-layer weights) is judged
+    against the whole layer's reference: its output whole, its cache rows and step results as its rank's part."""
     m = layer.model
-    kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+    if layer.tp > 1:
+        if weights is None:
+            raise ValueError("weights: a tensor-parallel layer is checked against the whole layer's weights")
+        kc, vc = _gather_heads(layer.k_cache, layer), _gather_heads(layer.v_cache, layer)
+    else:
+        kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
     W = weights if weights is not None else layer.weights()
     out = torch.full_like(x, float("nan"))
     pos_dev = pos.to(layer.device)
@@ -69,14 +94,16 @@ def check_step(layer, x: torch.Tensor, pos: torch.Tensor, weights: dict | None =
         ref, parts = reference.decoder_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
     else:
         ref, parts = reference.prefill_layer(x, pos_dev, W, kc, vc, m, return_parts=True)
+    if layer.tp > 1:  # this rank's KV heads of the reference's caches
+        kc, vc = kc.chunk(layer.tp, 1)[layer.rank].contiguous(), vc.chunk(layer.tp, 1)[layer.rank].contiguous()
     # the rows this launch appends: pos[b] .. pos[b] + chunk - 1 of every sequence b
-    B, S = layer.k_cache.shape[0], layer.k_cache.shape[2]
+    B, KV, S = layer.k_cache.shape[:3]
     rows = torch.arange(S, device=layer.device)[None, :]
     new = (rows >= pos_dev.long()[:, None]) & (rows < pos_dev.long()[:, None] + layer.chunk)  # [B, S]
-    new = new[:, None, :].expand(B, m.kv_heads, S)
+    new = new[:, None, :].expand(B, KV, S)
     # every other row must be untouched, bit for bit (kc, vc: the reference appended the same rows)
     untouched = bool((layer.k_cache[~new] == kc[~new]).all() and (layer.v_cache[~new] == vc[~new]).all())
-    stage_err = {s: rel_err(layer.buffer(b), parts[s]) for s, b in STEP_BUFFERS.items()}
+    stage_err = {s: rel_err(layer.buffer(b), _rank_part(s, parts[s], layer)) for s, b in STEP_BUFFERS.items()}
     stage_err["kv_append"] = max(rel_err(layer.k_cache[new], kc[new]), rel_err(layer.v_cache[new], vc[new]))
     stage_err["down_proj"] = rel_err(out, ref)
     tol = REL_TOL[m.dtype]

@@ -8,6 +8,7 @@ constexpr int HEADS = 32;
 constexpr int KV_HEADS = 8;
 constexpr int HEAD_DIM = 64;
 constexpr int INTER = 8192;
+constexpr int TP = 1;
 constexpr int BATCH = 1;
 constexpr int SEQ_LEN = 4096;
 constexpr int THREADS = 512;

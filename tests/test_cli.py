@@ -100,7 +100,7 @@ def test_list_default_variants(tmp_path):
     assert not (tmp_path / "build").exists()
     for name in DEFAULT_NAMES:
         assert name in r.stdout
-    assert len(DEFAULT_NAMES) == 65
+    assert len(DEFAULT_NAMES) == 67
 
 
 def build_status(table: str) -> dict[str, str]:

@@ -47,7 +47,8 @@ models:
 def _declared():
     vs = gvariants.load(os.environ.get("MEGAKERNEL_VARIANTS", ROOT / "variants.yaml"))
     only = [g for g in os.environ.get("MEGAKERNEL_ONLY", "").split(",") if g]
-    return [v for v in gvariants.select(vs, tuple(only)) if v.mode == "decode"]
+    # tensor-parallel variants need a process group of tp GPUs: tests/test_tp.py runs them
+    return [v for v in gvariants.select(vs, tuple(only)) if v.mode == "decode" and v.tp == 1]
 
 
 DECLARED = _declared()

@@ -125,15 +125,16 @@ def check_one_line(msg: str, path: str, expect: list[str]) -> None:
 
 # ---------------------------------------------------------------- the default file
 
-def test_default_file_expands_to_65_named_variants():
+def test_default_file_expands_to_67_named_variants():
     vs = gvariants.load(ROOT / "variants.yaml")
     names = [v.name for v in vs]
-    assert len(vs) == 65  # 5 models x 9 decode + 2 models x 10 prefill
-    assert len(set(names)) == 65
+    assert len(vs) == 67  # 5 models x 9 decode + 2 models x 10 prefill + llama3-70b decode b1, b8 over 2 GPUs
+    assert len(set(names)) == 67
     expected = {f"{m}_decode_b{b}_s{s}_bf16"
                 for m, b, s in itertools.product(DEFAULT_MODELS, (1, 4, 8), (1024, 4096, 32768))}
     expected |= {f"{m}_prefill_b{b}_s{s}_bf16"
                  for m, b, s in itertools.product(("llama3.2-1b", "llama3-8b"), (1, 4), (16, 64, 128, 512, 2048))}
+    expected |= {f"llama3-70b_decode_b{b}_s4096_bf16_tp2" for b in (1, 8)}
     assert set(names) == expected
     assert "llama3.2-1b_decode_b1_s4096_bf16" in names
 
@@ -204,9 +205,9 @@ def test_select_globs():
     assert {v.name for v in sel(vs, ("llama3.2-1b_*",))} == {
         f"llama3.2-1b_decode_b{b}_s{s}_bf16" for b in (1, 4, 8) for s in (1024, 4096, 32768)} | {
         f"llama3.2-1b_prefill_b{b}_s{s}_bf16" for b in (1, 4) for s in (16, 64, 128, 512, 2048)}
-    assert len(sel(vs, ("*_decode_b1_*",))) == 15
-    assert len(sel(vs, ("*_decode_b1_*", "*_decode_b8_*"))) == 30  # several --only: union
-    assert len(sel(vs, ("*_decode_*",), ("*_s32768_*",))) == 30
+    assert len(sel(vs, ("*_decode_b1_*",))) == 16  # 5 models x 3 cache lengths + llama3-70b tp2
+    assert len(sel(vs, ("*_decode_b1_*", "*_decode_b8_*"))) == 32  # several --only: union
+    assert len(sel(vs, ("*_decode_*",), ("*_s32768_*",))) == 32
     assert [v.name for v in sel(vs, ("llama3-8b_*",), ("*_b4_*", "*_b8_*", "*_s1024_*", "*_s32768_*", "*prefill*"))] == [
         "llama3-8b_decode_b1_s4096_bf16"]
     assert sel(vs, ("nothing*",)) == []

@@ -15,9 +15,9 @@ STEPS = (
     Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, smem)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, smem)"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, tp_rank, smem)", reduce="h"),
     Step("gate_up", "gate_up(ws_h, ln2_w, ln2_b, w_gu, ws_act, ws_status, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, smem)", then="none"),
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, smem)", then="none", reduce="out"),
 )
 
 
@@ -63,7 +63,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     constants that depend on them (ATT_NSPLIT, the shared-memory offsets) are derived. Raises PlanError when the
     block's shared memory would exceed the architecture's limit or an override is bad (naming it)."""
     ov = _check_overrides(v.name, dict(overrides or {}))
-    m = v.model
+    m = v.shard  # one GPU's part of the layer (the layer itself unless tp > 1)
     esize = DTYPES[m.dtype].bytes
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
     sms = arch.sms
@@ -121,7 +121,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
-        "INTER": m.intermediate, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
+        "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }

@@ -1,13 +1,15 @@
-// ---- stage: down_proj ---- down projection plus the second residual: out = h + act @ Wd^T.
+// ---- stage: down_proj ---- down projection plus the second residual: out = h + act @ Wd^T. With tensor parallel
+// each GPU writes its MLP columns' partial product (rank 0 adding h), all-reduced by the runtime after the launch.
 #pragma once
 #include "../gemv.cuh"
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
-                          unsigned char* smem) {
+                          int tp_rank, unsigned char* smem) {
+    const bool residual = TP == 1 || tp_rank == 0;
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U>(w_down, ws_act, reinterpret_cast<float*>(smem + SMEM_RED),
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += DOWN_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
-                const float o = ws_h[(size_t)b * HIDDEN + n] + tile(i / BATCH, b);
+                const float o = (residual ? ws_h[(size_t)b * HIDDEN + n] : 0.f) + tile(i / BATCH, b);
                 count_overflow(o, ws_status);
                 out[(size_t)b * HIDDEN + n] = from_f(o);
             }

@@ -1,13 +1,15 @@
 // ---- stage: o_proj ---- output projection of the attention result plus the residual: h = x + attn @ Wo^T,
-// kept in fp32 (ws_h) for the second norm and the final residual.
+// kept in fp32 (ws_h) for the second norm and the final residual. With tensor parallel (TP > 1) each GPU writes its
+// heads' partial product and rank 0 alone adds x, so the all-reduce of ws_h between launches gives h on every GPU.
 #pragma once
 #include "../gemv.cuh"
-__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, unsigned char* smem) {
+__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, int tp_rank, unsigned char* smem) {
+    const bool residual = TP == 1 || tp_rank == 0;
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U>(w_o, ws_attn, reinterpret_cast<float*>(smem + SMEM_RED),
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
-                ws_h[(size_t)b * HIDDEN + n] = to_f(x[(size_t)b * HIDDEN + n]) + tile(i / BATCH, b);
+                ws_h[(size_t)b * HIDDEN + n] = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
             }
         });
 }

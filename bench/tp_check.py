@@ -1,0 +1,185 @@
+"""Tensor-parallel check, one process per GPU: build, verify and time every tensor-parallel decode variant (declared,
+and the held-out shapes of bench/heldout.yaml) whose tp is the number of processes.
+
+    torchrun --nproc_per_node 2 bench/tp_check.py [--only GLOB ...] [--out DIR] [--seed N]
+
+Each variant: the fused TP layer (one launch per part, an NCCL all-reduce between) against the fp32 reference of the
+whole layer on fresh random inputs (every rank: output, its KV heads' cache rows, no other row touched), then a
+stack of distinct layers (every sequence at full context) in a CUDA graph, against the unfused TP layer (merged
+cuBLAS GEMMs, SDPA, the same two NCCL all-reduces; generator.unfused) in the same run. The bound is each GPU's
+weight-and-KV bytes at the copy bandwidth measured in the same run plus the measured time of the step's two
+all-reduces alone. bench/gpu_check.py runs this where it sees enough GPUs. Rank 0 prints a table last and writes
+tp_check.json to --out ($OUT).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.measure import n_layers_for  # noqa: E402
+from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
+from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
+from generator.loader import load  # noqa: E402
+from generator.unfused import UnfusedLayer  # noqa: E402
+
+
+def allreduce_us(batch: int, hidden: int, dtype: torch.dtype, n: int = 64) -> dict:
+    """µs of the decode step's two all-reduces alone (NCCL, in a CUDA graph of n pairs): "fused" as the fused layer
+    runs them (the fp32 residual h, then the output in the layer dtype), "unfused" as the unfused layer does (two in
+    the layer dtype)."""
+    out = {}
+    for label, dts in (("fused", (torch.float32, dtype)), ("unfused", (dtype, dtype))):
+        bufs = [torch.randn(batch, hidden, device="cuda").to(d) for d in dts]
+
+        def step(bufs=bufs):
+            for _ in range(n):
+                for b in bufs:
+                    dist.all_reduce(b)
+        g = graph_of(step)
+        out[label] = round(time_replays(g.replay, n)["median"], 2)
+    return out
+
+
+def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
+    m, tp, rank = v.model, v.tp, dist.get_rank()
+    row = {"variant": v.name, "tp": tp}
+    W = reference.random_weights(m, seed=seed, device="cuda")
+    layer = load(v.name, W, build_dir=build_dir, group=dist.group.WORLD)
+    x, pos = verify.random_inputs(layer, seed)
+    res = verify.check_step(layer, x, pos, weights=W)
+    ok = torch.tensor([int(verify.passed(res, m.dtype))], device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's cache rows and output
+    row.update({k: res[k] for k in ("rel_err", "k_err", "v_err", "cache_untouched", "unwritten", "first_bad_stage")})
+    row["pass"] = bool(ok.item())
+    del layer, W, res
+
+    pos_full = torch.full((v.batch,), v.seq_len - 1, dtype=torch.int32)
+    nbytes = layer_bytes(v.shard, v.batch, pos_full)  # what one GPU streams per step
+    n = n_layers_for(nbytes)
+    pos_dev = pos_full.cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xs = torch.randn(v.batch, m.hidden, device="cuda", generator=g).to(reference.TORCH_DTYPES[m.dtype])
+    fused, base = [], []
+    for i in range(n):
+        Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
+        f = load(v.name, Wi, build_dir=build_dir, group=dist.group.WORLD)
+        for c in (f.k_cache, f.v_cache):
+            c.normal_(generator=g)
+        fused.append(f)
+        base.append(UnfusedLayer(Wi, m, f.k_cache.clone(), f.v_cache.clone(), group=dist.group.WORLD))
+        del Wi
+    torch.cuda.empty_cache()
+
+    def stack(layers, call):
+        def step():
+            y = xs
+            for L in layers:
+                y = call(L, y)
+            return y
+        return step
+    timings = {
+        "fused": time_replays(graph_of(stack(fused, lambda L, y: L(y, pos_dev, validate=False))).replay, n),
+        "unfused": time_replays(graph_of(stack(base, lambda L, y: L.decode(y, pos_dev))).replay, n),
+    }
+    fused[0](xs, pos_dev, validate=False)
+    row["stage_us"] = {k: round(t, 1) for k, t in fused[0].stage_us().items()}
+    us, unf = timings["fused"]["median"], timings["unfused"]["median"]
+    stream_us = nbytes / (bw * 1e9) * 1e6
+    row.update(layers_timed=n, bytes_per_gpu=nbytes, us=round(us, 1), us_p10=round(timings["fused"]["p10"], 1),
+               us_p90=round(timings["fused"]["p90"], 1), unfused_us=round(unf, 1), speedup=round(unf / us, 2),
+               allreduce_us=ar["fused"], unfused_allreduce_us=ar["unfused"], stream_us=round(stream_us, 1),
+               bound_us=round(stream_us + ar["fused"], 1), of_bound=round(us / (stream_us + ar["fused"]), 2),
+               pct_bw=round(100 * stream_us / max(us - ar["fused"], 1e-9), 1))
+    del fused, base
+    torch.cuda.empty_cache()
+    return row
+
+
+@click.command()
+@click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True)
+@click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"), show_default=True,
+              help="shapes not in the variants file, built into BUILD_DIR-heldout ('' to skip)")
+@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
+@click.option("--build-dir", default=str(ROOT / "build"), show_default=True)
+@click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True)
+@click.option("--seed", type=int, default=None, help="default: fresh from the clock")
+def main(variants_file, heldout_file, only, build_dir, out, seed):
+    if "LOCAL_RANK" not in os.environ:
+        raise click.UsageError("run one process per GPU: torchrun --nproc_per_node 2 bench/tp_check.py")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])),
+                            timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed_t = torch.tensor([seed if seed is not None else int(time.time()) % 100000], device="cuda")
+    dist.broadcast(seed_t, 0)  # one seed: every rank draws the same whole-layer weights and inputs
+    seed = int(seed_t.item())
+    pick = lambda vs: [v for v in gvariants.select(vs, only) if v.tp == world]  # noqa: E731
+    vs = pick(gvariants.load(variants_file))
+    held = pick(gvariants.load(heldout_file)) if heldout_file else []
+    where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
+    ok_names = None
+    if rank == 0:
+        entries = gcompile.build(vs, build_dir, variants_file=variants_file)["entries"]
+        if held:
+            entries += gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file)["entries"]
+        ok_names = [e["name"] for e in entries if e["status"] == "ok"]
+        for e in entries:
+            if e["status"] != "ok":
+                print(f"  {e['name']}: {e['status']}: {e['error'].splitlines()[0]}", flush=True)
+    box = [ok_names]
+    dist.broadcast_object_list(box, 0)
+    ok_names = set(box[0])
+    bw = copy_bandwidth()
+    ar = {(b, h, dt): allreduce_us(b, h, reference.TORCH_DTYPES[dt])
+          for b, h, dt in sorted({(v.batch, v.model.hidden, v.model.dtype) for v in vs + held})}
+    rows = []
+    for v in vs + held:
+        if v.name not in ok_names:
+            rows.append({"variant": v.name, "pass": False, "error": "not built"})
+            continue
+        try:
+            row = check_tp(v, where[v.name], seed, bw, ar[(v.batch, v.model.hidden, v.model.dtype)])
+            row["heldout"] = v in held
+        except Exception as exc:  # keep going: one broken variant must not hide the others
+            row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if rank == 0:
+        doc = {"gpu": torch.cuda.get_device_name(), "gpus": world, "date": time.strftime("%Y-%m-%d"),
+               "time": time.strftime("%H:%M:%S"), "seed": seed, "copy_gbps": round(bw, 1),
+               "allreduce_us": {f"b{b}_h{h}_{dt}": t for (b, h, dt), t in ar.items()}, "rows": rows}
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "tp_check.json").write_text(json.dumps(doc, indent=1))
+        print(f"\n{doc['gpu']} x{world}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s per GPU")
+        print(f"{'TP variant (* held out)':38s} {'rel_err':>8s} {'pass':>4s} {'fused us':>8s} {'bound':>7s} "
+              f"{'x bound':>7s} {'unfusedTP':>9s} {'x unf':>6s} {'2 AR us':>7s} {'%BW':>5s}   stages (us)")
+        for r in rows:
+            name = r["variant"] + ("*" if r.get("heldout") else "")
+            if "error" in r:
+                print(f"{name:38s} {'-':>8s} {'FAIL':>4s}  {r['error'][:90]}")
+                continue
+            print(f"{name:38s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:8.1f} "
+                  f"{r['bound_us']:7.1f} {r['of_bound']:7.2f} {r['unfused_us']:9.1f} {r['speedup']:6.2f} "
+                  f"{r['allreduce_us']:7.1f} {r['pct_bw']:5.1f}   "
+                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()))
+    dist.barrier()
+    dist.destroy_process_group()
+    if not rows and rank == 0:
+        print(f"no tp = {world} variant declared or held out")
+    sys.exit(0 if all(r["pass"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

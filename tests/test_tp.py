@@ -1,0 +1,187 @@
+"""Tensor parallel: the variant field, sharding and planning on the CPU; the unfused TP layer and a TP model over
+gloo (2 CPU processes, in CI); on 2 GPUs (NCCL), every fused TP variant against the whole layer's reference and a
+TP model's greedy tokens against the single-GPU model's (tests/tp_worker.py is one rank)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator import interface, render, variants as gvariants
+from generator.loader import tp_rank
+from generator.variants import VariantError, shard_model
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from tp_worker import SHAPE  # noqa: E402
+
+ENTRY = """models:
+  m:
+    {{hidden: 256, heads: 8, kv_heads: {kv}, head_dim: 32, intermediate: 640, layers: 2, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+     matrix: {{mode: [{mode}], batch: [1], seq_len: [64], tp: {tp}}}}}
+"""
+
+
+def parse(kv=4, mode="decode", tp="[1, 2]"):
+    return gvariants.parse(ENTRY.format(kv=kv, mode=mode, tp=tp), "v.yaml")
+
+
+def test_tp_is_a_matrix_field_named_in_the_variant():
+    one, two = parse()
+    assert (one.tp, two.tp) == (1, 2)
+    assert one.name == "m_decode_b1_s64_bf16" and two.name == "m_decode_b1_s64_bf16_tp2"
+    assert two.params()["tp"] == 2
+    s = two.shard
+    assert (s.heads, s.kv_heads, s.intermediate, s.hidden, s.head_dim) == (4, 2, 320, 256, 32)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kv=3, tp="[2]"), r"field 'heads' \(8\) must be divisible by kv_heads|'kv_heads' \(3\) must be divisible "
+                          r"by tp = 2"),
+    (dict(kv=1, tp="[2]"), r"'kv_heads' \(1\) must be divisible by tp = 2 \(KV heads are split, not replicated\)"),
+    (dict(tp="[3]"), r"'heads' \(8\) must be divisible by tp = 3"),
+    (dict(mode="prefill", tp="[2]"), "tensor parallel is built for decode only"),
+    (dict(tp="[0]"), "'matrix.tp' must be positive"),
+])
+def test_tp_that_cannot_split_is_one_line(kw, match):
+    with pytest.raises(VariantError, match=match) as e:
+        parse(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_tp_plan_ends_a_kernel_at_each_partial_sum():
+    one, two = parse()
+    p1, p2 = render.plan(one), render.plan(two)
+    assert [k["name"] for k in p1["kernels"]] == ["decoder_layer"] and p1["kernels"][0]["reduce"] is None
+    assert [(k["name"], k["steps"], k["reduce"]) for k in p2["kernels"]] == [
+        ("decoder_layer_0", ["qkv_proj", "attention", "o_proj"], "h"),
+        ("decoder_layer_1", ["gate_up", "down_proj"], "out")]
+    assert p2["grid_syncs"] == p1["grid_syncs"] - 1  # the barrier after o_proj is the launch boundary
+    c1, c2 = p1["consts"], p2["consts"]
+    assert (c2["HEADS"], c2["KV_HEADS"], c2["INTER"], c2["HIDDEN"], c2["TP"]) == (4, 2, 320, 256, 2)
+    assert c1["TP"] == 1 and c1["HEADS"] == 8
+    # the workspace is one GPU's: a quarter of the q|k|v rows' floats of the whole layer's... per the shard
+    assert p2["workspace"]["buffers"]["act"]["shape"] == [1, 320]
+    src = render.render(two, p2)
+    assert src.count('extern "C" __global__') == 2 and "decoder_layer_1(" in src and "tp_rank" in src
+
+
+def test_shard_weights_split_heads_and_columns_and_join_back():
+    m, tp = SHAPE, 2
+    from generator import reference
+    W = reference.random_weights(m, seed=1, dtype=torch.float32)
+    parts = [interface.shard_weights(W, tp, r) for r in range(tp)]
+    want = interface.weight_shapes(shard_model(m, tp))
+    for p in parts:
+        assert {k: tuple(v.shape) for k, v in p.items()} == want
+    for name, t in W.items():
+        dim = interface.TP_SPLIT.get(name)
+        joined = t if dim is None else torch.cat([p[name] for p in parts], dim=dim)
+        assert torch.equal(joined, t), name
+    # q rows of rank 1 are heads 4..7: rows 4 * head_dim on
+    assert torch.equal(parts[1]["self_attn.q_proj.weight"], W["self_attn.q_proj.weight"][4 * 32:])
+
+
+def test_a_tp_variant_needs_its_process_group():
+    with pytest.raises(ValueError, match="pass the torch.distributed process group"):
+        tp_rank(None, 2, "x_tp2")
+    assert tp_rank(None, 1, "x") == 0
+
+
+def _torchrun(task, out, *args, timeout=600, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "tp_worker.py"), task, "--out", str(out), *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    res = []
+    for rank in range(2):
+        f = Path(out) / f"rank{rank}.json"
+        assert f.exists(), f"rank {rank} wrote nothing:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        res.append(json.loads(f.read_text()))
+        assert "error" not in res[-1], res[-1]["error"]
+    return res
+
+
+def test_unfused_tp_layer_equals_the_whole_layer_over_gloo(tmp_path):
+    for res in _torchrun("unfused", tmp_path):
+        assert res["prefill"] <= 1e-5 and res["decode"] <= 1e-5 and res["k_cache"] <= 1e-6, res
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from test_serve import make_llama
+    d = tmp_path_factory.mktemp("tp") / "tiny-llama"
+    make_llama(d, seed=4, hidden_size=256, intermediate_size=640, num_attention_heads=8, num_key_value_heads=4,
+               head_dim=32)
+    return d
+
+
+def test_tp_model_generates_what_one_device_does_over_gloo(tiny_ckpt, tmp_path):
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("on 2 GPUs test_gpu_tp_model_greedy_equals_one_gpu runs the model")
+    for res in _torchrun("model", tmp_path, "--ckpt", tiny_ckpt, "--build", tmp_path / "no-build"):
+        assert res["tp_tokens"] == res["one_tokens"] and res["logits_rel"] <= 1e-5, res
+        assert (res["tp_kv_heads"], res["one_kv_heads"]) == (2, 4)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2 GPUs (NCCL)
+# ------------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs (tensor parallel)")
+
+
+def _declared_tp():
+    vs = gvariants.load(os.environ.get("MEGAKERNEL_VARIANTS", ROOT / "variants.yaml"))
+    only = tuple(g for g in os.environ.get("MEGAKERNEL_ONLY", "").split(",") if g)
+    return [v for v in gvariants.select(vs, only) if v.tp == 2]
+
+
+@pytest.fixture(scope="module")
+def tp_build(tmp_path_factory, tiny_ckpt):
+    """The declared tp = 2 variants (project build dir) and the tiny checkpoint's tp 1 and tp 2 decode variants."""
+    from generator import compile as gcompile
+    from generator.hf.config import model_from_hf
+    build = os.environ.get("MEGAKERNEL_BUILD", str(ROOT / "build"))
+    gcompile.build(_declared_tp(), build, variants_file=os.environ.get("MEGAKERNEL_VARIANTS",
+                                                                         ROOT / "variants.yaml"))
+    tiny = model_from_hf(tiny_ckpt)
+    vs = [gvariants.Variant(tiny, "decode", b, 64, tp) for b in (1, 2) for tp in (1, 2)]
+    tb = tmp_path_factory.mktemp("tp_build") / "build"
+    res = gcompile.build(vs, tb)
+    assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+    return Path(build), tb, vs
+
+
+@gpu
+@two_gpus
+def test_gpu_tp_layers_equal_the_whole_layer_reference(tp_build, tmp_path):
+    build, tb, vs = tp_build
+    declared = [v.name for v in _declared_tp()]
+    small = [v.name for v in vs if v.tp == 2]
+    for b, names in ((build, declared), (tb, small)):
+        if not names:
+            continue
+        for res in _torchrun("fused", tmp_path / b.name, "--build", b, *sum((["--variant", n] for n in names), [])):
+            for name, row in res.items():
+                assert row["pass"] and row["graph_equal"], (name, row)
+
+
+@gpu
+@two_gpus
+def test_gpu_tp_model_greedy_equals_one_gpu(tp_build, tiny_ckpt, tmp_path):
+    _, tb, _ = tp_build
+    for res in _torchrun("model", tmp_path, "--ckpt", tiny_ckpt, "--build", tb, "--new", 16):
+        assert res["tp_tokens"] == res["one_tokens"], res
+        assert res["logits_rel"] <= 2e-2, res
+        assert any(p.endswith("_tp2") for p in res["tp_paths"]), res  # decode ran the fused TP variant
+        assert (res["tp_kv_heads"], res["one_kv_heads"]) == (2, 4)
