@@ -89,11 +89,23 @@ class FlashInferLayer:
     use_tensor_cores: FlashInfer's prefill-kernel decode; default as SGLang picks for bf16 (query group >= 4; the
     CUDA-core decode kernel has no group 5, 7, ...). share_plan_with: another FlashInferLayer of the same shape
     whose wrapper (one plan per step for all layers, as the engines do) and workspace this layer uses.
+    group: a torch.distributed process group for tensor parallel as vLLM runs it: `weights` are the whole
+    layer's, this rank keeps its heads and MLP columns (generator.interface.TP_SPLIT), the o_proj and down_proj
+    GEMMs write their partial products straight into the all-reduce's buffer (generator.collectives: symmetric
+    memory one-shot, else NCCL), rank 0 adding the residual in the down GEMM's epilogue.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], m: Model, batch: int, seq_len: int, device="cuda", *,
                  positions: torch.Tensor | None = None, use_tensor_cores: bool | None = None,
-                 share_plan_with: FlashInferLayer | None = None):
+                 share_plan_with: FlashInferLayer | None = None, group=None):
+        self.tp, self.rank, self._ar = 1, 0, None
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            from generator.collectives import AllReduce
+            from generator.interface import shard_weights
+            from generator.variants import shard_model
+            self.tp, self.rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+            weights, m = shard_weights(weights, self.tp, self.rank), shard_model(m, self.tp)
+            self._ar = AllReduce(group, batch * m.hidden, torch.bfloat16, device)
         reason = flashinfer_available(m)
         if reason:
             raise RuntimeError(reason)
@@ -177,10 +189,26 @@ class FlashInferLayer:
         fi.page.append_paged_kv_cache(k3, v3, self.batch_indices, pos, (self.k_pages, self.v_pages),
                                       self.indices, self.indptr, self.last_page_len, kv_layout="NHD")
         attn = self.wrapper.run(q.view(B, m.heads, m.head_dim), (self.k_pages, self.v_pages))  # [B, H, hd]
-        o = F.linear(attn.reshape(B, self.q_size), self.w_o)
+        if self._ar is not None:
+            o = self._reduced_mm(attn.reshape(B, self.q_size), self.w_o.t(), None)
+        else:
+            o = F.linear(attn.reshape(B, self.q_size), self.w_o)
         residual = x.clone()                            # the caller's x stays as it was (graph replays reuse it)
         fi.norm.fused_add_rmsnorm(o, residual, self.ln2, m.norm_eps)  # residual += o; o = rmsnorm(residual)
         act = fi.activation.silu_and_mul(F.linear(o, self.w_gate_up))             # [B, intermediate]
         # down GEMM with the residual add in cuBLAS's epilogue (the engines defer it to the next layer's
         # fused_add_rmsnorm; this layer's contract returns the full hidden state)
+        if self._ar is not None:
+            return self._reduced_mm(act, self.w_down_t, residual)
         return torch.addmm(residual, act, self.w_down_t)
+
+    def _reduced_mm(self, a, w_t, residual):
+        """Tensor parallel: the sum over ranks of a @ w_t (+ residual, added once by rank 0), the GEMM writing into
+        the all-reduce's buffer where it has one."""
+        out = torch.empty(a.shape[0], w_t.shape[1], dtype=a.dtype, device=a.device)
+        dst = out if self._ar.buffer is None else self._ar.buffer[:out.numel()].view_as(out)
+        if residual is not None and self.rank == 0:
+            torch.addmm(residual, a, w_t, out=dst)
+        else:
+            torch.mm(a, w_t, out=dst)
+        return self._ar(out)

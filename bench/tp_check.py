@@ -30,24 +30,34 @@ sys.path.insert(0, str(ROOT))
 from bench.measure import n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
+from bench.flashinfer_layer import FlashInferLayer, flashinfer_available  # noqa: E402
+from generator.collectives import AllReduce  # noqa: E402
 from generator.loader import load  # noqa: E402
 from generator.unfused import UnfusedLayer  # noqa: E402
 
 
 def allreduce_us(batch: int, hidden: int, dtype: torch.dtype, n: int = 64) -> dict:
-    """µs of the decode step's two all-reduces alone (NCCL, in a CUDA graph of n pairs): "fused" as the fused layer
-    runs them (the fp32 residual h, then the output in the layer dtype), "unfused" as the unfused layer does (two in
-    the layer dtype)."""
+    """µs of the decode step's two all-reduces alone, as the fused layer runs them (the fp32 residual h, then the
+    output in the layer dtype; generator.collectives), in a CUDA graph of n pairs: {"symm_mem": µs or None where it
+    cannot run, "nccl": µs}."""
     out = {}
-    for label, dts in (("fused", (torch.float32, dtype)), ("unfused", (dtype, dtype))):
-        bufs = [torch.randn(batch, hidden, device="cuda").to(d) for d in dts]
+    for method in ("symm_mem", "nccl"):
+        ars = [AllReduce(dist.group.WORLD, batch * hidden, d, torch.device("cuda", torch.cuda.current_device()),
+                         method) for d in (torch.float32, dtype)]
+        if any(a.method != method for a in ars):
+            out[method] = None
+            continue
+        outs = [torch.randn(batch, hidden, device="cuda").to(d) for d in (torch.float32, dtype)]
+        for a, o in zip(ars, outs):
+            if a.buffer is not None:
+                a.buffer.copy_(o.view(-1))
 
-        def step(bufs=bufs):
+        def step(ars=ars, outs=outs):
             for _ in range(n):
-                for b in bufs:
-                    dist.all_reduce(b)
+                for a, o in zip(ars, outs):
+                    a(o)
         g = graph_of(step)
-        out[label] = round(time_replays(g.replay, n)["median"], 2)
+        out[method] = round(time_replays(g.replay, n)["median"], 2)
     return out
 
 
@@ -70,16 +80,28 @@ def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
     pos_dev = pos_full.cuda()
     g = torch.Generator(device="cuda").manual_seed(seed)
     xs = torch.randn(v.batch, m.hidden, device="cuda", generator=g).to(reference.TORCH_DTYPES[m.dtype])
-    fused, base = [], []
+    stacks = {"fused": [], "fused_nccl": [], "unfused": [], "flashinfer": []}
+    fi_why = flashinfer_available(v.shard)
+    row["flashinfer"] = fi_why or "ok"
+    world = dist.group.WORLD
     for i in range(n):
         Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
-        f = load(v.name, Wi, build_dir=build_dir, group=dist.group.WORLD)
+        f = load(v.name, Wi, build_dir=build_dir, group=world)
         for c in (f.k_cache, f.v_cache):
             c.normal_(generator=g)
-        fused.append(f)
-        base.append(UnfusedLayer(Wi, m, f.k_cache.clone(), f.v_cache.clone(), group=dist.group.WORLD))
+        stacks["fused"].append(f)
+        # the same weights and caches with the all-reduce through NCCL: the measured choice of all-reduce
+        stacks["fused_nccl"].append(load(v.name, None, build_dir=build_dir, packed=f.packed,
+                                         caches=(f.k_cache, f.v_cache), group=world, allreduce="nccl"))
+        stacks["unfused"].append(UnfusedLayer(Wi, m, f.k_cache.clone(), f.v_cache.clone(), group=world))
+        if not fi_why:
+            first = stacks["flashinfer"][0] if stacks["flashinfer"] else None
+            L = FlashInferLayer(Wi, m, v.batch, v.seq_len, share_plan_with=first, group=world)
+            L.load_kv(f.k_cache, f.v_cache)
+            stacks["flashinfer"].append(L)
         del Wi
     torch.cuda.empty_cache()
+    row["allreduce"] = stacks["fused"][0].allreduce
 
     def stack(layers, call):
         def step():
@@ -88,20 +110,29 @@ def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
                 y = call(L, y)
             return y
         return step
-    timings = {
-        "fused": time_replays(graph_of(stack(fused, lambda L, y: L(y, pos_dev, validate=False))).replay, n),
-        "unfused": time_replays(graph_of(stack(base, lambda L, y: L.decode(y, pos_dev))).replay, n),
-    }
-    fused[0](xs, pos_dev, validate=False)
-    row["stage_us"] = {k: round(t, 1) for k, t in fused[0].stage_us().items()}
-    us, unf = timings["fused"]["median"], timings["unfused"]["median"]
+    calls = {"fused": lambda L, y: L(y, pos_dev, validate=False), "fused_nccl": lambda L, y: L(y, pos_dev, validate=False),
+             "unfused": lambda L, y: L.decode(y, pos_dev), "flashinfer": lambda L, y: L(y, pos_dev)}
+    if stacks["flashinfer"]:  # the baseline is checked before it is timed, against the unfused TP layer
+        ref = stacks["unfused"][0].decode(xs, pos_dev)
+        row["flashinfer_rel_err"] = verify.rel_err(stacks["flashinfer"][0](xs, pos_dev), ref.float())
+        if row["flashinfer_rel_err"] > verify.REL_TOL[m.dtype]:
+            row["flashinfer"], stacks["flashinfer"] = f"failed check: rel_err {row['flashinfer_rel_err']:.2e}", []
+    timings = {k: time_replays(graph_of(stack(layers, calls[k])).replay, n)["median"]
+               for k, layers in stacks.items() if layers}
+    stacks["fused"][0](xs, pos_dev, validate=False)
+    row["stage_us"] = {k: round(t, 1) for k, t in stacks["fused"][0].stage_us().items()}
+    us = timings["fused"]
+    base = {k: t for k, t in timings.items() if not k.startswith("fused")}
+    best = min(base, key=base.get)
+    ar_us = ar[row["allreduce"]]
     stream_us = nbytes / (bw * 1e9) * 1e6
-    row.update(layers_timed=n, bytes_per_gpu=nbytes, us=round(us, 1), us_p10=round(timings["fused"]["p10"], 1),
-               us_p90=round(timings["fused"]["p90"], 1), unfused_us=round(unf, 1), speedup=round(unf / us, 2),
-               allreduce_us=ar["fused"], unfused_allreduce_us=ar["unfused"], stream_us=round(stream_us, 1),
-               bound_us=round(stream_us + ar["fused"], 1), of_bound=round(us / (stream_us + ar["fused"]), 2),
-               pct_bw=round(100 * stream_us / max(us - ar["fused"], 1e-9), 1))
-    del fused, base
+    row.update(layers_timed=n, bytes_per_gpu=nbytes, us=round(us, 1), fused_nccl_us=round(timings["fused_nccl"], 1),
+               unfused_us=round(base["unfused"], 1), flashinfer_us=round(base["flashinfer"], 1) if "flashinfer" in base
+               else None, best_baseline=best, speedup=round(base[best] / us, 2),
+               allreduce_us=ar_us, allreduce_all=ar, stream_us=round(stream_us, 1),
+               bound_us=round(stream_us + ar_us, 1), of_bound=round(us / (stream_us + ar_us), 2),
+               pct_bw=round(100 * stream_us / max(us - ar_us, 1e-9), 1))
+    del stacks
     torch.cuda.empty_cache()
     return row
 
@@ -163,17 +194,23 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "tp_check.json").write_text(json.dumps(doc, indent=1))
         print(f"\n{doc['gpu']} x{world}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s per GPU")
-        print(f"{'TP variant (* held out)':38s} {'rel_err':>8s} {'pass':>4s} {'fused us':>8s} {'bound':>7s} "
-              f"{'x bound':>7s} {'unfusedTP':>9s} {'x unf':>6s} {'2 AR us':>7s} {'%BW':>5s}   stages (us)")
+        for (b, h, dt), t in ar.items():
+            print(f"two all-reduces alone (fp32 + {dt} [{b}, {h}]), µs: symm_mem one-shot {t['symm_mem']}, "
+                  f"NCCL {t['nccl']}")
+        print(f"{'TP variant (* held out)':40s} {'rel_err':>8s} {'pass':>4s} {'fused':>7s} {'AR':>8s} {'bound':>7s} "
+              f"{'x bnd':>5s} {'%BW':>5s} {'f+NCCL':>7s} {'unf TP':>7s} {'FI TP':>7s} {'x best':>6s}   stages (us)")
         for r in rows:
             name = r["variant"] + ("*" if r.get("heldout") else "")
             if "error" in r:
-                print(f"{name:38s} {'-':>8s} {'FAIL':>4s}  {r['error'][:90]}")
+                print(f"{name:40s} {'-':>8s} {'FAIL':>4s}  {r['error'][:90]}")
                 continue
-            print(f"{name:38s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:8.1f} "
-                  f"{r['bound_us']:7.1f} {r['of_bound']:7.2f} {r['unfused_us']:9.1f} {r['speedup']:6.2f} "
-                  f"{r['allreduce_us']:7.1f} {r['pct_bw']:5.1f}   "
+            fi = f"{r['flashinfer_us']:7.1f}" if r["flashinfer_us"] else f"{'-':>7s}"
+            print(f"{name:40s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
+                  f"{r['allreduce']:>8s} {r['bound_us']:7.1f} {r['of_bound']:5.2f} {r['pct_bw']:5.1f} "
+                  f"{r['fused_nccl_us']:7.1f} {r['unfused_us']:7.1f} {fi} {r['speedup']:6.2f}   "
                   + " ".join(f"{t:.1f}" for t in r["stage_us"].values()))
+        for why in sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"}):
+            print(f"flashinfer: {why}")
     dist.barrier()
     dist.destroy_process_group()
     if not rows and rank == 0:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from .collectives import AllReduce
 from .host import inv_freq
 from .interface import ARGS, PACKED, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
@@ -78,7 +79,7 @@ class FusedDecoderLayer:
 
     def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
                  packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-                 group=None):
+                 group=None, allreduce: str = "auto"):
         import cupy
         self.name = entry["name"]
         self.variant = variant_from_entry(entry)
@@ -174,6 +175,22 @@ class FusedDecoderLayer:
         assert not missing, f"interface.PACKED gives no {missing}"  # a null pointer the kernel would dereference
         ints = {"cache_len": self.cache_len, "tp_rank": self.rank}
         self._argv = [np.int32(ints[a.name]) if a.ctype == "int" else ptr(fixed.get(a.name)) for a in ARGS]
+        # tensor parallel: one all-reduce per partial sum (collectives.AllReduce; created in the same order on every
+        # rank). Where it has a buffer of its own (symmetric memory), the kernel writes its partial sum there and
+        # the all-reduce leaves the sum where the next kernel (h) or the caller (out) reads it.
+        self._reducers = {}
+        if self.tp > 1:
+            rows = B * m.hidden
+            self._reducers = {"h": AllReduce(group, rows, torch.float32, self.device, allreduce),
+                              "out": AllReduce(group, rows, self.dtype, self.device, allreduce)}
+        self.allreduce = self._reducers["h"].method if self._reducers else None
+        ws_h = next(i for i, a in enumerate(ARGS) if a.name == "ws_h")
+        self._argvs = []
+        for _, reduce in self._fns:
+            argv = list(self._argv)
+            if reduce == "h" and self._reducers["h"].buffer is not None:
+                argv[ws_h] = ptr(self._reducers["h"].buffer)
+            self._argvs.append(tuple(argv))
         self._live = [(i, a.name) for i, a in enumerate(ARGS) if a.role in ("input", "output")]
         assert {n for _, n in self._live} == {"x", "pos", "out"}, "interface.ARGS inputs/outputs changed"
         self.id = next(_IDS)
@@ -288,19 +305,20 @@ class FusedDecoderLayer:
 
     def launch(self, x: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
         """Launch the kernel(s) on torch's current stream with no checks: x, pos on the device, out [batch, hidden].
-        With tensor parallel, each launch's partial sum (the workspace's h, then out) is all-reduced over the group
-        (torch.distributed, NCCL) before the next: capturable in a CUDA graph like the launches."""
-        live = {"x": x, "pos": pos, "out": out}
-        args = list(self._argv)
-        for i, name in self._live:
-            args[i] = np.uint64(live[name].data_ptr())
-        args = tuple(args)
+        With tensor parallel, each launch's partial sum (h, then out) is all-reduced over the group
+        (generator.collectives) before the next launch: capturable in a CUDA graph like the launches."""
         # torch's current stream, read at every call (a cached stream would break CUDA-graph capture)
         stream = SimpleNamespace(ptr=torch.cuda.current_stream(self.device).cuda_stream)
-        for fn, reduce in self._fns:
-            fn((self.grid, 1, 1), (self.plan["threads"], 1, 1), args, self.plan["smem_bytes"], stream, True)
-            if reduce:
-                torch.distributed.all_reduce(out if reduce == "out" else self.buffer(reduce), group=self.group)
+        for (fn, reduce), argv in zip(self._fns, self._argvs):
+            red = self._reducers.get(reduce)
+            live = {"x": x, "pos": pos,
+                    "out": red.buffer if reduce == "out" and red.buffer is not None else out}
+            args = list(argv)
+            for i, name in self._live:
+                args[i] = np.uint64(live[name].data_ptr())
+            fn((self.grid, 1, 1), (self.plan["threads"], 1, 1), tuple(args), self.plan["smem_bytes"], stream, True)
+            if red is not None:
+                red(out if reduce == "out" else self.buffer(reduce))
 
 
 @torch.library.custom_op("megakernel::decoder_layer", mutates_args=("k_cache", "v_cache", "workspace"))
@@ -318,7 +336,7 @@ def _(x, pos, k_cache, v_cache, workspace, layer_id):
 
 def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str | Path = "build", device="cuda",
          packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-         group=None) -> FusedDecoderLayer:
+         group=None, allreduce: str = "auto") -> FusedDecoderLayer:
     """Load variant `name` from a prebuilt build directory with HF-named weights (interface.weight_shapes, already
     on `device`, in the variant's dtype). Raises LoadError (missing, stale, corrupt or other-arch build; no CUDA)
     or ValueError (bad weights).
@@ -327,7 +345,8 @@ def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str |
     variant of a layer. caches: (k_cache, v_cache) [>= batch, kv_heads / tp, cache_len, head_dim] to use (the first
     batch sequences) instead of new ones. cache_len: rows per sequence of new caches (prefill variants; a decode
     variant's is its seq_len). group: the torch.distributed process group (NCCL, one process per GPU) of a variant
-    built with tp > 1; `weights` are then the whole layer's, and each rank keeps its part (interface.TP_SPLIT)."""
+    built with tp > 1; `weights` are then the whole layer's, and each rank keeps its part (interface.TP_SPLIT).
+    allreduce: how its partial sums are summed (generator.collectives: "auto", "symm_mem", "nccl")."""
     entry, cubin = find_entry(name, build_dir)
     return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len,
-                             group=group)
+                             group=group, allreduce=allreduce)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .host import inv_freq
+from .collectives import AllReduce
 from .interface import shard_weights, weight_shapes
 from .variants import Model, shard_model
 
@@ -25,12 +26,13 @@ class UnfusedLayer:
     group: a torch.distributed process group of tp processes for tensor parallel (Megatron-LM's split, as serving
     engines run it): `weights` are the whole layer's, this rank keeps its heads and MLP columns
     (interface.TP_SPLIT), the caches hold kv_heads / tp heads, and o_proj's and down_proj's partial products are
-    all-reduced (NCCL on the GPU, gloo on the CPU) before their residual adds.
+    all-reduced (generator.collectives: `allreduce` "auto", "symm_mem" or "nccl"; gloo on the CPU) before their
+    residual adds.
     Raises ValueError naming the tensor for a wrong name, shape, dtype or device.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], m: Model, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 group=None):
+                 group=None, allreduce: str = "auto"):
         expected = weight_shapes(m)
         extra = sorted(set(weights) - set(expected))
         if extra:
@@ -56,6 +58,7 @@ class UnfusedLayer:
                                  f"{m.head_dim}] on {device}, got {getattr(c, 'dtype', type(c).__name__)} "
                                  f"{tuple(getattr(c, 'shape', ()))}")
         self.m, self.dtype, self.device = m, dtype, device
+        self._allreduce = None if tp == 1 else AllReduce(group, k_cache.shape[0] * m.hidden, dtype, device, allreduce)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.max_batch, self.cache_len = k_cache.shape[0], k_cache.shape[2]
         W = weights
@@ -84,9 +87,7 @@ class UnfusedLayer:
     # -- pieces --
     def _reduce(self, t):
         """The sum of every rank's partial product t (tensor parallel), in place; t itself on one GPU."""
-        if self.group is not None:
-            torch.distributed.all_reduce(t, group=self.group)
-        return t
+        return t if self._allreduce is None else self._allreduce.reduce_from(t)
 
     def _norm(self, x, wb):
         w, b = wb
