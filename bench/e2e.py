@@ -1,14 +1,14 @@
 """End-to-end benchmark on a GPU (one run): the served model (generator.serve: fused variants, CUDA-graph decode)
 against the same model on the unfused layers in a CUDA graph, transformers `generate` eager, and transformers with a
-static cache + torch.compile (as its docs recommend: cache_implementation="static", forward compiled with
-mode="reduce-overhead", fullgraph=True).
+static cache + torch.compile (as its docs recommend: cache_implementation="static", for which generate compiles
+the forward itself).
 
 Measured: time to first token for prompts of 128 and 2048 tokens (batch 1), ms per output token at batch 1 and 8
 (128-token prompts), and agreement with transformers in fp32 on the same checkpoint (greedy tokens until the first
 divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint is built offline: a
 Llama-3.2-1B-shaped config with random weights, save_pretrained to --ckpt (bf16).
 
-    megakernel build --only 'llama3.2-1b_decode_*_s4096_bf16'
+    megakernel build --only 'llama3.2-1b_decode_*_s4096_bf16' --only 'llama3.2-1b_prefill_*'
     python -m bench.e2e --build-dir build --out bench/results/e2e.json     # or $OUT/e2e.json by default
 
 Prints a table and writes the JSON.
@@ -146,9 +146,22 @@ def main(argv=None):
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": T.__version__,
            "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {}}
     names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
+    # the declared prefill variants too, where built: dispatch plans each prompt's pieces by their measured routes
+    from generator.manifest import read_manifest
+    built = read_manifest(Path(args.build_dir))["variants"]
+    names += sorted(n for n in built if n.startswith("llama3.2-1b_prefill_") and built[n]["status"] == "ok")
+    out = Path(args.out) if args.out else Path(os.environ["OUT"]) / "e2e.json" if os.environ.get("OUT") else \
+        Path("bench/results/e2e.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every provider: a run cut short keeps what it measured
+        out.write_text(json.dumps(res, indent=1, default=str))
     if "served" not in args.skip:
         m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=names)
         res["providers"]["served (fused, graph)"] = bench_served(m, args)
+        res["served_prefill_pieces"] = {L: [(pc.start, pc.length, pc.choice.variant or "unfused")
+                                            for pc in m.paths(1, L)["prefill"]] for L in (128, 2048)}
+        save()
         res["agreement_fused_bf16_vs_hf_fp32"] = None
         ref32 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
         res["agreement_fused_bf16_vs_hf_fp32"] = agreement(m, ref32, 32)
@@ -163,19 +176,23 @@ def main(argv=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", serve.MissingVariantWarning)
             res["providers"]["unfused layers (graph)"] = bench_served(m, args)
+        save()
         del m
         torch.cuda.empty_cache()
     if "hf" not in args.skip:
         hfm = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
         res["providers"]["transformers eager"] = bench_hf(hfm, args)
+        save()
         if "hf-compile" not in args.skip:
+            # transformers' recipe (docs: "Static cache and torch.compile"): a static cache, for which generate
+            # compiles the forward itself (generation_config.compile_config)
             hfm.generation_config.cache_implementation = "static"
-            hfm.forward = torch.compile(hfm.forward, mode="reduce-overhead", fullgraph=True)
             try:  # a failure here is reported in the results, not a lost run
                 res["providers"]["transformers static + compile"] = bench_hf(hfm, args)
             except Exception as exc:  # noqa: BLE001
                 res["providers"]["transformers static + compile"] = {"error": f"{type(exc).__name__}: "
                                                                               f"{str(exc).splitlines()[0][:200]}"}
+            save()
         del hfm
     cols = ("ttft_ms_128", "ttft_ms_2048", "ms_per_token_b1", "ms_per_token_b8")
     print(f"{'provider':32} " + " ".join(f"{c:>16}" for c in cols))
@@ -187,10 +204,7 @@ def main(argv=None):
     for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32"):
         if res.get(k):
             print(f"{k}: {res[k]}")
-    out = Path(args.out) if args.out else Path(os.environ["OUT"]) / "e2e.json" if os.environ.get("OUT") else \
-        Path("bench/results/e2e.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
+    save()
     print(f"wrote {out}")
 
 

@@ -19,6 +19,7 @@ so a seed gives the same tokens with or without graphs, at any padding, on any p
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from pathlib import Path
@@ -88,25 +89,58 @@ def decode_choice(live: int, decode_variants: dict[int, str], routes: dict[str, 
     return Choice("unfused", None, live, why, missing)
 
 
+def unfused_cost(n: int, live: int, prefill_variants: dict[tuple[int, int], str], costs: dict) -> float | None:
+    """Estimated µs of an unfused prefill piece of n tokens for `live` sequences, from the unfused times measured
+    beside the prefill variants (generator.routes figures `costs` {variant: {"unfused_us", ...}}) of the smallest
+    measured batch >= live: linear between measured chunk lengths, the shortest one's time below it (fixed costs
+    dominate there), the last per-token slope beyond. None where nothing was measured."""
+    by_batch: dict[int, list] = {}
+    for (b, c), name in prefill_variants.items():
+        us = (costs.get(name) or {}).get("unfused_us")
+        if b >= live and us:
+            by_batch.setdefault(b, []).append((c, float(us)))
+    if not by_batch:
+        return None
+    pts = sorted(by_batch[min(by_batch)])
+    if n <= pts[0][0]:
+        return pts[0][1]
+    for (c0, u0), (c1, u1) in zip(pts, pts[1:]):
+        if n <= c1:
+            return u0 + (u1 - u0) * (n - c0) / (c1 - c0)
+    (c0, u0), (c1, u1) = pts[-2:] if len(pts) > 1 else ((0, 0.0), pts[-1])
+    return u1 + (u1 - u0) / (c1 - c0) * (n - c1)
+
+
 def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int], str], routes: dict[str, str],
-                 *, max_unfused: int = 2048, decode: Choice | None = None, unfused: bool = True) -> list[Piece]:
-    """Split a prompt span [0, length) of `live` sequences into pieces. At each point the largest declared chunk
-    that fits in what is left and has a variant of batch >= live routed fused is taken (the smallest such batch);
-    positions no fused chunk covers are merged into unfused pieces of at most `max_unfused` tokens. prefill_variants
-    {(batch, chunk): name}. Without unfused layers (unfused=False) those positions go one token at a time through
-    the fused decode Choice `decode` ("fused-decode"). Each unfused piece names in `missing` the prefill variant
-    that would cover it: (\"prefill\", live, largest power of two <= its length, capped at 2048)."""
+                 *, max_unfused: int = 2048, decode: Choice | None = None, unfused: bool = True,
+                 costs: dict | None = None) -> list[Piece]:
+    """Split a prompt span [0, length) of `live` sequences into pieces. prefill_variants {(batch, chunk): name};
+    a chunk is usable where a variant of batch >= live is routed fused (the smallest such batch). With measured
+    figures (`costs`: generator.routes' {variant: {"fused_us", "unfused_us"}}) and the unfused layers loaded, the
+    pieces minimise the estimated time: fused chunks at their measured µs against unfused pieces of at most
+    `max_unfused` tokens at unfused_cost() (eight fused 16-token chunks lose to one unfused 128-token piece when
+    the unfused path does 128 tokens in the time fused does 16). Otherwise (nothing measured) the largest usable
+    chunk that fits in what is left is taken at each point, and positions no fused chunk covers are merged into
+    unfused pieces of at most `max_unfused` tokens. Without unfused layers (unfused=False) those positions go one
+    token at a time through the fused decode Choice `decode` ("fused-decode"). Each unfused piece names in
+    `missing` the prefill variant that would cover it: (\"prefill\", live, largest power of two <= its length,
+    capped at 2048)."""
     if length < 1:
         raise ServeError(f"prompt: at least one token, got {length}")
     chunks = {}
     for (b, c), name in prefill_variants.items():
         if b >= live and routes.get(name, "fused") == "fused" and (c not in chunks or b < chunks[c][0]):
             chunks[c] = (b, name)
+    fused_us = {c: (costs or {}).get(name, {}).get("fused_us") for c, (b, name) in chunks.items()}
+    plan = None
+    if unfused and chunks and all(fused_us.values()) and unfused_cost(1, live, prefill_variants, costs or {}):
+        plan = _cheapest(length, chunks, fused_us, max_unfused,
+                         lambda n: unfused_cost(n, live, prefill_variants, costs))
     pieces: list[Piece] = []
     s = 0
     while s < length:
         left = length - s
-        fit = [c for c in chunks if c <= left]
+        fit = [c for c in chunks if c <= left] if plan is None else [plan[s]] if plan[s] in chunks else []
         if fit:
             c = max(fit)
             b, name = chunks[c]
@@ -114,8 +148,9 @@ def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int],
                                              f"declared; {b - live} padding sequence(s)")))
             s += c
             continue
-        # no fused chunk fits in what is left (chunks only get harder to fit): the rest is unfused
-        n = min(left, max_unfused)
+        # no fused chunk fits in what is left (chunks only get harder to fit), or the cheapest plan runs the next
+        # tokens unfused
+        n = min(left, max_unfused) if plan is None else -plan[s]
         if unfused:
             want = min(2048, 1 << (n.bit_length() - 1))
             why = "no declared prefill variant" if not prefill_variants else \
@@ -133,6 +168,21 @@ def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int],
             pieces.append(Piece(s, n, ch))
         s += n
     return pieces
+
+
+def _cheapest(length: int, chunks: dict, fused_us: dict, max_unfused: int, unfused_us) -> list[int]:
+    """Dynamic programme over prompt positions: plan[s] = the fused chunk taken at s (> 0), or -n for an unfused
+    piece of n tokens, minimising the summed estimated µs of [s, length)."""
+    best = [0.0] * (length + 1)
+    plan = [0] * length
+    for s in range(length - 1, -1, -1):
+        left = length - s
+        n = min(left, max_unfused)
+        best[s], plan[s] = unfused_us(n) + best[s + n], -n
+        for c in chunks:
+            if c <= left and fused_us[c] + best[s + c] < best[s]:
+                best[s], plan[s] = fused_us[c] + best[s + c], c
+    return plan
 
 
 def common_seq_len(variants: Iterable[Variant]) -> int | None:
@@ -304,12 +354,13 @@ class Model:
     Attributes: shape (the layer's generator.variants.Model), dtype, device, vocab, cache_len, max_batch,
     decode_variants {batch: name}, prefill_variants {(batch, chunk): name}, routes {name: "fused"|"unfused"},
     fused {variant name: [FusedDecoderLayer per layer]}, unfused [UnfusedLayer per layer] or None, k_caches/v_caches
-    (one [max_batch, kv_heads, cache_len, head_dim] pair per layer), use_graphs (CUDA graphs for decode on a GPU).
+    (one [max_batch, kv_heads, cache_len, head_dim] pair per layer), use_graphs (CUDA graphs for decode steps and
+    prompt pieces on a GPU).
     Build with Model.from_hf.
     """
 
     def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
-                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=()):
+                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None):
         self.shape = shape
         self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -319,6 +370,7 @@ class Model:
         self.max_batch = k_caches[0].shape[0] if k_caches else 1
         self.cache_len = cache_len
         self.routes, self.route_why = routes, route_why
+        self.route_costs = route_costs or {}  # measured µs per prefill variant (generator.routes): prefill_plan
         self.decode_variants = {ls[0].variant.batch: n for n, ls in fused.items() if ls[0].variant.mode == "decode"}
         self.prefill_variants = {(ls[0].variant.batch, ls[0].variant.seq_len): n for n, ls in fused.items()
                                  if ls[0].variant.mode == "prefill"}
@@ -332,6 +384,8 @@ class Model:
         self._graphs: dict[tuple, tuple] = {}
         self._bufs: dict[tuple, dict] = {}
         self._graph_bytes = 0
+        self.max_prefill_graphs = 64  # prompt pieces captured (per path, batch, start, padded length); then eager
+        self._prefill_pool = None
 
     # -- construction --
     @classmethod
@@ -431,6 +485,8 @@ class Model:
         routes, why = {}, {}
         for v in vs:
             routes[v.name], why[v.name] = groutes.route(v.name, gpu, routes_dir)
+        # the measured times plan a prompt's pieces (not where MEGAKERNEL_ROUTE forces one path)
+        costs = {} if os.environ.get("MEGAKERNEL_ROUTE") else groutes.read_routes(gpu, routes_dir)
         # load: one packed copy per layer, one cache pair per layer, shared by every variant
         if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -461,7 +517,8 @@ class Model:
             entry = f"  # `megakernel from-hf {ck.dir}` prints this model's entry\n"
         return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
-                   entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos)
+                   entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
+                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs})
 
     # -- reports --
     def stats(self) -> list[dict]:
@@ -486,7 +543,7 @@ class Model:
         Every layer has the same shape, so every layer takes the same path."""
         d = decode_choice(batch, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         p = prefill_plan(prompt_len, batch, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
-                         decode=d, unfused=self.unfused is not None)
+                         decode=d, unfused=self.unfused is not None, costs=self.route_costs)
         desc = lambda ch: ch.variant or f"unfused b{ch.batch}"  # noqa: E731
         pre = ", ".join(sorted({desc(x.choice) for x in p}))
         return {"decode": d, "prefill": p,
@@ -621,21 +678,66 @@ class Model:
                     outs.append(self._layers_decode(self.embed[ids], pos, ch)[:B])
                 h = torch.stack(outs, dim=1)
             else:
-                ids = torch.zeros(ch.batch, C, dtype=torch.long, device=self.device)
-                ids[:B] = tok[:, s:s + C]
-                x = self.embed[ids]
-                start = torch.full((ch.batch,), s, dtype=torch.int32, device=self.device)
-                if ch.path == "unfused":
-                    for u in self.unfused:
-                        x = u.prefill(x, start, kv_len=s + C)
-                else:
-                    for layer in self.fused[ch.variant]:
-                        x = layer.prefill(x, start, validate=False)
-                h = x[:B]
+                h = self._piece(ch, tok[:, s:s + C], s)[:B]
             for b, n in enumerate(lens):
                 if s <= n - 1 < s + C:
                     last[b] = h[b, n - 1 - s]
         return last
+
+    def _piece(self, ch: Choice, tok: torch.Tensor, s: int) -> torch.Tensor:
+        """Prompt tokens tok [B, C] at positions s .. s + C - 1 through every layer on Choice ch (fused prefill
+        chunk or unfused) -> hidden states [batch, C, hidden]. On a GPU the piece is a CUDA graph, captured at the
+        first piece of its (path, variant, batch, start, length) after one eager run that computes the same values:
+        a short prompt's prefill is otherwise bound by the host launching ~30 kernels per layer. Unfused pieces are
+        padded to a power of two (>= 16) within the cache, so few graphs serve every length: the padding tokens
+        write cache rows past the prompt, which decode overwrites before it reads them."""
+        B, C = tok.shape
+        P = C
+        if ch.path == "unfused":
+            P = max(16, 1 << (C - 1).bit_length())
+            if s + P > self.cache_len:
+                P = C
+        key = ("prefill", ch.path, ch.variant, ch.batch, s, P)
+        g = self._graphs.get(key)
+        if g is None:
+            ids = torch.zeros(ch.batch, P, dtype=torch.long, device=self.device)
+            start = torch.full((ch.batch,), s, dtype=torch.int32, device=self.device)
+            out = torch.empty(ch.batch, P, self.shape.hidden, dtype=self.dtype, device=self.device)
+
+            def run():
+                x = self.embed[ids]
+                if ch.path == "unfused":
+                    for u in self.unfused:
+                        x = u.prefill(x, start, kv_len=s + P)
+                else:
+                    for layer in self.fused[ch.variant]:
+                        x = layer.prefill(x, start, validate=False)
+                out.copy_(x)
+            ids[:B, :C] = tok
+            graphs = sum(k[0] == "prefill" for k in self._graphs)
+            if not (self.use_graphs and self.device.type == "cuda") or graphs >= self.max_prefill_graphs:
+                run()
+                return out[:, :C]
+            before = torch.cuda.memory_reserved(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                run()  # warm-up: the same piece (it rewrites the same cache rows)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()  # pieces run one at a time: one pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._prefill_pool):
+                run()
+            self._graphs[key] = g = (graph, ids, out)
+            self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        graph, ids, out = g
+        ids[:B, :C] = tok
+        ids[B:].zero_()
+        if P > C:
+            ids[:, C:].zero_()
+        graph.replay()
+        return out[:, :C]
 
     # -- generate --
     def _check_prompts(self, prompts) -> list[list[int]]:
@@ -686,7 +788,7 @@ class Model:
         sampled = temperature > 0
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         pieces = prefill_plan(max(lens), B, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
-                              decode=dch, unfused=self.unfused is not None)
+                              decode=dch, unfused=self.unfused is not None, costs=self.route_costs)
         for pc in pieces:
             self._warn_missing(pc.choice)
         if max_new_tokens > 1:
