@@ -725,13 +725,17 @@ class Model:
                 run()  # warm-up: the same piece (it rewrites the same cache rows)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._prefill_pool is None:
-                self._prefill_pool = torch.cuda.graph_pool_handle()  # pieces run one at a time: one pool
+                # one pool for every piece's graph: what a capture allocates is scratch (the output is `out`), and
+                # pieces never run at once
+                self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._prefill_pool):
                 run()
-            self._graphs[key] = g = (graph, ids, out)
+            # every tensor the graph reads or writes stays referenced with it (a freed `start` would be reused by
+            # the allocator under the graph's feet)
+            self._graphs[key] = g = (graph, ids, out, start)
             self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
-        graph, ids, out = g
+        graph, ids, out, _ = g
         ids[:B, :C] = tok
         ids[B:].zero_()
         if P > C:
