@@ -79,7 +79,7 @@ class FusedDecoderLayer:
 
     def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
                  packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-                 group=None, allreduce: str = "auto"):
+                 group=None, allreduce: str = "auto", workspace: torch.Tensor | None = None):
         import cupy
         self.name = entry["name"]
         self.variant = variant_from_entry(entry)
@@ -141,7 +141,16 @@ class FusedDecoderLayer:
         self.cache_len = int(cache_len)
         # one buffer for all scratch so the custom op can declare it mutated; the manifest's layout carves it up
         self._buffers = self.plan["workspace"]["buffers"]
-        self.workspace = torch.zeros(self.plan["workspace"]["bytes"], dtype=torch.uint8, device=self.device)
+        nbytes = self.plan["workspace"]["bytes"]
+        if workspace is not None:  # another layer's (of this variant): layers that run one after another share one
+            if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1 \
+                    or workspace.device != self.device or workspace.numel() < nbytes:
+                raise ValueError(f"workspace: expected a uint8 tensor of >= {nbytes} bytes on {self.device} (another "
+                                 f"layer's .workspace), got {getattr(workspace, 'dtype', type(workspace).__name__)} "
+                                 f"{tuple(getattr(workspace, 'shape', ()))}")
+            self.workspace = workspace[:nbytes]
+        else:
+            self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
         with cupy.cuda.Device(self.device.index):
             t0 = time.perf_counter()
@@ -336,7 +345,7 @@ def _(x, pos, k_cache, v_cache, workspace, layer_id):
 
 def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str | Path = "build", device="cuda",
          packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-         group=None, allreduce: str = "auto") -> FusedDecoderLayer:
+         group=None, allreduce: str = "auto", workspace: torch.Tensor | None = None) -> FusedDecoderLayer:
     """Load variant `name` from a prebuilt build directory with HF-named weights (interface.weight_shapes, already
     on `device`, in the variant's dtype). Raises LoadError (missing, stale, corrupt or other-arch build; no CUDA)
     or ValueError (bad weights).
@@ -346,7 +355,9 @@ def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str |
     batch sequences) instead of new ones. cache_len: rows per sequence of new caches (prefill variants; a decode
     variant's is its seq_len). group: the torch.distributed process group (NCCL, one process per GPU) of a variant
     built with tp > 1; `weights` are then the whole layer's, and each rank keeps its part (interface.TP_SPLIT).
-    allreduce: how its partial sums are summed (generator.collectives: "auto", "symm_mem", "nccl")."""
+    allreduce: how its partial sums are summed (generator.collectives: "auto", "symm_mem", "nccl"). workspace:
+    another layer's `.workspace` (the same variant) to share: layers launched one after another on one stream need
+    one scratch between them (stage_us() and overflows() then read the last launch's)."""
     entry, cubin = find_entry(name, build_dir)
     return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len,
-                             group=group, allreduce=allreduce)
+                             group=group, allreduce=allreduce, workspace=workspace)

@@ -282,7 +282,8 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
                 fused: bool, unfused: bool, workspace_bytes: int) -> dict[str, int]:
     """Bytes the model will hold on the GPU, before anything is loaded: weights (fused packed, unfused merged),
     embedding + lm_head, KV caches (2 x layers x [max_batch, kv_heads, cache_len, head_dim]), the fused layers'
-    workspaces (workspace_bytes: sum over the variants of one layer's), and a margin for loading (one layer's
+    workspaces (workspace_bytes: sum over the variants of one layer's; every layer of a variant shares one), and a
+    margin for loading (one layer's
     weights twice), logits and graphs."""
     per_layer = layer_weight_bytes(m, elt)
     out = {
@@ -290,7 +291,7 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
         "weights_unfused": per_layer * m.layers if unfused else 0,
         "embed_lm_head": vocab * m.hidden * elt * (1 if tied else 2) + m.hidden * 4,
         "kv_caches": 2 * m.layers * max_batch * m.kv_heads * cache_len * m.head_dim * elt,
-        "workspaces": workspace_bytes * m.layers,
+        "workspaces": workspace_bytes,
         "margin": 2 * per_layer + 8 * max_batch * vocab * 4 + 64 * (1 << 20),
     }
     out["total"] = sum(out.values())
@@ -501,8 +502,10 @@ class Model:
             vcs.append(vv)
             packed = None
             for v in vs:
+                shared = fused[v.name][0].workspace if fused[v.name] else None  # one scratch per variant
                 layer = loader.load(v.name, W if packed is None else None, build_dir=build_dir, device=dev,
-                                    packed=packed, caches=(k, vv), cache_len=cache_len, group=group)
+                                    packed=packed, caches=(k, vv), cache_len=cache_len, group=group,
+                                    workspace=shared)
                 packed = layer.packed
                 fused[v.name].append(layer)
             if unf is not None:
@@ -551,17 +554,20 @@ class Model:
 
     def memory(self) -> dict[str, int]:
         """Bytes held on the model's device: weights_fused (one packed copy per layer), weights_unfused, embed_lm_head,
-        kv_caches, workspaces (every fused layer's), graphs (pool growth measured around each capture), total; and
+        kv_caches, workspaces (one per variant, shared by its layers), graphs (pool growth measured around each capture), total; and
         checkpoint_bytes (the safetensors files on disk) for comparison."""
         def nbytes(t):
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-        seen, fused_w, ws = set(), 0, 0
+        seen, storages, fused_w, ws = set(), set(), 0, 0
         for layers in self.fused.values():
             for layer in layers:
                 if id(layer.packed) not in seen:
                     seen.add(id(layer.packed))
                     fused_w += sum(nbytes(t) for t in layer.packed.values())
-                ws += layer.workspace.numel()
+                ptr = layer.workspace.untyped_storage().data_ptr()
+                if ptr not in storages:  # one workspace serves all layers of a variant
+                    storages.add(ptr)
+                    ws += layer.workspace.numel()
         head = nbytes(self.embed) + (0 if self.lm_head is self.embed else nbytes(self.lm_head)) + \
             nbytes(self.norm_weight)
         out = {"weights_fused": fused_w, "weights_unfused": sum(u.weight_bytes for u in self.unfused or []),

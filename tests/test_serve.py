@@ -72,6 +72,23 @@ def test_prefill_splits_into_declared_chunks_largest_first():
     assert [p[1] for p in spans(prefill_plan(600, 2, PRE, {"p_b4_s512": "unfused"}))] == [128] * 4 + [88]
 
 
+def test_prefill_plan_minimises_the_measured_time():
+    # as measured on an H200 (routes/nvidia-h200.json, Llama-3.2-1B): only the 16-token chunk is faster fused
+    pre = {(1, c): f"p_b1_s{c}" for c in (16, 64, 128, 512, 2048)}
+    us = {16: (140.3, 154.1), 64: (160.0, 158.7), 128: (231.8, 168.6), 512: (499.7, 252.1), 2048: (1777.2, 703.1)}
+    costs = {f"p_b1_s{c}": {"fused_us": f, "unfused_us": u} for c, (f, u) in us.items()}
+    routes = {n: "fused" if costs[n]["fused_us"] <= costs[n]["unfused_us"] else "unfused" for n in costs}
+    plan = lambda n: spans(prefill_plan(n, 1, pre, routes, costs=costs))  # noqa: E731
+    assert plan(16) == [(0, 16, "fused", "p_b1_s16", 1)]
+    # eight fused 16-token chunks (8 x 140 us) lose to one unfused 128-token piece (169 us): not chunked
+    assert plan(128) == [(0, 128, "unfused", None, 1)]
+    assert plan(20) == [(0, 20, "unfused", None, 1)]
+    assert plan(5000) == [(0, 2048, "unfused", None, 1), (2048, 2048, "unfused", None, 1),
+                          (4096, 904, "unfused", None, 1)]
+    # without measurements: the largest fused chunk that fits, as before
+    assert [p[1] for p in spans(prefill_plan(48, 1, pre, routes))] == [16, 16, 16]
+
+
 def test_prefill_without_variants_is_unfused_in_bounded_pieces_naming_the_missing_variant():
     ps = prefill_plan(5000, 3, {}, {}, max_unfused=2048)
     assert spans(ps) == [(0, 2048, "unfused", None, 3), (2048, 2048, "unfused", None, 3),
