@@ -275,20 +275,25 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
 
 
 def tensor_parallel(vs, variants_file, heldout_file, only, build_dir, out, seed) -> bool:
-    """bench/tp_check.py under torchrun, one process per GPU, for the tp = 2 variants where 2 GPUs are visible; its
-    table printed here, its log and JSON in `out`. True when it passed or had nothing to run."""
-    if not any(v.tp == 2 for v in vs):
-        return True
-    if torch.cuda.device_count() < 2:
-        print(f"\ntensor parallel: {sum(v.tp == 2 for v in vs)} tp = 2 variants not run: "
-              f"{torch.cuda.device_count()} GPU visible (run bench/tp_check.py under torchrun on 2)")
-        return True
+    """bench/tp_check.py under torchrun, one process per GPU, for each tp > 1 of the variants where that many GPUs
+    are visible; its table printed here, its log and JSON in `out`. True when all passed or none could run."""
+    ok = True
+    for tp in sorted({v.tp for v in vs if v.tp > 1}):
+        if torch.cuda.device_count() < tp:
+            print(f"\ntensor parallel: {sum(v.tp == tp for v in vs)} tp = {tp} variants not run: "
+                  f"{torch.cuda.device_count()} GPU(s) visible (bench/tp_check.py under torchrun on {tp})")
+            continue
+        ok = _tp_check(tp, variants_file, heldout_file, only, build_dir, out, seed) and ok
+    return ok
+
+
+def _tp_check(tp, variants_file, heldout_file, only, build_dir, out, seed) -> bool:
     torch.cuda.empty_cache()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp),
            str(ROOT / "bench" / "tp_check.py"), "--variants", variants_file, "--heldout", heldout_file or "",
            "--build-dir", build_dir, "--out", str(out), "--seed", str(seed), *sum((["--only", g] for g in only), [])]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    (Path(out) / "tp_check.log").write_text(r.stdout + r.stderr)
+    (Path(out) / f"tp_check_tp{tp}.log").write_text(r.stdout + r.stderr)
     lines = r.stdout.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith(torch.cuda.get_device_name())), None)
     print("\ntensor parallel (bench/tp_check.py):")

@@ -3,13 +3,14 @@ and the held-out shapes of bench/heldout.yaml) whose tp is the number of process
 
     torchrun --nproc_per_node 2 bench/tp_check.py [--only GLOB ...] [--out DIR] [--seed N]
 
-Each variant: the fused TP layer (one launch per part, an NCCL all-reduce between) against the fp32 reference of the
-whole layer on fresh random inputs (every rank: output, its KV heads' cache rows, no other row touched), then a
-stack of distinct layers (every sequence at full context) in a CUDA graph, against the unfused TP layer (merged
-cuBLAS GEMMs, SDPA, the same two NCCL all-reduces; generator.unfused) in the same run. The bound is each GPU's
+Each variant: the fused TP layer (one launch per part, an all-reduce between: generator.collectives) against the
+fp32 reference of the whole layer on fresh random inputs (every rank: output, its KV heads' cache rows, no other row
+touched), then a stack of distinct layers (every sequence at full context) in a CUDA graph, against the same layer
+with NCCL all-reduces, the unfused TP layer (merged cuBLAS GEMMs, SDPA, the same all-reduces; generator.unfused)
+and the FlashInfer TP layer (bench/flashinfer_layer.py) in the same run. The bound is each GPU's
 weight-and-KV bytes at the copy bandwidth measured in the same run plus the measured time of the step's two
 all-reduces alone. bench/gpu_check.py runs this where it sees enough GPUs. Rank 0 prints a table last and writes
-tp_check.json to --out ($OUT).
+tp_check_tp<N>.json to --out ($OUT).
 """
 from __future__ import annotations
 
@@ -183,7 +184,8 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
             row = check_tp(v, where[v.name], seed, bw, ar[(v.batch, v.model.hidden, v.model.dtype)])
             row["heldout"] = v in held
         except Exception as exc:  # keep going: one broken variant must not hide the others
-            row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            row = {"variant": v.name, "pass": False,
+                   "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]}
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -192,7 +194,7 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
                "time": time.strftime("%H:%M:%S"), "seed": seed, "copy_gbps": round(bw, 1),
                "allreduce_us": {f"b{b}_h{h}_{dt}": t for (b, h, dt), t in ar.items()}, "rows": rows}
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "tp_check.json").write_text(json.dumps(doc, indent=1))
+        (Path(out) / f"tp_check_tp{world}.json").write_text(json.dumps(doc, indent=1))
         print(f"\n{doc['gpu']} x{world}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s per GPU")
         for (b, h, dt), t in ar.items():
             print(f"two all-reduces alone (fp32 + {dt} [{b}, {h}]), µs: symm_mem one-shot {t['symm_mem']}, "

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 METHODS = ("auto", "symm_mem", "nccl")
+SYMM_DTYPES = (torch.float32, torch.bfloat16)  # what torch's one_shot_all_reduce kernels take
 _warned: set = set()
 
 
@@ -39,7 +40,10 @@ class AllReduce:
         if method not in METHODS:
             raise ValueError(f"allreduce: one of {', '.join(METHODS)}, got {method!r}")
         self.group, self.buffer = group, None
-        if method != "nccl" and torch.device(device).type == "cuda":
+        if method != "nccl" and dtype not in SYMM_DTYPES:
+            _warn_once(f"all-reduce: torch's one-shot all-reduce takes {', '.join(map(str, SYMM_DTYPES))}, not "
+                       f"{dtype}: NCCL all-reduce instead")
+        elif method != "nccl" and torch.device(device).type == "cuda":
             try:
                 from torch.distributed import _symmetric_memory as symm_mem
                 self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
@@ -52,6 +56,12 @@ class AllReduce:
         elif method == "symm_mem":
             _warn_once(f"all-reduce: symmetric memory needs CUDA, the layer is on {device}: "
                        f"{dist.get_backend(group)} all-reduce instead")
+        if torch.device(device).type == "cuda":  # every rank must take the same way, or each waits on the other
+            ok = torch.tensor([int(self.buffer is not None)], device=device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if not ok.item() and self.buffer is not None:
+                self.buffer = None
+                _warn_once("all-reduce: symmetric memory could not be set up on every rank: NCCL all-reduce instead")
         self.method = "symm_mem" if self.buffer is not None else "nccl"
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:

@@ -67,19 +67,20 @@ def tp_rank(group, tp: int, name: str) -> int:
 
 
 class FusedDecoderLayer:
-    """One decoder layer of one variant: owns the packed weights, the KV cache and the kernel's workspace.
+    """One decoder layer of one variant: holds the packed weights, the KV cache and the kernel's workspace (each
+    may be shared with other layers: load()'s packed, caches, share_workspace).
 
     k_cache, v_cache: [batch, kv_heads / tp, seq_len, head_dim] in the variant's dtype (bf16/fp16), updated in place
     at each step's positions. Built by generator.load(); raises LoadError (build for another GPU, no CUDA) or
     ValueError (a weight of the wrong name, shape, dtype or device; a bad process group) before anything is launched.
     With tensor parallel (variant tp > 1) this process holds its rank's part of the layer (`shard`: heads, KV heads
-    and MLP columns / tp) and a step is one launch per part with an NCCL all-reduce of its partial sum between
-    (interface.TP_SPLIT; plan "kernels").
+    and MLP columns / tp) and a step is one launch per part with an all-reduce of its partial sum between
+    (interface.TP_SPLIT; plan "kernels"; generator.collectives: symmetric memory or NCCL).
     """
 
     def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
                  packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-                 group=None, allreduce: str = "auto", workspace: torch.Tensor | None = None):
+                 group=None, allreduce: str = "auto", share_workspace: "FusedDecoderLayer | None" = None):
         import cupy
         self.name = entry["name"]
         self.variant = variant_from_entry(entry)
@@ -142,13 +143,13 @@ class FusedDecoderLayer:
         # one buffer for all scratch so the custom op can declare it mutated; the manifest's layout carves it up
         self._buffers = self.plan["workspace"]["buffers"]
         nbytes = self.plan["workspace"]["bytes"]
-        if workspace is not None:  # another layer's (of this variant): layers that run one after another share one
-            if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1 \
-                    or workspace.device != self.device or workspace.numel() < nbytes:
-                raise ValueError(f"workspace: expected a uint8 tensor of >= {nbytes} bytes on {self.device} (another "
-                                 f"layer's .workspace), got {getattr(workspace, 'dtype', type(workspace).__name__)} "
-                                 f"{tuple(getattr(workspace, 'shape', ()))}")
-            self.workspace = workspace[:nbytes]
+        if share_workspace is not None:  # layers of one variant launched one after another need one scratch: the
+            # kernel leaves it as it found it (counters back at zero)
+            other = share_workspace
+            if not isinstance(other, FusedDecoderLayer) or other.name != self.name or other.device != self.device:
+                raise ValueError(f"share_workspace: another layer of {self.name} on {self.device}, got "
+                                 f"{getattr(other, 'name', type(other).__name__)}")
+            self.workspace = other.workspace
         else:
             self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
@@ -188,7 +189,9 @@ class FusedDecoderLayer:
         # rank). Where it has a buffer of its own (symmetric memory), the kernel writes its partial sum there and
         # the all-reduce leaves the sum where the next kernel (h) or the caller (out) reads it.
         self._reducers = {}
-        if self.tp > 1:
+        if self.tp > 1 and share_workspace is not None:  # its all-reduce buffers too: the layers run one by one
+            self._reducers = share_workspace._reducers
+        elif self.tp > 1:
             rows = B * m.hidden
             self._reducers = {"h": AllReduce(group, rows, torch.float32, self.device, allreduce),
                               "out": AllReduce(group, rows, self.dtype, self.device, allreduce)}
@@ -218,14 +221,16 @@ class FusedDecoderLayer:
         return raw.view(dt).view(b["shape"])
 
     def stage_us(self) -> dict[str, float]:
-        """Time of each step in the last launch in µs (block 0's SM clock, barrier waits included); synchronises."""
+        """Time of each step in the last launch in µs (block 0's SM clock, barrier waits included; with tensor
+        parallel, each launch's own steps: the all-reduces between launches are not in it); synchronises."""
         import cupy
         c = self.buffer("clock").cpu().tolist()
         khz = cupy.cuda.Device(self.device.index).attributes["ClockRate"]
+        start = {k["first"]: k.get("start_slot", k["first"]) for k in self.plan["kernels"]}
         out, seen = {}, {}
         for i, s in enumerate(self.STAGES):  # a step that runs twice (prefill's norm) is "norm", then "norm (2)"
             seen[s] = seen.get(s, 0) + 1
-            out[s if seen[s] == 1 else f"{s} ({seen[s]})"] = (c[i + 1] - c[i]) / khz * 1e3
+            out[s if seen[s] == 1 else f"{s} ({seen[s]})"] = (c[i + 1] - c[start.get(i, i)]) / khz * 1e3
         return out
 
     def overflows(self, reset: bool = True) -> int:
@@ -345,7 +350,7 @@ def _(x, pos, k_cache, v_cache, workspace, layer_id):
 
 def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str | Path = "build", device="cuda",
          packed: dict | None = None, caches: tuple | None = None, cache_len: int | None = None,
-         group=None, allreduce: str = "auto", workspace: torch.Tensor | None = None) -> FusedDecoderLayer:
+         group=None, allreduce: str = "auto", share_workspace: FusedDecoderLayer | None = None) -> FusedDecoderLayer:
     """Load variant `name` from a prebuilt build directory with HF-named weights (interface.weight_shapes, already
     on `device`, in the variant's dtype). Raises LoadError (missing, stale, corrupt or other-arch build; no CUDA)
     or ValueError (bad weights).
@@ -355,9 +360,9 @@ def load(name: str, weights: dict[str, torch.Tensor] | None, *, build_dir: str |
     batch sequences) instead of new ones. cache_len: rows per sequence of new caches (prefill variants; a decode
     variant's is its seq_len). group: the torch.distributed process group (NCCL, one process per GPU) of a variant
     built with tp > 1; `weights` are then the whole layer's, and each rank keeps its part (interface.TP_SPLIT).
-    allreduce: how its partial sums are summed (generator.collectives: "auto", "symm_mem", "nccl"). workspace:
-    another layer's `.workspace` (the same variant) to share: layers launched one after another on one stream need
-    one scratch between them (stage_us() and overflows() then read the last launch's)."""
+    allreduce: how its partial sums are summed (generator.collectives: "auto", "symm_mem", "nccl").
+    share_workspace: another layer of the same variant whose workspace this one uses: layers launched one after
+    another on one stream need one scratch between them (stage_us() and overflows() then read the last launch's)."""
     entry, cubin = find_entry(name, build_dir)
     return FusedDecoderLayer(entry, cubin, weights, device, packed=packed, caches=caches, cache_len=cache_len,
-                             group=group, allreduce=allreduce, workspace=workspace)
+                             group=group, allreduce=allreduce, share_workspace=share_workspace)

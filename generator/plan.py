@@ -62,6 +62,10 @@ def kernels(mode: Mode, tp: int) -> list[dict]:
             cur = []
     for k, d in enumerate(out):
         d["name"] = "decoder_layer" if len(out) == 1 else f"decoder_layer_{k}"
+        # block 0's clock at the kernel's start: a later kernel's block 0 may sit on another SM (clocks differ), so
+        # it stamps a slot of its own at the end of the clock buffer, not the previous kernel's last stamp
+        d["start_slot"] = d["first"] if k == 0 else 16 - k
+    assert len(mode.steps) < 16 - (len(out) - 1), "interface.WORKSPACE's clock buffer holds 16 stamps"
     return out
 
 

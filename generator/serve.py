@@ -89,19 +89,26 @@ def decode_choice(live: int, decode_variants: dict[int, str], routes: dict[str, 
     return Choice("unfused", None, live, why, missing)
 
 
-def unfused_cost(n: int, live: int, prefill_variants: dict[tuple[int, int], str], costs: dict) -> float | None:
-    """Estimated µs of an unfused prefill piece of n tokens for `live` sequences, from the unfused times measured
-    beside the prefill variants (generator.routes figures `costs` {variant: {"unfused_us", ...}}) of the smallest
-    measured batch >= live: linear between measured chunk lengths, the shortest one's time below it (fixed costs
-    dominate there), the last per-token slope beyond. None where nothing was measured."""
+def unfused_points(live: int, prefill_variants: dict[tuple[int, int], str], costs: dict) -> list[tuple[int, float]]:
+    """(chunk length, unfused µs) measured beside the prefill variants (generator.routes figures `costs` {variant:
+    {"unfused_us", ...}}) of the smallest measured batch >= live, by length; [] where nothing was measured."""
     by_batch: dict[int, list] = {}
     for (b, c), name in prefill_variants.items():
         us = (costs.get(name) or {}).get("unfused_us")
         if b >= live and us:
             by_batch.setdefault(b, []).append((c, float(us)))
-    if not by_batch:
-        return None
-    pts = sorted(by_batch[min(by_batch)])
+    return sorted(by_batch[min(by_batch)]) if by_batch else []
+
+
+def padded(n: int) -> int:
+    """The length an unfused prompt piece of n tokens runs at (Model._piece pads to a power of two, >= 16)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def unfused_cost(n: int, pts: list[tuple[int, float]]) -> float:
+    """Estimated µs of an unfused prefill piece of n tokens from unfused_points `pts` (non-empty): linear between
+    measured chunk lengths, the shortest one's time below it (fixed costs dominate there), the last per-token slope
+    beyond."""
     if n <= pts[0][0]:
         return pts[0][1]
     for (c0, u0), (c1, u1) in zip(pts, pts[1:]):
@@ -133,9 +140,15 @@ def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int],
             chunks[c] = (b, name)
     fused_us = {c: (costs or {}).get(name, {}).get("fused_us") for c, (b, name) in chunks.items()}
     plan = None
-    if unfused and chunks and all(fused_us.values()) and unfused_cost(1, live, prefill_variants, costs or {}):
-        plan = _cheapest(length, chunks, fused_us, max_unfused,
-                         lambda n: unfused_cost(n, live, prefill_variants, costs))
+    pts = unfused_points(live, prefill_variants, costs or {})
+    if unfused and chunks and all(fused_us.values()) and pts:
+        memo: dict[int, float] = {}
+
+        def cost(n):  # priced at the padded length it runs at
+            if n not in memo:
+                memo[n] = unfused_cost(padded(n), pts)
+            return memo[n]
+        plan = _cheapest(length, chunks, fused_us, max_unfused, cost)
     pieces: list[Piece] = []
     s = 0
     while s < length:
@@ -151,7 +164,9 @@ def prefill_plan(length: int, live: int, prefill_variants: dict[tuple[int, int],
         # no fused chunk fits in what is left (chunks only get harder to fit), or the cheapest plan runs the next
         # tokens unfused
         n = min(left, max_unfused) if plan is None else -plan[s]
-        if unfused:
+        if unfused and plan is not None:  # a measured choice: a declared variant would not do better
+            ch = Choice("unfused", None, live, "measured faster than the fused chunks (generator.routes)")
+        elif unfused:
             want = min(2048, 1 << (n.bit_length() - 1))
             why = "no declared prefill variant" if not prefill_variants else \
                 f"no fused prefill chunk <= {left} of batch >= {live}"
@@ -279,7 +294,7 @@ def layer_weight_bytes(m: ModelShape, elt: int) -> int:
 
 
 def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: int, cache_len: int,
-                fused: bool, unfused: bool, workspace_bytes: int) -> dict[str, int]:
+                fused: bool, unfused: bool, workspace_bytes: int, tp: int = 1) -> dict[str, int]:
     """Bytes the model will hold on the GPU, before anything is loaded: weights (fused packed, unfused merged),
     embedding + lm_head, KV caches (2 x layers x [max_batch, kv_heads, cache_len, head_dim]), the fused layers'
     workspaces (workspace_bytes: sum over the variants of one layer's; every layer of a variant shares one), and a
@@ -292,7 +307,8 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
         "embed_lm_head": vocab * m.hidden * elt * (1 if tied else 2) + m.hidden * 4,
         "kv_caches": 2 * m.layers * max_batch * m.kv_heads * cache_len * m.head_dim * elt,
         "workspaces": workspace_bytes,
-        "margin": 2 * per_layer + 8 * max_batch * vocab * 4 + 64 * (1 << 20),
+        # loading reads a whole layer (tp shards of m) before keeping its shard
+        "margin": (tp + 1) * per_layer + 8 * max_batch * vocab * 4 + 64 * (1 << 20),
     }
     out["total"] = sum(out.values())
     return out
@@ -387,6 +403,7 @@ class Model:
         self._graph_bytes = 0
         self.max_prefill_graphs = 64  # prompt pieces captured (per path, batch, start, padded length); then eager
         self._prefill_pool = None
+        self._plans: dict[tuple, list] = {}  # (prompt length, batch) -> its pieces
 
     # -- construction --
     @classmethod
@@ -437,7 +454,7 @@ class Model:
         vs = []
         for name in chosen:
             v = hfm._built_variant(name, build_dir)
-            hfm._check_variant(ck, v, list(range(shape.layers)))
+            hfm._check_variant(ck, v, list(range(shape.layers)), tensor_parallel=True)
             if v.tp != tp:
                 raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
                                  f"({'no process group' if group is None else 'the process group'})")
@@ -475,7 +492,7 @@ class Model:
         ws = sum(entries[v.name]["plan"]["workspace"]["bytes"] for v in vs)
         plan = plan_memory(local, vocab=head["vocab"], tied=head["tie"] and not head["both"], elt=elt,
                            max_batch=max_batch, cache_len=cache_len, fused=bool(vs), unfused=unfused,
-                           workspace_bytes=ws)
+                           workspace_bytes=ws, tp=tp)
         if dev.type == "cuda" and torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info(dev)
             check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}")
@@ -502,10 +519,9 @@ class Model:
             vcs.append(vv)
             packed = None
             for v in vs:
-                shared = fused[v.name][0].workspace if fused[v.name] else None  # one scratch per variant
                 layer = loader.load(v.name, W if packed is None else None, build_dir=build_dir, device=dev,
                                     packed=packed, caches=(k, vv), cache_len=cache_len, group=group,
-                                    workspace=shared)
+                                    share_workspace=fused[v.name][0] if fused[v.name] else None)
                 packed = layer.packed
                 fused[v.name].append(layer)
             if unf is not None:
@@ -796,16 +812,20 @@ class Model:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ServeError(f"stop_tokens: integer token ids, got {t!r}")
         sampled = temperature > 0
+        t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
-        pieces = prefill_plan(max(lens), B, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
-                              decode=dch, unfused=self.unfused is not None, costs=self.route_costs)
+        key = (max(lens), B)
+        if key not in self._plans:  # a prompt length's plan is fixed for the model: computed once
+            self._plans[key] = prefill_plan(max(lens), B, self.prefill_variants, self.routes, decode=dch,
+                                            max_unfused=self.max_unfused_chunk, unfused=self.unfused is not None,
+                                            costs=self.route_costs)
+        pieces = self._plans[key]
         for pc in pieces:
             self._warn_missing(pc.choice)
         if max_new_tokens > 1:
             self._warn_missing(dch)
         dev = self.device
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
-        t0 = time.perf_counter()
         bufs = self._buffers(dch)
         V = dch.batch
         pad = V - B

@@ -520,7 +520,9 @@ def test_cli_time_budget_and_refused_builds(tmp_path, monkeypatch):
 def test_cli_bad_only(tmp_path, monkeypatch):
     _fake_gpu(monkeypatch)
     r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "nope*"])
-    assert r.exit_code == 2 and "no variant matches --only nope*" in r.output
+    assert r.exit_code == 2 and "no single-GPU variant matches --only nope*" in r.output
+    r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "*_tp2"])  # tp_check's, not bench's
+    assert r.exit_code == 2 and "bench/tp_check.py" in r.output
 
 
 # -- the split: registry, best baseline, help, imports ----------------------------------------------------------------

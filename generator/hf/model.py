@@ -55,10 +55,14 @@ def _warn_fp16(ck: _Checkpoint, v, tensor: str) -> None:
         "activations of a bf16/fp32-trained model may overflow (a bf16 variant is safe)"), stacklevel=3)
 
 
-def _check_variant(ck: _Checkpoint, v, layers) -> None:
+def _check_variant(ck: _Checkpoint, v, layers, *, tensor_parallel: bool = False) -> None:
     """Before any tensor is read: the variant computes these layers exactly (HFConfigError naming the field), its
-    seq_len is within any sliding window they have, and an fp16 variant of a bf16 model warns."""
+    seq_len is within any sliding window they have, and an fp16 variant of a bf16 model warns. A tp > 1 variant
+    is refused unless the caller runs tensor parallel (tensor_parallel=True: generator.serve)."""
     _check_variant_fits(ck, v)
+    if v.tp > 1 and not tensor_parallel:
+        raise HFConfigError(f"variant '{v.name}' is split over tp = {v.tp} GPUs: load it with "
+                            "generator.serve.Model.from_hf(path, group=...) in one process per GPU")
     for i in layers:
         check_window(ck.mapped.window, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'", ck.model.layers, i)
     _warn_fp16(ck, v, f"{ck.prefix}layers.{layers[0]}.self_attn.q_proj.weight")
