@@ -16,7 +16,7 @@ from rich.table import Table
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
 from .manifest import variant_from_entry
-from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch
+from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
@@ -107,10 +107,13 @@ def natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def latest_bench(bench_dir: Path) -> dict[str, dict]:
+def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     """Per variant: the fused kernel's newest measured figures in bench/results/*.json, from `megakernel bench`
-    files (every provider's row) and `bench/gpu_check.py` files (one row per variant: decode µs, % of bandwidth and
-    speedups; prefill µs, TFLOP/s, × unfused and route). Newest = the file's recorded date, then its recorded time
+    files (every provider's row), `bench/gpu_check.py` files (one row per variant: decode µs, % of bandwidth and
+    speedups; prefill µs, TFLOP/s, × unfused and route) and `bench/tp_check.py` files (tensor parallel: per-layer
+    µs, % of bandwidth outside the all-reduces, × the best TP baseline). arch: only files measured on a GPU of that
+    architecture (by the GPU name they record; a name no target knows is kept), so an sm_80 build is not shown
+    H200 figures. Newest = the file's recorded date, then its recorded time
     (gpu_check writes one), then its name (deterministic in a fresh clone, where mtimes are the checkout's)."""
     found: dict[str, tuple] = {}
     for p in bench_dir.glob("*.json"):
@@ -119,6 +122,9 @@ def latest_bench(bench_dir: Path) -> dict[str, dict]:
         except ValueError:
             continue
         if not isinstance(doc, dict):
+            continue
+        measured_on = gpu_arch(str(doc.get("gpu", "")))
+        if arch is not None and measured_on is not None and measured_on != str(arch).rstrip("a"):
             continue
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
         for row in doc.get("rows", []):
@@ -131,6 +137,9 @@ def latest_bench(bench_dir: Path) -> dict[str, dict]:
                        "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
                        "speedup_eager": row.get("speedup_vs_eager"), "speedup_compile": row.get("speedup_vs_compile"),
                        "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline")}
+            elif "tp" in row and "us" in row:  # bench/tp_check.py: a tensor-parallel decode variant
+                fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"), "speedup_best": row.get("speedup"),
+                       "best_baseline": row.get("best_baseline")}
             elif row.get("mode") == "prefill":  # gpu_check, prefill
                 fig = {"fused_us": row.get("us"), "tflops": row.get("tflops"), "speedup_best": row.get("speedup"),
                        "best_baseline": "unfused", "route": row.get("route")}
@@ -190,7 +199,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
                                     "(run `megakernel build`)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
-    bench = latest_bench(Path(bench_dir)) if bench_dir else {}
+    arches = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in entries.values()}
+    bench = latest_bench(Path(bench_dir), arches.pop() if len(arches) == 1 else None) if bench_dir else {}
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}

@@ -50,6 +50,15 @@ def arch(sm: str) -> Arch:
     raise TargetError(f"--arch '{sm}': not a known architecture (one of {', '.join(ARCHS)}, optionally with 'a')")
 
 
+def gpu_arch(gpu_name: str) -> str | None:
+    """The architecture of a GPU by the name torch reports ("NVIDIA H200" -> "90"), from the Arch examples; None
+    where no example names it."""
+    for a in ARCHS.values():
+        if any(part.strip() and part.strip() in gpu_name for part in a.example.split("/")):
+            return a.sm
+    return None
+
+
 def runs_on(build_sm: str, major: int, minor: int) -> bool:
     """Whether a cubin for sm_<build_sm> loads on a device of compute capability major.minor (cubins run on the
     same major version with an equal or later minor version)."""

@@ -644,3 +644,19 @@ def test_report_reads_gpu_check_rows_newest_first(tmp_path):
     assert b["a_decode_b1_s64_bf16"]["fused_us"] == 40.0 and b["a_decode_b1_s64_bf16"]["best_baseline"] == "torch_graph"
     assert b["a_prefill_b1_s16_bf16"]["tflops"] == 13.9 and b["a_prefill_b1_s16_bf16"]["route"] == "fused"
     assert "a_prefill_b1_s64_bf16" not in b
+
+
+def test_report_joins_tp_rows_and_only_figures_of_the_builds_architecture(tmp_path):
+    from generator.report import latest_bench
+    h200 = {"gpu": "NVIDIA H200", "gpus": 2, "date": "2026-11-30", "rows": [
+        {"variant": "m_decode_b1_s64_bf16_tp2", "tp": 2, "us": 237.4, "pct_bw": 92.6, "speedup": 1.17,
+         "best_baseline": "flashinfer"}]}
+    a100 = {"gpu": "NVIDIA A100-SXM4-80GB", "date": "2026-12-01", "rows": [
+        {"variant": "m_decode_b1_s64_bf16_tp2", "tp": 2, "us": 400.0, "pct_bw": 80.0, "speedup": 1.0,
+         "best_baseline": "unfused"}]}
+    (tmp_path / "tp_check-h200.json").write_text(json.dumps(h200))
+    (tmp_path / "tp_check-a100.json").write_text(json.dumps(a100))
+    fig = latest_bench(tmp_path, "90")["m_decode_b1_s64_bf16_tp2"]
+    assert (fig["fused_us"], fig["speedup_best"], fig["best_baseline"]) == (237.4, 1.17, "flashinfer")
+    assert latest_bench(tmp_path, "80")["m_decode_b1_s64_bf16_tp2"]["fused_us"] == 400.0
+    assert latest_bench(tmp_path)["m_decode_b1_s64_bf16_tp2"]["fused_us"] == 400.0  # no arch: the newest
