@@ -296,7 +296,10 @@ def from_hf_cmd(path, write_file, name):
 def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
                  variant_names, cache_len, device, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
-    prints the text (or token ids), tokens/s, time to first token and the path that served each layer."""
+    prints the text (or token ids), tokens/s, time to first token and the path that served each layer. Under
+    torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo with
+    --device cpu) on the variants built with that tp; rank 0 prints."""
+    import os
     import warnings
 
     import torch
@@ -310,6 +313,20 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         fail(f"--device: not a torch device: {device!r} (cuda, cuda:N or cpu)")
     if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
+    group, echo = None, click.echo
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU, tensor parallel
+        import datetime
+
+        import torch.distributed as dist
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+            device = str(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+        group = dist.group.WORLD
+        if dist.get_rank() != 0:
+            echo = lambda *a, **k: None  # noqa: E731 - rank 0 prints
+            err_console.quiet = True
     tok = None
     if prompts:
         try:
@@ -340,23 +357,23 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
             model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen,
-                                        device=device, cache_len=cache_len, max_batch=len(seqs))
+                                        device=device, cache_len=cache_len, max_batch=len(seqs), group=group)
             model.use_graphs = model.use_graphs and not no_graph
 
             def show(b, t):
                 if len(seqs) == 1:
-                    click.echo(tok.decode([t]) if tok else f"{t} ", nl=False)
+                    echo(tok.decode([t]) if tok else f"{t} ", nl=False)
                     sys.stdout.flush()
             out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop_tokens=stop_ids, callback=show)
     except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
         fail(str(exc))
-    click.echo()
+    echo()
     for w in caught:
         err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
-            click.echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
+            echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
     err_console.print(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
                       f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
@@ -367,8 +384,12 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     err_console.print(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
                       f"{pre}", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
-    err_console.print("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
+    per = f" (per GPU, tensor parallel over {group.size()})" if group is not None else ""
+    err_console.print(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
                       markup=False, highlight=False, soft_wrap=True)
+    if group is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
 
 
 def run():

@@ -185,3 +185,20 @@ def test_gpu_tp_model_greedy_equals_one_gpu(tp_build, tiny_ckpt, tmp_path):
         assert res["logits_rel"] <= 2e-2, res
         assert any(p.endswith("_tp2") for p in res["tp_paths"]), res  # decode ran the fused TP variant
         assert (res["tp_kv_heads"], res["one_kv_heads"]) == (2, 4)
+
+
+def test_cli_generate_under_torchrun_runs_tensor_parallel_over_gloo(tiny_ckpt, tmp_path):
+    """`torchrun ... -m generator.cli generate --device cpu`: the unfused layers split over 2 processes print the
+    tokens one process prints alone."""
+    args = ["generate", str(tiny_ckpt), "--device", "cpu", "--ids", "1,2,3,4", "--max-new-tokens", "6",
+            "--build-dir", str(tmp_path / "no-build")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "-m", "generator.cli", *args], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "generator.cli", *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    tokens = one.stdout.split()
+    assert len(tokens) == 6 and two.stdout.split() == tokens  # rank 0 alone prints
+    assert "tensor parallel over 2" in two.stderr and "tensor parallel" not in one.stderr
