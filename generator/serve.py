@@ -220,16 +220,21 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ServeError(f"max_new_tokens: a positive integer, got {max_new_tokens!r}")
     need = max(prompt_lens) + max_new_tokens - 1
+    if max(prompt_lens) > cache_len:
+        raise ServeError(f"prompts: the longest prompt ({max(prompt_lens)} tokens) is over the cache capacity "
+                         f"{cache_len} rows by itself (a larger cache_len / seq_len, or a shorter prompt)")
     if need > cache_len:
         raise ServeError(f"max_new_tokens: the longest prompt ({max(prompt_lens)} tokens) + {max_new_tokens} new "
                          f"tokens need {need} cache rows, over the cache capacity {cache_len} (at most "
                          f"{cache_len - max(prompt_lens) + 1} new tokens; or a larger cache_len / seq_len)")
 
 
-def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int) -> str:
-    """variants.yaml text that declares variant (mode, batch, seq_len) of a model: the model's entry (from
+def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1) -> str:
+    """variants.yaml text that declares variant (mode, batch, seq_len, tp) of a model: the model's entry (from
     generator.hf.variant_entry_yaml) with its own `matrix:` line."""
-    return entry_yaml.rstrip("\n") + f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]}}\n"
+    tp_field = f", tp: [{tp}]" if tp > 1 else ""
+    return entry_yaml.rstrip("\n") + (f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]"
+                                      f"{tp_field}}}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,7 +382,7 @@ class Model:
     """
 
     def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
-                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None):
+                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None, tp=1):
         self.shape = shape
         self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -388,6 +393,7 @@ class Model:
         self.cache_len = cache_len
         self.routes, self.route_why = routes, route_why
         self.route_costs = route_costs or {}  # measured µs per prefill variant (generator.routes): prefill_plan
+        self.tp = tp  # GPUs each layer is split over (tensor parallel; from_hf's group)
         self.decode_variants = {ls[0].variant.batch: n for n, ls in fused.items() if ls[0].variant.mode == "decode"}
         self.prefill_variants = {(ls[0].variant.batch, ls[0].variant.seq_len): n for n, ls in fused.items()
                                  if ls[0].variant.mode == "prefill"}
@@ -537,7 +543,7 @@ class Model:
         return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
-                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs})
+                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp)
 
     # -- reports --
     def stats(self) -> list[dict]:
@@ -549,12 +555,15 @@ class Model:
     def reset_stats(self) -> None:
         self._counters.clear()
 
-    def _count(self, mode: str, ch: Choice, live: int, tokens_per_seq: int = 1) -> None:
+    def _count(self, mode: str, ch: Choice, live: int, tokens_per_seq: int = 1, real: int | None = None) -> None:
+        """One call on `ch`: `real` tokens of live sequences (default live x tokens_per_seq), the rest of the
+        ch.batch x tokens_per_seq it computed padding."""
         c = self._counters.setdefault((mode, ch.path, ch.variant or f"unfused b{ch.batch}"),
                                       {"calls": 0, "tokens": 0, "padded_tokens": 0})
+        real = live * tokens_per_seq if real is None else real
         c["calls"] += 1
-        c["tokens"] += live * tokens_per_seq
-        c["padded_tokens"] += (ch.batch - live) * tokens_per_seq
+        c["tokens"] += real
+        c["padded_tokens"] += ch.batch * tokens_per_seq - real
 
     def paths(self, batch: int = 1, prompt_len: int = 1) -> dict:
         """Which path would serve each layer for a request of `batch` sequences and a `prompt_len` prompt:
@@ -595,7 +604,11 @@ class Model:
         return out
 
     def _warn_missing(self, ch: Choice) -> None:
+        """MissingVariantWarning, once per shape, where a declared variant would serve `ch` fused; not for a
+        tensor-parallel prompt (prefill variants are one-GPU)."""
         if ch.missing is None or ch.missing in self._warned:
+            return
+        if self.tp > 1 and ch.missing[0] == "prefill":
             return
         self._warned.add(ch.missing)
         mode, b, s = ch.missing
@@ -603,7 +616,7 @@ class Model:
         warnings.warn(MissingVariantWarning(
             f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
             f"to serve it fused, declare in variants.yaml under `models:` and `megakernel build`:\n"
-            + missing_entry(self.entry_yaml, mode, b, s)), stacklevel=4)
+            + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=4)
 
     # -- the pieces of a step --
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -689,7 +702,7 @@ class Model:
         last = torch.empty(B, H, dtype=self.dtype, device=self.device)
         for pc in pieces:
             ch, s, C = pc.choice, pc.start, pc.length
-            self._count("prefill", ch, B, C)
+            self._count("prefill", ch, B, C, real=sum(max(0, min(n, s + C) - s) for n in lens))
             if ch.path == "fused-decode":
                 ids = torch.zeros(ch.batch, dtype=torch.long, device=self.device)
                 pos = torch.full((ch.batch,), 0, dtype=torch.int32, device=self.device)

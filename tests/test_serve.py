@@ -118,6 +118,9 @@ def test_length_check_is_one_clear_line():
     assert "65 cache rows" in str(exc.value) and "capacity 64" in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(ServeError, match="max_new_tokens"):
         serve.check_length([1], 0, 64)
+    serve.check_length([64], 1, 64)  # the prompt fills the cache: its next token still comes
+    with pytest.raises(ServeError, match=r"longest prompt \(70 tokens\) is over the cache capacity 64 rows by itself"):
+        serve.check_length([70, 3], 1, 64)
 
 
 def test_missing_entry_declares_the_shape():
@@ -125,6 +128,8 @@ def test_missing_entry_declares_the_shape():
     assert text.endswith("    matrix: {mode: [decode], batch: [3], seq_len: [4096]}\n")
     import yaml
     assert yaml.safe_load("models:\n" + text)["models"]["m"]["matrix"]["batch"] == [3]
+    text = serve.missing_entry("  m:\n    hidden: 64\n", "decode", 1, 4096, tp=2)  # a tensor-parallel model's
+    assert yaml.safe_load("models:\n" + text)["models"]["m"]["matrix"]["tp"] == [2]
 
 
 def test_memory_plan_and_refusal():
@@ -261,6 +266,8 @@ def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
     st = {(r["mode"], r["variant"]): r for r in model.stats()}
     assert st[("decode", "unfused b3")]["calls"] == 12 and st[("decode", "unfused b3")]["tokens"] == 36
     assert st[("prefill", "unfused b3")]["calls"] == 2
+    # prompts of 7, 2 and 4 tokens, twice: 26 real tokens; the rest of the 3 x 7 computed twice is padding
+    assert st[("prefill", "unfused b3")]["tokens"] == 26 and st[("prefill", "unfused b3")]["padded_tokens"] == 16
     p = model.paths(3, 7)
     assert p["decode"].path == "unfused" and len(p["layers"]) == 2
 
