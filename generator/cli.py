@@ -60,13 +60,13 @@ def list_cmd(variants_file, build_dir, only):
     built = gcompile.read_manifest(Path(build_dir))["variants"]
     digest = gmanifest.kernel_sources_digest()
     t = Table(header_style="bold")
-    for h in ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "build"):
+    for h in ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "GPUs", "build"):
         t.add_column(h)
     for v in vs:
         m, e = v.model, built.get(v.name)
         status = gmanifest.status(e, v, digest)
         t.add_row(v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
-                  str(v.batch), str(v.seq_len), status)
+                  str(v.batch), str(v.seq_len), str(v.tp), status)
     console.print(t)
 
 
