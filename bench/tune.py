@@ -155,7 +155,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         vs = gvariants.load(variants_file)
     except gvariants.VariantError as exc:
         fail(str(exc))
-    vs = [v for v in vs if v.mode == "decode" and v.tp == 1 and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
+    vs = [v for v in vs if v.mode == "decode" and v.tp == 1
+          and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
     if not vs:
         fail(f"{variants_file}: no decode variant matches --only {' '.join(only) or '*'}")
     vs = vs[si::sn]

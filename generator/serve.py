@@ -579,7 +579,8 @@ class Model:
 
     def memory(self) -> dict[str, int]:
         """Bytes held on the model's device: weights_fused (one packed copy per layer), weights_unfused, embed_lm_head,
-        kv_caches, workspaces (one per variant, shared by its layers), graphs (pool growth measured around each capture), total; and
+        kv_caches, workspaces (one per variant, shared by its layers), graphs (pool growth measured around each
+        capture), total; and
         checkpoint_bytes (the safetensors files on disk) for comparison."""
         def nbytes(t):
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
