@@ -202,4 +202,3 @@ def test_cli_generate_under_torchrun_runs_tensor_parallel_over_gloo(tiny_ckpt, t
     tokens = one.stdout.split()
     assert len(tokens) == 6 and two.stdout.split() == tokens  # rank 0 alone prints
     assert "tensor parallel over 2" in two.stderr and "tensor parallel" not in one.stderr
-
