@@ -228,7 +228,8 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    doc = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+    doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
+           "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
            "seed": seed,
            "copy_gbps": round(bw, 1), "tests": tests, "rows": rows}
     (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))

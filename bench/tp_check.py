@@ -191,7 +191,8 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0:
-        doc = {"gpu": torch.cuda.get_device_name(), "gpus": world, "date": time.strftime("%Y-%m-%d"),
+        doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
+               "gpus": world, "date": time.strftime("%Y-%m-%d"),
                "time": time.strftime("%H:%M:%S"), "seed": seed, "copy_gbps": round(bw, 1),
                "allreduce_us": {f"b{b}_h{h}_{dt}": t for (b, h, dt), t in ar.items()}, "rows": rows}
         Path(out).mkdir(parents=True, exist_ok=True)

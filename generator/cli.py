@@ -23,7 +23,10 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 240)
 
 
 def fail(msg: str, code: int = 2):
-    err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+    import os
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ \
+        else ""  # under torchrun every process says its own error
+    err_console.print(f"error: {rank}{msg}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -300,11 +303,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo with
     --device cpu) on the variants built with that tp; rank 0 prints."""
     import os
-    import warnings
 
     import torch
-
-    from . import hf, loader, serve
     if bool(prompts) == bool(ids):
         fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
     try:
@@ -313,20 +313,39 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         fail(f"--device: not a torch device: {device!r} (cuda, cuda:N or cpu)")
     if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
-    group, echo = None, click.echo
+    group, echo, info = None, click.echo, err_console.print
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU, tensor parallel
         import datetime
 
         import torch.distributed as dist
         if dev.type == "cuda":
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if dev.index is not None:
+                fail(f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK (--device cuda)")
+            local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local >= n and n != 1:
+                fail(f"LOCAL_RANK {local}: this process sees {n} GPUs")
+            dev = torch.device("cuda", local if local < n else 0)  # one visible GPU a process: that one
             torch.cuda.set_device(dev)
             device = str(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
         group = dist.group.WORLD
-        if dist.get_rank() != 0:
-            echo = lambda *a, **k: None  # noqa: E731 - rank 0 prints
-            err_console.quiet = True
+        if dist.get_rank() != 0:  # rank 0 prints the tokens and figures; every rank its own errors (fail)
+            echo = info = lambda *a, **k: None  # noqa: E731
+    try:
+        _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
+                  variant_names, cache_len, device, dev, no_graph, build_dir, group, echo, info)
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
+              cache_len, device, dev, no_graph, build_dir, group, echo, info):
+    """generate_cmd's work once the device and any process group are set: echo prints tokens, info figures."""
+    import warnings
+
+    from . import hf, loader, serve
     tok = None
     if prompts:
         try:
@@ -372,26 +391,23 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
-        err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
+        info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
             echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
-    err_console.print(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
+    info(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
                       f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
                       highlight=False)
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
-    err_console.print(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
+    info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
                       f"{pre}", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
     per = f" (per GPU, tensor parallel over {group.size()})" if group is not None else ""
-    err_console.print(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
-                      markup=False, highlight=False, soft_wrap=True)
-    if group is not None:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    info(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
+         markup=False, highlight=False, soft_wrap=True)
 
 
 def run():

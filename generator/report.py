@@ -123,7 +123,7 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
             continue
         if not isinstance(doc, dict):
             continue
-        measured_on = gpu_arch(str(doc.get("gpu", "")))
+        measured_on = str(doc.get("arch") or "") or gpu_arch(str(doc.get("gpu", "")))  # recorded, else by name
         if arch is not None and measured_on is not None and measured_on != str(arch).rstrip("a"):
             continue
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
@@ -199,8 +199,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
                                     "(run `megakernel build`)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
-    arches = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in entries.values()}
-    bench = latest_bench(Path(bench_dir), arches.pop() if len(arches) == 1 else None) if bench_dir else {}
+    arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
+    by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
@@ -217,7 +217,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         if name in loads:
             row["load_ms"] = loads[name]["load_ms"]
             row["attributes"] = loads[name]["attributes"]
-        row.update(bench.get(name, {}))
+        row.update(by_arch.get(arch_of[name], {}).get(name, {}))
         rows.append(row)
     report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared}
     if write:

@@ -547,8 +547,9 @@ class Model:
 
     # -- reports --
     def stats(self) -> list[dict]:
-        """One row per (mode, path, variant) that served calls: calls, tokens (of live sequences), padded_tokens
-        (of padding sequences, fused only)."""
+        """One row per (mode, path, variant) that served calls: calls, tokens (real tokens of live sequences),
+        padded_tokens (the rest of what the call's batch x length computed: padding sequences, and in prefill the
+        positions past a shorter prompt; an unfused piece's padding to a power of two is not counted)."""
         return [{"mode": k[0], "path": k[1], "variant": k[2], **c} for k, c in sorted(self._counters.items(),
                                                                                      key=str)]
 

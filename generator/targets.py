@@ -53,8 +53,10 @@ def arch(sm: str) -> Arch:
 def gpu_arch(gpu_name: str) -> str | None:
     """The architecture of a GPU by the name torch reports ("NVIDIA H200" -> "90"), from the Arch examples; None
     where no example names it."""
-    for a in ARCHS.values():
-        if any(part.strip() and part.strip() in gpu_name for part in a.example.split("/")):
+    import re
+    for a in ARCHS.values():  # "A100" is not "RTX A1000": no digit may follow the example's name
+        if any(part.strip() and re.search(re.escape(part.strip()) + r"(?![0-9])", gpu_name)
+               for part in a.example.split("/")):
             return a.sm
     return None
 

@@ -202,3 +202,10 @@ def test_cli_generate_under_torchrun_runs_tensor_parallel_over_gloo(tiny_ckpt, t
     tokens = one.stdout.split()
     assert len(tokens) == 6 and two.stdout.split() == tokens  # rank 0 alone prints
     assert "tensor parallel over 2" in two.stderr and "tensor parallel" not in one.stderr
+    # a bad request: every rank says its own error in one line
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "generator.cli", *args, "--cache-len", "5"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert bad.returncode != 0
+    for r in (0, 1):
+        assert f"error: [rank {r}] max_new_tokens: the longest prompt (4 tokens) + 6 new tokens" in bad.stderr
