@@ -170,33 +170,50 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     return row
 
 
-@click.command()
-@click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True)
-@click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"), show_default=True,
-              help="shapes not in the variants file, built into BUILD_DIR-heldout ('' to skip)")
-@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
-@click.option("--build-dir", default=str(ROOT / "build"), show_default=True)
-@click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
-@click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
-@click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True)
-@click.option("--seed", type=int, default=None, help="default: fresh from the clock")
-def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out, seed):
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    seed = seed if seed is not None else int(time.time()) % 100000
-    vs = gvariants.select(gvariants.load(variants_file), only)
-    held = gvariants.select(gvariants.load(heldout_file), only) if heldout_file else []
+def check_options(f):
+    """The options gpu_check and tp_check share: which variants (declared, held out, --only), where they are
+    built, where the details go, the seed."""
+    for opt in reversed((
+            click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True),
+            click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"),
+                         show_default=True, help="shapes not in the variants file, built into BUILD_DIR-heldout "
+                                                 "('' to skip)"),
+            click.option("--only", multiple=True, help="glob over variant names (repeatable)"),
+            click.option("--build-dir", default=str(ROOT / "build"), show_default=True),
+            click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True),
+            click.option("--seed", type=int, default=None, help="default: fresh from the clock"))):
+        f = opt(f)
+    return f
+
+
+def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dict, list]:
+    """Build the declared variants `vs` into build_dir and the held-out `held` into build_dir-heldout, printing
+    the count and every failure: ({variant name: its build dir}, the manifest entries)."""
     where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
     t0 = time.time()
     result = gcompile.build(vs, build_dir, variants_file=variants_file)
     hres = gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file) if held else \
         {"entries": [], "distinct": 0}
-    result["entries"] += hres["entries"]
+    entries = result["entries"] + hres["entries"]
     print(f"build: {len(vs)} declared + {len(held)} held-out variants, {result['distinct'] + hres['distinct']} "
           f"binaries, {time.time() - t0:.1f} s", flush=True)
-    for e in result["entries"]:
+    for e in entries:
         if e["status"] != "ok":
             print(f"  {e['name']}: {e['status']}: {e['error'].splitlines()[0]}", flush=True)
+    return where, entries
+
+
+@click.command()
+@check_options
+@click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
+@click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
+def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seed = seed if seed is not None else int(time.time()) % 100000
+    vs = gvariants.select(gvariants.load(variants_file), only)
+    held = gvariants.select(gvariants.load(heldout_file), only) if heldout_file else []
+    where, entries = build_checked(vs, held, variants_file, heldout_file, build_dir)
 
     tests = "skipped"
     if not no_tests:
@@ -213,7 +230,7 @@ def main(variants_file, heldout_file, only, build_dir, no_tests, test_paths, out
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
-    ok_names = {e["name"] for e in result["entries"] if e["status"] == "ok"}
+    ok_names = {e["name"] for e in entries if e["status"] == "ok"}
     for v in vs + held:
         if v.tp > 1:  # one process per GPU: bench/tp_check.py (torchrun) verifies and times them
             continue

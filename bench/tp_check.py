@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.measure import n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
-from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
+from generator import reference, variants as gvariants, verify  # noqa: E402
 from bench.flashinfer_layer import FlashInferLayer, flashinfer_available  # noqa: E402
+from bench.gpu_check import build_checked, check_options  # noqa: E402
 from generator.collectives import AllReduce  # noqa: E402
 from generator.loader import load  # noqa: E402
 from generator.unfused import UnfusedLayer  # noqa: E402
@@ -63,7 +64,7 @@ def allreduce_us(batch: int, hidden: int, dtype: torch.dtype, n: int = 64) -> di
 
 
 def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
-    m, tp, rank = v.model, v.tp, dist.get_rank()
+    m, tp = v.model, v.tp
     row = {"variant": v.name, "tp": tp}
     W = reference.random_weights(m, seed=seed, device="cuda")
     layer = load(v.name, W, build_dir=build_dir, group=dist.group.WORLD)
@@ -140,13 +141,7 @@ def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
 
 
 @click.command()
-@click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True)
-@click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"), show_default=True,
-              help="shapes not in the variants file, built into BUILD_DIR-heldout ('' to skip)")
-@click.option("--only", multiple=True, help="glob over variant names (repeatable)")
-@click.option("--build-dir", default=str(ROOT / "build"), show_default=True)
-@click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True)
-@click.option("--seed", type=int, default=None, help="default: fresh from the clock")
+@check_options
 def main(variants_file, heldout_file, only, build_dir, out, seed):
     if "LOCAL_RANK" not in os.environ:
         raise click.UsageError("run one process per GPU: torchrun --nproc_per_node 2 bench/tp_check.py")
@@ -162,14 +157,9 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
     held = pick(gvariants.load(heldout_file)) if heldout_file else []
     where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
     ok_names = None
-    if rank == 0:
-        entries = gcompile.build(vs, build_dir, variants_file=variants_file)["entries"]
-        if held:
-            entries += gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file)["entries"]
+    if rank == 0:  # one rank builds; the others wait for its list of what built
+        _, entries = build_checked(vs, held, variants_file, heldout_file, build_dir)
         ok_names = [e["name"] for e in entries if e["status"] == "ok"]
-        for e in entries:
-            if e["status"] != "ok":
-                print(f"  {e['name']}: {e['status']}: {e['error'].splitlines()[0]}", flush=True)
     box = [ok_names]
     dist.broadcast_object_list(box, 0)
     ok_names = set(box[0])
