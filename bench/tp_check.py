@@ -143,8 +143,11 @@ def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
 @click.command()
 @check_options
 def main(variants_file, heldout_file, only, build_dir, out, seed):
+    """Verify and time the tensor-parallel variants, one process per GPU:
+    torchrun --nproc_per_node 2 bench/tp_check.py [OPTIONS]"""
     if "LOCAL_RANK" not in os.environ:
-        raise click.UsageError("run one process per GPU: torchrun --nproc_per_node 2 bench/tp_check.py")
+        print("error: run one process per GPU: torchrun --nproc_per_node 2 bench/tp_check.py", file=sys.stderr)
+        sys.exit(2)
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])),
                             timeout=datetime.timedelta(minutes=10))
