@@ -272,3 +272,22 @@ def test_dtype_facts_are_one_table():
     with pytest.raises(targets.TargetError, match="needs dtype fp16"):
         targets.weight_format("bf16", "fp16")
     assert os.path.isfile(ROOT / "generator" / "targets.py")
+
+
+def test_eager_calls_launch_directly_and_tracing_goes_through_the_custom_op(monkeypatch):
+    """The custom op's dispatch costs more host time than a small layer's kernel: eager calls skip it; torch.compile
+    (is_compiling) sees the op."""
+    import torch
+
+    from generator.loader import FusedDecoderLayer
+    layer = object.__new__(FusedDecoderLayer)
+    calls = []
+    layer.launch = lambda x, pos, out: calls.append("launch") or out.fill_(1.0)
+    layer.k_cache = layer.v_cache = layer.workspace = torch.zeros(1)
+    layer.id = 0
+    out = layer._run(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int32))
+    assert calls == ["launch"] and bool((out == 1).all())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.ops.megakernel, "decoder_layer", lambda *a: calls.append("op") or a[0])
+    layer._run(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int32))
+    assert calls == ["launch", "op"]
