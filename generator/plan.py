@@ -85,7 +85,10 @@ def plan_gemv(n: int, k: int, sms: int) -> dict:
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))
     groups = sms * (THREADS // 32 // nwg)
     tasks = n // 16
-    u = max(1, min(8, math.ceil(ktiles / nwg)))  # 16-byte weight loads in flight per lane (registers)
+    # 16-byte weight loads in flight per lane (registers): at most 8, in equal steps over the warp's k-tiles (a
+    # partial last step holds registers for loads it predicates off)
+    per_warp = math.ceil(ktiles / nwg)
+    u = math.ceil(per_warp / math.ceil(per_warp / 8))
     balance = tasks / (math.ceil(tasks / groups) * groups)
     return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 
