@@ -34,8 +34,8 @@ class Buffer:
 CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
-# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, and the prefill-only XN_ROWS and
-# SPLIT_FLOATS (0 in decode).
+# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS and
+# SPLIT_FLOATS (0 in decode where no GEMV splits K).
 WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
@@ -46,7 +46,8 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("act", "T", lambda c: (c["ROWS"], c["INTER"]), "act(gate) * up"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
-    Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],), "split-K partial sums of the prefill GEMMs"),
+    Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),
+           "split-K partial sums of the GEMMs (prefill) and GEMVs (decode)"),
     Buffer("clock", "long long", lambda c: (16,), "block 0's SM clock at each step boundary (up to 15 steps)"),
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
 )

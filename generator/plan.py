@@ -77,20 +77,25 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def plan_gemv(n: int, k: int, sms: int) -> dict:
-    """Warps per task NWG and k-tiles in flight per warp U for one [n, k] projection (tasks are 16-row tiles),
-    balanced for `sms` blocks of THREADS threads."""
-    ktiles = k // 16
+def plan_gemv(n: int, k: int, sms: int, ksplit: int | None = None) -> dict:
+    """Split-K KSPLIT, warps per task NWG and k-tiles in flight per warp U for one [n, k] projection (tasks are
+    16-row tiles, or a KSPLIT-th of one's K range), balanced for `sms` blocks of THREADS threads. `ksplit`
+    (a divisor of k/16) replaces the planner's choice."""
+    ktiles, tiles = k // 16, n // 16
+    if ksplit is None:
+        # a projection with fewer tiles than SMs splits K so about every SM streams (at least 16 k-tiles a task)
+        ksplit = max(s for s in range(1, 9) if s == 1 or (ktiles % s == 0 and ktiles // s >= 16 and tiles * s <= sms))
+    ktiles //= ksplit
     # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))
     groups = sms * (THREADS // 32 // nwg)
-    tasks = n // 16
+    tasks = tiles * ksplit
     # 16-byte weight loads in flight per lane (registers): at most 8, in equal steps over the warp's k-tiles (a
     # partial last step holds registers for loads it predicates off)
     per_warp = math.ceil(ktiles / nwg)
     u = math.ceil(per_warp / math.ceil(per_warp / 8))
     balance = tasks / (math.ceil(tasks / groups) * groups)
-    return {"NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
+    return {"KSPLIT": ksplit, "NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 
 
 def check_smem(name: str, arch: Arch, parts: dict[str, tuple[int, str]]) -> int:

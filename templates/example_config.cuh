@@ -29,12 +29,16 @@ constexpr int SMEM_WST = 7424;
 constexpr int SMEM_FLAG = 154880;
 constexpr int QKV_NWG = 16;
 constexpr int QKV_U = 8;
+constexpr int QKV_KSPLIT = 1;
 constexpr int O_NWG = 16;
 constexpr int O_U = 8;
+constexpr int O_KSPLIT = 1;
 constexpr int GU_NWG = 16;
 constexpr int GU_U = 8;
+constexpr int GU_KSPLIT = 1;
 constexpr int DOWN_NWG = 16;
 constexpr int DOWN_U = 8;
+constexpr int DOWN_KSPLIT = 1;
 constexpr float NORM_EPS = 1e-05f;
 constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
 typedef __nv_bfloat16 T;

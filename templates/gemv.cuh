@@ -27,18 +27,35 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, unsigned
                  : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
+// The sum of a tile's KSPLIT partials in global memory, in split order (the same sum whichever split is last).
+struct SplitTile {
+    const float* part;  // [KSPLIT][N][BATCH]
+    int n_rows, row0, ksplit;
+    __device__ __forceinline__ float operator()(int r, int b) const {
+        float s = 0.f;
+        for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)k * n_rows + row0 + r) * BATCH + b);
+        return s;
+    }
+};
+
 // W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory).
-// epi(row0, tile, gt) runs on every thread of the group once the task's sums are in shared memory.
-template <int N, int K, int LDX, int NWG, int U, class Epi>
-__device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, Epi epi) {
-    static_assert(N % 16 == 0 && K % 16 == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
-    constexpr int KT = K / 16, NG = THREADS / (32 * NWG), TASKS = N / 16;
+// epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
+// Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
+// on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
+// last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, class Epi>
+__device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
+                                     Epi epi) {
+    static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
+    constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float* my_red = red + group * 2 * NWG * 16 * BATCH;
-    // one task: this warp's share of K for 16 rows on the tensor cores, its partial sums to buf
-    auto compute = [&](int task, float* buf) {
-        const uint4* wt = reinterpret_cast<const uint4*>(W) + (size_t)task * KT * 32 + lane;
+    // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
+    // sums to buf
+    auto compute = [&](int tile, int ks, float* buf) {
+        const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
+        const T* xk = X + ks * KT * 16;  // this split's columns of X
         float c[NTILE][4];
 #pragma unroll
         for (int t = 0; t < NTILE; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
@@ -57,7 +74,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                         const int b = t * 8 + gid;
                         unsigned b0 = 0u, b1 = 0u;
                         if (b < BATCH) {
-                            const T* xp = X + (size_t)b * LDX + kt * 16 + 2 * tig;
+                            const T* xp = xk + (size_t)b * LDX + kt * 16 + 2 * tig;
                             b0 = *reinterpret_cast<const unsigned*>(xp);
                             b1 = *reinterpret_cast<const unsigned*>(xp + 8);
                         }
@@ -74,24 +91,36 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 if (b < BATCH) buf[(warp * 16 + r) * BATCH + b] = c[t][j];
             }
     };
-    // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs. The partial sums
-    // are double-buffered: the next task's writes cannot race this task's epilogue.
-    if constexpr (NG == 1) {
-        int parity = 0;
-        for (int task = blockIdx.x; task < TASKS; task += gridDim.x, parity ^= 1) {
-            float* buf = my_red + parity * NWG * 16 * BATCH;
-            compute(task, buf);
+    // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs (the splits of a
+    // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
+    // partial sums are double-buffered: the next round's writes cannot race this round's epilogue.
+    const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
+    for (int rd = 0; rd < rounds; ++rd) {
+        const int task = rd * stride + group * gridDim.x + blockIdx.x;
+        const int tile = task % TILES, ks = task / TILES;
+        const bool active = task < TASKS;
+        float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
+        if (active) compute(tile, ks, buf);
+        __syncthreads();
+        if constexpr (KSPLIT == 1) {
+            if (active) epi(tile * 16, Tile<NWG>{buf}, gt);
+        } else {
+            __shared__ int last[NG];  // per group: its task was the tile's last split
+            if (active)
+                for (int i = gt; i < 16 * BATCH; i += NWG * 32)
+                    part[((size_t)ks * N + tile * 16 + i / BATCH) * BATCH + i % BATCH] =
+                        Tile<NWG>{buf}(i / BATCH, i % BATCH);
+            __threadfence();
             __syncthreads();
-            epi(task * 16, Tile<NWG>{buf}, gt);
-        }
-    } else {  // several groups per block: the same number of rounds for all, one block barrier per round
-        const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
-        for (int rd = 0; rd < rounds; ++rd) {
-            const int task = rd * stride + group * gridDim.x + blockIdx.x;
-            float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
-            if (task < TASKS) compute(task, buf);
+            if (active && gt == 0) {
+                last[group] = atomicAdd(count + tile, 1u) == KSPLIT - 1;
+                if (last[group]) count[tile] = 0u;  // every split has counted: ready for the next launch
+            }
             __syncthreads();
-            if (task < TASKS) epi(task * 16, Tile<NWG>{buf}, gt);
+            if (active && last[group]) {
+                __threadfence();
+                epi(tile * 16, SplitTile{part, N, tile * 16, KSPLIT}, gt);
+            }
         }
     }
 }

@@ -57,8 +57,27 @@ def test_override_changes_source_and_dependent_constants():
     assert src != src2 and f"ATT_NSPLIT = {p['consts']['ATT_NSPLIT']};" in src2
 
 
+def test_split_k_where_a_projection_has_fewer_tiles_than_sms():
+    """Qwen2.5-0.5B: o_proj and down_proj have 56 tiles for 132 SMs: K split in two, the partials' buffer and the
+    tiles' counters sized for them; a projection with enough tiles is not split; the tuner can switch it off."""
+    v = next(v for v in declared() if v.name == "qwen2.5-0.5b_decode_b8_s4096_bf16")
+    p = render.plan(v)
+    c = p["consts"]
+    assert (c["QKV_KSPLIT"], c["O_KSPLIT"], c["GU_KSPLIT"], c["DOWN_KSPLIT"]) == (1, 2, 1, 2)
+    assert p["gemv"]["down"]["tasks"] == 2 * 896 // 16 <= 132
+    assert p["sizes"]["SPLIT_FLOATS"] == 2 * 896 * 8 and p["sizes"]["COUNTERS"] >= 896 // 16
+    assert "DOWN_KSPLIT = 2;" in render.render(v, p)
+    off = render.plan(v, overrides={"DOWN_KSPLIT": 1})
+    assert off["consts"]["DOWN_KSPLIT"] == 1 and {"DOWN_KSPLIT": 1} in gtune.candidates(v)
+    big = render.plan(next(v for v in declared() if v.name == "llama3-8b_decode_b1_s4096_bf16"))
+    assert all(big["consts"][f"{k}_KSPLIT"] == 1 for k in ("QKV", "O", "GU", "DOWN"))
+    assert big["sizes"]["SPLIT_FLOATS"] == 0
+
+
 @pytest.mark.parametrize("ov,words", [
     ({"FOO": 1}, ["FOO", "unknown knob"]),
+    ({"DOWN_KSPLIT": 3}, ["DOWN_KSPLIT=3", "must divide"]),
+    ({"O_KSPLIT": 9}, ["O_KSPLIT=9", "1..8"]),
     ({"QKV_NWG": 3}, ["QKV_NWG=3", "divides"]),
     ({"O_U": 9}, ["O_U=9", "1..8"]),
     ({"ATT_STAGES": 4}, ["ATT_STAGES=4"]),

@@ -12,19 +12,21 @@ from ..targets import DTYPES, Arch
 from ..variants import Variant
 
 STEPS = (
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, smem)"),
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, smem)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, tp_rank, smem)", reduce="h"),
-    Step("gate_up", "gate_up(ws_h, ln2_w, ln2_b, w_gu, ws_act, ws_status, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, smem)", then="none", reduce="out"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, tp_rank, ws_split, ws_count, smem)", reduce="h"),
+    Step("gate_up", "gate_up(ws_h, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, smem)",
+         then="none", reduce="out"),
 )
 
 
-# the knobs a plan override (generator.tune) may set: per projection the warps per task NWG and the 16-byte loads
-# in flight U; the attention's walker warps, cache rows per task (-> ATT_NSPLIT) and ring depth
+# the knobs a plan override (generator.tune) may set: per projection the warps per task NWG, the 16-byte loads
+# in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT) and ring depth
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U")) + ("ATT_WARPS", "ATT_C", "ATT_STAGES")
+KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -41,6 +43,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k.endswith("_NWG") and val not in NWG_CHOICES:
             raise PlanError(f"{name}: plan override {k}={val}: must be one of {NWG_CHOICES} (divides "
                             f"{THREADS // 32} warps)")
+        if k.endswith("_KSPLIT") and not 1 <= val <= 8:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 1..8")
         if k.endswith("_U") and not U_RANGE[0] <= val <= U_RANGE[1]:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {U_RANGE[0]}..{U_RANGE[1]}")
         if k == "ATT_WARPS" and not 1 <= val <= THREADS // 32:
@@ -67,10 +71,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     esize = DTYPES[m.dtype].bytes
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
     sms = arch.sms
-    gemv = {"qkv": plan_gemv(q_dim + 2 * kv_dim, m.hidden, sms), "o": plan_gemv(m.hidden, q_dim, sms),
-            "gate_up": plan_gemv(2 * m.intermediate, m.hidden, sms), "down": plan_gemv(m.hidden, m.intermediate, sms)}
+    shapes = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
+              "down": (m.hidden, m.intermediate)}
+    gemv = {}
     for prefix, key in PROJECTIONS:
-        g = gemv[key]
+        n, k = shapes[key]
+        ks = ov.get(f"{prefix}_KSPLIT")
+        if ks is not None and (k // 16) % ks:
+            raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
+                            f"{key}")
+        g = gemv[key] = plan_gemv(n, k, sms, ks)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
         groups = sms * (THREADS // 32 // g["NWG"])
         g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
@@ -126,9 +136,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit, **smem,
     }
     for prefix, key in PROJECTIONS:
-        consts.update({f"{prefix}_NWG": gemv[key]["NWG"], f"{prefix}_U": gemv[key]["U"]})
+        consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
-            "sizes": {"COUNTERS": v.batch * m.kv_heads, "XN_ROWS": 0, "SPLIT_FLOATS": 0},
+            # the attention's counters and the split GEMVs' are used in turn (each resets its own)
+            "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()
+                                                                 if g["KSPLIT"] > 1]),
+                      "XN_ROWS": 0,
+                      "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
+                                                 if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}
 
 

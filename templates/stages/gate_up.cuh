@@ -4,10 +4,11 @@
 #include "../gemv.cuh"
 #include "norm.cuh"
 __device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
-                        unsigned* ws_status, unsigned char* smem) {
+                        unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
-    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U>(w_gu, xs, reinterpret_cast<float*>(smem + SMEM_RED),
+    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT>(w_gu, xs,
+        reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {
                 const int pr = i / BATCH, b = i % BATCH;

@@ -3,9 +3,11 @@
 // heads' partial product and rank 0 alone adds x, so the all-reduce of ws_h between launches gives h on every GPU.
 #pragma once
 #include "../gemv.cuh"
-__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, int tp_rank, unsigned char* smem) {
+__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, int tp_rank, float* ws_split,
+                       unsigned* ws_count, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U>(w_o, ws_attn, reinterpret_cast<float*>(smem + SMEM_RED),
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT>(w_o, ws_attn,
+        reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
