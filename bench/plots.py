@@ -1,11 +1,13 @@
-"""PNG plots of a `megakernel bench` results file (matplotlib, Agg: no display needed).
+"""PNG plots of a `megakernel bench` or `bench/e2e.py` results file (matplotlib, Agg: no display needed).
 
-    python -m bench.plots bench/results/<gpu>-<date>.json [more.json ...] [--out-dir DIR]
+    python -m bench.plots bench/results/<gpu>-<date>.json [e2e-<gpu>-<date>.json ...] [--out-dir DIR]
 
-Per model, two figures, each with µs per layer (p10-p90 bars, the copy-bandwidth floor dashed) and % of the copy
-bandwidth, one line per provider:
+Per model of a `megakernel bench` file, two figures, each with µs per layer (p10-p90 bars, the copy-bandwidth floor
+dashed) and % of the copy bandwidth, one line per provider:
   <stem>-<model>-batch.png   vs batch, at a fixed seq_len (4096 where measured)
   <stem>-<model>-kvlen.png   vs KV length (= seq_len: every sequence at pos = seq_len-1), at a fixed batch (1)
+An end-to-end file (bench/e2e.py's, told by its "providers" key) gives one figure, <stem>.png: time to first token
+and ms per output token, grouped bars per provider.
 """
 from __future__ import annotations
 
@@ -134,15 +136,77 @@ def plot_results(source, out_dir=None, stem: str | None = None) -> list[Path]:
     return written
 
 
+# bench/e2e.py's figures per provider (ms) and their bar labels; a figure a provider lacks is left out
+E2E_TTFT = (("ttft_ms_128", "128-token prompt"), ("ttft_ms_2048", "2,048-token prompt"))
+E2E_DECODE = (("ms_per_token_b1", "batch 1"), ("ms_per_token_b8", "batch 8"),
+              ("ms_per_token_b1_long", "batch 1, near the end of the cache"))
+_DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def plot_e2e(source, out_dir=None) -> list[Path]:
+    """source: a bench/e2e.py results JSON path (or its loaded dict). Writes one PNG, <stem>.png next to it (or
+    into out_dir), and returns [its path]: time to first token (ms, 128- and 2,048-token prompts) and ms per output
+    token (batch 1, batch 8, batch 1 near the end of the cache where measured), bars per provider, values labelled.
+    Providers that recorded an error are left out; none left: nothing written, []."""
+    import textwrap
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc, file_stem = _load(source)
+    gpu = doc.get("gpu", "")
+    date = doc.get("date") or (_DATE_RE.search(file_stem or "") or [None])[0]
+    stem = file_stem or f"e2e-{_slug(gpu or 'gpu')}" + (f"-{date}" if date else "")
+    if out_dir is None:
+        out_dir = Path(source).parent if file_stem is not None else Path(".")
+    provs = {n: r for n, r in (doc.get("providers") or {}).items() if isinstance(r, dict) and "error" not in r}
+    if not provs:
+        return []
+    names = list(provs)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    panels = ((axes[0], E2E_TTFT, "time to first token, ms (batch 1)"),
+              (axes[1], E2E_DECODE, "ms per output token (greedy decode)"))
+    for ax, metrics, ylabel in panels:
+        metrics = [(k, label) for k, label in metrics if any(provs[n].get(k) is not None for n in names)]
+        width = 0.8 / max(1, len(metrics))
+        for i, (k, label) in enumerate(metrics):
+            xs = [j + (i - (len(metrics) - 1) / 2) * width for j, n in enumerate(names) if provs[n].get(k) is not None]
+            ys = [provs[n][k] for n in names if provs[n].get(k) is not None]
+            bars = ax.bar(xs, ys, width, label=label)
+            ax.bar_label(bars, labels=[f"{y:.{2 if y < 10 else 1 if y < 100 else 0}f}" for y in ys], fontsize=7,
+                         padding=2)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([textwrap.fill(n, 16) for n in names], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, 1.15 * max([provs[n][k] for k, _ in metrics for n in names
+                                   if provs[n].get(k) is not None] or [1.0]))
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    ckpt = Path(str(doc.get("checkpoint", ""))).name
+    failed = [n for n, r in (doc.get("providers") or {}).items() if n not in provs]
+    fig.suptitle(f"end to end{f' ({ckpt})' if ckpt else ''}: time to first token and per output token"
+                 f" — {gpu}{f', {date}' if date else ''}"
+                 + (f"\nnot shown (error): {', '.join(failed)}" if failed else ""), fontsize=11)
+    fig.tight_layout()
+    path = Path(out_dir) / f"{stem}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", help="results JSON written by `megakernel bench`")
+    ap.add_argument("results", nargs="+", help="results JSON written by `megakernel bench` or bench/e2e.py")
     ap.add_argument("--out-dir", default=None, help="where the PNGs go [next to each JSON]")
     args = ap.parse_args(argv)
     for src in args.results:
         try:
-            paths = plot_results(src, args.out_dir)
-        except (OSError, ValueError, KeyError) as exc:
+            doc = json.loads(Path(src).read_text())
+            plot = plot_e2e if isinstance(doc, dict) and "providers" in doc else plot_results
+            paths = plot(src, args.out_dir)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"error: {src}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         for p in paths:

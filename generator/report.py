@@ -1,5 +1,6 @@
 """Resource report: what each variant costs (binary, registers, spills, shared memory, load time), joined with the
-latest benchmark figures where there are any. Terminal table + build/report.json + build/report.csv."""
+latest benchmark figures where there are any, then the newest end-to-end result (bench/e2e.py). Terminal tables +
+build/report.json + build/report.csv."""
 from __future__ import annotations
 
 import csv
@@ -154,6 +155,52 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     return {name: fig for name, (_, fig) in found.items()}
 
 
+# bench/e2e.py's figures per provider (key, header, format), all ms: time to first token of a 128- and a 2048-token
+# prompt, ms per output token at batch 1 and 8, and at batch 1 near the end of the cache (newer runs only)
+E2E_FIGURES = [("ttft_ms_128", "TTFT 128\nms", ".2f"), ("ttft_ms_2048", "TTFT 2048\nms", ".2f"),
+               ("ms_per_token_b1", "ms/token\nb1", ".3f"), ("ms_per_token_b8", "ms/token\nb8", ".3f"),
+               ("ms_per_token_b1_long", "ms/token\nb1 long", ".3f")]
+E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unfused_fp32_vs_hf_fp32": "unfused fp32"}
+
+
+def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
+    """The newest `bench/e2e.py` result among bench_dir/e2e-*.json, None where there is none: {"file", "gpu",
+    "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
+    "unfused fp32": {"greedy_tokens_equal_before_divergence", "of", ...}}, "kernel_bound": {layers_us, lm_head_us
+    (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms)} or None, "layer_call_us":
+    {kernel_us, eager_call_us} or None}. archs: only files measured on a GPU of one of these architectures (recorded
+    arch, else by GPU name; a name no target knows is kept), as latest_bench. Newest = recorded date, else the one in
+    the file name, then recorded time, then the name."""
+    best = None
+    for p in Path(bench_dir).glob("e2e-*.json"):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("providers"), dict):
+            continue
+        measured_on = str(doc.get("arch") or "").rstrip("a") or gpu_arch(str(doc.get("gpu", "")))
+        if archs is not None and measured_on is not None and measured_on not in {str(a).rstrip("a") for a in archs}:
+            continue
+        named = re.search(r"\d{4}-\d{2}-\d{2}", p.name)
+        when = (str(doc.get("date") or (named.group(0) if named else "")), str(doc.get("time", "")), p.name)
+        if best is None or when > best[0]:
+            best = (when, p, doc)
+    if best is None:
+        return None
+    _, p, doc = best
+    providers = {}
+    for name, r in doc["providers"].items():
+        if not isinstance(r, dict) or "error" in r:
+            providers[name] = {"error": str(r.get("error") if isinstance(r, dict) else r)}
+        else:
+            providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
+    agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
+    return {"file": p.name, "gpu": doc.get("gpu"), "providers": providers, "agreement": agreement,
+            "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None,
+            "layer_call_us": doc.get("layer_call_us") if isinstance(doc.get("layer_call_us"), dict) else None}
+
+
 def totals_of(rows: list[dict], *, loads_measured: bool) -> dict:
     """Footer figures of exactly these rows: variants, built, distinct binaries (objects shared by identical
     sources count once), their bytes, their compile seconds, load ms (None where not measured), flagged."""
@@ -179,7 +226,8 @@ def select(report: dict, names) -> dict:
 
 def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
                  declared=None, write: bool = True) -> dict:
-    """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...]}.
+    """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
+    "e2e": the newest end-to-end result in bench_dir (latest_e2e) or None}.
 
     declared: variant names still in the variants file; manifest entries outside it are left out of rows and
     totals and listed in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
@@ -219,7 +267,9 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row["attributes"] = loads[name]["attributes"]
         row.update(by_arch.get(arch_of[name], {}).get(name, {}))
         rows.append(row)
-    report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared}
+    e2e = latest_e2e(Path(bench_dir), set(arch_of.values())) if bench_dir else None
+    report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared,
+              "e2e": e2e}
     if write:
         atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
         buf = io.StringIO()
@@ -292,8 +342,9 @@ def _table(rows: list[dict], cols: list[tuple]) -> Table:
 
 
 def print_report(report: dict, console: Console | None = None, *, wide: bool = False) -> None:
-    """The terminal table of a report and its footer. Without `wide`, the columns that fit the console's width
-    (variant, fused µs, × best and flags always); with it, every column at its natural width."""
+    """The terminal table of a report and its footer, then the end-to-end table where the report has one. Without
+    `wide`, the columns that fit the console's width (variant, fused µs, × best and flags always); with it, every
+    column at its natural width."""
     console = console or Console()
     rows = report["rows"]
     present = {k for r in rows for k, v in r.items() if v is not None}
@@ -322,3 +373,36 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"
                   + (f", {tot['load_ms']} ms to load all" if tot["load_ms"] is not None else ", load time: no GPU")
                   + (f"; [yellow]{tot['flagged']} flagged[/yellow]" if tot["flagged"] else ""))
+    if report.get("e2e"):
+        print_e2e(report["e2e"], console)
+
+
+def print_e2e(e2e: dict, console: Console) -> None:
+    """The end-to-end table (ms per provider: time to first token, ms per output token; the columns some provider
+    recorded), its file as caption, then greedy agreement with transformers fp32 and, where measured, how far ms per
+    token at batch 1 is above the kernels' own time."""
+    provs = e2e["providers"]
+    figs = [f for f in E2E_FIGURES if any(f[0] in r for r in provs.values())]
+    t = Table(title="end to end (bench/e2e.py)", caption=f"{e2e['file']}" + (f", {e2e['gpu']}" if e2e.get("gpu")
+              else ""), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    t.add_column("provider", justify="left", min_width=12)
+    for _, head, _ in figs:
+        t.add_column(head, justify="right", no_wrap=True)
+    for name, r in provs.items():
+        if "error" in r:
+            t.add_row(name, *["[red]error[/red]"] + ["-"] * (len(figs) - 1))
+        else:
+            t.add_row(name, *["-" if r.get(k) is None else format(r[k], spec) for k, _, spec in figs])
+    console.print(t)
+    for name, r in provs.items():
+        if "error" in r:
+            console.print(f"{name}: error: {r['error']}", markup=False, highlight=False)
+    agree = [f"{label} {a.get('greedy_tokens_equal_before_divergence', '?')} of {a.get('of', '?')}"
+             for label, a in e2e.get("agreement", {}).items()]
+    kb = e2e.get("kernel_bound") or {}
+    line = ("greedy tokens equal to transformers fp32 before divergence: " + ", ".join(agree)) if agree else ""
+    if kb.get("ratio") is not None:
+        line += ("; " if line else "") + f"ms/token b1 = {kb['ratio']:.2f} × the kernels' time" + (
+            f" ({kb['bound_ms']:.3f} ms: layers + lm_head)" if kb.get("bound_ms") is not None else "")
+    if line:
+        console.print(line, markup=False, highlight=False)

@@ -341,6 +341,125 @@ def test_plots_skip_untimed_models(tmp_path):
     assert plots.model_of({"variant": "llama3.2-1b_decode_b1_s4096_bf16"}) == "llama3.2-1b"
 
 
+E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30.json"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _e2e_doc(**extra) -> dict:
+    """An e2e result without the optional keys (no long-context figure, kernel bound, layer call times, agreement),
+    one provider failed."""
+    return {"gpu": "NVIDIA H200", "providers": {
+        "served (fused, graph)": {"ttft_ms_128": 3.1, "ttft_ms_2048": 12.0, "ms_per_token_b1": 0.9,
+                                  "ms_per_token_b8": 1.1},
+        "transformers eager": {"ttft_ms_128": 16.2, "ttft_ms_2048": 16.4, "ms_per_token_b1": 11.3,
+                               "ms_per_token_b8": 11.2},
+        "transformers static + compile": {"error": "RuntimeError: boom"}}, **extra}
+
+
+def test_plot_e2e_from_the_committed_result(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plots
+    paths = plots.plot_e2e(E2E_RESULT, tmp_path)
+    assert [p.name for p in paths] == ["e2e-h200-2026-11-30.png"] and paths[0].parent == tmp_path
+    assert paths[0].read_bytes()[:8] == PNG and paths[0].stat().st_size > 10000
+    (tmp_path / "next").mkdir()
+    copy = tmp_path / "next" / E2E_RESULT.name
+    copy.write_text(E2E_RESULT.read_text())
+    assert plots.plot_e2e(copy) == [tmp_path / "next" / "e2e-h200-2026-11-30.png"]  # next to the JSON by default
+    assert (ROOT / "bench" / "results" / "e2e-h200-2026-11-30.png").read_bytes()[:8] == PNG  # the committed plot
+
+
+def test_plot_e2e_without_optional_keys_and_a_failed_provider(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    from bench import plots
+    drawn = []
+    real_bar = Axes.bar
+    monkeypatch.setattr(Axes, "bar", lambda self, x, h, *a, **kw: drawn.append((kw.get("label"), list(h)))
+                        or real_bar(self, x, h, *a, **kw))
+    paths = plots.plot_e2e(_e2e_doc(), tmp_path)
+    assert [p.name for p in paths] == ["e2e-nvidia-h200.png"] and paths[0].read_bytes()[:8] == PNG
+    assert dict(drawn) == {"128-token prompt": [3.1, 16.2], "2,048-token prompt": [12.0, 16.4],
+                           "batch 1": [0.9, 11.3], "batch 8": [1.1, 11.2]}  # the failed provider: no bar
+    drawn.clear()
+    doc = _e2e_doc(date="2026-12-01")
+    doc["providers"]["served (fused, graph)"]["ms_per_token_b1_long"] = 1.9
+    assert [p.name for p in plots.plot_e2e(doc, tmp_path)] == ["e2e-nvidia-h200-2026-12-01.png"]
+    assert dict(drawn)["batch 1, near the end of the cache"] == [1.9]
+    failed = {"gpu": "x", "providers": {"a": {"error": "no"}}}
+    assert plots.plot_e2e(failed, tmp_path) == []
+
+
+def test_plots_command_line_tells_e2e_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bench_json, _ = results.write_results(_fake_doc(), tmp_path / "res", "x")
+    r = subprocess.run([sys.executable, "-m", "bench.plots", str(E2E_RESULT), str(bench_json), "--out-dir",
+                        str(tmp_path / "png")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "e2e-h200-2026-11-30.png" in {p.name for p in (tmp_path / "png").glob("*.png")}
+    assert "x-tiny-a-batch.png" in {p.name for p in (tmp_path / "png").glob("*.png")}
+
+
+def test_report_shows_the_newest_e2e_result(tmp_path):
+    """`megakernel report`'s end-to-end section: the newest e2e-*.json of the build's architecture, optional keys
+    absent or present."""
+    from rich.console import Console
+    from generator.report import latest_e2e, print_e2e
+    assert latest_e2e(tmp_path) is None
+    (tmp_path / "e2e-h200-2026-11-30.json").write_text(E2E_RESULT.read_text())
+    newer = _e2e_doc(kernel_bound={"layers_us": 700.0, "lm_head_us": 60.0, "bound_ms": 0.76, "ratio": 1.18})
+    newer["providers"]["served (fused, graph)"]["ms_per_token_b1_long"] = 1.9
+    (tmp_path / "e2e-h200-2026-12-02.json").write_text(json.dumps(newer))
+    a100 = _e2e_doc(gpu="NVIDIA A100-SXM4-80GB")
+    (tmp_path / "e2e-a100-2026-12-05.json").write_text(json.dumps(a100))
+    (tmp_path / "gpu_check-h200-2026-12-09.json").write_text(json.dumps(_e2e_doc()))  # not an e2e-*.json
+    (tmp_path / "e2e-broken-2026-12-09.json").write_text("{not json")
+    assert latest_e2e(tmp_path)["file"] == "e2e-a100-2026-12-05.json"        # no arch: the newest
+    e2e = latest_e2e(tmp_path, {"90"})
+    assert e2e["file"] == "e2e-h200-2026-12-02.json" and e2e["agreement"] == {} and e2e["layer_call_us"] is None
+    assert e2e["providers"]["transformers static + compile"] == {"error": "RuntimeError: boom"}
+    assert e2e["providers"]["served (fused, graph)"]["ms_per_token_b1_long"] == 1.9
+    con = Console(width=100, record=True, color_system=None)
+    print_e2e(e2e, con)
+    text = con.export_text()
+    for must in ("e2e-h200-2026-12-02.json", "b1 long", "1.900", "11.300", "error: RuntimeError: boom", "1.18 ×"):
+        assert must in text, (must, text)
+    assert "before divergence" not in text                                    # no agreement recorded
+    (tmp_path / "e2e-h200-2026-12-02.json").unlink()
+    e2e = latest_e2e(tmp_path, {"90a"})
+    assert e2e["file"] == "e2e-h200-2026-11-30.json" and e2e["kernel_bound"] is None
+    con = Console(width=80, record=True, color_system=None)
+    print_e2e(e2e, con)
+    text = " ".join(con.export_text().split())
+    assert "fused bf16 32 of 32, unfused fp32 32 of 32" in text and "b1 long" not in text and "0.891" in text
+    assert "×" not in text
+
+
+def test_report_json_carries_the_e2e_section(copy_build, tmp_path):
+    from rich.console import Console
+    from generator import report as greport
+    d = copy_build(tmp_path / "build")
+    bench_dir = tmp_path / "results"
+    bench_dir.mkdir()
+    rep = greport.build_report(d, bench_dir=bench_dir, gpu=False)
+    assert rep["e2e"] is None
+    con = Console(width=120, record=True, color_system=None)
+    greport.print_report(rep, con)
+    assert "end to end" not in con.export_text()
+    (bench_dir / E2E_RESULT.name).write_text(E2E_RESULT.read_text())
+    greport.build_report(d, bench_dir=bench_dir, gpu=False)
+    rep = json.loads((d / "report.json").read_text())
+    assert rep["e2e"]["file"] == E2E_RESULT.name
+    assert rep["e2e"]["providers"]["transformers eager"]["ms_per_token_b8"] == pytest.approx(11.160217559055077)
+    con = Console(width=120, record=True, color_system=None)
+    greport.print_report(rep, con)
+    text = con.export_text()
+    assert "end to end" in text and "transformers eager" in text and "e2e-h200-2026-11-30.json" in text
+
+
 # -- command line ---------------------------------------------------------------------------------------------------
 
 def test_bench_cli_help():
