@@ -77,14 +77,19 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def plan_gemv(n: int, k: int, sms: int, ksplit: int | None = None) -> dict:
-    """Split-K KSPLIT, warps per task NWG and k-tiles in flight per warp U for one [n, k] projection (tasks are
-    16-row tiles, or a KSPLIT-th of one's K range), balanced for `sms` blocks of THREADS threads. `ksplit`
-    (a divisor of k/16) replaces the planner's choice."""
+def split_k(n: int, k: int, sms: int) -> int:
+    """The split-K a [n, k] projection with fewer 16-row tiles than `sms` would take: the largest divisor s <= 8 of
+    its k-tiles with >= 16 k-tiles a task and every task on its own SM; 1 where the tiles fill the SMs. Measured
+    on the H200 (bench/NOTES.md): neutral on Qwen2.5-0.5B, so it is a tuner candidate, not the default."""
     ktiles, tiles = k // 16, n // 16
-    if ksplit is None:
-        # a projection with fewer tiles than SMs splits K so about every SM streams (at least 16 k-tiles a task)
-        ksplit = max(s for s in range(1, 9) if s == 1 or (ktiles % s == 0 and ktiles // s >= 16 and tiles * s <= sms))
+    return max(s for s in range(1, 9) if s == 1 or (ktiles % s == 0 and ktiles // s >= 16 and tiles * s <= sms))
+
+
+def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1) -> dict:
+    """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
+    in flight per warp U for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),
+    balanced for `sms` blocks of THREADS threads."""
+    ktiles, tiles = k // 16, n // 16
     ktiles //= ksplit
     # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))

@@ -116,7 +116,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
-    Neighbours: per projection split-K off (where planned), NWG halved and doubled (U as planned) and U doubled
+    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.split_k), NWG halved and doubled (U as planned) and U doubled
     (halved where that would pass 8);
     attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
     ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
@@ -126,10 +126,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     if base["mode"] != "decode":
         return [{}]
     tries: list[dict] = []
-    for prefix, _ in PROJECTIONS:
+    for prefix, key in PROJECTIONS:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
-        if d[f"{prefix}_KSPLIT"] > 1:
-            tries.append({f"{prefix}_KSPLIT": 1})
+        if (ks := base["gemv"][key]["split_k"]) > 1:
+            tries.append({f"{prefix}_KSPLIT": ks})
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
     w, c = d["ATT_WARPS"], d["ATT_C"]
