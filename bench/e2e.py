@@ -103,8 +103,8 @@ def bench_long(model, args) -> float:
 def kernel_bound(model, pos: int = 192) -> dict:
     """What a decode step cannot beat, measured on the same weights: the model's batch-1 fused layers replayed
     back to back in one CUDA graph (µs, at position `pos`) plus its LM head alone (final norm + [1, hidden] @
-    lm_head^T, µs), and the layer call from Python: `layer(x, pos)` in an eager loop (µs per call, host included)
-    against its kernel in a graph."""
+    lm_head^T, µs), and the layer call from Python: `layer(x, pos)` in an eager loop, with and without the
+    positions' check (µs per call, host included, and the host's own time) against its kernel in a graph."""
     from bench.timing import graph_of, time_replays
     name = model.decode_variants[1]
     layers = model.fused[name]
@@ -124,17 +124,19 @@ def kernel_bound(model, pos: int = 192) -> dict:
     for _ in range(20):
         layers[0](x, p)
     torch.cuda.synchronize()
+    out = {"variant": name, "layers": len(layers), "layers_us": round(layers_us, 1),
+           "lm_head_us": round(lm_head_us, 1), "bound_ms": round((layers_us + lm_head_us) / 1e3, 4),
+           "layer_kernel_us": round(kernel_us, 1)}
     n = 500
-    t0 = time.perf_counter()
-    for _ in range(n):
-        layers[0](x, p)
-    t1 = time.perf_counter()  # the host's time per call (the GPU queue absorbs the kernels)
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return {"variant": name, "layers": len(layers), "layers_us": round(layers_us, 1),
-            "lm_head_us": round(lm_head_us, 1), "bound_ms": round((layers_us + lm_head_us) / 1e3, 4),
-            "layer_kernel_us": round(kernel_us, 1), "layer_call_host_us": round(1e6 * (t1 - t0) / n, 1),
-            "layer_eager_call_us": round(1e6 * (t2 - t0) / n, 1)}
+    for tag, call in (("", lambda: layers[0](x, p)), ("_unchecked", lambda: layers[0](x, p, validate=False))):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        t1 = time.perf_counter()  # the host's time per call (the GPU queue absorbs the kernels)
+        torch.cuda.synchronize()
+        out[f"layer_call{tag}_host_us"] = round(1e6 * (t1 - t0) / n, 1)
+        out[f"layer_eager_call{tag}_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
+    return out
 
 
 def bench_hf(model, args) -> dict:
@@ -258,7 +260,8 @@ def main(argv=None):
         print(f"served b1 long context: {served['ms_per_token_b1_long']:.3f} ms/token; bound (its {kb['layers']} "
               f"fused layers in one graph {kb['layers_us']} us + LM head {kb['lm_head_us']} us) = {kb['bound_ms']} ms:"
               f" x{kb['ratio']}; one layer from Python: {kb['layer_eager_call_us']} us a call "
-              f"({kb['layer_call_host_us']} us host), kernel {kb['layer_kernel_us']} us")
+              f"({kb['layer_call_host_us']} us host; validate=False: {kb['layer_eager_call_unchecked_us']} us, "
+              f"{kb['layer_call_unchecked_host_us']} us host), kernel {kb['layer_kernel_us']} us")
     for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32"):
         if res.get(k):
             print(f"{k}: {res[k]}")

@@ -272,7 +272,7 @@ class FusedDecoderLayer:
 
     def check_positions(self, pos: torch.Tensor) -> None:
         """ValueError unless every sequence's new rows pos[b] .. pos[b] + chunk - 1 lie in the cache."""
-        lo, hi = int(pos.min()), int(pos.max())
+        lo, hi = torch.stack(tuple(torch.aminmax(pos))).tolist()  # one read of a GPU tensor
         if lo < 0 or hi + self.chunk > self.cache_len:
             last = self.cache_len - self.chunk
             what = "values" if self.mode == "decode" else f"start positions (+ chunk {self.chunk})"
