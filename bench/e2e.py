@@ -193,7 +193,9 @@ def main(argv=None):
 
     from generator import serve
     ckpt = make_checkpoint(Path(args.ckpt))
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": T.__version__,
+    res = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
+           "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+           "torch": torch.__version__, "transformers": T.__version__,
            "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {}}
     names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
     # the declared prefill variants too, where built: dispatch plans each prompt's pieces by their measured routes
@@ -208,11 +210,14 @@ def main(argv=None):
         out.write_text(json.dumps(res, indent=1, default=str))
     if "served" not in args.skip:
         m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=names)
-        res["providers"]["served (fused, graph)"] = bench_served(m, args)
-        res["providers"]["served (fused, graph)"]["ms_per_token_b1_long"] = bench_long(m, args)
-        res["kernel_bound"] = kernel_bound(m)
-        res["kernel_bound"]["ratio"] = round(res["providers"]["served (fused, graph)"]["ms_per_token_b1"]
-                                             / res["kernel_bound"]["bound_ms"], 3)
+        served = res["providers"]["served (fused, graph)"] = bench_served(m, args)
+        save()
+        try:  # a failure here is reported in the results, not a lost run
+            served["ms_per_token_b1_long"] = bench_long(m, args)
+            res["kernel_bound"] = kernel_bound(m)
+            res["kernel_bound"]["ratio"] = round(served["ms_per_token_b1"] / res["kernel_bound"]["bound_ms"], 3)
+        except Exception as exc:  # noqa: BLE001
+            res["kernel_bound"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         res["served_prefill_pieces"] = {L: [(pc.start, pc.length, pc.choice.variant or "unfused")
                                             for pc in m.paths(1, L)["prefill"]] for L in (128, 2048)}
         save()
@@ -255,7 +260,7 @@ def main(argv=None):
             print(f"{name:32} error: {r['error']}")
             continue
         print(f"{name:32} " + " ".join(f"{r.get(c, float('nan')):16.3f}" for c in cols))
-    if res.get("kernel_bound"):
+    if res.get("kernel_bound") and "error" not in res["kernel_bound"]:
         kb, served = res["kernel_bound"], res["providers"]["served (fused, graph)"]
         print(f"served b1 long context: {served['ms_per_token_b1_long']:.3f} ms/token; bound (its {kb['layers']} "
               f"fused layers in one graph {kb['layers_us']} us + LM head {kb['lm_head_us']} us) = {kb['bound_ms']} ms:"

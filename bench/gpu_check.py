@@ -152,11 +152,12 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
         timings[label] = time_replays(g.replay, n)
     if v.batch > 1:  # a serving mix: the sequences' positions spread evenly over the cache
         pos_mix = torch.tensor([(b + 1) * v.seq_len // v.batch - 1 for b in range(v.batch)], dtype=torch.int32)
+        pos_mix_dev = pos_mix.cuda()  # alive while the graphs that read it are replayed
         for L in fi:
             L.set_positions(pos_mix)
         for label, layers in (("fused", fused), ("flashinfer", fi)):
             if layers:
-                g = graph_of(stack(layers, pos_mix.cuda()))
+                g = graph_of(stack(layers, pos_mix_dev))
                 timings[label + "_mixed"] = time_replays(g.replay, n)
         row["us_mixed"] = round(timings["fused_mixed"]["median"], 2)
         row["flashinfer_us_mixed"] = round(timings["flashinfer_mixed"]["median"], 2) if fi else None
@@ -276,7 +277,8 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
             bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
             fi = f"{r['flashinfer_us']:8.1f}" if r["flashinfer_us"] else f"{'-':>8s}"
             mix = f"{r['us_mixed']:7.1f}" if r.get("us_mixed") else f"{'-':>7s}"
-            mix += f" {r['flashinfer_us_mixed'] / r['us_mixed']:5.2f}" if r.get("flashinfer_us_mixed") else f" {'-':>5s}"
+            mix += (f" {r['flashinfer_us_mixed'] / r['us_mixed']:5.2f}" if r.get("flashinfer_us_mixed")
+                    else f" {'-':>5s}")
             print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
                   f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f} {mix}   "
                   + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)

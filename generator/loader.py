@@ -334,6 +334,8 @@ class FusedDecoderLayer:
 
     def launch(self, x: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
         """Launch the kernel(s) on torch's current stream with no checks: x, pos on the device, out [batch, hidden].
+        One thread at a time per layer (its caches, workspace and launch arguments are shared), from a thread whose
+        current device is the layer's. Raises RuntimeError naming the layer when the driver refuses the launch.
         With tensor parallel, each launch's partial sum (h, then out) is all-reduced over the group
         (generator.collectives) before the next launch: capturable in a CUDA graph like the launches."""
         # torch's current stream, read at every call (a cached stream would break CUDA-graph capture)
@@ -344,9 +346,13 @@ class FusedDecoderLayer:
                     "out": red.buffer if reduce == "out" and red.buffer is not None else out}
             for i, name in self._live:
                 vals[i].value = live[name].data_ptr()
-            # raises CUDADriverError on a failed launch
-            self._driver.launchCooperativeKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
-                                                self.plan["smem_bytes"], stream, ctypes.addressof(params))
+            try:
+                self._driver.launchCooperativeKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
+                                                    self.plan["smem_bytes"], stream, ctypes.addressof(params))
+            except self._driver.CUDADriverError as exc:
+                raise RuntimeError(f"{self.name}: cooperative launch of {self.grid} blocks x {self.plan['threads']} "
+                                   f"threads, {self.plan['smem_bytes']} B shared memory failed on {self.device}: "
+                                   f"{exc}") from exc
             if red is not None:
                 red(out if reduce == "out" else self.buffer(reduce))
 

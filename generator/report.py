@@ -167,9 +167,10 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
     """The newest `bench/e2e.py` result among bench_dir/e2e-*.json, None where there is none: {"file", "gpu",
     "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
     "unfused fp32": {"greedy_tokens_equal_before_divergence", "of", ...}}, "kernel_bound": {layers_us, lm_head_us
-    (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms)} or None, "layer_call_us":
-    {kernel_us, eager_call_us} or None}. archs: only files measured on a GPU of one of these architectures (recorded
-    arch, else by GPU name; a name no target knows is kept), as latest_bench. Newest = recorded date, else the one in
+    (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms), and one layer's call from
+    Python: layer_kernel_us, layer_eager_call_us, layer_eager_call_unchecked_us (µs a call) where recorded} or None}.
+    archs: only files measured on a GPU of one of these architectures (recorded arch, else by GPU name; a name no
+    target knows is kept), as latest_bench. Newest = recorded date, else the one in
     the file name, then recorded time, then the name."""
     best = None
     for p in Path(bench_dir).glob("e2e-*.json"):
@@ -197,8 +198,7 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
             providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
     agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
     return {"file": p.name, "gpu": doc.get("gpu"), "providers": providers, "agreement": agreement,
-            "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None,
-            "layer_call_us": doc.get("layer_call_us") if isinstance(doc.get("layer_call_us"), dict) else None}
+            "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None}
 
 
 def totals_of(rows: list[dict], *, loads_measured: bool) -> dict:
@@ -404,5 +404,10 @@ def print_e2e(e2e: dict, console: Console) -> None:
     if kb.get("ratio") is not None:
         line += ("; " if line else "") + f"ms/token b1 = {kb['ratio']:.2f} × the kernels' time" + (
             f" ({kb['bound_ms']:.3f} ms: layers + lm_head)" if kb.get("bound_ms") is not None else "")
+    if kb.get("layer_eager_call_us") is not None:
+        unchecked = kb.get("layer_eager_call_unchecked_us")
+        line += (("; " if line else "") + f"one layer from Python: {kb['layer_eager_call_us']} µs a call"
+                 + (f" ({unchecked} µs with validate=False)" if unchecked is not None else "")
+                 + f", its kernel {kb.get('layer_kernel_us')} µs")
     if line:
         console.print(line, markup=False, highlight=False)

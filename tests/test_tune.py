@@ -229,3 +229,28 @@ def test_tune_one_small_variant(tmp_path):
     x, pos = verify.random_inputs(layer, 3)
     assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_split_k_on_every_projection_matches_the_reference_twice(tmp_path):
+    """Every projection split in two (qkv with several rounds, gate_up with several groups a block, two splits of
+    a tile in one block), built through the tuner's overrides: two decode steps in a row against the fp32 reference
+    (the second finds the per-tile counters reset by the first)."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    v = next(v for v in declared() if v.name == "qwen2.5-0.5b_decode_b8_s1024_bf16")
+    ov = {"QKV_KSPLIT": 2, "O_KSPLIT": 2, "GU_KSPLIT": 2, "DOWN_KSPLIT": 2}
+    c = renamed(v, "ksplit")
+    res = gcompile.build([c], tmp_path, overrides={c.name: ov})
+    assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+    W = reference.random_weights(v.model, seed=5, device="cuda")
+    layer = load(c.name, W, build_dir=tmp_path)
+    assert layer.plan["consts"]["GU_KSPLIT"] == 2 and layer.plan["sizes"]["SPLIT_FLOATS"] > 0
+    for seed in (5, 6):
+        x, pos = verify.random_inputs(layer, seed)
+        assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
+    torch.cuda.synchronize()
