@@ -196,7 +196,7 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
     benchmark. Entries of the build directory no longer declared are named in one line, not reported."""
     declared = None
     if Path(variants_file).exists() or variants_file != "variants.yaml":
-        declared = {v.name for v in load_selected(variants_file)}
+        declared = {v.name: v for v in load_selected(variants_file)}  # stale builds flagged against these
     why = None if no_gpu else cuda_unavailable()  # torch's check first: never a bare error from a load
     try:
         rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
-from .manifest import variant_from_entry
+from .manifest import kernel_sources_digest, status as build_status, variant_from_entry
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
@@ -229,8 +229,10 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
     "e2e": the newest end-to-end result in bench_dir (latest_e2e) or None}.
 
-    declared: variant names still in the variants file; manifest entries outside it are left out of rows and
-    totals and listed in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
+    declared: variant names still in the variants file ({name: Variant} also checks each entry against the
+    variant as declared now and the kernel sources: a stale build is flagged `stale (<field>)` / `stale
+    (templates)`, as `megakernel list` says); manifest entries outside it are left out of rows and totals and listed
+    in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
     GPU. Writes build_dir/report.json and report.csv (every column) unless write=False.
     Raises FileNotFoundError when nothing is built (or nothing declared is)."""
     build_dir = Path(build_dir)
@@ -239,6 +241,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet (run `megakernel build`)")
     entries = manifest["variants"]
     not_declared = []
+    now = declared if isinstance(declared, dict) else {}
+    digest = kernel_sources_digest() if now else None
     if declared is not None:
         declared = set(declared)
         not_declared = sorted(n for n in entries if n not in declared)
@@ -251,7 +255,9 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
-        row = {"name": name, "status": e["status"], "flags": ",".join(flags(e))}
+        st = build_status(e, now.get(name), digest) if now else "built"
+        stale = [st] if st.startswith("stale") else []
+        row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
         row.update(plan_fields(e))
         row.update(gpu_fields(e))
         if e["status"] == "ok":

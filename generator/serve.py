@@ -420,7 +420,9 @@ class Model:
 
         variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
         layer: LoadError / HFConfigError); None: every variant of build_dir's manifest that computes it (none is
-        fine: everything runs unfused). Decode variants must share one seq_len, the cache length (ServeError);
+        fine: everything runs unfused; where their decode variants have several seq_lens, those of cache_len, else
+        of the longest, with a warning naming the others). Decode variants must share one seq_len, the cache length
+        (ServeError where `variants` names several);
         cache_len (rows per sequence) is needed only when no decode variant is used. max_batch: sequences the caches
         hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
         variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
@@ -465,6 +467,15 @@ class Model:
                 raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
                                  f"({'no process group' if group is None else 'the process group'})")
             vs.append(v)
+        lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
+        if variants is None and len(lens) > 1:
+            # every built variant was offered (a default build declares several KV lengths): one KV cache per layer
+            # serves one seq_len, so keep the decode variants of cache_len's, else of the longest, and say which
+            keep = cache_len if cache_len in lens else lens[-1]
+            dropped = [v.name for v in vs if v.mode == "decode" and v.seq_len != keep]
+            vs = [v for v in vs if v.mode != "decode" or v.seq_len == keep]
+            warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
+                          f"{', '.join(dropped)} (pass variants=[...] or cache_len to choose)", stacklevel=2)
         dts = {v.model.dtype for v in vs}
         if len(dts) > 1:
             raise ServeError(f"variants: mix dtypes {', '.join(sorted(dts))}: one copy of the weights serves all of "

@@ -341,7 +341,7 @@ def test_plots_skip_untimed_models(tmp_path):
     assert plots.model_of({"variant": "llama3.2-1b_decode_b1_s4096_bf16"}) == "llama3.2-1b"
 
 
-E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30.json"
+E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30-1.json"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -360,13 +360,13 @@ def test_plot_e2e_from_the_committed_result(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import plots
     paths = plots.plot_e2e(E2E_RESULT, tmp_path)
-    assert [p.name for p in paths] == ["e2e-h200-2026-11-30.png"] and paths[0].parent == tmp_path
+    assert [p.name for p in paths] == ["e2e-h200-2026-11-30-1.png"] and paths[0].parent == tmp_path
     assert paths[0].read_bytes()[:8] == PNG and paths[0].stat().st_size > 10000
     (tmp_path / "next").mkdir()
     copy = tmp_path / "next" / E2E_RESULT.name
     copy.write_text(E2E_RESULT.read_text())
-    assert plots.plot_e2e(copy) == [tmp_path / "next" / "e2e-h200-2026-11-30.png"]  # next to the JSON by default
-    assert (ROOT / "bench" / "results" / "e2e-h200-2026-11-30.png").read_bytes()[:8] == PNG  # the committed plot
+    assert plots.plot_e2e(copy) == [tmp_path / "next" / "e2e-h200-2026-11-30-1.png"]  # next to the JSON by default
+    assert (ROOT / "bench" / "results" / "e2e-h200-2026-11-30-1.png").read_bytes()[:8] == PNG  # the committed plot
 
 
 def test_plot_e2e_without_optional_keys_and_a_failed_provider(tmp_path, monkeypatch):
@@ -399,7 +399,7 @@ def test_plots_command_line_tells_e2e_files(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench.plots", str(E2E_RESULT), str(bench_json), "--out-dir",
                         str(tmp_path / "png")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "e2e-h200-2026-11-30.png" in {p.name for p in (tmp_path / "png").glob("*.png")}
+    assert "e2e-h200-2026-11-30-1.png" in {p.name for p in (tmp_path / "png").glob("*.png")}
     assert "x-tiny-a-batch.png" in {p.name for p in (tmp_path / "png").glob("*.png")}
 
 
@@ -409,7 +409,7 @@ def test_report_shows_the_newest_e2e_result(tmp_path):
     from rich.console import Console
     from generator.report import latest_e2e, print_e2e
     assert latest_e2e(tmp_path) is None
-    (tmp_path / "e2e-h200-2026-11-30.json").write_text(E2E_RESULT.read_text())
+    (tmp_path / "e2e-h200-2026-11-30-1.json").write_text(E2E_RESULT.read_text())
     newer = _e2e_doc(kernel_bound={"layers_us": 700.0, "lm_head_us": 60.0, "bound_ms": 0.76, "ratio": 1.18})
     newer["providers"]["served (fused, graph)"]["ms_per_token_b1_long"] = 1.9
     (tmp_path / "e2e-h200-2026-12-02.json").write_text(json.dumps(newer))
@@ -430,7 +430,7 @@ def test_report_shows_the_newest_e2e_result(tmp_path):
     assert "before divergence" not in text                                    # no agreement recorded
     (tmp_path / "e2e-h200-2026-12-02.json").unlink()
     e2e = latest_e2e(tmp_path, {"90a"})
-    assert e2e["file"] == "e2e-h200-2026-11-30.json" and e2e["kernel_bound"] is None
+    assert e2e["file"] == "e2e-h200-2026-11-30-1.json" and e2e["kernel_bound"] is None
     con = Console(width=80, record=True, color_system=None)
     print_e2e(e2e, con)
     text = " ".join(con.export_text().split())
@@ -457,7 +457,7 @@ def test_report_json_carries_the_e2e_section(copy_build, tmp_path):
     con = Console(width=120, record=True, color_system=None)
     greport.print_report(rep, con)
     text = con.export_text()
-    assert "end to end" in text and "transformers eager" in text and "e2e-h200-2026-11-30.json" in text
+    assert "end to end" in text and "transformers eager" in text and "e2e-h200-2026-11-30-1.json" in text
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

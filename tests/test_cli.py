@@ -125,6 +125,10 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert build_status(r.stdout) == {TINY_NAMES[0]: "stale (templates)"}, r.stdout
+    # the report flags the same stale build, so `report --strict` fails on it
+    r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", d, "--no-gpu", "--strict"],
+                cwd=tmp_path)
+    assert r.returncode == 1 and "stale (templates)" in r.stdout, r.stdout + r.stderr
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", tmp_path / "none"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert build_status(r.stdout) == {n: "not built" for n in TINY_NAMES}, r.stdout
