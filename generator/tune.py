@@ -22,7 +22,7 @@ from .manifest import identity
 from .modes.decode import KNOBS, PROJECTIONS
 from .plan import PlanError
 from .routes import gpu_slug
-from .targets import DEFAULT_ARCH
+from .targets import DEFAULT_ARCH, gpu_arch
 from .variants import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,8 +77,9 @@ def raw_overrides(path: Path, name: str):
 def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict | None, str | None]:
     """(overrides, plan_source, tuned figures or None, warning or None) for building `v` with tuning file `path`.
 
-    No file, or no entry for `v`: the default plan. An entry that is malformed, tuned for other parameters or
-    another arch, or that the planner refuses: the default plan and a one-line warning."""
+    No file, no entry for `v`, or an entry tuned on a GPU of another architecture than `arch`: the default plan.
+    An entry that is malformed, stale (tuned for other parameters), or that the planner refuses: the default plan
+    and a one-line warning."""
     from .render import plan  # render imports Jinja: only when resolving
     if path is None:
         return {}, "default", None, None
@@ -96,6 +97,9 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     if not isinstance(e, dict) or not isinstance(e.get("overrides"), dict):
         why = "malformed entry (no \"overrides\" object)"
     elif e.get("identity") not in (None, identity(v.params(), str(arch))):
+        tuned_on = gpu_arch(str(e.get("gpu", "")))
+        if tuned_on and tuned_on != str(arch).rstrip("a") and e["identity"] == identity(v.params(), tuned_on):
+            return {}, "default", None, None  # tuned on another architecture's GPU: not this build's plan
         why = "tuned for other parameters or another arch (stale: run `megakernel tune` again)"
     else:
         try:

@@ -117,6 +117,11 @@ def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
         ov, src, fig, warn = gtune.resolve(v, "90", f)
         assert (ov, src, fig) == ({}, "default", None)
         assert warn.startswith("warning: ") and why in warn and "\n" not in warn
+    # an entry tuned on an H200 is not this sm_86 build's plan: the default, with nothing to warn about
+    f.write_text(json.dumps({v.name: {**good, "gpu": "NVIDIA H200"}}))
+    assert gtune.resolve(v, "86", f) == ({}, "default", None, None)
+    f.write_text(json.dumps({v.name: {**good, "gpu": "NVIDIA H200", "identity": "0" * 64}}))
+    assert "other parameters" in gtune.resolve(v, "86", f)[3]  # stale for every arch: still said
     f.write_text("{not json")
     assert gtune.resolve(v, "90", f)[1] == "default" and "not a tuning file" in gtune.resolve(v, "90", f)[3]
     assert gtune.resolve(v, "90", tmp_path / "absent.json")[:3] == ({}, "default", None)
