@@ -83,7 +83,7 @@ def decode_choice(live: int, decode_variants: dict[int, str], routes: dict[str, 
             return Choice("fused", name, b, why)
     missing = None if fits else ("decode", live, seq_len)
     why = (f"route of {decode_variants[fits[0]]} is unfused" if fits else
-           f"no declared decode variant of batch >= {live}")
+           f"no declared decode variant of batch >= {live}" if decode_variants else "no fused decode variant loaded")
     if not unfused:
         raise ServeError(f"decode of batch {live}: {why}, and the unfused layers are not loaded (unfused=False)")
     return Choice("unfused", None, live, why, missing)

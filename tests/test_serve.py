@@ -43,6 +43,8 @@ def test_decode_picks_the_smallest_declared_batch_that_fits(live, batch):
 def test_decode_falls_back_to_unfused_at_the_live_batch():
     ch = decode_choice(9, DEC, {}, 64)
     assert (ch.path, ch.variant, ch.batch, ch.missing) == ("unfused", None, 9, ("decode", 9, 64))
+    assert ch.why == "no declared decode variant of batch >= 9"
+    assert decode_choice(1, {}, {}, 64).why == "no fused decode variant loaded"  # e.g. --device cpu
     # a variant routed unfused is skipped for the next one that fits
     ch = decode_choice(3, DEC, {DEC[4]: "unfused"}, 64)
     assert (ch.path, ch.variant, ch.batch) == ("fused", DEC[8], 8)
