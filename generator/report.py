@@ -249,7 +249,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         entries = {n: e for n, e in entries.items() if n in declared}
         if not entries:
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
-                                    "(run `megakernel build`)")
+                                    "(run `megakernel build`, or pass the variants file it was built from: "
+                                    "--variants)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}

@@ -259,3 +259,12 @@ def test_split_k_on_every_projection_matches_the_reference_twice(tmp_path):
         x, pos = verify.random_inputs(layer, seed)
         assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
     torch.cuda.synchronize()
+
+
+def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_variants_file):
+    bad = tmp_path / "mine.json"
+    bad.write_text("{not json")
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", bad],
+                cwd=tmp_path)
+    assert r.returncode == 2 and "is not a tuning file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
