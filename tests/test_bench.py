@@ -779,3 +779,16 @@ def test_report_joins_tp_rows_and_only_figures_of_the_builds_architecture(tmp_pa
     assert (fig["fused_us"], fig["speedup_best"], fig["best_baseline"]) == (237.4, 1.17, "flashinfer")
     assert latest_bench(tmp_path, "80")["m_decode_b1_s64_bf16_tp2"]["fused_us"] == 400.0
     assert latest_bench(tmp_path)["m_decode_b1_s64_bf16_tp2"]["fused_us"] == 400.0  # no arch: the newest
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU refusal")
+def test_ncu_layer_script_refuses_without_a_gpu_in_one_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_layer.py"), "llama3.2-1b_decode_b1_s4096_bf16"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: bench/ncu_layer.py launches a kernel: no CUDA GPU "
+                                                      "visible to torch")
+    h = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_layer.py"), "--help"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert h.returncode == 0 and "--launch-skip" not in h.stdout and "--pos" in h.stdout

@@ -1,0 +1,58 @@
+"""One built decode or prefill variant's launches, for Nsight Compute (where the stage clocks are not enough).
+
+    ncu --clock-control none --kernel-name regex:decoder_layer --launch-skip 3 --launch-count 1 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
+        python3 bench/ncu_layer.py llama3.2-1b_decode_b1_s4096_bf16 --build-dir build
+
+(`--clock-control none`: the device notes say to leave the clocks alone; ncu reads counters on the Firecracker
+machines, e.g. nvidia-h200-x2, not on gVisor.) Launches the variant `--launches` times on random weights and a
+random cache, every sequence at `--pos` (full: the last cache row, the benchmark's case; mixed: spread over the
+cache), and prints its stage clocks of the last launch. Builds nothing: `megakernel build --only NAME` first.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command()
+@click.argument("variant")
+@click.option("--build-dir", default="build", show_default=True)
+@click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
+              help="the file that declares VARIANT (bench/heldout.yaml for a held-out shape)")
+@click.option("--launches", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--pos", type=click.Choice(["full", "mixed"]), default="full", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def main(variant, build_dir, variants_file, launches, pos, seed):
+    import torch
+    if not torch.cuda.is_available():
+        print("error: bench/ncu_layer.py launches a kernel: no CUDA GPU visible to torch", file=sys.stderr)
+        sys.exit(2)
+    from generator import reference, variants as gvariants
+    from generator.loader import LoadError, load
+    v = next((v for v in gvariants.load(variants_file) if v.name == variant), None)
+    if v is None:
+        print(f"error: {variants_file}: no variant {variant}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        layer = load(variant, reference.random_weights(v.model, seed=seed, device="cuda"), build_dir=build_dir)
+    except LoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    for c in (layer.k_cache, layer.v_cache):
+        c.normal_()
+    B, m = v.batch, v.model
+    last = layer.cache_len - (v.seq_len if v.mode == "prefill" else 1)
+    p = [last] * B if pos == "full" else [(b + 1) * last // B for b in range(B)]
+    p = torch.tensor(p, dtype=torch.int32, device="cuda")
+    shape = (B, m.hidden) if v.mode == "decode" else (B, v.seq_len, m.hidden)
+    x = torch.randn(shape, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
+    for _ in range(launches):
+        (layer(x, p, validate=False) if v.mode == "decode" else layer.prefill(x, p, validate=False))
+    torch.cuda.synchronize()
+    print(variant, "stage clocks of the last launch (µs):", layer.stage_us())
+
+
+if __name__ == "__main__":
+    main()
