@@ -25,6 +25,7 @@ import click
 @click.option("--pos", type=click.Choice(["full", "mixed"]), default="full", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(variant, build_dir, variants_file, launches, pos, seed):
+    """Launch built VARIANT --launches times (random weights and cache) for Nsight Compute to profile."""
     import torch
     if not torch.cuda.is_available():
         print("error: bench/ncu_layer.py launches a kernel: no CUDA GPU visible to torch", file=sys.stderr)
