@@ -68,6 +68,8 @@ def list_cmd(variants_file, build_dir, only):
     for v in vs:
         m, e = v.model, built.get(v.name)
         status = gmanifest.status(e, v, digest)
+        if status == "built" and not (Path(build_dir) / e["cubin"]).is_file():
+            status = "cubin missing"  # `megakernel build` writes it again
         t.add_row(v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
                   str(v.batch), str(v.seq_len), str(v.tp), status)
     console.print(t)

@@ -125,6 +125,11 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert build_status(r.stdout) == {TINY_NAMES[0]: "stale (templates)"}, r.stdout
+    # a built variant whose cubin was deleted is not "built"
+    cubin = d / m["variants"][TINY_NAMES[1]]["cubin"]
+    cubin.unlink()
+    r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
+    assert build_status(r.stdout)[TINY_NAMES[1]] == "cubin missing", r.stdout
     # the report flags the same stale build, so `report --strict` fails on it
     r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", d, "--no-gpu", "--strict"],
                 cwd=tmp_path)
