@@ -105,7 +105,7 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
         try:
             plan(v, str(arch), overrides=e["overrides"])
         except PlanError as exc:
-            why = f"refused by the planner: {exc}"
+            why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
     figures = {k: e[k] for k in ("default_us", "tuned_us") if isinstance(e.get(k), (int, float))}
