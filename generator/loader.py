@@ -198,19 +198,19 @@ class FusedDecoderLayer:
                               "out": AllReduce(group, rows, self.dtype, self.device, allreduce)}
         self.allreduce = self._reducers["h"].method if self._reducers else None
         ws_h = next(i for i, a in enumerate(ARGS) if a.name == "ws_h")
-        self._argvs = []
+        argvs = []
         for _, reduce in self._fns:
             argv = list(self._argv)
             if reduce == "h" and self._reducers["h"].buffer is not None:
                 argv[ws_h] = ptr(self._reducers["h"].buffer)
-            self._argvs.append(tuple(argv))
+            argvs.append(tuple(argv))
         self._live = [(i, a.name) for i, a in enumerate(ARGS) if a.role in ("input", "output")]
         assert {n for _, n in self._live} == {"x", "pos", "out"}, "interface.ARGS inputs/outputs changed"
         # the driver's kernelParams, built once per kernel: an array of pointers to each argument's value; a call
         # only rewrites x, pos and out (a launch through cupy's Function packs every argument anew: ~25 µs of host
         # time a call measured on the H200's host)
         self._params = []
-        for argv in self._argvs:
+        for argv in argvs:
             vals = [(ctypes.c_int32 if isinstance(a, np.int32) else ctypes.c_uint64)(int(a)) for a in argv]
             self._params.append((vals, (ctypes.c_void_p * len(vals))(*map(ctypes.addressof, vals))))
         self.id = next(_IDS)

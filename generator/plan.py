@@ -77,7 +77,7 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def split_k(n: int, k: int, sms: int) -> int:
+def gemv_split_k(n: int, k: int, sms: int) -> int:
     """The split-K a [n, k] projection with fewer 16-row tiles than `sms` would take: the largest divisor s <= 8 of
     its k-tiles with >= 16 k-tiles a task and every task on its own SM; 1 where the tiles fill the SMs. Measured
     on the H200 (bench/NOTES.md): neutral on Qwen2.5-0.5B, so it is a tuner candidate, not the default."""

@@ -120,8 +120,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
-    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.split_k), NWG halved and doubled (U as planned) and U doubled
-    (halved where that would pass 8);
+    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k), NWG halved and
+    doubled (U as planned) and U doubled (halved where that would pass 8);
     attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
     ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..plan import THREADS, Mode, PlanError, Step, align, check_smem, plan_gemv, split_k
+from ..plan import THREADS, Mode, PlanError, Step, align, check_smem, gemv_split_k, plan_gemv
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -81,7 +81,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
                             f"{key}")
         g = gemv[key] = plan_gemv(n, k, sms, ks)
-        g["split_k"] = split_k(n, k, sms)  # what the tuner tries
+        g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
         groups = sms * (THREADS // 32 // g["NWG"])
         g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
