@@ -122,10 +122,12 @@ def _compile_object(source: str, arch: str, obj: Path) -> dict:
     from cupy.cuda import compiler
     t0 = time.perf_counter()
     log = io.StringIO()
+    # sm_90 as sm_90a: the prefill GEMM's wgmma is arch-specific; an sm_90 cubin runs on sm_90 GPUs only either way
+    nv_arch = "90a" if arch == "90" else arch
     try:
-        cubin = compiler.compile_using_nvcc(source, options=NVCC_OPTIONS, arch=arch, code_type="cubin",
+        cubin = compiler.compile_using_nvcc(source, options=NVCC_OPTIONS, arch=nv_arch, code_type="cubin",
                                             log_stream=log)
-        ptx = compiler.compile_using_nvcc(source, options=("-std=c++17",), arch=arch, code_type="ptx")
+        ptx = compiler.compile_using_nvcc(source, options=("-std=c++17",), arch=nv_arch, code_type="ptx")
     except Exception as exc:  # CuPy raises its own error type carrying nvcc's output
         raise CompileError(str(exc)) from None
     seconds = time.perf_counter() - t0

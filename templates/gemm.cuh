@@ -6,27 +6,48 @@
 // bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM
 // 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). The epilogue runs from
 // registers.
+// On sm_90a (GEMM_WGMMA) the tensor-core work is Hopper's asynchronous warpgroup mma (wgmma.cuh): each warpgroup
+// owns 64 weight rows (its warps' 16-row tiles: GEMM_WM = 4 x warpgroups, GEMM_TM = 1) and every token of the tile
+// (GEMM_WN = 1, GEMM_BN <= 128), the weights' fragments from shared memory into registers and the tokens read by the
+// tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded). Other archs keep
+// mma.sync.
 // Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk): a tile's K range is split
-// over KSPLIT tasks that run on different blocks; each writes its fp32 partial sums to `part`, and the last of them
-// to finish (found through a per-tile counter, reset by that task for the next launch: no barrier) adds the others'
-// partials to its own and runs the epilogue.
+// over KSPLIT tasks that run on different blocks; each writes its fp32 partial sums to `part`; where all of a tile's
+// splits are resident together each then sums and finishes 1/KSPLIT of the tile (a per-tile counter; the last of
+// the first version's single combining split read every partial in a chain of dependent round trips: tens of µs),
+// else the last to finish sums all (the counter is reset by the task that empties it: no barrier).
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (the GEMM is prefill's)
 #include "example_config_prefill.cuh"
 #endif
 #include "gemv.cuh"
+#include "wgmma.cuh"
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+static_assert(!GEMM_WGMMA, "GEMM_WGMMA needs sm_90a (the build compiles sm_90 as sm_90a)");
+#endif
 
 constexpr int GEMM_WN = (THREADS / 32) / GEMM_WM;   // warp columns
 constexpr int GEMM_BN = GEMM_WN * GEMM_TN * 8;     // tokens per block tile
 constexpr int GEMM_BM = GEMM_WM * GEMM_TM * 16;    // weight rows per block tile
 static_assert(GEMM_TN % 2 == 0, "tokens are read 16 at a time (ldmatrix.x4)");
-constexpr int GEMM_XLD = GEMM_BK + 8;              // padded token row (elements)
+constexpr int GEMM_XLD = GEMM_WGMMA ? GEMM_BK : GEMM_BK + 8;  // token row (elements): swizzled, or padded for ldmatrix
 constexpr int GEMM_A_STAGE = GEMM_BM * GEMM_BK;    // elements of one weight chunk
 constexpr int GEMM_B_STAGE = GEMM_BN * GEMM_XLD;   // elements of one token chunk
+static_assert(!GEMM_WGMMA || (GEMM_WN == 1 && GEMM_TM == 1 && GEMM_WM % 4 == 0 && GEMM_BK % 64 == 0 &&
+                              GEMM_BN % 16 == 0 && GEMM_BN <= 128),
+              "wgmma tiles: one 64-row tile per warpgroup, every token of the tile, 64-element swizzled rows");
 
 __device__ __forceinline__ void ldsm_x4_gemm(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+
+// threadIdx.x read afresh (volatile): the four GEMM stages of a layer do not share (and keep live between them) the
+// index arithmetic the compiler would otherwise hoist once for all of them (it spilled)
+__device__ __forceinline__ int gemm_tid() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
 }
 
 // W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v) for every result with
@@ -38,9 +59,10 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
     constexpr int NT16 = N / 16, KT16 = K / 16, KCH = (K + GEMM_BK - 1) / GEMM_BK, BKT = GEMM_BK / 16;
     constexpr int MB = (N + GEMM_BM - 1) / GEMM_BM;
-    T* As = reinterpret_cast<T*>(smem);
-    T* Bs = As + GEMM_STAGES * GEMM_A_STAGE;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
+    // the token ring first, at a 1024-byte boundary (the swizzle's atom; the plan counts the slack), then the weights'
+    T* Bs = reinterpret_cast<T*>(smem + ((1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u));
+    T* As = Bs + GEMM_STAGES * GEMM_B_STAGE;
+    const int tid = gemm_tid(), lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
     const int wm = warp % GEMM_WM, wn = warp / GEMM_WM;
     const int nb_count = (rows + GEMM_BN - 1) / GEMM_BN;
     const uint4* Wv = reinterpret_cast<const uint4*>(W);
@@ -60,50 +82,79 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                 }
                 T* b = Bs + stage * GEMM_B_STAGE;
                 for (int c = tid; c < GEMM_BN * (GEMM_BK / 8); c += THREADS) {
-                    const int r = c / (GEMM_BK / 8), k = kc * GEMM_BK + (c % (GEMM_BK / 8)) * 8;
+                    const int r = c / (GEMM_BK / 8), ch = c % (GEMM_BK / 8), k = kc * GEMM_BK + ch * 8;
                     const bool ok = t0 + r < rows && k < K;
-                    cp_async16(b + r * GEMM_XLD + (c % (GEMM_BK / 8)) * 8, ok ? X + (size_t)(t0 + r) * K + k : X, ok);
+                    // wgmma: 64-element column blocks of BN rows, chunk ch % 8 of row r at ch % 8 ^ r % 8
+                    T* dst = GEMM_WGMMA ? b + (ch / 8) * (GEMM_BN * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8
+                                        : b + r * GEMM_XLD + ch * 8;
+                    cp_async16(dst, ok ? X + (size_t)(t0 + r) * K + k : X, ok);
                 }
             }
             cp_async_commit();  // an empty group past the end keeps the wait count uniform
         };
+        // chunks in flight ahead of the one computed: wgmma keeps the previous chunk's mma running while this one's
+        // are issued, so the stage refilled is the one of two chunks back
+        constexpr int AHEAD = GEMM_WGMMA ? GEMM_STAGES - 2 : GEMM_STAGES - 1;
 #pragma unroll
-        for (int s = 0; s < GEMM_STAGES - 1; ++s) issue(kc0 + s, s);
+        for (int s = 0; s < AHEAD; ++s) issue(kc0 + s, s);
         float c[GEMM_TM][GEMM_TN][4];
 #pragma unroll
         for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
             for (int j = 0; j < GEMM_TN; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
-        const bool active = t0 + wn * GEMM_TN * 8 < rows && mt0 + wm * GEMM_TM < NT16;  // warp-uniform: skip padding
+        // skip padding: warp-uniform (mma.sync) or warpgroup-uniform (wgmma: its four warps issue it together)
+        uint4 af[BKT];  // wgmma: the weights' fragments of a chunk, read by the mma in flight
+        const bool active = GEMM_WGMMA ? t0 < rows && mt0 + (wm & ~3) < NT16
+                                       : t0 + wn * GEMM_TN * 8 < rows && mt0 + wm * GEMM_TM < NT16;
         for (int kc = kc0; kc < kc1; ++kc) {
-            cp_async_wait<GEMM_STAGES - 2>();
+            cp_async_wait<AHEAD - 1>();
             __syncthreads();  // chunk kc is in; every warp is done with the stage about to be refilled
-            issue(kc + GEMM_STAGES - 1, (kc - kc0 + GEMM_STAGES - 1) % GEMM_STAGES);
-            if (active) {
+            issue(kc + AHEAD, (kc - kc0 + AHEAD) % GEMM_STAGES);
+            if (GEMM_WGMMA || active) {  // wgmma: every warpgroup (a divergent wgmma is serialised; padding is zeros)
                 const T* a = As + ((kc - kc0) % GEMM_STAGES) * GEMM_A_STAGE;
                 const T* b = Bs + ((kc - kc0) % GEMM_STAGES) * GEMM_B_STAGE;
+                if constexpr (GEMM_WGMMA) {
+                    // one commit group per k16 step: at most BKT in flight, so the previous chunk's step kk is done
+                    // (its fragment registers free) once BKT - 1 remain
 #pragma unroll
-                for (int kk = 0; kk < BKT; ++kk) {
-                    uint4 af[GEMM_TM];
+                    for (int kk = 0; kk < BKT; ++kk) {
+                        wgmma_wait<BKT - 1>();
+                        af[kk] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk) * 32 + lane) * 8);
+                        wgmma_fence();  // the fragment is written: order it before the async mma that reads it
+                        // a k16 step of a 64-wide block starts 32 bytes (2 descriptor units) further
+                        Wgmma<GEMM_BN>::mma(c[0], af[kk], wgmma_desc(b + (kk / 4) * (GEMM_BN * 64)) + (kk % 4) * 2, 1);
+                        wgmma_commit();
+                    }
+                } else {
 #pragma unroll
-                    for (int i = 0; i < GEMM_TM; ++i)
-                        af[i] = *reinterpret_cast<const uint4*>(
-                            a + ((size_t)((wm * GEMM_TM + i) * BKT + kk) * 32 + lane) * 8);
-                    unsigned bf[GEMM_TN * 2];  // per 16 tokens: (tokens 0-7 | 8-15) x (k 0-7 | 8-15)
+                    for (int kk = 0; kk < BKT; ++kk) {
+                        uint4 af[GEMM_TM];
 #pragma unroll
-                    for (int j = 0; j < GEMM_TN; j += 2)
-                        ldsm_x4_gemm(*reinterpret_cast<unsigned(*)[4]>(bf + 2 * j),
-                                     b + (wn * GEMM_TN * 8 + j * 8 + (lane & 7) + ((lane >> 4) << 3)) * GEMM_XLD +
-                                         kk * 16 + ((lane >> 3) & 1) * 8);
+                        for (int i = 0; i < GEMM_TM; ++i)
+                            af[i] = *reinterpret_cast<const uint4*>(
+                                a + ((size_t)((wm * GEMM_TM + i) * BKT + kk) * 32 + lane) * 8);
+                        unsigned bf[GEMM_TN * 2];  // per 16 tokens: (tokens 0-7 | 8-15) x (k 0-7 | 8-15)
 #pragma unroll
-                    for (int i = 0; i < GEMM_TM; ++i)
+                        for (int j = 0; j < GEMM_TN; j += 2)
+                            ldsm_x4_gemm(*reinterpret_cast<unsigned(*)[4]>(bf + 2 * j),
+                                         b + (wn * GEMM_TN * 8 + j * 8 + (lane & 7) + ((lane >> 4) << 3)) * GEMM_XLD +
+                                             kk * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
-                        for (int j = 0; j < GEMM_TN; ++j) mma_bf16(c[i][j], af[i], bf[2 * j], bf[2 * j + 1]);
+                        for (int i = 0; i < GEMM_TM; ++i)
+#pragma unroll
+                            for (int j = 0; j < GEMM_TN; ++j) mma_bf16(c[i][j], af[i], bf[2 * j], bf[2 * j + 1]);
+                    }
                 }
             }
         }
+        if constexpr (GEMM_WGMMA) {
+            wgmma_wait<0>();
+            wgmma_fence_regs(c[0]);
+        }
         cp_async_wait<0>();
         __syncthreads();  // the ring is reused by the next task
+        // split-K: which of the tile's elements this task finishes (all of them without split-K)
+        bool own_all = true;
         if constexpr (KSPLIT > 1) {
             auto at = [&](int s, int n, int t) { return part + ((size_t)s * rows + t) * N + n; };
             if (active)
@@ -119,13 +170,25 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                         }
             __threadfence();
             __syncthreads();
+            // Every split of a tile resident at once (one task per block): each waits for all and sums 1/KSPLIT of
+            // the tile's elements over the splits in split order (one round trip of loads issued together, on
+            // KSPLIT blocks); the counter counts arrivals then departures and the last to leave resets it. Else
+            // (a GPU with fewer blocks than tasks: a split may wait for a task queued behind it on its own block)
+            // the last split to arrive sums everything.
+            const bool scatter = MB * nb_count * KSPLIT <= (int)gridDim.x;
             if (threadIdx.x == 0) {
-                last_split = atomicAdd(count + tile, 1u) == KSPLIT - 1;
-                if (last_split) count[tile] = 0u;  // every split has counted: ready for the next launch
+                const unsigned arrived = atomicAdd(count + tile, 1u);
+                if (scatter) {
+                    while (*reinterpret_cast<volatile unsigned*>(count + tile) < KSPLIT) {}
+                } else {
+                    last_split = arrived == KSPLIT - 1;
+                    if (last_split) count[tile] = 0u;  // every split has counted: ready for the next launch
+                }
+                __threadfence();
             }
             __syncthreads();
-            if (!last_split) continue;
-            __threadfence();
+            if (!scatter && !last_split) continue;
+            own_all = !scatter;
             if (active)
 #pragma unroll
                 for (int i = 0; i < GEMM_TM; ++i)
@@ -135,10 +198,17 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                         for (int e = 0; e < 4; ++e) {
                             const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
                             const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                            if (n < N && t < rows)
-                                for (int s = 0; s < KSPLIT; ++s)
-                                    if (s != ks) c[i][j][e] += __ldcg(at(s, n, t));
+                            if (n < N && t < rows && (own_all || ((i * GEMM_TN + j) * 4 + e) % KSPLIT == ks)) {
+                                float v = 0.f;
+#pragma unroll
+                                for (int s = 0; s < KSPLIT; ++s) v += s == ks ? c[i][j][e] : __ldcg(at(s, n, t));
+                                c[i][j][e] = v;
+                            }
                         }
+            if (scatter) {
+                __syncthreads();  // this block's reads of the partials are done
+                if (threadIdx.x == 0 && atomicAdd(count + tile, 1u) == 2 * KSPLIT - 1) count[tile] = 0u;
+            }
         }
         if (active) {
 #pragma unroll
@@ -149,6 +219,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     for (int e = 0; e < 4; ++e) {
                         const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
                         const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
+                        if (!own_all && ((i * GEMM_TN + j) * 4 + e) % KSPLIT != ks) continue;  // lane-uniform
                         if constexpr (PAIR) {  // rows 2p (this lane, gid even) and 2p+1 (the lane 4 above)
                             const float odd = __shfl_down_sync(0xffffffffu, c[i][j][e], 4);
                             if ((gid & 1) == 0 && n < N && t < rows) epi(n / 2, t, c[i][j][e], odd);

@@ -120,6 +120,28 @@ def test_prefill_matches_reference(v, builds):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_prefill_split_k_on_a_smaller_grid(builds):
+    """Split-K's two combines: with every split of a tile resident (the planned grid) each split finishes a slice of
+    the tile; on a grid with fewer blocks than tasks (a GPU with fewer SMs) the last split finishes all of it. Both
+    against the fp32 reference, twice each (the tile counters reset themselves)."""
+    from generator import reference, verify
+    from generator.loader import load
+    v = next(v for v in DECLARED if v.name == "llama3.2-1b_prefill_b1_s64_bf16")
+    if v.name not in builds:
+        pytest.skip("not selected by MEGAKERNEL_ONLY")
+    assert max(grender.plan(v)["consts"][k] for k in ("QKV_KSPLIT", "O_KSPLIT", "DOWN_KSPLIT")) > 1
+    W = reference.random_weights(v.model, seed=SEED, device="cuda")
+    layer = load(v.name, W, build_dir=builds[v.name], cache_len=CACHE_LEN)
+    for grid in (layer.grid, layer.grid // 3, layer.grid):
+        layer.grid = grid
+        for _ in range(2):
+            x, start = verify.random_inputs(layer, SEED + grid)
+            r = verify.check_step(layer, x, start, weights=W)
+            assert verify.passed(r, v.model.dtype), f"grid {grid}: rel_err {r['rel_err']:.2e} {r['first_bad_stage']}"
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_prefill_then_decode_equals_token_by_token(builds):
     """A 16-token prompt through the prefill kernel then one decode step == the 17 tokens decoded one by one."""
     from generator import reference, verify

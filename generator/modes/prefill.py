@@ -45,16 +45,23 @@ def plan(v: Variant, arch: Arch) -> dict:
     # block tiles (weight rows x tokens) and K chunk: a short chunk streams weights (tall tiles over few tokens, long
     # K chunks: fewer barriers per byte, more bytes in flight); a long one is compute-bound (2 x 4 mma tiles a warp:
     # fewer fragment reads per mma; 4 x 4 spills)
-    if rows <= 32:
+    wgmma = arch.sm.startswith("90")  # sm_90 builds as sm_90a (compile.py): Hopper's warpgroup mma
+    if wgmma:
+        # a warpgroup per 64 weight rows (192 a block), the tokens split into equal tiles of <= 128 (multiples of 16)
+        token_tiles = -(-rows // 128)
+        wm, tm, tn = THREADS // 32, 1, 2 * -(-rows // token_tiles // 16)
+        bk = 64  # one swizzled row; the ring's depth keeps the bytes in flight
+    elif rows <= 32:
         wm, tm, tn, bk = 6, 2, 2, 128      # 192 x 32
     elif rows <= 96:
         wm, tm, tn, bk = 4, 2, 2, 128      # 128 x 48
     else:
         wm, tm, tn, bk = 4, 2, 4, 64       # 128 x 96
     bm, bn = wm * tm * 16, (THREADS // 32 // wm) * tn * 8
-    stage_bytes = (bm * bk + bn * (bk + 8)) * esize
+    assert bn % 16 == 0 and bn <= 128, bn  # templates/wgmma.cuh has a wrapper per multiple of 16 up to 128
+    stage_bytes = (bm * bk + bn * (bk if wgmma else bk + 8)) * esize
     stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
-    gemm_bytes = stages * stage_bytes
+    gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
     att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
     append_bytes = (THREADS // 32) * m.head_dim * 4
     smem_bytes = check_smem(v.name, arch, {
@@ -72,7 +79,7 @@ def plan(v: Variant, arch: Arch) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_NSPLIT": 0, "GEMM_WM": wm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
+        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
         **{f"{p}_KSPLIT": tiles[k]["KSPLIT"]
            for p, k in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))},
     }

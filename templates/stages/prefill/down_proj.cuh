@@ -5,8 +5,8 @@
 #endif
 #include "../../gemm.cuh"
 
-__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
-                          float* ws_split, unsigned* ws_count, unsigned char* smem) {
+__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out,
+    unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
     gemm<HIDDEN, INTER, DOWN_KSPLIT>(w_down, ws_act, ROWS, smem, ws_split, ws_count, [&](int n, int t, float v) {
         const float o = ws_h[(size_t)t * HIDDEN + n] + v;
         count_overflow(o, ws_status);

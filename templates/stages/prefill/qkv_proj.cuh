@@ -7,7 +7,7 @@
 #include "../../gemm.cuh"
 
 __device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const T* b_qkv, float* ws_qkv, float* ws_split,
-                         unsigned* ws_count, unsigned char* smem) {
+    unsigned* ws_count, unsigned char* smem) {
     gemm<QKV_DIM, HIDDEN, QKV_KSPLIT>(w_qkv, ws_xn, ROWS, smem, ws_split, ws_count, [&](int n, int t, float v) {
 #if QKV_BIAS
         v += to_f(b_qkv[n]);
