@@ -50,12 +50,13 @@ __device__ __forceinline__ int gemm_tid() {
     return t;
 }
 
-// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v) for every result with
-// n < N and t < rows (PAIR: epi(n/2, t, v_even_row, v_odd_row) once per pair of rows 2p, 2p+1). part: KSPLIT x rows
-// x N floats, count: one counter per output tile (both unused when KSPLIT == 1).
-template <int N, int K, int KSPLIT, bool PAIR = false, class Epi>
+// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v, pre(n, t)) for every
+// result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
+// v_odd_row) once per pair of rows 2p, 2p+1). part: KSPLIT x rows x N floats, count: one counter per output tile
+// (both unused when KSPLIT == 1).
+template <int N, int K, int KSPLIT, bool PAIR = false, class Pre, class Epi>
 __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int rows, unsigned char* smem, float* part,
-                                     unsigned* count, Epi epi) {
+                                     unsigned* count, Pre pre, Epi epi) {
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
     constexpr int NT16 = N / 16, KT16 = K / 16, KCH = (K + GEMM_BK - 1) / GEMM_BK, BKT = GEMM_BK / 16;
     constexpr int MB = (N + GEMM_BM - 1) / GEMM_BM;
@@ -179,7 +180,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             if (threadIdx.x == 0) {
                 const unsigned arrived = atomicAdd(count + tile, 1u);
                 if (scatter) {
-                    while (*reinterpret_cast<volatile unsigned*>(count + tile) < KSPLIT) {}
+                    // backing off: the spinning blocks share the counters' cache line with the arriving ones
+                    while (*reinterpret_cast<volatile unsigned*>(count + tile) < KSPLIT) __nanosleep(100);
                 } else {
                     last_split = arrived == KSPLIT - 1;
                     if (last_split) count[tile] = 0u;  // every split has counted: ready for the next launch
@@ -211,22 +213,33 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             }
         }
         if (active) {
+            // in two halves of the columns, every input of the epilogue loaded before any result is stored: the
+            // stores may alias the inputs for the compiler, and a load after each store was a chain of round trips
 #pragma unroll
-            for (int i = 0; i < GEMM_TM; ++i)
+            for (int h = 0; h < 2; ++h) {
+                float in[GEMM_TM][GEMM_TN / 2][4];
 #pragma unroll
-                for (int j = 0; j < GEMM_TN; ++j)
+                for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
-                        const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                        if (!own_all && ((i * GEMM_TN + j) * 4 + e) % KSPLIT != ks) continue;  // lane-uniform
-                        if constexpr (PAIR) {  // rows 2p (this lane, gid even) and 2p+1 (the lane 4 above)
-                            const float odd = __shfl_down_sync(0xffffffffu, c[i][j][e], 4);
-                            if ((gid & 1) == 0 && n < N && t < rows) epi(n / 2, t, c[i][j][e], odd);
-                        } else {
-                            if (n < N && t < rows) epi(n, t, c[i][j][e]);
-                        }
-                    }
+                    for (int i = 0; i < GEMM_TM; ++i)
+#pragma unroll
+                        for (int jj = 0; jj < GEMM_TN / 2; ++jj)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int j = h * (GEMM_TN / 2) + jj;
+                                const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
+                                const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
+                                if (!own_all && ((i * GEMM_TN + j) * 4 + e) % KSPLIT != ks) continue;  // lane-uniform
+                                if constexpr (PAIR) {  // rows 2p (this lane, gid even) and 2p+1 (the lane 4 above)
+                                    if (pass == 0) continue;
+                                    const float odd = __shfl_down_sync(0xffffffffu, c[i][j][e], 4);
+                                    if ((gid & 1) == 0 && n < N && t < rows) epi(n / 2, t, c[i][j][e], odd);
+                                } else if (n < N && t < rows) {
+                                    if (pass == 0) in[i][jj][e] = pre(n, t);
+                                    else epi(n, t, c[i][j][e], in[i][jj][e]);
+                                }
+                            }
+            }
         }
     }
 }

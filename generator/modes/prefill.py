@@ -31,7 +31,9 @@ def split_k(tiles: int, chunks: int, sms: int) -> int:
     """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each: about one task per SM where the
     tiles are fewer than the SMs, never a second (partial) wave, >= 4 chunks a task. Measured on the H200 (see
     bench/NOTES.md): finer splits (2 chunks a task, or a second wave to even out the tail) were slower: each split
-    pays the ring's fill and the partials' combine."""
+    pays the ring's fill and the partials' combine; on the wgmma GEMM (64-wide chunks) coarser ones (>= 8 chunks a
+    task, or 16 x the token tile's width in K) were slower too (1B 64-token chunk 130 -> 146 µs): one SM streams
+    weights at a fraction of HBM's rate, so a short chunk wants every SM on its projection."""
     return max(1, min(chunks // 4, sms // tiles))
 
 
