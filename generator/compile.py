@@ -106,6 +106,8 @@ def parse_ptxas(log: str) -> dict:
         "spill_loads": grab(r"(\d+) bytes spill loads"),
         "static_smem": grab(r"(\d+) bytes smem"),
         "barriers": grab(r"used (\d+) barriers"),
+        # ptxas's advisories (C7510, C7518, ...) that it made Hopper's asynchronous wgmma wait for each other
+        "wgmma_serialized": len(re.findall(r"wgmma\.mma_async instructions are serialized", log)),
     }
 
 
@@ -271,6 +273,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                                                    smem + meta["static_smem"], target.sm),
                     "cached": cached,
                     "sass": meta.get("sass"),
+                    "wgmma_serialized": meta.get("wgmma_serialized", 0),
                 }
             if progress:
                 progress(len(by_key[key]))

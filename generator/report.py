@@ -27,7 +27,8 @@ BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_
 
 
 def flags(entry: dict) -> list[str]:
-    """What a user must not miss: spills, over-budget shared memory, a refused or failed build."""
+    """What a user must not miss: spills, over-budget shared memory, a refused or failed build, wgmma serialised by
+    ptxas (the prefill GEMM's tensor-core work waiting on itself: slower, not wrong)."""
     out = []
     if entry["status"] != "ok":
         out.append(entry["status"])
@@ -35,6 +36,8 @@ def flags(entry: dict) -> list[str]:
     r = entry["resources"]
     if r["spill_stores"] or r["spill_loads"]:
         out.append("spills")
+    if r.get("wgmma_serialized"):
+        out.append("wgmma-serialized")
     limit = r.get("smem_limit") or get_arch(entry.get("arch", DEFAULT_ARCH)).smem_per_block
     if r["smem_total"] > limit:
         out.append(f"smem>{limit // 1024}KB")

@@ -6,6 +6,9 @@
 // D per warp: the m16n8k16 C layout repeated over N/8 columns (d[4j..4j+3] = rows gid, gid + 8 x cols 8j + 2 tig, +1).
 // One wrapper per token-tile width N (a multiple of 16: asm needs literal operand lists).
 #pragma once
+#ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (MMA_AB)
+#include "example_config_prefill.cuh"
+#endif
 
 // descriptor of a K-major, 128-byte-swizzled tile at `p` (the swizzle atom, 8 rows x 128 B, 1024-byte aligned)
 __device__ __forceinline__ unsigned long long wgmma_desc(const void* p) {

@@ -167,7 +167,19 @@ def test_parse_ptxas():
            "    40 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
            "ptxas info    : Used 128 registers, used 1 barriers, 16 bytes smem, 448 bytes cmem[0]\n")
     assert gcompile.parse_ptxas(log) == {"registers": 128, "stack_frame": 40, "spill_stores": 8,
-                                         "spill_loads": 12, "static_smem": 16, "barriers": 1}
+                                         "spill_loads": 12, "static_smem": 16, "barriers": 1, "wgmma_serialized": 0}
+    advisory = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+                "to program dependence on compiler-inserted WG.DP in divergent path in the function 'decoder_layer'\n")
+    assert gcompile.parse_ptxas(advisory + log)["wgmma_serialized"] == 1
+
+
+def test_report_flags_serialized_wgmma():
+    from generator import report
+    entry = {"status": "ok", "arch": "90", "resources": {
+        "spill_stores": 0, "spill_loads": 0, "smem_total": 1024, "smem_limit": 227 * 1024, "blocks_per_sm": 1}}
+    assert report.flags(entry) == []
+    entry["resources"]["wgmma_serialized"] = 2
+    assert report.flags(entry) == ["wgmma-serialized"]
 
 
 # ---------------------------------------------------------------- second build, --only
