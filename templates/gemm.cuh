@@ -69,7 +69,12 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
     const uint4* Wv = reinterpret_cast<const uint4*>(W);
     __shared__ int last_split;
     for (int task = blockIdx.x; task < MB * nb_count * KSPLIT; task += gridDim.x) {
-        const int ks = task % KSPLIT, tile = task / KSPLIT, mb = tile % MB, nb = tile / MB;
+        const int ks = task % KSPLIT, tile = task / KSPLIT;
+        // tiles in groups of GEMM_GM weight tiles x every token tile, the weight tile fastest: the blocks at work
+        // at once share ~GEMM_GM weight tiles and ~SMs / GEMM_GM token tiles in L2 (weight tile fastest over all
+        // MB, a long chunk read every weight tile from HBM once per token tile)
+        const int first_mb = tile / (GEMM_GM * nb_count) * GEMM_GM, gm = min(MB - first_mb, GEMM_GM);
+        const int mb = first_mb + tile % (GEMM_GM * nb_count) % gm, nb = tile % (GEMM_GM * nb_count) / gm;
         const int kc0 = ks * KCH / KSPLIT, kc1 = (ks + 1) * KCH / KSPLIT;  // this task's K chunks
         const int mt0 = mb * (GEMM_BM / 16), t0 = nb * GEMM_BN;
         auto issue = [&](int kc, int stage) {

@@ -61,6 +61,9 @@ def plan(v: Variant, arch: Arch) -> dict:
         wm, tm, tn, bk = 4, 2, 4, 64       # 128 x 96
     bm, bn = wm * tm * 16, (THREADS // 32 // wm) * tn * 8
     assert bn % 16 == 0 and bn <= 128, bn  # templates/wgmma.cuh has a wrapper per multiple of 16 up to 128
+    # weight tiles per group of the GEMM's raster (gemm.cuh): the SMs' concurrent tiles then read ~gm weight tiles and
+    # ~sms / gm token tiles, least bytes at gm = sqrt(sms x token-tile bytes / weight-tile bytes)
+    gm = max(1, round((arch.sms * bn / bm) ** 0.5))
     stage_bytes = (bm * bk + bn * (bk if wgmma else bk + 8)) * esize
     stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
     gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
@@ -81,7 +84,7 @@ def plan(v: Variant, arch: Arch) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
+        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
         **{f"{p}_KSPLIT": tiles[k]["KSPLIT"]
            for p, k in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))},
     }
