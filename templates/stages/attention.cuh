@@ -83,19 +83,22 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
         for (int st = 0; st < ATT_STAGES - 1; ++st) issue((st * ATT_WARPS + warp) * 16, st);
 
-        // 1. queries (and the new key/value): one warp per head
+        // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
+        // after them, inside rope)
+        float freqs[ROPE_K];
+        rope_freqs(inv_freq, lane, freqs);
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
                 for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv[(kvh * GROUP + h) * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
-                rope(q, p, inv_freq, SCORE_SCALE, lane);
+                rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
                 for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv[Q_DIM + kvh * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
-                rope(ks, p, inv_freq, 1.f, lane);
+                rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
                 kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane);
