@@ -137,7 +137,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
     w, c = d["ATT_WARPS"], d["ATT_C"]
-    tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
+    tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
     tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:

@@ -83,19 +83,22 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
         for (int st = 0; st < ATT_STAGES - 1; ++st) issue((st * ATT_WARPS + warp) * 16, st);
 
-        // 1. queries (and the new key/value): one warp per head
+        // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
+        // after them, inside rope)
+        float freqs[ROPE_K];
+        rope_freqs(inv_freq, lane, freqs);
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
                 for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv[(kvh * GROUP + h) * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
-                rope(q, p, inv_freq, SCORE_SCALE, lane);
+                rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
                 for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv[Q_DIM + kvh * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
-                rope(ks, p, inv_freq, 1.f, lane);
+                rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
                 kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane);
@@ -250,7 +253,40 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
         }
-        if (nsplit > 1) {
+        if (nsplit > 1 && ATT_COMBINE == 1) {
+            // the block's partial, then one thread's release (fence.acq_rel + the counter: the block barrier makes
+            // every thread's stores its own, cumulativity publishes them) in place of a fence by every thread
+            __syncthreads();
+            if (tid == 0) {
+                unsigned done;
+                asm volatile("fence.acq_rel.gpu;\n\tatom.add.relaxed.gpu.global.u32 %0, [%1], 1;"
+                             : "=r"(done) : "l"(ws_count + b * KV_HEADS + kvh) : "memory");
+                *flag = done == (unsigned)(nsplit - 1);
+                if (*flag) {
+                    ws_count[b * KV_HEADS + kvh] = 0u;  // every split has counted: ready for the next launch
+                    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the other splits' partials
+                }
+            }
+            __syncthreads();
+            if (*flag) {  // last split: one online pass over the splits per output (max, sum and acc loaded
+                          // together, in split order: the same result whichever split is last)
+                for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS) {
+                    const int g = t / HEAD_DIM, d = t % HEAD_DIM;
+                    const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
+                    float M = -INFINITY, o = 0.f, den = 0.f;
+#pragma unroll 8
+                    for (int s = 0; s < nsplit; ++s) {
+                        const float ms = __ldcg(pg + s * WS + HEAD_DIM), ls = __ldcg(pg + s * WS + HEAD_DIM + 1);
+                        const float as = __ldcg(pg + s * WS + d);
+                        const float Mn = fmaxf(M, ms), f = exp2f(M - Mn), e = exp2f(ms - Mn);
+                        o = fmaf(o, f, e * as);
+                        den = fmaf(den, f, e * ls);
+                        M = Mn;
+                    }
+                    ws_attn[(size_t)b * Q_DIM + (kvh * GROUP + g) * HEAD_DIM + d] = from_f(o / den);
+                }
+            }
+        } else if (nsplit > 1) {
             __threadfence();
             __syncthreads();
             if (tid == 0) {

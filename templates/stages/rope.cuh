@@ -3,24 +3,36 @@
 // change that table). v: one head in shared memory, one warp; the result is also multiplied by `scale`.
 #pragma once
 #include "../common.cuh"
-__device__ __forceinline__ void rope(float* v, int position, const float* __restrict__ inv_freq, float scale, int lane) {
-    constexpr int HALF = HEAD_DIM / 2;
-    float out[(HALF + 31) / 32][2];
+constexpr int ROPE_K = (HEAD_DIM / 2 + 31) / 32;  // inv_freq values per lane (d = lane + 32 k)
+// this lane's inv_freq values: a caller that rotates many heads loads them once (one round trip fewer per head)
+__device__ __forceinline__ void rope_freqs(const float* __restrict__ inv_freq, int lane, float (&f)[ROPE_K]) {
 #pragma unroll
-    for (int k = 0; k < (HALF + 31) / 32; ++k) {
+    for (int k = 0; k < ROPE_K; ++k) f[k] = lane + 32 * k < HEAD_DIM / 2 ? inv_freq[lane + 32 * k] : 0.f;
+}
+__device__ __forceinline__ void rope(float* v, int position, const float (&f)[ROPE_K], float scale, int lane) {
+    constexpr int HALF = HEAD_DIM / 2;
+    float out[ROPE_K][2];
+#pragma unroll
+    for (int k = 0; k < ROPE_K; ++k) {
         const int d = lane + 32 * k;
         if (d < HALF) {
             float s, c;
-            sincosf((float)position * inv_freq[d], &s, &c);
+            sincosf((float)position * f[k], &s, &c);
             out[k][0] = (v[d] * c - v[d + HALF] * s) * scale;
             out[k][1] = (v[d + HALF] * c + v[d] * s) * scale;
         }
     }
     __syncwarp();
 #pragma unroll
-    for (int k = 0; k < (HALF + 31) / 32; ++k) {
+    for (int k = 0; k < ROPE_K; ++k) {
         const int d = lane + 32 * k;
         if (d < HALF) { v[d] = out[k][0]; v[d + HALF] = out[k][1]; }
     }
     __syncwarp();
+}
+__device__ __forceinline__ void rope(float* v, int position, const float* __restrict__ inv_freq, float scale,
+                                     int lane) {
+    float f[ROPE_K];
+    rope_freqs(inv_freq, lane, f);
+    rope(v, position, f, scale, lane);
 }
