@@ -19,6 +19,7 @@ constexpr int QKV_DIM = 3072;
 constexpr int ATT_NSPLIT = 0;
 constexpr int GEMM_WGMMA = 1;
 constexpr int GEMM_WM = 12;
+constexpr int GEMM_GM = 7;
 constexpr int GEMM_TM = 1;
 constexpr int GEMM_TN = 8;
 constexpr int GEMM_BK = 64;
