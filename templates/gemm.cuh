@@ -218,20 +218,21 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             }
         }
         if (active) {
-            // in two halves of the columns, every input of the epilogue loaded before any result is stored: the
-            // stores may alias the inputs for the compiler, and a load after each store was a chain of round trips
+            // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores
+            // may alias the inputs for the compiler, and a load after each store was a chain of round trips
+            constexpr int PARTS = GEMM_TN >= 8 ? 4 : GEMM_TN / 2, PTN = GEMM_TN / PARTS;  // registers: in[] is small
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float in[GEMM_TM][GEMM_TN / 2][4];
+            for (int h = 0; h < PARTS; ++h) {
+                float in[GEMM_TM][PTN][4];
 #pragma unroll
                 for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
                     for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
-                        for (int jj = 0; jj < GEMM_TN / 2; ++jj)
+                        for (int jj = 0; jj < PTN; ++jj)
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int j = h * (GEMM_TN / 2) + jj;
+                                const int j = h * PTN + jj;
                                 const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
                                 const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
                                 if (!own_all && ((i * GEMM_TN + j) * 4 + e) % KSPLIT != ks) continue;  // lane-uniform

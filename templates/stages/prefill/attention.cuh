@@ -32,8 +32,10 @@ __device__ __forceinline__ unsigned pa_pack(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-__device__ void attention(const int* __restrict__ pos, const T* ws_q, const T* k_cache, const T* v_cache,
-                          int cache_len, T* ws_attn, unsigned char* smem) {
+// not inlined: its own register allocation (inlined with the four wgmma GEMMs, head_dim 96 spilled 56 B; a call
+// between stages, where no wgmma is in flight, leaves them unserialised: ptxas gives no advisory)
+__device__ __noinline__ void attention(const int* __restrict__ pos, const T* ws_q, const T* k_cache,
+                                       const T* v_cache, int cache_len, T* ws_attn, unsigned char* smem) {
     constexpr int KS = HEAD_DIM / 16, DT = HEAD_DIM / 8, CH = HEAD_DIM / 8;
     T* ring = reinterpret_cast<T*>(smem);   // [2 stages][K, V][PA_KT][PA_RL], then [16 warps][16 rows][PA_RL] of Q
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
