@@ -220,7 +220,9 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         if (active) {
             // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores
             // may alias the inputs for the compiler, and a load after each store was a chain of round trips
-            constexpr int PARTS = GEMM_TN >= 8 ? 4 : GEMM_TN / 2, PTN = GEMM_TN / PARTS;  // registers: in[] is small
+            // (parts of 1/4 where they divide, else of 2 columns; in[] stays small: registers)
+            constexpr int PARTS = GEMM_TN >= 8 && GEMM_TN % 4 == 0 ? 4 : GEMM_TN / 2, PTN = GEMM_TN / PARTS;
+            static_assert(PARTS * PTN == GEMM_TN, "the parts cover every column");
 #pragma unroll
             for (int h = 0; h < PARTS; ++h) {
                 float in[GEMM_TM][PTN][4];
