@@ -85,9 +85,15 @@ def compiler_version() -> str:
     return _compiler_version
 
 
+def nvcc_arch(arch: str) -> str:
+    """The arch nvcc is given for sm_`arch`: sm_90 as sm_90a (the prefill GEMM's wgmma is arch-specific; an sm_90
+    cubin runs on sm_90 GPUs only either way)."""
+    return "90a" if arch == "90" else arch
+
+
 def cache_key(source: str, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source, " ".join(NVCC_OPTIONS), arch, compiler_version(), __version__):
+    for part in (source, " ".join(NVCC_OPTIONS), nvcc_arch(arch), compiler_version(), __version__):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -124,8 +130,7 @@ def _compile_object(source: str, arch: str, obj: Path) -> dict:
     from cupy.cuda import compiler
     t0 = time.perf_counter()
     log = io.StringIO()
-    # sm_90 as sm_90a: the prefill GEMM's wgmma is arch-specific; an sm_90 cubin runs on sm_90 GPUs only either way
-    nv_arch = "90a" if arch == "90" else arch
+    nv_arch = nvcc_arch(arch)
     try:
         cubin = compiler.compile_using_nvcc(source, options=NVCC_OPTIONS, arch=nv_arch, code_type="cubin",
                                             log_stream=log)

@@ -118,7 +118,8 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     µs, % of bandwidth outside the all-reduces, × the best TP baseline). arch: only files measured on a GPU of that
     architecture (by the GPU name they record; a name no target knows is kept), so an sm_80 build is not shown
     H200 figures. Newest = the file's recorded date, then its recorded time
-    (gpu_check writes one), then its name (deterministic in a fresh clone, where mtimes are the checkout's)."""
+    (gpu_check writes one), then its name (deterministic in a fresh clone, where mtimes are the checkout's). Rows
+    that errored or failed their run's check against the reference (`pass: false`) are skipped."""
     found: dict[str, tuple] = {}
     for p in bench_dir.glob("*.json"):
         try:
@@ -133,7 +134,8 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
         for row in doc.get("rows", []):
             name = row.get("variant")
-            failed = row.get("error") or row.get("status", "ok") != "ok"
+            # a row that failed its run's check against the reference is not a figure to show
+            failed = row.get("error") or row.get("status", "ok") != "ok" or row.get("pass") is False
             if not name or failed or row.get("provider", "fused") != "fused":
                 continue
             if "provider" in row:  # megakernel bench
@@ -317,6 +319,7 @@ TABLE_COLUMNS = [
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
     ("tflops", "TFLOP\n/s", _num(".0f"), False),
+    ("route", "prefill\nroute", lambda r, k: r.get(k) or "-", False),
     ("speedup_best", "×\nbest", _num(".2f"), True),
     ("best_baseline", "best\nbaseline", lambda r, k: r.get(k) or "-", True),
     ("speedup_torch_graph", "×\ngraph", _num(".2f"), False),
@@ -327,7 +330,8 @@ TABLE_COLUMNS = [
 DROP_ORDER = ["plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total",
               "spill",
               "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
-BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "speedup_best", "best_baseline", "speedup_torch_graph", "speedup_compile",
+BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
+              "speedup_compile",
               "speedup_eager"}
 
 
@@ -337,7 +341,7 @@ def _table(rows: list[dict], cols: list[tuple]) -> Table:
     for key, head, _, _ in cols:
         if key == "name":
             t.add_column(head, justify="left", no_wrap=True)
-        elif key in ("flags", "best_baseline", "plan"):
+        elif key in ("flags", "best_baseline", "plan", "route"):
             t.add_column(head, justify="left", no_wrap=True)
         else:
             t.add_column(head, justify="right", no_wrap=True)

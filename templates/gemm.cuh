@@ -128,7 +128,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                         af[kk] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk) * 32 + lane) * 8);
                         wgmma_fence();  // the fragment is written: order it before the async mma that reads it
                         // a k16 step of a 64-wide block starts 32 bytes (2 descriptor units) further
-                        Wgmma<GEMM_BN>::mma(c[0], af[kk], wgmma_desc(b + (kk / 4) * (GEMM_BN * 64)) + (kk % 4) * 2, 1);
+                        wgmma_mma<GEMM_BN>(c[0], af[kk], wgmma_desc(b + (kk / 4) * (GEMM_BN * 64)) + (kk % 4) * 2);
                         wgmma_commit();
                     }
                 } else {
@@ -176,8 +176,9 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                         }
             __threadfence();
             __syncthreads();
-            // Every split of a tile resident at once (one task per block): each waits for all and sums 1/KSPLIT of
-            // the tile's elements over the splits in split order (one round trip of loads issued together, on
+            // Every split of a tile resident at once (one task per block): each waits for all and sums its share of
+            // the tile's elements (a thread's element e goes to split e % KSPLIT: with more splits than a thread's
+            // 4 x TM x TN elements some splits finish none, a known imbalance) over the splits in split order (one round trip of loads issued together, on
             // KSPLIT blocks); the counter counts arrivals then departures and the last to leave resets it. Else
             // (a GPU with fewer blocks than tasks: a split may wait for a task queued behind it on its own block)
             // the last split to arrive sums everything.

@@ -29,6 +29,10 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N][4]) {
 }
 
 template <int N> struct Wgmma;  // N = tokens of the tile
+// D += A B with scale-d 1. A template on the accumulators' type: in the mma.sync build's discarded `if constexpr`
+// branch (its accumulators have another shape) the call is never instantiated, so it compiles for every arch
+template <int N, class Acc>
+__device__ __forceinline__ void wgmma_mma(Acc& d, const uint4& a, unsigned long long b) { Wgmma<N>::mma(d, a, b, 1); }
 template <> struct Wgmma<16> {
     static __device__ __forceinline__ void mma(float (&d)[2][4], const uint4& a, unsigned long long b, int scale_d) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"

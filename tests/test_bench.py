@@ -750,19 +750,24 @@ def test_report_reads_gpu_check_rows_newest_first(tmp_path):
     """`megakernel report` shows the newest measured figures, gpu_check's decode and prefill rows included."""
     from generator.report import latest_bench
     old = {"date": "2026-11-29", "rows": [{"variant": "a_decode_b1_s64_bf16", "us": 50.0, "pct_bw": 60.0,
-                                           "speedup": 3.0, "speedup_vs_best": 1.5, "best_baseline": "flashinfer"}]}
+                                           "speedup": 3.0, "speedup_vs_best": 1.5, "best_baseline": "flashinfer"},
+                                          {"variant": "a_prefill_b1_s128_bf16", "mode": "prefill", "us": 200.0,
+                                           "tflops": 80.0, "speedup": 0.9, "route": "unfused", "pass": True}]}
     new = {"date": "2026-11-30", "time": "10:00:00", "rows": [
         {"variant": "a_decode_b1_s64_bf16", "us": 40.0, "pct_bw": 70.0, "speedup": 3.5, "speedup_vs_best": 1.6,
          "best_baseline": "torch_graph"},
         {"variant": "a_prefill_b1_s16_bf16", "mode": "prefill", "us": 140.0, "tflops": 13.9, "speedup": 1.1,
          "route": "fused"},
-        {"variant": "a_prefill_b1_s64_bf16", "mode": "prefill", "error": "not built"}]}
+        {"variant": "a_prefill_b1_s64_bf16", "mode": "prefill", "error": "not built"},
+        {"variant": "a_prefill_b1_s128_bf16", "mode": "prefill", "us": 150.0, "tflops": 99.0, "speedup": 1.2,
+         "route": "fused", "pass": False}]}
     (tmp_path / "gpu_check-old.json").write_text(json.dumps(old))
     (tmp_path / "gpu_check-new.json").write_text(json.dumps(new))
     b = latest_bench(tmp_path)
     assert b["a_decode_b1_s64_bf16"]["fused_us"] == 40.0 and b["a_decode_b1_s64_bf16"]["best_baseline"] == "torch_graph"
     assert b["a_prefill_b1_s16_bf16"]["tflops"] == 13.9 and b["a_prefill_b1_s16_bf16"]["route"] == "fused"
     assert "a_prefill_b1_s64_bf16" not in b
+    assert b["a_prefill_b1_s128_bf16"]["fused_us"] == 200.0  # the newer run failed its check: not shown
 
 
 def test_report_joins_tp_rows_and_only_figures_of_the_builds_architecture(tmp_path):

@@ -111,7 +111,8 @@ def test_every_header_compiles_alone(tmp_path):
         grender.TEMPLATES / f for f in ("gemv.cuh", "gemm.cuh", "wgmma.cuh", "common.cuh")]
 
     def one(h):
-        return h, subprocess.run([exe, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-x", "cu", "-c", "-o", os.devnull, str(h)],
+        return h, subprocess.run([exe, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-x", "cu", "-c",
+                                  "-o", os.devnull, str(h)],
                                  capture_output=True, text=True, cwd=tmp_path)
     with ThreadPoolExecutor(4) as pool:
         for h, r in pool.map(one, headers):

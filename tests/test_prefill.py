@@ -72,6 +72,30 @@ def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0
 
 
+@pytest.mark.parametrize("sm", ["80", "100"])
+def test_prefill_builds_on_the_mma_sync_path(tmp_path, sm):
+    """Off sm_90 the GEMM is mma.sync, whose accumulators have another shape than wgmma's: the wgmma branch must not
+    be instantiated there. A prefill variant with several warp columns (48-token tiles) compiles without spills."""
+    from generator import compile as gcompile
+    v = next(v for v in DECLARED if v.name == "llama3.2-1b_prefill_b4_s16_bf16")
+    assert grender.plan(v, sm)["consts"]["GEMM_WGMMA"] == 0 and grender.plan(v, "90")["consts"]["GEMM_WGMMA"] == 1
+    res = gcompile.build([v], tmp_path / "b", arch=sm, jobs=1)
+    assert not res["errors"], res["errors"][0]["error"][-800:]
+    r = res["entries"][0]["resources"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+
+
+def test_head_dim_64_prefill_plans_on_99_kb_parts():
+    """sm_86/89/120 (99 KB a block): the GEMM ring takes shorter K chunks; only attention at head_dim 128 is over."""
+    for sm in ("86", "89", "120"):
+        for v in DECLARED:
+            if v.model.head_dim == 64:
+                assert grender.plan(v, sm)["smem_bytes"] <= ARCHS[sm].smem_per_block
+            else:
+                with pytest.raises(PlanError, match="attention"):
+                    grender.plan(v, sm)
+
+
 # ---------------------------------------------------------------- GPU
 
 gpu = [pytest.mark.gpu]

@@ -21,7 +21,9 @@ STEPS = (
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
 )
 
-MAX_STAGES = 8  # cp.async ring depth: 7 chunks in flight per SM keep HBM busy when a chunk is short (few tasks)
+# cp.async ring depth: up to 7 chunks in flight per SM (mma.sync; wgmma: 6, one stage is still being read by the
+# mma in flight) keep HBM busy when a chunk is short (few tasks); the shared memory sets it lower for large tiles
+MAX_STAGES = 8
 # 12 warps: up to 168 registers a thread (16 warps cap it at 128, where head_dim-128 attention spills: its output
 # accumulators alone take 64)
 THREADS = 384
@@ -64,13 +66,18 @@ def plan(v: Variant, arch: Arch) -> dict:
     # weight tiles per group of the GEMM's raster (gemm.cuh): the SMs' concurrent tiles then read ~gm weight tiles and
     # ~sms / gm token tiles, least bytes at gm = sqrt(sms x token-tile bytes / weight-tile bytes)
     gm = max(1, round((arch.sms * bn / bm) ** 0.5))
-    stage_bytes = (bm * bk + bn * (bk if wgmma else bk + 8)) * esize
+    def stage_of(bk):
+        return (bm * bk + bn * (bk if wgmma else bk + 8)) * esize
+    while bk > 64 and 3 * stage_of(bk) + 1024 > arch.smem_per_block:  # 99 KB parts (sm_86/89/120): shorter chunks
+        bk //= 2
+    stage_bytes = stage_of(bk)
     stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
     gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
     att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
     append_bytes = (THREADS // 32) * m.head_dim * 4
     smem_bytes = check_smem(v.name, arch, {
-        "projection GEMM": (gemm_bytes, "the GEMM ring is fixed by its tile: report this shape"),
+        "projection GEMM": (gemm_bytes, f"3 ring stages of a {bm} x {bk} weight and {bn} x {bk} token chunk: a GPU "
+                                        f"with more shared memory per block (sm_80, sm_90, sm_100)"),
         "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
                                  f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
@@ -84,7 +91,8 @@ def plan(v: Variant, arch: Arch) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn, "GEMM_BK": bk, "GEMM_STAGES": stages,
+        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
+        "GEMM_BK": bk, "GEMM_STAGES": stages,
         **{f"{p}_KSPLIT": tiles[k]["KSPLIT"]
            for p, k in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))},
     }
