@@ -134,8 +134,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])
+    failed = f", {len(result['errors'])} failed to compile" if result["errors"] else ""
     err_console.print(f"{len(vs)} variants: {len(compiled)} binaries compiled, {fresh} variants up to date, "
-                      f"{result['distinct']} distinct binaries", highlight=False)
+                      f"{result['distinct']} distinct binaries{failed}", highlight=False)
     for e in result["entries"]:
         if e["status"] == "refused":
             err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False, soft_wrap=True)

@@ -316,6 +316,7 @@ def test_compile_error_through_the_cli(tiny_build, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert f"error: {TINY_NAMES[0]}: nvcc failed" in r.stderr
+    assert "1 failed to compile" in r.stderr
     assert "megakernel_test_broken" in r.stderr and "error" in r.stderr.split("nvcc failed", 1)[1]
     assert "Traceback" not in r.stderr
     assert manifest(d)["variants"][TINY_NAMES[0]]["status"] == "error"
