@@ -13,8 +13,8 @@
 // mma.sync.
 // Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk): a tile's K range is split
 // over KSPLIT tasks that run on different blocks; each writes its fp32 partial sums to `part`; where all of a tile's
-// splits are resident together each then sums and finishes 1/KSPLIT of the tile (a per-tile counter; the last of
-// the first version's single combining split read every partial in a chain of dependent round trips: tens of µs),
+// splits are resident together each then sums and finishes its share of the tile (element index mod KSPLIT; a
+// per-tile counter; a single combining split read every partial in a chain of dependent round trips: tens of µs),
 // else the last to finish sums all (the counter is reset by the task that empties it: no barrier).
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (the GEMM is prefill's)
