@@ -6,8 +6,9 @@
 
 (`--clock-control none`: the device notes say to leave the clocks alone; ncu reads counters on the Firecracker
 machines, e.g. nvidia-h200-x2, not on gVisor.) Launches the variant `--launches` times on random weights and a
-random cache, every sequence at `--pos` (full: the last cache row, the benchmark's case; mixed: spread over the
-cache), and prints its stage clocks of the last launch. Builds nothing: `megakernel build --only NAME` first.
+random cache, every sequence at `--pos` (full: the last cache row, the benchmark's decode case; mixed: spread over
+the cache; zero: a prompt's first chunk, the benchmark's prefill case), and prints its stage clocks of the last
+launch. Builds nothing: `megakernel build --only NAME` first.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import click
 @click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
               help="the file that declares VARIANT (bench/heldout.yaml for a held-out shape)")
 @click.option("--launches", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--pos", type=click.Choice(["full", "mixed"]), default="full", show_default=True)
+@click.option("--pos", type=click.Choice(["full", "mixed", "zero"]), default="full", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def main(variant, build_dir, variants_file, launches, pos, seed):
+@click.option("--cache-len", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="KV rows per sequence of a prefill variant (a decode variant's is its own)")
+def main(variant, build_dir, variants_file, launches, pos, seed, cache_len):
     """Launch built VARIANT --launches times (random weights and cache) for Nsight Compute to profile."""
     import torch
     if not torch.cuda.is_available():
@@ -37,7 +40,8 @@ def main(variant, build_dir, variants_file, launches, pos, seed):
         print(f"error: {variants_file}: no variant {variant}", file=sys.stderr)
         sys.exit(2)
     try:
-        layer = load(variant, reference.random_weights(v.model, seed=seed, device="cuda"), build_dir=build_dir)
+        layer = load(variant, reference.random_weights(v.model, seed=seed, device="cuda"), build_dir=build_dir,
+                     cache_len=cache_len if v.mode == "prefill" else None)
     except LoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -45,7 +49,7 @@ def main(variant, build_dir, variants_file, launches, pos, seed):
         c.normal_()
     B, m = v.batch, v.model
     last = layer.cache_len - (v.seq_len if v.mode == "prefill" else 1)
-    p = [last] * B if pos == "full" else [(b + 1) * last // B for b in range(B)]
+    p = {"full": [last] * B, "mixed": [(b + 1) * last // B for b in range(B)], "zero": [0] * B}[pos]
     p = torch.tensor(p, dtype=torch.int32, device="cuda")
     shape = (B, m.hidden) if v.mode == "decode" else (B, v.seq_len, m.hidden)
     x = torch.randn(shape, device="cuda").to(reference.TORCH_DTYPES[m.dtype])

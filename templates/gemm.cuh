@@ -12,10 +12,9 @@
 // tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded). Other archs keep
 // mma.sync.
 // Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk): a tile's K range is split
-// over KSPLIT tasks that run on different blocks; each writes its fp32 partial sums to `part`; where all of a tile's
-// splits are resident together each then sums and finishes its share of the tile (element index mod KSPLIT; a
-// per-tile counter; a single combining split read every partial in a chain of dependent round trips: tens of µs),
-// else the last to finish sums all (the counter is reset by the task that empties it: no barrier).
+// over KSPLIT tasks that run on different blocks; each stores its fp32 partial tile to `part`; where all of a tile's
+// splits are resident together each then sums and finishes 1/KSPLIT of the tile (a per-tile counter), else the last
+// to finish sums all (the counter is reset by the task that empties it: no barrier).
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (the GEMM is prefill's)
 #include "example_config_prefill.cuh"
@@ -52,8 +51,8 @@ __device__ __forceinline__ int gemm_tid() {
 
 // W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v, pre(n, t)) for every
 // result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
-// v_odd_row) once per pair of rows 2p, 2p+1). part: KSPLIT x rows x N floats, count: one counter per output tile
-// (both unused when KSPLIT == 1).
+// v_odd_row) once per pair of rows 2p, 2p+1). part: KSPLIT x GEMM_BM x GEMM_BN floats per output tile, count: one
+// counter per output tile (both unused when KSPLIT == 1).
 template <int N, int K, int KSPLIT, bool PAIR = false, class Pre, class Epi>
 __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int rows, unsigned char* smem, float* part,
                                      unsigned* count, Pre pre, Epi epi) {
@@ -159,29 +158,30 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         }
         cp_async_wait<0>();
         __syncthreads();  // the ring is reused by the next task
-        // split-K: which of the tile's elements this task finishes (all of them without split-K)
-        bool own_all = true;
         if constexpr (KSPLIT > 1) {
-            auto at = [&](int s, int n, int t) { return part + ((size_t)s * rows + t) * N + n; };
-            if (active)
+            // split-K: every split stores its partial tile (tile-local, [token][row], rows fastest; padding rows and
+            // tokens are zeros), then the tile is summed and finished in float4 units of 4 rows, from a rolled loop
+            // whose loads are all in flight together: unrolled per accumulator element (a branch each for the
+            // owning split) the combine was ~7,000 instructions of a GEMM and most of a 128-token chunk's qkv and
+            // o_proj time went to instruction fetch (ncu: stall no_inst)
+            constexpr int TILE = GEMM_BM * GEMM_BN, U = TILE / 4;
+            float* tp = part + (size_t)tile * KSPLIT * TILE;
 #pragma unroll
-                for (int i = 0; i < GEMM_TM; ++i)
+            for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
-                    for (int j = 0; j < GEMM_TN; ++j)
+                for (int j = 0; j < GEMM_TN; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
-                            const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                            if (n < N && t < rows) *at(ks, n, t) = c[i][j][e];
-                        }
+                    for (int e = 0; e < 4; ++e) {
+                        const int nl = (wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
+                        const int tl = (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
+                        __stcg(tp + (size_t)ks * TILE + tl * GEMM_BM + nl, c[i][j][e]);
+                    }
             __threadfence();
             __syncthreads();
-            // Every split of a tile resident at once (one task per block): each waits for all and sums its share of
-            // the tile's elements (a thread's element e goes to split e % KSPLIT: with more splits than a thread's
-            // 4 x TM x TN elements some splits finish none, a known imbalance) over the splits in split order (one round trip of loads issued together, on
-            // KSPLIT blocks); the counter counts arrivals then departures and the last to leave resets it. Else
-            // (a GPU with fewer blocks than tasks: a split may wait for a task queued behind it on its own block)
-            // the last split to arrive sums everything.
+            // Every split of a tile resident at once (one task per block): each waits for all and finishes 1/KSPLIT
+            // of the tile, summing the splits in split order (deterministic); the counter counts arrivals then
+            // departures and the last to leave resets it. Else (a GPU with fewer blocks than tasks: a split may
+            // wait for a task queued behind it on its own block) the last split to arrive finishes the whole tile.
             const bool scatter = MB * nb_count * KSPLIT <= (int)gridDim.x;
             if (threadIdx.x == 0) {
                 const unsigned arrived = atomicAdd(count + tile, 1u);
@@ -196,27 +196,45 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             }
             __syncthreads();
             if (!scatter && !last_split) continue;
-            own_all = !scatter;
-            if (active)
+            constexpr int UPT = ((U + KSPLIT - 1) / KSPLIT + THREADS - 1) / THREADS;  // float4 a thread, one share
+            const int lo = scatter ? ks * U / KSPLIT : 0, hi = scatter ? (ks + 1) * U / KSPLIT : U;
+            for (int base = lo + tid; base < hi; base += UPT * THREADS) {
+                float4 v[UPT];
+                float in[UPT][4];
 #pragma unroll
-                for (int i = 0; i < GEMM_TM; ++i)
+                for (int u = 0; u < UPT; ++u) {
+                    const int idx = base + u * THREADS, n = mt0 * 16 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
+                    v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (idx >= hi || n >= N || t >= rows) continue;  // N % 16 == 0: all 4 rows or none
 #pragma unroll
-                    for (int j = 0; j < GEMM_TN; ++j)
+                    for (int s = 0; s < KSPLIT; ++s) {
+                        const float4 w = __ldcg(reinterpret_cast<const float4*>(tp + (size_t)s * TILE) + idx);
+                        v[u].x += w.x; v[u].y += w.y; v[u].z += w.z; v[u].w += w.w;
+                    }
+                    if constexpr (!PAIR)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
-                            const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                            if (n < N && t < rows && (own_all || ((i * GEMM_TN + j) * 4 + e) % KSPLIT == ks)) {
-                                float v = 0.f;
+                        for (int q = 0; q < 4; ++q) in[u][q] = pre(n + q, t);
+                }
 #pragma unroll
-                                for (int s = 0; s < KSPLIT; ++s) v += s == ks ? c[i][j][e] : __ldcg(at(s, n, t));
-                                c[i][j][e] = v;
-                            }
-                        }
+                for (int u = 0; u < UPT; ++u) {
+                    const int idx = base + u * THREADS, n = mt0 * 16 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
+                    if (idx >= hi || n >= N || t >= rows) continue;
+                    if constexpr (PAIR) {
+                        epi(n / 2, t, v[u].x, v[u].y);
+                        epi(n / 2 + 1, t, v[u].z, v[u].w);
+                    } else {
+                        epi(n, t, v[u].x, in[u][0]);
+                        epi(n + 1, t, v[u].y, in[u][1]);
+                        epi(n + 2, t, v[u].z, in[u][2]);
+                        epi(n + 3, t, v[u].w, in[u][3]);
+                    }
+                }
+            }
             if (scatter) {
                 __syncthreads();  // this block's reads of the partials are done
                 if (threadIdx.x == 0 && atomicAdd(count + tile, 1u) == 2 * KSPLIT - 1) count[tile] = 0u;
             }
+            continue;  // the tile is finished: the register epilogue below is for KSPLIT == 1
         }
         if (active) {
             // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores
@@ -238,7 +256,6 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                                 const int j = h * PTN + jj;
                                 const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
                                 const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                                if (!own_all && ((i * GEMM_TN + j) * 4 + e) % KSPLIT != ks) continue;  // lane-uniform
                                 if constexpr (PAIR) {  // rows 2p (this lane, gid even) and 2p+1 (the lane 4 above)
                                     if (pass == 0) continue;
                                     const float odd = __shfl_down_sync(0xffffffffu, c[i][j][e], 4);

@@ -98,7 +98,7 @@ def plan(v: Variant, arch: Arch) -> dict:
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
     sizes = {"XN_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
-             "SPLIT_FLOATS": max(t["KSPLIT"] * rows * t["N"] if t["KSPLIT"] > 1 else 0 for t in tiles.values())}
+             "SPLIT_FLOATS": max(t["tiles"] * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0 for t in tiles.values())}
     return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},
             "threads": THREADS, "smem_bytes": smem_bytes, "gemm_flops": flops, "sizes": sizes}
 
