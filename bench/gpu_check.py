@@ -25,12 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.baselines import TorchLayer  # noqa: E402
 from bench.providers import FlashInfer  # noqa: E402
-from bench.measure import n_layers_for  # noqa: E402  (distinct layers: one pass over the stack >= 4x the L2)
+from bench.measure import PREFILL_CACHE, n_layers_for  # noqa: E402  (distinct layers: one pass over the stack >= 4x the L2)
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
 
-PREFILL_CACHE = 4096  # cache rows per sequence behind every prefill variant (a chunk longer than that: its length)
 
 
 def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
@@ -199,11 +198,18 @@ def check_options(f):
 
 
 def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dict, list]:
-    """Build the declared variants `vs` into build_dir and the held-out `held` into build_dir-heldout, printing
-    the count and every failure: ({variant name: its build dir}, the manifest entries)."""
+    """Build the declared variants `vs` into build_dir (with this GPU's tuned plans where tuning/ has them, as
+    `megakernel build` would) and the held-out `held` into build_dir-heldout (default plans: the planner's own
+    choice is what they test), printing the count and every failure: ({variant name: its build dir}, the manifest
+    entries)."""
+    from generator import tune as gtune
     where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
     t0 = time.time()
-    result = gcompile.build(vs, build_dir, variants_file=variants_file)
+    tfile = gtune.tuning_file(torch.cuda.get_device_name())
+    result = gcompile.build(vs, build_dir, variants_file=variants_file,
+                            tuning_file=tfile if tfile.exists() else None)
+    tuned = sum(e.get("plan_source", "").startswith("tuned") for e in result["entries"])
+    print(f"plans: {tuned} declared variants tuned ({gtune.display(tfile)}), the rest default", flush=True)
     hres = gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file) if held else \
         {"entries": [], "distinct": 0}
     entries = result["entries"] + hres["entries"]

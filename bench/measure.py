@@ -24,6 +24,7 @@ from bench.timing import summarize, time_samples
 L2_BYTES = 60 * 2**20           # H100/H200 L2: a stack of distinct layers must not fit in it
 L2_PASSES = 4                   # one pass over the stack moves at least 4x the L2
 MIN_LAYERS = 8
+PREFILL_CACHE = 4096  # cache rows per sequence behind every prefill variant (a chunk longer than that: its length)
 REL_TOL = 2e-2                  # vs the fp32 reference: bf16 baselines round every intermediate
 DEFAULT_COMPILE_SUBSET = ("*_b1_s4096_*",)  # batch 1 at seq_len 4096: five compiles keep a default run in 10 min
 DEFAULT_REPS = 40

@@ -1,11 +1,11 @@
-"""`megakernel tune`: sweep each decode variant's plan candidates on this GPU and record the winner per variant in
-tuning/<gpu-slug>.json (generator.tune), which `megakernel build` then uses.
+"""`megakernel tune`: sweep each variant's plan candidates (decode and prefill) on this GPU and record the winner per
+variant in tuning/<gpu-slug>.json (generator.tune), which `megakernel build` then uses.
 
 Per variant: the candidates of generator.tune.candidates (the default plan and single-knob neighbours), each
 compiled as its own renamed variant into one temporary build directory (all in parallel), checked against the fp32
 reference (generator.verify.check_step on random inputs; a failing candidate is discarded and reported), then timed
 as gpu_check times the fused layer: a stack of distinct layers (bench.measure.n_layers_for) in a CUDA graph, every
-sequence at full context, candidates interleaved over rounds so drift hits them alike. A second round times the
+sequence at full context (decode) or a prompt's first chunk (prefill: start 0), candidates interleaved over rounds so drift hits them alike. A second round times the
 union of the stages' single-knob winners (stages are separated by grid barriers) against the default and the best
 single. A non-default plan wins only when it beats the default by more than 1% in the same run.
 
@@ -45,15 +45,17 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
     overrides, pass, rel_err, error, us (median per layer; None where it failed)."""
     import torch
 
-    from bench.measure import n_layers_for
+    from bench.measure import PREFILL_CACHE, n_layers_for
     from bench.timing import graph_of, layer_bytes, summarize, time_samples
     from generator import reference, verify
     from generator.loader import load
 
     m = v.model
+    prefill = v.mode == "prefill"
+    cache_len = max(PREFILL_CACHE, v.seq_len) if prefill else None  # decode: the variant's own
     rows = [{"name": n, "overrides": ov, "pass": False, "us": None} for n, ov in cands]
     W0 = reference.random_weights(m, seed=seed, device="cuda")
-    base = load(cands[0][0], W0, build_dir=build_dir)
+    base = load(cands[0][0], W0, build_dir=build_dir, cache_len=cache_len)
     for r in rows:  # correctness first: a wrong candidate is never timed
         try:
             L = load(r["name"], None, build_dir=build_dir, packed=base.packed, caches=(base.k_cache, base.v_cache))
@@ -71,14 +73,16 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
     if not ok:
         return rows
 
-    pos_full = torch.full((v.batch,), v.seq_len - 1, dtype=torch.int32)
+    # decode: every sequence at full context; prefill: a prompt's first chunk (start 0), as gpu_check times them
+    pos_full = torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32)
     n = n_layers_for(layer_bytes(m, v.batch, pos_full))
     pos_dev = pos_full.cuda()
-    xs = torch.randn(v.batch, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
+    xs = torch.randn(v.batch, *((v.seq_len,) if prefill else ()), m.hidden, device="cuda").to(
+        reference.TORCH_DTYPES[m.dtype])
     firsts = []
     for i in range(n):  # n distinct layers: weights and caches shared by every candidate's stack
         Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
-        firsts.append(load(ok[0]["name"], Wi, build_dir=build_dir))
+        firsts.append(load(ok[0]["name"], Wi, build_dir=build_dir, cache_len=cache_len))
         del Wi
         for c in (firsts[-1].k_cache, firsts[-1].v_cache):
             c.normal_()
@@ -90,7 +94,7 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
         def step(layers=layers):
             y = xs
             for L in layers:
-                y = L(y, pos_dev, validate=False)
+                y = L.prefill(y, pos_dev, validate=False) if prefill else L(y, pos_dev, validate=False)
             return y
         graphs[r["name"]] = (graph_of(step), layers)
     samples = {r["name"]: [] for r in ok}
@@ -120,7 +124,7 @@ def pick(rows: list[dict]) -> dict:
 
 @click.command()
 @click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True,
-              help="variants file (every decode variant in it, or those --only selects)")
+              help="variants file (every variant of tp 1 in it, or those --only selects)")
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")
 @click.option("--build-dir", default=None, help="where the candidates are compiled [a temporary directory, removed]")
 @click.option("--out", default=None, help="tuning file to merge the winners into [tuning/<gpu-slug>.json]")
@@ -134,7 +138,7 @@ def pick(rows: list[dict]) -> dict:
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved rounds")
 @click.option("--seed", type=int, default=None, help="default: fresh from the clock")
 def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed):
-    """Sweep plan candidates per decode variant on this GPU; write the winners to tuning/<gpu>.json."""
+    """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
     from generator import compile as gcompile, tune as gtune, variants as gvariants
     from generator.manifest import identity
     from generator.targets import DEFAULT_ARCH
@@ -155,10 +159,10 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         vs = gvariants.load(variants_file)
     except gvariants.VariantError as exc:
         fail(str(exc))
-    vs = [v for v in vs if v.mode == "decode" and v.tp == 1
+    vs = [v for v in vs if v.tp == 1
           and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
     if not vs:
-        fail(f"{variants_file}: no decode variant matches --only {' '.join(only) or '*'}")
+        fail(f"{variants_file}: no variant of tp 1 matches --only {' '.join(only) or '*'}")
     vs = vs[si::sn]
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}" if f"{major}{minor}" in ("90",) else DEFAULT_ARCH

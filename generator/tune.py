@@ -1,7 +1,7 @@
 """Tuned plans: the candidate plans the tuner times, and tuning/<gpu-slug>.json, the winner per variant on a GPU.
 
 The planner (generator.modes.decode.plan) stays the single source of truth: a tuned plan is the default plan with a
-few knobs overridden ({"QKV_NWG": 8, "ATT_C": 512, ...}, decode.KNOBS), and the planner validates the overrides and
+few knobs overridden ({"QKV_NWG": 8, "ATT_C": 512, ...}: decode.KNOBS, prefill.KNOBS), and the planner validates the overrides and
 derives every dependent constant (ATT_NSPLIT, the shared-memory offsets) from them. A bad or stale entry in a tuning
 file is ignored with a one-line warning, never an error.
 
@@ -19,10 +19,10 @@ import os
 from pathlib import Path
 
 from .manifest import identity
-from .modes.decode import KNOBS, PROJECTIONS
+from .modes import decode, prefill
 from .plan import PlanError
 from .routes import gpu_slug
-from .targets import DEFAULT_ARCH, gpu_arch
+from .targets import DEFAULT_ARCH, arch as get_arch, gpu_arch
 from .variants import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,25 +127,27 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
-    if base["mode"] != "decode":
-        return [{}]
     tries: list[dict] = []
-    for prefix, key in PROJECTIONS:
+    if base["mode"] == "prefill":
+        tries = _prefill_tries(base, get_arch(arch).sms)
+    for prefix, key in (decode.PROJECTIONS if base["mode"] == "decode" else ()):
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         if (ks := base["gemv"][key]["split_k"]) > 1:
             tries.append({f"{prefix}_KSPLIT": ks})
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
-    w, c = d["ATT_WARPS"], d["ATT_C"]
-    tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
-    tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
+    w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
+    if base["mode"] == "decode":
+        tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"ATT_WARPS": _half(w)}, {"ATT_C": c * 2},
+                  {"ATT_C": _half(c)}]
+        tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:
         if len(out) >= limit:
             break
         if "ATT_STAGES" in ov and stage3:
             continue
-        if any(val < 1 for val in ov.values()):
+        if any(val < 1 for k, val in ov.items() if k != "ATT_COMBINE"):  # ATT_COMBINE 0 is a choice
             continue
         try:
             p = plan(v, arch, overrides=ov)
@@ -160,9 +162,23 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     return out
 
 
+def _prefill_tries(base: dict, sms: int) -> list[dict]:
+    """Prefill neighbours of the default plan: per projection split-K off, halved, doubled and the most one wave of
+    tasks allows; the GEMM raster's group halved and doubled."""
+    tries = []
+    for prefix, key in prefill.PROJECTIONS:
+        g = base["gemm"][key]
+        ks, chunks = g["KSPLIT"], -(-g["K"] // base["gemm"]["BK"])
+        for k in (1, ks // 2, ks * 2, min(chunks // 4, sms // g["tiles"])):
+            if k >= 1 and k != ks and {f"{prefix}_KSPLIT": k} not in tries:
+                tries.append({f"{prefix}_KSPLIT": k})
+    gm = base["consts"]["GEMM_GM"]
+    return tries + [{"GEMM_GM": max(1, gm // 2)}, {"GEMM_GM": gm * 2}]
+
+
 def knob_values(p: dict) -> tuple:
     """The tuned knobs' values in plan `p` (two overrides that plan the same kernel compare equal)."""
-    return tuple(p["consts"].get(k) for k in KNOBS)
+    return tuple(p["consts"].get(k) for k in (prefill.KNOBS if p["mode"] == "prefill" else decode.KNOBS))
 
 
 def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:

@@ -268,3 +268,50 @@ def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_varia
                 cwd=tmp_path)
     assert r.returncode == 2 and "is not a tuning file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
+
+
+def prefill_declared():
+    vs = gvariants.load(ROOT / "variants.yaml") + gvariants.load(ROOT / "bench" / "heldout.yaml")
+    return [v for v in vs if v.mode == "prefill"]
+
+
+@pytest.mark.parametrize("v", prefill_declared()[:6] + prefill_declared()[-3:], ids=lambda v: v.name)
+def test_prefill_candidates_plan_and_differ(v):
+    cands = gtune.candidates(v)
+    assert cands[0] == {} and len(cands) >= 3
+    seen = set()
+    for ov in cands:
+        p = render.plan(v, overrides=ov)
+        assert p["overrides"] == dict(sorted(ov.items()))
+        key = gtune.knob_values(p)
+        assert key not in seen
+        seen.add(key)
+        # the workspace holds every split's partial tile of the most split projection
+        g = p["gemm"]
+        need = max(t["tiles"] * t["KSPLIT"] * g["BM"] * g["BN"] for k, t in g.items()
+                   if isinstance(t, dict) and t["KSPLIT"] > 1) if any(
+            isinstance(t, dict) and t["KSPLIT"] > 1 for t in g.values()) else 0
+        assert p["sizes"]["SPLIT_FLOATS"] == need
+
+
+def test_prefill_overrides_validated_and_in_source():
+    from generator.modes.prefill import KNOBS as PKNOBS
+    v = next(v for v in prefill_declared() if v.name == "llama3.2-1b_prefill_b1_s128_bf16")
+    p = render.plan(v, overrides={"GU_KSPLIT": 1, "GEMM_GM": 3})
+    assert p["consts"]["GU_KSPLIT"] == 1 and p["consts"]["GEMM_GM"] == 3
+    assert "GU_KSPLIT = 1;" in render.render(v, p)
+    for bad, why in (({"GU_KSPLIT": 0}, "must be in 1..32"), ({"GU_KSPLIT": 33}, "must be in 1..32"),
+                     ({"ATT_C": 64}, "unknown knob"), ({"O_KSPLIT": "2"}, "must be an integer")):
+        with pytest.raises(PlanError, match=why) as e:
+            render.plan(v, overrides=bad)
+        assert "\n" not in str(e.value)
+    assert set(PKNOBS) <= set(render.plan(v)["consts"])
+
+
+def test_prefill_split_k_fills_the_sms_and_stays_whole_where_tiles_do():
+    from generator.modes.prefill import split_k
+    assert split_k(11, 32, 132) == 8       # one wave, >= 4 chunks a task
+    assert split_k(86, 32, 132) == 1       # more rounds only of long tasks (>= 32 chunks)
+    assert split_k(88, 224, 132) == 3      # 3 rounds of 75 chunks beat one of 224 on 88 of 132 SMs
+    assert split_k(1376, 32, 132) == 1     # 10.4 rounds: splitting gains < 10 %
+    assert split_k(1, 3, 132) == 1         # too few chunks to split

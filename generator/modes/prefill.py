@@ -6,7 +6,7 @@ residual | norm | gate_up | down_proj + residual   ("|" = grid-wide barrier)
 """
 from __future__ import annotations
 
-from ..plan import Mode, Step, check_smem
+from ..plan import Mode, PlanError, Step, check_smem
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -29,19 +29,54 @@ MAX_STAGES = 8
 THREADS = 384
 
 
-def split_k(tiles: int, chunks: int, sms: int) -> int:
-    """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each: about one task per SM where the
-    tiles are fewer than the SMs, never a second (partial) wave, >= 4 chunks a task. Measured on the H200 (see
-    bench/NOTES.md): finer splits (2 chunks a task, or a second wave to even out the tail) were slower: each split
-    pays the ring's fill and the partials' combine; on the wgmma GEMM (64-wide chunks) coarser ones (>= 8 chunks a
-    task, or 16 x the token tile's width in K) were slower too (1B 64-token chunk 130 -> 146 µs): one SM streams
-    weights at a fraction of HBM's rate, so a short chunk wants every SM on its projection."""
-    return max(1, min(chunks // 4, sms // tiles))
+# the knobs a plan override (generator.tune) may set: each projection's split-K factor and the GEMM raster's group
+PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
+KNOBS = tuple(f"{p}_KSPLIT" for p, _ in PROJECTIONS) + ("GEMM_GM",)
+MAX_SPLIT = 16
+MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
+WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
 
 
-def plan(v: Variant, arch: Arch) -> dict:
+def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> int:
+    """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: the one that
+    minimises the busiest SM's work, rounds of tasks x chunks a task (+ `split_cost` chunks where split: storing the
+    partial tile, summing a share of the splits', the counter), with >= 4 chunks a task, and only where that beats
+    no split by MIN_SPLIT_GAIN; the smallest within 5 % of the least. A split into more tasks than SMs (the last
+    split to finish then sums the whole tile alone) only with >= WAVES_MIN_CHUNKS chunks a task. Measured on the
+    H200 (bench/NOTES.md, session 6): more rounds of long tasks won (8B down_proj at 512 tokens, 88 tiles of 224
+    chunks, split 3: 231 -> 168 µs), of short ones lost or won by turns (8B gate_up, 150 tiles of 64 chunks, split
+    5: 100 -> 83 µs at 16 tokens, 161 -> 182 at 128): `megakernel tune` tries them per variant."""
+    def cost(k):
+        return -(-tiles * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
+    ks = [k for k in range(1, max(1, min(MAX_SPLIT, chunks // 4)) + 1)
+          if k == 1 or tiles * k <= sms or -(-chunks // k) >= WAVES_MIN_CHUNKS]
+    least = min(cost(k) for k in ks)
+    best = next(k for k in ks if cost(k) <= 1.05 * least)  # the fewest splits within 5 % (fewer partials)
+    return best if cost(best) <= (1 - MIN_SPLIT_GAIN) * cost(1) else 1
+
+
+def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
+    """The overrides as ints, or PlanError naming the first bad knob (unknown, not an int, out of range);
+    `chunks` {knob: K chunks of that projection}."""
+    out = {}
+    for k, val in ov.items():
+        if k not in KNOBS:
+            raise PlanError(f"{name}: plan override {k}: unknown knob (one of {', '.join(KNOBS)})")
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
+        hi = chunks.get(k, 64)
+        if not 1 <= val <= hi:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{hi}"
+                            + (" (the projection's K chunks)" if k in chunks else ""))
+        out[k] = val
+    return out
+
+
+def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     """Every constexpr of the prefill kernel for `v` (seq_len = the chunk) on `arch`: the GEMM tiles, ring depth and
-    split-K per projection, the attention's shared memory. Raises PlanError over the shared-memory limit."""
+    split-K per projection, the attention's shared memory. `overrides` {knob: int} (KNOBS; generator.tune) replace
+    the planner's split-K factors and raster group. Raises PlanError over the shared-memory limit or on a bad
+    override (one line)."""
     m = v.model
     esize = DTYPES[m.dtype].bytes
     rows = v.batch * v.seq_len
@@ -66,6 +101,8 @@ def plan(v: Variant, arch: Arch) -> dict:
     # weight tiles per group of the GEMM's raster (gemm.cuh): the SMs' concurrent tiles then read ~gm weight tiles and
     # ~sms / gm token tiles, least bytes at gm = sqrt(sms x token-tile bytes / weight-tile bytes)
     gm = max(1, round((arch.sms * bn / bm) ** 0.5))
+    projs = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
+             "down": (m.hidden, m.intermediate)}
     def stage_of(bk):
         return (bm * bk + bn * (bk if wgmma else bk + 8)) * esize
     while bk > 64 and 3 * stage_of(bk) + 1024 > arch.smem_per_block:  # 99 KB parts (sm_86/89/120): shorter chunks
@@ -82,25 +119,31 @@ def plan(v: Variant, arch: Arch) -> dict:
                                  f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
     })
+    ov = _check_overrides(v.name, dict(overrides or {}),
+                          {f"{p}_KSPLIT": -(-projs[key][1] // bk) for p, key in PROJECTIONS})
+    gm = ov.get("GEMM_GM", gm)
+    # a split's partial tile is stored and read back through L2 (~half HBM's cost a byte), plus ~a chunk of sync
+    split_cost = 1 + bm * bn * 4 / stage_bytes
     tiles = {}
-    for name, n, k in (("qkv", q_dim + 2 * kv_dim, m.hidden), ("o", m.hidden, q_dim),
-                       ("gate_up", 2 * m.intermediate, m.hidden), ("down", m.hidden, m.intermediate)):
+    for prefix, name in PROJECTIONS:
+        n, k = projs[name]
         count = -(-n // bm) * -(-rows // bn)
-        tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": split_k(count, -(-k // bk), arch.sms)}
+        ks = ov.get(f"{prefix}_KSPLIT", split_k(count, -(-k // bk), arch.sms, split_cost))
+        tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": ks}
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
         "GEMM_BK": bk, "GEMM_STAGES": stages,
-        **{f"{p}_KSPLIT": tiles[k]["KSPLIT"]
-           for p, k in (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))},
+        **{f"{p}_KSPLIT": tiles[k]["KSPLIT"] for p, k in PROJECTIONS},
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
     sizes = {"XN_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
              "SPLIT_FLOATS": max(t["tiles"] * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0 for t in tiles.values())}
     return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},
-            "threads": THREADS, "smem_bytes": smem_bytes, "gemm_flops": flops, "sizes": sizes}
+            "threads": THREADS, "smem_bytes": smem_bytes, "gemm_flops": flops, "sizes": sizes,
+            "overrides": dict(sorted(ov.items()))}
 
 
 MODE = Mode("prefill", STEPS, plan, __doc__, headers="stages/prefill")
