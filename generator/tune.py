@@ -163,15 +163,18 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
 
 
 def _prefill_tries(base: dict, sms: int) -> list[dict]:
-    """Prefill neighbours of the default plan: per projection split-K off, halved, doubled and the most one wave of
-    tasks allows; the GEMM raster's group halved and doubled."""
+    """Prefill neighbours of the default plan: per projection every tile split (not at all, half and twice the
+    planned ways, the most one wave of tasks allows) or the full waves whole and the rest split over one wave;
+    the GEMM raster's group halved and doubled."""
     tries = []
     for prefix, key in prefill.PROJECTIONS:
         g = base["gemm"][key]
         ks, chunks = g["KSPLIT"], -(-g["K"] // base["gemm"]["BK"])
-        for k in (1, ks // 2, ks * 2, min(chunks // 4, sms // g["tiles"])):
-            if k >= 1 and k != ks and {f"{prefix}_KSPLIT": k} not in tries:
+        for k in (1, ks // 2, ks * 2, min(chunks // 4, sms // g["tiles"])):  # every tile split k ways
+            if k >= 1 and (k != ks or g["FULL"]) and {f"{prefix}_KSPLIT": k} not in tries:
                 tries.append({f"{prefix}_KSPLIT": k})
+        if g["FULL"] == 0 and g["tiles"] > sms and g["tiles"] % sms:  # the full waves whole, the rest split
+            tries.append({f"{prefix}_FULL": g["tiles"] // sms * sms})
     gm = base["consts"]["GEMM_GM"]
     return tries + [{"GEMM_GM": max(1, gm // 2)}, {"GEMM_GM": gm * 2}]
 

@@ -25,9 +25,13 @@ constexpr int GEMM_TN = 8;
 constexpr int GEMM_BK = 64;
 constexpr int GEMM_STAGES = 5;
 constexpr int QKV_KSPLIT = 8;
+constexpr int QKV_FULL = 0;
 constexpr int O_KSPLIT = 8;
+constexpr int O_FULL = 0;
 constexpr int GU_KSPLIT = 1;
+constexpr int GU_FULL = 0;
 constexpr int DOWN_KSPLIT = 12;
+constexpr int DOWN_FULL = 0;
 constexpr float NORM_EPS = 1e-05f;
 constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
 typedef __nv_bfloat16 T;

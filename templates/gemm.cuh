@@ -11,8 +11,8 @@
 // (GEMM_WN = 1, GEMM_BN <= 128), the weights' fragments from shared memory into registers and the tokens read by the
 // tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded). Other archs keep
 // mma.sync.
-// Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk): a tile's K range is split
-// over KSPLIT tasks that run on different blocks; each stores its fp32 partial tile to `part`; where all of a tile's
+// Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk, or for the tiles past the last
+// full wave, FULL, where there are more): a tile's K range is split over KSPLIT tasks that run on different blocks; each stores its fp32 partial tile to `part`; where all of a tile's
 // splits are resident together each then sums and finishes 1/KSPLIT of the tile (a per-tile counter), else the last
 // to finish sums all (the counter is reset by the task that empties it: no barrier).
 #pragma once
@@ -49,11 +49,87 @@ __device__ __forceinline__ int gemm_tid() {
     return t;
 }
 
+// x as the compiler cannot see through: what is derived from it is computed here, not kept live from earlier
+__device__ __forceinline__ int opaque(int x) {
+    int r;
+    asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// A split task's second half (gemm's split-K): wait for the tile's other splits (scatter: every split resident, at
+// most one split task a block) or count this one's arrival (else: the last to arrive sums all), then sum this
+// split's share of the tile's partials `tp` and run the epilogue on it. Not inlined: its own register allocation
+// (inlined next to the whole-tile epilogue it spilled on 256-token gate_up); no wgmma is in flight at the call.
+template <int N, int KSPLIT, bool PAIR, class Pre, class Epi>
+__device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* count, int tile, int ks, int n0, int t0,
+                                               int rows, bool scatter, Pre pre, Epi epi) {
+    constexpr int TILE = GEMM_BM * GEMM_BN, U = TILE / 4;
+    __shared__ int last_split;
+    // Every split of a tile resident at once (one task per block): each waits for all and finishes 1/KSPLIT
+    // of the tile, summing the splits in split order (deterministic); the counter counts arrivals then
+    // departures and the last to leave resets it. Else (a GPU with fewer blocks than tasks: a split may
+    // wait for a task queued behind it on its own block) the last split to arrive finishes the whole tile.
+    if (threadIdx.x == 0) {
+        const unsigned arrived = atomicAdd(count + tile, 1u);
+        if (scatter) {
+            // backing off: the spinning blocks share the counters' cache line with the arriving ones
+            while (*reinterpret_cast<volatile unsigned*>(count + tile) < KSPLIT) __nanosleep(100);
+        } else {
+            last_split = arrived == KSPLIT - 1;
+            if (last_split) count[tile] = 0u;  // every split has counted: ready for the next launch
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    if (!scatter && !last_split) return;
+    // float4 a thread a round, at most 2 (2 x KSPLIT loads in flight; a share of 2 splits in one round held 64
+    // registers of sums and inputs, 4 a round 32, and the kernel spilled on one shape or another)
+    constexpr int UPT_ALL = ((U + KSPLIT - 1) / KSPLIT + THREADS - 1) / THREADS, UPT = UPT_ALL < 2 ? UPT_ALL : 2;
+    const int lo = scatter ? ks * U / KSPLIT : 0, hi = scatter ? (ks + 1) * U / KSPLIT : U;
+    for (int base = lo + (int)threadIdx.x; base < hi; base += UPT * THREADS) {
+        float4 v[UPT];
+        float in[UPT][4];
+#pragma unroll
+        for (int u = 0; u < UPT; ++u) {
+            const int idx = base + u * THREADS, n = n0 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
+            v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (idx >= hi || n >= N || t >= rows) continue;  // N % 16 == 0: all 4 rows or none
+#pragma unroll
+            for (int s = 0; s < KSPLIT; ++s) {
+                const float4 w = __ldcg(reinterpret_cast<const float4*>(tp + (size_t)s * TILE) + idx);
+                v[u].x += w.x; v[u].y += w.y; v[u].z += w.z; v[u].w += w.w;
+            }
+            if constexpr (!PAIR)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) in[u][q] = pre(n + q, t);
+        }
+#pragma unroll
+        for (int u = 0; u < UPT; ++u) {
+            const int idx = base + u * THREADS, n = n0 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
+            if (idx >= hi || n >= N || t >= rows) continue;
+            if constexpr (PAIR) {
+                epi(n / 2, t, v[u].x, v[u].y);
+                epi(n / 2 + 1, t, v[u].z, v[u].w);
+            } else {
+                epi(n, t, v[u].x, in[u][0]);
+                epi(n + 1, t, v[u].y, in[u][1]);
+                epi(n + 2, t, v[u].z, in[u][2]);
+                epi(n + 3, t, v[u].w, in[u][3]);
+            }
+        }
+    }
+    if (scatter) {
+        __syncthreads();  // this block's reads of the partials are done
+        if (threadIdx.x == 0 && atomicAdd(count + tile, 1u) == 2 * KSPLIT - 1) count[tile] = 0u;
+    }
+}
+
 // W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v, pre(n, t)) for every
 // result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
-// v_odd_row) once per pair of rows 2p, 2p+1). part: KSPLIT x GEMM_BM x GEMM_BN floats per output tile, count: one
-// counter per output tile (both unused when KSPLIT == 1).
-template <int N, int K, int KSPLIT, bool PAIR = false, class Pre, class Epi>
+// v_odd_row) once per pair of rows 2p, 2p+1). The first FULL tiles are computed whole, the others split (KSPLIT).
+// part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
+// KSPLIT == 1).
+template <int N, int K, int KSPLIT, int FULL = 0, bool PAIR = false, class Pre, class Epi>
 __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int rows, unsigned char* smem, float* part,
                                      unsigned* count, Pre pre, Epi epi) {
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
@@ -66,15 +142,19 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
     const int wm = warp % GEMM_WM, wn = warp / GEMM_WM;
     const int nb_count = (rows + GEMM_BN - 1) / GEMM_BN;
     const uint4* Wv = reinterpret_cast<const uint4*>(W);
-    __shared__ int last_split;
-    for (int task = blockIdx.x; task < MB * nb_count * KSPLIT; task += gridDim.x) {
-        const int ks = task % KSPLIT, tile = task / KSPLIT;
+    // the first FULL tiles whole (full waves of tasks), the rest in KSPLIT splits each (the last, partial wave
+    // spread over the SMs); FULL = 0: every tile split
+    const int split_tiles = MB * nb_count - FULL;
+    for (int task = blockIdx.x; task < FULL + split_tiles * KSPLIT; task += gridDim.x) {
+        const bool whole = KSPLIT == 1 || (FULL > 0 && task < FULL);  // FULL == 0: the whole-tile path compiled out
+        const int nsplit = whole ? 1 : KSPLIT, ks = whole ? 0 : (task - FULL) % KSPLIT;
+        const int tile = whole ? task : FULL + (task - FULL) / KSPLIT;
         // tiles in groups of GEMM_GM weight tiles x every token tile, the weight tile fastest: the blocks at work
         // at once share ~GEMM_GM weight tiles and ~SMs / GEMM_GM token tiles in L2 (weight tile fastest over all
         // MB, a long chunk read every weight tile from HBM once per token tile)
         const int first_mb = tile / (GEMM_GM * nb_count) * GEMM_GM, gm = min(MB - first_mb, GEMM_GM);
         const int mb = first_mb + tile % (GEMM_GM * nb_count) % gm, nb = tile % (GEMM_GM * nb_count) / gm;
-        const int kc0 = ks * KCH / KSPLIT, kc1 = (ks + 1) * KCH / KSPLIT;  // this task's K chunks
+        const int kc0 = ks * KCH / nsplit, kc1 = (ks + 1) * KCH / nsplit;  // this task's K chunks
         const int mt0 = mb * (GEMM_BM / 16), t0 = nb * GEMM_BN;
         auto issue = [&](int kc, int stage) {
             if (kc < kc1) {
@@ -158,14 +238,17 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         }
         cp_async_wait<0>();
         __syncthreads();  // the ring is reused by the next task
-        if constexpr (KSPLIT > 1) {
+        if constexpr (KSPLIT > 1) if (FULL == 0 || opaque(task) >= FULL) {
             // split-K: every split stores its partial tile (tile-local, [token][row], rows fastest; padding rows and
             // tokens are zeros), then the tile is summed and finished in float4 units of 4 rows, from a rolled loop
             // whose loads are all in flight together: unrolled per accumulator element (a branch each for the
             // owning split) the combine was ~7,000 instructions of a GEMM and most of a 128-token chunk's qkv and
             // o_proj time went to instruction fetch (ncu: stall no_inst)
-            constexpr int TILE = GEMM_BM * GEMM_BN, U = TILE / 4;
-            float* tp = part + (size_t)tile * KSPLIT * TILE;
+            constexpr int TILE = GEMM_BM * GEMM_BN;
+            // the split and tile from the task afresh (opaque): kept live through the main loop they spilled (8B,
+            // 4 x 64 tokens, whole tiles first)
+            const int st = opaque(task) - FULL, sks = st % KSPLIT, stile = FULL + st / KSPLIT;
+            float* tp = part + (size_t)(stile - FULL) * KSPLIT * TILE;
 #pragma unroll
             for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
@@ -174,67 +257,13 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     for (int e = 0; e < 4; ++e) {
                         const int nl = (wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
                         const int tl = (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                        __stcg(tp + (size_t)ks * TILE + tl * GEMM_BM + nl, c[i][j][e]);
+                        __stcg(tp + (size_t)sks * TILE + tl * GEMM_BM + nl, c[i][j][e]);
                     }
             __threadfence();
             __syncthreads();
-            // Every split of a tile resident at once (one task per block): each waits for all and finishes 1/KSPLIT
-            // of the tile, summing the splits in split order (deterministic); the counter counts arrivals then
-            // departures and the last to leave resets it. Else (a GPU with fewer blocks than tasks: a split may
-            // wait for a task queued behind it on its own block) the last split to arrive finishes the whole tile.
-            const bool scatter = MB * nb_count * KSPLIT <= (int)gridDim.x;
-            if (threadIdx.x == 0) {
-                const unsigned arrived = atomicAdd(count + tile, 1u);
-                if (scatter) {
-                    // backing off: the spinning blocks share the counters' cache line with the arriving ones
-                    while (*reinterpret_cast<volatile unsigned*>(count + tile) < KSPLIT) __nanosleep(100);
-                } else {
-                    last_split = arrived == KSPLIT - 1;
-                    if (last_split) count[tile] = 0u;  // every split has counted: ready for the next launch
-                }
-                __threadfence();
-            }
-            __syncthreads();
-            if (!scatter && !last_split) continue;
-            constexpr int UPT = ((U + KSPLIT - 1) / KSPLIT + THREADS - 1) / THREADS;  // float4 a thread, one share
-            const int lo = scatter ? ks * U / KSPLIT : 0, hi = scatter ? (ks + 1) * U / KSPLIT : U;
-            for (int base = lo + tid; base < hi; base += UPT * THREADS) {
-                float4 v[UPT];
-                float in[UPT][4];
-#pragma unroll
-                for (int u = 0; u < UPT; ++u) {
-                    const int idx = base + u * THREADS, n = mt0 * 16 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
-                    v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (idx >= hi || n >= N || t >= rows) continue;  // N % 16 == 0: all 4 rows or none
-#pragma unroll
-                    for (int s = 0; s < KSPLIT; ++s) {
-                        const float4 w = __ldcg(reinterpret_cast<const float4*>(tp + (size_t)s * TILE) + idx);
-                        v[u].x += w.x; v[u].y += w.y; v[u].z += w.z; v[u].w += w.w;
-                    }
-                    if constexpr (!PAIR)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) in[u][q] = pre(n + q, t);
-                }
-#pragma unroll
-                for (int u = 0; u < UPT; ++u) {
-                    const int idx = base + u * THREADS, n = mt0 * 16 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
-                    if (idx >= hi || n >= N || t >= rows) continue;
-                    if constexpr (PAIR) {
-                        epi(n / 2, t, v[u].x, v[u].y);
-                        epi(n / 2 + 1, t, v[u].z, v[u].w);
-                    } else {
-                        epi(n, t, v[u].x, in[u][0]);
-                        epi(n + 1, t, v[u].y, in[u][1]);
-                        epi(n + 2, t, v[u].z, in[u][2]);
-                        epi(n + 3, t, v[u].w, in[u][3]);
-                    }
-                }
-            }
-            if (scatter) {
-                __syncthreads();  // this block's reads of the partials are done
-                if (threadIdx.x == 0 && atomicAdd(count + tile, 1u) == 2 * KSPLIT - 1) count[tile] = 0u;
-            }
-            continue;  // the tile is finished: the register epilogue below is for KSPLIT == 1
+            gemm_finish_split<N, KSPLIT, PAIR>(tp, count, stile, sks, mt0 * 16, t0, rows,
+                                               split_tiles * KSPLIT <= (int)gridDim.x, pre, epi);
+            continue;  // the tile is finished: the register epilogue below is for whole tiles
         }
         if (active) {
             // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores

@@ -64,7 +64,7 @@ def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path)
     from generator import compile as gcompile
     v = HELD_OUT[0]
     src = grender.render(v)
-    assert "__device__ void kv_append(" in src and "gemm<QKV_DIM, HIDDEN, QKV_KSPLIT>" in src
+    assert "__device__ void kv_append(" in src and "gemm<QKV_DIM, HIDDEN, QKV_KSPLIT, QKV_FULL>" in src
     assert "#include" not in src.replace("#include <", "")
     res = gcompile.build([v], tmp_path / "b", jobs=1)
     assert not res["errors"], res["errors"]

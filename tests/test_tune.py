@@ -286,11 +286,10 @@ def test_prefill_candidates_plan_and_differ(v):
         key = gtune.knob_values(p)
         assert key not in seen
         seen.add(key)
-        # the workspace holds every split's partial tile of the most split projection
+        # the workspace holds every split tile's partials of the projection that has the most
         g = p["gemm"]
-        need = max(t["tiles"] * t["KSPLIT"] * g["BM"] * g["BN"] for k, t in g.items()
-                   if isinstance(t, dict) and t["KSPLIT"] > 1) if any(
-            isinstance(t, dict) and t["KSPLIT"] > 1 for t in g.values()) else 0
+        need = max([(t["tiles"] - t["FULL"]) * t["KSPLIT"] * g["BM"] * g["BN"] for t in g.values()
+                    if isinstance(t, dict) and t["KSPLIT"] > 1] or [0])
         assert p["sizes"]["SPLIT_FLOATS"] == need
 
 
@@ -310,8 +309,24 @@ def test_prefill_overrides_validated_and_in_source():
 
 def test_prefill_split_k_fills_the_sms_and_stays_whole_where_tiles_do():
     from generator.modes.prefill import split_k
-    assert split_k(11, 32, 132) == 8       # one wave, >= 4 chunks a task
-    assert split_k(86, 32, 132) == 1       # more rounds only of long tasks (>= 32 chunks)
-    assert split_k(88, 224, 132) == 3      # 3 rounds of 75 chunks beat one of 224 on 88 of 132 SMs
-    assert split_k(1376, 32, 132) == 1     # 10.4 rounds: splitting gains < 10 %
-    assert split_k(1, 3, 132) == 1         # too few chunks to split
+    assert split_k(11, 32, 132) == (0, 8)      # one wave, >= 4 chunks a task
+    assert split_k(86, 32, 132) == (0, 1)      # more waves only of long tasks (>= 32 chunks)
+    assert split_k(88, 224, 132) == (0, 3)     # 2 waves of 75 chunks beat one of 224 on 88 of 132 SMs
+    assert split_k(150, 64, 132) == (132, 7)   # a full wave whole, the 18 tiles past it split over the next
+    assert split_k(1376, 32, 132) == (0, 1)    # 10.4 waves: splitting the last gains < 10 %
+    assert split_k(1, 3, 132) == (0, 1)        # too few chunks to split
+
+
+def test_prefill_full_waves_override_and_workspace():
+    v = next(v for v in prefill_declared() if v.name == "llama3-8b_prefill_b1_s128_bf16")
+    d = render.plan(v)
+    g = d["gemm"]["gate_up"]
+    assert (g["tiles"], g["FULL"], g["KSPLIT"]) == (150, 132, 7)
+    assert d["sizes"]["SPLIT_FLOATS"] >= (150 - 132) * 7 * d["gemm"]["BM"] * d["gemm"]["BN"]
+    every = render.plan(v, overrides={"GU_KSPLIT": 2})      # a KSPLIT alone splits every tile
+    assert (every["consts"]["GU_FULL"], every["consts"]["GU_KSPLIT"]) == (0, 2)
+    whole = render.plan(v, overrides={"GU_FULL": 0})       # no full wave: 150 tiles > 132 SMs, no split
+    assert (whole["consts"]["GU_FULL"], whole["consts"]["GU_KSPLIT"]) == (0, 1)
+    with pytest.raises(PlanError, match=r"GU_FULL=150: must be in 0\.\.149"):
+        render.plan(v, overrides={"GU_FULL": 150})
+    assert "GU_FULL = 132;" in render.render(v, d)

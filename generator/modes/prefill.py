@@ -29,30 +29,41 @@ MAX_STAGES = 8
 THREADS = 384
 
 
-# the knobs a plan override (generator.tune) may set: each projection's split-K factor and the GEMM raster's group
+# the knobs a plan override (generator.tune) may set: each projection's split-K factor and tiles computed whole
+# before the split ones (split_k), and the GEMM raster's group
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = tuple(f"{p}_KSPLIT" for p, _ in PROJECTIONS) + ("GEMM_GM",)
+KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM",)
 MAX_SPLIT = 16
 MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
 WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
 
 
-def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> int:
-    """Split-K factor of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: the one that
-    minimises the busiest SM's work, rounds of tasks x chunks a task (+ `split_cost` chunks where split: storing the
-    partial tile, summing a share of the splits', the counter), with >= 4 chunks a task, and only where that beats
-    no split by MIN_SPLIT_GAIN; the smallest within 5 % of the least. A split into more tasks than SMs (the last
-    split to finish then sums the whole tile alone) only with >= WAVES_MIN_CHUNKS chunks a task. Measured on the
-    H200 (bench/NOTES.md, session 6): more rounds of long tasks won (8B down_proj at 512 tokens, 88 tiles of 224
-    chunks, split 3: 231 -> 168 µs), of short ones lost or won by turns (8B gate_up, 150 tiles of 64 chunks, split
-    5: 100 -> 83 µs at 16 tokens, 161 -> 182 at 128): `megakernel tune` tries them per variant."""
-    def cost(k):
-        return -(-tiles * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
-    ks = [k for k in range(1, max(1, min(MAX_SPLIT, chunks // 4)) + 1)
-          if k == 1 or tiles * k <= sms or -(-chunks // k) >= WAVES_MIN_CHUNKS]
-    least = min(cost(k) for k in ks)
-    best = next(k for k in ks if cost(k) <= 1.05 * least)  # the fewest splits within 5 % (fewer partials)
-    return best if cost(best) <= (1 - MIN_SPLIT_GAIN) * cost(1) else 1
+def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> tuple[int, int]:
+    """(FULL, KSPLIT) of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: FULL tiles
+    computed whole, the rest split KSPLIT ways. Minimises the busiest SM's work, rounds of tasks x chunks a task
+    (+ `split_cost` chunks where split: storing the partial tile, summing a share of the splits', the counter),
+    with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN; the fewest splits within
+    5 % of the least. Plans: every tile split into one wave of tasks (fewer tiles than SMs); the full waves whole and
+    the tiles past them split over one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times
+    instead of 2 x 64); every tile split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the
+    last split to finish then sums the whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more
+    waves of long tasks won (8B down_proj at 512 tokens, 88 tiles of 224 chunks, split 3: 231 -> 168 µs), of short
+    ones lost or won by turns (8B gate_up, 150 tiles of 64 chunks, split 5: 100 -> 83 µs at 16 tokens, 161 -> 182
+    at 128); `megakernel tune` tries the others per variant."""
+    def cost(full, k):
+        rest = tiles - full
+        return full // sms * chunks + -(-rest * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
+    plans = [(0, k) for k in range(1, max(1, min(MAX_SPLIT, chunks // 4)) + 1)
+             if k == 1 or tiles * k <= sms or -(-chunks // k) >= WAVES_MIN_CHUNKS]
+    full = tiles // sms * sms
+    if 0 < full < tiles:
+        plans.append((full, max(1, min(MAX_SPLIT, chunks // 4, sms // (tiles - full)))))
+    least = min(cost(*pl) for pl in plans)
+    # the fewest partial tiles within 5 % of the least (whole waves first)
+    best = min((pl for pl in plans if cost(*pl) <= 1.05 * least), key=lambda pl: ((tiles - pl[0]) * pl[1], pl[1]))
+    if best[1] == 1 or cost(*best) > (1 - MIN_SPLIT_GAIN) * cost(0, 1):
+        return 0, 1
+    return best
 
 
 def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
@@ -65,9 +76,11 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
         if isinstance(val, bool) or not isinstance(val, int):
             raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
         hi = chunks.get(k, 64)
-        if not 1 <= val <= hi:
-            raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{hi}"
-                            + (" (the projection's K chunks)" if k in chunks else ""))
+        lo = 0 if k.endswith("_FULL") else 1
+        if not lo <= val <= hi:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in {lo}..{hi}" + (
+                " (the projection's K chunks)" if k.endswith("_KSPLIT") else
+                " (the projection's tiles, less one)" if k.endswith("_FULL") else ""))
         out[k] = val
     return out
 
@@ -119,28 +132,36 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                                  f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
     })
+    counts = {key: -(-n // bm) * -(-rows // bn) for key, (n, _) in projs.items()}
     ov = _check_overrides(v.name, dict(overrides or {}),
-                          {f"{p}_KSPLIT": -(-projs[key][1] // bk) for p, key in PROJECTIONS})
+                          {**{f"{p}_KSPLIT": -(-projs[key][1] // bk) for p, key in PROJECTIONS},
+                           **{f"{p}_FULL": counts[key] - 1 for p, key in PROJECTIONS}})
     gm = ov.get("GEMM_GM", gm)
     # a split's partial tile is stored and read back through L2 (~half HBM's cost a byte), plus ~a chunk of sync
     split_cost = 1 + bm * bn * 4 / stage_bytes
     tiles = {}
     for prefix, name in PROJECTIONS:
         n, k = projs[name]
-        count = -(-n // bm) * -(-rows // bn)
-        ks = ov.get(f"{prefix}_KSPLIT", split_k(count, -(-k // bk), arch.sms, split_cost))
-        tiles[name] = {"N": n, "K": k, "tiles": count, "KSPLIT": ks}
+        count, chunks = counts[name], -(-k // bk)
+        full, ks = split_k(count, chunks, arch.sms, split_cost)
+        if f"{prefix}_KSPLIT" in ov or f"{prefix}_FULL" in ov:  # a KSPLIT alone splits every tile; a FULL
+            full = ov.get(f"{prefix}_FULL", 0)                   # alone splits the rest over one wave
+            ks = ov.get(f"{prefix}_KSPLIT", max(1, min(MAX_SPLIT, chunks // 4, arch.sms // (count - full))))
+        if ks == 1:
+            full = 0
+        tiles[name] = {"N": n, "K": k, "tiles": count, "FULL": full, "KSPLIT": ks}
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
         "GEMM_BK": bk, "GEMM_STAGES": stages,
-        **{f"{p}_KSPLIT": tiles[k]["KSPLIT"] for p, k in PROJECTIONS},
+        **{f"{p}_{x}": tiles[k][x] for p, k in PROJECTIONS for x in ("KSPLIT", "FULL")},
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
     sizes = {"XN_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
-             "SPLIT_FLOATS": max(t["tiles"] * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0 for t in tiles.values())}
+             "SPLIT_FLOATS": max((t["tiles"] - t["FULL"]) * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0
+                                 for t in tiles.values())}
     return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},
             "threads": THREADS, "smem_bytes": smem_bytes, "gemm_flops": flops, "sizes": sizes,
             "overrides": dict(sorted(ov.items()))}

@@ -7,7 +7,7 @@
 
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out,
     unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
-    gemm<HIDDEN, INTER, DOWN_KSPLIT>(w_down, ws_act, ROWS, smem, ws_split, ws_count,
+    gemm<HIDDEN, INTER, DOWN_KSPLIT, DOWN_FULL>(w_down, ws_act, ROWS, smem, ws_split, ws_count,
         [&](int n, int t) { return ws_h[(size_t)t * HIDDEN + n]; },
         [&](int n, int t, float v, float res) {
         const float o = res + v;

@@ -8,7 +8,7 @@
 
 __device__ void gate_up(const T* ws_xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
     unsigned* ws_count, unsigned char* smem) {
-    gemm<2 * INTER, HIDDEN, GU_KSPLIT, true>(w_gu, ws_xn, ROWS, smem, ws_split, ws_count, [](int, int) { return 0.f; },
+    gemm<2 * INTER, HIDDEN, GU_KSPLIT, GU_FULL, true>(w_gu, ws_xn, ROWS, smem, ws_split, ws_count, [](int, int) { return 0.f; },
         [&](int i, int t, float g, float u) {
         const float a = activation(g) * u;
         count_overflow(a, ws_status);

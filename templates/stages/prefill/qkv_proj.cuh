@@ -8,7 +8,7 @@
 
 __device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const T* b_qkv, float* ws_qkv, float* ws_split,
     unsigned* ws_count, unsigned char* smem) {
-    gemm<QKV_DIM, HIDDEN, QKV_KSPLIT>(w_qkv, ws_xn, ROWS, smem, ws_split, ws_count,
+    gemm<QKV_DIM, HIDDEN, QKV_KSPLIT, QKV_FULL>(w_qkv, ws_xn, ROWS, smem, ws_split, ws_count,
         [&](int n, int t) { return QKV_BIAS ? to_f(b_qkv[n]) : 0.f; },
         [&](int n, int t, float v, float bias) { ws_qkv[(size_t)t * QKV_DIM + n] = v + bias; });
 }
