@@ -448,6 +448,8 @@ def test_every_default_variant_builds(tmp_path):
             if k != "cached":
                 assert row[k] is not None, (row["name"], k)
         assert row["blocks_per_sm"] >= 1 and row["smem_total"] <= SM90_SMEM, row["name"]
+        # no default variant spills, with the plans `build` takes (tuning/'s winners where it has one file)
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, (row["name"], row["plan"])
     assert rep["totals"]["built"] == len(names) == 67
     assert_objects_intact(d)
     r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path)
