@@ -198,18 +198,20 @@ def check_options(f):
 
 
 def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dict, list]:
-    """Build the declared variants `vs` into build_dir (with this GPU's tuned plans where tuning/ has them, as
-    `megakernel build` would) and the held-out `held` into build_dir-heldout (default plans: the planner's own
-    choice is what they test), printing the count and every failure: ({variant name: its build dir}, the manifest
-    entries)."""
+    """Build the declared variants `vs` into build_dir with the plans `megakernel build` takes (tuning/'s winners
+    where it holds one file; the GPU tests' fixtures build the same) and the held-out `held` into
+    build_dir-heldout (default plans: the planner's own choice is what they test), printing the count, the plans
+    and every failure or tuning warning: ({variant name: its build dir}, the manifest entries)."""
     from generator import tune as gtune
     where = {v.name: build_dir for v in vs} | {v.name: f"{build_dir}-heldout" for v in held}
     t0 = time.time()
-    tfile = gtune.tuning_file(torch.cuda.get_device_name())
-    result = gcompile.build(vs, build_dir, variants_file=variants_file,
-                            tuning_file=tfile if tfile.exists() else None)
+    tfile = gtune.default_tuning_file()
+    result = gcompile.build(vs, build_dir, variants_file=variants_file, tuning_file=tfile)
     tuned = sum(e.get("plan_source", "").startswith("tuned") for e in result["entries"])
-    print(f"plans: {tuned} declared variants tuned ({gtune.display(tfile)}), the rest default", flush=True)
+    print(f"plans: {tuned} declared variants tuned" + (f" ({gtune.display(tfile)})" if tfile else "")
+          + ", the rest default", flush=True)
+    for w in result.get("warnings", []):
+        print(f"  {w}", flush=True)
     hres = gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file) if held else \
         {"entries": [], "distinct": 0}
     entries = result["entries"] + hres["entries"]

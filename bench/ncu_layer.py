@@ -13,8 +13,13 @@ launch. Builds nothing: `megakernel build --only NAME` first.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from this tree
+    sys.path.insert(0, str(ROOT))
 
 
 @click.command()
@@ -25,14 +30,16 @@ import click
 @click.option("--launches", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--pos", type=click.Choice(["full", "mixed", "zero"]), default="full", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--cache-len", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="KV rows per sequence of a prefill variant (a decode variant's is its own)")
+@click.option("--cache-len", type=click.IntRange(min=1), default=None,
+              help="KV rows per sequence of a prefill variant [max(4096, chunk), as gpu_check; a decode variant's is "
+                   "its own]")
 def main(variant, build_dir, variants_file, launches, pos, seed, cache_len):
     """Launch built VARIANT --launches times (random weights and cache) for Nsight Compute to profile."""
     import torch
     if not torch.cuda.is_available():
         print("error: bench/ncu_layer.py launches a kernel: no CUDA GPU visible to torch", file=sys.stderr)
         sys.exit(2)
+    from bench.measure import PREFILL_CACHE
     from generator import reference, variants as gvariants
     from generator.loader import LoadError, load
     v = next((v for v in gvariants.load(variants_file) if v.name == variant), None)
@@ -41,7 +48,7 @@ def main(variant, build_dir, variants_file, launches, pos, seed, cache_len):
         sys.exit(2)
     try:
         layer = load(variant, reference.random_weights(v.model, seed=seed, device="cuda"), build_dir=build_dir,
-                     cache_len=cache_len if v.mode == "prefill" else None)
+                     cache_len=(cache_len or max(PREFILL_CACHE, v.seq_len)) if v.mode == "prefill" else None)
     except LoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

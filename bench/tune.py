@@ -123,7 +123,7 @@ def pick(rows: list[dict]) -> dict:
 
 
 @click.command()
-@click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True,
+@click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
               help="variants file (every variant of tp 1 in it, or those --only selects)")
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")
 @click.option("--build-dir", default=None, help="where the candidates are compiled [a temporary directory, removed]")
@@ -147,10 +147,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         click.echo(f"error: {msg}", err=True)
         sys.exit(2)
 
-    import torch
-    if not torch.cuda.is_available():
-        fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")
-    try:
+    try:  # the arguments first: a wrong one says so on any machine
         si, sn = (int(x) for x in shard.split("/"))
         assert 0 <= si < sn
     except (ValueError, AssertionError):
@@ -164,6 +161,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     if not vs:
         fail(f"{variants_file}: no variant of tp 1 matches --only {' '.join(only) or '*'}")
     vs = vs[si::sn]
+    import torch
+    if not torch.cuda.is_available():
+        fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}" if f"{major}{minor}" in ("90",) else DEFAULT_ARCH
     gpu = torch.cuda.get_device_name()

@@ -47,6 +47,14 @@ variants_opt = click.option("--variants", "variants_file", default="variants.yam
 build_dir_opt = click.option("--build-dir", default="build", show_default=True, help="build directory")
 
 
+def tuned_opts(f):
+    """--tuned-for / --no-tuned: which tuning file's plans (pick_tuning_file)."""
+    f = click.option("--no-tuned", is_flag=True, help="default plans for every variant, whatever tuning/ holds")(f)
+    return click.option("--tuned-for", "tuned_for", default=None, metavar="GPU",
+                        help="use the tuned plans of tuning/GPU.json (a GPU slug, e.g. nvidia-h200, or a .json "
+                             "path) [the only file in tuning/, if exactly one]")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "-V", "--version", prog_name="megakernel", message="%(prog)s %(version)s")
 def main():
@@ -78,13 +86,26 @@ def list_cmd(variants_file, build_dir, only):
 @main.command("render")
 @click.argument("name")
 @variants_opt
-def render_cmd(name, variants_file):
-    """Print the rendered CUDA source of one variant."""
+@click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
+@tuned_opts
+def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
+    """Print the rendered CUDA source of one variant, with the plan `build` would compile (tuned where tuning/ has
+    it: a note on stderr says so)."""
+    from . import tune as gtune
+    try:
+        get_arch(arch)
+    except TargetError as exc:
+        fail(str(exc))
+    tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = {v.name: v for v in load_selected(variants_file)}
     if name not in vs:
         fail(f"{variants_file}: no variant named '{name}' (see `megakernel list`)")
+    v = vs[name]
+    ov, source, _, warning = gtune.resolve(v, arch, tfile)
+    for note in ([warning] if warning else []) + ([f"note: {source} plan: {ov}"] if ov else []):
+        err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     try:
-        click.echo(render(vs[name], plan(vs[name])), nl=False)
+        click.echo(render(v, plan(v, arch, overrides=ov or None)), nl=False)
     except PlanError as exc:
         fail(str(exc))
 
@@ -97,10 +118,7 @@ def render_cmd(name, variants_file):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
 @click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused")
-@click.option("--tuned-for", "tuned_for", default=None, metavar="GPU",
-              help="use the tuned plans of tuning/GPU.json (a GPU slug, e.g. nvidia-h200, or a .json path) "
-                   "[the only file in tuning/, if exactly one]")
-@click.option("--no-tuned", is_flag=True, help="default plans for every variant, whatever tuning/ holds")
+@tuned_opts
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
     try:
@@ -244,8 +262,8 @@ def bench_cmd(ctx):
               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def tune_cmd(ctx):
-    """Sweep each decode variant's plan candidates on the GPU; record the winners in tuning/<gpu>.json
-    (see `megakernel tune --help`)."""
+    """Sweep each variant's plan candidates (decode and prefill) on the GPU; record the winners in
+    tuning/<gpu>.json (see `megakernel tune --help`)."""
     from bench.tune import cli as tune_cli  # torch/CUDA imports only when tuning
     _delegate(tune_cli, ctx.args, "megakernel tune")
 

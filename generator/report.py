@@ -21,7 +21,7 @@ from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
-           "plan", "tuned_gain", "mma_sass", "tp", "gpu_bytes", "flags"]
+           "plan", "tuned_gain", "split_k", "mma_sass", "tp", "gpu_bytes", "workspace_bytes", "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
                  "speedup_eager", "speedup_compile"]
 
@@ -54,18 +54,32 @@ def plan_fields(entry: dict) -> dict:
     gain = None
     if src.startswith("tuned") and fig.get("default_us") and fig.get("tuned_us"):
         gain = round(fig["default_us"] / fig["tuned_us"], 3)
-    return {"plan": src, "tuned_gain": gain}
+    return {"plan": src, "tuned_gain": gain, "split_k": split_k_cell((entry.get("plan") or {}).get("consts") or {})}
+
+
+def split_k_cell(c: dict) -> str | None:
+    """Each projection's split-K as planned, qkv/o/gate_up/down: K splits, or FULL:KSPLIT where the first FULL
+    tiles run whole (prefill); None for plans that do not say (older builds)."""
+    parts = []
+    for p in ("QKV", "O", "GU", "DOWN"):
+        if f"{p}_KSPLIT" not in c:
+            return None
+        full = c.get(f"{p}_FULL", 0)
+        parts.append(f"{full}:{c[f'{p}_KSPLIT']}" if full else str(c[f"{p}_KSPLIT"]))
+    return "/".join(parts)
 
 
 def gpu_fields(entry: dict) -> dict:
     """"tp": GPUs per layer; "gpu_bytes": what one GPU holds for the layer and a decode step streams at most: its
     weights (its shard with tensor parallel) plus its KV cache full (decode: batch x seq_len rows; prefill: the
-    chunk's rows)."""
+    chunk's rows); "workspace_bytes": the kernel's scratch (activations, split-K partials, counters), allocated
+    once per variant and shared by its layers (None for older builds)."""
     v = variant_from_entry(entry)
     m, e = v.shard, DTYPES[v.model.dtype].bytes
     weights = sum(_numel(s) for s in weight_shapes(m).values()) * e
     kv = 2 * v.batch * v.seq_len * m.kv_heads * m.head_dim * e
-    return {"tp": v.tp, "gpu_bytes": weights + kv}
+    ws = ((entry.get("plan") or {}).get("workspace") or {}).get("bytes")
+    return {"tp": v.tp, "gpu_bytes": weights + kv, "workspace_bytes": ws}
 
 
 def _numel(shape) -> int:
@@ -315,6 +329,8 @@ TABLE_COLUMNS = [
     ("compile_s", "compile\ns", _num(".1f"), False),
     ("load_ms", "load\nms", _num(".2f"), True),
     ("plan", "plan", _plan_cell, True),
+    ("split_k", "split-K\nq/o/gu/dn", lambda r, k: r.get(k) or "-", False),
+    ("workspace_bytes", "wkspace\nMB", lambda r, k: "-" if r.get(k) is None else f"{r[k] / 1e6:.1f}", False),
     ("mma_sass", "mma\nSASS", _num("d"), False),
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 from pathlib import Path
 
@@ -108,7 +109,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
             why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
-    figures = {k: e[k] for k in ("default_us", "tuned_us") if isinstance(e.get(k), (int, float))}
+    figures = {k: e[k] for k in ("default_us", "tuned_us")  # times a hand edit may have broken: not shown
+               if isinstance(e.get(k), (int, float)) and not isinstance(e[k], bool) and math.isfinite(e[k]) and e[k] > 0}
     return dict(e["overrides"]), f"tuned ({where})", figures or None, None
 
 
@@ -171,6 +173,8 @@ def _prefill_tries(base: dict, sms: int) -> list[dict]:
         g = base["gemm"][key]
         ks, chunks = g["KSPLIT"], -(-g["K"] // base["gemm"]["BK"])
         for k in (1, ks // 2, ks * 2, min(chunks // 4, sms // g["tiles"])):  # every tile split k ways
+            if k > prefill.MAX_SPLIT or (k > 1 and g["tiles"] * k > 4 * sms):  # many waves of partials: skip
+                continue
             if k >= 1 and (k != ks or g["FULL"]) and {f"{prefix}_KSPLIT": k} not in tries:
                 tries.append({f"{prefix}_KSPLIT": k})
         if g["FULL"] == 0 and g["tiles"] > sms and g["tiles"] % sms:  # the full waves whole, the rest split

@@ -142,13 +142,23 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
 
 def test_render_prints_the_cuda_source():
     name = "llama3.2-1b_decode_b1_s4096_bf16"
-    r = run_cli(["render", name], cwd=ROOT)
+    r = run_cli(["render", name, "--no-tuned"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "decoder_layer" in r.stdout and 'extern "C" __global__' in r.stdout
     assert re.search(r"\bHIDDEN\s*=\s*2048\b", r.stdout) and re.search(r"\bSEQ_LEN\s*=\s*4096\b", r.stdout)
     v = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.name == name)
     assert r.stdout == grender.render(v)
     assert r.stderr == ""
+
+
+def test_render_shows_the_plan_build_compiles(tmp_path):
+    v = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_decode_b4_s4096_bf16")
+    tf = tmp_path / "gpu.json"
+    tf.write_text(json.dumps({v.name: {"overrides": {"GU_NWG": 8}}}))
+    r = run_cli(["render", v.name, "--tuned-for", tf], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == grender.render(v, grender.plan(v, overrides={"GU_NWG": 8})) != grender.render(v)
+    assert "note: tuned" in r.stderr and "GU_NWG" in r.stderr
 
 
 def test_render_unknown_name(tmp_path):

@@ -113,7 +113,8 @@ def builds(tmp_path_factory):
     main = Path(os.environ.get("MEGAKERNEL_BUILD", ROOT / "build"))
     decl = gvariants.select(DECLARED, tuple(g for g in os.environ.get("MEGAKERNEL_ONLY", "").split(",") if g))
     decode = [v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_decode_b1_s1024_bf16"]
-    res = gcompile.build(decl + decode, main)
+    from generator.tune import default_tuning_file
+    res = gcompile.build(decl + decode, main, tuning_file=default_tuning_file())  # the plans `build` compiles
     assert not res["errors"], res["errors"][0]["error"]
     held = tmp_path_factory.mktemp("prefill-heldout")
     res = gcompile.build(HELD_OUT, held)
@@ -144,16 +145,20 @@ def test_prefill_matches_reference(v, builds):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_prefill_split_k_on_a_smaller_grid(builds):
+@pytest.mark.parametrize("name", ["llama3.2-1b_prefill_b1_s64_bf16", "llama3-8b_prefill_b1_s16_bf16"])
+def test_prefill_split_k_on_a_smaller_grid(builds, name):
     """Split-K's two combines: with every split of a tile resident (the planned grid) each split finishes a slice of
     the tile; on a grid with fewer blocks than tasks (a GPU with fewer SMs) the last split finishes all of it. Both
-    against the fp32 reference, twice each (the tile counters reset themselves)."""
+    against the fp32 reference, twice each (the tile counters reset themselves); the 8B shape's gate_up runs its
+    first 132 tiles whole and splits the rest."""
     from generator import reference, verify
     from generator.loader import load
-    v = next(v for v in DECLARED if v.name == "llama3.2-1b_prefill_b1_s64_bf16")
+    v = next(v for v in DECLARED if v.name == name)
     if v.name not in builds:
         pytest.skip("not selected by MEGAKERNEL_ONLY")
-    assert max(grender.plan(v)["consts"][k] for k in ("QKV_KSPLIT", "O_KSPLIT", "DOWN_KSPLIT")) > 1
+    c = grender.plan(v)["consts"]
+    assert max(c[k] for k in ("QKV_KSPLIT", "O_KSPLIT", "DOWN_KSPLIT")) > 1
+    assert name != "llama3-8b_prefill_b1_s16_bf16" or c["GU_FULL"] > 0  # whole tiles first, then the split tail
     W = reference.random_weights(v.model, seed=SEED, device="cuda")
     layer = load(v.name, W, build_dir=builds[v.name], cache_len=CACHE_LEN)
     for grid in (layer.grid, layer.grid // 3, layer.grid):

@@ -152,8 +152,9 @@ def tp_build(tmp_path_factory, tiny_ckpt):
     from generator import compile as gcompile
     from generator.hf.config import model_from_hf
     build = os.environ.get("MEGAKERNEL_BUILD", str(ROOT / "build"))
-    gcompile.build(_declared_tp(), build, variants_file=os.environ.get("MEGAKERNEL_VARIANTS",
-                                                                         ROOT / "variants.yaml"))
+    from generator.tune import default_tuning_file
+    gcompile.build(_declared_tp(), build, variants_file=os.environ.get("MEGAKERNEL_VARIANTS", ROOT / "variants.yaml"),
+                   tuning_file=default_tuning_file())  # the plans `build` compiles
     tiny = model_from_hf(tiny_ckpt)
     vs = [gvariants.Variant(tiny, "decode", b, 64, tp) for b in (1, 2) for tp in (1, 2)]
     tb = tmp_path_factory.mktemp("tp_build") / "build"

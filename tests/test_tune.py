@@ -330,3 +330,12 @@ def test_prefill_full_waves_override_and_workspace():
     with pytest.raises(PlanError, match=r"GU_FULL=150: must be in 0\.\.149"):
         render.plan(v, overrides={"GU_FULL": 150})
     assert "GU_FULL = 132;" in render.render(v, d)
+
+
+def test_prefill_full_override_that_plans_no_split_is_refused():
+    v = next(v for v in prefill_declared() if v.name == "llama3-8b_prefill_b1_s128_bf16")
+    for ov, why in (({"GU_FULL": 5}, "fill more than a wave of 132 SMs"),
+                    ({"GU_FULL": 132, "GU_KSPLIT": 1}, "are not split")):
+        with pytest.raises(PlanError, match=why) as e:
+            render.plan(v, overrides=ov)
+        assert "\n" not in str(e.value)

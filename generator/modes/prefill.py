@@ -144,9 +144,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         n, k = projs[name]
         count, chunks = counts[name], -(-k // bk)
         full, ks = split_k(count, chunks, arch.sms, split_cost)
-        if f"{prefix}_KSPLIT" in ov or f"{prefix}_FULL" in ov:  # a KSPLIT alone splits every tile; a FULL
-            full = ov.get(f"{prefix}_FULL", 0)                   # alone splits the rest over one wave
+        # a KSPLIT alone splits every tile; a FULL alone splits the rest over one wave where they fit in one
+        # (FULL 0 alone: every tile over one wave, or no split where the tiles are more than the SMs)
+        if f"{prefix}_KSPLIT" in ov or f"{prefix}_FULL" in ov:
+            full = ov.get(f"{prefix}_FULL", 0)
             ks = ov.get(f"{prefix}_KSPLIT", max(1, min(MAX_SPLIT, chunks // 4, arch.sms // (count - full))))
+            if full and ks == 1:  # a FULL that plans nothing (every tile whole) is refused, not dropped
+                why = "are not split" if f"{prefix}_KSPLIT" in ov else f"fill more than a wave of {arch.sms} SMs"
+                raise PlanError(f"{v.name}: plan override {prefix}_FULL={full}: the {count - full} tiles past it "
+                                f"{why}: give {prefix}_KSPLIT > 1 (or FULL 0)")
         if ks == 1:
             full = 0
         tiles[name] = {"N": n, "K": k, "tiles": count, "FULL": full, "KSPLIT": ks}
