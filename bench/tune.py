@@ -183,6 +183,10 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                                  overrides={c.name: ov for c, ov in pairs})
             bad = {e["name"]: e.get("error", e["status"]).splitlines()[0] for e in res["entries"]
                    if e["status"] != "ok"}
+            for e in res["entries"]:  # a plan that spills is not one to record (the report would flag it)
+                r = e.get("resources") or {}
+                if e["status"] == "ok" and r.get("spill_stores", 0) + r.get("spill_loads", 0):
+                    bad[e["name"]] = f"spills {r['spill_stores'] + r['spill_loads']} B"
             click.echo(f"compiled {len(pairs)} candidates ({res['distinct']} binaries) in {time.time() - t:.0f} s"
                        f"{f', {len(bad)} failed' if bad else ''}", err=True)
             return bad

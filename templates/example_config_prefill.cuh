@@ -17,6 +17,7 @@ constexpr int Q_DIM = 2048;
 constexpr int KV_DIM = 512;
 constexpr int QKV_DIM = 3072;
 constexpr int ATT_NSPLIT = 0;
+constexpr int ATT_INLINE = 0;
 constexpr int GEMM_WGMMA = 1;
 constexpr int GEMM_WM = 12;
 constexpr int GEMM_GM = 7;

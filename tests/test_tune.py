@@ -299,7 +299,10 @@ def test_prefill_overrides_validated_and_in_source():
     p = render.plan(v, overrides={"GU_KSPLIT": 1, "GEMM_GM": 3})
     assert p["consts"]["GU_KSPLIT"] == 1 and p["consts"]["GEMM_GM"] == 3
     assert "GU_KSPLIT = 1;" in render.render(v, p)
+    assert "ATT_INLINE = 1;" in render.render(v, render.plan(v, overrides={"ATT_INLINE": 1}))
+    assert {"ATT_INLINE": 1} in gtune.candidates(v)  # the tuner A/Bs the attention's call against inlining it
     for bad, why in (({"GU_KSPLIT": 0}, "must be in 1..32"), ({"GU_KSPLIT": 33}, "must be in 1..32"),
+                     ({"ATT_INLINE": 2}, "must be in 0..1"),
                      ({"ATT_C": 64}, "unknown knob"), ({"O_KSPLIT": "2"}, "must be an integer")):
         with pytest.raises(PlanError, match=why) as e:
             render.plan(v, overrides=bad)

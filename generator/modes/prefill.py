@@ -30,9 +30,9 @@ THREADS = 384
 
 
 # the knobs a plan override (generator.tune) may set: each projection's split-K factor and tiles computed whole
-# before the split ones (split_k), and the GEMM raster's group
+# before the split ones (split_k), the GEMM raster's group, and whether the attention is inlined (0: a call)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM",)
+KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM", "ATT_INLINE")
 MAX_SPLIT = 16
 MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
 WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
@@ -75,8 +75,8 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}: unknown knob (one of {', '.join(KNOBS)})")
         if isinstance(val, bool) or not isinstance(val, int):
             raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
-        hi = chunks.get(k, 64)
-        lo = 0 if k.endswith("_FULL") else 1
+        hi = chunks.get(k, 1 if k == "ATT_INLINE" else 64)
+        lo = 0 if k.endswith("_FULL") or k == "ATT_INLINE" else 1
         if not lo <= val <= hi:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {lo}..{hi}" + (
                 " (the projection's K chunks)" if k.endswith("_KSPLIT") else
@@ -160,7 +160,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
-        "ATT_NSPLIT": 0, "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
+        "ATT_NSPLIT": 0, "ATT_INLINE": ov.get("ATT_INLINE", 0),
+        "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
         "GEMM_BK": bk, "GEMM_STAGES": stages,
         **{f"{p}_{x}": tiles[k][x] for p, k in PROJECTIONS for x in ("KSPLIT", "FULL")},
     }

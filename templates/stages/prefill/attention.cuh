@@ -32,10 +32,8 @@ __device__ __forceinline__ unsigned pa_pack(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// not inlined: its own register allocation (inlined with the four wgmma GEMMs, head_dim 96 spilled 56 B; a call
-// between stages, where no wgmma is in flight, leaves them unserialised: ptxas gives no advisory)
-__device__ __noinline__ void attention(const int* __restrict__ pos, const T* ws_q, const T* k_cache,
-                                       const T* v_cache, int cache_len, T* ws_attn, unsigned char* smem) {
+__device__ __forceinline__ void attention_body(const int* __restrict__ pos, const T* ws_q, const T* k_cache,
+                                               const T* v_cache, int cache_len, T* ws_attn, unsigned char* smem) {
     constexpr int KS = HEAD_DIM / 16, DT = HEAD_DIM / 8, CH = HEAD_DIM / 8;
     T* ring = reinterpret_cast<T*>(smem);   // [2 stages][K, V][PA_KT][PA_RL], then [16 warps][16 rows][PA_RL] of Q
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
@@ -179,4 +177,18 @@ __device__ __noinline__ void attention(const int* __restrict__ pos, const T* ws_
                 *reinterpret_cast<T2*>(dst + d * 8 + 2 * tig) = from_f2(o[d][h * 2] * inv, o[d][h * 2 + 1] * inv);
         }
     }
+}
+
+// ATT_INLINE 0 (the planner's default): a call, its own register allocation (inlined with the four wgmma GEMMs,
+// head_dim 96 spilled 56 B; a call between stages, where no wgmma is in flight, leaves them unserialised: ptxas
+// gives no advisory), at 1-5 µs a short chunk; 1: inlined, a tuner candidate
+__device__ __noinline__ void attention_call(const int* __restrict__ pos, const T* ws_q, const T* k_cache,
+                                            const T* v_cache, int cache_len, T* ws_attn, unsigned char* smem) {
+    attention_body(pos, ws_q, k_cache, v_cache, cache_len, ws_attn, smem);
+}
+
+__device__ __forceinline__ void attention(const int* __restrict__ pos, const T* ws_q, const T* k_cache,
+                                          const T* v_cache, int cache_len, T* ws_attn, unsigned char* smem) {
+    if constexpr (ATT_INLINE) attention_body(pos, ws_q, k_cache, v_cache, cache_len, ws_attn, smem);
+    else attention_call(pos, ws_q, k_cache, v_cache, cache_len, ws_attn, smem);
 }
