@@ -205,11 +205,11 @@ def _cuda() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-def test_tune_one_small_variant(tmp_path):
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b_decode_b1_s1024_bf16", "llama3.2-1b_prefill_b1_s16_bf16"])
+def test_tune_one_small_variant(tmp_path, name):
     from conftest import cli_env
     import subprocess
     import sys
-    name = "qwen2.5-0.5b_decode_b1_s1024_bf16"
     out = tmp_path / "tuning" / "gpu.json"
     r = subprocess.run([sys.executable, "-m", "generator.cli", "tune", "--only", name, "--out", out, "--limit", "6",
                         "--build-dir", tmp_path / "cands"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
@@ -217,7 +217,7 @@ def test_tune_one_small_variant(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     e = json.loads(out.read_text())[name]
     assert e["tuned_us"] <= e["default_us"] * 1.03
-    v = next(v for v in declared() if v.name == name)
+    v = next(v for v in declared() + prefill_declared() if v.name == name)
     ov, src, _, warn = gtune.resolve(v, "90", out)
     assert warn is None and src.startswith("tuned") and ov == e["overrides"]
     # the winner, built by `megakernel build --tuned-for FILE`, passes verification
@@ -229,7 +229,7 @@ def test_tune_one_small_variant(tmp_path):
     from generator import reference, verify
     from generator.loader import load
     W = reference.random_weights(v.model, seed=3, device="cuda")
-    layer = load(name, W, build_dir=b)
+    layer = load(name, W, build_dir=b, cache_len=4096 if v.mode == "prefill" else None)
     assert layer.plan["overrides"] == e["overrides"]
     x, pos = verify.random_inputs(layer, 3)
     assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
