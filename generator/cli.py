@@ -102,7 +102,8 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
         fail(f"{variants_file}: no variant named '{name}' (see `megakernel list`)")
     v = vs[name]
     ov, source, _, warning = gtune.resolve(v, arch, tfile)
-    for note in ([warning] if warning else []) + ([f"note: {source} plan: {ov}"] if ov else []):
+    tuned = [f"note: {source} plan: {ov or 'the default (the tuner found nothing faster)'}"] if source != "default" else []
+    for note in ([warning] if warning else []) + tuned:
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     try:
         click.echo(render(v, plan(v, arch, overrides=ov or None)), nl=False)
@@ -226,7 +227,7 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
     except FileNotFoundError as exc:
         fail(str(exc))
     if why:
-        err_console.print(f"note: {why}: module load times not measured (--no-gpu: do not try)",
+        err_console.print(f"note: {why}: module load times not measured (--no-gpu skips this check)",
                           markup=False, highlight=False, soft_wrap=True)
     greport.print_report(rep, console, wide=wide)
     if rep.get("not_declared"):

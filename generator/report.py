@@ -403,6 +403,10 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"
                   + (f", {tot['load_ms']} ms to load all" if tot["load_ms"] is not None else ", load time: no GPU")
                   + (f"; [yellow]{tot['flagged']} flagged[/yellow]" if tot["flagged"] else ""))
+    files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
+    if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
+        console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
+                      "(bench/results; their GPU is in the name), not on this machine", highlight=False)
     if report.get("e2e"):
         print_e2e(report["e2e"], console)
 
