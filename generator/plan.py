@@ -18,6 +18,15 @@ class PlanError(ValueError):
     """The variant cannot be generated for its target (e.g. over the shared-memory budget); one line."""
 
 
+def check_knob(name: str, knob: str, val, knobs: tuple) -> None:
+    """A plan override's knob is one of the mode's `knobs` and its value an int, else PlanError (one line naming
+    variant `name`); the mode checks the value's range."""
+    if knob not in knobs:
+        raise PlanError(f"{name}: plan override {knob}: unknown knob (one of {', '.join(knobs)})")
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise PlanError(f"{name}: plan override {knob}={val!r}: must be an integer")
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One top-level stage of a mode: `stage` names templates/<mode.headers>/<stage>.cuh and

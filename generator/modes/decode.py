@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..plan import THREADS, Mode, PlanError, Step, align, check_smem, gemv_split_k, plan_gemv
+from ..plan import THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_split_k, plan_gemv
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -38,10 +38,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
     """The overrides as ints, or PlanError naming the first bad knob (unknown, not an int, out of range)."""
     out = {}
     for k, val in ov.items():
-        if k not in KNOBS:
-            raise PlanError(f"{name}: plan override {k}: unknown knob (one of {', '.join(KNOBS)})")
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
+        check_knob(name, k, val, KNOBS)
         if k.endswith("_NWG") and val not in NWG_CHOICES:
             raise PlanError(f"{name}: plan override {k}={val}: must be one of {NWG_CHOICES} (divides "
                             f"{THREADS // 32} warps)")

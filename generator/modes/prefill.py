@@ -6,7 +6,7 @@ residual | norm | gate_up | down_proj + residual   ("|" = grid-wide barrier)
 """
 from __future__ import annotations
 
-from ..plan import Mode, PlanError, Step, check_smem
+from ..plan import Mode, PlanError, Step, check_knob, check_smem
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -71,10 +71,7 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
     `chunks` {knob: K chunks of that projection}."""
     out = {}
     for k, val in ov.items():
-        if k not in KNOBS:
-            raise PlanError(f"{name}: plan override {k}: unknown knob (one of {', '.join(KNOBS)})")
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise PlanError(f"{name}: plan override {k}={val!r}: must be an integer")
+        check_knob(name, k, val, KNOBS)
         hi = chunks.get(k, 1 if k == "ATT_INLINE" else 64)
         lo = 0 if k.endswith("_FULL") or k == "ATT_INLINE" else 1
         if not lo <= val <= hi:
