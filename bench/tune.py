@@ -5,9 +5,10 @@ Per variant: the candidates of generator.tune.candidates (the default plan and s
 compiled as its own renamed variant into one temporary build directory (all in parallel), checked against the fp32
 reference (generator.verify.check_step on random inputs; a failing candidate is discarded and reported), then timed
 as gpu_check times the fused layer: a stack of distinct layers (bench.measure.n_layers_for) in a CUDA graph, every
-sequence at full context (decode) or a prompt's first chunk (prefill: start 0), candidates interleaved over rounds so drift hits them alike. A second round times the
-union of the stages' single-knob winners (stages are separated by grid barriers) against the default and the best
-single. A non-default plan wins only when it beats the default by more than 1% in the same run.
+sequence at full context (decode) or a prompt's first chunk (prefill: start 0), candidates interleaved over rounds
+so drift hits them alike. A second round times the union of the stages' single-knob winners (stages are separated
+by grid barriers) against the default and the best single. A non-default plan wins only when it beats the default
+by more than 1% in the same run.
 
     megakernel tune [--only GLOB] [--variants FILE] [--build-dir DIR] [--out FILE] [--shard I/N] [-j N]
 """

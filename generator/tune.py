@@ -1,9 +1,9 @@
 """Tuned plans: the candidate plans the tuner times, and tuning/<gpu-slug>.json, the winner per variant on a GPU.
 
-The planner (generator.modes.decode.plan) stays the single source of truth: a tuned plan is the default plan with a
-few knobs overridden ({"QKV_NWG": 8, "ATT_C": 512, ...}: decode.KNOBS, prefill.KNOBS), and the planner validates the overrides and
-derives every dependent constant (ATT_NSPLIT, the shared-memory offsets) from them. A bad or stale entry in a tuning
-file is ignored with a one-line warning, never an error.
+The mode's planner (generator.modes.<mode>.plan) stays the single source of truth: a tuned plan is the default plan
+with a few knobs overridden ({"QKV_NWG": 8, "ATT_C": 512, ...}: decode.KNOBS, prefill.KNOBS), and the planner
+validates the overrides and derives every dependent constant (ATT_NSPLIT, the shared-memory offsets) from them. A
+bad or stale entry in a tuning file is ignored with a one-line warning, never an error.
 
 tuning/<gpu-slug>.json = {variant: {"overrides": {...}, "default_us", "tuned_us", "candidates": n, "failed": n,
                                     "identity": sha256 of the variant's parameters and arch, "gpu", "date"}}
@@ -110,7 +110,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
     figures = {k: e[k] for k in ("default_us", "tuned_us")  # times a hand edit may have broken: not shown
-               if isinstance(e.get(k), (int, float)) and not isinstance(e[k], bool) and math.isfinite(e[k]) and e[k] > 0}
+               if isinstance(e.get(k), (int, float)) and not isinstance(e[k], bool)
+               and math.isfinite(e[k]) and e[k] > 0}
     return dict(e["overrides"]), f"tuned ({where})", figures or None, None
 
 
