@@ -25,11 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.baselines import TorchLayer  # noqa: E402
 from bench.providers import FlashInfer  # noqa: E402
-from bench.measure import PREFILL_CACHE, n_layers_for  # noqa: E402  (distinct layers: one pass over the stack >= 4x the L2)
+# n_layers_for: distinct layers, one pass over the stack >= 4x the L2
+from bench.measure import PREFILL_CACHE, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
-
 
 
 def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
