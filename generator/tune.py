@@ -168,7 +168,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
 def _prefill_tries(base: dict, sms: int) -> list[dict]:
     """Prefill neighbours of the default plan: per projection every tile split (not at all, half and twice the
     planned ways, the most one wave of tasks allows) or the full waves whole and the rest split over one wave;
-    the GEMM raster's group halved and doubled; the attention inlined (or not)."""
+    the GEMM raster's group halved and doubled; a ring stage more; the attention inlined (or not)."""
     tries = []
     for prefix, key in prefill.PROJECTIONS:
         g = base["gemm"][key]
@@ -180,8 +180,8 @@ def _prefill_tries(base: dict, sms: int) -> list[dict]:
                 tries.append({f"{prefix}_KSPLIT": k})
         if g["FULL"] == 0 and g["tiles"] > sms and g["tiles"] % sms:  # the full waves whole, the rest split
             tries.append({f"{prefix}_FULL": g["tiles"] // sms * sms})
-    gm = base["consts"]["GEMM_GM"]
-    return tries + [{"GEMM_GM": max(1, gm // 2)}, {"GEMM_GM": gm * 2},
+    gm, stages = base["consts"]["GEMM_GM"], base["consts"]["GEMM_STAGES"]
+    return tries + [{"GEMM_GM": max(1, gm // 2)}, {"GEMM_GM": gm * 2}, {"GEMM_STAGES": stages + 1},
                     {"ATT_INLINE": 1 - base["consts"]["ATT_INLINE"]}]
 
 

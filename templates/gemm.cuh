@@ -142,6 +142,18 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
     const int wm = warp % GEMM_WM, wn = warp / GEMM_WM;
     const int nb_count = (rows + GEMM_BN - 1) / GEMM_BN;
     const uint4* Wv = reinterpret_cast<const uint4*>(W);
+    // wgmma: one mbarrier a ring stage for the weights' bulk copies (their phase parity a bit of `phase`, flipped at
+    // each wait: every fill is waited on once), initialised by each GEMM of a launch before its first copy
+    __shared__ unsigned long long bar[GEMM_WGMMA ? GEMM_STAGES : 1];
+    unsigned phase = 0;
+    if constexpr (GEMM_WGMMA) {
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < GEMM_STAGES; ++s) mbar_init(bar + s, 1);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
     // the first FULL tiles whole (full waves of tasks), the rest in KSPLIT splits each (the last, partial wave
     // spread over the SMs); FULL = 0: every tile split
     const int split_tiles = MB * nb_count - FULL;
@@ -159,15 +171,42 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         auto issue = [&](int kc, int stage) {
             if (kc < kc1) {
                 T* a = As + stage * GEMM_A_STAGE;
-                // weights: (BM/16 tiles) x (BKT k-tiles) x 32 lanes x 16 B, contiguous per tile in the packing
-                for (int c = tid; c < (GEMM_BM / 16) * BKT * 32; c += THREADS) {
-                    const int mt = c / (BKT * 32), rem = c % (BKT * 32), kt = kc * BKT + rem / 32;
-                    const bool ok = mt0 + mt < NT16 && kt < KT16;
-                    cp_async16(a + (size_t)c * 8, ok ? Wv + ((size_t)(mt0 + mt) * KT16 + kt) * 32 + rem % 32 : Wv, ok);
+                if constexpr (GEMM_WGMMA) {
+                    // weights: one bulk copy per 16-row tile (its BKT k-tiles are 2 KB contiguous in the packing) by
+                    // the lanes of warp 0, the stage's mbarrier counting the bytes; rows past N are not copied (their
+                    // results are never stored), a K tail is zeroed below
+                    const int mts = min(GEMM_BM / 16, NT16 - mt0), kts = min(BKT, KT16 - kc * BKT);
+                    if (warp == 0) {
+                        if (lane == 0) mbar_expect_tx(bar + stage, (unsigned)(mts * kts * 512));
+                        for (int mt = lane; mt < mts; mt += 32)
+                            bulk_copy(a + (size_t)mt * BKT * 256, Wv + ((size_t)(mt0 + mt) * KT16 + kc * BKT) * 32,
+                                      (unsigned)kts * 512u, bar + stage);
+                    }
+                    if constexpr (K % GEMM_BK != 0)
+                        if (kc == KCH - 1) {  // the last chunk's k-tiles past K: zeros (stale data may be NaN)
+                            for (int c = tid; c < (GEMM_BM / 16) * (BKT - kts) * 32; c += THREADS) {
+                                const int mt = c / ((BKT - kts) * 32), rem = c % ((BKT - kts) * 32);
+                                *reinterpret_cast<uint4*>(a + ((size_t)(mt * BKT + kts + rem / 32) * 32 + rem % 32) * 8) =
+                                    make_uint4(0u, 0u, 0u, 0u);
+                            }
+                            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before a later bulk copy
+                        }
+                } else {
+                    // weights: (BM/16 tiles) x (BKT k-tiles) x 32 lanes x 16 B, contiguous per tile in the packing
+                    for (int c = tid; c < (GEMM_BM / 16) * BKT * 32; c += THREADS) {
+                        const int mt = c / (BKT * 32), rem = c % (BKT * 32), kt = kc * BKT + rem / 32;
+                        const bool ok = mt0 + mt < NT16 && kt < KT16;
+                        cp_async16(a + (size_t)c * 8, ok ? Wv + ((size_t)(mt0 + mt) * KT16 + kt) * 32 + rem % 32 : Wv,
+                                   ok);
+                    }
                 }
                 T* b = Bs + stage * GEMM_B_STAGE;
-                for (int c = tid; c < GEMM_BN * (GEMM_BK / 8); c += THREADS) {
-                    const int r = c / (GEMM_BK / 8), ch = c % (GEMM_BK / 8), k = kc * GEMM_BK + ch * 8;
+                // tokens: a compile-time count of 16-byte copies a thread (unrolled: no loop arithmetic per copy)
+                constexpr int XCH = GEMM_BK / 8, XN = (GEMM_BN * XCH + THREADS - 1) / THREADS;
+#pragma unroll
+                for (int i = 0; i < XN; ++i) {
+                    const int c = tid + i * THREADS, r = c / XCH, ch = c % XCH, k = kc * GEMM_BK + ch * 8;
+                    if (XN * THREADS != GEMM_BN * XCH && c >= GEMM_BN * XCH) break;
                     const bool ok = t0 + r < rows && k < K;
                     // wgmma: 64-element column blocks of BN rows, chunk ch % 8 of row r at ch % 8 ^ r % 8
                     T* dst = GEMM_WGMMA ? b + (ch / 8) * (GEMM_BN * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8
@@ -192,19 +231,29 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         const bool active = GEMM_WGMMA ? t0 < rows && mt0 + (wm & ~3) < NT16
                                        : t0 + wn * GEMM_TN * 8 < rows && mt0 + wm * GEMM_TM < NT16;
         for (int kc = kc0; kc < kc1; ++kc) {
-            cp_async_wait<AHEAD - 1>();
+            const int st = (kc - kc0) % GEMM_STAGES;
+            cp_async_wait<AHEAD - 1>();  // this thread's token copies of chunk kc are in
+            if constexpr (GEMM_WGMMA) {  // and the weights' bulk copies
+                mbar_wait(bar + st, (phase >> st) & 1u);
+                phase ^= 1u << st;
+            }
             __syncthreads();  // chunk kc is in; every warp is done with the stage about to be refilled
             issue(kc + AHEAD, (kc - kc0 + AHEAD) % GEMM_STAGES);
             if (GEMM_WGMMA || active) {  // wgmma: every warpgroup (a divergent wgmma is serialised; padding is zeros)
-                const T* a = As + ((kc - kc0) % GEMM_STAGES) * GEMM_A_STAGE;
-                const T* b = Bs + ((kc - kc0) % GEMM_STAGES) * GEMM_B_STAGE;
+                const T* a = As + st * GEMM_A_STAGE;
+                const T* b = Bs + st * GEMM_B_STAGE;
                 if constexpr (GEMM_WGMMA) {
-                    // one commit group per k16 step: at most BKT in flight, so the previous chunk's step kk is done
-                    // (its fragment registers free) once BKT - 1 remain
+                    // one commit group per k16 step; fragment kk + 1 read from shared memory while mma kk is issued
+                    // (its slot's previous mma, step kk + 1 of the chunk before, is done once 2 groups remain: one
+                    // read's latency a chunk, not one a step)
+                    wgmma_wait<BKT - 1>();
+                    af[0] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT) * 32 + lane) * 8);
 #pragma unroll
                     for (int kk = 0; kk < BKT; ++kk) {
-                        wgmma_wait<BKT - 1>();
-                        af[kk] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk) * 32 + lane) * 8);
+                        if (kk + 1 < BKT) {
+                            wgmma_wait<BKT - 2>();
+                            af[kk + 1] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk + 1) * 32 + lane) * 8);
+                        }
                         wgmma_fence();  // the fragment is written: order it before the async mma that reads it
                         // a k16 step of a 64-wide block starts 32 bytes (2 descriptor units) further
                         wgmma_mma<GEMM_BN>(c[0], af[kk], wgmma_desc(b + (kk / 4) * (GEMM_BN * 64)) + (kk % 4) * 2);

@@ -28,6 +28,32 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e]) :: "memory");
 }
 
+// The weights' ring on sm_90a: bulk asynchronous copies (the TMA unit; one instruction a contiguous 2 KB run, no
+// thread issues per 16 bytes) whose completion an mbarrier counts in bytes (PTX ISA: cp.async.bulk, mbarrier).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(count)
+                 : "memory");
+}
+// the inits visible to the async proxy (the bulk copies' complete_tx) before any copy is issued
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// the arrival of this phase's one producer, with the bytes the phase's copies will bring
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+// waits for the phase of the given parity to complete
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (16-byte aligned), counted on `bar`
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+
 template <int N> struct Wgmma;  // N = tokens of the tile
 // D += A B with scale-d 1. A template on the accumulators' type: in the mma.sync build's discarded `if constexpr`
 // branch (its accumulators have another shape) the call is never instantiated, so it compiles for every arch

@@ -32,7 +32,8 @@ THREADS = 384
 # the knobs a plan override (generator.tune) may set: each projection's split-K factor and tiles computed whole
 # before the split ones (split_k), the GEMM raster's group, and whether the attention is inlined (0: a call)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM", "ATT_INLINE")
+KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM", "GEMM_STAGES",
+                                                                                  "ATT_INLINE")
 MAX_SPLIT = 16
 MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
 WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
@@ -72,8 +73,8 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
     out = {}
     for k, val in ov.items():
         check_knob(name, k, val, KNOBS)
-        hi = chunks.get(k, 1 if k == "ATT_INLINE" else 64)
-        lo = 0 if k.endswith("_FULL") or k == "ATT_INLINE" else 1
+        hi = chunks.get(k, 1 if k == "ATT_INLINE" else MAX_STAGES if k == "GEMM_STAGES" else 64)
+        lo = 0 if k.endswith("_FULL") or k == "ATT_INLINE" else 3 if k == "GEMM_STAGES" else 1
         if not lo <= val <= hi:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {lo}..{hi}" + (
                 " (the projection's K chunks)" if k.endswith("_KSPLIT") else
@@ -119,20 +120,21 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         bk //= 2
     stage_bytes = stage_of(bk)
     stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
-    gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
-    att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
-    append_bytes = (THREADS // 32) * m.head_dim * 4
-    smem_bytes = check_smem(v.name, arch, {
-        "projection GEMM": (gemm_bytes, f"3 ring stages of a {bm} x {bk} weight and {bn} x {bk} token chunk: a GPU "
-                                        f"with more shared memory per block (sm_80, sm_90, sm_100)"),
-        "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
-                                 f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
-        "kv_append": (append_bytes, "a smaller head_dim"),
-    })
     counts = {key: -(-n // bm) * -(-rows // bn) for key, (n, _) in projs.items()}
     ov = _check_overrides(v.name, dict(overrides or {}),
                           {**{f"{p}_KSPLIT": -(-projs[key][1] // bk) for p, key in PROJECTIONS},
                            **{f"{p}_FULL": counts[key] - 1 for p, key in PROJECTIONS}})
+    stages = ov.get("GEMM_STAGES", stages)  # a deeper ring than fits is refused by check_smem below
+    gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
+    att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
+    append_bytes = (THREADS // 32) * m.head_dim * 4
+    smem_bytes = check_smem(v.name, arch, {
+        "projection GEMM": (gemm_bytes, f"{stages} ring stages of a {bm} x {bk} weight and {bn} x {bk} token chunk: "
+                                        f"a GPU with more shared memory per block (sm_80, sm_90, sm_100)"),
+        "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
+                                 f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
+        "kv_append": (append_bytes, "a smaller head_dim"),
+    })
     gm = ov.get("GEMM_GM", gm)
     # a split's partial tile is stored and read back through L2 (~half HBM's cost a byte), plus ~a chunk of sync
     split_cost = 1 + bm * bn * 4 / stage_bytes
