@@ -243,9 +243,11 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                 const T* a = As + st * GEMM_A_STAGE;
                 const T* b = Bs + st * GEMM_B_STAGE;
                 if constexpr (GEMM_WGMMA) {
-                    // one commit group per k16 step; fragment kk + 1 read from shared memory while mma kk is issued
-                    // (its slot's previous mma, step kk + 1 of the chunk before, is done once 2 groups remain: one
-                    // read's latency a chunk, not one a step)
+                    // one commit group per k16 step; fragment kk + 1 read from shared memory before mma kk is issued
+                    // (its slot's previous mma, step kk + 1 of the chunk before, is done once 2 groups remain). The
+                    // wgmma fence waits for every register write before it, so the read's latency is not hidden
+                    // (ncu: short scoreboard on WARPGROUP.ARRIVE); reading a whole chunk's fragments ahead takes 16
+                    // more registers and spilled on 8 shapes (bench/NOTES.md, session 7)
                     wgmma_wait<BKT - 1>();
                     af[0] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT) * 32 + lane) * 8);
 #pragma unroll
