@@ -9,6 +9,12 @@ machines, e.g. nvidia-h200-x2, not on gVisor.) Launches the variant `--launches`
 random cache, every sequence at `--pos` (full: the last cache row, the benchmark's decode case; mixed: spread over
 the cache; zero: a prompt's first chunk, the benchmark's prefill case), and prints its stage clocks of the last
 launch. Builds nothing: `megakernel build --only NAME` first.
+
+`--unfused` launches the same shape's unfused layer instead (generator.unfused: cuBLAS GEMMs, SDPA), the
+benchmark's baseline, to profile its kernels beside ours (a prefill chunk's gate_up GEMM, e.g.):
+
+    ncu --clock-control none --kernel-name regex:"gemm|sm90" --launch-skip 4 --launch-count 4 --set full \\
+        python3 bench/ncu_layer.py llama3-8b_prefill_b1_s512_bf16 --pos zero --unfused
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from thi
 @click.option("--cache-len", type=click.IntRange(min=1), default=None,
               help="KV rows per sequence of a prefill variant [max(4096, chunk), as gpu_check; a decode variant's is "
                    "its own]")
-def main(variant, build_dir, variants_file, launches, pos, seed, cache_len):
+@click.option("--unfused", is_flag=True, help="launch the shape's unfused layer (cuBLAS + SDPA) instead")
+def main(variant, build_dir, variants_file, launches, pos, seed, cache_len, unfused):
     """Launch built VARIANT --launches times (random weights and cache) for Nsight Compute to profile."""
     import torch
     if not torch.cuda.is_available():
@@ -60,6 +67,15 @@ def main(variant, build_dir, variants_file, launches, pos, seed, cache_len):
     p = torch.tensor(p, dtype=torch.int32, device="cuda")
     shape = (B, m.hidden) if v.mode == "decode" else (B, v.seq_len, m.hidden)
     x = torch.randn(shape, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
+    if unfused:  # the benchmark's baseline on the same weights and cache shape (gpu_check: check_prefill)
+        from generator.unfused import UnfusedLayer
+        base = UnfusedLayer(reference.random_weights(m, seed=seed, device="cuda"), m, layer.k_cache, layer.v_cache)
+        kv_len = v.seq_len if pos == "zero" else None  # a first chunk reads only its own rows, as gpu_check times it
+        for _ in range(launches):
+            (base.decode(x, p) if v.mode == "decode" else base.prefill(x, p, kv_len=kv_len))
+        torch.cuda.synchronize()
+        print(variant, f"unfused layer launched {launches} times")
+        return
     for _ in range(launches):
         (layer(x, p, validate=False) if v.mode == "decode" else layer.prefill(x, p, validate=False))
     torch.cuda.synchronize()
