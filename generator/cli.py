@@ -119,7 +119,8 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
 @click.option("--exclude", multiple=True, help="glob over variant names to skip (repeatable)")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
-@click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused")
+@click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused, or a "
+                                             "tuned plan is")
 @tuned_opts
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
@@ -151,6 +152,14 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                                 variants_file=variants_file, tuning_file=tfile)
     for w in result.get("warnings", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
+    if tfile is not None and tuned_for:  # a file asked for by name: entries that match no declared variant are typos
+        from . import tune as gtune
+        declared_names = {v.name for v in gvariants.load(variants_file)}
+        unknown = sorted(set(gtune.read_tuning(Path(tfile))) - declared_names)
+        if unknown:
+            err_console.print(f"warning: {gtune.display(Path(tfile))}: no declared variant named "
+                              f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (entries unused)",
+                              markup=False, highlight=False, soft_wrap=True)
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])
@@ -172,7 +181,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                               "to local memory", highlight=False)
     if result["errors"]:
         sys.exit(1)
-    if strict and rep["totals"]["flagged"]:
+    if strict and (rep["totals"]["flagged"] or result.get("warnings")):  # a tuned plan refused is a failure too
         sys.exit(1)
 
 

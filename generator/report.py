@@ -28,7 +28,8 @@ BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_
 
 def flags(entry: dict) -> list[str]:
     """What a user must not miss: spills, over-budget shared memory, a refused or failed build, wgmma serialised by
-    ptxas (the prefill GEMM's tensor-core work waiting on itself: slower, not wrong)."""
+    ptxas (the prefill GEMM's tensor-core work waiting on itself: slower, not wrong), one layer's weights, KV cache
+    and workspace over the largest GPU of its arch (mem>N GB: it cannot run)."""
     out = []
     if entry["status"] != "ok":
         out.append(entry["status"])
@@ -43,6 +44,13 @@ def flags(entry: dict) -> list[str]:
         out.append(f"smem>{limit // 1024}KB")
     if r["blocks_per_sm"] < 1:
         out.append("no-residency")
+    a = get_arch(entry.get("arch", DEFAULT_ARCH))
+    try:
+        g = gpu_fields(entry)
+    except (KeyError, TypeError):  # an older build's entry without its parameters: nothing to add up
+        g = {}
+    if a.mem_bytes and g.get("gpu_bytes", 0) + (g.get("workspace_bytes") or 0) > a.mem_bytes:
+        out.append(f"mem>{a.mem_bytes // 10**9}GB")
     return out
 
 

@@ -23,16 +23,17 @@ class Arch:
     threads_per_sm: int
     sms: int                # SM count of the flagship part; the planner balances tasks for it (the kernel
     example: str            # strides over gridDim, so any SM count is correct)
+    mem_bytes: int = 0      # device memory of the largest part (a layer that needs more cannot run on any)
 
 
 # the kernel needs mma.sync m16n8k16 with bf16/fp16 inputs, cp.async and ldmatrix: sm_80 and later
 ARCHS: dict[str, Arch] = {a.sm: a for a in (
-    Arch("80", 163 * 1024, 164 * 1024, 65536, 2048, 108, "A100"),
-    Arch("86", 99 * 1024, 100 * 1024, 65536, 1536, 84, "RTX 3090"),
-    Arch("89", 99 * 1024, 100 * 1024, 65536, 1536, 128, "RTX 4090 / L40S"),
-    Arch("90", 227 * 1024, 228 * 1024, 65536, 2048, 132, "H100 / H200"),
-    Arch("100", 227 * 1024, 228 * 1024, 65536, 2048, 148, "B200"),
-    Arch("120", 99 * 1024, 100 * 1024, 65536, 1536, 188, "RTX 5090"),
+    Arch("80", 163 * 1024, 164 * 1024, 65536, 2048, 108, "A100", 80 * 10**9),
+    Arch("86", 99 * 1024, 100 * 1024, 65536, 1536, 84, "RTX 3090", 48 * 10**9),
+    Arch("89", 99 * 1024, 100 * 1024, 65536, 1536, 128, "RTX 4090 / L40S", 48 * 10**9),
+    Arch("90", 227 * 1024, 228 * 1024, 65536, 2048, 132, "H100 / H200", 141 * 10**9),
+    Arch("100", 227 * 1024, 228 * 1024, 65536, 2048, 148, "B200", 192 * 10**9),
+    Arch("120", 99 * 1024, 100 * 1024, 65536, 1536, 188, "RTX 5090", 32 * 10**9),
 )}
 DEFAULT_ARCH = "90"
 

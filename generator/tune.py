@@ -82,6 +82,7 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     An entry that is malformed, stale (tuned for other parameters), or that the planner refuses: the default plan
     and a one-line warning."""
     from .render import plan  # render imports Jinja: only when resolving
+    arch = str(arch).rstrip("a")  # sm_90 builds as sm_90a: one arch for tuning
     if path is None:
         return {}, "default", None, None
     path = Path(path)
@@ -99,7 +100,7 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
         why = "malformed entry (no \"overrides\" object)"
     elif e.get("identity") not in (None, identity(v.params(), str(arch))):
         tuned_on = gpu_arch(str(e.get("gpu", "")))
-        if tuned_on and tuned_on != str(arch).rstrip("a") and e["identity"] == identity(v.params(), tuned_on):
+        if tuned_on and tuned_on != arch and e["identity"] == identity(v.params(), tuned_on):
             return {}, "default", None, None  # tuned on another architecture's GPU: not this build's plan
         why = "tuned for other parameters or another arch (stale: run `megakernel tune` again)"
     else:

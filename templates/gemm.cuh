@@ -1,7 +1,8 @@
 // ---- GEMM engine of the prefill projections (not a stage itself) ----
 // C[n][t] = sum_k W[n][k] * X[t][k] for N weight rows and `rows` tokens on the tensor cores (mma.sync m16n8k16):
 // weight rows are M, tokens are N. A block task is a GEMM_BM x GEMM_BN tile (weight rows x tokens) over the whole
-// of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep cp.async ring in shared memory: the packed
+// of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the
+// weights by bulk copies, the TMA unit, each stage's bytes counted on an mbarrier): the packed
 // weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows (padded by 16
 // bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM
 // 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). The epilogue runs from
@@ -152,6 +153,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             for (int s = 0; s < GEMM_STAGES; ++s) mbar_init(bar + s, 1);
             mbar_init_fence();
         }
+        // the earlier stages' generic writes to this shared memory ordered before the bulk copies' (async proxy)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
     }
     // the first FULL tiles whole (full waves of tasks), the rest in KSPLIT splits each (the last, partial wave
@@ -174,7 +177,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                 if constexpr (GEMM_WGMMA) {
                     // weights: one bulk copy per 16-row tile (its BKT k-tiles are 2 KB contiguous in the packing) by
                     // the lanes of warp 0, the stage's mbarrier counting the bytes; rows past N are not copied (their
-                    // results are never stored), a K tail is zeroed below
+                    // results are never used: stale shared memory there gives garbage rows the epilogue and the
+                    // split's finish skip), a K tail is zeroed below
                     const int mts = min(GEMM_BM / 16, NT16 - mt0), kts = min(BKT, KT16 - kc * BKT);
                     if (warp == 0) {
                         if (lane == 0) mbar_expect_tx(bar + stage, (unsigned)(mts * kts * 512));
@@ -239,7 +243,9 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             }
             __syncthreads();  // chunk kc is in; every warp is done with the stage about to be refilled
             issue(kc + AHEAD, (kc - kc0 + AHEAD) % GEMM_STAGES);
-            if (GEMM_WGMMA || active) {  // wgmma: every warpgroup (a divergent wgmma is serialised; padding is zeros)
+            // wgmma: every warpgroup (a divergent wgmma is serialised; padding tokens are zeros, weight rows past N
+            // stale: each gives only its own, unused, result rows)
+            if (GEMM_WGMMA || active) {
                 const T* a = As + st * GEMM_A_STAGE;
                 const T* b = Bs + st * GEMM_B_STAGE;
                 if constexpr (GEMM_WGMMA) {
@@ -290,8 +296,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
         cp_async_wait<0>();
         __syncthreads();  // the ring is reused by the next task
         if constexpr (KSPLIT > 1) if (FULL == 0 || opaque(task) >= FULL) {
-            // split-K: every split stores its partial tile (tile-local, [token][row], rows fastest; padding rows and
-            // tokens are zeros), then the tile is summed and finished in float4 units of 4 rows, from a rolled loop
+            // split-K: every split stores its partial tile (tile-local, [token][row], rows fastest; padding tokens'
+            // and rows' values are never read), then the tile is summed and finished in float4 units of 4 rows, from a rolled loop
             // whose loads are all in flight together: unrolled per accumulator element (a branch each for the
             // owning split) the combine was ~7,000 instructions of a GEMM and most of a 128-token chunk's qkv and
             // o_proj time went to instruction fetch (ncu: stall no_inst)

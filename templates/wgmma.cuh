@@ -47,7 +47,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra wait_%=;\n}\n" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 }
-// `bytes` (a multiple of 16) from global `src` to shared `dst` (16-byte aligned), counted on `bar`
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), counted on `bar`
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),

@@ -184,6 +184,18 @@ def test_report_flags_serialized_wgmma():
     assert report.flags(entry) == ["wgmma-serialized"]
 
 
+def test_report_flags_a_layer_no_gpu_of_its_arch_holds():
+    import dataclasses
+    from generator import report, variants as gvariants
+    v = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_prefill_b4_s2048_bf16")
+    entry = {"status": "ok", "arch": "90", "params": v.params(), "plan": {"workspace": {"bytes": 10**9}},
+             "resources": {"spill_stores": 0, "spill_loads": 0, "smem_total": 1024, "blocks_per_sm": 1}}
+    assert report.flags(entry) == []
+    huge = dataclasses.replace(v, batch=3, seq_len=1_000_000)  # a prompt chunk of a million tokens: ~147 GB
+    entry.update(params=huge.params(), plan={"workspace": {"bytes": 147 * 10**9}})
+    assert report.flags(entry) == ["mem>141GB"]
+
+
 # ---------------------------------------------------------------- second build, --only
 
 def test_second_build_recompiles_nothing(copy_build, tiny_build, tmp_path):

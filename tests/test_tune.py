@@ -270,6 +270,27 @@ def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_varia
     assert not (tmp_path / "b").exists()
 
 
+def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tmp_path, tiny_variants_file):
+    name = gvariants.load(tiny_variants_file)[0].name
+    tf = tmp_path / "mine.json"
+    tf.write_text(json.dumps({name: {"overrides": {"QKV_NWG": 0}}, name + "x": {"overrides": {}}}))
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
+                 "--tuned-for", tf, "--strict"], cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert f"{name}: refused by the planner" in r.stderr and "default plan used" in r.stderr
+    assert f"no declared variant named {name}x (entries unused)" in r.stderr
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
+                 "--tuned-for", tf], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr  # without --strict: the default plan, warned
+
+
+def test_arch_90a_takes_the_tuned_plan_of_90():
+    v = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_prefill_b1_s64_bf16")
+    f = gtune.tuning_file("NVIDIA H200")
+    assert gtune.resolve(v, "90a", f)[:2] == gtune.resolve(v, "90", f)[:2]
+    assert gtune.resolve(v, "90a", f)[3] is None
+
+
 def prefill_declared():
     vs = gvariants.load(ROOT / "variants.yaml") + gvariants.load(ROOT / "bench" / "heldout.yaml")
     return [v for v in vs if v.mode == "prefill"]
@@ -308,6 +329,22 @@ def test_prefill_overrides_validated_and_in_source():
             render.plan(v, overrides=bad)
         assert "\n" not in str(e.value)
     assert set(PKNOBS) <= set(render.plan(v)["consts"])
+
+
+def test_prefill_ring_depth_override_checked_against_shared_memory():
+    v = next(v for v in prefill_declared() if v.name == "llama3-8b_prefill_b1_s512_bf16")
+    base = render.plan(v)
+    deeper = render.plan(v, overrides={"GEMM_STAGES": base["consts"]["GEMM_STAGES"] + 1})
+    assert deeper["consts"]["GEMM_STAGES"] == base["consts"]["GEMM_STAGES"] + 1
+    assert deeper["smem_bytes"] > base["smem_bytes"]
+    for bad, why in (({"GEMM_STAGES": 2}, "must be in 3..8"), ({"GEMM_STAGES": 9}, "must be in 3..8"),
+                     ({"GEMM_STAGES": 8}, r"shared memory.*fewer stages \(GEMM_STAGES\)")):
+        with pytest.raises(PlanError, match=why) as e:
+            render.plan(v, overrides=bad)
+        assert "\n" not in str(e.value) and "sm_80, sm_90" not in str(e.value)
+    # the tuner offers a stage more only where it fits (8 stages of 128-token tiles do not)
+    for ov in gtune.candidates(v, limit=40):
+        render.plan(v, overrides=ov)
 
 
 def test_prefill_split_k_fills_the_sms_and_stays_whole_where_tiles_do():

@@ -21,8 +21,9 @@ STEPS = (
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
 )
 
-# cp.async ring depth: up to 7 chunks in flight per SM (mma.sync; wgmma: 6, one stage is still being read by the
-# mma in flight) keep HBM busy when a chunk is short (few tasks); the shared memory sets it lower for large tiles
+# the GEMM ring's depth (cp.async; sm_90a: the weights by bulk copies): up to 7 chunks in flight per SM (mma.sync;
+# wgmma: 6, one stage is still being read by the mma in flight) keep HBM busy when a chunk is short (few tasks); the
+# shared memory sets it lower for large tiles (GEMM_STAGES overrides it)
 MAX_STAGES = 8
 # 12 warps: up to 168 registers a thread (16 warps cap it at 128, where head_dim-128 attention spills: its output
 # accumulators alone take 64)
@@ -30,7 +31,8 @@ THREADS = 384
 
 
 # the knobs a plan override (generator.tune) may set: each projection's split-K factor and tiles computed whole
-# before the split ones (split_k), the GEMM raster's group, and whether the attention is inlined (0: a call)
+# before the split ones (split_k), the GEMM raster's group, the ring's depth, and whether the attention is inlined
+# (0: a call)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM", "GEMM_STAGES",
                                                                                   "ATT_INLINE")
@@ -86,7 +88,7 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
 def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     """Every constexpr of the prefill kernel for `v` (seq_len = the chunk) on `arch`: the GEMM tiles, ring depth and
     split-K per projection, the attention's shared memory. `overrides` {knob: int} (KNOBS; generator.tune) replace
-    the planner's split-K factors and raster group. Raises PlanError over the shared-memory limit or on a bad
+    the planner's split-K factors, raster group, ring depth and the attention's inlining. Raises PlanError over the shared-memory limit or on a bad
     override (one line)."""
     m = v.model
     esize = DTYPES[m.dtype].bytes
@@ -130,7 +132,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     append_bytes = (THREADS // 32) * m.head_dim * 4
     smem_bytes = check_smem(v.name, arch, {
         "projection GEMM": (gemm_bytes, f"{stages} ring stages of a {bm} x {bk} weight and {bn} x {bk} token chunk: "
-                                        f"a GPU with more shared memory per block (sm_80, sm_90, sm_100)"),
+                                        "fewer stages (GEMM_STAGES) or a GPU with more shared memory per block"),
         "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
                                  f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
