@@ -153,8 +153,6 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             for (int s = 0; s < GEMM_STAGES; ++s) mbar_init(bar + s, 1);
             mbar_init_fence();
         }
-        // the earlier stages' generic writes to this shared memory ordered before the bulk copies' (async proxy)
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
     }
     // the first FULL tiles whole (full waves of tasks), the rest in KSPLIT splits each (the last, partial wave
