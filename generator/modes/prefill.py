@@ -88,8 +88,8 @@ def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
 def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     """Every constexpr of the prefill kernel for `v` (seq_len = the chunk) on `arch`: the GEMM tiles, ring depth and
     split-K per projection, the attention's shared memory. `overrides` {knob: int} (KNOBS; generator.tune) replace
-    the planner's split-K factors, raster group, ring depth and the attention's inlining. Raises PlanError over the shared-memory limit or on a bad
-    override (one line)."""
+    the planner's split-K factors, raster group, ring depth and the attention's inlining. Raises PlanError over the
+    shared-memory limit or on a bad override (one line)."""
     m = v.model
     esize = DTYPES[m.dtype].bytes
     rows = v.batch * v.seq_len
