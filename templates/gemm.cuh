@@ -13,9 +13,10 @@
 // tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded). Other archs keep
 // mma.sync.
 // Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk, or for the tiles past the last
-// full wave, FULL, where there are more): a tile's K range is split over KSPLIT tasks that run on different blocks; each stores its fp32 partial tile to `part`; where all of a tile's
-// splits are resident together each then sums and finishes 1/KSPLIT of the tile (a per-tile counter), else the last
-// to finish sums all (the counter is reset by the task that empties it: no barrier).
+// full wave, FULL, where there are more): a tile's K range is split over KSPLIT tasks that run on different blocks;
+// each stores its fp32 partial tile to `part`; where all of a tile's splits are resident together each then sums and
+// finishes 1/KSPLIT of the tile (a per-tile counter), else the last to finish sums all (the counter is reset by the
+// task that empties it: no barrier).
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (the GEMM is prefill's)
 #include "example_config_prefill.cuh"
@@ -188,8 +189,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                         if (kc == KCH - 1) {  // the last chunk's k-tiles past K: zeros (stale data may be NaN)
                             for (int c = tid; c < (GEMM_BM / 16) * (BKT - kts) * 32; c += THREADS) {
                                 const int mt = c / ((BKT - kts) * 32), rem = c % ((BKT - kts) * 32);
-                                *reinterpret_cast<uint4*>(a + ((size_t)(mt * BKT + kts + rem / 32) * 32 + rem % 32) * 8) =
-                                    make_uint4(0u, 0u, 0u, 0u);
+                                T* z = a + ((size_t)(mt * BKT + kts + rem / 32) * 32 + rem % 32) * 8;
+                                *reinterpret_cast<uint4*>(z) = make_uint4(0u, 0u, 0u, 0u);
                             }
                             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before a later bulk copy
                         }
@@ -258,7 +259,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     for (int kk = 0; kk < BKT; ++kk) {
                         if (kk + 1 < BKT) {
                             wgmma_wait<BKT - 2>();
-                            af[kk + 1] = *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk + 1) * 32 + lane) * 8);
+                            af[kk + 1] =
+                                *reinterpret_cast<const uint4*>(a + ((size_t)(wm * BKT + kk + 1) * 32 + lane) * 8);
                         }
                         wgmma_fence();  // the fragment is written: order it before the async mma that reads it
                         // a k16 step of a 64-wide block starts 32 bytes (2 descriptor units) further
