@@ -119,8 +119,8 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
 @click.option("--exclude", multiple=True, help="glob over variant names to skip (repeatable)")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
-@click.option("--strict", is_flag=True, help="exit 1 if any variant spills, is over budget or is refused, or a "
-                                             "tuned plan is")
+@click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged (spills, over budget, refused, "
+                                             "memory) or a tuned plan is refused")
 @tuned_opts
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
@@ -182,6 +182,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     if result["errors"]:
         sys.exit(1)
     if strict and (rep["totals"]["flagged"] or result.get("warnings")):  # a tuned plan refused is a failure too
+        refused = len(result.get("warnings", []))
+        err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged, {refused} tuned plan(s) refused)",
+                          markup=False, highlight=False)
         sys.exit(1)
 
 

@@ -278,6 +278,7 @@ def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tm
                  "--tuned-for", tf, "--strict"], cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert f"{name}: refused by the planner" in r.stderr and "default plan used" in r.stderr
+    assert "--strict: exit 1 (0 flagged, 1 tuned plan(s) refused)" in r.stderr
     assert f"no declared variant named {name}x (entries unused)" in r.stderr
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
                  "--tuned-for", tf], cwd=tmp_path)
@@ -338,7 +339,7 @@ def test_prefill_ring_depth_override_checked_against_shared_memory():
     assert deeper["consts"]["GEMM_STAGES"] == base["consts"]["GEMM_STAGES"] + 1
     assert deeper["smem_bytes"] > base["smem_bytes"]
     for bad, why in (({"GEMM_STAGES": 2}, "must be in 3..8"), ({"GEMM_STAGES": 9}, "must be in 3..8"),
-                     ({"GEMM_STAGES": 8}, r"shared memory.*fewer stages \(GEMM_STAGES\)")):
+                     ({"GEMM_STAGES": 8}, r"shared memory.*at most 5 fit \(GEMM_STAGES\)")):
         with pytest.raises(PlanError, match=why) as e:
             render.plan(v, overrides=bad)
         assert "\n" not in str(e.value) and "sm_80, sm_90" not in str(e.value)

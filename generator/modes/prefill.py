@@ -128,11 +128,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                            **{f"{p}_FULL": counts[key] - 1 for p, key in PROJECTIONS}})
     stages = ov.get("GEMM_STAGES", stages)  # a deeper ring than fits is refused by check_smem below
     gemm_bytes = stages * stage_bytes + 1024  # + the ring's alignment to the swizzle atom
+    fit = (arch.smem_per_block - 1024) // stage_bytes  # the deepest ring this GPU's shared memory holds
     att_bytes = (2 * 2 * 64 + (THREADS // 32) * 16) * (m.head_dim + 8) * esize   # K/V ring + each warp's queries
     append_bytes = (THREADS // 32) * m.head_dim * 4
     smem_bytes = check_smem(v.name, arch, {
         "projection GEMM": (gemm_bytes, f"{stages} ring stages of a {bm} x {bk} weight and {bn} x {bk} token chunk: "
-                                        "fewer stages (GEMM_STAGES) or a GPU with more shared memory per block"),
+                                        + (f"at most {fit} fit (GEMM_STAGES)" if fit >= 3 else
+                                           "a GPU with more shared memory per block")),
         "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
                                  f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
         "kv_append": (append_bytes, "a smaller head_dim"),
