@@ -152,10 +152,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                                 variants_file=variants_file, tuning_file=tfile)
     for w in result.get("warnings", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
+    declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
     if tfile is not None and tuned_for:  # a file asked for by name: entries that match no declared variant are typos
         from . import tune as gtune
-        declared_names = {v.name for v in gvariants.load(variants_file)}
-        unknown = sorted(set(gtune.read_tuning(Path(tfile))) - declared_names)
+        unknown = sorted(set(gtune.read_tuning(Path(tfile))) - declared)
         if unknown:
             err_console.print(f"warning: {gtune.display(Path(tfile))}: no declared variant named "
                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (entries unused)",
@@ -172,7 +172,6 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     for e in result["errors"]:
         err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
-    declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
     rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
     greport.print_report(rep, console)
     for r in rep["rows"]:
