@@ -126,6 +126,43 @@ __device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* cou
     }
 }
 
+// The staged epilogue's row pitch (floats): 4 past the tile's rows puts the 32 lanes' fragment writes in 32 banks.
+constexpr int GEMM_ELD = GEMM_BM + 4;
+// whole tiles' epilogue through shared memory where the staged tile fits in the ring
+constexpr bool GEMM_EPI_SMEM = GEMM_BN * GEMM_ELD * 4 <= GEMM_STAGES * (GEMM_A_STAGE + GEMM_B_STAGE) * (int)sizeof(T);
+
+// A whole tile's epilogue from its fp32 results staged in shared memory `ts` ([token][row], pitch GEMM_ELD):
+// consecutive threads take consecutive rows of a token (PAIR: consecutive row pairs), so the stores and pre's loads
+// of a warp are contiguous; 4 elements a thread a round, their inputs loaded before any is stored.
+template <int N, bool PAIR, class Pre, class Epi>
+__device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int t0, int rows, Pre pre, Epi epi) {
+    constexpr int W = PAIR ? GEMM_BM / 2 : GEMM_BM, TOTAL = W * GEMM_BN, U = 4;
+    const int tid = (int)threadIdx.x;
+    for (int base = tid; base < TOTAL; base += U * THREADS) {
+        float v[U], w[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int idx = base + u * THREADS, tl = idx / W, nl = idx % W, n = n0 + (PAIR ? 2 * nl : nl);
+            v[u] = w[u] = 0.f;
+            if (idx >= TOTAL || n >= N || t0 + tl >= rows) continue;
+            if constexpr (PAIR) {
+                const float2 p = *reinterpret_cast<const float2*>(ts + tl * GEMM_ELD + 2 * nl);
+                v[u] = p.x;
+                w[u] = p.y;
+            } else {
+                v[u] = ts[tl * GEMM_ELD + nl];
+                w[u] = pre(n, t0 + tl);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int idx = base + u * THREADS, tl = idx / W, nl = idx % W, n = n0 + (PAIR ? 2 * nl : nl);
+            if (idx >= TOTAL || n >= N || t0 + tl >= rows) continue;
+            epi(PAIR ? n / 2 : n, t0 + tl, v[u], w[u]);
+        }
+    }
+}
+
 // W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v, pre(n, t)) for every
 // result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
 // v_odd_row) once per pair of rows 2p, 2p+1). The first FULL tiles are computed whole, the others split (KSPLIT).
@@ -322,7 +359,25 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                                                split_tiles * KSPLIT <= (int)gridDim.x, pre, epi);
             continue;  // the tile is finished: the register epilogue below is for whole tiles
         }
-        if (active) {
+        if constexpr (GEMM_EPI_SMEM) {
+            // the tile through shared memory (the ring is idle: drained above), [token][row]: then each token's rows
+            // are written by consecutive lanes (full 32-byte sectors; from the fragments' layout a warp's store
+            // touched 4 token rows x 16 bytes, half sectors: ~100 us of the 8B 512-token gate_up, bench/NOTES.md)
+            float* ts = reinterpret_cast<float*>(Bs);
+#pragma unroll
+            for (int i = 0; i < GEMM_TM; ++i)
+#pragma unroll
+                for (int j = 0; j < GEMM_TN; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        ts[((wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1)) * GEMM_ELD + (wm * GEMM_TM + i) * 16 + gid +
+                           (e >> 1) * 8] = c[i][j][e];
+            __syncthreads();
+            gemm_epilogue_smem<N, PAIR>(ts, mt0 * 16, t0, rows, pre, epi);
+            // the staged tile's generic reads and writes ordered before the next task's bulk copies refill the ring
+            if constexpr (GEMM_WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+        } else if (active) {
             // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores
             // may alias the inputs for the compiler, and a load after each store was a chain of round trips
             // (parts of 1/4 where they divide, else of 2 columns; in[] stays small: registers)
