@@ -5,8 +5,8 @@
 // weights by bulk copies, the TMA unit, each stage's bytes counted on an mbarrier): the packed
 // weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows (padded by 16
 // bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM
-// 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). The epilogue runs from
-// registers.
+// 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). A whole tile's epilogue
+// goes through shared memory (fp32, [token][row]) so that each token's results are stored by consecutive lanes.
 // On sm_90a (GEMM_WGMMA) the tensor-core work is Hopper's asynchronous warpgroup mma (wgmma.cuh): each warpgroup
 // owns 64 weight rows (its warps' 16-row tiles: GEMM_WM = 4 x warpgroups, GEMM_TM = 1) and every token of the tile
 // (GEMM_WN = 1, GEMM_BN <= 128), the weights' fragments from shared memory into registers and the tokens read by the
@@ -128,8 +128,9 @@ __device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* cou
 
 // The staged epilogue's row pitch (floats): 4 past the tile's rows puts the 32 lanes' fragment writes in 32 banks.
 constexpr int GEMM_ELD = GEMM_BM + 4;
-// whole tiles' epilogue through shared memory where the staged tile fits in the ring
-constexpr bool GEMM_EPI_SMEM = GEMM_BN * GEMM_ELD * 4 <= GEMM_STAGES * (GEMM_A_STAGE + GEMM_B_STAGE) * (int)sizeof(T);
+// whole tiles' epilogue goes through the ring in shared memory (at the planner's fewest stages, 3, it fits ~1.6x over)
+static_assert(GEMM_BN * GEMM_ELD * 4 <= GEMM_STAGES * (GEMM_A_STAGE + GEMM_B_STAGE) * (int)sizeof(T),
+              "the staged epilogue's tile must fit in the ring");
 
 // A whole tile's epilogue from its fp32 results staged in shared memory `ts` ([token][row], pitch GEMM_ELD):
 // consecutive threads take consecutive rows of a token (PAIR: consecutive row pairs), so the stores and pre's loads
@@ -331,7 +332,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             wgmma_fence_regs(c[0]);
         }
         cp_async_wait<0>();
-        __syncthreads();  // the ring is reused by the next task
+        __syncthreads();  // the ring is reused by the staged epilogue and the next task
         if constexpr (KSPLIT > 1) if (FULL == 0 || opaque(task) >= FULL) {
             // split-K: every split stores its partial tile (tile-local, [token][row], rows fastest; padding tokens'
             // and rows' values are never read), then the tile is summed and finished in float4 units of 4 rows, from a rolled loop
@@ -357,56 +358,24 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             __syncthreads();
             gemm_finish_split<N, KSPLIT, PAIR>(tp, count, stile, sks, mt0 * 16, t0, rows,
                                                split_tiles * KSPLIT <= (int)gridDim.x, pre, epi);
-            continue;  // the tile is finished: the register epilogue below is for whole tiles
+            continue;  // the tile is finished: the staged epilogue below is for whole tiles
         }
-        if constexpr (GEMM_EPI_SMEM) {
-            // the tile through shared memory (the ring is idle: drained above), [token][row]: then each token's rows
-            // are written by consecutive lanes (full 32-byte sectors; from the fragments' layout a warp's store
-            // touched 4 token rows x 16 bytes, half sectors: ~100 us of the 8B 512-token gate_up, bench/NOTES.md)
-            float* ts = reinterpret_cast<float*>(Bs);
+        // a whole tile's epilogue: the tile through shared memory (the ring is idle: drained above), [token][row],
+        // then each token's rows are written by consecutive lanes (full 32-byte sectors; from the fragments' layout a
+        // warp's bf16 store touched 4 token rows x <= 16 bytes: ~100 us of the 8B 512-token gate_up, bench/NOTES.md)
+        float* ts = reinterpret_cast<float*>(Bs);
 #pragma unroll
-            for (int i = 0; i < GEMM_TM; ++i)
+        for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
-                for (int j = 0; j < GEMM_TN; ++j)
+            for (int j = 0; j < GEMM_TN; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        ts[((wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1)) * GEMM_ELD + (wm * GEMM_TM + i) * 16 + gid +
-                           (e >> 1) * 8] = c[i][j][e];
-            __syncthreads();
-            gemm_epilogue_smem<N, PAIR>(ts, mt0 * 16, t0, rows, pre, epi);
-            // the staged tile's generic reads and writes ordered before the next task's bulk copies refill the ring
-            if constexpr (GEMM_WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            __syncthreads();
-        } else if (active) {
-            // in parts of the columns, every input of the epilogue loaded before any result is stored: the stores
-            // may alias the inputs for the compiler, and a load after each store was a chain of round trips
-            // (parts of 1/4 where they divide, else of 2 columns; in[] stays small: registers)
-            constexpr int PARTS = GEMM_TN >= 8 && GEMM_TN % 4 == 0 ? 4 : GEMM_TN / 2, PTN = GEMM_TN / PARTS;
-            static_assert(PARTS * PTN == GEMM_TN, "the parts cover every column");
-#pragma unroll
-            for (int h = 0; h < PARTS; ++h) {
-                float in[GEMM_TM][PTN][4];
-#pragma unroll
-                for (int pass = 0; pass < 2; ++pass)
-#pragma unroll
-                    for (int i = 0; i < GEMM_TM; ++i)
-#pragma unroll
-                        for (int jj = 0; jj < PTN; ++jj)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int j = h * PTN + jj;
-                                const int n = (mt0 + wm * GEMM_TM + i) * 16 + gid + (e >> 1) * 8;
-                                const int t = t0 + (wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1);
-                                if constexpr (PAIR) {  // rows 2p (this lane, gid even) and 2p+1 (the lane 4 above)
-                                    if (pass == 0) continue;
-                                    const float odd = __shfl_down_sync(0xffffffffu, c[i][j][e], 4);
-                                    if ((gid & 1) == 0 && n < N && t < rows) epi(n / 2, t, c[i][j][e], odd);
-                                } else if (n < N && t < rows) {
-                                    if (pass == 0) in[i][jj][e] = pre(n, t);
-                                    else epi(n, t, c[i][j][e], in[i][jj][e]);
-                                }
-                            }
-            }
-        }
+                for (int e = 0; e < 4; ++e)
+                    ts[((wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1)) * GEMM_ELD + (wm * GEMM_TM + i) * 16 + gid +
+                       (e >> 1) * 8] = c[i][j][e];
+        __syncthreads();
+        gemm_epilogue_smem<N, PAIR>(ts, mt0 * 16, t0, rows, pre, epi);
+        // the staged tile's generic reads and writes ordered before the next task's bulk copies refill the ring
+        if constexpr (GEMM_WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
     }
 }
