@@ -78,6 +78,8 @@ def list_cmd(variants_file, build_dir, only):
         status = gmanifest.status(e, v, digest)
         if status == "built" and not (Path(build_dir) / e["cubin"]).is_file():
             status = "cubin missing"  # `megakernel build` writes it again
+        elif status == "built" and e.get("plan_source") == "override":
+            status = "built (plan override)"  # the tuner's candidates: not the plan `megakernel build` takes
         t.add_row(v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
                   str(v.batch), str(v.seq_len), str(v.tp), status)
     console.print(t)

@@ -130,6 +130,11 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
     cubin.unlink()
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert build_status(r.stdout)[TINY_NAMES[1]] == "cubin missing", r.stdout
+    # a build with plan overrides (the tuner's candidates) says so
+    m["variants"][TINY_NAMES[2]]["plan_source"] = "override"
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
+    assert build_status(r.stdout)[TINY_NAMES[2]] == "built (plan override)", r.stdout
     # the report flags the same stale build, so `report --strict` fails on it
     r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", d, "--no-gpu", "--strict"],
                 cwd=tmp_path)
