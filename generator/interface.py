@@ -35,15 +35,20 @@ CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS and
-# SPLIT_FLOATS (0 in decode where no GEMV splits K).
+# SPLIT_FLOATS (0 in decode where no GEMV splits K), the decode-only XF_ROWS (rows of a fragment-ordered buffer)
+# and HB_ROWS.
 WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
            "attention split partials: acc[head_dim], max, sum"),
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
-    Buffer("attn", "T", lambda c: (c["ROWS"], c["Q_DIM"]), "attention output"),
+    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["Q_DIM"]),
+           "attention output (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
-    Buffer("act", "T", lambda c: (c["ROWS"], c["INTER"]), "act(gate) * up"),
+    Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
+           "decode, tp = 1: h rounded to T, what the second norm reads (half the bytes, copied without registers)"),
+    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["INTER"]),
+           "act(gate) * up (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),
@@ -203,6 +208,18 @@ def from_fragments(f):
     tiles = torch.empty(mt, kt, 16, 16, dtype=f.dtype, device=f.device)
     tiles[:, :, rows.to(f.device), cols.to(f.device)] = f
     return tiles.permute(0, 2, 1, 3).reshape(mt * 16, kt * 16)
+
+
+def from_frag(raw, rows: int, k: int):
+    """An activation stored in B-fragment order (decode X_FRAG, templates/gemv.cuh x_at: [k/16][ceil(rows/8)][32
+    lanes][4], lane = 4 x (row % 8) + (col % 8) / 2, the lane's 4 elements cols 2t, 2t + 1, 2t + 8, 2t + 9 of its
+    k-tile; PTX ISA, "Matrix Fragments for mma.m16n8k16", B) -> row-major [rows, k]. raw: the flat buffer."""
+    import torch
+    b = torch.arange(rows, device=raw.device)[:, None]
+    c = torch.arange(k, device=raw.device)[None, :]
+    ntile = (rows + 7) // 8
+    idx = ((((c >> 4) * ntile + (b >> 3)) * 32 + (b & 7) * 4 + ((c & 7) >> 1)) << 2) + ((c >> 3) & 1) * 2 + (c & 1)
+    return raw.reshape(-1)[idx]
 
 
 # weight format packing name (targets.WeightFormat.packing) -> (pack [N, K] tensor, unpack)

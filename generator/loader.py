@@ -17,7 +17,7 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import ARGS, PACKED, pack_weights, shard_weights, unpack_weights, weight_shapes
+from .interface import ARGS, PACKED, from_frag, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -222,11 +222,14 @@ class FusedDecoderLayer:
 
     def buffer(self, name: str) -> torch.Tensor:
         """A view of workspace buffer `name` (interface.WORKSPACE) with its dtype and shape, e.g. "qkv" fp32
-        [batch, q_dim + 2 kv_dim], "attn" [batch, q_dim], "h" fp32 [batch, hidden], "act" [batch, intermediate]."""
+        [batch, q_dim + 2 kv_dim], "attn" [batch, q_dim], "h" fp32 [batch, hidden], "act" [batch, intermediate]
+        ("attn" and "act" of a decode plan with X_FRAG: a row-major copy of the fragment-ordered buffer)."""
         b = self._buffers[name]
         dt = {"T": self.dtype, "float": torch.float32, "unsigned": torch.int32, "long long": torch.int64}[b["ctype"]]
-        raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]]
-        return raw.view(dt).view(b["shape"])
+        raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]].view(dt)
+        if name in ("attn", "act") and self.plan["consts"].get("X_FRAG"):
+            return from_frag(raw, self.plan["rows"], b["shape"][1])
+        return raw.view(b["shape"])
 
     def stage_us(self) -> dict[str, float]:
         """Time of each step in the last launch in µs (block 0's SM clock, barrier waits included; with tensor

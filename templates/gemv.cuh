@@ -8,6 +8,20 @@
 // memory and the stage's epilogue reads tile(r, b).
 
 constexpr int NTILE = (BATCH + 7) / 8;  // n-tiles of 8 sequences
+// Element (b, k) of an activation that a later GEMV reads from global memory as X (attention's output, the MLP's
+// act): row-major [BATCH][ld], or with XF (the decode plan's X_FRAG) in mma m16n8k16 B-fragment order,
+// [K/16][NTILE][32 lanes][4]: the two registers a lane needs for a k-tile and 8 rows are one 8-byte load, a warp's 256 contiguous bytes (row-major,
+// they were two 4-byte loads touching 8 rows each: at batch >= 16 the L1's request rate, not bytes, bounded
+// o_proj and down_proj). Rows past BATCH (up to NTILE x 8) are never written; their products are discarded.
+// generator.interface.from_frag is the host's inverse.
+template <bool XF>
+__device__ __forceinline__ size_t x_at(int b, int k, int ld) {
+    if constexpr (XF)
+        return ((((size_t)(k >> 4) * NTILE + (b >> 3)) * 32 + (b & 7) * 4 + ((k & 7) >> 1)) << 2) +
+               ((k >> 3) & 1) * 2 + (k & 1);
+    else
+        return (size_t)b * ld + k;
+}
 
 template <int NWG>
 struct Tile {  // the task's 16 x BATCH results, summed over the group's warps
@@ -38,12 +52,13 @@ struct SplitTile {
     }
 };
 
-// W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory).
+// W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with
+// XF in fragment order (x_at).
 // epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
 // Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
 // on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
 // last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, class Epi>
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, class Epi>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
@@ -73,7 +88,12 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                     for (int t = 0; t < NTILE; ++t) {
                         const int b = t * 8 + gid;
                         unsigned b0 = 0u, b1 = 0u;
-                        if (b < BATCH) {
+                        if constexpr (XF) {
+                            const uint2 v = *reinterpret_cast<const uint2*>(
+                                X + (((size_t)(ks * KT + kt) * NTILE + t) * 32 + lane) * 4);
+                            b0 = v.x;
+                            b1 = v.y;
+                        } else if (b < BATCH) {
                             const T* xp = xk + (size_t)b * LDX + kt * 16 + 2 * tig;
                             b0 = *reinterpret_cast<const unsigned*>(xp);
                             b1 = *reinterpret_cast<const unsigned*>(xp + 8);

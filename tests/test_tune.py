@@ -76,6 +76,41 @@ def test_split_k_where_a_projection_has_fewer_tiles_than_sms():
     assert not any("KSPLIT" in k for ov in gtune.candidates(big) for k in ov)
 
 
+def test_fragment_ordered_activations_from_batch_8():
+    """X_FRAG (o_proj's and down_proj's X in B-fragment order) is the default from 8 sequences on: the buffers hold
+    whole n-tiles of 8 rows, the knob turns it off; the second norm's T copy of h exists only without TP."""
+    b8 = next(v for v in declared() if v.name == "ho-h5120-g5_decode_b16_s4096_bf16")
+    b1 = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    b3 = next(v for v in declared() if v.name == "ho-h2560-g5_decode_b3_s4096_bf16")
+    p = render.plan(b8)
+    assert p["consts"]["X_FRAG"] == 1 and render.plan(b1)["consts"]["X_FRAG"] == 0
+    assert render.plan(b3)["consts"]["X_FRAG"] == 0
+    assert render.plan(b3, overrides={"X_FRAG": 1})["sizes"]["XF_ROWS"] == 8  # 3 rows padded to an n-tile
+    bufs = p["workspace"]["buffers"]
+    assert bufs["attn"]["shape"] == [16, 5120] and bufs["act"]["shape"] == [16, 13824]
+    assert bufs["hb"]["shape"] == [16, 5120]
+    off = render.plan(b8, overrides={"X_FRAG": 0})
+    assert off["consts"]["X_FRAG"] == 0 and "X_FRAG = 0;" in render.render(b8, off)
+    tp = next(v for v in declared() if v.tp > 1)
+    assert render.plan(tp)["workspace"]["buffers"]["hb"]["bytes"] == 0
+    with pytest.raises(PlanError, match="X_FRAG=2"):
+        render.plan(b8, overrides={"X_FRAG": 2})
+
+
+def test_from_frag_is_the_mma_b_fragment_layout():
+    """generator.interface.from_frag against element positions worked out by hand from the PTX ISA's m16n8k16 B
+    fragment (lane = 4 x group + thread-in-group; b0 holds k = 2t, 2t + 1 of column group, b1 k = 2t + 8, 2t + 9)."""
+    import torch
+    from generator.interface import from_frag
+    rows, k = 12, 32  # two n-tiles (rows 8..11 of the second are real, 12..15 padding), two k-tiles
+    raw = torch.zeros(16 * k)
+    # (row 9, col 19): k-tile 1, n-tile 1, lane 4 x 1 + (19 % 8) // 2 = 5, b0's second element -> ((1 x 2 + 1) x 32
+    # + 5) x 4 + 1 = 405; (row 0, col 10): k-tile 0, n-tile 0, lane 1, b1's first element -> 1 x 4 + 2 = 6
+    raw[405], raw[6] = 7.0, 3.0
+    x = from_frag(raw, rows, k)
+    assert x.shape == (rows, k) and x[9, 19] == 7.0 and x[0, 10] == 3.0 and x.sum() == 10.0
+
+
 @pytest.mark.parametrize("ov,words", [
     ({"FOO": 1}, ["FOO", "unknown knob"]),
     ({"DOWN_KSPLIT": 3}, ["DOWN_KSPLIT=3", "must divide"]),

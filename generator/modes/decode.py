@@ -15,8 +15,8 @@ STEPS = (
     Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, smem)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, tp_rank, ws_split, ws_count, smem)", reduce="h"),
-    Step("gate_up", "gate_up(ws_h, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, smem)", reduce="h"),
+    Step("gate_up", "gate_up(ws_h, ws_hb, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, smem)",
          then="none", reduce="out"),
 )
@@ -25,10 +25,11 @@ STEPS = (
 # the knobs a plan override (generator.tune) may set: per projection the warps per task NWG, the 16-byte loads
 # in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT), ring depth
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 0: two passes
-# through shared memory after a fence by every thread)
+# through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
+# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
-         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -50,7 +51,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{THREADS // 32}")
         if k == "ATT_STAGES" and not ATT_STAGES_RANGE[0] <= val <= ATT_STAGES_RANGE[1]:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
-        if k == "ATT_COMBINE" and val not in (0, 1):
+        if k in ("ATT_COMBINE", "X_FRAG") and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -109,6 +110,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                             f"to {step}")
     nsplit = math.ceil(v.seq_len / att_c)
 
+    # o_proj and down_proj read X from global memory: from 8 sequences on (whole n-tiles) in fragment order, one
+    # 8-byte load a lane per k-tile and 8 rows instead of two 4-byte loads touching 8 rows each (measured on the
+    # H200: at batch 16-32 those loads, not the weights, set the two stages' time)
+    x_frag = ov.get("X_FRAG", int(v.batch >= 8))
     red_bytes = 2 * nw * 16 * v.batch * 4       # per warp: a 16 x batch tile, double-buffered
     red_bytes = max(red_bytes, nw * 2 * v.batch * 4)  # the norm's scratch shares the region
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
@@ -136,7 +141,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), **smem,
+        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
@@ -145,6 +150,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()
                                                                  if g["KSPLIT"] > 1]),
                       "XN_ROWS": 0,
+                      "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
+                      "HB_ROWS": v.batch if v.tp == 1 else 0,
                       "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
                                                  if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}

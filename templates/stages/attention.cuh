@@ -55,7 +55,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
                 for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS)
-                    ws_attn[(size_t)b * Q_DIM + kvh * GROUP * HEAD_DIM + t] = from_f(__int_as_float(0x7fc00000));
+                    ws_attn[x_at<X_FRAG>(b, kvh * GROUP * HEAD_DIM + t, Q_DIM)] =
+                        from_f(__int_as_float(0x7fc00000));
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
         if (row0 > p) continue;                       // the same for the whole block
@@ -248,7 +249,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 o = M;
             }
             if (nsplit == 1) {
-                if (d < HEAD_DIM) ws_attn[(size_t)b * Q_DIM + (kvh * GROUP + g) * HEAD_DIM + d] = from_f(o / den);
+                if (d < HEAD_DIM)
+                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
             } else {
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
@@ -283,7 +285,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                         den = fmaf(den, f, e * ls);
                         M = Mn;
                     }
-                    ws_attn[(size_t)b * Q_DIM + (kvh * GROUP + g) * HEAD_DIM + d] = from_f(o / den);
+                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
                 }
             }
         } else if (nsplit > 1) {
@@ -320,7 +322,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     float o = 0.f;
 #pragma unroll 8
                     for (int s = 0; s < nsplit; ++s) o = fmaf(ew[g * ATT_NSPLIT + s], __ldcg(pg + s * WS), o);
-                    ws_attn[(size_t)b * Q_DIM + (kvh * GROUP + g) * HEAD_DIM + d] = from_f(o);
+                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o);
                 }
             }
         }

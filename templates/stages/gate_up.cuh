@@ -3,10 +3,13 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
-__device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
+__device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
                         unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
+    if constexpr (TP == 1)
+        norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
+    else  // ws_h was all-reduced between launches: no T copy of the sum
+        norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
     gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT>(w_gu, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
@@ -16,7 +19,7 @@ __device__ void gate_up(const float* ws_h, const T* ln_w, const T* ln_b, const T
                 const float u = tile(2 * pr + 1, b);
                 const float a = activation(g) * u;
                 count_overflow(a, ws_status);
-                ws_act[(size_t)b * INTER + row0 / 2 + pr] = from_f(a);
+                ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
         });
 }

@@ -2,66 +2,77 @@
 // shared memory as T, rows XS_LD apart (padded: the tensor-core B fragments read 8 rows without bank conflicts):
 // the projection that follows reads its input from there. Every block normalises the whole
 // (small) activation itself, so no grid barrier is needed between the norm and the projection.
+// One pass over src (written by other blocks: L2, ~1 us a round trip) puts each row's raw values in dst as T: a T
+// src by cp.async, all of it in flight at once without registers; an fp32 src (tensor parallel's all-reduced h)
+// through registers, rounded to T (two roundings, as transformers' bf16 residual stream and its normalised output).
+// Then the rows' sums from shared memory (a row split over WPR warps where the batch has fewer rows than warps),
+// and dst scaled in place.
 #pragma once
 #include "../common.cuh"
 template <class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch) {
     constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // rows inner: a chunk's loads of every row are issued together, one L2 round trip per pass rather than one
-    // per row (src was written by other blocks: each round trip is ~1 us)
-    float s1[BATCH], s2[BATCH];
+    constexpr int RB = BATCH >= NW ? NW : (BATCH <= 1 ? 1 : BATCH <= 2 ? 2 : BATCH <= 4 ? 4 : BATCH <= 8 ? 8 : 16);
+    constexpr int WPR = NW / RB;  // warps per row (RB rows at a time)
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % WPR;
+    if constexpr (sizeof(S) == sizeof(T)) {
+        for (int i = tid; i < BATCH * NCH; i += THREADS)
+            cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
+        cp_async_commit();
+        cp_async_wait<0>();
+    } else {
+        constexpr int G = 4;  // chunks a thread loads before it stores any (the stores may alias src for nvcc)
+        for (int i0 = tid; i0 < BATCH * NCH; i0 += G * THREADS) {
+            float f[G][8];
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) s1[b] = s2[b] = 0.f;
-    for (int c = tid; c < NCH; c += THREADS) {
+            for (int g = 0; g < G; ++g)
+                if (i0 + g * THREADS < BATCH * NCH) load8(src + (size_t)(i0 + g * THREADS) * 8, f[g]);
 #pragma unroll
-        for (int b = 0; b < BATCH; ++b) {
-            float f[8];
-            load8(src + (size_t)b * HIDDEN + c * 8, f);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) { s1[b] += f[i]; s2[b] = fmaf(f[i], f[i], s2[b]); }
+            for (int g = 0; g < G; ++g) {
+                const int i = i0 + g * THREADS;
+                if (i < BATCH * NCH)
+                    *reinterpret_cast<uint4*>(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8) = pack8(f[g]);
+            }
         }
     }
+    __syncthreads();
+    for (int b = warp / WPR; b < BATCH; b += RB) {
+        float s1 = 0.f, s2 = 0.f;
+        for (int c = part * 32 + lane; c < NCH; c += 32 * WPR) {
+            float f[8];
+            unpack8(*reinterpret_cast<const uint4*>(dst + (size_t)b * XS_LD + c * 8), f);
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-        s1[b] = warp_sum(s1[b]);
-        s2[b] = warp_sum(s2[b]);
-        if (lane == 0) { scratch[warp * 2 * BATCH + b] = s1[b]; scratch[warp * 2 * BATCH + BATCH + b] = s2[b]; }
+            for (int i = 0; i < 8; ++i) { s1 += f[i]; s2 = fmaf(f[i], f[i], s2); }
+        }
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
+        if (lane == 0) { scratch[2 * (b * WPR + part)] = s1; scratch[2 * (b * WPR + part) + 1] = s2; }
     }
     __syncthreads();
-    float mean[BATCH], rstd[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
+    for (int i = tid; i < BATCH * NCH; i += THREADS) {
+        const int b = i / NCH, c = i % NCH;
         float a = 0.f, q = 0.f;
-        for (int i = 0; i < NW; ++i) { a += scratch[i * 2 * BATCH + b]; q += scratch[i * 2 * BATCH + BATCH + b]; }
+#pragma unroll
+        for (int p = 0; p < WPR; ++p) { a += scratch[2 * (b * WPR + p)]; q += scratch[2 * (b * WPR + p) + 1]; }
 #if NORM_LAYERNORM
-        mean[b] = a / HIDDEN;
-        rstd[b] = rsqrtf(fmaxf(q / HIDDEN - mean[b] * mean[b], 0.f) + NORM_EPS);
+        const float mean = a / HIDDEN, rstd = rsqrtf(fmaxf(q / HIDDEN - mean * mean, 0.f) + NORM_EPS);
 #else
-        mean[b] = 0.f;
-        rstd[b] = rsqrtf(q / HIDDEN + NORM_EPS);
+        const float mean = 0.f, rstd = rsqrtf(q / HIDDEN + NORM_EPS);
 #endif
-    }
-    for (int c = tid; c < NCH; c += THREADS) {
-        float g[8];
+        float f[8], g[8];
+        uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
+        unpack8(*px, f);
         load8(w + c * 8, g);
 #if NORM_LAYERNORM
         float bb[8];
         load8(bias + c * 8, bb);
-#endif
 #pragma unroll
-        for (int b = 0; b < BATCH; ++b) {
-            float f[8];
-            load8(src + (size_t)b * HIDDEN + c * 8, f);
-#if NORM_LAYERNORM
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = (f[i] - mean[b]) * rstd[b] * g[i] + bb[i];
+        for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k] + bb[k];
 #else
 #pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd[b] * g[i];
+        for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k];
 #endif
-            *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8) = pack8(f);
-        }
+        *px = pack8(f);
     }
     __syncthreads();
 }

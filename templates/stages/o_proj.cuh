@@ -1,17 +1,20 @@
 // ---- stage: o_proj ---- output projection of the attention result plus the residual: h = x + attn @ Wo^T,
 // kept in fp32 (ws_h) for the second norm and the final residual. With tensor parallel (TP > 1) each GPU writes its
 // heads' partial product and rank 0 alone adds x, so the all-reduce of ws_h between launches gives h on every GPU.
+// With TP = 1 it also writes h rounded to T (ws_hb): the second norm's input.
 #pragma once
 #include "../gemv.cuh"
-__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, int tp_rank, float* ws_split,
+__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, T* ws_hb, int tp_rank, float* ws_split,
                        unsigned* ws_count, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
-                ws_h[(size_t)b * HIDDEN + n] = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
+                const float h = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
+                ws_h[(size_t)b * HIDDEN + n] = h;
+                if constexpr (TP == 1) ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
             }
         });
 }
