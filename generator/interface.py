@@ -46,7 +46,7 @@ WORKSPACE: tuple[Buffer, ...] = (
            "attention output (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
-           "decode, tp = 1: h rounded to T, what the second norm reads (half the bytes, copied without registers)"),
+           "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers)"),
     Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["INTER"]),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),

@@ -23,6 +23,7 @@ constexpr int ATT_STAGES = 2;
 constexpr int ATT_NSPLIT = 16;
 constexpr int ATT_COMBINE = 1;
 constexpr int X_FRAG = 0;
+constexpr int HB_COPY = 1;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;
 constexpr int SMEM_QS = 0;

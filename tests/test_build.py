@@ -491,3 +491,22 @@ def test_report_counts_tensor_core_instructions_in_the_sass(tiny_build):
     from generator.report import build_report
     rep = build_report(tiny_build["dir"], gpu=False, write=False)
     assert all(r["mma_sass"] > 0 for r in rep["rows"])
+
+
+def test_pdl_launch_structs_match_cuda_h():
+    """The loader's ctypes mirror of cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute (cuda.h, CUDA 12+):
+    sizes and offsets as the driver reads them, and the attribute ids of a cooperative launch with programmatic
+    stream serialization. A wrong layout would launch with garbage (the GPU tests would fail; this says why)."""
+    import ctypes
+
+    from generator import loader
+    assert ctypes.sizeof(loader._LaunchAttr) == 72 and loader._LaunchAttr.value.offset == 8
+    c = loader._LaunchConfig
+    assert [getattr(c, f).offset for f in ("sharedMemBytes", "hStream", "attrs", "numAttrs")] == [24, 32, 40, 48]
+    assert ctypes.sizeof(c) == 56
+    assert (loader._ATTR_COOPERATIVE, loader._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION) == (2, 6)
+    cuda_h = Path("/usr/local/cuda/include/cuda.h")
+    if cuda_h.exists():  # the ids as this machine's toolkit declares them
+        text = cuda_h.read_text(errors="replace")
+        assert re.search(r"CU_LAUNCH_ATTRIBUTE_COOPERATIVE\s*=\s*2\b", text)
+        assert re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*6\b", text)

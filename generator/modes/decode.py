@@ -114,6 +114,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # 8-byte load a lane per k-tile and 8 rows instead of two 4-byte loads touching 8 rows each (measured on the
     # H200: at batch 16-32 those loads, not the weights, set the two stages' time)
     x_frag = ov.get("X_FRAG", int(v.batch >= 8))
+    # gate_up's norm reads h rounded to T (written by o_proj: half the bytes, copied without registers) where h is
+    # whole on this GPU (tp = 1) and T has fp32's range (bf16: no overflow to count)
+    hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     red_bytes = 2 * nw * 16 * v.batch * 4       # per warp: a 16 x batch tile, double-buffered
     red_bytes = max(red_bytes, nw * 2 * v.batch * 4)  # the norm's scratch shares the region
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
@@ -141,7 +144,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, **smem,
+        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy, **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
@@ -151,7 +154,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                                                                  if g["KSPLIT"] > 1]),
                       "XN_ROWS": 0,
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
-                      "HB_ROWS": v.batch if v.tp == 1 else 0,
+                      "HB_ROWS": v.batch if hb_copy else 0,
                       "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
                                                  if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}

@@ -6,9 +6,9 @@
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
                         unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    if constexpr (TP == 1)
+    if constexpr (HB_COPY)
         norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
-    else  // ws_h was all-reduced between launches: no T copy of the sum
+    else  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
     gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT>(w_gu, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,

@@ -1,7 +1,7 @@
 // ---- stage: o_proj ---- output projection of the attention result plus the residual: h = x + attn @ Wo^T,
 // kept in fp32 (ws_h) for the second norm and the final residual. With tensor parallel (TP > 1) each GPU writes its
 // heads' partial product and rank 0 alone adds x, so the all-reduce of ws_h between launches gives h on every GPU.
-// With TP = 1 it also writes h rounded to T (ws_hb): the second norm's input.
+// With HB_COPY (tp = 1, bf16) it also writes h rounded to T (ws_hb): the second norm's input.
 #pragma once
 #include "../gemv.cuh"
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, T* ws_hb, int tp_rank, float* ws_split,
@@ -14,7 +14,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, 
                 const int n = row0 + i / BATCH, b = i % BATCH;
                 const float h = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
                 ws_h[(size_t)b * HIDDEN + n] = h;
-                if constexpr (TP == 1) ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
+                if constexpr (HB_COPY) ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
             }
         });
 }
