@@ -126,6 +126,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k), NWG halved and
     doubled (U as planned) and U doubled (halved where that would pass 8);
+    ATT_COMBINE and X_FRAG (o_proj's and down_proj's input in fragment order) flipped;
     attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
     ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
@@ -142,8 +143,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
                   {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
-        tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"ATT_WARPS": _half(w)}, {"ATT_C": c * 2},
-                  {"ATT_C": _half(c)}]
+        tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"X_FRAG": 1 - d["X_FRAG"]}, {"ATT_WARPS": _half(w)},
+                  {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:
@@ -151,7 +152,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
             break
         if "ATT_STAGES" in ov and stage3:
             continue
-        if any(val < 1 for k, val in ov.items() if k != "ATT_COMBINE"):  # ATT_COMBINE 0 is a choice
+        if any(val < 1 for k, val in ov.items() if k not in ("ATT_COMBINE", "X_FRAG")):  # their 0 is a choice
             continue
         try:
             p = plan(v, arch, overrides=ov)
