@@ -215,9 +215,11 @@ class FusedDecoderLayer:
         # the kernel strides over gridDim: any co-resident grid is correct; one block per SM is what was planned
         self.grid = sms * min(occ, 1)
         # programmatic dependent launch for decode where the GPU has it (sm_90+) unless MEGAKERNEL_PDL=0 (measured
-        # on the H200: 1B batch 1 50.1 -> 49.2 us a layer; prefill launches without: not measured there)
+        # on the H200: 1B batch 1 50.1 -> 49.2 us a layer); prefill and tensor parallel (launches with all-reduces
+        # between) launch without: not measured there
         cc = torch.cuda.get_device_capability(self.device)
-        self.pdl = cc >= (9, 0) and self.mode == "decode" and os.environ.get("MEGAKERNEL_PDL", "1") != "0"
+        self.pdl = (cc >= (9, 0) and self.mode == "decode" and self.tp == 1
+                    and os.environ.get("MEGAKERNEL_PDL", "1") != "0")
         if self.pdl:
             self._attrs = (_LaunchAttr * 2)()
             for a, aid in zip(self._attrs, (_ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)):
