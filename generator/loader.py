@@ -114,6 +114,7 @@ class FusedDecoderLayer:
     With tensor parallel (variant tp > 1) this process holds its rank's part of the layer (`shard`: heads, KV heads
     and MLP columns / tp) and a step is one launch per part with an all-reduce of its partial sum between
     (interface.TP_SPLIT; plan "kernels"; generator.collectives: symmetric memory or NCCL).
+    `pdl`: whether its launches use programmatic dependent launch (decode, tp = 1, sm_90+, unless MEGAKERNEL_PDL=0).
     """
 
     def __init__(self, entry: dict, cubin: Path, weights: dict[str, torch.Tensor] | None, device, *,
