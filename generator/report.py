@@ -343,7 +343,7 @@ TABLE_COLUMNS = [
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
     ("tflops", "TFLOP\n/s", _num(".0f"), False),
-    ("route", "prefill\nroute", lambda r, k: r.get(k) or "-", False),
+    ("route", "prefill\nroute", lambda r, k: r.get(k) or "-", True),
     ("speedup_best", "×\nbest", _num(".2f"), True),
     ("best_baseline", "best\nbaseline", lambda r, k: r.get(k) or "-", True),
     ("speedup_torch_graph", "×\ngraph", _num(".2f"), False),
@@ -351,7 +351,8 @@ TABLE_COLUMNS = [
     ("speedup_eager", "×\neager", _num(".2f"), False),
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
-DROP_ORDER = ["plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "pct_bw", "blocks_per_sm", "smem_total",
+DROP_ORDER = ["plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "route", "pct_bw", "blocks_per_sm",
+              "smem_total",
               "spill",
               "registers"]  # dropped last to first where the console is too narrow; variant, µs, ×, flags stay
 BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
