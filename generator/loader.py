@@ -7,6 +7,7 @@ corrupt build, or one made for another GPU architecture, is an error that names 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import time
@@ -88,20 +89,15 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
 
 
+@functools.cache
 def _launch_kernel_ex():
     """libcuda's cuLaunchKernelEx and cuGetErrorString (ctypes), loaded once."""
-    global _CU
-    if _CU is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn, err = lib.cuLaunchKernelEx, lib.cuGetErrorString
-        fn.restype, err.restype = ctypes.c_int, ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        _CU = (fn, err)
-    return _CU
-
-
-_CU = None
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn, err = lib.cuLaunchKernelEx, lib.cuGetErrorString
+    fn.restype, err.restype = ctypes.c_int, ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return fn, err
 
 
 class FusedDecoderLayer:
