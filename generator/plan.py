@@ -94,6 +94,19 @@ def gemv_split_k(n: int, k: int, sms: int) -> int:
     return max(s for s in range(1, 9) if s == 1 or (ktiles % s == 0 and ktiles // s >= 16 and tiles * s <= sms))
 
 
+def gemv_balance_split(n: int, k: int, sms: int) -> int:
+    """The split-K that best fills the last round of a [n, k] projection's tasks (plan_gemv's balance: a round of
+    232 tasks on 132 SMs leaves 32 idle for the whole second task): the divisor s <= 8 of its k-tiles with >= 16
+    k-tiles a task whose balance is highest, where it beats the unsplit plan's by >= 0.05; else 1. A tuner
+    candidate (generator.tune)."""
+    ktiles = k // 16
+    best, split = plan_gemv(n, k, sms)["balance"] + 0.05, 1
+    for s in range(2, 9):
+        if ktiles % s == 0 and ktiles // s >= 16 and (b := plan_gemv(n, k, sms, s)["balance"]) >= best:
+            best, split = b + 1e-9, s
+    return split
+
+
 def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1) -> dict:
     """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
     in flight per warp U for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),

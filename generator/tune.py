@@ -120,13 +120,14 @@ def _half(n: int) -> int:
     return n // 2
 
 
-def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[dict]:
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
-    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k), NWG halved and
-    doubled (U as planned) and U doubled (halved where that would pass 8);
-    ATT_COMBINE and X_FRAG (o_proj's and down_proj's input in fragment order) flipped;
+    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
+    the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
+    order) and ATT_COMBINE flipped; per projection NWG halved and doubled (U as planned) and U doubled (halved where
+    that would pass 8);
     attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
     ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
@@ -135,16 +136,19 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 17) -> list[di
     tries: list[dict] = []
     if base["mode"] == "prefill":
         tries = _prefill_tries(base, get_arch(arch).sms)
-    for prefix, key in (decode.PROJECTIONS if base["mode"] == "decode" else ()):
+    projections = decode.PROJECTIONS if base["mode"] == "decode" else ()
+    for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
+        tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
+                                                                     base["gemv"][key]["split_balance"])) if ks > 1]
+    if base["mode"] == "decode":
+        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
+    for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
-        if (ks := base["gemv"][key]["split_k"]) > 1:
-            tries.append({f"{prefix}_KSPLIT": ks})
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
-        tries += [{"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"X_FRAG": 1 - d["X_FRAG"]}, {"ATT_WARPS": _half(w)},
-                  {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
+        tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 
-from ..plan import THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_split_k, plan_gemv
+from ..plan import (THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split, gemv_split_k,
+                    plan_gemv)
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -84,6 +85,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                             f"{key}")
         g = gemv[key] = plan_gemv(n, k, sms, ks)
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
+        g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
         groups = sms * (THREADS // 32 // g["NWG"])
         g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
@@ -110,10 +112,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                             f"to {step}")
     nsplit = math.ceil(v.seq_len / att_c)
 
-    # o_proj and down_proj read X from global memory: from 8 sequences on (whole n-tiles) in fragment order, one
-    # 8-byte load a lane per k-tile and 8 rows instead of two 4-byte loads touching 8 rows each (measured on the
-    # H200: at batch 16-32 those loads, not the weights, set the two stages' time)
-    x_frag = ov.get("X_FRAG", int(v.batch >= 8))
+    # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
+    # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32
+    # those loads, not the weights, set the two stages' time; at batch 1-4 the tuner found it 9-14 % faster on four
+    # shapes (Qwen2.5-0.5B b1, Qwen2.5-7B b1/b4, hidden 2560 b3) and within 1 % elsewhere. Tensor parallel keeps it
+    # from batch 8 (small batches with it not yet run on 2 GPUs).
+    x_frag = ov.get("X_FRAG", int(v.tp == 1 or v.batch >= 8))
     # gate_up's norm reads h rounded to T (written by o_proj: half the bytes, copied without registers) where h is
     # whole on this GPU (tp = 1) and T has fp32's range (bf16: no overflow to count)
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
