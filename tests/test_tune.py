@@ -76,7 +76,21 @@ def test_split_k_where_a_projection_has_fewer_tiles_than_sms():
     assert not any("KSPLIT" in k for ov in gtune.candidates(big) for k in ov)
 
 
-def test_fragment_ordered_activations_from_batch_8():
+def test_balance_split_fills_the_last_round_of_tasks():
+    """plan.gemv_balance_split: Qwen2.5-7B's down_proj (224 tasks for 132 SMs, balance 0.85) splits K 4 ways
+    (896 tasks, 0.97), a projection whose tasks fill their rounds is not split, nor one whose k-tiles have no divisor
+    that helps; the tuner tries it first, next to the fewer-tiles-than-SMs split."""
+    from generator.plan import gemv_balance_split, plan_gemv
+    assert gemv_balance_split(3584, 18944, 132) == 4
+    assert plan_gemv(3584, 18944, 132, 4)["balance"] > plan_gemv(3584, 18944, 132)["balance"] + 0.05
+    assert gemv_balance_split(4096, 14336, 132) == 1  # Llama-3-8B down_proj: 256 tasks, balance 0.97
+    assert gemv_balance_split(16 * 200, 16 * 17, 132) == 1  # 17 k-tiles: no split keeps >= 16 a task
+    v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b4_s4096_bf16")
+    cands = gtune.candidates(v)
+    assert {"DOWN_KSPLIT": 4} in cands[:5] and {"X_FRAG": 0} in cands[:6]
+
+
+def test_fragment_ordered_activations_on_one_gpu():
     """X_FRAG (o_proj's and down_proj's X in B-fragment order) is the default on one GPU, from 8 sequences on with
     tensor parallel: the buffers hold whole n-tiles of 8 rows, the knob turns it off; the second norm's T copy of h
     exists only without TP and in bf16 (fp16 could overflow)."""
