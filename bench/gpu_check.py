@@ -74,6 +74,7 @@ def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
         timings[label] = time_replays(graph_of(step).replay, n)
     fused[0].prefill(xs, zero, validate=False)
     row["stage_us"] = {k: round(s, 1) for k, s in fused[0].stage_us().items()}  # one launch, weights from HBM
+    row["clock_mhz"] = round(fused[0].clock_mhz())
     p = fused[0].plan
     att_flops = 2 * 2 * B * m.heads * m.head_dim * C * (C + 1) / 2  # causal: QK^T and PV over half the square
     flops = p["gemm_flops"] + att_flops
@@ -162,6 +163,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
         row["flashinfer_us_mixed"] = round(timings["flashinfer_mixed"]["median"], 2) if fi else None
     fused[0](xs, pos_dev, validate=False)
     row["stage_us"] = {k: round(t, 1) for k, t in fused[0].stage_us().items()}  # one launch, weights from HBM
+    row["clock_mhz"] = round(fused[0].clock_mhz())  # the SM clock's rate the stage times are converted at
     row["layers_timed"] = n
     row["bytes"] = nbytes
     row["us"] = round(timings["fused"]["median"], 2)

@@ -32,6 +32,7 @@ class Buffer:
 
 
 CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
+CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places them); two global-timer ones follow
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS and
@@ -53,7 +54,9 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),
            "split-K partial sums of the GEMMs (prefill) and GEMVs (decode)"),
-    Buffer("clock", "long long", lambda c: (16,), "block 0's SM clock at each step boundary (up to 15 steps)"),
+    Buffer("clock", "long long", lambda c: (CLOCK_SLOTS + 2,),
+           "block 0's SM clock at each step boundary (up to 15 steps), then the global timer (ns) at the last "
+           "launch's first and last stamp"),
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
 )
 

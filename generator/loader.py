@@ -19,7 +19,7 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import ARGS, PACKED, from_frag, pack_weights, shard_weights, unpack_weights, weight_shapes
+from .interface import ARGS, CLOCK_SLOTS, PACKED, from_frag, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -280,16 +280,31 @@ class FusedDecoderLayer:
 
     def stage_us(self) -> dict[str, float]:
         """Time of each step in the last launch in µs (block 0's SM clock, barrier waits included; with tensor
-        parallel, each launch's own steps: the all-reduces between launches are not in it); synchronises."""
-        import cupy
+        parallel, each launch's own steps: the all-reduces between launches are not in it); synchronises. The
+        clock's rate is the one measured over the last launch against the global timer (clock_mhz()): under load
+        the SM clock runs below the device's nominal ClockRate (~13 % on the H200, whose stage times read that
+        much too short before)."""
         c = self.buffer("clock").cpu().tolist()
-        khz = cupy.cuda.Device(self.device.index).attributes["ClockRate"]
+        khz = self.clock_mhz(c) * 1e3
         start = {k["first"]: k.get("start_slot", k["first"]) for k in self.plan["kernels"]}
         out, seen = {}, {}
         for i, s in enumerate(self.STAGES):  # a step that runs twice (prefill's norm) is "norm", then "norm (2)"
             seen[s] = seen.get(s, 0) + 1
             out[s if seen[s] == 1 else f"{s} ({seen[s]})"] = (c[i + 1] - c[start.get(i, i)]) / khz * 1e3
         return out
+
+    def clock_mhz(self, clock: list | None = None) -> float:
+        """The SM clock's rate (MHz) over the last launch: its block 0's clock cycles from its first to its last
+        stamp over the global timer's nanoseconds between the same points (interface.WORKSPACE "clock"); the
+        device's nominal ClockRate where the timer did not advance. Synchronises."""
+        import cupy
+        c = clock if clock is not None else self.buffer("clock").cpu().tolist()
+        k = self.plan["kernels"][-1]
+        cycles = c[k["first"] + len(k["steps"])] - c[k.get("start_slot", k["first"])]
+        ns = c[CLOCK_SLOTS + 1] - c[CLOCK_SLOTS]
+        if ns > 0 and cycles > 0:
+            return cycles / ns * 1e3
+        return cupy.cuda.Device(self.device.index).attributes["ClockRate"] / 1e3
 
     def overflows(self, reset: bool = True) -> int:
         """How many values overflowed the dtype (became inf where the fp32 math was finite: fp16 above 65,504)

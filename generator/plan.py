@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Callable
 
+from .interface import CLOCK_SLOTS
 from .targets import Arch
 
 THREADS = 512  # one block of 16 warps per SM (cooperative grid of one block per SM)
@@ -51,7 +52,7 @@ class Mode:
     headers: str = "stages"   # where its steps' headers live under templates/
 
     def __post_init__(self):
-        assert len(self.steps) < 16, "interface.WORKSPACE's clock buffer holds 16 stamps"
+        assert len(self.steps) < CLOCK_SLOTS, f"interface.WORKSPACE's clock buffer holds {CLOCK_SLOTS} stamps"
 
     @property
     def grid_syncs(self) -> int:
@@ -73,8 +74,9 @@ def kernels(mode: Mode, tp: int) -> list[dict]:
         d["name"] = "decoder_layer" if len(out) == 1 else f"decoder_layer_{k}"
         # block 0's clock at the kernel's start: a later kernel's block 0 may sit on another SM (clocks differ), so
         # it stamps a slot of its own at the end of the clock buffer, not the previous kernel's last stamp
-        d["start_slot"] = d["first"] if k == 0 else 16 - k
-    assert len(mode.steps) < 16 - (len(out) - 1), "interface.WORKSPACE's clock buffer holds 16 stamps"
+        d["start_slot"] = d["first"] if k == 0 else CLOCK_SLOTS - k
+    assert len(mode.steps) < CLOCK_SLOTS - (len(out) - 1), \
+        f"interface.WORKSPACE's clock buffer holds {CLOCK_SLOTS} stamps"
     return out
 
 

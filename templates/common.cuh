@@ -20,6 +20,14 @@ __device__ __forceinline__ float2 to_f2(T2 v) { return __half22float2(v); }
 __device__ __forceinline__ T2 from_f2(float a, float b) { return __floats2half2_rn(a, b); }
 #endif
 
+// The GPU's global nanosecond timer (PTX %globaltimer): the stage clocks' rate is measured against it, since the SM
+// clock (clock64) runs below the device's nominal ClockRate under load (~13 % on the H200).
+__device__ __forceinline__ long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (long long)t;
+}
+
 // 8 elements = one 16-byte vector: the unit of every load in this kernel.
 __device__ __forceinline__ void unpack8(const uint4 u, float (&f)[8]) {
     const T2* p = reinterpret_cast<const T2*>(&u);

@@ -149,6 +149,28 @@ def test_cuda_graph_replay_equals_direct_call(v, build_dir):
     assert torch.equal(layer.k_cache, k1)
 
 
+def test_stage_clock_rate_is_measured(build_dir):
+    """stage_us converts block 0's SM clock at the rate measured over the launch against the global timer: a real
+    clock (0.5-2.5 GHz, at most the device's nominal ClockRate + 5 %), and the stage times sum to no more than the
+    launch's own time by CUDA events."""
+    import cupy
+    v = _first_small()
+    layer = _layer(v, build_dir, SEED + 5)
+    x, pos = verify.random_inputs(layer, SEED + 5)
+    pos_dev = pos.cuda()
+    for _ in range(3):
+        layer(x, pos_dev, validate=False)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    layer(x, pos_dev, validate=False)
+    b.record()
+    torch.cuda.synchronize()
+    mhz = layer.clock_mhz()
+    nominal = cupy.cuda.Device(layer.device.index).attributes["ClockRate"] / 1e3
+    assert 500 <= mhz <= 1.05 * nominal, (mhz, nominal)
+    assert sum(layer.stage_us().values()) <= a.elapsed_time(b) * 1e3 * 1.02
+
+
 def test_torch_compile_and_custom_op(build_dir):
     v = _first_small()
     layer = _layer(v, build_dir, SEED + 3)
@@ -292,7 +314,9 @@ def test_diff_names_the_first_bad_stage(build_dir):
     x, pos = verify.random_inputs(layer, SEED + 8)
     r = verify.check_step(layer, x, pos, weights=W)
     assert r["first_bad_stage"] is None and all(e <= 1e-2 for e in r["stage_err"].values()), r["stage_err"]
-    layer.packed["w_o"][0].zero_()  # the first 16 output rows of o_proj
+    # half of o_proj's output rows: far over the tolerance on any shape (16 rows of Qwen2.5-0.5B's 896 at batch 1 moved
+    # h by 0.4 % only, within bf16's 1e-2)
+    layer.packed["w_o"][: layer.packed["w_o"].shape[0] // 2].zero_()
     x, pos = verify.random_inputs(layer, SEED + 8)
     r = verify.check_step(layer, x, pos, weights=W)
     assert r["first_bad_stage"] == "o_proj", r["stage_err"]
