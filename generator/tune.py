@@ -126,7 +126,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order) and ATT_COMBINE flipped; per projection NWG halved and doubled (U as planned) and U doubled (halved where
+    order), GEMV_PF (the next round's weight loads early) and ATT_COMBINE flipped; per projection NWG halved and doubled (U as planned) and U doubled (halved where
     that would pass 8);
     attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits),
     ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
@@ -141,7 +141,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
     if base["mode"] == "decode":
-        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
+        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 - d["GEMV_PF"]}, {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},

@@ -58,7 +58,7 @@ struct SplitTile {
 // Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
 // on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
 // last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, class Epi>
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, bool PF = false, class Epi>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
@@ -66,20 +66,35 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float* my_red = red + group * 2 * NWG * 16 * BATCH;
-    // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
-    // sums to buf
-    auto compute = [&](int tile, int ks, float* buf) {
+    // one step of a task: this warp's U weight loads from k-tile k0 (all in flight before any use)
+    auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
+        const int tile = task % TILES, ks = task / TILES;
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                                       : make_uint4(0u, 0u, 0u, 0u);
+    };
+    // PF (the decode plan's GEMV_PF): the next round's first step is loaded as soon as this task's last is used,
+    // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
+    // through each round's reduction (pf: those loads; U x 4 registers more)
+    uint4 pf[U];
+    // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
+    // sums to buf; next: the task this group takes in the next round (< 0: none)
+    auto compute = [&](int task, float* buf, int next) {
+        const int ks = task / TILES;
         const T* xk = X + ks * KT * 16;  // this split's columns of X
         float c[NTILE][4];
 #pragma unroll
         for (int t = 0; t < NTILE; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
         for (int k0 = warp; k0 < KT; k0 += NWG * U) {
             uint4 a[U];
+            if (PF && k0 == warp) {
 #pragma unroll
-            for (int u = 0; u < U; ++u)  // all of this step's weight loads in flight before any use
-                a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                                           : make_uint4(0u, 0u, 0u, 0u);
+                for (int u = 0; u < U; ++u) a[u] = pf[u];
+            } else {
+                load_step(task, k0, a);
+            }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
@@ -103,6 +118,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 }
             }
         }
+        if (PF && next >= 0) load_step(next, warp, pf);
 #pragma unroll
         for (int t = 0; t < NTILE; ++t)
 #pragma unroll
@@ -115,12 +131,13 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
     // partial sums are double-buffered: the next round's writes cannot race this round's epilogue.
     const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
+    if (PF && group * gridDim.x + blockIdx.x < TASKS) load_step(group * gridDim.x + blockIdx.x, warp, pf);
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
         const int tile = task % TILES, ks = task / TILES;
         const bool active = task < TASKS;
         float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
-        if (active) compute(tile, ks, buf);
+        if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1);
         __syncthreads();
         if constexpr (KSPLIT == 1) {
             if (active) epi(tile * 16, Tile<NWG>{buf}, gt);

@@ -90,6 +90,17 @@ def test_balance_split_fills_the_last_round_of_tasks():
     assert {"DOWN_KSPLIT": 4} in cands[:5] and {"X_FRAG": 0} in cands[:6]
 
 
+def test_next_rounds_weight_loads_early_is_a_tuner_knob():
+    """GEMV_PF: the projections' next round of weight loads issued before this round's reduction (templates/gemv.cuh
+    PF); off by default (1-3 % on five shapes, not yet through the whole GPU suite), a tuner candidate."""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    assert render.plan(v)["consts"]["GEMV_PF"] == 0 and {"GEMV_PF": 1} in gtune.candidates(v)
+    src = render.render(v, render.plan(v, overrides={"GEMV_PF": 1}))
+    assert "GEMV_PF = 1;" in src and src.count("GEMV_PF>(") == 4  # every projection passes it
+    with pytest.raises(PlanError, match="GEMV_PF=2"):
+        render.plan(v, overrides={"GEMV_PF": 2})
+
+
 def test_fragment_ordered_activations_on_one_gpu():
     """X_FRAG (o_proj's and down_proj's X in B-fragment order) is the default on one GPU, from 8 sequences on with
     tensor parallel: the buffers hold whole n-tiles of 8 rows, the knob turns it off; the second norm's T copy of h

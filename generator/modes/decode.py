@@ -27,10 +27,11 @@ STEPS = (
 # in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT), ring depth
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 0: two passes
 # through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
-# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at)
+# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF: a projection's next
+# round of weight loads issued before this round's reduction and epilogue (templates/gemv.cuh)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
-         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -52,7 +53,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{THREADS // 32}")
         if k == "ATT_STAGES" and not ATT_STAGES_RANGE[0] <= val <= ATT_STAGES_RANGE[1]:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
-        if k in ("ATT_COMBINE", "X_FRAG") and val not in (0, 1):
+        if k in ("ATT_COMBINE", "X_FRAG", "GEMV_PF") and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -148,7 +149,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy, **smem,
+        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy,
+        "GEMV_PF": ov.get("GEMV_PF", 0), **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})

@@ -7,7 +7,7 @@
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, T* ws_hb, int tp_rank, float* ws_split,
                        unsigned* ws_count, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {

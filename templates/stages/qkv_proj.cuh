@@ -8,7 +8,7 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
                          float* ws_split, unsigned* ws_count, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
-    gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT>(w_qkv, xs,
+    gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF>(w_qkv, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
