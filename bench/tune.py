@@ -123,7 +123,7 @@ def pick(rows: list[dict]) -> dict:
     return best
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
               help="variants file (every variant of tp 1 in it, or those --only selects)")
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")

@@ -44,7 +44,18 @@ def load_selected(variants_file: str, only=(), exclude=()) -> list:
 
 variants_opt = click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
                             help="variants file")
-build_dir_opt = click.option("--build-dir", default="build", show_default=True, help="build directory")
+def _a_directory(ctx, param, value):
+    """--build-dir: refused in one line where it, or a folder above it, exists as something else than a folder."""
+    for p in (Path(value), *Path(value).parents):
+        if p.exists():
+            if not p.is_dir():
+                raise click.BadParameter(f"{p}: exists and is not a directory")
+            break
+    return value
+
+
+build_dir_opt = click.option("--build-dir", default="build", show_default=True, help="build directory",
+                             callback=_a_directory)
 
 
 def tuned_opts(f):
@@ -137,21 +148,28 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     except toolchain.ToolchainError as exc:
         fail(str(exc))
     jobs = jobs or os.cpu_count() or 1
-    if sys.stdout.isatty():
-        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err_console, transient=True) as bar:
-            task = bar.add_task("build", total=len(vs))
-            result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=lambda n: bar.advance(task, n),
-                                    variants_file=variants_file, tuning_file=tfile)
-    else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
-        done, t0 = [0], time.perf_counter()
+    try:
+        if sys.stdout.isatty():
+            with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err_console, transient=True) as bar:
+                task = bar.add_task("build", total=len(vs))
+                result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch,
+                                        progress=lambda n, ok: bar.advance(task, n),
+                                        variants_file=variants_file, tuning_file=tfile)
+        else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
+            done, t0 = [0], time.perf_counter()
 
-        def progress(n):
-            done[0] += n
-            click.echo(f"built {done[0]}/{len(vs)} variants ({time.perf_counter() - t0:.0f} s)")
-            sys.stdout.flush()
-        result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
-                                variants_file=variants_file, tuning_file=tfile)
+            def progress(n, ok):
+                done[0] += n
+                click.echo(f"{'built' if ok else 'failed'} {n}, {done[0]}/{len(vs)} variants done "
+                           f"({time.perf_counter() - t0:.0f} s)")
+                sys.stdout.flush()
+            result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
+                                    variants_file=variants_file, tuning_file=tfile)
+    except KeyboardInterrupt as exc:
+        why = f" ({exc})" if str(exc) else ""
+        fail(f"interrupted{why}: the variants not compiled are not recorded; `megakernel build` again compiles "
+             "them", 130)
     for w in result.get("warnings", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
@@ -299,7 +317,8 @@ def _delegate(command: click.Command, args: list, prog: str) -> None:
 
 @main.command("from-hf")
 @click.argument("path")
-@click.option("--write", "write_file", default=None, help="append the entry to this variants file")
+@click.option("--write", "write_file", default=None,
+              help="append the entry to this variants file (started with a default matrix if it does not exist)")
 @click.option("--name", default=None, help="variant name [from the directory / model_type]")
 def from_hf_cmd(path, write_file, name):
     """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json."""
@@ -390,8 +409,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir)
         except Exception as exc:  # noqa: BLE001 - no tokenizer files, or no transformers
-            fail(f"{model_dir}: --prompt needs a tokenizer in the model directory ({str(exc).splitlines()[0][:160]}); "
-                 "give --ids instead")
+            why = str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            fail(f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model "
+                 f"...), and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
     else:
         try:
@@ -425,7 +445,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                                  seed=seed, stop_tokens=stop_ids, callback=show)
     except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
         fail(str(exc))
-    echo()
+    if len(seqs) == 1:
+        echo()  # ends the streamed line
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that

@@ -38,6 +38,11 @@ class CompileError(RuntimeError):
     """nvcc failed for a variant: the message names it and carries the compiler's output."""
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """The compiler was killed by a signal (Ctrl-C reaches nvcc too): the build stops, nothing is recorded for the
+    variants not compiled (a later build compiles them)."""
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -79,8 +84,8 @@ def compiler_version() -> str:
     global _compiler_version
     if _compiler_version is None:
         from cupy.cuda import get_nvcc_path
-        nvcc = get_nvcc_path() or "nvcc"
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+        nvcc = get_nvcc_path() or "nvcc"  # NVCC may be a command line ("ccache nvcc"): CuPy splits it the same way
+        out = subprocess.run(nvcc.split() + ["--version"], capture_output=True, text=True, check=True).stdout
         _compiler_version = out.strip().splitlines()[-1]
     return _compiler_version
 
@@ -136,6 +141,8 @@ def _compile_object(source: str, arch: str, obj: Path) -> dict:
                                             log_stream=log)
         ptx = compiler.compile_using_nvcc(source, options=("-std=c++17",), arch=nv_arch, code_type="ptx")
     except Exception as exc:  # CuPy raises its own error type carrying nvcc's output
+        if re.search(r"died due to signal|killed by signal|terminated by signal", str(exc)):
+            raise BuildInterrupted(str(exc).strip().splitlines()[-1]) from None
         raise CompileError(str(exc)) from None
     seconds = time.perf_counter() - t0
     meta = {"cubin_sha256": hashlib.sha256(cubin).hexdigest(), "compile_s": round(seconds, 2),
@@ -188,7 +195,9 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
-    variant (status "error") so one bad variant does not hide the others. `variants_file` (where the variants
+    variant (status "error") so one bad variant does not hide the others. `progress(n, ok)`: n variants finished
+    (ok False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler killed by a signal
+    (BuildInterrupted) stops the build: no queued compile starts and the manifest is not touched. `variants_file` (where the variants
     were declared) is recorded so that loading can tell when a declaration changed since. `tuning_file`
     (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or stale entry
     falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}: plan
@@ -252,7 +261,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 meta = _compile_object(sources[key], arch, obj)
         return key, meta, cached
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = {pool.submit(one, key): key for key in by_key}
         for fut in as_completed(futures):
             key = futures[fut]
@@ -262,7 +272,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 for v, entry in by_key[key]:
                     entry.update(status="error", error=f"{v.name}: nvcc failed:\n{exc}")
                 if progress:
-                    progress(len(by_key[key]))
+                    progress(len(by_key[key]), ok=False)
                 continue
             for v, entry in by_key[key]:
                 _link(build_dir / "objects" / key / "kernel.cubin", build_dir / v.name / "kernel.cubin")
@@ -281,7 +291,11 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                     "wgmma_serialized": meta.get("wgmma_serialized", 0),
                 }
             if progress:
-                progress(len(by_key[key]))
+                progress(len(by_key[key]), ok=True)
+    except KeyboardInterrupt:  # Ctrl-C or a compiler killed by a signal: no queued compile starts, no manifest write
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
     with locked(build_dir):
         manifest = read_manifest(build_dir)

@@ -225,7 +225,8 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
                          f"{cache_len} rows by itself (a larger cache_len / seq_len, or a shorter prompt)")
     if need > cache_len:
         raise ServeError(f"max_new_tokens: the longest prompt ({max(prompt_lens)} tokens) + {max_new_tokens} new "
-                         f"tokens need {need} cache rows, over the cache capacity {cache_len} (at most "
+                         f"tokens need {need} cache rows (every token but the last new one is cached), over the "
+                         f"cache capacity {cache_len} (at most "
                          f"{cache_len - max(prompt_lens) + 1} new tokens; or a larger cache_len / seq_len)")
 
 
@@ -319,13 +320,24 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
     return out
 
 
-def check_fits(plan: dict[str, int], free: int, total: int, what: str) -> None:
+def check_fits(plan: dict[str, int], free: int, total: int, what: str, where: str = "on the GPU") -> None:
     """ServeError (one line) when plan["total"] bytes exceed `free` bytes of the device."""
     if plan["total"] > free:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.items() if k != "total" and v)
-        raise ServeError(f"{what}: needs {plan['total'] / GiB:.2f} GiB on the GPU ({parts} GiB) but only "
-                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: lower max_batch or cache_len, or "
-                         "load fewer variants / unfused=False")
+        raise ServeError(f"{what}: needs {plan['total'] / GiB:.2f} GiB {where} ({parts} GiB) but only "
+                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: lower max_batch or cache_len (or "
+                         "max_new_tokens), or load fewer variants / unfused=False")
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of this machine's memory (/proc/meminfo: MemAvailable, MemTotal; os.sysconf where
+    there is none)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 def checkpoint_bytes(files: Iterable[Path]) -> int:
@@ -513,6 +525,10 @@ class Model:
         if dev.type == "cuda" and torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info(dev)
             check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}")
+        elif dev.type == "cpu":
+            free, total = host_memory()
+            check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}",
+                       "of CPU memory")
         if vs and dev.type != "cuda":
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         gpu = gpu_name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available()

@@ -23,6 +23,7 @@ NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu")
 MODES = ("decode", "prefill")  # prefill: seq_len is the chunk of new tokens per sequence
 ROPE_SCALING_TYPES = ("llama3",)
+INT_MAX = 2**31 - 1  # every size becomes a C int constant of the kernel
 
 # field -> (python types accepted, required?, default)
 MODEL_FIELDS: dict[str, tuple[tuple[type, ...], bool, object]] = {
@@ -185,6 +186,9 @@ def _parse_matrix(where, raw) -> dict:
                 _check_type(where, f"matrix.{key}", v, (int,))
                 if v <= 0:
                     raise VariantError(f"{where}: field 'matrix.{key}' must be positive, got {v}")
+                if v > INT_MAX:
+                    raise VariantError(f"{where}: field 'matrix.{key}' must be at most {INT_MAX} (a C int in the "
+                                       f"kernel), got {v}")
         if len(set(vals)) != len(vals):
             raise VariantError(f"{where}: field 'matrix.{key}' lists a value twice: {vals}")
         out[key] = vals
@@ -228,6 +232,9 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     for key in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers"):
         if raw[key] <= 0:
             raise VariantError(f"{where}: field '{key}' must be positive, got {raw[key]}")
+        if raw[key] > INT_MAX:
+            raise VariantError(f"{where}: field '{key}' must be at most {INT_MAX} (a C int in the kernel), got "
+                               f"{raw[key]}")
     for key in ("norm_eps", "rope_theta"):
         if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
             raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")

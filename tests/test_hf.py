@@ -336,8 +336,24 @@ def test_write_refuses_what_would_not_parse(tmp_path):
     with pytest.raises(gvariants.VariantError):
         hf.append_entry(vfile, hf.variant_entry_yaml(d))
     assert vfile.read_text() == original
-    r = run_cli("from-hf", d, "--write", tmp_path / "missing.yaml")
-    assert r.returncode == 2 and r.stderr.startswith("error: ")
+    r = run_cli("from-hf", d, "--write", tmp_path / "no-such-dir" / "v.yaml")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+def test_write_starts_a_new_variants_file_and_fills_an_empty_models(tmp_path):
+    """--write to a file that does not exist starts one with a default matrix; `models: {}` takes the entry."""
+    d = write_config(tmp_path, "Qwen3-1.7B", QWEN3_1_7B)
+    new = tmp_path / "new.yaml"
+    r = run_cli("from-hf", d, "--write", new)
+    assert r.returncode == 0, r.stderr
+    vs = gvariants.load(new)
+    assert vs and {v.mode for v in vs} == {"decode"} and {v.model.hidden for v in vs} == {2048}
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("matrix: {mode: [decode], batch: [1], seq_len: [128]}\nmodels: {}\n")
+    r = run_cli("from-hf", d, "--write", empty)
+    assert r.returncode == 0, r.stderr
+    assert [v.seq_len for v in gvariants.load(empty)] == [128]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -244,6 +244,14 @@ def cpu_model(d, **kw):
     return serve.Model.from_hf(d, **kw)
 
 
+def test_a_cache_over_cpu_memory_is_refused_in_one_line(tiny):
+    """--device cpu plans its memory as a GPU model does: a cache that would not fit is one ServeError, before any
+    tensor is allocated (it was the allocator's traceback)."""
+    _, d = tiny
+    with pytest.raises(serve.ServeError, match=r"GiB of CPU memory .* lower max_batch or cache_len"):
+        cpu_model(d, cache_len=10**9)
+
+
 def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
     hfm, d = tiny
     model = cpu_model(d)

@@ -37,6 +37,12 @@ def variant_entry_yaml(path, name=None) -> str:
 
 
 _MODELS_LINE = re.compile(r"^models:\s*(#.*)?$")
+_EMPTY_MODELS_LINE = re.compile(r"^models:\s*\{\s*\}\s*(#.*)?$")
+# a variants file that --write starts: decode at batch 1 and 8 over a 4,096-row cache (edit the matrix to taste)
+NEW_FILE = ("# variants started by `megakernel from-hf --write`: every model below is built for each combination of\n"
+            "# the matrix (a model may give its own `matrix:`); see the project's variants.yaml for more\n"
+            "matrix: {mode: [decode], batch: [1, 8], seq_len: [4096]}\n"
+            "models:\n")
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -67,14 +73,19 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def append_entry(variants_file, text: str) -> None:
     """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping,
-    atomically. Writes nothing, raising HFConfigError / VariantError (one line), when the name is already there,
+    atomically; a file that does not exist is started with NEW_FILE's default matrix. Writes nothing, raising HFConfigError / VariantError (one line), when the name is already there,
     the result does not parse as a variants file, or the entry's sliding window (its `# sliding_window N (...)`
     comment) is shorter than a seq_len the file's matrix gives it."""
     path = Path(variants_file)
     try:
         old = path.read_text()
+    except FileNotFoundError:
+        old = NEW_FILE  # a new variants file: a default matrix, then the entry
     except OSError as exc:
         raise HFConfigError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    # `models: {}` (an empty flow mapping) becomes a block the entry goes under
+    old = "".join("models:\n" if _EMPTY_MODELS_LINE.match(ln.rstrip("\n")) else ln
+                  for ln in old.splitlines(keepends=True))
     try:
         entry = yaml.safe_load("models:\n" + text)
     except yaml.YAMLError as exc:

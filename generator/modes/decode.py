@@ -139,7 +139,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
-        "norm+projection": (gemv_bytes, "the normalised input rows take batch x hidden x 2 B: lower batch"),
+        "norm+projection": (gemv_bytes, "the normalised input rows take batch x hidden x 2 B: lower batch or hidden"),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
