@@ -131,6 +131,24 @@ def blocks_per_sm(registers: int, threads: int, smem: int, arch: str = DEFAULT_A
     return max(0, min(a.regs_per_sm // regs, a.threads_per_sm // threads, by_smem))
 
 
+_SIGNAL = re.compile(r"(?:died due to|killed by|terminated by) signal (\d+)")
+
+
+def compiler_killed(message: str) -> str | None:
+    """What a compiler's failure message says about a signal that killed it: "interrupted" for SIGINT, SIGTERM or
+    SIGHUP (Ctrl-C reaches nvcc too: the build stops), a hint for others (SIGKILL: most likely out of memory), None
+    where no signal killed it (an ordinary compile error)."""
+    m = _SIGNAL.search(message)
+    if m is None:
+        return None
+    sig = int(m.group(1))
+    if sig in (1, 2, 15):
+        return "interrupted"
+    if sig == 9:
+        return "the compiler was killed (signal 9): most likely out of memory; fewer parallel compiles (-j) help"
+    return f"the compiler crashed (signal {sig})"
+
+
 def _compile_object(source: str, arch: str, obj: Path) -> dict:
     from cupy.cuda import compiler
     t0 = time.perf_counter()
@@ -141,9 +159,10 @@ def _compile_object(source: str, arch: str, obj: Path) -> dict:
                                             log_stream=log)
         ptx = compiler.compile_using_nvcc(source, options=("-std=c++17",), arch=nv_arch, code_type="ptx")
     except Exception as exc:  # CuPy raises its own error type carrying nvcc's output
-        if re.search(r"died due to signal|killed by signal|terminated by signal", str(exc)):
+        why = compiler_killed(str(exc))
+        if why == "interrupted":
             raise BuildInterrupted(str(exc).strip().splitlines()[-1]) from None
-        raise CompileError(str(exc)) from None
+        raise CompileError(str(exc) + (f"\n({why})" if why else "")) from None
     seconds = time.perf_counter() - t0
     meta = {"cubin_sha256": hashlib.sha256(cubin).hexdigest(), "compile_s": round(seconds, 2),
             "cubin_bytes": len(cubin), "ptx_bytes": len(ptx), **parse_ptxas(log.getvalue())}
@@ -196,8 +215,9 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
     variant (status "error") so one bad variant does not hide the others. `progress(n, ok)`: n variants finished
-    (ok False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler killed by a signal
-    (BuildInterrupted) stops the build: no queued compile starts and the manifest is not touched. `variants_file` (where the variants
+    (ok False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal
+    (BuildInterrupted: SIGINT, SIGTERM, SIGHUP; compiler_killed) stops the build: no queued compile starts, and
+    neither the manifest nor any variant's cubin is touched (they change together, at the end). `variants_file` (where the variants
     were declared) is recorded so that loading can tell when a declaration changed since. `tuning_file`
     (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or stale entry
     falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}: plan
@@ -262,6 +282,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         return key, meta, cached
 
     pool = ThreadPoolExecutor(max_workers=jobs)
+    links: list[tuple[str, str]] = []  # (object key, variant): cubins linked with the manifest's write, not before
     try:
         futures = {pool.submit(one, key): key for key in by_key}
         for fut in as_completed(futures):
@@ -275,7 +296,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                     progress(len(by_key[key]), ok=False)
                 continue
             for v, entry in by_key[key]:
-                _link(build_dir / "objects" / key / "kernel.cubin", build_dir / v.name / "kernel.cubin")
+                links.append((key, v.name))
                 smem = entry["plan"]["smem_bytes"]
                 entry["resources"] = {
                     **{k: meta[k] for k in ("cubin_bytes", "ptx_bytes", "registers", "stack_frame", "spill_stores",
@@ -292,12 +313,14 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 }
             if progress:
                 progress(len(by_key[key]), ok=True)
-    except KeyboardInterrupt:  # Ctrl-C or a compiler killed by a signal: no queued compile starts, no manifest write
+    except BaseException:  # Ctrl-C, a compiler interrupted, or a fault here: no queued compile starts, nothing written
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
 
     with locked(build_dir):
+        for key, name in links:
+            _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
         manifest = read_manifest(build_dir)
         manifest["variants"].update(entries)
         manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)

@@ -20,7 +20,7 @@ from .modes import MODES
 from .plan import PlanError  # noqa: F401  (re-exported: callers catch render.PlanError)
 from .plan import kernels
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch
-from .variants import Variant
+from .variants import INT_MAX, Variant
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
@@ -45,6 +45,12 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
     syncs = sum(mode.steps[k["first"] + i].then == "grid" for k in ks for i in range(len(k["steps"]) - 1))
     p.update(mode=mode.name, arch=a.sm, grid_syncs=syncs, kernels=ks, tp=v.tp, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
+    # every constant is a C int in the kernel, and so is every buffer's element count: a larger shape would wrap
+    elements = {f"workspace buffer '{k}'": math.prod(b["shape"]) for k, b in p["workspace"]["buffers"].items()}
+    for what, val in {**p["consts"], **p["sizes"], **elements}.items():
+        if isinstance(val, int) and abs(val) > INT_MAX:
+            raise PlanError(f"{v.name}: {what} = {val} is over a C int ({INT_MAX}): a smaller shape (hidden, "
+                            "heads x head_dim, intermediate, batch or seq_len)")
     return p
 
 

@@ -329,15 +329,14 @@ def check_fits(plan: dict[str, int], free: int, total: int, what: str, where: st
                          "max_new_tokens), or load fewer variants / unfused=False")
 
 
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of this machine's memory (/proc/meminfo: MemAvailable, MemTotal; os.sysconf where
-    there is none)."""
+def host_memory() -> tuple[int, int] | None:
+    """(available, total) bytes of this machine's memory from /proc/meminfo (MemAvailable: free memory plus what
+    the page cache would give back, MemTotal); None where the system does not say (no check is made then)."""
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        return int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def checkpoint_bytes(files: Iterable[Path]) -> int:
@@ -438,8 +437,9 @@ class Model:
         cache_len (rows per sequence) is needed only when no decode variant is used. max_batch: sequences the caches
         hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
         variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
-        second copy of the weights: then every call must have a fused variant. On a GPU, the planned memory is
-        checked against torch.cuda.mem_get_info before any tensor is read (ServeError, one line). gpu_name and
+        second copy of the weights: then every call must have a fused variant. The planned memory is checked before
+        any tensor is read (ServeError, one line): against torch.cuda.mem_get_info on a GPU, the machine's available
+        memory on the CPU (host_memory). gpu_name and
         routes_dir select the measured routes (generator.routes; default: this GPU's). group: a torch.distributed
         process group (NCCL, one process per GPU, every rank calling from_hf and generate alike) for tensor
         parallel: each rank holds its heads and MLP columns of every layer (interface.TP_SPLIT) and KV caches of
@@ -516,6 +516,8 @@ class Model:
         max_batch = max([max_batch or 1] + batches)
         if not unfused and not any(v.mode == "decode" for v in vs):
             raise ServeError("unfused=False: no decode variant is used, so nothing could serve a decode step")
+        if vs and dev.type != "cuda":
+            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         # memory, before any tensor is read
         elt = torch.finfo(dtype).bits // 8
         ws = sum(entries[v.name]["plan"]["workspace"]["bytes"] for v in vs)
@@ -525,12 +527,8 @@ class Model:
         if dev.type == "cuda" and torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info(dev)
             check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}")
-        elif dev.type == "cpu":
-            free, total = host_memory()
-            check_fits(plan, free, total, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}",
-                       "of CPU memory")
-        if vs and dev.type != "cuda":
-            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
+        elif dev.type == "cpu" and (mem := host_memory()) is not None:
+            check_fits(plan, *mem, f"{ck.dir} with max_batch {max_batch}, cache_len {cache_len}", "of CPU memory")
         gpu = gpu_name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available()
                            else "cpu")
         routes, why = {}, {}

@@ -120,6 +120,9 @@ def _half(n: int) -> int:
     return n // 2
 
 
+BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "ATT_INLINE")  # on/off knobs: 0 is a setting, not a size
+
+
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
@@ -156,7 +159,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
             break
         if "ATT_STAGES" in ov and stage3:
             continue
-        if any(val < 1 for k, val in ov.items() if k not in ("ATT_COMBINE", "X_FRAG")):  # their 0 is a choice
+        if any(val < 1 for k, val in ov.items() if k not in BINARY_KNOBS):  # their 0 is a choice
             continue
         try:
             p = plan(v, arch, overrides=ov)

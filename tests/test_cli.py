@@ -319,21 +319,31 @@ def test_build_dir_that_is_a_file_is_one_line(tmp_path):
     assert f.read_text() == "x"
 
 
-def test_an_interrupted_build_stops_and_records_nothing(tiny_build, copy_build, monkeypatch):
-    """A compiler killed by a signal (Ctrl-C reaches nvcc too) stops the build: the manifest is not written and no
-    variant is recorded as a compile error; the CLI says so in one line, exit 130."""
-    d = Path(copy_build())
-    for obj in (d / "objects").iterdir():  # every object must compile again
-        shutil.rmtree(obj)
-    before = (d / "manifest.json").read_text()
+def _dying_nvcc(tmp_path, signal: int):
+    """An NVCC that answers --version as the real one and dies by `signal` (nvcc's own message) when compiling."""
+    from generator import toolchain
+    fake = tmp_path / f"nvcc-sig{signal}"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then exec {toolchain.find_nvcc()} --version; fi\n"
+                    f"echo \"nvcc error   : 'ptxas' died due to signal {signal}\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    return fake
 
-    def killed(*a, **k):
-        raise gcompile.BuildInterrupted("nvcc error   : 'ptxas' died due to signal 2")
-    monkeypatch.setattr(gcompile, "_compile_object", killed)
-    vs = gvariants.load(tiny_build["variants"])
-    with pytest.raises(KeyboardInterrupt):
-        gcompile.build(vs, d, jobs=1)
-    assert (d / "manifest.json").read_text() == before
+
+def test_an_interrupted_build_stops_and_records_nothing(tmp_path):
+    """A compiler killed by SIGINT (Ctrl-C reaches nvcc too) stops the build: one line, exit 130, no manifest, no
+    cubin; a compiler that crashed (signal 11) is a compile error of its variant, recorded, exit 1."""
+    d = tmp_path / "b"
+    r = run_cli_env(ONE_SMALL + ["--build-dir", d, "-j", "1"], tmp_path, NVCC=_dying_nvcc(tmp_path, 2))
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.startswith("error: interrupted") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (d / "manifest.json").exists() and not list(d.glob("*/kernel.cubin"))
+    r = run_cli_env(ONE_SMALL + ["--build-dir", d], tmp_path, NVCC=_dying_nvcc(tmp_path, 11))
+    assert r.returncode == 1 and "the compiler crashed (signal 11)" in r.stderr, r.stderr
+    assert json.loads((d / "manifest.json").read_text())["variants"]
+    assert gcompile.compiler_killed("nvcc error   : 'cicc' died due to signal 9 (Kill signal)").startswith(
+        "the compiler was killed (signal 9)")
+    assert gcompile.compiler_killed("kernel.cu(3): error: identifier \"x\" is undefined") is None
+    assert gcompile.compiler_killed("'ptxas' died due to signal 15") == "interrupted"
 
 
 def test_no_nvcc_is_one_line(tmp_path):

@@ -165,6 +165,9 @@ def test_stage_clock_rate_is_measured(build_dir):
     layer(x, pos_dev, validate=False)
     b.record()
     torch.cuda.synchronize()
+    from generator.interface import CLOCK_SLOTS
+    c = layer.buffer("clock").cpu().tolist()
+    assert c[CLOCK_SLOTS + 1] > c[CLOCK_SLOTS] > 0 and c[len(layer.STAGES)] > c[0]  # the stamps themselves
     mhz = layer.clock_mhz()
     nominal = cupy.cuda.Device(layer.device.index).attributes["ClockRate"] / 1e3
     assert 500 <= mhz <= 1.05 * nominal, (mhz, nominal)

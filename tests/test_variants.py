@@ -279,3 +279,11 @@ def test_duplicate_field_error_names_the_variant():
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("v.yaml: line 8:") and "variant 'tiny-b'" in msg
     assert "duplicate key 'heads'" in msg
+
+
+def test_derived_sizes_over_a_c_int_are_refused():
+    """Each field fits a C int but heads x head_dim does not: the plan refuses it in one line (the kernel's
+    constants and buffer sizes are C ints; nvcc only warns when one wraps)."""
+    v = gvariants.parse(doc_text(heads=2**27, kv_heads=2**27, head_dim=128), "t.yaml")[0]
+    with pytest.raises(grender.PlanError, match=r"over a C int .* smaller shape"):
+        grender.plan(v)
