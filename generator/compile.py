@@ -214,14 +214,14 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
-    variant (status "error") so one bad variant does not hide the others. `progress(n, ok)`: n variants finished
-    (ok False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal
+    variant (status "error") so one bad variant does not hide the others. `progress(n, ok)`: n variants finished (ok
+    False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal
     (BuildInterrupted: SIGINT, SIGTERM, SIGHUP; compiler_killed) stops the build: no queued compile starts, and
-    neither the manifest nor any variant's cubin is touched (they change together, at the end). `variants_file` (where the variants
-    were declared) is recorded so that loading can tell when a declaration changed since. `tuning_file`
-    (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or stale entry
-    falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}: plan
-    overrides given directly (the tuner's candidates; a bad one refuses that variant). Each entry records
+    neither the manifest nor any variant's cubin is touched (they change together, at the end). `variants_file`
+    (where the variants were declared) is recorded so that loading can tell when a declaration changed since.
+    `tuning_file` (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or
+    stale entry falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}:
+    plan overrides given directly (the tuner's candidates; a bad one refuses that variant). Each entry records
     "plan_source" ("default", "tuned (<file>)" or "override") and, where a tuning file was consulted, what it held
     for the variant ("tuning"), so a later change of that entry makes the build stale. Raises TargetError for an
     architecture the kernel cannot target.

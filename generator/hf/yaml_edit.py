@@ -72,10 +72,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def append_entry(variants_file, text: str) -> None:
-    """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping,
-    atomically; a file that does not exist is started with NEW_FILE's default matrix. Writes nothing, raising HFConfigError / VariantError (one line), when the name is already there,
-    the result does not parse as a variants file, or the entry's sliding window (its `# sliding_window N (...)`
-    comment) is shorter than a seq_len the file's matrix gives it."""
+    """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping, atomically;
+    a file that does not exist is started with NEW_FILE's default matrix. Writes nothing, raising HFConfigError /
+    VariantError (one line), when the name is already there, the result does not parse as a variants file, or the
+    entry's sliding window (its `# sliding_window N (...)` comment) is shorter than a seq_len the file's matrix
+    gives it."""
     path = Path(variants_file)
     try:
         old = path.read_text()
