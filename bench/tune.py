@@ -142,6 +142,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
     from generator import compile as gcompile, tune as gtune, variants as gvariants
     from generator.manifest import identity
+    from generator.render import plan as render_plan
     from generator.targets import DEFAULT_ARCH
 
     def fail(msg):
@@ -252,7 +253,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             w = pick(rows)
             entries[v.name] = {"overrides": w["overrides"], "default_us": rows[0]["us"], "tuned_us": w["us"],
                                "candidates": results[v.name]["tried"], "failed": len(results[v.name]["failed"]),
-                               "identity": identity(v.params(), arch), "gpu": gpu, "date": date}
+                               "identity": identity(v.params(), arch), "gpu": gpu, "date": date,
+                               "knobs": gtune.knob_dict(render_plan(v, arch, overrides=w["overrides"] or None))}
             click.echo(f"{v.name}: {w['overrides'] or 'default plan'}  {rows[0]['us']:.2f} -> {w['us']:.2f} us "
                        f"(x{rows[0]['us'] / w['us']:.3f})")
         if entries:

@@ -105,7 +105,13 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
         why = "tuned for other parameters or another arch (stale: run `megakernel tune` again)"
     else:
         try:
-            plan(v, str(arch), overrides=e["overrides"])
+            p = plan(v, str(arch), overrides=e["overrides"])
+            if isinstance(e.get("knobs"), dict) and e["knobs"] != knob_dict(p):
+                now = knob_dict(p)
+                diff = ", ".join(f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in sorted(set(now) | set(e["knobs"]))
+                                 if now.get(k) != e["knobs"].get(k))
+                why = (f"the planner's defaults changed since it was tuned ({diff}; stale: run `megakernel tune` "
+                       "again)")
         except PlanError as exc:
             why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
@@ -197,6 +203,12 @@ def _prefill_tries(base: dict, sms: int) -> list[dict]:
 def knob_values(p: dict) -> tuple:
     """The tuned knobs' values in plan `p` (two overrides that plan the same kernel compare equal)."""
     return tuple(p["consts"].get(k) for k in (prefill.KNOBS if p["mode"] == "prefill" else decode.KNOBS))
+
+
+def knob_dict(p: dict) -> dict:
+    """knob_values as {knob: value}: what a tuning entry records of the plan it measured ("knobs"), so that a later
+    change of the planner's defaults, which the entry's overrides are relative to, shows as a stale entry."""
+    return dict(zip(prefill.KNOBS if p["mode"] == "prefill" else decode.KNOBS, knob_values(p)))
 
 
 def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:

@@ -185,6 +185,14 @@ def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
     assert gtune.resolve(v, "86", f) == ({}, "default", None, None)
     f.write_text(json.dumps({v.name: {**good, "gpu": "NVIDIA H200", "identity": "0" * 64}}))
     assert "other parameters" in gtune.resolve(v, "86", f)[3]  # stale for every arch: still said
+    # an entry that records the knobs it measured: kept while the planner plans the same; stale once a default
+    # changed under its overrides (they are relative to the defaults)
+    knobs = gtune.knob_dict(render.plan(v, "90", overrides={"QKV_NWG": 2}))
+    f.write_text(json.dumps({v.name: {**good, "knobs": knobs}}))
+    assert gtune.resolve(v, "90", f)[0] == {"QKV_NWG": 2}
+    f.write_text(json.dumps({v.name: {**good, "knobs": {**knobs, "X_FRAG": 1 - knobs["X_FRAG"]}}}))
+    ov, src, fig, warn = gtune.resolve(v, "90", f)
+    assert (ov, src) == ({}, "default") and "defaults changed since it was tuned" in warn and "X_FRAG" in warn
     f.write_text("{not json")
     assert gtune.resolve(v, "90", f)[1] == "default" and "not a tuning file" in gtune.resolve(v, "90", f)[3]
     assert gtune.resolve(v, "90", tmp_path / "absent.json")[:3] == ({}, "default", None)
