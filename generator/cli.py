@@ -148,6 +148,11 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     except toolchain.ToolchainError as exc:
         fail(str(exc))
     jobs = jobs or os.cpu_count() or 1
+    import signal
+
+    def terminated(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    signal.signal(signal.SIGTERM, terminated)  # a SIGTERM stops the build the way Ctrl-C does
     try:
         if sys.stdout.isatty():
             with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -168,8 +173,13 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                                     variants_file=variants_file, tuning_file=tfile)
     except KeyboardInterrupt as exc:
         why = f" ({exc})" if str(exc) else ""
-        fail(f"interrupted{why}: the variants not compiled are not recorded; `megakernel build` again compiles "
-             "them", 130)
+        err_console.print(f"error: interrupted{why}: the variants not compiled are not recorded; `megakernel build` "
+                          "again compiles them", markup=False, highlight=False, soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # now: a normal exit would wait for the compile a worker thread is running (and let it write its object);
+        # the build has written nothing that needs closing (every file is written whole or not at all)
+        os._exit(130)
     for w in result.get("warnings", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
@@ -295,8 +305,8 @@ def bench_cmd(ctx):
               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def tune_cmd(ctx):
-    """Sweep each variant's plan candidates (decode and prefill) on the GPU; record the winners in
-    tuning/<gpu>.json (see `megakernel tune --help`)."""
+    """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json
+    (see `megakernel tune --help`)."""
     from bench.tune import cli as tune_cli  # torch/CUDA imports only when tuning
     _delegate(tune_cli, ctx.args, "megakernel tune")
 

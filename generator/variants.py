@@ -238,6 +238,12 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     for key in ("norm_eps", "rope_theta"):
         if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
             raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")
+    derived = {"heads x head_dim": raw["heads"] * raw["head_dim"],
+               "(heads + 2 kv_heads) x head_dim": (raw["heads"] + 2 * raw["kv_heads"]) * raw["head_dim"],
+               "2 x intermediate": 2 * raw["intermediate"]}
+    for what, val in derived.items():
+        if val > INT_MAX:
+            raise VariantError(f"{where}: {what} = {val} must be at most {INT_MAX} (a C int in the kernel)")
     if raw["heads"] % raw["kv_heads"]:
         raise VariantError(f"{where}: field 'heads' ({raw['heads']}) must be divisible by kv_heads "
                            f"({raw['kv_heads']})")

@@ -350,10 +350,15 @@ def test_write_starts_a_new_variants_file_and_fills_an_empty_models(tmp_path):
     vs = gvariants.load(new)
     assert vs and {v.mode for v in vs} == {"decode"} and {v.model.hidden for v in vs} == {2048}
     empty = tmp_path / "empty.yaml"
-    empty.write_text("matrix: {mode: [decode], batch: [1], seq_len: [128]}\nmodels: {}\n")
+    empty.write_text("matrix: {mode: [decode], batch: [1], seq_len: [128]}\nmodels: {}   # none yet\n")
     r = run_cli("from-hf", d, "--write", empty)
     assert r.returncode == 0, r.stderr
-    assert [v.seq_len for v in gvariants.load(empty)] == [128]
+    assert [v.seq_len for v in gvariants.load(empty)] == [128] and "# none yet" in empty.read_text()
+    zero = tmp_path / "zero.yaml"
+    zero.write_text("")
+    r = run_cli("from-hf", d, "--write", zero)
+    assert r.returncode == 0, r.stderr
+    assert gvariants.load(zero)
 
 
 # ---------------------------------------------------------------------------------------------------------------

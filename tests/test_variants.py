@@ -282,8 +282,13 @@ def test_duplicate_field_error_names_the_variant():
 
 
 def test_derived_sizes_over_a_c_int_are_refused():
-    """Each field fits a C int but heads x head_dim does not: the plan refuses it in one line (the kernel's
-    constants and buffer sizes are C ints; nvcc only warns when one wraps)."""
-    v = gvariants.parse(doc_text(heads=2**27, kv_heads=2**27, head_dim=128), "t.yaml")[0]
-    with pytest.raises(grender.PlanError, match=r"over a C int .* smaller shape"):
+    """Each field fits a C int but heads x head_dim does not: the file is refused in one line (the kernel's
+    constants and buffer sizes are C ints; nvcc only warns when one wraps); what only the plan derives (buffer
+    sizes) is refused by the planner."""
+    with pytest.raises(VariantError, match=r"variant 'tiny': heads x head_dim = 17179869184 must be at most"):
+        gvariants.parse(doc_text(heads=2**27, kv_heads=2**27, head_dim=128), "t.yaml")
+    # a prefill of 4 x 2^30 tokens: each field fits, the launch's token rows do not
+    text = GOOD_TEXT.replace("- decode", "- prefill").replace("- 64", "- 1073741824").replace("- 1\n", "- 4\n")
+    v = gvariants.parse(text, "t.yaml")[0]
+    with pytest.raises(grender.PlanError, match=r"ROWS = 4294967296 is over a C int .* smaller shape"):
         grender.plan(v)

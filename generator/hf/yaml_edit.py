@@ -73,19 +73,21 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def append_entry(variants_file, text: str) -> None:
     """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping, atomically;
-    a file that does not exist is started with NEW_FILE's default matrix. Writes nothing, raising HFConfigError /
-    VariantError (one line), when the name is already there, the result does not parse as a variants file, or the
-    entry's sliding window (its `# sliding_window N (...)` comment) is shorter than a seq_len the file's matrix
-    gives it."""
+    a file that does not exist (or is empty) is started with NEW_FILE's default matrix. Writes nothing, raising
+    HFConfigError / VariantError (one line), when the name is already there, the result does not parse as a
+    variants file, or the entry's sliding window (its `# sliding_window N (...)` comment) is shorter than a
+    seq_len the file's matrix gives it."""
     path = Path(variants_file)
     try:
         old = path.read_text()
     except FileNotFoundError:
-        old = NEW_FILE  # a new variants file: a default matrix, then the entry
+        old = ""
     except OSError as exc:
         raise HFConfigError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    if not old.strip():
+        old = NEW_FILE  # a new (or empty) variants file: a default matrix, then the entry
     # `models: {}` (an empty flow mapping) becomes a block the entry goes under
-    old = "".join("models:\n" if _EMPTY_MODELS_LINE.match(ln.rstrip("\n")) else ln
+    old = "".join(re.sub(r"\{\s*\}", "", ln, count=1) if _EMPTY_MODELS_LINE.match(ln.rstrip("\n")) else ln
                   for ln in old.splitlines(keepends=True))
     try:
         entry = yaml.safe_load("models:\n" + text)
