@@ -35,11 +35,14 @@ class Step:
     `call` is its C call in the kernel body (arguments named as in generator.interface.ARGS, plus `smem`);
     `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none".
     `reduce` names what holds this step's partial sum when the layer is split over tp > 1 GPUs (a workspace buffer
-    or the output): the kernel ends after this step and the runtime all-reduces it before the next launch."""
+    or the output): the kernel ends after this step and the runtime all-reduces it before the next launch.
+    `flow` names a plan constant that, where it is 1, replaces the step's grid barrier by per-tile counters (the
+    next step waits on the parts it reads)."""
     stage: str
     call: str
     then: str = "grid"
     reduce: str = ""
+    flow: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,8 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
     p.setdefault("overrides", {})
     ks = kernels(mode, v.tp)
     # a barrier at a kernel's end is the launch boundary itself
-    syncs = sum(mode.steps[k["first"] + i].then == "grid" for k in ks for i in range(len(k["steps"]) - 1))
+    syncs = sum(mode.steps[k["first"] + i].then == "grid" and not p["consts"].get(mode.steps[k["first"] + i].flow)
+                for k in ks for i in range(len(k["steps"]) - 1))
     p.update(mode=mode.name, arch=a.sm, grid_syncs=syncs, kernels=ks, tp=v.tp, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
     # every constant is a C int in the kernel, and so is every buffer's element count: a larger shape would wrap

@@ -126,7 +126,7 @@ def _half(n: int) -> int:
     return n // 2
 
 
-BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "ATT_INLINE")  # on/off knobs: 0 is a setting, not a size
+BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[dict]:
@@ -150,7 +150,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
     if base["mode"] == "decode":
-        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 - d["GEMV_PF"]}, {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
+        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 - d["GEMV_PF"]}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
+                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},

@@ -25,6 +25,7 @@ constexpr int ATT_COMBINE = 1;
 constexpr int X_FRAG = 1;
 constexpr int HB_COPY = 1;
 constexpr int GEMV_PF = 0;
+constexpr int QKV_FLOW = 0;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;
 constexpr int SMEM_QS = 0;

@@ -58,17 +58,27 @@ struct SplitTile {
 // Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
 // on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
 // last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, bool PF = false, class Epi>
+struct NoDone {  // gemv's `done` where no later step waits on single tiles (a grid barrier follows the projection)
+    static constexpr bool active = false;
+    __device__ void operator()(int) const {}
+};
+
+// done(tile) (Done::active): called by one thread once a round's tiles are written (after a block barrier and a
+// release fence), for each of the block's tiles of that round; KSPLIT 1 only. TILE0: the first tile in task order
+// (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, bool PF = false, int TILE0 = 0,
+          class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
-                                     Epi epi) {
+                                     Epi epi, Done done = {}) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float* my_red = red + group * 2 * NWG * 16 * BATCH;
+    static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
     // one step of a task: this warp's U weight loads from k-tile k0 (all in flight before any use)
     auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
-        const int tile = task % TILES, ks = task / TILES;
+        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -134,13 +144,23 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     if (PF && group * gridDim.x + blockIdx.x < TASKS) load_step(group * gridDim.x + blockIdx.x, warp, pf);
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
-        const int tile = task % TILES, ks = task / TILES;
+        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const bool active = task < TASKS;
         float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
         if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1);
         __syncthreads();
         if constexpr (KSPLIT == 1) {
             if (active) epi(tile * 16, Tile<NWG>{buf}, gt);
+            if constexpr (Done::active) {
+                __syncthreads();  // every group's epilogue stores are the block's: one thread releases them
+                if (threadIdx.x == 0) {
+                    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                    for (int g = 0; g < NG; ++g) {
+                        const int t = rd * stride + g * gridDim.x + blockIdx.x;
+                        if (t < TASKS) done((t % TILES + TILE0) % TILES);
+                    }
+                }
+            }
         } else {
             __shared__ int last[NG];  // per group: its task was the tile's last split
             if (active)

@@ -174,6 +174,28 @@ def test_stage_clock_rate_is_measured(build_dir):
     assert sum(layer.stage_us().values()) <= a.elapsed_time(b) * 1e3 * 1.02
 
 
+def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
+    """QKV_FLOW (per-KV-head counters instead of the qkv -> attention grid barrier): three consecutive steps against
+    the fp32 reference (the counters must be back at zero for every launch), on a batch-1 and a batch-3 shape."""
+    from bench.tune import renamed
+    for v in [_first_small()] + USER[:1]:
+        c = renamed(v, "flow")
+        res = gcompile.build([c], tmp_path, overrides={c.name: {"QKV_FLOW": 1}})
+        assert not res["errors"], res["errors"][0]["error"][:500]
+        assert res["entries"][0]["plan"]["consts"]["QKV_FLOW"] == 1
+        W = reference.random_weights(v.model, seed=SEED + 9, device="cuda")
+        layer = load(c.name, W, build_dir=tmp_path)
+        x, pos = verify.random_inputs(layer, SEED + 9)
+        pos = torch.randint(0, v.seq_len - 3, (v.batch,), generator=torch.Generator().manual_seed(SEED),
+                            dtype=torch.int32)
+        kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+        for step in range(3):
+            out = layer(x, pos)
+            ref = reference.decoder_layer(x, pos.cuda(), W, kc, vc, v.model)
+            assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"seed {SEED} {v.name} step {step}"
+            x, pos = out, pos + 1
+
+
 def test_torch_compile_and_custom_op(build_dir):
     v = _first_small()
     layer = _layer(v, build_dir, SEED + 3)

@@ -13,10 +13,12 @@ from ..targets import DTYPES, Arch
 from ..variants import Variant
 
 STEPS = (
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, smem)"),
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, smem)",
+         flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
-                      "ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, smem)", reduce="h"),
+                      "ws_ready, ws_attn, smem)"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, ws_ready, smem)",
+         reduce="h"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, smem)",
          then="none", reduce="out"),
@@ -28,10 +30,11 @@ STEPS = (
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 0: two passes
 # through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF: a projection's next
-# round of weight loads issued before this round's reduction and epilogue (templates/gemv.cuh)
+# round of weight loads issued before this round's reduction and epilogue (templates/gemv.cuh); QKV_FLOW: per-KV-head
+# counters instead of the grid barrier between qkv_proj and attention
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
-         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -53,7 +56,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{THREADS // 32}")
         if k == "ATT_STAGES" and not ATT_STAGES_RANGE[0] <= val <= ATT_STAGES_RANGE[1]:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
-        if k in ("ATT_COMBINE", "X_FRAG", "GEMV_PF") and val not in (0, 1):
+        if k in ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW") and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -150,7 +153,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", 0), **smem,
+        "GEMV_PF": ov.get("GEMV_PF", 0),
+        # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
+        # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). A tuner knob, off
+        # by default until measured (it spilled 4 B on Llama-3-8B batch 8 at the register cap)
+        "QKV_FLOW": ov.get("QKV_FLOW", 0) if gemv["qkv"]["KSPLIT"] == 1 else 0, **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})

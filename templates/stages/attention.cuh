@@ -13,6 +13,8 @@
 #include "qk_norm.cuh"
 #include "rope.cuh"
 #include "kv_append.cuh"
+// QKV_FLOW: the tiles of a KV head that qkv_proj counts in ws_ready
+#include "qkv_proj.cuh"
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
@@ -28,7 +30,8 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
 
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
-                          T* v_cache, float* ws_part, unsigned* ws_count, T* ws_attn, unsigned char* smem) {
+                          T* v_cache, float* ws_part, unsigned* ws_count, const unsigned* ws_ready, T* ws_attn,
+                          unsigned char* smem) {
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
@@ -85,24 +88,35 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         for (int st = 0; st < ATT_STAGES - 1; ++st) issue((st * ATT_WARPS + warp) * 16, st);
 
         // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
-        // after them, inside rope)
+        // after them, inside rope). With QKV_FLOW no grid barrier separates this from qkv_proj: first this KV head's
+        // q, k and v tiles must be in (one thread acquires the count, the block barrier passes it on; the rows are
+        // then read from L2)
         float freqs[ROPE_K];
         rope_freqs(inv_freq, lane, freqs);
+        if constexpr (QKV_FLOW) {
+            if (tid == 0) {
+                unsigned got;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(ws_ready + kvh) : "memory");
+                } while (got < (unsigned)QKV_TILES_PER_HEAD);
+            }
+            __syncthreads();
+        }
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
-                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv[(kvh * GROUP + h) * HEAD_DIM + d];
+                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = __ldcg(qkv + (kvh * GROUP + h) * HEAD_DIM + d);
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
                 rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
-                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv[Q_DIM + kvh * HEAD_DIM + d];
+                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = __ldcg(qkv + Q_DIM + kvh * HEAD_DIM + d);
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
                 rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
-                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane);
+                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane, true);
             }
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block

@@ -1,23 +1,42 @@
 // ---- stage: qkv_proj ---- input norm, then q, k and v of every sequence in one GEMV over the packed
 // [q; k; v] weight (+ bias where the model has one). Raw fp32 results go to ws_qkv[b][QKV_DIM]; q/k norm and RoPE
 // happen in the attention stage, which needs whole heads.
+// QKV_FLOW: no grid barrier follows; each finished 16-row tile counts in ws_ready[its KV head], and an attention task
+// waits until its head's QKV_TILES_PER_HEAD tiles (its GROUP query heads, its k and v) are in. The k and v tiles are
+// computed first (TILE0), so whole heads are ready after the first round of tiles rather than the last.
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
+constexpr int QKV_TILES_PER_HEAD = (GROUP + 2) * HEAD_DIM / 16;
+__device__ __forceinline__ int qkv_tile_head(int tile) {  // the KV head whose q, k or v rows a 16-row tile holds
+    const int r = tile * 16;
+    return r < Q_DIM ? r / (GROUP * HEAD_DIM) : ((r - Q_DIM) % KV_DIM) / HEAD_DIM;
+}
+struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (released by gemv's fence)
+    unsigned* ready;
+    static constexpr bool active = true;
+    __device__ void operator()(int tile) const {
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(ready + qkv_tile_head(tile)) : "memory");
+    }
+};
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qkv, const T* b_qkv, float* ws_qkv,
-                         float* ws_split, unsigned* ws_count, unsigned char* smem) {
+                         float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
-    gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF>(w_qkv, xs,
-        reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
-        [&](int row0, auto tile, int gt) {
-            for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
-                const int n = row0 + i / BATCH, b = i % BATCH;
-                float v = tile(i / BATCH, b);
+    auto epi = [&](int row0, auto tile, int gt) {
+        for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
+            const int n = row0 + i / BATCH, b = i % BATCH;
+            float v = tile(i / BATCH, b);
 #if QKV_BIAS
-                v += to_f(b_qkv[n]);
+            v += to_f(b_qkv[n]);
 #endif
-                ws_qkv[(size_t)b * QKV_DIM + n] = v;
-            }
-        });
+            ws_qkv[(size_t)b * QKV_DIM + n] = v;
+        }
+    };
+    if constexpr (QKV_FLOW)
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, Q_DIM / 16>(w_qkv, xs,
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready});
+    else
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF>(w_qkv, xs,
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi);
 }
