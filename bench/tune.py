@@ -37,8 +37,12 @@ def renamed(v, tag: str):
 
 
 def group_of(ov: dict) -> str:
-    """The stage a single-knob candidate tunes (QKV, O, GU, DOWN, ATT)."""
-    return next(iter(ov)).split("_")[0] if ov else ""
+    """The stage a single-knob candidate tunes (QKV, O, GU, DOWN, ATT); QKV_FLOW (the barrier after qkv, not its
+    tiling) is a group of its own, so its win can merge with a qkv tiling win."""
+    if not ov:
+        return ""
+    knob = next(iter(ov))
+    return "FLOW" if knob == "QKV_FLOW" else knob.split("_")[0]
 
 
 def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int) -> list[dict]:

@@ -104,7 +104,7 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
 def test_qkv_flow_replaces_one_barrier():
     """QKV_FLOW 1 (a tuner knob, off by default): the qkv -> attention grid barrier is compiled out, every KV head
     counts (GROUP + 2) x head_dim / 16 tiles (the C mapping templates/stages/qkv_proj.cuh qkv_tile_head, mirrored
-    here), and a split qkv keeps the barrier."""
+    here), and a split qkv with it is refused."""
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     off, on = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 1})
     assert off["consts"]["QKV_FLOW"] == 0 and on["consts"]["QKV_FLOW"] == 1
@@ -117,8 +117,8 @@ def test_qkv_flow_replaces_one_barrier():
         q = r < c["Q_DIM"]
         heads.append(r // (c["GROUP"] * c["HEAD_DIM"]) if q else ((r - c["Q_DIM"]) % c["KV_DIM"]) // c["HEAD_DIM"])
     assert [heads.count(h) for h in range(c["KV_HEADS"])] == [(c["GROUP"] + 2) * c["HEAD_DIM"] // 16] * c["KV_HEADS"]
-    split = render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
-    assert split["consts"]["QKV_FLOW"] == 0
+    with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2"):
+        render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
     assert {"QKV_FLOW": 1} in gtune.candidates(v)
 
 

@@ -81,6 +81,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     shapes = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
               "down": (m.hidden, m.intermediate)}
     gemv = {}
+    if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
+        raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
+                        "unsplit (its split-K counters would share ws_count with attention's)")
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)
@@ -157,7 +160,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). A tuner knob, off
         # by default until measured (it spilled 4 B on Llama-3-8B batch 8 at the register cap)
-        "QKV_FLOW": ov.get("QKV_FLOW", 0) if gemv["qkv"]["KSPLIT"] == 1 else 0, **smem,
+        "QKV_FLOW": ov.get("QKV_FLOW", 0), **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})

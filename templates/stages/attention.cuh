@@ -93,30 +93,33 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         // then read from L2)
         float freqs[ROPE_K];
         rope_freqs(inv_freq, lane, freqs);
+        auto qkv_at = [&](int i) { return QKV_FLOW ? __ldcg(qkv + i) : qkv[i]; };  // flow: from L2, past L1
         if constexpr (QKV_FLOW) {
             if (tid == 0) {
                 unsigned got;
-                do {
+                while (true) {
                     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(ws_ready + kvh) : "memory");
-                } while (got < (unsigned)QKV_TILES_PER_HEAD);
+                    if (got >= (unsigned)QKV_TILES_PER_HEAD) break;
+                    __nanosleep(64);  // up to 132 pollers on one L2 sector: space them out
+                }
             }
             __syncthreads();
         }
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
-                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = __ldcg(qkv + (kvh * GROUP + h) * HEAD_DIM + d);
+                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv_at((kvh * GROUP + h) * HEAD_DIM + d);
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
                 rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
-                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = __ldcg(qkv + Q_DIM + kvh * HEAD_DIM + d);
+                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv_at(Q_DIM + kvh * HEAD_DIM + d);
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
                 rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
-                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane, true);
+                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane, QKV_FLOW);
             }
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block

@@ -9,7 +9,8 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, 
     const bool residual = TP == 1 || tp_rank == 0;
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage
-    if (QKV_FLOW && blockIdx.x == 0 && threadIdx.x < KV_HEADS) ws_ready[threadIdx.x] = 0u;
+    if (QKV_FLOW && blockIdx.x == 0)
+        for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
