@@ -39,8 +39,8 @@ class CompileError(RuntimeError):
 
 
 class BuildInterrupted(KeyboardInterrupt):
-    """The compiler was killed by a signal (Ctrl-C reaches nvcc too): the build stops, nothing is recorded for the
-    variants not compiled (a later build compiles them)."""
+    """The compiler was interrupted by SIGINT, SIGTERM or SIGHUP (Ctrl-C reaches nvcc too; compiler_killed): the
+    build stops, nothing is recorded for the variants not compiled (a later build compiles them)."""
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

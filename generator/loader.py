@@ -299,13 +299,12 @@ class FusedDecoderLayer:
         device's nominal ClockRate where the timer did not advance. Synchronises."""
         import cupy
         c = clock if clock is not None else self.buffer("clock").cpu().tolist()
-        if len(c) < CLOCK_SLOTS + 2:  # a build from before the timer stamps
-            return cupy.cuda.Device(self.device.index).attributes["ClockRate"] / 1e3
-        k = self.plan["kernels"][-1]
-        cycles = c[k["first"] + len(k["steps"])] - c[k.get("start_slot", k["first"])]
-        ns = c[CLOCK_SLOTS + 1] - c[CLOCK_SLOTS]
-        if ns > 0 and cycles > 0:
-            return cycles / ns * 1e3
+        if len(c) >= CLOCK_SLOTS + 2:  # (a build from before the timer stamps has none)
+            k = self.plan["kernels"][-1]
+            cycles = c[k["first"] + len(k["steps"])] - c[k.get("start_slot", k["first"])]
+            ns = c[CLOCK_SLOTS + 1] - c[CLOCK_SLOTS]
+            if ns > 0 and cycles > 0:
+                return cycles / ns * 1e3
         return cupy.cuda.Device(self.device.index).attributes["ClockRate"] / 1e3
 
     def overflows(self, reset: bool = True) -> int:

@@ -121,9 +121,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
     # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32
-    # those loads, not the weights, set the two stages' time; at batch 1-4 the tuner found it 9-14 % faster on four
-    # shapes (Qwen2.5-0.5B b1, Qwen2.5-7B b1/b4, hidden 2560 b3) and within 1 % elsewhere. Tensor parallel keeps it
-    # from batch 8 (small batches with it not yet run on 2 GPUs).
+    # those loads, not the weights, set the two stages' time; at batch 1-4 it was 7-15 % faster on Qwen2.5-0.5B,
+    # Qwen2.5-7B and a hidden-2560 shape, -1.1 ... +2.8 % on every other shape (bench/NOTES.md session 10).
+    # Tensor parallel keeps it from batch 8 (small batches with it not yet run on 2 GPUs).
     x_frag = ov.get("X_FRAG", int(v.tp == 1 or v.batch >= 8))
     # gate_up's norm reads h rounded to T (written by o_proj: half the bytes, copied without registers) where h is
     # whole on this GPU (tp = 1) and T has fp32's range (bf16: no overflow to count)
