@@ -63,8 +63,9 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
     __device__ void operator()(int) const {}
 };
 
-// done(tile) (Done::active): called by one thread once a round's tiles are written (after a block barrier and a
-// release fence), for each of the block's tiles of that round; KSPLIT 1 only. TILE0: the first tile in task order
+// done(tile) (Done::active): called by the first thread of the group that wrote the tile, once its epilogue stores
+// are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
+// KSPLIT 1 only. TILE0: the first tile in task order
 // (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, bool PF = false, int TILE0 = 0,
           class Epi, class Done = NoDone>
@@ -152,13 +153,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         if constexpr (KSPLIT == 1) {
             if (active) epi(tile * 16, Tile<NWG>{buf}, gt);
             if constexpr (Done::active) {
-                __syncthreads();  // every group's epilogue stores are the block's: one thread releases them
-                if (threadIdx.x == 0) {
+                __syncthreads();  // the group's epilogue stores are all made: its first thread releases them
+                if (active && gt == 0) {
                     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-                    for (int g = 0; g < NG; ++g) {
-                        const int t = rd * stride + g * gridDim.x + blockIdx.x;
-                        if (t < TASKS) done((t % TILES + TILE0) % TILES);
-                    }
+                    done(tile);
                 }
             }
         } else {

@@ -2,6 +2,7 @@
 gpu, `megakernel tune` on one small variant."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -102,11 +103,12 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
 
 
 def test_qkv_flow_replaces_one_barrier():
-    """QKV_FLOW 1 (a tuner knob, off by default): the qkv -> attention grid barrier is compiled out, every KV head
-    counts (GROUP + 2) x head_dim / 16 tiles (the C mapping templates/stages/qkv_proj.cuh qkv_tile_head, mirrored
-    here), and a split qkv with it is refused."""
+    """QKV_FLOW (the default on one GPU where qkv is unsplit; a tuner knob): the qkv -> attention grid barrier is
+    compiled out, every KV head counts (GROUP + 2) x head_dim / 16 tiles (the C mapping templates/stages/qkv_proj.cuh
+    qkv_tile_head, mirrored here); a split qkv plans the barrier, and asking for both is refused; tensor parallel
+    keeps the barrier."""
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
-    off, on = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 1})
+    on, off = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 0})
     assert off["consts"]["QKV_FLOW"] == 0 and on["consts"]["QKV_FLOW"] == 1
     assert on["grid_syncs"] == off["grid_syncs"] - 1
     assert "if constexpr (!QKV_FLOW) grid.sync();" in render.render(v, on)
@@ -117,9 +119,12 @@ def test_qkv_flow_replaces_one_barrier():
         q = r < c["Q_DIM"]
         heads.append(r // (c["GROUP"] * c["HEAD_DIM"]) if q else ((r - c["Q_DIM"]) % c["KV_DIM"]) // c["HEAD_DIM"])
     assert [heads.count(h) for h in range(c["KV_HEADS"])] == [(c["GROUP"] + 2) * c["HEAD_DIM"] // 16] * c["KV_HEADS"]
+    assert render.plan(v, overrides={"QKV_KSPLIT": 2})["consts"]["QKV_FLOW"] == 0
     with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2"):
         render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
-    assert {"QKV_FLOW": 1} in gtune.candidates(v)
+    assert {"QKV_FLOW": 0} in gtune.candidates(v)
+    tp = dataclasses.replace(v, tp=2)
+    assert render.plan(tp)["consts"]["QKV_FLOW"] == 0
 
 
 def test_fragment_ordered_activations_on_one_gpu():

@@ -158,9 +158,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0),
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
-        # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). A tuner knob, off
-        # by default until measured (it spilled 4 B on Llama-3-8B batch 8 at the register cap)
-        "QKV_FLOW": ov.get("QKV_FLOW", 0), **smem,
+        # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
+        # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
+        # barrier until it runs on 2 GPUs.
+        "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)), **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})

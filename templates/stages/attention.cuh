@@ -53,7 +53,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     for (int task = blockIdx.x; task < NTASK; task += gridDim.x) {
         const int split = task / (BATCH * KV_HEADS), rem = task % (BATCH * KV_HEADS);
         const int b = rem / KV_HEADS, kvh = rem % KV_HEADS;
-        const int p = pos[b];
+        // (a volatile load: with QKV_FLOW no grid barrier stops the compiler hoisting it into qkv_proj, whose
+        // register peak it then raises past the cap: a spill)
+        int p;
+        asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + b));
         const int row0 = split * ATT_C;
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
@@ -89,11 +92,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
         // after them, inside rope). With QKV_FLOW no grid barrier separates this from qkv_proj: first this KV head's
-        // q, k and v tiles must be in (one thread acquires the count, the block barrier passes it on; the rows are
-        // then read from L2)
-        float freqs[ROPE_K];
-        rope_freqs(inv_freq, lane, freqs);
-        auto qkv_at = [&](int i) { return QKV_FLOW ? __ldcg(qkv + i) : qkv[i]; };  // flow: from L2, past L1
+        // q, k and v tiles must be in (one thread acquires the count, the block barrier passes it on to the block's
+        // plain loads, as the PTX memory model's causality order does through bar.sync)
         if constexpr (QKV_FLOW) {
             if (tid == 0) {
                 unsigned got;
@@ -105,21 +105,23 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
             __syncthreads();
         }
+        float freqs[ROPE_K];  // (after the wait: fewer registers live across it)
+        rope_freqs(inv_freq, lane, freqs);
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
-                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv_at((kvh * GROUP + h) * HEAD_DIM + d);
+                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv[(kvh * GROUP + h) * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
                 rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
-                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv_at(Q_DIM + kvh * HEAD_DIM + d);
+                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv[Q_DIM + kvh * HEAD_DIM + d];
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
                 rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
-                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane, QKV_FLOW);
+                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane);
             }
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block

@@ -1,9 +1,7 @@
 // ---- stage: kv_append ---- write the new token's k (normed, rotated) and v into the cache at its position.
-// kv: cache base of this (sequence, kv head), rows of HEAD_DIM; src: the head's HEAD_DIM fp32 values (in_l2: src is
-// global memory written by this launch, read from L2, past the SM's L1).
+// kv: cache base of this (sequence, kv head), rows of HEAD_DIM; src: the head's HEAD_DIM fp32 values.
 #pragma once
 #include "../common.cuh"
-__device__ __forceinline__ void kv_append(T* kv, int position, const float* src, int lane, bool in_l2 = false) {
-    for (int d = lane; d < HEAD_DIM; d += 32)
-        kv[(size_t)position * HEAD_DIM + d] = from_f(in_l2 ? __ldcg(src + d) : src[d]);
+__device__ __forceinline__ void kv_append(T* kv, int position, const float* src, int lane) {
+    for (int d = lane; d < HEAD_DIM; d += 32) kv[(size_t)position * HEAD_DIM + d] = from_f(src[d]);
 }
