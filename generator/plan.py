@@ -112,9 +112,9 @@ def gemv_balance_split(n: int, k: int, sms: int) -> int:
     return split
 
 
-def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1) -> dict:
+def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8) -> dict:
     """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
-    in flight per warp U for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),
+    a step per warp U (<= umax) for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),
     balanced for `sms` blocks of THREADS threads."""
     ktiles, tiles = k // 16, n // 16
     ktiles //= ksplit
@@ -122,10 +122,10 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1) -> dict:
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))
     groups = sms * (THREADS // 32 // nwg)
     tasks = tiles * ksplit
-    # 16-byte weight loads in flight per lane (registers): at most 8, in equal steps over the warp's k-tiles (a
+    # 16-byte weight loads in flight per lane (registers): at most umax, in equal steps over the warp's k-tiles (a
     # partial last step holds registers for loads it predicates off)
     per_warp = math.ceil(ktiles / nwg)
-    u = math.ceil(per_warp / math.ceil(per_warp / 8))
+    u = math.ceil(per_warp / math.ceil(per_warp / umax))
     balance = tasks / (math.ceil(tasks / groups) * groups)
     return {"KSPLIT": ksplit, "NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
 

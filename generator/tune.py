@@ -135,7 +135,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order), GEMV_PF (the next round's weight loads early) and ATT_COMBINE flipped; per projection NWG halved and
+    order), QKV_FLOW and ATT_COMBINE flipped, GEMV_PF 1 (the next round's weight loads early) and 2 (every step's
+    loads a step early); per projection NWG halved and
     doubled (U as planned) and U doubled (halved where that would pass 8); attention: ATT_WARPS halved (ATT_C
     re-derived), ATT_C doubled (half the splits) and halved (twice the splits), ATT_STAGES 3 (a deeper ring; with
     fewer walker warps where 3 stages of all of them do not fit)."""
@@ -150,7 +151,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[di
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
     if base["mode"] == "decode":
-        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 - d["GEMV_PF"]}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
+        tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
+                  {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
                   {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]

@@ -67,7 +67,7 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
 // are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
 // KSPLIT 1 only. TILE0: the first tile in task order
 // (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, bool PF = false, int TILE0 = 0,
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0,
           class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}) {
@@ -86,9 +86,11 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
                                        : make_uint4(0u, 0u, 0u, 0u);
     };
-    // PF (the decode plan's GEMV_PF): the next round's first step is loaded as soon as this task's last is used,
+    // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
-    // through each round's reduction (pf: those loads; U x 4 registers more)
+    // through each round's reduction (pf: those loads; U x 4 registers more). PF 2: a software pipeline of two
+    // register sets (pf and nx, U loads each): every step's loads are issued one step ahead, so the next step's
+    // weights fly while this step's mma run, and across rounds as with PF 1.
     uint4 pf[U];
     // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
     // sums to buf; next: the task this group takes in the next round (< 0: none)
@@ -98,14 +100,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         float c[NTILE][4];
 #pragma unroll
         for (int t = 0; t < NTILE; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
-        for (int k0 = warp; k0 < KT; k0 += NWG * U) {
-            uint4 a[U];
-            if (PF && k0 == warp) {
-#pragma unroll
-                for (int u = 0; u < U; ++u) a[u] = pf[u];
-            } else {
-                load_step(task, k0, a);
-            }
+        // the mma of one step's k-tiles k0, k0 + NWG, ... with its weights a
+        auto mma_step = [&](const uint4 (&a)[U], int k0) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
@@ -128,8 +124,30 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                     }
                 }
             }
+        };
+        constexpr int S = NWG * U;  // k-tiles a step of the group
+        if constexpr (PF == 2) {
+            uint4 nx[U];  // pf holds this task's first step; the sets alternate, with no register copies
+            for (int k0 = warp; k0 < KT; k0 += 2 * S) {
+                if (k0 + S < KT) load_step(task, k0 + S, nx);
+                mma_step(pf, k0);
+                if (k0 + 2 * S < KT) load_step(task, k0 + 2 * S, pf);
+                else if (next >= 0) load_step(next, warp, pf);  // the next round's first step
+                if (k0 + S < KT) mma_step(nx, k0 + S);
+            }
+        } else {
+            for (int k0 = warp; k0 < KT; k0 += S) {
+                uint4 a[U];
+                if (PF && k0 == warp) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) a[u] = pf[u];
+                } else {
+                    load_step(task, k0, a);
+                }
+                mma_step(a, k0);
+            }
+            if (PF && next >= 0) load_step(next, warp, pf);
         }
-        if (PF && next >= 0) load_step(next, warp, pf);
 #pragma unroll
         for (int t = 0; t < NTILE; ++t)
 #pragma unroll

@@ -29,8 +29,9 @@ STEPS = (
 # in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT), ring depth
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 0: two passes
 # through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
-# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF: a projection's next
-# round of weight loads issued before this round's reduction and epilogue (templates/gemv.cuh); QKV_FLOW: per-KV-head
+# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
+# round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
+# (templates/gemv.cuh); QKV_FLOW: per-KV-head
 # counters instead of the grid barrier between qkv_proj and attention
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
@@ -56,7 +57,9 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{THREADS // 32}")
         if k == "ATT_STAGES" and not ATT_STAGES_RANGE[0] <= val <= ATT_STAGES_RANGE[1]:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
-        if k in ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW") and val not in (0, 1):
+        if k == "GEMV_PF" and val not in (0, 1, 2):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
+        if k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW") and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -90,7 +93,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if (k // 16) % ks:
             raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
                             f"{key}")
-        g = gemv[key] = plan_gemv(n, k, sms, ks)
+        # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
+        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8)
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
