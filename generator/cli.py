@@ -231,7 +231,7 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
             have = sorted(p.stem for p in gtune.tuning_dir().glob("*.json")) if gtune.tuning_dir().is_dir() else []
             fail(f"--tuned-for {tuned_for}: no tuning file {gtune.display(path)} (have: {', '.join(have) or 'none'};"
                  " `megakernel tune` on that GPU writes it)")
-        if not gtune.read_tuning(path) and path.stat().st_size:  # asked for by name: a broken file is an error
+        if gtune.parse_tuning(path) is None:  # asked for by name: a broken file is an error
             fail(f"--tuned-for {tuned_for}: {gtune.display(path)} is not a tuning file (a JSON object of entries)")
         return path
     path = gtune.default_tuning_file()

@@ -58,14 +58,20 @@ def display(path: Path) -> str:
         return str(path)
 
 
-def read_tuning(path: Path) -> dict:
-    """The file's {variant: entry} ({} where it is missing or unreadable: a warning, not an error, is the caller's
-    business)."""
+def parse_tuning(path: Path) -> dict | None:
+    """The file's {variant: entry}, or None where it is unreadable, not JSON (an empty file included) or not a JSON
+    object."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def read_tuning(path: Path) -> dict:
+    """The file's {variant: entry} ({} where it is missing or unreadable: a warning, not an error, is the caller's
+    business)."""
+    return parse_tuning(path) or {}
 
 
 def raw_overrides(path: Path, name: str):
@@ -89,8 +95,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     where = display(path)
     if not path.exists():
         return {}, "default", None, None
-    doc = read_tuning(path)
-    if not doc and path.stat().st_size:
+    doc = parse_tuning(path)
+    if doc is None:
         return {}, "default", None, f"warning: {where}: not a tuning file (JSON object); default plans used"
     e = doc.get(v.name)
     if e is None:
@@ -110,8 +116,9 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
                 now = knob_dict(p)
                 diff = ", ".join(f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in sorted(set(now) | set(e["knobs"]))
                                  if now.get(k) != e["knobs"].get(k))
-                why = (f"the planner's defaults changed since it was tuned ({diff}; stale: run `megakernel tune` "
-                       "again)")
+                why = (f"the knobs it records (what was measured) differ from what its overrides plan now ({diff}): "
+                       "the planner's defaults changed since it was tuned (run `megakernel tune` again) or the "
+                       "overrides were edited (delete its \"knobs\" to build them as they are)")
         except PlanError as exc:
             why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
@@ -129,7 +136,7 @@ def _half(n: int) -> int:
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE")  # on/off knobs: 0 is a setting, not a size
 
 
-def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 20) -> list[dict]:
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 

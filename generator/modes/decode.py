@@ -39,6 +39,7 @@ KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
+ATT_WARPS_MAX = 8  # the planner's most attention walker warps (an override may take up to all 16)
 
 
 def _check_overrides(name: str, ov: dict) -> dict:
@@ -84,6 +85,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     shapes = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
               "down": (m.hidden, m.intermediate)}
     gemv = {}
+    if ov.get("QKV_FLOW") and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override QKV_FLOW=1: tensor parallel keeps the qkv -> attention grid barrier "
+                        "(the counters have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
@@ -104,12 +108,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
     # shared memory (rows padded by 16 bytes); a task covers ATT_C rows (whole tiles for every warp), sized so a
     # full cache is one round of tasks: each task pays fixed latencies (queries, the combine), so fewer, longer win.
-    # The ring takes two thirds of the block's shared memory at most (150 KB on sm_90), the rest stays L1.
+    # The ring takes two thirds of the block's shared memory at most (150 KB on sm_90), the rest stays L1. At most
+    # ATT_WARPS_MAX walkers: with 16 (head_dim 64 fits them) a split is >= 256 rows, one tile a warp, and a short
+    # cache gets few tasks; 8 measured 0.2-5.4 % faster on 12 of 13 head_dim 64/80/96 shapes (bench/NOTES.md
+    # session 11; Qwen2.5-0.5B b1 KV 4096 +1.9 %: its tuned plan keeps 16)
     nw = THREADS // 32
     tile = 16 * (m.head_dim + 8) * esize * 2            # one 16-key tile of K and V
     att_stages = ov.get("ATT_STAGES", 2)
     ring_budget = arch.smem_per_block * 2 // 3
-    att_warps = ov.get("ATT_WARPS", max(1, min(nw, ring_budget // (att_stages * tile))))
+    att_warps = ov.get("ATT_WARPS", max(1, min(nw, ATT_WARPS_MAX, ring_budget // (att_stages * tile))))
     step = 16 * att_warps
     pairs = v.batch * m.kv_heads
     att_c = max(step, math.ceil(v.seq_len / max(1, sms // pairs) / step) * step)
