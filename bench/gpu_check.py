@@ -30,6 +30,7 @@ from bench.measure import PREFILL_CACHE, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
+from generator.tune import knob_dict  # noqa: E402
 
 
 def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
@@ -43,6 +44,7 @@ def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
     cache_len = max(PREFILL_CACHE, v.seq_len)
     W = reference.random_weights(m, seed=seed, device="cuda")
     layer = load(v.name, W, build_dir=build_dir, cache_len=cache_len)
+    row["knobs"] = knob_dict(layer.plan)  # the plan timed (the report flags a build that plans otherwise)
     x, start = verify.random_inputs(layer, seed)
     res = verify.check_step(layer, x, start, weights=W)
     row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",
@@ -96,6 +98,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     W = reference.random_weights(m, seed=seed, device="cuda")
     layer = load(v.name, W, build_dir=build_dir)
     row["load_ms"] = round(layer.load_ms, 2)
+    row["knobs"] = knob_dict(layer.plan)
     x, pos = verify.random_inputs(layer, seed)
     res = verify.check_step(layer, x, pos, weights=W)
     row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",

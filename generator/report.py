@@ -18,6 +18,7 @@ from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
 from .manifest import kernel_sources_digest, status as build_status, variant_from_entry
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
+from .tune import knob_dict
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
@@ -99,9 +100,10 @@ def _numel(shape) -> int:
 
 def _plan_cell(r: dict, k: str) -> str:
     src = r.get("plan") or "default"
+    other = " [yellow](timed: other plan)[/yellow]" if r.get("timed_plan") == "other" else ""
     if not src.startswith("tuned"):
-        return src
-    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "")
+        return src + other
+    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "") + other
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
@@ -177,6 +179,8 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
                        "best_baseline": row.get("best_baseline")}
             else:
                 continue
+            if isinstance(row.get("knobs"), dict):  # the plan it timed (newer files)
+                fig["timed_knobs"] = row["knobs"]
             if name not in found or when > found[name][0]:
                 found[name] = (when, {**fig, "bench_file": p.name})
     return {name: fig for name, (_, fig) in found.items()}
@@ -300,6 +304,10 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row["load_ms"] = loads[name]["load_ms"]
             row["attributes"] = loads[name]["attributes"]
         row.update(by_arch.get(arch_of[name], {}).get(name, {}))
+        timed = row.pop("timed_knobs", None)
+        if timed is not None and e["status"] == "ok" and e.get("plan"):
+            # the figures were measured with the plan the row's file records: say where this build plans otherwise
+            row["timed_plan"] = "same" if knob_dict(e["plan"]) == timed else "other"
         rows.append(row)
     e2e = latest_e2e(Path(bench_dir), set(arch_of.values())) if bench_dir else None
     report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared,

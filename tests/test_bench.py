@@ -460,6 +460,29 @@ def test_report_json_carries_the_e2e_section(copy_build, tmp_path):
     assert "end to end" in text and "transformers eager" in text and "e2e-h200-2026-11-30-1.json" in text
 
 
+def test_report_says_when_the_figures_were_timed_with_another_plan(copy_build, tmp_path):
+    """gpu_check rows record the knobs of the plan they timed; the report says "timed: other plan" where the build
+    plans otherwise (a tuned entry refused or edited, --no-tuned, a planner change), and nothing where they agree."""
+    from rich.console import Console
+    from generator import report as greport
+    from generator.compile import read_manifest
+    from generator.tune import knob_dict
+    d = copy_build(tmp_path / "build")
+    name, e = next((n, e) for n, e in read_manifest(d)["variants"].items() if e["plan"]["mode"] == "decode")
+    knobs = knob_dict(e["plan"])
+    bench_dir = tmp_path / "results"
+    bench_dir.mkdir()
+    for i, k in enumerate((knobs, {**knobs, "X_FRAG": 1 - knobs["X_FRAG"]})):
+        (bench_dir / "gpu_check.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": f"2026-12-0{i + 1}", "rows": [
+            {"variant": name, "us": 10.0, "pct_bw": 50.0, "speedup": 2.0, "pass": True, "knobs": k}]}))
+        rep = greport.build_report(d, bench_dir=bench_dir, gpu=False, write=False)
+        row = next(r for r in rep["rows"] if r["name"] == name)
+        assert row["timed_plan"] == ("same", "other")[i] and "timed_knobs" not in row
+        con = Console(width=200, record=True, color_system=None)
+        greport.print_report(rep, con, wide=True)
+        assert ("timed: other plan" in con.export_text()) == (i == 1)
+
+
 # -- command line ---------------------------------------------------------------------------------------------------
 
 def test_bench_cli_help():
