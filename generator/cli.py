@@ -211,7 +211,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     if result["errors"]:
         sys.exit(1)
     if strict and (rep["totals"]["flagged"] or result.get("warnings")):  # a tuned plan refused is a failure too
-        refused = len(result.get("warnings", []))
+        refused = len(result.get("warnings", []))  # (each also flagged tuned-plan-unused where its variant is shown)
         err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged, {refused} tuned plan(s) refused)",
                           markup=False, highlight=False)
         sys.exit(1)

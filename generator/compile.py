@@ -252,6 +252,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                                "overrides": gtune.raw_overrides(Path(tuning_file), v.name)}
             if warn:
                 warnings.append(warn)
+                entry["tuning_warning"] = warn  # the report flags it after the build's output has scrolled away
         try:
             p = plan(v, target.sm, overrides=ov)
         except PlanError as exc:

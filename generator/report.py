@@ -30,8 +30,9 @@ BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_
 def flags(entry: dict) -> list[str]:
     """What a user must not miss: spills, over-budget shared memory, a refused or failed build, wgmma serialised by
     ptxas (the prefill GEMM's tensor-core work waiting on itself: slower, not wrong), one layer's weights, KV cache
-    and workspace over the largest GPU of its arch (mem>N GB: it cannot run)."""
-    out = []
+    and workspace over the largest GPU of its arch (mem>N GB: it cannot run), a tuning entry that was not used
+    (tuned-plan-unused: the default plan was built; the build's warning said why)."""
+    out = ["tuned-plan-unused"] if entry.get("tuning_warning") else []
     if entry["status"] != "ok":
         out.append(entry["status"])
         return out

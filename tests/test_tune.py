@@ -418,11 +418,14 @@ def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tm
                  "--tuned-for", tf, "--strict"], cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert f"{name}: refused by the planner" in r.stderr and "default plan used" in r.stderr
-    assert "--strict: exit 1 (0 flagged, 1 tuned plan(s) refused)" in r.stderr
+    assert "--strict: exit 1 (1 flagged, 1 tuned plan(s) refused)" in r.stderr
     assert f"no declared variant named {name}x (entries unused)" in r.stderr
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
                  "--tuned-for", tf], cwd=tmp_path)
     assert r.returncode == 0, r.stderr  # without --strict: the default plan, warned
+    r = run_cli(["report", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--no-gpu", "--wide"],
+                cwd=tmp_path)
+    assert "tuned-plan-unused" in r.stdout  # said again by the report, after the build's output has gone
 
 
 def test_arch_90a_takes_the_tuned_plan_of_90():
