@@ -314,6 +314,11 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
                 p.load_cache(layer, b.k_cache, b.v_cache)
                 own.append(layer)
             stacks[p.stack_key] = own
+            if isinstance(getattr(own[0], "plan", None), dict):  # the fused layer: the plan timed, for the report
+                from generator.tune import knob_dict
+                for q in providers:
+                    if q.stack_key == p.stack_key:
+                        extra[q.name]["knobs"] = knob_dict(own[0].plan)
         except Exception as exc:  # noqa: BLE001 - reported in this provider's rows
             msg = one_line(exc)
             for q in providers:
