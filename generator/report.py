@@ -18,7 +18,7 @@ from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
 from .manifest import kernel_sources_digest, status as build_status, variant_from_entry
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
-from .tune import knob_dict
+from .tune import knob_dict, knobs_differ
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
@@ -308,7 +308,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         timed = row.pop("timed_knobs", None)
         if timed is not None and e["status"] == "ok" and e.get("plan"):
             # the figures were measured with the plan the row's file records: say where this build plans otherwise
-            row["timed_plan"] = "same" if knob_dict(e["plan"]) == timed else "other"
+            row["timed_plan"] = "other" if knobs_differ(timed, knob_dict(e["plan"])) else "same"
         rows.append(row)
     e2e = latest_e2e(Path(bench_dir), set(arch_of.values())) if bench_dir else None
     report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared,

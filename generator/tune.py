@@ -112,10 +112,9 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     else:
         try:
             p = plan(v, str(arch), overrides=e["overrides"])
-            if isinstance(e.get("knobs"), dict) and e["knobs"] != knob_dict(p):
+            if isinstance(e.get("knobs"), dict) and knobs_differ(e["knobs"], knob_dict(p)):
                 now = knob_dict(p)
-                diff = ", ".join(f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in sorted(set(now) | set(e["knobs"]))
-                                 if now.get(k) != e["knobs"].get(k))
+                diff = ", ".join(f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in knobs_differ(e["knobs"], now))
                 why = (f"the knobs it records (what was measured) differ from what its overrides plan now ({diff}): "
                        "the planner's defaults changed since it was tuned (run `megakernel tune` again) or the "
                        "overrides were edited (delete its \"knobs\" to build them as they are)")
@@ -219,6 +218,13 @@ def knob_dict(p: dict) -> dict:
     """knob_values as {knob: value}: what a tuning entry records of the plan it measured ("knobs"), so that a later
     change of the planner's defaults, which the entry's overrides are relative to, shows as a stale entry."""
     return dict(zip(prefill.KNOBS if p["mode"] == "prefill" else decode.KNOBS, knob_values(p)))
+
+
+def knobs_differ(recorded: dict, now: dict) -> list[str]:
+    """The knobs whose value in `recorded` (a tuning entry's or a timing row's) differs from `now` (knob_dict of a
+    plan), sorted. A knob the record lacks was added to the planner after it was made: not a difference (a new knob's
+    default is the kernel as it was)."""
+    return sorted(k for k in recorded if now.get(k) != recorded[k])
 
 
 def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:
