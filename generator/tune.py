@@ -142,10 +142,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[di
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW and ATT_COMBINE flipped, GEMV_PF 1 (the next round's weight loads early) and 2 (every step's
-    loads a step early); per projection NWG halved and
-    doubled (U as planned) and U doubled (halved where that would pass 8); attention: ATT_WARPS halved (ATT_C
-    re-derived), ATT_C doubled (half the splits) and halved (twice the splits), ATT_STAGES 3 (a deeper ring; with
-    fewer walker warps where 3 stages of all of them do not fit)."""
+    loads a step early); per projection NWG halved and doubled (U as planned) and U doubled (halved where that would
+    pass 8); attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the
+    splits), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]

@@ -31,8 +31,7 @@ STEPS = (
 # through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
-# (templates/gemv.cuh); QKV_FLOW: per-KV-head
-# counters instead of the grid barrier between qkv_proj and attention
+# (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW"))
