@@ -231,8 +231,9 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
             have = sorted(p.stem for p in gtune.tuning_dir().glob("*.json")) if gtune.tuning_dir().is_dir() else []
             fail(f"--tuned-for {tuned_for}: no tuning file {gtune.display(path)} (have: {', '.join(have) or 'none'};"
                  " `megakernel tune` on that GPU writes it)")
-        if gtune.parse_tuning(path) is None:  # asked for by name: a broken file is an error
-            fail(f"--tuned-for {tuned_for}: {gtune.display(path)} is not a tuning file (a JSON object of entries)")
+        if (problem := gtune.tuning_problem(path)) is not None:  # asked for by name: a broken file is an error
+            fail(f"--tuned-for {tuned_for}: {gtune.display(path)} is not a tuning file (a JSON object of entries): "
+                 f"{problem}")
         return path
     path = gtune.default_tuning_file()
     if path is None and gtune.tuning_dir().is_dir() and len(list(gtune.tuning_dir().glob("*.json"))) > 1:
@@ -276,6 +277,7 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         err_console.print(f"not declared in {variants_file} (ignored): {', '.join(rep['not_declared'])}",
                           markup=False, highlight=False, soft_wrap=True)
     if strict and rep["totals"]["flagged"]:
+        err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged)", markup=False, highlight=False)
         sys.exit(1)
 
 

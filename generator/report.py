@@ -423,7 +423,11 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
     if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
-                      "(bench/results; their GPU is in the name), not on this machine", highlight=False)
+                      "(the bench directory; their GPU is in the name), not on this machine", highlight=False)
+        other = [r["name"] for r in rows if r.get("timed_plan") == "other"]
+        if other:  # said here too: a narrow table drops the plan column first
+            console.print(f"[yellow]timed with another plan than the one built:[/yellow] {', '.join(other)}",
+                          highlight=False)
     if report.get("e2e"):
         print_e2e(report["e2e"], console)
 

@@ -60,12 +60,23 @@ def display(path: Path) -> str:
 
 def parse_tuning(path: Path) -> dict | None:
     """The file's {variant: entry}, or None where it is unreadable, not JSON (an empty file included) or not a JSON
-    object."""
+    object (tuning_problem says which)."""
+    return None if tuning_problem(path) else json.loads(Path(path).read_text())
+
+
+def tuning_problem(path: Path) -> str | None:
+    """Why `path` is not a tuning file, in a few words (the JSON error's line and column), or None where it is."""
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+        text = Path(path).read_text()
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if not text.strip():
+        return "an empty file"
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})" if hasattr(exc, "lineno") else "not JSON"
+    return None if isinstance(doc, dict) else "not a JSON object"
 
 
 def read_tuning(path: Path) -> dict:
@@ -97,7 +108,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
         return {}, "default", None, None
     doc = parse_tuning(path)
     if doc is None:
-        return {}, "default", None, f"warning: {where}: not a tuning file (JSON object); default plans used"
+        return {}, "default", None, (f"warning: {where}: not a tuning file (a JSON object): {tuning_problem(path)}; "
+                                     "default plans used")
     e = doc.get(v.name)
     if e is None:
         return {}, "default", None, None

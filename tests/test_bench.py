@@ -481,6 +481,10 @@ def test_report_says_when_the_figures_were_timed_with_another_plan(copy_build, t
         con = Console(width=200, record=True, color_system=None)
         greport.print_report(rep, con, wide=True)
         assert ("timed: other plan" in con.export_text()) == (i == 1)
+        narrow = Console(width=80, record=True, color_system=None)  # the plan column dropped: the footer says it
+        greport.print_report(rep, narrow)
+        assert ("timed with another plan than the one built: " + name in narrow.export_text().replace("\n", " ")) \
+            == (i == 1)
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

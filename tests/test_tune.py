@@ -235,8 +235,9 @@ def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
     assert gtune.resolve(v, "90", f)[0] == {"QKV_NWG": 2}
     f.write_text("{not json")
     assert gtune.resolve(v, "90", f)[1] == "default" and "not a tuning file" in gtune.resolve(v, "90", f)[3]
+    assert "line 1 column 2" in gtune.resolve(v, "90", f)[3]  # where the JSON breaks, for a hand edit
     f.write_text("")  # an empty file is not a tuning file either; an empty object is one, with no entries
-    assert "not a tuning file" in gtune.resolve(v, "90", f)[3]
+    assert "not a tuning file" in gtune.resolve(v, "90", f)[3] and "an empty file" in gtune.resolve(v, "90", f)[3]
     f.write_text("{}")
     assert gtune.resolve(v, "90", f) == ({}, "default", None, None)
     assert gtune.resolve(v, "90", tmp_path / "absent.json")[:3] == ({}, "default", None)
@@ -440,6 +441,9 @@ def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tm
     r = run_cli(["report", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--no-gpu", "--wide"],
                 cwd=tmp_path)
     assert "tuned-plan-unused" in r.stdout  # said again by the report, after the build's output has gone
+    r = run_cli(["report", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--no-gpu", "--strict"],
+                cwd=tmp_path)
+    assert r.returncode == 1 and "--strict: exit 1 (1 flagged)" in r.stderr
 
 
 def test_arch_90a_takes_the_tuned_plan_of_90():
