@@ -277,6 +277,7 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
     into status / extra / samples / info; every tensor lives in this frame only."""
     from bench.baselines import TorchLayer
     from generator import reference
+    from generator.tune import knob_dict
 
     m, B, S = v.model, v.batch, v.seq_len
     dev = backend.device
@@ -315,7 +316,6 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
                 own.append(layer)
             stacks[p.stack_key] = own
             if isinstance(getattr(own[0], "plan", None), dict):  # the fused layer: the plan timed, for the report
-                from generator.tune import knob_dict
                 for q in providers:
                     if q.stack_key == p.stack_key:
                         extra[q.name]["knobs"] = knob_dict(own[0].plan)

@@ -61,22 +61,28 @@ def display(path: Path) -> str:
 def parse_tuning(path: Path) -> dict | None:
     """The file's {variant: entry}, or None where it is unreadable, not JSON (an empty file included) or not a JSON
     object (tuning_problem says which)."""
-    return None if tuning_problem(path) else json.loads(Path(path).read_text())
+    return _load_tuning(path)[0]
 
 
 def tuning_problem(path: Path) -> str | None:
     """Why `path` is not a tuning file, in a few words (the JSON error's line and column), or None where it is."""
+    return _load_tuning(path)[1]
+
+
+def _load_tuning(path: Path) -> tuple[dict | None, str | None]:
+    """(the file's object, None) or (None, why it is not a tuning file): one read of the file."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        return f"unreadable ({exc.strerror})"
+        return None, f"unreadable ({exc.strerror})"
     if not text.strip():
-        return "an empty file"
+        return None, "an empty file"
     try:
         doc = json.loads(text)
     except ValueError as exc:
-        return f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})" if hasattr(exc, "lineno") else "not JSON"
-    return None if isinstance(doc, dict) else "not a JSON object"
+        return None, (f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})" if hasattr(exc, "lineno")
+                      else "not JSON")
+    return (doc, None) if isinstance(doc, dict) else (None, "not a JSON object")
 
 
 def read_tuning(path: Path) -> dict:
@@ -106,10 +112,9 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     where = display(path)
     if not path.exists():
         return {}, "default", None, None
-    doc = parse_tuning(path)
+    doc, problem = _load_tuning(path)
     if doc is None:
-        return {}, "default", None, (f"warning: {where}: not a tuning file (a JSON object): {tuning_problem(path)}; "
-                                     "default plans used")
+        return {}, "default", None, f"warning: {where}: not a tuning file (a JSON object): {problem}; default plans used"
     e = doc.get(v.name)
     if e is None:
         return {}, "default", None, None
