@@ -21,14 +21,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_inputs(layer, seed: int, *, positions: str = "random"):
-    """Fresh x, positions and a random (never zero) cache. positions: 'random' (includes 0 and the last possible
-    position when batch allows), 'full' (all at the last possible position). Decode: x [batch, hidden], pos
-    [batch]; prefill: x [batch, chunk, hidden], start positions [batch] (the last: a chunk ending at the last cache
-    row)."""
+    """Fresh x (rows of different scales and means), positions and a random (never zero) cache. positions: 'random'
+    (includes 0 and the last possible position when batch allows), 'full' (all at the last possible position).
+    Decode: x [batch, hidden], pos [batch]; prefill: x [batch, chunk, hidden], start positions [batch] (the last: a
+    chunk ending at the last cache row)."""
     g = torch.Generator(device=layer.device).manual_seed(seed)
     B, C, S = layer.variant.batch, layer.chunk, layer.cache_len
     shape = (B, layer.model.hidden) if layer.mode == "decode" else (B, C, layer.model.hidden)
-    x = torch.randn(shape, generator=g, device=layer.device).to(layer.dtype)
+    # each token row at its own scale (log-uniform in [1/4, 4]) and offset: a norm that drops 1/rms or the mean,
+    # or takes another row's, cannot pass (standard-normal rows all have rms ~1)
+    x = torch.randn(shape, generator=g, device=layer.device)
+    stat = (*shape[:-1], 1)
+    x = x * torch.exp2(torch.rand(stat, generator=g, device=layer.device) * 4 - 2) \
+        + torch.randn(stat, generator=g, device=layer.device) * 0.5
+    x = x.to(layer.dtype)
     layer.k_cache.copy_(torch.randn(layer.k_cache.shape, generator=g, device=layer.device))
     layer.v_cache.copy_(torch.randn(layer.v_cache.shape, generator=g, device=layer.device))
     last = S - C

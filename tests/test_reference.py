@@ -294,3 +294,34 @@ def test_check_weights_knows_optional_tensors():
     W["self_attn.q_proj.bias"] = torch.zeros(RMS.heads * RMS.head_dim, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not a tensor of this layer"):
         loader.check_weights(W, RMS, torch.bfloat16, torch.device("cpu"))
+
+
+
+@pytest.mark.parametrize("m", [RMS, LN], ids=["rmsnorm", "layernorm"])
+def test_random_inputs_fail_a_norm_that_shares_one_rows_statistics(m, monkeypatch):
+    """verify.random_inputs (the GPU checks' inputs) gives each row its own scale and mean, so a kernel whose norm
+    took one row's statistics for every row fails the checks' tolerance by a wide margin (standard-normal rows all
+    have rms ~1: at hidden 2048 such a fault moved the output ~1 %, at the bf16 tolerance)."""
+    from types import SimpleNamespace
+    from generator import verify
+    B = 8
+    layer = SimpleNamespace(device="cpu", variant=SimpleNamespace(batch=B), chunk=1, cache_len=SEQ, mode="decode",
+                            model=m, dtype=torch.float32,
+                            k_cache=torch.empty(B, m.kv_heads, SEQ, m.head_dim),
+                            v_cache=torch.empty(B, m.kv_heads, SEQ, m.head_dim))
+    x, pos = verify.random_inputs(layer, seed=5)
+    rms = x.pow(2).mean(-1).sqrt()
+    assert rms.max() / rms.min() > 2 and x.mean(-1).abs().max() > 0.1
+
+    def row0_stats_norm(t, w, b, mm):  # the fault: row 0's mean and 1/rms for every row
+        t = t.float()
+        if mm.norm == "layernorm":
+            mean, var = t[:1].mean(-1, keepdim=True), t[:1].var(-1, unbiased=False, keepdim=True)
+            return (t - mean) * torch.rsqrt(var + mm.norm_eps) * w.float() + b.float()
+        return t * torch.rsqrt(t[:1].pow(2).mean(-1, keepdim=True) + mm.norm_eps) * w.float()
+
+    W = reference.random_weights(m, seed=6, dtype=torch.float32)
+    good = reference.decoder_layer(x, pos, W, layer.k_cache.clone(), layer.v_cache.clone(), m)
+    monkeypatch.setattr(reference, "norm", row0_stats_norm)
+    bad = reference.decoder_layer(x, pos, W, layer.k_cache.clone(), layer.v_cache.clone(), m)
+    assert verify.rel_err(bad, good) > 5 * verify.REL_TOL["bf16"]
