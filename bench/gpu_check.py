@@ -10,7 +10,6 @@ Details go to $OUT (or --out): gpu_check.json and the pytest log.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -26,70 +25,11 @@ sys.path.insert(0, str(ROOT))
 from bench.baselines import TorchLayer  # noqa: E402
 from bench.providers import FlashInfer  # noqa: E402
 # n_layers_for: distinct layers, one pass over the stack >= 4x the L2
-from bench.measure import PREFILL_CACHE, n_layers_for  # noqa: E402
+from bench.measure import check_prefill, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
 from generator.tune import knob_dict  # noqa: E402
-
-
-def check_prefill(v, build_dir: str, seed: int, bw: float) -> dict:
-    """A prefill variant: verified against the fp32 reference at random start positions (0 and a chunk ending at the
-    last cache row included), then timed as the first chunk of a prompt (start 0) against the unfused layer
-    (generator.unfused: cuBLAS GEMMs + SDPA's flash kernel), both as a stack of distinct layers in a CUDA graph.
-    The faster path is the variant's route (generator.routes)."""
-    from generator.unfused import UnfusedLayer
-    m = v.model
-    row = {"variant": v.name, "mode": "prefill"}
-    cache_len = max(PREFILL_CACHE, v.seq_len)
-    W = reference.random_weights(m, seed=seed, device="cuda")
-    layer = load(v.name, W, build_dir=build_dir, cache_len=cache_len)
-    row["knobs"] = knob_dict(layer.plan)  # the plan timed (the report flags a build that plans otherwise)
-    x, start = verify.random_inputs(layer, seed)
-    res = verify.check_step(layer, x, start, weights=W)
-    row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",
-                                    "overflows")})
-    row["pass"] = verify.passed(res, m.dtype)
-    row["start_pos"] = start.tolist()
-    del layer, res
-
-    weight_bytes = sum(math.prod(s) for s in reference.weight_shapes(m).values()) * 2
-    n = n_layers_for(weight_bytes)
-    B, C = v.batch, v.seq_len
-    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-    xs = torch.randn(B, C, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
-    fused, base = [], []
-    for i in range(n):
-        Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
-        fused.append(load(v.name, Wi, build_dir=build_dir, cache_len=cache_len))
-        base.append(UnfusedLayer(Wi, m, torch.zeros_like(fused[-1].k_cache), torch.zeros_like(fused[-1].v_cache)))
-    timings = {}
-    for label, call in (("fused", lambda L, y: L.prefill(y, zero, validate=False)),
-                        ("unfused", lambda L, y: L.prefill(y, zero, kv_len=C))):
-        layers = fused if label == "fused" else base
-
-        def step(layers=layers, call=call):
-            y = xs
-            for L in layers:
-                y = call(L, y)
-            return y
-        timings[label] = time_replays(graph_of(step).replay, n)
-    fused[0].prefill(xs, zero, validate=False)
-    row["stage_us"] = {k: round(s, 1) for k, s in fused[0].stage_us().items()}  # one launch, weights from HBM
-    row["clock_mhz"] = round(fused[0].clock_mhz())
-    p = fused[0].plan
-    att_flops = 2 * 2 * B * m.heads * m.head_dim * C * (C + 1) / 2  # causal: QK^T and PV over half the square
-    flops = p["gemm_flops"] + att_flops
-    row.update(layers_timed=n, us=round(timings["fused"]["median"], 1),
-               unfused_us=round(timings["unfused"]["median"], 1),
-               speedup=round(timings["unfused"]["median"] / timings["fused"]["median"], 2),
-               tflops=round(flops / (timings["fused"]["median"] * 1e-6) / 1e12, 1),
-               unfused_tflops=round(flops / (timings["unfused"]["median"] * 1e-6) / 1e12, 1),
-               gbps=round(weight_bytes / (timings["fused"]["median"] * 1e-6) / 1e9, 1))
-    row["route"] = "fused" if row["us"] <= row["unfused_us"] else "unfused"
-    del fused, base
-    torch.cuda.empty_cache()
-    return row
 
 
 def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
@@ -263,7 +203,8 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
             rows.append({"variant": v.name, "pass": False, "error": "not built"})
             continue
         try:
-            row = (check_prefill if v.mode == "prefill" else check_variant)(v, where[v.name], seed, bw)
+            row = check_prefill(v, where[v.name], seed) if v.mode == "prefill" else \
+                check_variant(v, where[v.name], seed, bw)
             row["heldout"] = v in held
         except Exception as exc:  # keep going: one broken variant must not hide the others
             row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}

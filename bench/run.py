@@ -112,6 +112,52 @@ def print_table(doc: dict, con: Console | None = None) -> None:
     con.print(t)
 
 
+def bench_prefill(vs, built: dict, build_dir: str, seed: int, doc: dict, out_dir, stem, budget, log) -> list[dict]:
+    """Prefill variants: bench.measure.check_prefill each (verified, then fused vs the unfused layer as a prompt's
+    first chunk), written to the results after every variant; a variant that did not build, failed or found the
+    time budget spent gets a row with pass False and its error."""
+    from bench.measure import check_prefill
+    rows = doc.setdefault("prefill", [])
+    for i, v in enumerate(vs, 1):
+        e = built.get(v.name, {})
+        if e.get("status") != "ok":
+            row = {"variant": v.name, "mode": "prefill", "pass": False,
+                   "error": f"build {e.get('status', 'missing')}"}
+        elif not budget.allows_variant():
+            row = {"variant": v.name, "mode": "prefill", "pass": False, "error": "time budget spent"}
+        else:
+            tv = time.perf_counter()
+            try:
+                row = check_prefill(v, build_dir, seed)
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+                row = {"variant": v.name, "mode": "prefill", "pass": False, "error": one_line(exc)}
+            budget.record(time.perf_counter() - tv, None)
+        rows.append(row)
+        write_results(doc, out_dir, stem)
+        log(f"[prefill {i}/{len(vs)}] {v.name}: " + (
+            f"fused {row['us']:.1f} µs, unfused {row['unfused_us']:.1f} µs, ×{row['speedup']:.2f}, route "
+            f"{row['route']}" + ("" if row["pass"] else f"; FAILED the reference check (rel. err {row['rel_err']:.1e})")
+            if "us" in row else row["error"]))
+    return rows
+
+
+def print_prefill(rows: list[dict], con: Console | None = None) -> None:
+    """The prefill rows: µs and TFLOP/s of the fused and the unfused layer, × unfused, the route."""
+    con = con or Console()
+    t = Table(title="prefill: a prompt's first chunk (start 0), per layer, stack of distinct layers, CUDA graph")
+    t.add_column("variant", no_wrap=True, min_width=max([len(r["variant"]) for r in rows] + [7]))
+    for c in ("rel. err", "fused µs", "TFLOP/s", "unfused µs", "TFLOP/s", "× unfused", "route"):
+        t.add_column(c, justify="left" if c == "route" else "right")
+    for r in rows:
+        if "us" not in r:
+            t.add_row(r["variant"], "-", "-", "-", "-", "-", "-", f"[red]{r['error']}[/red]")
+            continue
+        t.add_row(r["variant"], f"{r['rel_err']:.1e}" + ("" if r["pass"] else " [red]FAIL[/red]"),
+                  f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['unfused_us']:.1f}", f"{r['unfused_tflops']:.1f}",
+                  f"{r['speedup']:.2f}", r["route"] if r["pass"] else "-")
+    con.print(t)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # command
 
@@ -136,12 +182,16 @@ def print_table(doc: dict, con: Console | None = None) -> None:
 @click.option("--time-budget", type=click.FloatRange(min=0), default=DEFAULT_TIME_BUDGET_S, show_default=True,
               help="seconds after which no new variant or compile is started (0: no limit)")
 @click.option("--no-plots", is_flag=True, help="do not write PNG plots")
+@click.option("--routes-dir", default=None, help="where the prefill variants' measured routes are recorded "
+                                                  "[routes/ of this project, which the runtime reads]")
 def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_subset, no_compile, seed, arch,
-        time_budget, no_plots):
+        time_budget, no_plots, routes_dir):
     """Time the fused kernel against eager PyTorch, a CUDA graph of it and torch.compile, on this GPU.
 
-    Every provider runs the same stack of distinct layers (random weights, random KV caches) with
-    every sequence at pos = seq_len-1 (full context); outputs are checked against the fp32 reference first."""
+    Decode: every provider runs the same stack of distinct layers (random weights, random KV caches) with
+    every sequence at pos = seq_len-1 (full context); outputs are checked against the fp32 reference first.
+    Prefill: each variant verified, then timed as a prompt's first chunk against the unfused layer (cuBLAS + SDPA,
+    CUDA graph); the faster path is recorded as its route in routes/<gpu>.json, which the runtime follows."""
     t_start = time.perf_counter()
     require_cuda()
     try:
@@ -177,6 +227,9 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
         if e["status"] != "ok":
             log(f"  {e['name']}: {e['status']}: {e.get('error', '').splitlines()[0] if e.get('error') else ''}")
 
+    # prefill variants after the decode ones, timed as bench/gpu_check.py times them (bench_prefill)
+    prefill = [v for v in vs if v.mode == "prefill"]
+    vs = [v for v in vs if v.mode != "prefill"]
     from bench.timing import copy_bandwidth
     gpu = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth()
@@ -248,6 +301,8 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
             if r["status"] in ("error", "failed-check"):
                 log(f"  {r['provider']}: {r['status']}: {r['error']}")
 
+    if prefill:
+        doc["prefill"] = bench_prefill(prefill, built, build_dir, seed, doc, out_dir, stem, budget, log)
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     doc["complete"] = True
     jpath, cpath = write_results(doc, out_dir, stem)
@@ -260,9 +315,19 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
             log(f"warning: plots not written: {one_line(exc)}")
     log("wrote " + ", ".join(str(p) for p in written))
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    print_table(doc)
-    if any(r["provider"] == "fused" and r["status"] == "failed-check" for r in doc["rows"]):
-        sys.exit(1)  # a fused kernel computed a wrong layer: the table says which
+    if doc["rows"]:
+        print_table(doc)
+    if prefill:
+        print_prefill(doc["prefill"])
+        from generator import routes
+        measured = {r["variant"]: {"fused_us": r["us"], "unfused_us": r["unfused_us"]}
+                    for r in doc["prefill"] if r.get("pass")}
+        if measured:
+            log(f"routes: {len(measured)} prefill variants recorded in "
+                f"{routes.record(gpu, measured, routes_dir, date)} (the runtime follows them)")
+    if any(r["provider"] == "fused" and r["status"] == "failed-check" for r in doc["rows"]) or \
+            any(not r.get("pass") for r in doc.get("prefill", [])):
+        sys.exit(1)  # a fused kernel computed a wrong layer (or could not run): the tables say which
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
         if arch is not None and measured_on is not None and measured_on != str(arch).rstrip("a"):
             continue
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
-        for row in doc.get("rows", []):
+        for row in doc.get("rows", []) + doc.get("prefill", []):  # prefill: megakernel bench's prefill rows
             name = row.get("variant")
             # a row that failed its run's check against the reference is not a figure to show
             failed = row.get("error") or row.get("status", "ok") != "ok" or row.get("pass") is False

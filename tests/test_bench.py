@@ -824,3 +824,22 @@ def test_ncu_layer_script_refuses_without_a_gpu_in_one_line():
     h = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_layer.py"), "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
     assert h.returncode == 0 and "--launch-skip" not in h.stdout and "--pos" in h.stdout
+
+
+def test_prefill_rows_print_and_the_report_reads_them(tmp_path):
+    """megakernel bench's prefill rows (bench.measure.check_prefill's, under the results file's "prefill" key): the
+    table prints them, a failed one with its error, and the report takes the passing one's figures and route."""
+    from rich.console import Console
+    from generator.report import latest_bench
+    ok = {"variant": "tiny-a_prefill_b1_s64_bf16", "mode": "prefill", "pass": True, "rel_err": 2e-3, "us": 80.0,
+          "tflops": 90.0, "unfused_us": 150.0, "unfused_tflops": 48.0, "speedup": 1.88, "route": "fused"}
+    bad = {"variant": "tiny-a_prefill_b4_s64_bf16", "mode": "prefill", "pass": False, "error": "build refused"}
+    doc = {**_fake_doc(), "prefill": [ok, bad]}
+    results.write_results(doc, tmp_path, "nvidia-h200-2026-01-02")
+    con = Console(record=True, width=250)
+    brun.print_prefill(doc["prefill"], con)
+    text = con.export_text()
+    assert "tiny-a_prefill_b1_s64_bf16" in text and "1.88" in text and "build refused" in text
+    got = latest_bench(tmp_path)
+    assert got[ok["variant"]]["fused_us"] == 80.0 and got[ok["variant"]]["route"] == "fused"
+    assert bad["variant"] not in got

@@ -219,3 +219,30 @@ def test_prefill_bad_inputs(builds):
         layer.prefill(x, torch.full((v.batch,), 89, dtype=torch.int32))
     with pytest.raises(ValueError, match="prefill variant: call layer.prefill"):
         layer(x[:, 0], ok)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_megakernel_bench_times_prefill_and_records_its_route(tmp_path):
+    """`megakernel bench` on a prefill variant: verified, timed against the unfused layer, its row in the results
+    file (which the report reads) and its route in --routes-dir (which the runtime follows)."""
+    import json
+    import subprocess
+    import sys
+    from generator import routes
+    vfile = tmp_path / "v.yaml"
+    vfile.write_text(HELD_OUT_YAML)
+    name = "pf-mha_prefill_b2_s33_bf16"
+    r = subprocess.run([sys.executable, "-m", "generator.cli", "bench", "--variants", str(vfile), "--only", name,
+                        "--build-dir", str(tmp_path / "build"), "--out-dir", str(tmp_path / "out"),
+                        "--routes-dir", str(tmp_path / "routes"), "--no-compile", "--no-plots", "--seed", str(SEED)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    row, = doc["prefill"]
+    assert row["variant"] == name and row["pass"] and row["route"] in ("fused", "unfused") and row["us"] > 0
+    got = routes.read_routes(torch.cuda.get_device_name(), tmp_path / "routes")[name]
+    assert got["path"] == row["route"] and got["fused_us"] == row["us"]
+    from generator.report import latest_bench
+    assert latest_bench(tmp_path / "out")[name]["route"] == row["route"]
+    assert "prefill" in r.stdout and name in r.stdout
