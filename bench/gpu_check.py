@@ -250,11 +250,9 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
                   f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
                   f"{r['route']}  " + " ".join(f"{s:.0f}" for s in r["stage_us"].values()) + bad)
         from generator import routes
-        measured = {r["variant"]: {"fused_us": r["us"], "unfused_us": r["unfused_us"]}
-                    for r in pre if "error" not in r and r["pass"] and not r.get("heldout")}
-        if measured:
-            print(f"routes: {routes.record(doc['gpu'], measured, Path(out), doc['date'])} "
-                  f"(commit it as routes/{routes.gpu_slug(doc['gpu'])}.json)")
+        path = routes.record_checked(doc["gpu"], [r for r in pre if not r.get("heldout")], Path(out), doc["date"])
+        if path:
+            print(f"routes: {path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json)")
     skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
     for why in skipped:
         print(f"flashinfer: {why}")

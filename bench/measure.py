@@ -405,8 +405,13 @@ def check_prefill(v, build_dir: str, seed: int) -> dict:
     last cache row included), then timed as the first chunk of a prompt (start 0) against the unfused layer
     (generator.unfused: cuBLAS GEMMs + SDPA's flash kernel), both as a stack of distinct layers in a CUDA graph.
     The faster path is the variant's route (generator.routes). bench/gpu_check.py and `megakernel bench` both run it.
-    Returns the row: pass, rel_err (and the other checks of verify.check_step), us and unfused_us (µs per layer,
-    medians), speedup (unfused / fused), tflops and unfused_tflops, route ("fused" or "unfused"), stage_us."""
+
+    v: a prefill Variant built in build_dir; seed: weights, inputs and caches. Needs a CUDA device; what loading or
+    launching raises (generator.loader.LoadError, a CUDA error) propagates. Returns the row: pass, rel_err, unwritten,
+    k_err, v_err, cache_untouched, first_bad_stage, overflows (verify.check_step), start_pos, knobs (the plan timed),
+    layers_timed, us and unfused_us (µs per layer, medians), speedup (unfused / fused), tflops and unfused_tflops
+    (projections + causal attention, TFLOP/s), gbps (the weights' bytes per fused µs, GB/s), route ("fused" or
+    "unfused"), stage_us (µs per stage, one launch), clock_mhz."""
     from bench.timing import graph_of, time_replays
     from generator import reference, verify
     from generator.loader import load
@@ -426,7 +431,8 @@ def check_prefill(v, build_dir: str, seed: int) -> dict:
     row["start_pos"] = start.tolist()
     del layer, res
 
-    weight_bytes = sum(math.prod(s) for s in reference.weight_shapes(m).values()) * 2
+    esize = torch.tensor([], dtype=reference.TORCH_DTYPES[m.dtype]).element_size()
+    weight_bytes = sum(math.prod(s) for s in reference.weight_shapes(m).values()) * esize
     n = n_layers_for(weight_bytes)
     B, C = v.batch, v.seq_len
     zero = torch.zeros(B, dtype=torch.int32, device="cuda")

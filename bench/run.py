@@ -113,24 +113,26 @@ def print_table(doc: dict, con: Console | None = None) -> None:
 
 
 def bench_prefill(vs, built: dict, build_dir: str, seed: int, doc: dict, out_dir, stem, budget, log) -> list[dict]:
-    """Prefill variants: bench.measure.check_prefill each (verified, then fused vs the unfused layer as a prompt's
-    first chunk), written to the results after every variant; a variant that did not build, failed or found the
-    time budget spent gets a row with pass False and its error."""
+    """Prefill variants `vs` (built: the build's manifest entries by name): bench.measure.check_prefill each
+    (verified, then fused vs the unfused layer as a prompt's first chunk), appended to doc["prefill"] and the
+    results file rewritten after every variant. A variant not timed gets a row with "status" and "error" and no "us":
+    "skipped" (not built, or the time budget spent) or "error" (it raised). Returns doc["prefill"]."""
     from bench.measure import check_prefill
     rows = doc.setdefault("prefill", [])
     for i, v in enumerate(vs, 1):
         e = built.get(v.name, {})
         if e.get("status") != "ok":
-            row = {"variant": v.name, "mode": "prefill", "pass": False,
+            row = {"variant": v.name, "mode": "prefill", "status": "skipped",
                    "error": f"build {e.get('status', 'missing')}"}
         elif not budget.allows_variant():
-            row = {"variant": v.name, "mode": "prefill", "pass": False, "error": "time budget spent"}
+            row = {"variant": v.name, "mode": "prefill", "status": "skipped",
+                   "error": f"time budget ({budget.seconds:.0f} s) spent"}
         else:
             tv = time.perf_counter()
             try:
                 row = check_prefill(v, build_dir, seed)
             except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
-                row = {"variant": v.name, "mode": "prefill", "pass": False, "error": one_line(exc)}
+                row = {"variant": v.name, "mode": "prefill", "status": "error", "error": one_line(exc)}
             budget.record(time.perf_counter() - tv, None)
         rows.append(row)
         write_results(doc, out_dir, stem)
@@ -143,14 +145,14 @@ def bench_prefill(vs, built: dict, build_dir: str, seed: int, doc: dict, out_dir
 
 def print_prefill(rows: list[dict], con: Console | None = None) -> None:
     """The prefill rows: µs and TFLOP/s of the fused and the unfused layer, × unfused, the route."""
-    con = con or Console()
+    con = con or console
     t = Table(title="prefill: a prompt's first chunk (start 0), per layer, stack of distinct layers, CUDA graph")
     t.add_column("variant", no_wrap=True, min_width=max([len(r["variant"]) for r in rows] + [7]))
     for c in ("rel. err", "fused µs", "TFLOP/s", "unfused µs", "TFLOP/s", "× unfused", "route"):
         t.add_column(c, justify="left" if c == "route" else "right")
     for r in rows:
         if "us" not in r:
-            t.add_row(r["variant"], "-", "-", "-", "-", "-", "-", f"[red]{r['error']}[/red]")
+            t.add_row(r["variant"], "-", "-", "-", "-", "-", "-", f"{r.get('status', 'error')}: {r['error']}")
             continue
         t.add_row(r["variant"], f"{r['rel_err']:.1e}" + ("" if r["pass"] else " [red]FAIL[/red]"),
                   f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['unfused_us']:.1f}", f"{r['unfused_tflops']:.1f}",
@@ -249,7 +251,8 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
 
     date = time.strftime("%Y-%m-%d")
     stem = result_stem(out_dir, gpu, date)
-    doc = {"gpu": gpu, "date": date, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "copy_gbps": round(copy_gbps, 1),
+    doc = {"gpu": gpu, "date": date, "time": time.strftime("%H:%M:%S"), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "copy_gbps": round(copy_gbps, 1),
            **_versions(),
            "settings": {"variants_file": str(variants_file), "only": list(only), "layers": layers, "reps": reps,
                         "rounds": rounds, "compile_subset": list(compile_subset), "no_compile": no_compile,
@@ -302,7 +305,7 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
                 log(f"  {r['provider']}: {r['status']}: {r['error']}")
 
     if prefill:
-        doc["prefill"] = bench_prefill(prefill, built, build_dir, seed, doc, out_dir, stem, budget, log)
+        bench_prefill(prefill, built, build_dir, seed, doc, out_dir, stem, budget, log)
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     doc["complete"] = True
     jpath, cpath = write_results(doc, out_dir, stem)
@@ -320,14 +323,13 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     if prefill:
         print_prefill(doc["prefill"])
         from generator import routes
-        measured = {r["variant"]: {"fused_us": r["us"], "unfused_us": r["unfused_us"]}
-                    for r in doc["prefill"] if r.get("pass")}
-        if measured:
-            log(f"routes: {len(measured)} prefill variants recorded in "
-                f"{routes.record(gpu, measured, routes_dir, date)} (the runtime follows them)")
+        path = routes.record_checked(gpu, doc["prefill"], routes_dir, date)
+        if path:
+            log(f"routes: {sum('us' in r for r in doc['prefill'])} prefill variants recorded in {path} (the runtime "
+                "follows them; a variant that failed its check routes unfused)")
     if any(r["provider"] == "fused" and r["status"] == "failed-check" for r in doc["rows"]) or \
-            any(not r.get("pass") for r in doc.get("prefill", [])):
-        sys.exit(1)  # a fused kernel computed a wrong layer (or could not run): the tables say which
+            any("us" in r and not r["pass"] for r in doc.get("prefill", [])):
+        sys.exit(1)  # a fused kernel computed a wrong layer: the tables say which
 
 
 if __name__ == "__main__":

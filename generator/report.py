@@ -138,13 +138,13 @@ def natural_key(name: str) -> list:
 
 def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     """Per variant: the fused kernel's newest measured figures in bench/results/*.json, from `megakernel bench`
-    files (every provider's row), `bench/gpu_check.py` files (one row per variant: decode µs, % of bandwidth and
-    speedups; prefill µs, TFLOP/s, × unfused and route) and `bench/tp_check.py` files (tensor parallel: per-layer
-    µs, % of bandwidth outside the all-reduces, × the best TP baseline). arch: only files measured on a GPU of that
-    architecture (by the GPU name they record; a name no target knows is kept), so an sm_80 build is not shown
-    H200 figures. Newest = the file's recorded date, then its recorded time
-    (gpu_check writes one), then its name (deterministic in a fresh clone, where mtimes are the checkout's). Rows
-    that errored or failed their run's check against the reference (`pass: false`) are skipped."""
+    files (every provider's row; its prefill rows, under "prefill", as gpu_check's), `bench/gpu_check.py` files
+    (one row per variant: decode µs, % of bandwidth and speedups; prefill µs, TFLOP/s, × unfused and route) and
+    `bench/tp_check.py` files (tensor parallel: per-layer µs, % of bandwidth outside the all-reduces, × the best TP
+    baseline). arch: only files measured on a GPU of that architecture (by the GPU name they record; a name no
+    target knows is kept), so an sm_80 build is not shown H200 figures. Newest = the file's recorded date, then its
+    recorded time, then its name (deterministic in a fresh clone, where mtimes are the checkout's). Rows that
+    errored or failed their run's check against the reference (`pass: false`) are skipped."""
     found: dict[str, tuple] = {}
     for p in bench_dir.glob("*.json"):
         try:

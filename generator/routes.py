@@ -49,6 +49,15 @@ def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "")
     return path
 
 
+def record_checked(gpu: str, rows: list[dict], routes_dir: Path | None = None, date: str = "") -> Path | None:
+    """Record the routes of prefill rows as bench.measure.check_prefill returns them (the timed ones: "us" present):
+    the faster path of a row that passed its reference check; "unfused" for one that failed it (a wrong fused kernel
+    must not keep an older "fused" route). Returns the routes file, or None when no row was timed."""
+    timed = {r["variant"]: {"fused_us": r["us"] if r.get("pass") else None, "unfused_us": r["unfused_us"]}
+             for r in rows if "us" in r}
+    return record(gpu, timed, routes_dir, date) if timed else None
+
+
 def route(variant: str, gpu: str, routes_dir: Path | None = None) -> tuple[str, str]:
     """(path, why) for `variant` on `gpu`: the MEGAKERNEL_ROUTE override, else the measured route, else "fused"
     (not measured on this GPU). Raises ValueError for a bad override."""
@@ -60,4 +69,6 @@ def route(variant: str, gpu: str, routes_dir: Path | None = None) -> tuple[str, 
     r = read_routes(gpu, routes_dir).get(variant)
     if r is None:
         return "fused", f"no measurement for {gpu} in {routes_file(gpu, routes_dir)}"
+    if r.get("fused_us") is None:
+        return r["path"], f"measured on {gpu}: the fused kernel failed its reference check"
     return r["path"], (f"measured on {gpu}: fused {r['fused_us']} µs, unfused {r['unfused_us']} µs")

@@ -833,7 +833,7 @@ def test_prefill_rows_print_and_the_report_reads_them(tmp_path):
     from generator.report import latest_bench
     ok = {"variant": "tiny-a_prefill_b1_s64_bf16", "mode": "prefill", "pass": True, "rel_err": 2e-3, "us": 80.0,
           "tflops": 90.0, "unfused_us": 150.0, "unfused_tflops": 48.0, "speedup": 1.88, "route": "fused"}
-    bad = {"variant": "tiny-a_prefill_b4_s64_bf16", "mode": "prefill", "pass": False, "error": "build refused"}
+    bad = {"variant": "tiny-a_prefill_b4_s64_bf16", "mode": "prefill", "status": "skipped", "error": "build refused"}
     doc = {**_fake_doc(), "prefill": [ok, bad]}
     results.write_results(doc, tmp_path, "nvidia-h200-2026-01-02")
     con = Console(record=True, width=250)
@@ -843,3 +843,53 @@ def test_prefill_rows_print_and_the_report_reads_them(tmp_path):
     got = latest_bench(tmp_path)
     assert got[ok["variant"]]["fused_us"] == 80.0 and got[ok["variant"]]["route"] == "fused"
     assert bad["variant"] not in got
+
+
+def test_bench_prefill_rows_routes_and_exit_rule(tmp_path, monkeypatch):
+    """bench.run.bench_prefill with check_prefill stubbed: an unbuilt variant and a spent budget are "skipped" rows, a
+    raising one an "error" row (none of them timed: the exit rule counts only timed rows that failed their check),
+    and routes.record_checked routes a variant that failed its check unfused whatever its timing."""
+    from bench import measure
+    from generator import routes
+    from generator.variants import parse
+    vs = parse("""
+matrix: {mode: [prefill], batch: [1], seq_len: [16, 32, 48, 64, 80]}
+models:
+  t: {hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 96, layers: 1, norm: rmsnorm, norm_eps: 1.0e-5,
+      rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "t.yaml")
+    names = [v.name for v in vs]
+    built = {n: {"status": "ok"} for n in names[1:]}  # names[0] not built
+
+    def fake(v, build_dir, seed):
+        if v.name == names[1]:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return {"variant": v.name, "mode": "prefill", "pass": v.name != names[3], "rel_err": 1e-3, "us": 10.0,
+                "unfused_us": 20.0, "speedup": 2.0, "tflops": 1.0, "unfused_tflops": 0.5, "route": "fused"}
+    monkeypatch.setattr(measure, "check_prefill", fake)
+
+    class Budget:  # the last variant finds the budget spent
+        seconds = 60.0
+        def allows_variant(self):
+            return len(doc["prefill"]) < 4
+        def record(self, *a):
+            pass
+    doc = {**_fake_doc(), "rows": []}
+    rows = brun.bench_prefill(vs, built, "build", 1, doc, tmp_path, "x", Budget(), lambda m: None)
+    assert [r.get("status") for r in rows] == ["skipped", "error", None, None, "skipped"]
+    assert "build missing" in rows[0]["error"] and "time budget (60 s)" in rows[4]["error"]
+    assert json.loads((tmp_path / "x.json").read_text())["prefill"] == rows  # written as it goes
+    failed_timed = [r for r in rows if "us" in r and not r["pass"]]
+    assert [r["variant"] for r in failed_timed] == [names[3]]
+    (tmp_path / "routes").mkdir()
+    routes.record(NAME_GPU, {names[3]: {"fused_us": 1.0, "unfused_us": 9.0}}, tmp_path / "routes")  # an old route
+    routes.record_checked(NAME_GPU, rows, tmp_path / "routes")
+    got = routes.read_routes(NAME_GPU, tmp_path / "routes")
+    assert set(got) == {names[2], names[3]} and got[names[2]]["path"] == "fused"
+    assert got[names[3]]["path"] == "unfused" and got[names[3]]["fused_us"] is None
+    monkeypatch.setenv("MEGAKERNEL_ROUTE", "")
+    assert routes.route(names[3], NAME_GPU, tmp_path / "routes") == \
+        ("unfused", f"measured on {NAME_GPU}: the fused kernel failed its reference check")
+
+
+NAME_GPU = "NVIDIA H200"

@@ -245,4 +245,4 @@ def test_megakernel_bench_times_prefill_and_records_its_route(tmp_path):
     assert got["path"] == row["route"] and got["fused_us"] == row["us"]
     from generator.report import latest_bench
     assert latest_bench(tmp_path / "out")[name]["route"] == row["route"]
-    assert "prefill" in r.stdout and name in r.stdout
+    assert "routes: 1 prefill variants recorded in" in r.stdout and name in r.stdout
