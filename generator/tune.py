@@ -149,7 +149,7 @@ def _half(n: int) -> int:
     return n // 2
 
 
-BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE")  # on/off knobs: 0 is a setting, not a size
+BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[dict]:
@@ -158,8 +158,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order), QKV_FLOW and ATT_COMBINE flipped, GEMV_PF 1 (the next round's weight loads early) and 2 (every step's
-    loads a step early); per projection NWG halved and doubled (U as planned) and U doubled (halved where that would
+    order), QKV_FLOW, ATT_COMBINE and NORM_FOLD (RMSNorm in bf16 only) flipped, GEMV_PF 1 (the next round's weight
+    loads early) and 2 (every step's loads a step early); per projection NWG halved and doubled (U as planned) and U doubled (halved where that would
     pass 8); attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the
     splits), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
@@ -175,7 +175,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[di
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
-                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}]
+                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"NORM_FOLD": 1 - d["NORM_FOLD"]}]
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},

@@ -41,6 +41,11 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, unsigned
                  : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {  // two T products, T-rounded
+    const T2 r = __hmul2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+
 // The sum of a tile's KSPLIT partials in global memory, in split order (the same sum whichever split is last).
 struct SplitTile {
     const float* part;  // [KSPLIT][N][BATCH]
@@ -67,10 +72,11 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
 // are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
 // KSPLIT 1 only. TILE0: the first tile in task order
 // (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
+// gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0,
           class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
-                                     Epi epi, Done done = {}) {
+                                     Epi epi, Done done = {}, const T* gs = nullptr) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
@@ -106,6 +112,12 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
                 if (kt < KT) {
+                    unsigned g0 = 0u, g1 = 0u;  // the gain's two pairs this lane's B fragments take (gs only)
+                    if (!XF && gs) {
+                        const T* gp = gs + (ks * KT + kt) * 16 + 2 * tig;
+                        g0 = *reinterpret_cast<const unsigned*>(gp);
+                        g1 = *reinterpret_cast<const unsigned*>(gp + 8);
+                    }
 #pragma unroll
                     for (int t = 0; t < NTILE; ++t) {
                         const int b = t * 8 + gid;
@@ -119,6 +131,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                             const T* xp = xk + (size_t)b * LDX + kt * 16 + 2 * tig;
                             b0 = *reinterpret_cast<const unsigned*>(xp);
                             b1 = *reinterpret_cast<const unsigned*>(xp + 8);
+                            if (gs) {
+                                b0 = mul2(b0, g0);
+                                b1 = mul2(b1, g1);
+                            }
                         }
                         mma_bf16(c[t], a[u], b0, b1);
                     }

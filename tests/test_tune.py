@@ -416,6 +416,61 @@ def test_early_weight_loads_match_the_reference(tmp_path, pf):
         torch.cuda.synchronize()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_norm_fold_matches_the_reference(tmp_path):
+    """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues): Llama-3.2-1B b1
+    and b8, a held-out-like batch 16 with split-K gate_up (the fold's epilogue through the split partials) and the
+    qkv grid barrier (QKV_FLOW 0), against the fp32 reference on rows of different scales (verify.random_inputs)."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    from generator.variants import parse
+    b16 = parse("""
+matrix: {mode: [decode], batch: [16], seq_len: [512]}
+models:
+  nf: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
+       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
+""", "nf.yaml")[0]
+    cases = [(next(v for v in declared() if v.name == n), {}) for n in ("llama3.2-1b_decode_b1_s4096_bf16",
+                                                                          "llama3.2-1b_decode_b8_s4096_bf16")]
+    cases.append((b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}))
+    for v, extra in cases:
+        c = renamed(v, "nf")
+        res = gcompile.build([c], tmp_path, overrides={c.name: {"NORM_FOLD": 1, **extra}})
+        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+        W = reference.random_weights(v.model, seed=9, device="cuda")
+        layer = load(c.name, W, build_dir=tmp_path)
+        assert layer.plan["consts"]["NORM_FOLD"] == 1
+        for seed in (9, 10):
+            x, pos = verify.random_inputs(layer, seed)
+            res = verify.check_step(layer, x, pos, weights=W)
+            assert verify.passed(res, v.model.dtype), (v.name, seed, res["rel_err"], res["first_bad_stage"])
+        del layer
+        torch.cuda.synchronize()
+
+
+def test_norm_fold_is_refused_for_layernorm_and_fp16():
+    from generator.plan import PlanError
+    from generator.render import plan
+    from generator.variants import parse
+    vs = parse("""
+matrix: {mode: [decode], batch: [2], seq_len: [256]}
+models:
+  ln: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, norm: layernorm,
+       norm_eps: 1.0e-5, rope_theta: 10000.0, activation: gelu, qkv_bias: true, qk_norm: false, dtype: bf16}
+  h: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, norm: rmsnorm,
+      norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: fp16}
+""", "x.yaml")
+    for v in vs:
+        with pytest.raises(PlanError, match="NORM_FOLD=1: needs RMSNorm in bf16"):
+            plan(v, "90", overrides={"NORM_FOLD": 1})
+    p = plan(vs[1], "90")
+    assert p["consts"]["NORM_FOLD"] == 0 and p["consts"]["SMEM_GS"] == 0
+
+
 def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_variants_file):
     bad = tmp_path / "mine.json"
     bad.write_text("{not json")

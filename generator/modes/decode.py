@@ -31,10 +31,12 @@ STEPS = (
 # through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
-# (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
+# (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
+# NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
+# and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
-         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -59,7 +61,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW") and val not in (0, 1):
+        if k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD") and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -90,6 +92,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
+    norm_fold = ov.get("NORM_FOLD", 0)
+    if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
+        raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
+                        f"{m.dtype}; LayerNorm's mean and fp16's range need the scaled rows)")
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)
@@ -143,6 +149,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
     smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
     gemv_bytes = smem["SMEM_RED"] + red_bytes
+    # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection
+    smem["SMEM_GS"] = align(gemv_bytes) if norm_fold else 0
+    smem["SMEM_RS"] = smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold else 0
+    gemv_bytes = smem["SMEM_RS"] + v.batch * 4 if norm_fold else gemv_bytes
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
     smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
@@ -166,7 +176,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", 0),
+        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the

@@ -6,20 +6,23 @@
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
                         unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
+    T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
+    float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
     if constexpr (HB_COPY)
-        norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
+        norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     else  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h
-        norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
+        norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF>(w_gu, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {
                 const int pr = i / BATCH, b = i % BATCH;
-                const float g = tile(2 * pr, b);
-                const float u = tile(2 * pr + 1, b);
+                const float r = NORM_FOLD ? rs[b] : 1.f;
+                const float g = tile(2 * pr, b) * r;
+                const float u = tile(2 * pr + 1, b) * r;
                 const float a = activation(g) * u;
                 count_overflow(a, ws_status);
                 ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        });
+        }, NoDone{}, gs);
 }

@@ -6,15 +6,20 @@
 // src by cp.async, all of it in flight at once without registers; an fp32 src (tensor parallel's all-reduced h)
 // through registers, rounded to T (two roundings, as transformers' bf16 residual stream and its normalised output).
 // Then the rows' sums from shared memory (a row split over WPR warps where the batch has fewer rows than warps),
-// and dst scaled in place.
+// and dst scaled in place. NORM_FOLD: no scale pass; dst keeps the raw rows, gs gets the gain (HIDDEN T) and rs each
+// row's 1/rms (BATCH floats): the projection multiplies its B fragments by the gain and its sums by 1/rms
+// (session 9's ablation: the scale pass was the norm's largest part at batch 16, ~4 us a norm at hidden 5120).
 #pragma once
 #include "../common.cuh"
 template <class S>
-__device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch) {
+__device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
+                     T* gs, float* rs) {
     constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;
     constexpr int RB = BATCH >= NW ? NW : (BATCH <= 1 ? 1 : BATCH <= 2 ? 2 : BATCH <= 4 ? 4 : BATCH <= 8 ? 8 : 16);
     constexpr int WPR = NW / RB;  // warps per row (RB rows at a time)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % WPR;
+    if constexpr (NORM_FOLD)
+        for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (sizeof(S) == sizeof(T)) {
         for (int i = tid; i < BATCH * NCH; i += THREADS)
             cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
@@ -34,6 +39,10 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
                     *reinterpret_cast<uint4*>(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8) = pack8(f[g]);
             }
         }
+        if constexpr (NORM_FOLD) {
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
     }
     __syncthreads();
     for (int b = warp / WPR; b < BATCH; b += RB) {
@@ -49,6 +58,15 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         if (lane == 0) { scratch[2 * (b * WPR + part)] = s1; scratch[2 * (b * WPR + part) + 1] = s2; }
     }
     __syncthreads();
+    if constexpr (NORM_FOLD) {
+        if (tid < BATCH) {
+            float q = 0.f;
+            for (int p = 0; p < WPR; ++p) q += scratch[2 * (tid * WPR + p) + 1];
+            rs[tid] = rsqrtf(q / HIDDEN + NORM_EPS);
+        }
+        __syncthreads();
+        return;
+    }
     for (int i = tid; i < BATCH * NCH; i += THREADS) {
         const int b = i / NCH, c = i % NCH;
         float a = 0.f, q = 0.f;

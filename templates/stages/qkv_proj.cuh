@@ -22,11 +22,14 @@ struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (re
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qkv, const T* b_qkv, float* ws_qkv,
                          float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED));
+    T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
+    const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
+    norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
     auto epi = [&](int row0, auto tile, int gt) {
         for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
             const int n = row0 + i / BATCH, b = i % BATCH;
             float v = tile(i / BATCH, b);
+            if constexpr (NORM_FOLD) v *= rs[b];
 #if QKV_BIAS
             v += to_f(b_qkv[n]);
 #endif
@@ -35,8 +38,8 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
     };
     if constexpr (QKV_FLOW)
         gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, Q_DIM / 16>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready});
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gs);
     else
         gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi);
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gs);
 }
