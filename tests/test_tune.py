@@ -420,23 +420,25 @@ def test_early_weight_loads_match_the_reference(tmp_path, pf):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_norm_fold_matches_the_reference(tmp_path):
     """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues): Llama-3.2-1B b1
-    and b8, a held-out-like batch 16 with split-K gate_up (the fold's epilogue through the split partials) and the
-    qkv grid barrier (QKV_FLOW 0), against the fp32 reference on rows of different scales (verify.random_inputs)."""
+    and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
+    and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
+    n-tile) with GEMV_PF 2; against the fp32 reference on rows of different scales (verify.random_inputs)."""
     import torch
 
     from bench.tune import renamed
     from generator import compile as gcompile, reference, verify
     from generator.loader import load
     from generator.variants import parse
-    b16 = parse("""
-matrix: {mode: [decode], batch: [16], seq_len: [512]}
+    b5, b16, b32 = parse("""
+matrix: {mode: [decode], batch: [5, 16, 32], seq_len: [512]}
 models:
   nf: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
        norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
-""", "nf.yaml")[0]
+""", "nf.yaml")
     cases = [(next(v for v in declared() if v.name == n), {}) for n in ("llama3.2-1b_decode_b1_s4096_bf16",
                                                                           "llama3.2-1b_decode_b8_s4096_bf16")]
-    cases.append((b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}))
+    cases += [(b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}), (b32, {"QKV_KSPLIT": 2, "QKV_FLOW": 0, "GEMV_PF": 1}),
+              (b5, {"GEMV_PF": 2})]
     for v, extra in cases:
         c = renamed(v, "nf")
         res = gcompile.build([c], tmp_path, overrides={c.name: {"NORM_FOLD": 1, **extra}})
@@ -469,6 +471,15 @@ models:
             plan(v, "90", overrides={"NORM_FOLD": 1})
     p = plan(vs[1], "90")
     assert p["consts"]["NORM_FOLD"] == 0 and p["consts"]["SMEM_GS"] == 0
+    tp = next(v for v in declared() if v.tp > 1)
+    with pytest.raises(PlanError, match="NORM_FOLD=1: not with tensor parallel"):
+        plan(tp, "90", overrides={"NORM_FOLD": 1})
+    # the gain and 1/rms after the GEMV's partial sums, inside the block's budget
+    v = next(v for v in declared() if v.name == "llama3-8b_decode_b8_s4096_bf16")
+    off, on = plan(v, "90"), plan(v, "90", overrides={"NORM_FOLD": 1})
+    c = on["consts"]
+    assert c["SMEM_GS"] >= c["SMEM_RED"] + 2 * 16 * 16 * v.batch * 4 and c["SMEM_RS"] >= c["SMEM_GS"] + 4096 * 2
+    assert on["smem_bytes"] >= max(off["smem_bytes"], c["SMEM_RS"] + v.batch * 4)
 
 
 def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_variants_file):

@@ -96,6 +96,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
         raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
                         f"{m.dtype}; LayerNorm's mean and fp16's range need the scaled rows)")
+    if norm_fold and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override NORM_FOLD=1: not with tensor parallel (its fp32-source norm has not "
+                        "run folded on 2 GPUs)")
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)

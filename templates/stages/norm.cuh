@@ -64,33 +64,32 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
             for (int p = 0; p < WPR; ++p) q += scratch[2 * (tid * WPR + p) + 1];
             rs[tid] = rsqrtf(q / HIDDEN + NORM_EPS);
         }
-        __syncthreads();
-        return;
-    }
-    for (int i = tid; i < BATCH * NCH; i += THREADS) {
-        const int b = i / NCH, c = i % NCH;
-        float a = 0.f, q = 0.f;
+    } else {  // the scale pass
+        for (int i = tid; i < BATCH * NCH; i += THREADS) {
+            const int b = i / NCH, c = i % NCH;
+            float a = 0.f, q = 0.f;
 #pragma unroll
-        for (int p = 0; p < WPR; ++p) { a += scratch[2 * (b * WPR + p)]; q += scratch[2 * (b * WPR + p) + 1]; }
+            for (int p = 0; p < WPR; ++p) { a += scratch[2 * (b * WPR + p)]; q += scratch[2 * (b * WPR + p) + 1]; }
 #if NORM_LAYERNORM
-        const float mean = a / HIDDEN, rstd = rsqrtf(fmaxf(q / HIDDEN - mean * mean, 0.f) + NORM_EPS);
+            const float mean = a / HIDDEN, rstd = rsqrtf(fmaxf(q / HIDDEN - mean * mean, 0.f) + NORM_EPS);
 #else
-        const float mean = 0.f, rstd = rsqrtf(q / HIDDEN + NORM_EPS);
+            const float mean = 0.f, rstd = rsqrtf(q / HIDDEN + NORM_EPS);
 #endif
-        float f[8], g[8];
-        uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
-        unpack8(*px, f);
-        load8(w + c * 8, g);
+            float f[8], g[8];
+            uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
+            unpack8(*px, f);
+            load8(w + c * 8, g);
 #if NORM_LAYERNORM
-        float bb[8];
-        load8(bias + c * 8, bb);
+            float bb[8];
+            load8(bias + c * 8, bb);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k] + bb[k];
+            for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k] + bb[k];
 #else
 #pragma unroll
-        for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k];
+            for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k];
 #endif
-        *px = pack8(f);
+            *px = pack8(f);
+        }
     }
     __syncthreads();
 }
