@@ -893,3 +893,20 @@ models:
 
 
 NAME_GPU = "NVIDIA H200"
+
+
+def test_a_recorded_route_flips_only_beyond_the_margin(tmp_path):
+    """routes.record: a first measurement takes the faster path; later ones keep the recorded path while the two
+    are within ROUTE_MARGIN (a tie), and flip when the other is clearly faster; the timings are always the newest."""
+    from generator import routes
+    d, name = tmp_path / "r", "v_prefill_b4_s64_bf16"
+
+    def rec(f, u):
+        routes.record(NAME_GPU, {name: {"fused_us": f, "unfused_us": u}}, d)
+        return routes.read_routes(NAME_GPU, d)[name]
+    assert rec(343.8, 344.3)["path"] == "fused"
+    tie = rec(347.2, 345.0)  # unfused faster by 0.6 %: the route stays
+    assert tie["path"] == "fused" and tie["fused_us"] == 347.2
+    assert rec(360.0, 345.0)["path"] == "unfused"  # 4 % slower fused: it flips
+    assert rec(345.0, 346.0)["path"] == "unfused"  # and a tie keeps that
+    assert rec(None, 346.0)["path"] == "unfused"
