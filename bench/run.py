@@ -29,6 +29,7 @@ from bench.measure import (DEFAULT_COMPILE_SUBSET, DEFAULT_REPS, DEFAULT_ROUNDS,
 from bench.providers import PROVIDERS
 from bench.results import POSITIONS_NOTE, make_row, result_stem, write_results
 from generator import variants as gvariants
+from generator.cli import pick_tuning_file, tuned_opts
 
 COMPILE_SUBSET_NOTE = "batch 1 at seq_len 4096, one variant per model: compiling is slow"
 
@@ -186,8 +187,9 @@ def print_prefill(rows: list[dict], con: Console | None = None) -> None:
 @click.option("--no-plots", is_flag=True, help="do not write PNG plots")
 @click.option("--routes-dir", default=None, help="where the prefill variants' measured routes are recorded "
                                                   "[routes/ of this project, which the runtime reads]")
+@tuned_opts
 def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_subset, no_compile, seed, arch,
-        time_budget, no_plots, routes_dir):
+        time_budget, no_plots, routes_dir, tuned_for, no_tuned):
     """Time the fused kernel against eager PyTorch, a CUDA graph of it and torch.compile, on this GPU.
 
     Decode: every provider runs the same stack of distinct layers (random weights, random KV caches) with
@@ -211,20 +213,25 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     out_dir = Path(out_dir)
     log = lambda msg: console.print(msg, markup=False, soft_wrap=True)  # noqa: E731
 
-    from generator import compile as gcompile, toolchain
+    from generator import compile as gcompile, toolchain, tune as gtune
     try:
         toolchain.find_nvcc()
     except toolchain.ToolchainError as exc:
         fail(str(exc))
+    tfile = pick_tuning_file(tuned_for, no_tuned)  # the plans `megakernel build` takes: timed as they are served
     log(f"building {len(vs)} variants into {build_dir}/ (cached: only what changed is compiled)")
     t0 = time.perf_counter()
     try:
-        result = gcompile.build(vs, build_dir, arch=arch)
+        result = gcompile.build(vs, build_dir, arch=arch, variants_file=variants_file, tuning_file=tfile)
     except Exception as exc:  # noqa: BLE001 - no compiler, unwritable build dir...
         fail(f"build failed: {one_line(exc)}")
     built = {e["name"]: e for e in result["entries"]}
     n_ok = sum(1 for e in built.values() if e["status"] == "ok")
-    log(f"build: {n_ok}/{len(vs)} variants ok, {result['distinct']} binaries, {time.perf_counter() - t0:.1f} s")
+    n_tuned = sum(e.get("plan_source", "").startswith("tuned") for e in built.values())
+    log(f"build: {n_ok}/{len(vs)} variants ok, {result['distinct']} binaries, {time.perf_counter() - t0:.1f} s; "
+        f"plans: {n_tuned} tuned" + (f" ({gtune.display(tfile)})" if tfile else "") + ", the rest default")
+    for w in result.get("warnings", []):
+        log(f"  {w}")
     for e in built.values():
         if e["status"] != "ok":
             log(f"  {e['name']}: {e['status']}: {e.get('error', '').splitlines()[0] if e.get('error') else ''}")

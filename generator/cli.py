@@ -183,6 +183,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     for w in result.get("warnings", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
+    unknown = []
     if tfile is not None and tuned_for:  # a file asked for by name: entries that match no declared variant are typos
         from . import tune as gtune
         unknown = sorted(set(gtune.read_tuning(Path(tfile))) - declared)
@@ -210,10 +211,12 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                               "to local memory", highlight=False)
     if result["errors"]:
         sys.exit(1)
-    if strict and (rep["totals"]["flagged"] or result.get("warnings")):  # a tuned plan refused is a failure too
-        refused = len(result.get("warnings", []))  # (each also flagged tuned-plan-unused where its variant is shown)
-        err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged, {refused} tuned plan(s) refused)",
-                          markup=False, highlight=False)
+    # a tuning warning (a tuned plan refused, a broken file) and an entry of --tuned-for's file that names no declared
+    # variant (a typo) fail --strict too
+    if strict and (rep["totals"]["flagged"] or result.get("warnings") or unknown):
+        err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged, {len(result.get('warnings', []))} "
+                          f"tuning warning(s), {len(unknown)} tuning entr{'y' if len(unknown) == 1 else 'ies'} for no "
+                          "declared variant)", markup=False, highlight=False)
         sys.exit(1)
 
 

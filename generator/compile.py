@@ -238,6 +238,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     by_key: dict[str, list[tuple[Variant, dict]]] = {}
     sources: dict[str, str] = {}
     warnings: list[str] = []
+    # (variant, source): written with the manifest, so an interrupted build leaves each kernel.cu matching its cubin
+    rendered: list[tuple[str, str]] = []
     for v in variants:
         entry = {"name": v.name, "params": v.params(), "status": "ok", "arch": target.sm,
                  "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile,
@@ -251,7 +253,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             entry["tuning"] = {"file": gtune.display(Path(tuning_file)),
                                "overrides": gtune.raw_overrides(Path(tuning_file), v.name)}
             if warn:
-                warnings.append(warn)
+                if warn not in warnings:  # a broken file says the same for every variant: once
+                    warnings.append(warn)
                 entry["tuning_warning"] = warn  # the report flags it after the build's output has scrolled away
         try:
             p = plan(v, target.sm, overrides=ov)
@@ -260,7 +263,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             continue
         src = render(v, p)
         key = cache_key(src, arch)
-        write_if_changed(build_dir / v.name / "kernel.cu", src)
+        rendered.append((v.name, src))
         entry.update(key=key, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(),
                      source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin", object=f"objects/{key}")
         by_key.setdefault(key, []).append((v, entry))
@@ -320,6 +323,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     pool.shutdown(wait=True)
 
     with locked(build_dir):
+        for name, src in rendered:
+            write_if_changed(build_dir / name / "kernel.cu", src)
         for key, name in links:
             _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
         manifest = read_manifest(build_dir)

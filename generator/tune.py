@@ -129,9 +129,12 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     else:
         try:
             p = plan(v, str(arch), overrides=e["overrides"])
-            if isinstance(e.get("knobs"), dict) and knobs_differ(e["knobs"], knob_dict(p)):
-                now = knob_dict(p)
-                diff = ", ".join(f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in knobs_differ(e["knobs"], now))
+            now = knob_dict(p)
+            # a knob the overrides set that the record lacks was set by hand after it was measured
+            unmeasured = [k for k in e["overrides"] if isinstance(e.get("knobs"), dict) and k not in e["knobs"]]
+            if isinstance(e.get("knobs"), dict) and (knobs_differ(e["knobs"], now) or unmeasured):
+                diff = ", ".join([f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in knobs_differ(e["knobs"], now)]
+                                 + [f"{k} (not recorded) -> {now.get(k)}" for k in unmeasured])
                 why = (f"the knobs it records (what was measured) differ from what its overrides plan now ({diff}): "
                        "the planner's defaults changed since it was tuned (run `megakernel tune` again) or the "
                        "overrides were edited (delete its \"knobs\" to build them as they are)")

@@ -233,6 +233,11 @@ def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
     # a knob the record lacks (added to the planner after tuning) is no difference
     f.write_text(json.dumps({v.name: {**good, "knobs": {k: x for k, x in knobs.items() if k != "X_FRAG"}}}))
     assert gtune.resolve(v, "90", f)[0] == {"QKV_NWG": 2}
+    # ... unless the overrides set it: a knob added to an entry by hand after it was measured
+    f.write_text(json.dumps({v.name: {**good, "overrides": {"QKV_NWG": 2, "X_FRAG": 1 - knobs["X_FRAG"]},
+                                      "knobs": {k: x for k, x in knobs.items() if k != "X_FRAG"}}}))
+    ov, src, fig, warn = gtune.resolve(v, "90", f)
+    assert (ov, src) == ({}, "default") and "X_FRAG (not recorded)" in warn
     f.write_text("{not json")
     assert gtune.resolve(v, "90", f)[1] == "default" and "not a tuning file" in gtune.resolve(v, "90", f)[3]
     assert "line 1 column 2" in gtune.resolve(v, "90", f)[3]  # where the JSON breaks, for a hand edit
@@ -482,6 +487,48 @@ models:
     assert on["smem_bytes"] >= max(off["smem_bytes"], c["SMEM_RS"] + v.batch * 4)
 
 
+def test_a_broken_default_tuning_file_warns_once_and_a_typo_fails_strict(tmp_path, tiny_variants_file):
+    """A broken tuning file (the default one) is said once for the whole build, not once per variant, and fails
+    --strict; an entry of --tuned-for's file naming no declared variant (a typo) fails --strict too."""
+    tdir = tmp_path / "td"
+    tdir.mkdir()
+    (tdir / "x.json").write_text("[1]")
+    import subprocess
+    import sys
+    from conftest import cli_env
+    r = subprocess.run([sys.executable, "-m", "generator.cli", "build", "--variants", tiny_variants_file,
+                        "--build-dir", tmp_path / "b", "--only", "tiny*", "-j", "2", "--strict"], cwd=tmp_path,
+                       env={**cli_env(), "MEGAKERNEL_TUNING_DIR": str(tdir)}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1 and r.stderr.count("not a tuning file") == 1, r.stderr
+    assert "1 tuning warning(s)" in r.stderr
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"no-such-variant_decode_b1_s4096_bf16": {"overrides": {}}}))
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", "tiny*",
+                 "--tuned-for", typo, "--strict"], cwd=tmp_path)
+    assert r.returncode == 1 and "no declared variant named no-such-variant" in r.stderr
+    assert "1 tuning entry for no declared variant" in r.stderr
+
+
+def test_an_interrupted_build_leaves_sources_and_cubins_in_step(tmp_path, tiny_variants_file, monkeypatch):
+    """kernel.cu is written with the manifest: a build stopped while compiling leaves the source that matches the
+    recorded cubin (a user reading kernel.cu sees what runs)."""
+    from generator import compile as gcompile
+    v = tiny(tiny_variants_file)
+    b = tmp_path / "b"
+    gcompile.build([v], b, jobs=1)
+    before = (b / v.name / "kernel.cu").read_text()
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gcompile, "_compile_object", stop)
+    with pytest.raises(KeyboardInterrupt):
+        gcompile.build([v], b, jobs=1, overrides={v.name: {"QKV_NWG": 2}})
+    assert (b / v.name / "kernel.cu").read_text() == before
+    e = gmanifest.read_manifest(b)["variants"][v.name]
+    assert e["source_sha256"] == __import__("hashlib").sha256(before.encode()).hexdigest()
+
+
 def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_variants_file):
     bad = tmp_path / "mine.json"
     bad.write_text("{not json")
@@ -499,7 +546,7 @@ def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tm
                  "--tuned-for", tf, "--strict"], cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert f"{name}: refused by the planner" in r.stderr and "default plan used" in r.stderr
-    assert "--strict: exit 1 (1 flagged, 1 tuned plan(s) refused)" in r.stderr
+    assert "--strict: exit 1 (1 flagged, 1 tuning warning(s), 1 tuning entry for no declared variant)" in r.stderr
     assert f"no declared variant named {name}x (entries unused)" in r.stderr
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
                  "--tuned-for", tf], cwd=tmp_path)
