@@ -910,3 +910,22 @@ def test_a_recorded_route_flips_only_beyond_the_margin(tmp_path):
     assert rec(360.0, 345.0)["path"] == "unfused"  # 4 % slower fused: it flips
     assert rec(345.0, 346.0)["path"] == "unfused"  # and a tie keeps that
     assert rec(None, 346.0)["path"] == "unfused"
+
+
+@pytest.mark.parametrize("extra, want", [((), "default"), (("--no-tuned",), None)])
+def test_megakernel_bench_builds_the_tuned_plans(monkeypatch, tmp_path, extra, want):
+    """bench builds what `megakernel build` builds: the only file in tuning/ (or --tuned-for's), none with
+    --no-tuned; the build is stopped here (no GPU) once its arguments are seen."""
+    from generator import compile as gcompile, tune as gtune
+    monkeypatch.setattr(brun, "require_cuda", lambda: None)
+    seen = {}
+
+    def fake_build(vs, build_dir, **kw):
+        seen.update(kw)
+        raise SystemExit(3)
+    monkeypatch.setattr(gcompile, "build", fake_build)
+    r = CliRunner().invoke(brun.cli, ["--variants", str(VARIANTS), "--only", "llama3.2-1b_decode_b8_s4096_bf16",
+                                      "--build-dir", str(tmp_path / "b"), *extra])
+    assert r.exit_code == 3, (r.output, r.exception)
+    want = gtune.default_tuning_file() if want == "default" else None
+    assert seen["tuning_file"] == want and seen["variants_file"] == str(VARIANTS)
