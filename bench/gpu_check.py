@@ -211,6 +211,11 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    # the declared prefill variants' routes, from routes/'s (a tie keeps the recorded path), into $OUT
+    from generator import routes
+    routes_path = routes.record_checked(torch.cuda.get_device_name(),
+                                        [r for r in rows if r.get("mode") == "prefill" and not r.get("heldout")],
+                                        Path(out), time.strftime("%Y-%m-%d"), seed_dir=routes.ROUTES_DIR)
     doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
            "seed": seed,
@@ -249,10 +254,9 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
             print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:9.1f} "
                   f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
                   f"{r['route']}  " + " ".join(f"{s:.0f}" for s in r["stage_us"].values()) + bad)
-        from generator import routes
-        path = routes.record_checked(doc["gpu"], [r for r in pre if not r.get("heldout")], Path(out), doc["date"])
-        if path:
-            print(f"routes: {path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json)")
+        if routes_path:
+            print(f"routes: {routes_path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json; a route flips "
+                  f"only beyond {routes.ROUTE_MARGIN:.0%}: the table shows the recorded one)")
     skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
     for why in skipped:
         print(f"flashinfer: {why}")

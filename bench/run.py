@@ -264,7 +264,8 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
            "settings": {"variants_file": str(variants_file), "only": list(only), "layers": layers, "reps": reps,
                         "rounds": rounds, "compile_subset": list(compile_subset), "no_compile": no_compile,
                         "seed": seed, "positions": "seq_len-1", "l2_bytes": L2_BYTES, "l2_passes": L2_PASSES,
-                        "rel_tol": REL_TOL, "time_budget_s": time_budget, "arch": arch},
+                        "rel_tol": REL_TOL, "time_budget_s": time_budget, "arch": arch,
+                        "tuning_file": gtune.display(tfile) if tfile else None},
            "elapsed_s": None, "complete": False, "rows": []}
 
     budget = TimeBudget(time_budget, t_start)
@@ -328,12 +329,14 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     if doc["rows"]:
         print_table(doc)
     if prefill:
-        print_prefill(doc["prefill"])
         from generator import routes
-        path = routes.record_checked(gpu, doc["prefill"], routes_dir, date)
+        path = routes.record_checked(gpu, doc["prefill"], routes_dir, date)  # rows' route: the path recorded
+        write_results(doc, out_dir, stem)
+        print_prefill(doc["prefill"])
         if path:
             log(f"routes: {sum('us' in r for r in doc['prefill'])} prefill variants recorded in {path} (the runtime "
-                "follows them; a variant that failed its check routes unfused)")
+                f"follows them; a variant that failed its check routes unfused; a route flips only beyond "
+                f"{routes.ROUTE_MARGIN:.0%})")
     if any(r["provider"] == "fused" and r["status"] == "failed-check" for r in doc["rows"]) or \
             any("us" in r and not r["pass"] for r in doc.get("prefill", [])):
         sys.exit(1)  # a fused kernel computed a wrong layer: the tables say which

@@ -255,7 +255,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             if warn:
                 if warn not in warnings:  # a broken file says the same for every variant: once
                     warnings.append(warn)
-                entry["tuning_warning"] = warn  # the report flags it after the build's output has scrolled away
+                if f": {v.name}: " in warn:  # this variant's entry was not used (not a file-wide problem)
+                    entry["tuning_warning"] = warn  # the report flags it after the build's output has scrolled away
         try:
             p = plan(v, target.sm, overrides=ov)
         except PlanError as exc:

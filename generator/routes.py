@@ -31,7 +31,8 @@ def read_routes(gpu: str, routes_dir: Path | None = None) -> dict:
         doc = json.loads(routes_file(gpu, routes_dir).read_text())
     except (OSError, ValueError):
         return {}
-    return doc.get("routes", {}) if isinstance(doc, dict) else {}
+    got = doc.get("routes") if isinstance(doc, dict) else None
+    return {k: r for k, r in got.items() if isinstance(r, dict)} if isinstance(got, dict) else {}
 
 
 # a recorded route changes only when the other path is faster by more than this fraction: the two paths' run-to-run
@@ -48,7 +49,7 @@ def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "")
     for name, r in rows.items():
         fused, unfused = r.get("fused_us"), r.get("unfused_us")
         best = "fused" if fused is not None and (unfused is None or fused <= unfused) else "unfused"
-        prev = doc["routes"].get(name, {}).get("path")
+        prev = doc["routes"].get(name, {}).get("path")  # read_routes keeps dict entries only
         if prev in PATHS and fused is not None and unfused is not None and \
                 abs(fused - unfused) <= ROUTE_MARGIN * min(fused, unfused):
             best = prev
@@ -60,13 +61,27 @@ def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "")
     return path
 
 
-def record_checked(gpu: str, rows: list[dict], routes_dir: Path | None = None, date: str = "") -> Path | None:
+def record_checked(gpu: str, rows: list[dict], routes_dir: Path | None = None, date: str = "",
+                   seed_dir: Path | None = None) -> Path | None:
     """Record the routes of prefill rows as bench.measure.check_prefill returns them (the timed ones: "us" present):
-    the faster path of a row that passed its reference check; "unfused" for one that failed it (a wrong fused kernel
-    must not keep an older "fused" route). Returns the routes file, or None when no row was timed."""
+    the faster path of a row that passed its reference check (record's margin kept); "unfused" for one that failed
+    it (a wrong fused kernel must not keep an older "fused" route). Each timed row's "route" becomes the path
+    recorded (what the runtime will take). seed_dir: where the routes so far live when routes_dir starts empty
+    (gpu_check records into $OUT from routes/). Returns the routes file, or None when no row was timed."""
     timed = {r["variant"]: {"fused_us": r["us"] if r.get("pass") else None, "unfused_us": r["unfused_us"]}
              for r in rows if "us" in r}
-    return record(gpu, timed, routes_dir, date) if timed else None
+    if not timed:
+        return None
+    target = routes_file(gpu, routes_dir)
+    if seed_dir is not None and not target.exists() and (seeded := read_routes(gpu, seed_dir)):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({"gpu": gpu, "date": date, "routes": seeded}, indent=1, sort_keys=True))
+    path = record(gpu, timed, routes_dir, date)
+    now = read_routes(gpu, routes_dir)
+    for r in rows:
+        if "us" in r:
+            r["route"] = now[r["variant"]]["path"]
+    return path
 
 
 def route(variant: str, gpu: str, routes_dir: Path | None = None) -> tuple[str, str]:

@@ -487,9 +487,10 @@ models:
     assert on["smem_bytes"] >= max(off["smem_bytes"], c["SMEM_RS"] + v.batch * 4)
 
 
-def test_a_broken_default_tuning_file_warns_once_and_a_typo_fails_strict(tmp_path, tiny_variants_file):
+def test_a_broken_default_tuning_file_warns_once(tmp_path, tiny_variants_file):
     """A broken tuning file (the default one) is said once for the whole build, not once per variant, and fails
-    --strict; an entry of --tuned-for's file naming no declared variant (a typo) fails --strict too."""
+    --strict; an entry of --tuned-for's file naming no declared variant is warned (a typo, or a file tuned for
+    another variants file: not a failure)."""
     tdir = tmp_path / "td"
     tdir.mkdir()
     (tdir / "x.json").write_text("[1]")
@@ -501,13 +502,12 @@ def test_a_broken_default_tuning_file_warns_once_and_a_typo_fails_strict(tmp_pat
                        env={**cli_env(), "MEGAKERNEL_TUNING_DIR": str(tdir)}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 1 and r.stderr.count("not a tuning file") == 1, r.stderr
-    assert "1 tuning warning(s)" in r.stderr
+    assert "--strict: exit 1 (1 tuning warning)" in r.stderr
     typo = tmp_path / "typo.json"
     typo.write_text(json.dumps({"no-such-variant_decode_b1_s4096_bf16": {"overrides": {}}}))
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", "tiny*",
                  "--tuned-for", typo, "--strict"], cwd=tmp_path)
-    assert r.returncode == 1 and "no declared variant named no-such-variant" in r.stderr
-    assert "1 tuning entry for no declared variant" in r.stderr
+    assert r.returncode == 0 and "no declared variant named no-such-variant" in r.stderr, r.stderr
 
 
 def test_an_interrupted_build_leaves_sources_and_cubins_in_step(tmp_path, tiny_variants_file, monkeypatch):
@@ -546,7 +546,7 @@ def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tm
                  "--tuned-for", tf, "--strict"], cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert f"{name}: refused by the planner" in r.stderr and "default plan used" in r.stderr
-    assert "--strict: exit 1 (1 flagged, 1 tuning warning(s), 1 tuning entry for no declared variant)" in r.stderr
+    assert "--strict: exit 1 (1 flagged, 1 tuning warning)" in r.stderr
     assert f"no declared variant named {name}x (entries unused)" in r.stderr
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", name,
                  "--tuned-for", tf], cwd=tmp_path)
