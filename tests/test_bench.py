@@ -929,3 +929,19 @@ def test_megakernel_bench_builds_the_tuned_plans(monkeypatch, tmp_path, extra, w
     assert r.exit_code == 3, (r.output, r.exception)
     want = gtune.default_tuning_file() if want == "default" else None
     assert seen["tuning_file"] == want and seen["variants_file"] == str(VARIANTS)
+
+
+def test_record_checked_starts_from_the_committed_routes_and_rows_show_the_recorded_path(tmp_path):
+    """gpu_check records into an empty $OUT seeded from routes/: a tie keeps the committed path there too, and the
+    rows' route becomes the path recorded (what the tables print and the runtime takes)."""
+    from generator import routes
+    seed, out, name = tmp_path / "routes", tmp_path / "out", "v_prefill_b4_s64_bf16"
+    routes.record(NAME_GPU, {name: {"fused_us": 343.8, "unfused_us": 344.3}, "other": {"fused_us": 1.0,
+                                                                                      "unfused_us": 2.0}}, seed)
+    rows = [{"variant": name, "pass": True, "us": 347.2, "unfused_us": 345.0, "route": "unfused"}]
+    path = routes.record_checked(NAME_GPU, rows, out, "2026-12-01", seed_dir=seed)
+    got = routes.read_routes(NAME_GPU, out)
+    assert path.parent == out and got[name]["path"] == "fused" and rows[0]["route"] == "fused"
+    assert set(got) == {name, "other"}  # the file to commit holds every route
+    (seed / "nvidia-h200.json").write_text('{"routes": {"x": null, "y": 5}}')  # malformed entries: ignored
+    assert routes.read_routes(NAME_GPU, seed) == {}
