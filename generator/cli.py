@@ -356,10 +356,11 @@ def from_hf_cmd(path, write_file, name):
 @click.option("--ids", "ids", multiple=True, help="prompt token ids, comma-separated (repeatable: one sequence each)")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="repeat the prompt(s) to this many sequences")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy")
+@click.option("--temperature", type=click.FloatRange(min=0, max=1e4), default=0.0, show_default=True,
+              help="0: greedy")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off")
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True)
 @click.option("--stop", "stops", default=None, help="stop token ids, comma-separated [the config's eos_token_id]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
@@ -430,15 +431,15 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         seqs = [tok(p)["input_ids"] for p in prompts]
     else:
         try:
-            seqs = [[int(t) for t in s.split(",") if t.strip()] for s in ids]
+            seqs = [[int(t) for t in s.split(",")] for s in ids]
         except ValueError:
-            fail(f"--ids: comma-separated integers, got {' '.join(ids)!r}")
+            fail(f"--ids: comma-separated integers (no empty item), got {' '.join(ids)!r}")
     if batch:
         seqs = [seqs[i % len(seqs)] for i in range(batch)]
     try:
-        stop_ids = None if stops is None else [int(t) for t in stops.split(",") if t.strip()]
+        stop_ids = None if stops is None else [int(t) for t in stops.split(",")]
     except ValueError:
-        fail(f"--stop: comma-separated integers, got {stops!r}")
+        fail(f"--stop: comma-separated integers (no empty item), got {stops!r}")
     chosen = list(variant_names) or None
     if dev.type == "cpu":  # the fused kernels run on CUDA only: the CPU serves the unfused layers
         if chosen:
@@ -452,9 +453,18 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                                         device=device, cache_len=cache_len, max_batch=len(seqs), group=group)
             model.use_graphs = model.use_graphs and not no_graph
 
+            streamed, shown = [], [""]  # one sequence: its text so far, printed as it grows
+
             def show(b, t):
                 if len(seqs) == 1:
-                    echo(tok.decode([t]) if tok else f"{t} ", nl=False)
+                    streamed.append(t)
+                    if tok is None:
+                        echo(f"{t} ", nl=False)
+                    else:  # the whole text decoded again: a token alone loses its leading space (SentencePiece)
+                        text = tok.decode(streamed)  # or is half of a character that spans tokens
+                        if not text.endswith("\ufffd") and text.startswith(shown[0]):
+                            echo(text[len(shown[0]):], nl=False)
+                            shown[0] = text
                     sys.stdout.flush()
             out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop_tokens=stop_ids, callback=show)

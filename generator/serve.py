@@ -19,6 +19,8 @@ so a seed gives the same tokens with or without graphs, at any padding, on any p
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import time
 import warnings
@@ -369,12 +371,15 @@ _COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", 
              "rope_scaling", "activation", "qkv_bias", "qk_norm")
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _num(v) -> bool:  # a finite real number (numpy's too)
+    return isinstance(v, (numbers.Real)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _int(v) -> bool:  # an integer (numpy's too), not a bool
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+SEED_MAX = 2 ** 62  # seeds in [0, SEED_MAX): seed + 7919 x sequence must fit int64
 
 
 def _same_shape(a: ModelShape, b: ModelShape) -> bool:
@@ -814,16 +819,16 @@ class Model:
             prompts = prompts.tolist()
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ServeError("prompts: a non-empty list of token-id lists (one per sequence)")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if all(_int(t) for t in prompts):
             prompts = [list(prompts)]  # one sequence given as a flat list
         out = []
         for i, p in enumerate(prompts):
             if not isinstance(p, (list, tuple)) or not p:
                 raise ServeError(f"prompts[{i}]: a non-empty list of token ids, got {p!r:.60}")
             for t in p:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab:
+                if not _int(t) or not 0 <= t < self.vocab:
                     raise ServeError(f"prompts[{i}]: token ids must be integers in [0, {self.vocab - 1}], got {t!r}")
-            out.append(list(p))
+            out.append([int(t) for t in p])  # numpy integers as Python ints
         if len(out) > self.max_batch:
             raise ServeError(f"prompts: {len(out)} sequences, but the caches hold max_batch = {self.max_batch} "
                              "(Model.from_hf(max_batch=...))")
@@ -839,18 +844,18 @@ class Model:
         B = len(prompts)
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
-        rules = (("temperature", temperature, "a number >= 0 (0: greedy)",
+        rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)",
                   _num(temperature) and temperature >= 0),
                  ("top_k", top_k, "an integer >= 0 (0: off)", _int(top_k) and top_k >= 0),
                  ("top_p", top_p, "a number in (0, 1] (1: off)", _num(top_p) and 0 < top_p <= 1),
-                 ("seed", seed, "an integer", _int(seed)))
+                 ("seed", seed, "an integer in [0, 2**62)", _int(seed) and 0 <= seed < SEED_MAX))
         for nm, val, rule, ok in rules:
             if not ok:
                 raise ServeError(f"{nm}: {rule}, got {val!r}")
         stops = set(self.eos if stop_tokens is None else stop_tokens)
         for t in stops:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ServeError(f"stop_tokens: integer token ids, got {t!r}")
+            if not _int(t) or not 0 <= t < self.vocab:
+                raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")
         sampled = temperature > 0
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)

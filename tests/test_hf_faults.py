@@ -316,3 +316,28 @@ def test_fp16_variant_of_a_bf16_model_warns(tmp_path, monkeypatch, saved, varian
         if warns:
             assert "\n" not in ours[0] and "65504" in ours[0] and v.name in ours[0]
             assert str(d / "config.json") in ours[0] and "dtype" in ours[0]
+
+
+def test_checkpoint_faults_a_user_makes_are_one_line_errors(tmp_path, monkeypatch):
+    """A config whose vocab_size disagrees with the embedding's rows (transformers refuses it), no GPU (the loader's
+    LoadError), an integer weight tensor (not castable: a quantized checkpoint), a config.json that is not text (the
+    safetensors file given as the config): each an error naming the file, before any tensor is read."""
+    model, d = make_tiny("qwen2-bias", tmp_path)
+    m = hf.model_from_hf(d, name="tiny")
+    v = gvariants.Variant(m, "decode", 2, 32)
+    fake_build(monkeypatch, v)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 7}))
+    with pytest.raises(hf.HFCheckpointError, match="has .* rows, but field 'vocab_size'"):
+        hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with monkeypatch.context() as mp:  # no GPU: the loader's own error, not torch's assertion
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(loader.LoadError, match="no CUDA device here"):
+            hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path)
+    _edit_single(d, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight",
+                                            t["model.layers.0.self_attn.q_proj.weight"].to(torch.int32)))
+    with pytest.raises(hf.HFCheckpointError, match="stored as I32: expected floating point"):
+        hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+    with pytest.raises(hf.HFConfigError, match="not a config.json \\(not UTF-8 text"):
+        hf.model_from_hf(d / "model.safetensors")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -359,6 +360,27 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
     r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --variant")
+    # bad values a user types: each one line, no traceback
+    base = ["generate", d, "--device", "cpu", "--max-new-tokens", "2"]
+    for extra, want in ((["--ids", "1,,2"], "--ids: comma-separated integers (no empty item)"),
+                        (["--ids", "1", "--stop", "5000"], "stop_tokens: integer token ids in [0,"),
+                        (["--ids", "1", "--temperature", "inf"], "--temperature"),
+                        (["--ids", "1", "--seed", str(2 ** 70)], "--seed")):
+        r = cli(base + extra, cwd=tmp_path)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
+
+
+def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
+    import numpy as np
+    _, d = tiny
+    model = cpu_model(d)
+    a = model.generate([[1, 2, 3]], 3).tokens
+    assert model.generate([list(np.array([1, 2, 3]))], 3).tokens == a
+    for kw, want in (({"seed": 2 ** 70, "temperature": 1.0}, "seed: an integer in [0, 2**62)"),
+                     ({"temperature": float("inf")}, "temperature: a finite number"),
+                     ({"stop_tokens": [10 ** 6]}, "stop_tokens: integer token ids in [0,")):
+        with pytest.raises(serve.ServeError, match=re.escape(want)):
+            model.generate([[1, 2, 3]], 3, **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------

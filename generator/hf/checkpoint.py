@@ -94,10 +94,15 @@ class _Checkpoint:
         return self.handle(self.where(tensor)).get_slice(tensor).get_dtype()
 
     def check(self, tensor: str, shape: tuple[int, ...]) -> None:
+        """HFCheckpointError unless `tensor` is stored as floats (BF16, F16, F32, F64: a quantized or integer tensor
+        is not a weight this loader can cast) with `shape`."""
         got = self.shape(tensor)
         if got != tuple(shape):
             raise HFCheckpointError(f"{self.where(tensor)}: tensor '{tensor}' has shape {got}, expected "
                                     f"{tuple(shape)} (from {self.cfg_path.name})")
+        if (dt := self.dtype(tensor)) not in ("BF16", "F16", "F32", "F64"):
+            raise HFCheckpointError(f"{self.where(tensor)}: tensor '{tensor}' is stored as {dt}: expected floating "
+                                    "point (BF16, F16 or F32; quantized checkpoints are not supported)")
 
     def get(self, tensor: str):
         """The tensor as stored (CPU, its own dtype)."""

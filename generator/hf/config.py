@@ -76,6 +76,9 @@ def read_config(path) -> tuple[Path, dict]:
                             "config.json itself)") from None
     except OSError as exc:
         raise HFConfigError(f"{cfg_path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise HFConfigError(f"{cfg_path}: not a config.json (not UTF-8 text; give a model directory holding "
+                            "config.json, or the config.json itself)") from None
     try:
         cfg = json.loads(text)
     except ValueError as exc:

@@ -76,9 +76,20 @@ def _variant_name(variant) -> str:
     return variant
 
 
+def _need_cuda(name: str, device) -> None:
+    """LoadError (as generator.load says it) before a tensor is moved to a device that cannot take it."""
+    import torch
+
+    from .. import loader
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise loader.LoadError(f"{name}: no CUDA device here (torch.cuda.is_available() is False): the fused layer "
+                               "runs on an NVIDIA GPU")
+
+
 def _load_layer(ck: _Checkpoint, layer_idx: int, name: str, v, build_dir, device):
     from .. import loader, reference
     names = ck.check_layer(layer_idx)  # every shape check: headers only, no tensor read, no CUDA
+    _need_cuda(name, device)
     dtype = reference.TORCH_DTYPES[v.model.dtype]
     weights = {short: ck.get(full).to(device=device, dtype=dtype) for short, full in names.items()}
     return loader.load(name, weights, build_dir=build_dir, device=device)
@@ -115,6 +126,10 @@ def _head_names(ck: _Checkpoint) -> dict:
     vocab = ck.shape(embed_name)[0] if embed_name in ck.files else ck.cfg.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
+    cfg_vocab = ck.cfg.get("vocab_size")
+    if isinstance(cfg_vocab, int) and not isinstance(cfg_vocab, bool) and cfg_vocab != vocab:
+        raise HFCheckpointError(f"{ck.where(embed_name)}: tensor '{embed_name}' has {vocab} rows, but field "
+                                f"'vocab_size' of {ck.cfg_path} is {cfg_vocab} (transformers refuses the mismatch)")
     ck.check(embed_name, (vocab, H))
     ck.check(norm_name, (H,))
     both = embed_name != head_name and head_name in ck.files
