@@ -367,10 +367,13 @@ def from_hf_cmd(path, write_file, name):
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
               "decode variant is used)")
 @click.option("--device", default="cuda", show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="weights and caches [the fused variants', else the config's bf16/fp16; fp32 only without fused "
+                   "variants, e.g. --device cpu]")
 @click.option("--no-graph", is_flag=True, help="run decode steps eagerly instead of replaying a CUDA graph")
 @build_dir_opt
 def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
-                 variant_names, cache_len, device, no_graph, build_dir):
+                 variant_names, cache_len, device, dtype, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
     prints the text (or token ids), tokens/s, time to first token and the path that served each layer. Under
     torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo with
@@ -406,7 +409,7 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
             echo = info = lambda *a, **k: None  # noqa: E731
     try:
         _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
-                  variant_names, cache_len, device, dev, no_graph, build_dir, group, echo, info)
+                  variant_names, cache_len, device, dev, no_graph, build_dir, group, echo, info, dtype)
     finally:
         if group is not None:
             import torch.distributed as dist
@@ -414,7 +417,7 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
 
 
 def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
-              cache_len, device, dev, no_graph, build_dir, group, echo, info):
+              cache_len, device, dev, no_graph, build_dir, group, echo, info, dtype=None):
     """generate_cmd's work once the device and any process group are set: echo prints tokens, info figures."""
     import warnings
 
@@ -449,8 +452,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
-            model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen,
-                                        device=device, cache_len=cache_len, max_batch=len(seqs), group=group)
+            import torch
+            torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+            model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen, device=device,
+                                        cache_len=cache_len, max_batch=len(seqs), group=group, dtype=torch_dtype)
             model.use_graphs = model.use_graphs and not no_graph
 
             streamed, shown = [], [""]  # one sequence: its text so far, printed as it grows

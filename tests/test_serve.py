@@ -360,6 +360,10 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
     r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --variant")
+    # fp32 on the CPU (an fp32 checkpoint as transformers runs it)
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "3", "--device", "cpu", "--dtype", "fp32"],
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
     # bad values a user types: each one line, no traceback
     base = ["generate", d, "--device", "cpu", "--max-new-tokens", "2"]
     for extra, want in ((["--ids", "1,,2"], "--ids: comma-separated integers (no empty item)"),
