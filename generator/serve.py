@@ -459,6 +459,7 @@ class Model:
         ck = _Checkpoint(path)
         layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # the whole checkpoint, before any load
         head = hfm._head_names(ck)
+        hfm.warn_unused(ck, layer_names, head)
         shape = ck.model
         dev = torch.device(device)
         # the variants

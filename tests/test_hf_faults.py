@@ -341,3 +341,24 @@ def test_checkpoint_faults_a_user_makes_are_one_line_errors(tmp_path, monkeypatc
         hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
     with pytest.raises(hf.HFConfigError, match="not a config.json \\(not UTF-8 text"):
         hf.model_from_hf(d / "model.safetensors")
+
+
+def test_tensors_the_config_does_not_use_are_warned(tmp_path, monkeypatch):
+    """A config with fewer layers than the checkpoint, or a tensor no layer or head uses: one warning line naming
+    them (transformers reports unexpected keys), and the model still loads."""
+    model, d = make_tiny("qwen2-bias", tmp_path)
+    _edit_single(d, lambda t: t.__setitem__("model.foo", torch.zeros(3)))
+    cfg = json.loads((d / "config.json").read_text())
+    fewer = {**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}
+    if "layer_types" in cfg:
+        fewer["layer_types"] = cfg["layer_types"][:-1]
+    (d / "config.json").write_text(json.dumps(fewer))
+    m = hf.model_from_hf(d, name="tiny")
+    v = gvariants.Variant(m, "decode", 2, 32)
+    fake_build(monkeypatch, v)
+    monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)
+    with pytest.warns(hf.HFUnusedTensorsWarning) as caught:
+        hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+    msg = str(caught[0].message)
+    last = cfg["num_hidden_layers"] - 1
+    assert "\n" not in msg and "model.foo" in msg and f"model.layers.{last}." in msg and "not read" in msg

@@ -14,6 +14,24 @@ class HFPrecisionWarning(UserWarning):
     """bf16/fp32 weights cast to an fp16 variant: fp16 overflows (inf) above 65,504, bf16 and fp32 do not."""
 
 
+class HFUnusedTensorsWarning(UserWarning):
+    """Tensors of the checkpoint that the config does not use (more layers than num_hidden_layers, a tensor no
+    supported architecture has): transformers reports them as unexpected keys; they are not read."""
+
+
+def warn_unused(ck: _Checkpoint, layer_names: list[dict], head: dict) -> None:
+    """HFUnusedTensorsWarning (one line, the first few names) for every tensor of `ck` that neither a layer
+    (layer_names: check_layer's {short: full} per layer) nor the head (_head_names) uses; rotary inv_freq buffers,
+    which older checkpoints saved and transformers ignores, excepted."""
+    used = {full for names in layer_names for full in names.values()} | {head["embed"], head["norm"], head["head"]}
+    extra = sorted(t for t in ck.files if t not in used and not t.endswith("rotary_emb.inv_freq"))
+    if extra:
+        warnings.warn(HFUnusedTensorsWarning(
+            f"{ck.index_path}: {len(extra)} tensor(s) not used by {ck.cfg_path.name} ({', '.join(extra[:4])}"
+            f"{', ...' if len(extra) > 4 else ''}): not read (transformers reports them as unexpected)"),
+            stacklevel=3)
+
+
 def _built_variant(name: str, build_dir):
     """The Variant recorded in the build directory's manifest (LoadError naming the build command otherwise)."""
     from .. import loader
@@ -197,9 +215,9 @@ class FusedModel:
 
         from .. import reference
         ck = _Checkpoint(path)
-        for i in range(ck.model.layers):  # every tensor checked before anything is read
-            ck.check_layer(i)
+        layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # every tensor checked before any read
         head = _head_names(ck)
+        warn_unused(ck, layer_names, head)
         name = _variant_name(variant)
         v = _built_variant(name, build_dir)
         _check_variant(ck, v, list(range(ck.model.layers)))
