@@ -476,6 +476,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
         fail(str(exc))
     if len(seqs) == 1:
+        if tok is not None and (final := tok.decode(streamed)).startswith(shown[0]):
+            echo(final[len(shown[0]):], nl=False)  # what a partial character held back
         echo()  # ends the streamed line
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
