@@ -854,8 +854,8 @@ class Model:
             if not ok:
                 raise ServeError(f"{nm}: {rule}, got {val!r}")
         stops = set(self.eos if stop_tokens is None else stop_tokens)
-        for t in stops:
-            if not _int(t) or not 0 <= t < self.vocab:
+        for t in stops:  # the config's eos ids as given (one past the vocabulary is never produced: harmless)
+            if not _int(t) or (stop_tokens is not None and not 0 <= t < self.vocab):
                 raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")
         sampled = temperature > 0
         t0 = time.perf_counter()  # the time to first token counts the planning too
