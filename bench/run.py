@@ -312,8 +312,11 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
             if r["status"] in ("error", "failed-check"):
                 log(f"  {r['provider']}: {r['status']}: {r['error']}")
 
+    routes_path = None
     if prefill:
         bench_prefill(prefill, built, build_dir, seed, doc, out_dir, stem, budget, log)
+        from generator import routes
+        routes_path = routes.record_checked(gpu, doc["prefill"], routes_dir, date)  # rows' route: the path recorded
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     doc["complete"] = True
     jpath, cpath = write_results(doc, out_dir, stem)
@@ -329,14 +332,12 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     if doc["rows"]:
         print_table(doc)
     if prefill:
-        from generator import routes
-        path = routes.record_checked(gpu, doc["prefill"], routes_dir, date)  # rows' route: the path recorded
-        write_results(doc, out_dir, stem)
         print_prefill(doc["prefill"])
-        if path:
-            log(f"routes: {sum('us' in r for r in doc['prefill'])} prefill variants recorded in {path} (the runtime "
-                f"follows them; a variant that failed its check routes unfused; a route flips only beyond "
-                f"{routes.ROUTE_MARGIN:.0%})")
+        if routes_path:
+            from generator.routes import ROUTE_MARGIN
+            log(f"routes: {sum('us' in r for r in doc['prefill'])} prefill variants recorded in {routes_path} (the "
+                "runtime follows them; a variant that failed its check routes unfused; a route flips only beyond "
+                f"{ROUTE_MARGIN:.0%})")
     if any(r["provider"] == "fused" and r["status"] == "failed-check" for r in doc["rows"]) or \
             any("us" in r and not r["pass"] for r in doc.get("prefill", [])):
         sys.exit(1)  # a fused kernel computed a wrong layer: the tables say which

@@ -240,6 +240,9 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     warnings: list[str] = []
     # (variant, source): written with the manifest, so an interrupted build leaves each kernel.cu matching its cubin
     rendered: list[tuple[str, str]] = []
+    # a file that is no tuning file warns once for the build and flags no variant (none had an entry to use)
+    file_broken = tuning_file is not None and Path(tuning_file).exists() and \
+        gtune.tuning_problem(Path(tuning_file)) is not None
     for v in variants:
         entry = {"name": v.name, "params": v.params(), "status": "ok", "arch": target.sm,
                  "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile,
@@ -255,7 +258,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             if warn:
                 if warn not in warnings:  # a broken file says the same for every variant: once
                     warnings.append(warn)
-                if f": {v.name}: " in warn:  # this variant's entry was not used (not a file-wide problem)
+                if not file_broken:  # this variant's entry was not used
                     entry["tuning_warning"] = warn  # the report flags it after the build's output has scrolled away
         try:
             p = plan(v, target.sm, overrides=ov)

@@ -40,12 +40,13 @@ def read_routes(gpu: str, routes_dir: Path | None = None) -> dict:
 ROUTE_MARGIN = 0.02
 
 
-def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "") -> Path:
+def record(gpu: str, rows: dict, routes_dir: Path | None = None, date: str = "", prior: dict | None = None) -> Path:
     """Merge {variant: {"fused_us", "unfused_us"}} (µs per layer; fused None: the fused kernel failed its check)
     into the GPU's routes file; path = the faster one, except that a variant already recorded keeps its path while
-    the two are within ROUTE_MARGIN of each other (a tie must not flip the route from run to run)."""
+    the two are within ROUTE_MARGIN of each other (a tie must not flip the route from run to run). prior: the
+    routes so far (read_routes' form) where not the file's own."""
     path = routes_file(gpu, routes_dir)
-    doc = {"gpu": gpu, "date": date, "routes": read_routes(gpu, routes_dir)}
+    doc = {"gpu": gpu, "date": date, "routes": dict(prior) if prior is not None else read_routes(gpu, routes_dir)}
     for name, r in rows.items():
         fused, unfused = r.get("fused_us"), r.get("unfused_us")
         best = "fused" if fused is not None and (unfused is None or fused <= unfused) else "unfused"
@@ -72,11 +73,8 @@ def record_checked(gpu: str, rows: list[dict], routes_dir: Path | None = None, d
              for r in rows if "us" in r}
     if not timed:
         return None
-    target = routes_file(gpu, routes_dir)
-    if seed_dir is not None and not target.exists() and (seeded := read_routes(gpu, seed_dir)):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({"gpu": gpu, "date": date, "routes": seeded}, indent=1, sort_keys=True))
-    path = record(gpu, timed, routes_dir, date)
+    fresh = seed_dir is not None and not routes_file(gpu, routes_dir).exists()
+    path = record(gpu, timed, routes_dir, date, prior=read_routes(gpu, seed_dir) if fresh else None)
     now = read_routes(gpu, routes_dir)
     for r in rows:
         if "us" in r:
