@@ -83,10 +83,9 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float* my_red = red + group * 2 * NWG * 16 * BATCH;
     static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
-    auto tile_of = [](int task) { return (task % TILES + TILE0) % TILES; };  // tasks from TILE0 on, wrapping
     // one step of a task: this warp's U weight loads from k-tile k0 (all in flight before any use)
     auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
-        const int tile = tile_of(task), ks = task / TILES;
+        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -180,7 +179,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     if (PF && group * gridDim.x + blockIdx.x < TASKS) load_step(group * gridDim.x + blockIdx.x, warp, pf);
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
-        const int tile = tile_of(task), ks = task / TILES;
+        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const bool active = task < TASKS;
         float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
         if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1);
