@@ -136,7 +136,7 @@ def pick(rows: list[dict]) -> dict:
 @click.option("--shard", default="0/1", show_default=True, help="I/N: tune every N-th variant from the I-th "
               "(one process per GPU; they merge into one file under a lock)")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
-@click.option("--limit", type=click.IntRange(min=1), default=24, show_default=True,
+@click.option("--limit", type=click.IntRange(min=1), default=28, show_default=True,
               help="candidates per variant, the default plan included")
 @click.option("--no-combine", is_flag=True, help="skip the second round (the union of the stages' winners)")
 @click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True, help="timed replays per round")

@@ -105,23 +105,56 @@ def gemv_balance_split(n: int, k: int, sms: int) -> int:
     k-tiles a task whose balance is highest, where it beats the unsplit plan's by >= 0.05; else 1. A tuner
     candidate (generator.tune)."""
     ktiles = k // 16
-    best, split = plan_gemv(n, k, sms)["balance"] + 0.05, 1
+    # balance of whole-block (16-warp) groups: fewest_rounds' smaller groups fill one round by other means
+    best, split = plan_gemv(n, k, sms, rebalance=False)["balance"] + 0.05, 1
     for s in range(2, 9):
-        if ktiles % s == 0 and ktiles // s >= 16 and (b := plan_gemv(n, k, sms, s)["balance"]) >= best:
+        if (ktiles % s == 0 and ktiles // s >= 16
+                and (b := plan_gemv(n, k, sms, s, rebalance=False)["balance"]) >= best):
             best, split = b + 1e-9, s
     return split
 
 
-def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8) -> dict:
+REBALANCE_BELOW = 0.9  # a plan whose rounds are filled less than this is re-planned with smaller groups
+MIN_WARPS = THREADS // 32 * 64  # warps that must stream weights at once for the loads in flight (64 SMs' worth)
+
+
+def fewest_rounds(tasks: int, nwg: int, sms: int) -> int:
+    """Warps per task for `tasks` GEMV tasks planned with `nwg` warps each: where the last round of tasks leaves
+    many groups idle (filled < REBALANCE_BELOW: 320 tiles on 132 SMs of 16-warp groups run 3 rounds, the last with
+    56 busy SMs), the largest smaller power of two that needs the fewest rounds, provided >= MIN_WARPS warps still
+    stream weights at once; else `nwg`. Each round ends in a block barrier and the next one's loads start cold, and
+    a thin last round has too few loads in flight for the bandwidth: measured on the H200 (bench/NOTES.md session
+    13) hidden 5120 batch 16, o_proj and down_proj (320 tiles) 16 -> 4 warps: +4.7 % and +5.1 % of the layer;
+    hidden 2560 down_proj (160 tiles) and hidden 3072 o/down (192) 16 -> 8: +1.5 to +3 %; plans filled >= 0.94
+    (256, 1024, 1792 tiles) lost 1 to 7 % with smaller groups."""
+    per_sm = THREADS // 32
+
+    def rounds(n: int) -> int:
+        return math.ceil(tasks / (sms * (per_sm // n)))
+
+    if tasks / (rounds(nwg) * sms * (per_sm // nwg)) >= REBALANCE_BELOW:
+        return nwg
+    best, n = nwg, nwg // 2
+    while n >= 1:
+        if min(tasks, sms * (per_sm // n)) * n >= MIN_WARPS and rounds(n) < rounds(best):
+            best = n
+        n //= 2
+    return best
+
+
+def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True) -> dict:
     """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
     a step per warp U (<= umax) for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),
-    balanced for `sms` blocks of THREADS threads."""
+    balanced for `sms` blocks of THREADS threads; `rebalance`: smaller groups where that saves rounds
+    (fewest_rounds)."""
     ktiles, tiles = k // 16, n // 16
     ktiles //= ksplit
+    tasks = tiles * ksplit
     # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))
+    if rebalance:
+        nwg = fewest_rounds(tasks, nwg, sms)
     groups = sms * (THREADS // 32 // nwg)
-    tasks = tiles * ksplit
     # 16-byte weight loads in flight per lane (registers): at most umax, in equal steps over the warp's k-tiles (a
     # partial last step holds registers for loads it predicates off)
     per_warp = math.ceil(ktiles / nwg)

@@ -155,7 +155,7 @@ def _half(n: int) -> int:
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD")  # on/off knobs: 0 is a setting, not a size
 
 
-def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 24) -> list[dict]:
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 

@@ -106,7 +106,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
                             f"{key}")
         # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
-        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8)
+        # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
+        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1)
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
