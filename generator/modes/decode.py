@@ -92,7 +92,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
-    norm_fold = ov.get("NORM_FOLD", 0)
+    # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki): measured on the H200
+    # (bench/NOTES.md session 13) +0.4 to +5.5 % on 13 of 14 such shapes, -0.4 % on one; at batch 4, batch 32
+    # and hidden 5120 x 16 rows it lost 1.8-3.2 %. Not with q/k norm (Qwen3-1.7B spills 8 B with it)
+    norm_fold = ov.get("NORM_FOLD", int(m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm
+                                        and 8 <= v.batch <= 16 and v.batch * m.hidden <= 65536))
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
         raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
                         f"{m.dtype}; LayerNorm's mean and fp16's range need the scaled rows)")
