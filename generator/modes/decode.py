@@ -152,11 +152,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # gate_up's norm reads h rounded to T (written by o_proj: half the bytes, copied without registers) where h is
     # whole on this GPU (tp = 1) and T has fp32's range (bf16: no overflow to count)
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
-    red_bytes = 2 * nw * 16 * v.batch * 4       # per warp: a 16 x batch tile, double-buffered
-    red_bytes = max(red_bytes, nw * 2 * v.batch * 4)  # the norm's scratch shares the region
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
-    smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
-    gemv_bytes = smem["SMEM_RED"] + red_bytes
+
+    def rows_and_red(batch: int) -> tuple[int, int]:  # the normalised rows, then the reduction tiles
+        red = 2 * nw * 16 * batch * 4                  # per warp: a 16 x batch tile, double-buffered
+        return align(batch * xs_ld * esize), max(red, nw * 2 * batch * 4)  # the norm's scratch shares the region
+
+    smem = {"SMEM_XS": 0, "SMEM_RED": rows_and_red(v.batch)[0]}
+    gemv_bytes = sum(rows_and_red(v.batch))
+    # the largest batch whose rows fit (unfolded), for the refusal's advice
+    fits = max((b for b in range(1, v.batch + 1) if sum(rows_and_red(b)) <= arch.smem_per_block), default=0)
     # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection
     smem["SMEM_GS"] = align(gemv_bytes) if norm_fold else 0
     smem["SMEM_RS"] = smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold else 0
@@ -173,7 +178,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
-        "norm+projection": (gemv_bytes, "the normalised input rows take batch x hidden x 2 B: lower batch or hidden"),
+        "norm+projection": (gemv_bytes, f"the normalised input rows take batch x hidden x {esize} B: at hidden "
+                                        f"{m.hidden} a batch of at most {fits} fits (declare batches up to it)" if fits
+                                        else "lower hidden"),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
