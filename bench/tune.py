@@ -186,7 +186,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         def compile_all(pairs):
             t = time.time()
             res = gcompile.build([c for c, _ in pairs], bdir, jobs=jobs, arch=arch,
-                                 overrides={c.name: ov for c, ov in pairs})
+                                 overrides={c.name: ov for c, ov in pairs}, replan_spills=False)
             bad = {e["name"]: e.get("error", e["status"]).splitlines()[0] for e in res["entries"]
                    if e["status"] != "ok"}
             for e in res["entries"]:  # a plan that spills is not one to record (the report would flag it)

@@ -208,9 +208,13 @@ def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
     return removed
 
 
+REPLAN_TRIES = 12  # candidates compiled for a default plan that spills (a spill in the templates: ~5 s each here)
+
+
 def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
           arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None,
-          tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None) -> dict:
+          tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None,
+          replan_spills: bool = True) -> dict:
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
@@ -223,8 +227,11 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     stale entry falls back to the default plan with a warning (result["warnings"]). `overrides` {name: {knob: int}}:
     plan overrides given directly (the tuner's candidates; a bad one refuses that variant). Each entry records
     "plan_source" ("default", "tuned (<file>)" or "override") and, where a tuning file was consulted, what it held
-    for the variant ("tuning"), so a later change of that entry makes the build stale. Raises TargetError for an
-    architecture the kernel cannot target.
+    for the variant ("tuning"), so a later change of that entry makes the build stale. `replan_spills`: a variant
+    whose default plan compiles with register spills is built with the first of the tuner's first REPLAN_TRIES
+    candidates (generator.tune.candidates) that compiles without, warned, with plan_source "default (re-planned)"
+    and the entry's "replanned" {"overrides", "default_spills"}; where none does, as planned, warned (the tuner
+    passes False: it measures plans as given). Raises TargetError for an architecture the kernel cannot target.
     """
     from . import tune as gtune
     build_dir = Path(build_dir)
@@ -243,6 +250,15 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     # a file that is no tuning file warns once for the build and flags no variant (none had an entry to use)
     file_broken = tuning_file is not None and Path(tuning_file).exists() and \
         gtune.tuning_problem(Path(tuning_file)) is not None
+    def attach(v: Variant, entry: dict, p: dict, src: str | None = None) -> str:
+        """The entry's plan and source (rendered here unless given); returns their object's key."""
+        src = src if src is not None else render(v, p)
+        key = cache_key(src, arch)
+        sources[key] = src
+        entry.update(key=key, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(),
+                     source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin", object=f"objects/{key}")
+        return key
+
     for v in variants:
         entry = {"name": v.name, "params": v.params(), "status": "ok", "arch": target.sm,
                  "identity": identity(v.params(), target.sm), "sources_sha256": digest, "variants_file": vfile,
@@ -265,13 +281,9 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         except PlanError as exc:
             entry.update(status="refused", error=str(exc))
             continue
-        src = render(v, p)
-        key = cache_key(src, arch)
-        rendered.append((v.name, src))
-        entry.update(key=key, plan=p, source_sha256=hashlib.sha256(src.encode()).hexdigest(),
-                     source=f"{v.name}/kernel.cu", cubin=f"{v.name}/kernel.cubin", object=f"objects/{key}")
+        key = attach(v, entry, p)
+        rendered.append((v.name, sources[key]))
         by_key.setdefault(key, []).append((v, entry))
-        sources[key] = src
 
     def one(key):
         obj = build_dir / "objects" / key
@@ -289,6 +301,53 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 meta = _compile_object(sources[key], arch, obj)
         return key, meta, cached
 
+    def replan_spilled(v: Variant, entry: dict) -> None:
+        """A default plan that spills: the first of the tuner's first REPLAN_TRIES candidates that compiles without
+        spills (one at a time: the first few usually do), in its place."""
+        r = entry.get("resources")
+        if entry["status"] != "ok" or entry["plan_source"] != "default" or not r or \
+                not (r["spill_stores"] or r["spill_loads"]):
+            return
+        spilled = f"{r['spill_stores']} B of spill stores, {r['spill_loads']} B of loads"
+        for ov in gtune.candidates(v, target.sm)[1:REPLAN_TRIES + 1]:
+            p = plan(v, target.sm, overrides=ov)  # the candidates are plans the planner accepts
+            src = render(v, p)
+            key = cache_key(src, arch)
+            sources[key] = src
+            try:
+                _, meta, cached = one(key)
+            except CompileError:
+                continue
+            if meta["spill_stores"] or meta["spill_loads"]:
+                continue
+            links.remove((entry["key"], v.name))
+            rendered.remove((v.name, sources[entry["key"]]))
+            attach(v, entry, p, src)
+            rendered.append((v.name, sources[key]))
+            links.append((key, v.name))
+            entry.update(resources=resources(p, meta, cached), plan_source="default (re-planned)",
+                         replanned={"overrides": ov, "default_spills": [r["spill_stores"], r["spill_loads"]]})
+            warnings.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides "
+                            f"{ov}, which compile without spills (untimed: `megakernel tune` on a GPU measures)")
+            return
+        warnings.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
+                        f"{REPLAN_TRIES} candidates compiles without: built as planned")
+
+    def resources(p: dict, meta: dict, cached: bool) -> dict:
+        smem = p["smem_bytes"]
+        return {
+            **{k: meta[k] for k in ("cubin_bytes", "ptx_bytes", "registers", "stack_frame", "spill_stores",
+                                    "spill_loads", "static_smem", "compile_s")},
+            "dynamic_smem": smem,
+            "smem_total": smem + meta["static_smem"],
+            "smem_limit": target.smem_per_block,
+            "smem_pct": round(100 * (smem + meta["static_smem"]) / target.smem_per_block, 1),
+            "blocks_per_sm": blocks_per_sm(meta["registers"], p["threads"], smem + meta["static_smem"], target.sm),
+            "cached": cached,
+            "sass": meta.get("sass"),
+            "wgmma_serialized": meta.get("wgmma_serialized", 0),
+        }
+
     pool = ThreadPoolExecutor(max_workers=jobs)
     links: list[tuple[str, str]] = []  # (object key, variant): cubins linked with the manifest's write, not before
     try:
@@ -305,26 +364,16 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 continue
             for v, entry in by_key[key]:
                 links.append((key, v.name))
-                smem = entry["plan"]["smem_bytes"]
-                entry["resources"] = {
-                    **{k: meta[k] for k in ("cubin_bytes", "ptx_bytes", "registers", "stack_frame", "spill_stores",
-                                            "spill_loads", "static_smem", "compile_s")},
-                    "dynamic_smem": smem,
-                    "smem_total": smem + meta["static_smem"],
-                    "smem_limit": target.smem_per_block,
-                    "smem_pct": round(100 * (smem + meta["static_smem"]) / target.smem_per_block, 1),
-                    "blocks_per_sm": blocks_per_sm(meta["registers"], entry["plan"]["threads"],
-                                                   smem + meta["static_smem"], target.sm),
-                    "cached": cached,
-                    "sass": meta.get("sass"),
-                    "wgmma_serialized": meta.get("wgmma_serialized", 0),
-                }
+                entry["resources"] = resources(entry["plan"], meta, cached)
             if progress:
                 progress(len(by_key[key]), ok=True)
     except BaseException:  # Ctrl-C, a compiler interrupted, or a fault here: no queued compile starts, nothing written
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    if replan_spills:
+        for v in variants:
+            replan_spilled(v, entries[v.name])
 
     with locked(build_dir):
         for name, src in rendered:

@@ -121,25 +121,22 @@ MIN_WARPS = THREADS // 32 * 64  # warps that must stream weights at once for the
 def fewest_rounds(tasks: int, nwg: int, sms: int) -> int:
     """Warps per task for `tasks` GEMV tasks planned with `nwg` warps each: where the last round of tasks leaves
     many groups idle (filled < REBALANCE_BELOW: 320 tiles on 132 SMs of 16-warp groups run 3 rounds, the last with
-    56 busy SMs), the largest smaller power of two that needs the fewest rounds, provided >= MIN_WARPS warps still
-    stream weights at once; else `nwg`. Each round ends in a block barrier and the next one's loads start cold, and
-    a thin last round has too few loads in flight for the bandwidth: measured on the H200 (bench/NOTES.md session
-    13) hidden 5120 batch 16, o_proj and down_proj (320 tiles) 16 -> 4 warps: +4.7 % and +5.1 % of the layer;
-    hidden 2560 down_proj (160 tiles) and hidden 3072 o/down (192) 16 -> 8: +1.5 to +3 %; plans filled >= 0.94
-    (256, 1024, 1792 tiles) lost 1 to 7 % with smaller groups."""
+    56 busy SMs), the largest smaller power of two, >= 2, whose groups take every task in one round with >= MIN_WARPS
+    warps streaming weights; else `nwg`. Each round ends in a block barrier and the next one's loads start cold, and
+    a thin last round has too few loads in flight for the bandwidth. Measured on the H200 (bench/NOTES.md session
+    13): hidden 5120 batch 16, o_proj and down_proj (320 tiles) 16 -> 4 warps in one round: +4.7 % and +5.1 % of the
+    layer; hidden 2560 down_proj (160 tiles) and hidden 3072 o/down (192) 16 -> 8: +1.5 to +3 %; plans filled >= 0.94
+    (128, 256, 1024, 1792 tiles) lost 1 to 7 % with smaller groups, and 1-2-warp groups on gate_up (1376-1728 tiles,
+    filled 0.935-0.948) up to 4 %: one round, and never single warps, is what was measured to win."""
     per_sm = THREADS // 32
-
-    def rounds(n: int) -> int:
-        return math.ceil(tasks / (sms * (per_sm // n)))
-
-    if tasks / (rounds(nwg) * sms * (per_sm // nwg)) >= REBALANCE_BELOW:
+    if tasks / (math.ceil(tasks / (sms * (per_sm // nwg))) * sms * (per_sm // nwg)) >= REBALANCE_BELOW:
         return nwg
-    best, n = nwg, nwg // 2
-    while n >= 1:
-        if min(tasks, sms * (per_sm // n)) * n >= MIN_WARPS and rounds(n) < rounds(best):
-            best = n
+    n = nwg // 2
+    while n >= 2:
+        if tasks <= sms * (per_sm // n):  # one round; the largest such group is the first found
+            return n if tasks * n >= MIN_WARPS else nwg
         n //= 2
-    return best
+    return nwg
 
 
 def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True) -> dict:

@@ -57,8 +57,8 @@ def flags(entry: dict) -> list[str]:
 
 
 def plan_fields(entry: dict) -> dict:
-    """"plan": which plan the build used ("default", "tuned (<file>)", "override"; entries of older builds:
-    "default"); "tuned_gain": default_us / tuned_us the tuner measured for it (None where not known)."""
+    """"plan": which plan the build used ("default", "default (re-planned)": the default spilled, a spill-free
+    tuner candidate was built, "tuned (<file>)", "override"; entries of older builds: "default"); "tuned_gain": default_us / tuned_us the tuner measured for it (None where not known)."""
     src = entry.get("plan_source") or "default"
     fig = entry.get("tuned_figures") or {}
     gain = None

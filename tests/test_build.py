@@ -22,7 +22,7 @@ import pytest
 
 from generator.targets import ARCHS
 
-from generator import compile as gcompile, render as grender, variants as gvariants
+from generator import compile as gcompile, render as grender, tune as gtune, variants as gvariants
 SM90_SMEM = ARCHS["90"].smem_per_block
 
 from conftest import ROOT, TINY_NAMES, cli_env, run_cli, sha256
@@ -510,3 +510,40 @@ def test_pdl_launch_structs_match_cuda_h():
         text = cuda_h.read_text(errors="replace")
         assert re.search(r"CU_LAUNCH_ATTRIBUTE_COOPERATIVE\s*=\s*2\b", text)
         assert re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*6\b", text)
+
+
+def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, tiny_variants_file, monkeypatch):
+    """build(replan_spills=True): a default plan whose compile spills is replaced by the first tuner candidate
+    that compiles without (warned, plan_source "default (re-planned)", its source and cubin in the build dir);
+    the tuner's builds (replan_spills=False) keep the plan as given; where every tried candidate spills, the
+    default stays, warned. Spills are simulated: X_FRAG 1 (the tiny variants' default) "spills"."""
+    real = gcompile._compile_object
+
+    def spilly(source, arch, obj):
+        meta = real(source, arch, obj)
+        if "constexpr int X_FRAG = 1;" in source:
+            meta = {**meta, "spill_stores": 8, "spill_loads": 8}
+        return meta
+
+    monkeypatch.setattr(gcompile, "_compile_object", spilly)
+    v = next(v for v in gvariants.load(tiny_variants_file) if v.name == TINY_NAMES[0])
+    assert grender.plan(v)["consts"]["X_FRAG"] == 1
+    r = gcompile.build([v], tmp_path / "a", jobs=2, variants_file=tiny_variants_file)
+    e = r["entries"][0]
+    assert e["plan_source"] == "default (re-planned)" and e["replanned"]["overrides"].get("X_FRAG") == 0
+    assert e["replanned"]["default_spills"] == [8, 8] and e["resources"]["spill_stores"] == 0
+    assert e["plan"]["consts"]["X_FRAG"] == 0
+    assert any(v.name in w and "compile without spills" in w for w in r["warnings"])
+    built = json.loads((tmp_path / "a" / "manifest.json").read_text())["variants"][v.name]
+    assert built["plan_source"] == "default (re-planned)" and built["key"] == e["key"]
+    assert "constexpr int X_FRAG = 0;" in (tmp_path / "a" / v.name / "kernel.cu").read_text()
+    assert (tmp_path / "a" / v.name / "kernel.cubin").read_bytes() == \
+        (tmp_path / "a" / "objects" / e["key"] / "kernel.cubin").read_bytes()
+    r = gcompile.build([v], tmp_path / "b", jobs=2, replan_spills=False)
+    assert r["entries"][0]["plan_source"] == "default" and r["entries"][0]["resources"]["spill_stores"] == 8
+    monkeypatch.setattr(gcompile, "REPLAN_TRIES", 2)
+    monkeypatch.setattr(gtune, "candidates", lambda v, arch="90", limit=28: [{}, {"ATT_STAGES": 3}, {"GEMV_PF": 1}, {"X_FRAG": 0}])
+    r = gcompile.build([v], tmp_path / "c", jobs=2)
+    assert r["entries"][0]["plan_source"] == "default", r["entries"][0].get("replanned")
+    assert r["entries"][0]["resources"]["spill_stores"] == 8
+    assert any("none of the tuner's first 2 candidates" in w for w in r["warnings"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -482,7 +483,8 @@ models:
         plan(tp, "90", overrides={"NORM_FOLD": 1})
     # the gain and 1/rms after the GEMV's partial sums, inside the block's budget
     v = next(v for v in declared() if v.name == "llama3-8b_decode_b8_s4096_bf16")
-    off, on = plan(v, "90"), plan(v, "90", overrides={"NORM_FOLD": 1})
+    off, on = plan(v, "90", overrides={"NORM_FOLD": 0}), plan(v, "90", overrides={"NORM_FOLD": 1})
+    assert off["consts"]["NORM_FOLD"] == 0 and off["consts"]["SMEM_GS"] == 0
     c = on["consts"]
     assert c["SMEM_GS"] >= c["SMEM_RED"] + 2 * 16 * 16 * v.batch * 4 and c["SMEM_RS"] >= c["SMEM_GS"] + 4096 * 2
     assert on["smem_bytes"] >= max(off["smem_bytes"], c["SMEM_RS"] + v.batch * 4)
@@ -669,6 +671,8 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
         assert fewest_rounds(tiles, 16, 132) == 16, tiles
     assert fewest_rounds(608, 8, 132) == 2  # Qwen2.5-0.5B gate_up: 3 rounds of 8-warp groups -> one of 2-warp
     assert fewest_rounds(40, 16, 132) == 16 and 40 * 8 < MIN_WARPS  # too few warps in flight: unchanged
+    assert fewest_rounds(1060, 16, 132) == 16  # one round only with single warps (never measured to win): unchanged
+    assert fewest_rounds(576, 16, 132) == 2  # 576 tasks (5 rounds filled 0.87) of 2 warps: one round
     p = plan_gemv(5120, 13824, 132)
     assert (p["NWG"], p["U"]) == (4, 8)  # 216 k-tiles a warp in steps of 8
     assert plan_gemv(5120, 13824, 132, rebalance=False)["NWG"] == 16
@@ -677,3 +681,44 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
     assert (c["QKV_NWG"], c["O_NWG"], c["GU_NWG"], c["DOWN_NWG"]) == (4, 4, 16, 4)
     tp = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp > 1 and v.mode == "decode")
     assert render.plan(tp)["consts"]["QKV_NWG"] == 16  # the 70B shard's qkv: 320 tiles, 4-warp groups on one GPU
+
+
+def _layer(hidden, batch, norm="rmsnorm", dtype="bf16", qk_norm="false", tp=1):
+    return gvariants.parse(f"""
+matrix: {{mode: [decode], batch: [{batch}], seq_len: [1024], tp: [{tp}]}}
+models:
+  m: {{hidden: {hidden}, heads: {hidden // 128}, kv_heads: {max(1, hidden // 512)}, head_dim: 128, intermediate: 4096,
+      layers: 2, norm: {norm}, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false,
+      qk_norm: {qk_norm}, dtype: {dtype}}}
+""", "x.yaml")[0]
+
+
+def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
+    """NORM_FOLD's default (bench/NOTES.md session 13): on at batch 8-16 with batch x hidden <= 64 Ki (RMSNorm, bf16,
+    one GPU, no q/k norm); off at batch 4 and 32, hidden 5120 x 16 rows, q/k norm, LayerNorm, fp16, tensor
+    parallel; and never turned on where its extra shared memory would not fit (sm_80 / sm_86 plan as without it)."""
+    from generator.render import plan
+    fold = lambda v, arch="90": plan(v, arch)["consts"]["NORM_FOLD"]  # noqa: E731
+    assert fold(_layer(4096, 8)) == 1 and fold(_layer(2048, 16)) == 1 and fold(_layer(4096, 16)) == 1
+    for v in (_layer(4096, 4), _layer(2048, 32), _layer(5120, 16), _layer(4096, 8, qk_norm="true"),
+              _layer(4096, 8, norm="layernorm"), _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2)):
+        assert fold(v) == 0, v.name
+    for arch, v in (("80", _layer(4096, 16)), ("86", _layer(2048, 16)), ("86", _layer(3072, 12))):
+        p = plan(v, arch)  # planned (the unfolded rows fit), unfolded
+        assert p["consts"]["NORM_FOLD"] == 0, (arch, v.name)
+        with pytest.raises(PlanError, match="NORM_FOLD=1 keeps the gain"):
+            plan(v, arch, overrides={"NORM_FOLD": 1})
+
+
+@pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])
+@pytest.mark.parametrize("arch", ["90", "86"])
+def test_shared_memory_refusal_names_the_largest_batch_that_plans(hidden, arch):
+    """The norm + projection stage's refusal names the largest batch that fits, as that batch would be planned
+    (NORM_FOLD's default included): that batch plans, the next is refused."""
+    from generator.render import plan
+    with pytest.raises(PlanError) as info:
+        plan(_layer(hidden, 200), arch)
+    n = int(re.search(r"a batch of at most (\d+) fits", str(info.value)).group(1))
+    plan(_layer(hidden, n), arch)
+    with pytest.raises(PlanError, match="norm\\+projection"):
+        plan(_layer(hidden, n + 1), arch)

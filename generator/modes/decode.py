@@ -92,11 +92,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
-    # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki): measured on the H200
-    # (bench/NOTES.md session 13) +0.4 to +5.5 % on 13 of 14 such shapes, -0.4 % on one; at batch 4, batch 32
-    # and hidden 5120 x 16 rows it lost 1.8-3.2 %. Not with q/k norm (Qwen3-1.7B spills 8 B with it)
-    norm_fold = ov.get("NORM_FOLD", int(m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm
-                                        and 8 <= v.batch <= 16 and v.batch * m.hidden <= 65536))
+    norm_fold = ov.get("NORM_FOLD", 0)  # explicit here; the default is decided with the shared memory, below
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
         raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
                         f"{m.dtype}; LayerNorm's mean and fp16's range need the scaled rows)")
@@ -154,18 +150,36 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
 
-    def rows_and_red(batch: int) -> tuple[int, int]:  # the normalised rows, then the reduction tiles
-        red = 2 * nw * 16 * batch * 4                  # per warp: a 16 x batch tile, double-buffered
-        return align(batch * xs_ld * esize), max(red, nw * 2 * batch * 4)  # the norm's scratch shares the region
+    def gemv_need(batch: int, fold: int) -> int:  # the norm + projection stage's bytes: rows, reduction tiles[, fold]
+        red = max(2 * nw * 16 * batch * 4, nw * 2 * batch * 4)  # per warp a 16 x batch tile, double-buffered;
+        need = align(batch * xs_ld * esize) + red                # the norm's scratch shares the region
+        # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection
+        return align(need) + align(m.hidden * esize) + batch * 4 if fold else need
 
-    smem = {"SMEM_XS": 0, "SMEM_RED": rows_and_red(v.batch)[0]}
-    gemv_bytes = sum(rows_and_red(v.batch))
-    # the largest batch whose rows fit (unfolded), for the refusal's advice
-    fits = max((b for b in range(1, v.batch + 1) if sum(rows_and_red(b)) <= arch.smem_per_block), default=0)
-    # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection
-    smem["SMEM_GS"] = align(gemv_bytes) if norm_fold else 0
+    def fold_default(batch: int) -> int:
+        # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki) where it fits:
+        # measured on the H200 (bench/NOTES.md session 13) +0.4 to +5.5 % on 12 of 13 such shapes, -0.4 % on one;
+        # at batch 4, batch 32 and hidden 5120 x 16 rows it lost 1.8-3.2 %. Not with q/k norm (Qwen3-1.7B spills
+        # 8 B with it)
+        return int(m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and 8 <= batch <= 16
+                   and batch * m.hidden <= 65536 and gemv_need(batch, 1) <= arch.smem_per_block)
+
+    norm_fold = ov.get("NORM_FOLD", fold_default(v.batch))
+    smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
+    smem["SMEM_GS"] = align(gemv_need(v.batch, 0)) if norm_fold else 0
     smem["SMEM_RS"] = smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold else 0
-    gemv_bytes = smem["SMEM_RS"] + v.batch * 4 if norm_fold else gemv_bytes
+    gemv_bytes = gemv_need(v.batch, norm_fold)
+
+    def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
+        if norm_fold and gemv_need(v.batch, 0) <= arch.smem_per_block:
+            return (f"NORM_FOLD=1 keeps the gain and each row's 1/rms beside the rows: "
+                    f"{gemv_bytes - gemv_need(v.batch, 0)} B more; without it the stage fits")
+        fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
+        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", fold_default(fits + 1))) \
+                <= arch.smem_per_block:
+            fits += 1
+        return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
+                f"most {fits} fits (declare batches up to it)" if fits else "lower hidden")
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
     smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
@@ -178,9 +192,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
-        "norm+projection": (gemv_bytes, f"the normalised input rows take batch x hidden x {esize} B: at hidden "
-                                        f"{m.hidden} a batch of at most {fits} fits (declare batches up to it)" if fits
-                                        else "lower hidden"),
+        "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
