@@ -155,10 +155,12 @@ def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dic
     tuned = sum(e.get("plan_source", "").startswith("tuned") for e in result["entries"])
     print(f"plans: {tuned} declared variants tuned" + (f" ({gtune.display(tfile)})" if tfile else "")
           + ", the rest default", flush=True)
-    for w in result.get("warnings", []):
+    for w in result.get("warnings", []) + result.get("replans", []):
         print(f"  {w}", flush=True)
     hres = gcompile.build(held, f"{build_dir}-heldout", variants_file=heldout_file) if held else \
         {"entries": [], "distinct": 0}
+    for w in hres.get("replans", []):  # a held-out default plan that spilled: which plan ran instead
+        print(f"  {w}", flush=True)
     entries = result["entries"] + hres["entries"]
     print(f"build: {len(vs)} declared + {len(held)} held-out variants, {result['distinct'] + hres['distinct']} "
           f"binaries, {time.time() - t0:.1f} s", flush=True)

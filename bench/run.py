@@ -230,7 +230,7 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     n_tuned = sum(e.get("plan_source", "").startswith("tuned") for e in built.values())
     log(f"build: {n_ok}/{len(vs)} variants ok, {result['distinct']} binaries, {time.perf_counter() - t0:.1f} s; "
         f"plans: {n_tuned} tuned" + (f" ({gtune.display(tfile)})" if tfile else "") + ", the rest default")
-    for w in result.get("warnings", []):
+    for w in result.get("warnings", []) + result.get("replans", []):
         log(f"  {w}")
     for e in built.values():
         if e["status"] != "ok":

@@ -174,14 +174,15 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                                     variants_file=variants_file, tuning_file=tfile)
     except KeyboardInterrupt as exc:
         why = f" ({exc})" if str(exc) else ""
-        err_console.print(f"error: interrupted{why}: the variants not compiled are not recorded; `megakernel build` "
-                          "again compiles them", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are as "
+                          "before); the objects already compiled are kept, so `megakernel build` again reuses them",
+                          markup=False, highlight=False, soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
         # now: a normal exit would wait for the compile a worker thread is running (and let it write its object);
         # the build has written nothing that needs closing (every file is written whole or not at all)
         os._exit(130)
-    for w in result.get("warnings", []):
+    for w in result.get("warnings", []) + result.get("replans", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
     if tfile is not None and tuned_for:  # a file asked for by name: entries that match no declared variant are typos
@@ -210,6 +211,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
             err_console.print(f"warning: {r['name']} spills {r['spill_stores']} B / loads {r['spill_loads']} B "
                               "to local memory", highlight=False)
     if result["errors"]:
+        sys.exit(1)
+    if not built:
+        err_console.print("error: nothing built: every selected variant was refused (above)", markup=False,
+                          highlight=False)
         sys.exit(1)
     # a tuning warning (a tuned plan refused, a broken file) fails --strict too
     nwarn = len(result.get("warnings", []))
@@ -383,6 +388,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     import torch
     if bool(prompts) == bool(ids):
         fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
+    if not Path(model_dir).exists():  # before the GPU check: the path is what the user typed
+        fail(f"{model_dir}: no such file or directory (a Hugging Face model directory: config.json and weights)")
     try:
         dev = torch.device(device)
     except RuntimeError:

@@ -231,7 +231,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     whose default plan compiles with register spills is built with the first of the tuner's first REPLAN_TRIES
     candidates (generator.tune.candidates) that compiles without, warned, with plan_source "default (re-planned)"
     and the entry's "replanned" {"overrides", "default_spills"}; where none does, as planned, warned (the tuner
-    passes False: it measures plans as given). Raises TargetError for an architecture the kernel cannot target.
+    passes False: it measures plans as given); their warnings are result["replans"]. Raises TargetError for an
+    architecture the kernel cannot target.
     """
     from . import tune as gtune
     build_dir = Path(build_dir)
@@ -244,7 +245,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     entries: dict[str, dict] = {}
     by_key: dict[str, list[tuple[Variant, dict]]] = {}
     sources: dict[str, str] = {}
-    warnings: list[str] = []
+    warnings: list[str] = []  # the tuning file's (they fail `build --strict`)
+    replans: list[str] = []  # default plans that spilled (replan_spills)
     # (variant, source): written with the manifest, so an interrupted build leaves each kernel.cu matching its cubin
     rendered: list[tuple[str, str]] = []
     # a file that is no tuning file warns once for the build and flags no variant (none had an entry to use)
@@ -327,10 +329,10 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             links.append((key, v.name))
             entry.update(resources=resources(p, meta, cached), plan_source="default (re-planned)",
                          replanned={"overrides": ov, "default_spills": [r["spill_stores"], r["spill_loads"]]})
-            warnings.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides "
+            replans.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides "
                             f"{ov}, which compile without spills (untimed: `megakernel tune` on a GPU measures)")
             return
-        warnings.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
+        replans.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
                         f"{REPLAN_TRIES} candidates compiles without: built as planned")
 
     def resources(p: dict, meta: dict, cached: bool) -> dict:
@@ -384,5 +386,5 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         manifest["variants"].update(entries)
         manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)
         atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    return {"entries": list(entries.values()), "distinct": len(by_key), "warnings": warnings,
+    return {"entries": list(entries.values()), "distinct": len(by_key), "warnings": warnings, "replans": replans,
             "errors": [e for e in entries.values() if e["status"] == "error"]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 from .variants import Model, Variant
@@ -30,6 +31,12 @@ class LoadError(RuntimeError):
     fixes it)."""
 
 
+def build_dir_flag(build_dir) -> str:
+    """" --build-dir DIR" for a suggested command, or "" for the CLI's default `build` (a bare command must not act
+    on another directory than the one the message is about: `megakernel clean` removes ./build)."""
+    return "" if Path(build_dir) == Path("build") else f" --build-dir {shlex.quote(str(build_dir))}"
+
+
 def read_manifest(build_dir: Path) -> dict:
     """The manifest's JSON ({"variants": {}} where there is none). Raises ManifestError when unreadable."""
     path = Path(build_dir) / MANIFEST
@@ -40,8 +47,8 @@ def read_manifest(build_dir: Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
-        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run `megakernel clean` and "
-                            "build again")
+        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run "
+                            f"`megakernel clean{build_dir_flag(build_dir)}` and build again")
     return doc
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
-from .manifest import kernel_sources_digest, status as build_status, variant_from_entry
+from .manifest import build_dir_flag, kernel_sources_digest, status as build_status, variant_from_entry
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 from .tune import knob_dict, knobs_differ
 
@@ -270,7 +270,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
     if not manifest["variants"]:
-        raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet (run `megakernel build`)")
+        raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet "
+                                f"(run `megakernel build{build_dir_flag(build_dir)}`)")
     entries = manifest["variants"]
     not_declared = []
     now = declared if isinstance(declared, dict) else {}
@@ -281,8 +282,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         entries = {n: e for n, e in entries.items() if n in declared}
         if not entries:
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
-                                    "(run `megakernel build`, or pass the variants file it was built from: "
-                                    "--variants)")
+                                    f"(run `megakernel build{build_dir_flag(build_dir)}`, or pass the variants "
+                                    "file it was built from: --variants)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
@@ -290,6 +291,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         st = build_status(e, now.get(name), digest) if now else "built"
         stale = [st] if st.startswith("stale") else []
+        if e["status"] == "ok" and not (build_dir / e.get("cubin", f"{name}/kernel.cubin")).is_file():
+            stale.append("cubin-missing")  # as `megakernel list` says; `megakernel build` links it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
         row.update(plan_fields(e))
         row.update(gpu_fields(e))

@@ -462,6 +462,9 @@ class Model:
         hfm.warn_unused(ck, layer_names, head)
         shape = ck.model
         dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                             "device='cpu' with variants=[] serves the unfused layers on the CPU")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
         entries = manifest.read_manifest(Path(build_dir))["variants"] if variants is None or variants else {}

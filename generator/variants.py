@@ -296,6 +296,8 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
         owner = _model_at_line(text, mark.line) if mark is not None else None
         where = f" variant '{owner}':" if owner else ""
         raise VariantError(f"{path}:{line}:{where} YAML syntax error: {problem}") from None
+    if doc is None:
+        raise VariantError(f"{path}: empty (a mapping with keys 'models' and 'matrix'; see README: variants.yaml)")
     if not isinstance(doc, dict):
         raise VariantError(f"{path}: top level must be a mapping with keys 'models' and 'matrix'")
     for key in doc:
@@ -333,6 +335,9 @@ def load(path: str | Path) -> list[Variant]:
     path = Path(path)
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        raise VariantError(f"{path}: no such variants file (pass --variants FILE, or start one from a model with "
+                           f"`megakernel from-hf MODEL_DIR --write {path}`)") from None
     except OSError as exc:
         raise VariantError(f"{path}: cannot read variants file: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

@@ -68,7 +68,7 @@ def test_every_command_rejects_a_bad_file(case, command, workdir):
 def test_missing_variants_file(workdir):
     before = snapshot(workdir / "build")
     r = run_cli(["build", "--variants", "nope.yaml"], cwd=workdir)
-    assert_bad_input(r, "nope.yaml", "cannot read variants file")
+    assert_bad_input(r, "nope.yaml", "no such variants file", "--write nope.yaml")
     assert snapshot(workdir / "build") == before
 
 
@@ -139,6 +139,8 @@ def test_list_shows_build_status(tiny_build, copy_build, tmp_path):
     r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", d, "--no-gpu", "--strict"],
                 cwd=tmp_path)
     assert r.returncode == 1 and "stale (templates)" in r.stdout, r.stdout + r.stderr
+    rep = {row["name"]: row for row in json.loads((d / "report.json").read_text())["rows"]}
+    assert "cubin-missing" in rep[TINY_NAMES[1]]["flags"]  # flagged too (fails --strict), as `list` says
     r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", tmp_path / "none"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert build_status(r.stdout) == {n: "not built" for n in TINY_NAMES}, r.stdout
@@ -176,8 +178,10 @@ def test_render_unknown_name(tmp_path):
 
 def test_report_before_any_build(tmp_path):
     r = run_cli(["report"], cwd=tmp_path)
-    assert_bad_input(r, "nothing built yet", "megakernel build")
+    assert_bad_input(r, "nothing built yet", "(run `megakernel build`)")
     assert not (tmp_path / "build").exists()
+    r = run_cli(["report", "--build-dir", "other"], cwd=tmp_path)
+    assert_bad_input(r, "nothing built yet", "(run `megakernel build --build-dir other`)")
     (tmp_path / "build").mkdir()
     r = run_cli(["report"], cwd=tmp_path)
     assert_bad_input(r, "nothing built yet")
@@ -262,6 +266,7 @@ def test_corrupt_manifest_is_one_line_exit_2(cmd, tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
+    assert f"`megakernel clean --build-dir {d}`" in lines[0]  # a bare `clean` would remove ./build instead
 
 
 @pytest.mark.parametrize("args", [["build", "-j", "0"], ["build", "--nope"], ["nosuchcmd"], ["render"]])

@@ -254,6 +254,10 @@ REFUSED = [
     ("hidden_size", _without(LLAMA_3_2_1B, "hidden_size")),
     ("num_hidden_layers", {**LLAMA_3_2_1B, "num_hidden_layers": "16"}),
     ("head_dim", {**LLAMA_3_2_1B, "head_dim": 72}),      # the variants.yaml rule (multiple of 16), via parse_model
+    # no head_dim: derived as transformers does, and the message says from what
+    ("hidden_size 2000 // num_attention_heads 16", {**_without(LLAMA_3_2_1B, "head_dim"), "hidden_size": 2000,
+                                                    "num_attention_heads": 16,
+                                                    "num_key_value_heads": 4}),
     ("kv_heads", {**LLAMA_3_2_1B, "num_key_value_heads": 7}),
 ]
 

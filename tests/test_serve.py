@@ -330,6 +330,9 @@ def test_bad_configurations_are_one_line_errors(tiny):
     from generator.loader import LoadError
     with pytest.raises(LoadError):
         cpu_model(d, variants=["tiny-llama_decode_b1_s48_bf16"])
+    if not torch.cuda.is_available():  # the default device without a GPU: one line, before any tensor is read
+        with pytest.raises(ServeError, match="no CUDA GPU is visible"):
+            serve.Model.from_hf(d, build_dir=d / "none", variants=[], cache_len=48)
 
 
 def test_memory_report_on_the_cpu(tiny):
@@ -356,6 +359,8 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    r = cli(["generate", tmp_path / "nonexist", "--ids", "1"], cwd=tmp_path)  # the path first, on any machine
+    assert r.returncode == 2 and "no such file or directory" in r.stderr and r.stderr.count("\n") == 1
     r = cli(["generate", d, "--ids", "1", "--device", "tpu"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
     r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)

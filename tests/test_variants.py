@@ -115,7 +115,8 @@ BAD_CASES = {
     "duplicate-field": _duplicate_field(),
     "bad-variant-name": (GOOD_TEXT.replace("  tiny:", "  Tiny Model:"), ["'Tiny Model'", "lower-case"]),
     "unknown-top-level": (GOOD_TEXT + "modles: {}\n", ["unknown top-level field 'modles'"]),
-    "empty-file": ("", ["top level must be a mapping"]),
+    "empty-file": ("", ["empty", "'models' and 'matrix'"]),
+    "not-a-mapping": ("[1, 2]", ["top level must be a mapping"]),
 }
 
 
@@ -238,7 +239,7 @@ def test_bad_input_gives_one_line_error(case, tmp_path):
 def test_missing_file_is_one_line(tmp_path):
     with pytest.raises(VariantError) as info:
         gvariants.load(tmp_path / "nope.yaml")
-    check_one_line(str(info.value), str(tmp_path / "nope.yaml"), ["cannot read", "No such file"])
+    check_one_line(str(info.value), str(tmp_path / "nope.yaml"), ["no such variants file", "--variants FILE"])
 
 
 def test_binary_file_is_one_line(tmp_path):

@@ -286,6 +286,7 @@ def map_config(path, name=None) -> Mapped:
     kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads", default=heads)
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
     head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
+    derived = head_dim is None  # as transformers does: hidden_size // num_attention_heads
     if head_dim is None:
         if hidden % heads:
             raise HFConfigError(f"{cfg_path}: field 'hidden_size' ({hidden}) is not divisible by "
@@ -337,7 +338,13 @@ def map_config(path, name=None) -> Mapped:
     if name is None:
         name = default_name(cfg_path, model_type)
     # the same rules as variants.yaml (divisibility, head_dim, name, ...); the message names the config file
-    gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields)
+    try:
+        gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields)
+    except gvariants.VariantError as exc:
+        if derived and "'head_dim'" in str(exc):  # a field the config does not have: say where it came from
+            raise HFConfigError(f"{exc} (head_dim {head_dim} = hidden_size {hidden} // num_attention_heads "
+                                f"{heads}: the config has no head_dim)") from None
+        raise
     return Mapped(name, fields, notes, cfg_path, cfg, window)
 
 
