@@ -339,12 +339,33 @@ def _delegate(command: click.Command, args: list, prog: str) -> None:
 @click.argument("path")
 @click.option("--write", "write_file", default=None,
               help="append the entry to this variants file (started with a default matrix if it does not exist)")
-@click.option("--name", default=None, help="variant name [from the directory / model_type]")
-def from_hf_cmd(path, write_file, name):
-    """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json."""
+@click.option("--name", default=None, help="the model's key in variants.yaml (variant names start with it) [from "
+              "the directory / model_type]")
+@click.option("--mode", "modes", type=click.Choice(["decode", "prefill"]), multiple=True,
+              help="the entry's own matrix: modes (repeatable) [decode]")
+@click.option("--batch", "batches", default=None, help="the entry's own matrix: batch sizes, comma-separated [1,8]")
+@click.option("--seq-len", "seq_lens", default=None,
+              help="the entry's own matrix: KV rows a sequence (decode) or chunk lengths (prefill), comma-separated "
+                   "[4096]")
+def from_hf_cmd(path, write_file, name, modes, batches, seq_lens):
+    """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json. With --mode,
+    --batch or --seq-len the entry carries its own matrix (else the file's applies)."""
     from . import hf
+
+    def ints(opt, text, default):
+        if text is None:
+            return default
+        try:
+            vals = [int(t) for t in text.split(",")]
+        except ValueError:
+            fail(f"{opt}: comma-separated integers, got {text!r}")
+        return vals
+    matrix = None
+    if modes or batches is not None or seq_lens is not None:
+        matrix = {"mode": list(dict.fromkeys(modes)) or ["decode"], "batch": ints("--batch", batches, [1, 8]),
+                  "seq_len": ints("--seq-len", seq_lens, [4096])}
     try:
-        text = hf.variant_entry_yaml(path, name=name)
+        text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
         if write_file:
             hf.append_entry(write_file, text)
             err_console.print(f"appended to {write_file}", highlight=False)

@@ -674,3 +674,25 @@ def test_built_variant_of_another_shape_is_refused(built_tiny, tmp_path):
         hf.load_hf(d2, 0, variant=name, build_dir=build, device="cpu")
     msg = str(exc.value)
     assert "norm_eps" in msg and str(d2 / "config.json") in msg and name in msg and "\n" not in msg
+
+
+def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
+    """from-hf --mode/--batch/--seq-len: the entry carries its own matrix (printed and --write), checked as
+    variants.yaml checks one and against the sliding window; bad values are one line, nothing written."""
+    d = write_config(tmp_path, "mistral", {**MISTRAL_7B_V0_3, "sliding_window": 4096})
+    r = run_cli("from-hf", d, "--batch", "1,4", "--seq-len", "2048")
+    assert r.returncode == 0 and "    matrix: {mode: [decode], batch: [1, 4], seq_len: [2048]}" in r.stdout, r.stderr
+    f = tmp_path / "v.yaml"
+    r = run_cli("from-hf", d, "--write", f, "--mode", "prefill", "--seq-len", "64,512")
+    assert r.returncode == 0, r.stderr
+    names = sorted(v.name for v in gvariants.load(f))
+    assert names == ["mistral_prefill_b1_s512_bf16", "mistral_prefill_b1_s64_bf16", "mistral_prefill_b8_s512_bf16",
+                     "mistral_prefill_b8_s64_bf16"], names
+    before = f.read_text()
+    for args, want in ((["--seq-len", "8192"], "longer than sliding_window 4096"),
+                       (["--batch", "1,x"], "--batch: comma-separated integers"),
+                       (["--batch", "0"], "matrix.batch")):
+        r = run_cli("from-hf", d, "--write", f, "--name", "other", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (args, r.stderr)
+    assert f.read_text() == before

@@ -25,15 +25,33 @@ def _yaml_line(key, value) -> str:
     return yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=10**9).rstrip("\n")
 
 
-def variant_entry_yaml(path, name=None) -> str:
+def variant_entry_yaml(path, name=None, matrix: dict | None = None) -> str:
     """YAML text of a model directory's (or config.json's) entry, indented to paste under `models:` (two spaces
-    for the name, four for fields), with notes as comments. HFConfigError / VariantError as map_config."""
+    for the name, four for fields), with notes as comments; `matrix` ({"mode": [...], "batch": [...], "seq_len":
+    [...]}): the entry's own matrix (variants.yaml's per-model `matrix:`), checked as variants.yaml checks one and
+    against the model's sliding window. HFConfigError / VariantError as map_config."""
     name, fields, notes, cfg_path, cfg, _ = map_config(path, name)
     lines = [f"  # from {cfg_path} (model_type {cfg['model_type']})"]
     lines.append("  " + _yaml_line(name, None).removesuffix(" null"))
     lines += [f"    # {n}" for n in notes]
     lines += ["    " + _yaml_line(k, fields[k]) for k in FIELD_ORDER if k in fields]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if matrix is not None:
+        text += "    " + _yaml_line("matrix", matrix) + "\n"
+        _check_windows(text, name, gvariants.parse(NEW_FILE + text, f"{cfg_path}: --batch/--seq-len/--mode"),
+                       f"{cfg_path}")
+    return text
+
+
+def _check_windows(text: str, name: str, expanded, where: str) -> None:
+    """The entry's sliding window (its `# sliding_window N (...)` comment in `text`) against the seq_len of each
+    variant of model `name` in `expanded` (HFConfigError where a cache is longer than the window)."""
+    window = next(filter(None, map(_WINDOW_COMMENT.match, text.splitlines())), None)
+    if window is not None:
+        size, source = int(window.group(1)), window.group(2)
+        for v in expanded:
+            if v.model.name == name:
+                check_window(Window(size, source, ()), v.seq_len, f"{where}: variant '{v.name}'")
 
 
 _MODELS_LINE = re.compile(r"^models:\s*(#.*)?$")
@@ -135,12 +153,7 @@ def append_entry(variants_file, text: str) -> None:
         before += "\n"
     new = before + body + "".join(lines[insert:])
     expanded = gvariants.parse(new, str(path))  # the result must still be a valid variants file (VariantError)
-    window = next(filter(None, map(_WINDOW_COMMENT.match, text.splitlines())), None)
-    if window is not None:
-        size, source = int(window.group(1)), window.group(2)
-        for v in expanded:
-            if v.model.name == new_name:
-                check_window(Window(size, source, ()), v.seq_len, f"{path}: variant '{v.name}'")
+    _check_windows(text, new_name, expanded, str(path))
     _atomic_write_text(path, new)
 
 
