@@ -341,29 +341,30 @@ def _delegate(command: click.Command, args: list, prog: str) -> None:
               help="append the entry to this variants file (started with a default matrix if it does not exist)")
 @click.option("--name", default=None, help="the model's key in variants.yaml (variant names start with it) [from "
               "the directory / model_type]")
-@click.option("--mode", "modes", type=click.Choice(["decode", "prefill"]), multiple=True,
-              help="the entry's own matrix: modes (repeatable) [decode]")
 @click.option("--batch", "batches", default=None, help="the entry's own matrix: batch sizes, comma-separated [1,8]")
 @click.option("--seq-len", "seq_lens", default=None,
-              help="the entry's own matrix: KV rows a sequence (decode) or chunk lengths (prefill), comma-separated "
-                   "[4096]")
-def from_hf_cmd(path, write_file, name, modes, batches, seq_lens):
-    """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json. With --mode,
-    --batch or --seq-len the entry carries its own matrix (else the file's applies)."""
+              help="the entry's own matrix: decode variants' KV rows a sequence, comma-separated [4096]")
+@click.option("--prefill-chunks", default=None,
+              help="the entry's own matrix: prefill variants too, of these chunk lengths (comma-separated; they "
+                   "use the decode variants' cache)")
+def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
+    """Print (or append) the variants.yaml entry for a Hugging Face model directory or config.json. With --batch,
+    --seq-len or --prefill-chunks the entry carries its own matrix (else the file's applies)."""
     from . import hf
 
     def ints(opt, text, default):
         if text is None:
             return default
         try:
-            vals = [int(t) for t in text.split(",")]
+            return [int(t) for t in text.split(",")]
         except ValueError:
             fail(f"{opt}: comma-separated integers, got {text!r}")
-        return vals
     matrix = None
-    if modes or batches is not None or seq_lens is not None:
-        matrix = {"mode": list(dict.fromkeys(modes)) or ["decode"], "batch": ints("--batch", batches, [1, 8]),
-                  "seq_len": ints("--seq-len", seq_lens, [4096])}
+    if batches is not None or seq_lens is not None or prefill_chunks is not None:
+        b = ints("--batch", batches, [1, 8])
+        matrix = [{"mode": ["decode"], "batch": b, "seq_len": ints("--seq-len", seq_lens, [4096])}]
+        if prefill_chunks is not None:
+            matrix.append({"mode": ["prefill"], "batch": b, "seq_len": ints("--prefill-chunks", prefill_chunks, [])})
     try:
         text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
         if write_file:

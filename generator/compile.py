@@ -303,37 +303,49 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 meta = _compile_object(sources[key], arch, obj)
         return key, meta, cached
 
-    def replan_spilled(v: Variant, entry: dict) -> None:
+    def replan_spilled(v: Variant, entry: dict, pool: ThreadPoolExecutor) -> None:
         """A default plan that spills: the first of the tuner's first REPLAN_TRIES candidates that compiles without
-        spills (one at a time: the first few usually do), in its place."""
+        spills, in its place (compiled `jobs` at a time, in candidate order: the first few usually do)."""
         r = entry.get("resources")
         if entry["status"] != "ok" or entry["plan_source"] != "default" or not r or \
                 not (r["spill_stores"] or r["spill_loads"]):
             return
         spilled = f"{r['spill_stores']} B of spill stores, {r['spill_loads']} B of loads"
-        for ov in gtune.candidates(v, target.sm)[1:REPLAN_TRIES + 1]:
-            p = plan(v, target.sm, overrides=ov)  # the candidates are plans the planner accepts
-            src = render(v, p)
-            key = cache_key(src, arch)
-            sources[key] = src
-            try:
-                _, meta, cached = one(key)
-            except CompileError:
-                continue
-            if meta["spill_stores"] or meta["spill_loads"]:
-                continue
-            links.remove((entry["key"], v.name))
-            rendered.remove((v.name, sources[entry["key"]]))
-            attach(v, entry, p, src)
-            rendered.append((v.name, sources[key]))
-            links.append((key, v.name))
-            entry.update(resources=resources(p, meta, cached), plan_source="default (re-planned)",
-                         replanned={"overrides": ov, "default_spills": [r["spill_stores"], r["spill_loads"]]})
-            replans.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides "
-                            f"{ov}, which compile without spills (untimed: `megakernel tune` on a GPU measures)")
+        cands = gtune.candidates(v, target.sm)[1:REPLAN_TRIES + 1]
+        found = None
+        for i in range(0, len(cands), jobs):
+            batch = []
+            for ov in cands[i:i + jobs]:
+                p = plan(v, target.sm, overrides=ov)  # the candidates are plans the planner accepts
+                src = render(v, p)
+                key = cache_key(src, arch)
+                sources[key] = src
+                batch.append((ov, p, src, key, pool.submit(one, key)))
+            for ov, p, src, key, fut in batch:
+                try:
+                    _, meta, cached = fut.result()
+                except CompileError:
+                    continue
+                if not (meta["spill_stores"] or meta["spill_loads"]):
+                    found = (ov, p, src, key, meta, cached)
+                    break
+            if found:
+                break
+        if found is None:
+            replans.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
+                           f"{REPLAN_TRIES} candidates compiles without: built as planned")
             return
-        replans.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
-                        f"{REPLAN_TRIES} candidates compiles without: built as planned")
+        ov, p, src, key, meta, cached = found
+        links.remove((entry["key"], v.name))
+        rendered.remove((v.name, sources[entry["key"]]))
+        attach(v, entry, p, src)
+        rendered.append((v.name, sources[key]))
+        links.append((key, v.name))
+        entry.update(resources=resources(p, meta, cached), plan_source="default (re-planned)",
+                     replanned={"overrides": ov, "default_spills": [r["spill_stores"], r["spill_loads"]]})
+        replans.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides {ov}, "
+                       "which compile without spills (untimed: `megakernel tune` on a GPU times it against the "
+                       "default and records the fastest plan that does not spill)")
 
     def resources(p: dict, meta: dict, cached: bool) -> dict:
         smem = p["smem_bytes"]
@@ -374,8 +386,14 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         raise
     pool.shutdown(wait=True)
     if replan_spills:
-        for v in variants:
-            replan_spilled(v, entries[v.name])
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
+            for v in variants:
+                replan_spilled(v, entries[v.name], pool)
+        except BaseException:  # as above: nothing written, no queued compile starts
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
 
     with locked(build_dir):
         for name, src in rendered:
@@ -386,5 +404,6 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         manifest["variants"].update(entries)
         manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)
         atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    return {"entries": list(entries.values()), "distinct": len(by_key), "warnings": warnings, "replans": replans,
+    distinct = {e["key"] for e in entries.values() if e.get("key")}  # after re-planning: the objects in use
+    return {"entries": list(entries.values()), "distinct": len(distinct), "warnings": warnings, "replans": replans,
             "errors": [e for e in entries.values() if e["status"] == "error"]}

@@ -21,7 +21,7 @@ from .collectives import AllReduce
 from .host import inv_freq
 from .interface import ARGS, CLOCK_SLOTS, PACKED, from_frag, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
-from .manifest import LoadError, find_entry, variant_from_entry
+from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
 from .variants import Model
 
@@ -138,7 +138,8 @@ class FusedDecoderLayer:
         built = entry.get("arch", "90")
         if not runs_on(built, major, minor):
             raise LoadError(f"{self.name}: built for sm_{built}, but {torch.cuda.get_device_name(self.device)} is "
-                            f"sm_{major}{minor}: run `megakernel build --arch {major}{minor} --only '{self.name}'`")
+                            f"sm_{major}{minor}: run `megakernel build --arch {major}{minor} --only '{self.name}'"
+                            f"{build_dir_flag(Path(cubin).parent.parent)}`")
         self.dtype = torch_dtype(m.dtype)
         packing = weight_format(m.dtype).packing
         if packed is not None:  # another layer's packed weights (one copy serves every variant of a layer)

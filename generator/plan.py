@@ -129,8 +129,9 @@ def fewest_rounds(tasks: int, nwg: int, sms: int) -> int:
     (128, 256, 1024, 1792 tiles) lost 1 to 7 % with smaller groups, and 1-2-warp groups on gate_up (1376-1728 tiles,
     filled 0.935-0.948) up to 4 %: one round, and never single warps, is what was measured to win."""
     per_sm = THREADS // 32
-    if tasks / (math.ceil(tasks / (sms * (per_sm // nwg))) * sms * (per_sm // nwg)) >= REBALANCE_BELOW:
-        return nwg
+    rounds = math.ceil(tasks / (sms * (per_sm // nwg)))
+    if rounds == 1 or tasks / (rounds * sms * (per_sm // nwg)) >= REBALANCE_BELOW:
+        return nwg  # one round already (nothing to save), or full enough
     n = nwg // 2
     while n >= 2:
         if tasks <= sms * (per_sm // n):  # one round; the largest such group is the first found

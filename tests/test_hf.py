@@ -677,18 +677,22 @@ def test_built_variant_of_another_shape_is_refused(built_tiny, tmp_path):
 
 
 def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
-    """from-hf --mode/--batch/--seq-len: the entry carries its own matrix (printed and --write), checked as
-    variants.yaml checks one and against the sliding window; bad values are one line, nothing written."""
+    """from-hf --batch/--seq-len/--prefill-chunks: the entry carries its own matrix (printed and --write), checked
+    as variants.yaml checks one and against the sliding window; bad values are one line, nothing written; a window
+    shorter than the file's matrix says how to give the entry its own."""
     d = write_config(tmp_path, "mistral", {**MISTRAL_7B_V0_3, "sliding_window": 4096})
     r = run_cli("from-hf", d, "--batch", "1,4", "--seq-len", "2048")
     assert r.returncode == 0 and "    matrix: {mode: [decode], batch: [1, 4], seq_len: [2048]}" in r.stdout, r.stderr
     f = tmp_path / "v.yaml"
-    r = run_cli("from-hf", d, "--write", f, "--mode", "prefill", "--seq-len", "64,512")
+    r = run_cli("from-hf", d, "--write", f, "--batch", "2", "--prefill-chunks", "64,512")
     assert r.returncode == 0, r.stderr
     names = sorted(v.name for v in gvariants.load(f))
-    assert names == ["mistral_prefill_b1_s512_bf16", "mistral_prefill_b1_s64_bf16", "mistral_prefill_b8_s512_bf16",
-                     "mistral_prefill_b8_s64_bf16"], names
+    assert names == ["mistral_decode_b2_s4096_bf16", "mistral_prefill_b2_s512_bf16", "mistral_prefill_b2_s64_bf16"]
     before = f.read_text()
+    f.write_text(before.replace("seq_len: [4096]}\nmodels:", "seq_len: [4096, 8192]}\nmodels:"))
+    before = f.read_text()
+    r = run_cli("from-hf", d, "--write", f, "--name", "other")  # the file's matrix: 8192 > the window
+    assert r.returncode == 2 and "from-hf --seq-len N" in r.stderr, r.stderr
     for args, want in ((["--seq-len", "8192"], "longer than sliding_window 4096"),
                        (["--batch", "1,x"], "--batch: comma-separated integers"),
                        (["--batch", "0"], "matrix.batch")):

@@ -673,6 +673,7 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
     assert fewest_rounds(40, 16, 132) == 16 and 40 * 8 < MIN_WARPS  # too few warps in flight: unchanged
     assert fewest_rounds(1060, 16, 132) == 16  # one round only with single warps (never measured to win): unchanged
     assert fewest_rounds(576, 16, 132) == 2  # 576 tasks (5 rounds filled 0.87) of 2 warps: one round
+    assert fewest_rounds(128, 16, 148) == 16 and fewest_rounds(600, 4, 188) == 4  # one round already: unchanged
     p = plan_gemv(5120, 13824, 132)
     assert (p["NWG"], p["U"]) == (4, 8)  # 216 k-tiles a warp in steps of 8
     assert plan_gemv(5120, 13824, 132, rebalance=False)["NWG"] == 16
@@ -722,3 +723,15 @@ def test_shared_memory_refusal_names_the_largest_batch_that_plans(hidden, arch):
     plan(_layer(hidden, n), arch)
     with pytest.raises(PlanError, match="norm\\+projection"):
         plan(_layer(hidden, n + 1), arch)
+
+
+def test_the_tuner_never_records_a_spilling_default_and_still_times_against_it():
+    """bench/tune.pick: the default (rows[0]) wins unless another candidate beats it by MIN_GAIN; a default whose
+    plan spills is only the baseline (the build re-plans it; `megakernel tune` must find a spill-free winner)."""
+    from bench.tune import MIN_GAIN, pick
+    rows = [{"name": "c00", "us": 10.0}, {"name": "c01", "us": 10.0 * (1 - MIN_GAIN / 2)},
+            {"name": "c02", "us": None}]
+    assert pick(rows)["name"] == "c00"  # within the margin: the default
+    assert pick(rows, {"c00"})["name"] == "c01"  # a spilling default: the fastest other, whatever its gain
+    assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": None}], {"c00"}) is None
+    assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": 8.0}])["name"] == "c01"

@@ -25,11 +25,11 @@ def _yaml_line(key, value) -> str:
     return yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=10**9).rstrip("\n")
 
 
-def variant_entry_yaml(path, name=None, matrix: dict | None = None) -> str:
+def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str:
     """YAML text of a model directory's (or config.json's) entry, indented to paste under `models:` (two spaces
-    for the name, four for fields), with notes as comments; `matrix` ({"mode": [...], "batch": [...], "seq_len":
-    [...]}): the entry's own matrix (variants.yaml's per-model `matrix:`), checked as variants.yaml checks one and
-    against the model's sliding window. HFConfigError / VariantError as map_config."""
+    for the name, four for fields), with notes as comments; `matrix` ([{"mode": [...], "batch": [...], "seq_len":
+    [...]}, ...]): the entry's own matrices (variants.yaml's per-model `matrix:`), checked as variants.yaml checks
+    them and against the model's sliding window. HFConfigError / VariantError as map_config."""
     name, fields, notes, cfg_path, cfg, _ = map_config(path, name)
     lines = [f"  # from {cfg_path} (model_type {cfg['model_type']})"]
     lines.append("  " + _yaml_line(name, None).removesuffix(" null"))
@@ -37,8 +37,9 @@ def variant_entry_yaml(path, name=None, matrix: dict | None = None) -> str:
     lines += ["    " + _yaml_line(k, fields[k]) for k in FIELD_ORDER if k in fields]
     text = "\n".join(lines) + "\n"
     if matrix is not None:
-        text += "    " + _yaml_line("matrix", matrix) + "\n"
-        _check_windows(text, name, gvariants.parse(NEW_FILE + text, f"{cfg_path}: --batch/--seq-len/--mode"),
+        flows = [_yaml_line("m", m).removeprefix("m: ") for m in matrix]
+        text += "    matrix: " + (flows[0] if len(flows) == 1 else "[" + ", ".join(flows) + "]") + "\n"
+        _check_windows(text, name, gvariants.parse(NEW_FILE + text, f"{cfg_path}: --batch/--seq-len/--prefill-chunks"),
                        f"{cfg_path}")
     return text
 
@@ -153,7 +154,12 @@ def append_entry(variants_file, text: str) -> None:
         before += "\n"
     new = before + body + "".join(lines[insert:])
     expanded = gvariants.parse(new, str(path))  # the result must still be a valid variants file (VariantError)
-    _check_windows(text, new_name, expanded, str(path))
+    try:
+        _check_windows(text, new_name, expanded, str(path))
+    except HFConfigError as exc:
+        if "matrix:" in text:
+            raise
+        raise HFConfigError(f"{exc}; give the entry its own matrix (from-hf --seq-len N)") from None
     _atomic_write_text(path, new)
 
 
