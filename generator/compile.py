@@ -252,6 +252,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     # a file that is no tuning file warns once for the build and flags no variant (none had an entry to use)
     file_broken = tuning_file is not None and Path(tuning_file).exists() and \
         gtune.tuning_problem(Path(tuning_file)) is not None
+
     def attach(v: Variant, entry: dict, p: dict, src: str | None = None) -> str:
         """The entry's plan and source (rendered here unless given); returns their object's key."""
         src = src if src is not None else render(v, p)
@@ -306,10 +307,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     def replan_spilled(v: Variant, entry: dict, pool: ThreadPoolExecutor) -> None:
         """A default plan that spills: the first of the tuner's first REPLAN_TRIES candidates that compiles without
         spills, in its place (compiled `jobs` at a time, in candidate order: the first few usually do)."""
-        r = entry.get("resources")
-        if entry["status"] != "ok" or entry["plan_source"] != "default" or not r or \
-                not (r["spill_stores"] or r["spill_loads"]):
-            return
+        r = entry["resources"]
         spilled = f"{r['spill_stores']} B of spill stores, {r['spill_loads']} B of loads"
         cands = gtune.candidates(v, target.sm)[1:REPLAN_TRIES + 1]
         found = None
@@ -385,10 +383,17 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
-    if replan_spills:
+    def spilled_default(e: dict) -> bool:  # a default plan that compiled with spills: replan_spills re-plans it
+        r = e.get("resources") or {}
+        return e["status"] == "ok" and e["plan_source"] == "default" and bool(r.get("spill_stores") or
+                                                                              r.get("spill_loads"))
+
+    unique = {v.name: v for v in variants}.values()  # a variant given twice is re-planned once
+    spilling = [v for v in unique if spilled_default(entries[v.name])] if replan_spills else []
+    if spilling:
         pool = ThreadPoolExecutor(max_workers=jobs)
         try:
-            for v in variants:
+            for v in spilling:
                 replan_spilled(v, entries[v.name], pool)
         except BaseException:  # as above: nothing written, no queued compile starts
             pool.shutdown(wait=False, cancel_futures=True)
