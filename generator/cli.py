@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -274,7 +275,10 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         declared = {v.name: v for v in load_selected(variants_file)}  # stale builds flagged against these
     why = None if no_gpu else cuda_unavailable()  # torch's check first: never a bare error from a load
     try:
-        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared)
+        cmd = "megakernel build" + (f" --variants {shlex.quote(variants_file)}" if variants_file != "variants.yaml"
+                                    else "") + gmanifest.build_dir_flag(build_dir)
+        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared,
+                                   build_cmd=cmd)
     except FileNotFoundError as exc:
         fail(str(exc))
     if why:
@@ -368,8 +372,15 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
     try:
         text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
         if write_file:
+            try:
+                started = not Path(write_file).read_text().strip()
+            except FileNotFoundError:
+                started = True
+            except (OSError, UnicodeDecodeError):
+                started = False  # append_entry says what is wrong with it
             hf.append_entry(write_file, text)
-            err_console.print(f"appended to {write_file}", highlight=False)
+            err_console.print(f"started {write_file} (a default matrix) with the entry" if started
+                              else f"appended to {write_file}", highlight=False)
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:
@@ -412,6 +423,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
     if not Path(model_dir).exists():  # before the GPU check: the path is what the user typed
         fail(f"{model_dir}: no such file or directory (a Hugging Face model directory: config.json and weights)")
+    if Path(model_dir).is_dir() and not (Path(model_dir) / "config.json").exists():
+        fail(f"{model_dir}: no config.json (a Hugging Face model directory: config.json and weights)")
     try:
         dev = torch.device(device)
     except RuntimeError:

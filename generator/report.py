@@ -257,7 +257,7 @@ def select(report: dict, names) -> dict:
 
 
 def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
-                 declared=None, write: bool = True) -> dict:
+                 declared=None, write: bool = True, build_cmd: str | None = None) -> dict:
     """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
     "e2e": the newest end-to-end result in bench_dir (latest_e2e) or None}.
 
@@ -266,12 +266,13 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     (templates)`, as `megakernel list` says); manifest entries outside it are left out of rows and totals and listed
     in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
     GPU. Writes build_dir/report.json and report.csv (every column) unless write=False.
-    Raises FileNotFoundError when nothing is built (or nothing declared is)."""
+    Raises FileNotFoundError when nothing is built (or nothing declared is), suggesting `build_cmd` (the CLI passes
+    the user's --variants/--build-dir; default `megakernel build` with build_dir's flag)."""
     build_dir = Path(build_dir)
+    build_cmd = build_cmd or f"megakernel build{build_dir_flag(build_dir)}"  # the command a refusal suggests
     manifest = read_manifest(build_dir)
     if not manifest["variants"]:
-        raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet "
-                                f"(run `megakernel build{build_dir_flag(build_dir)}`)")
+        raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet (run `{build_cmd}`)")
     entries = manifest["variants"]
     not_declared = []
     now = declared if isinstance(declared, dict) else {}
@@ -282,8 +283,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         entries = {n: e for n, e in entries.items() if n in declared}
         if not entries:
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
-                                    f"(run `megakernel build{build_dir_flag(build_dir)}`, or pass the variants "
-                                    "file it was built from: --variants)")
+                                    f"(run `{build_cmd}`, or pass the variants file it was built from: "
+                                    "--variants)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}

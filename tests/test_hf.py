@@ -685,7 +685,7 @@ def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
     assert r.returncode == 0 and "    matrix: {mode: [decode], batch: [1, 4], seq_len: [2048]}" in r.stdout, r.stderr
     f = tmp_path / "v.yaml"
     r = run_cli("from-hf", d, "--write", f, "--batch", "2", "--prefill-chunks", "64,512")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and f"started {f}" in r.stderr, r.stderr
     names = sorted(v.name for v in gvariants.load(f))
     assert names == ["mistral_decode_b2_s4096_bf16", "mistral_prefill_b2_s512_bf16", "mistral_prefill_b2_s64_bf16"]
     before = f.read_text()

@@ -361,6 +361,9 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 0, r.stderr
     r = cli(["generate", tmp_path / "nonexist", "--ids", "1"], cwd=tmp_path)  # the path first, on any machine
     assert r.returncode == 2 and "no such file or directory" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    r = cli(["generate", tmp_path / "empty", "--ids", "1"], cwd=tmp_path)
+    assert r.returncode == 2 and "no config.json" in r.stderr and r.stderr.count("\n") == 1
     r = cli(["generate", d, "--ids", "1", "--device", "tpu"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
     r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)

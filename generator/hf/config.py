@@ -298,7 +298,7 @@ def map_config(path, name=None) -> Mapped:
     window = _sliding_window(cfg_path, cfg, model_type, layers)
     if window is not None:
         notes.append(f"sliding_window {window.size} ({window.describe(layers)}): a window >= seq_len never takes "
-                     f"effect, so seq_len <= {window.size} is exact; --write and load_hf refuse a longer seq_len")
+                     f"effect, so seq_len <= {window.size} is exact; a longer seq_len is refused (from-hf, load_hf)")
 
     eps = cfg.get("rms_norm_eps")
     eps = 1e-6 if eps is None else _check_number(cfg_path, "rms_norm_eps", eps)
