@@ -207,8 +207,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     names = {v.name for v in vs}
     rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
     greport.print_report(rep, console)
+    replanned = " ".join(result.get("replans", []))  # already warned, with what was tried
     for r in rep["rows"]:
-        if "spills" in r["flags"]:
+        if "spills" in r["flags"] and f"{r['name']}:" not in replanned:
             err_console.print(f"warning: {r['name']} spills {r['spill_stores']} B / loads {r['spill_loads']} B "
                               "to local memory", highlight=False)
     if result["errors"]:
