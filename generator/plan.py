@@ -37,12 +37,15 @@ class Step:
     `reduce` names what holds this step's partial sum when the layer is split over tp > 1 GPUs (a workspace buffer
     or the output): the kernel ends after this step and the runtime all-reduces it before the next launch.
     `flow` names a plan constant that, where it is 1, replaces the step's grid barrier by per-tile counters (the
-    next step waits on the parts it reads)."""
+    next step waits on the parts it reads).
+    `pre` is a C statement run before the barrier that precedes the step (before the launch's wait for the previous
+    launch where the step comes first): work that does not depend on the previous step (loading its first weights)."""
     stage: str
     call: str
     then: str = "grid"
     reduce: str = ""
     flow: str = ""
+    pre: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

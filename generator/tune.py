@@ -152,7 +152,8 @@ def _half(n: int) -> int:
     return n // 2
 
 
-BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD")  # on/off knobs: 0 is a setting, not a size
+BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
+                "DOWN_PRE")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[dict]:
@@ -162,7 +163,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW, ATT_COMBINE and NORM_FOLD (RMSNorm in bf16 only) flipped, GEMV_PF 1 (the next round's weight
-    loads early) and 2 (every step's loads a step early); per projection NWG halved and doubled (U as planned) and U doubled (halved where that would
+    loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
+    loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
+    shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %); per projection NWG halved and doubled (U as planned) and U doubled (halved where that would
     pass 8); attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the
     splits), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
@@ -178,7 +181,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
-                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"NORM_FOLD": 1 - d["NORM_FOLD"]}]
+                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"NORM_FOLD": 1 - d["NORM_FOLD"]},
+                  {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}]
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},

@@ -73,24 +73,48 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
 // KSPLIT 1 only. TILE0: the first tile in task order
 // (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
 // gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0,
+// one step of a task: a warp's U weight loads from k-tile k0 of task `task` (all in flight before any use)
+template <int N, int K, int NWG, int U, int KSPLIT, int TILE0>
+__device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane, uint4 (&a)[U]) {
+    constexpr int KT = K / 16 / KSPLIT, TILES = N / 16;
+    const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
+    const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// A projection's first weight step, loaded before the barrier (or the launch's wait) that precedes its stage (the
+// decode plan's <P>_PRE): weights do not depend on the stage's input, so the group's first U loads fly while the
+// block waits; gemv<..., PRE = 1> takes them as its first step. ON = 0: nothing is loaded (and nothing held).
+template <int U>
+struct GemvPre {
+    uint4 a[U];
+};
+template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0>
+__device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
+    GemvPre<U> p;
+    if constexpr (ON) {
+        const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
+        const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round
+        if (task < N / 16 * KSPLIT) gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, warp, threadIdx.x & 31, p.a);
+    }
+    return p;
+}
+
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
           class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
-                                     Epi epi, Done done = {}, const T* gs = nullptr) {
+                                     Epi epi, Done done = {}, const T* gs = nullptr, const GemvPre<U>* pre = nullptr) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float* my_red = red + group * 2 * NWG * 16 * BATCH;
     static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
-    // one step of a task: this warp's U weight loads from k-tile k0 (all in flight before any use)
     auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
-        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
-        const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                                       : make_uint4(0u, 0u, 0u, 0u);
+        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
@@ -99,8 +123,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // weights fly while this step's mma run, and across rounds as with PF 1.
     uint4 pf[U];
     // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
-    // sums to buf; next: the task this group takes in the next round (< 0: none)
-    auto compute = [&](int task, float* buf, int next) {
+    // sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its first step is in pf
+    auto compute = [&](int task, float* buf, int next, bool use_pf) {
         const int ks = task / TILES;
         const T* xk = X + ks * KT * 16;  // this split's columns of X
         float c[NTILE][4];
@@ -154,7 +178,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         } else {
             for (int k0 = warp; k0 < KT; k0 += S) {
                 uint4 a[U];
-                if (PF && k0 == warp) {
+                if ((PF || PRE) && use_pf && k0 == warp) {
 #pragma unroll
                     for (int u = 0; u < U; ++u) a[u] = pf[u];
                 } else {
@@ -176,13 +200,18 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
     // partial sums are double-buffered: the next round's writes cannot race this round's epilogue.
     const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
-    if (PF && group * gridDim.x + blockIdx.x < TASKS) load_step(group * gridDim.x + blockIdx.x, warp, pf);
+    if constexpr (PRE) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) pf[u] = pre->a[u];
+    } else if (PF && group * gridDim.x + blockIdx.x < TASKS) {
+        load_step(group * gridDim.x + blockIdx.x, warp, pf);
+    }
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
         const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const bool active = task < TASKS;
         float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
-        if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1);
+        if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1, PF || rd == 0);
         __syncthreads();
         if constexpr (KSPLIT == 1) {
             if (active) epi(tile * 16, Tile<NWG>{buf}, gt);

@@ -13,15 +13,16 @@ from ..targets import DTYPES, Arch
 from ..variants import Variant
 
 STEPS = (
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, smem)",
-         flow="QKV_FLOW"),
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, smem)",
+         flow="QKV_FLOW", pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_ready, ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, ws_ready, smem)",
-         reduce="h"),
-    Step("gate_up", "gate_up(ws_h, ws_hb, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, smem)",
-         then="none", reduce="out"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, ws_ready, o_pre, smem)",
+         reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
+    Step("gate_up", "gate_up(ws_h, ws_hb, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, gu_pre, smem)",
+         pre="const auto gu_pre = gate_up_pre(w_gu)"),
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, down_pre, smem)",
+         then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
 
 
@@ -33,9 +34,11 @@ STEPS = (
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
-# and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh)
+# and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh);
+# <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
+# launch's wait for the previous layer; templates/gemv.cuh gemv_pre)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"))
+KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
@@ -61,7 +64,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD") and val not in (0, 1):
+        if (k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD") or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -92,6 +95,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
+    if v.tp > 1 and (pre := [k for k in ov if k.endswith("_PRE") and ov[k]]):
+        raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (a launch's weights before "
+                        "its all-reduced input has not run on 2 GPUs)")
     norm_fold = ov.get("NORM_FOLD", 0)  # explicit here; the default is decided with the shared memory, below
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
         raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
@@ -212,6 +218,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
+        consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
             "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()

@@ -3,8 +3,12 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
+__device__ __forceinline__ GemvPre<GU_U> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
+    return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT>(w_gu);
+}
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
-                        unsigned* ws_status, float* ws_split, unsigned* ws_count, unsigned char* smem) {
+                        unsigned* ws_status, float* ws_split, unsigned* ws_count, const GemvPre<GU_U>& pre,
+                        unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
@@ -12,7 +16,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const 
         norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     else  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
-    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF>(w_gu, xs,
+    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF, 0, GU_PRE>(w_gu, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {
@@ -24,5 +28,5 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const 
                 count_overflow(a, ws_status);
                 ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        }, NoDone{}, gs);
+        }, NoDone{}, gs, &pre);
 }

@@ -4,14 +4,17 @@
 // With HB_COPY (tp = 1, bf16) it also writes h rounded to T (ws_hb): the second norm's input.
 #pragma once
 #include "../gemv.cuh"
+__device__ __forceinline__ GemvPre<O_U> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
+    return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT>(w_o);
+}
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, T* ws_hb, int tp_rank, float* ws_split,
-                       unsigned* ws_count, unsigned* ws_ready, unsigned char* smem) {
+                       unsigned* ws_count, unsigned* ws_ready, const GemvPre<O_U>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage
     if (QKV_FLOW && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
@@ -20,5 +23,5 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, 
                 ws_h[(size_t)b * HIDDEN + n] = h;
                 if constexpr (HB_COPY) ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
             }
-        });
+        }, NoDone{}, nullptr, &pre);
 }

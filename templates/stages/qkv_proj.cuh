@@ -19,8 +19,13 @@ struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (re
         asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(ready + qkv_tile_head(tile)) : "memory");
     }
 };
+constexpr int QKV_TILE0 = QKV_FLOW ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v tiles first
+__device__ __forceinline__ GemvPre<QKV_U> qkv_proj_pre(const T* w_qkv) {  // QKV_PRE: before the launch's wait
+    return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0>(w_qkv);
+}
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qkv, const T* b_qkv, float* ws_qkv,
-                         float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned char* smem) {
+                         float* ws_split, unsigned* ws_count, unsigned* ws_ready, const GemvPre<QKV_U>& pre,
+                         unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
     const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
@@ -37,9 +42,9 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
         }
     };
     if constexpr (QKV_FLOW)
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, Q_DIM / 16>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gs);
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE>(w_qkv, xs,
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gs, &pre);
     else
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gs);
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE>(w_qkv, xs,
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gs, &pre);
 }
