@@ -60,6 +60,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "block 0's SM clock at each step boundary (up to 15 steps), then the global timer (ns) at the last "
            "launch's first and last stamp"),
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
+    Buffer("hsq", "float", lambda c: (c.get("HSQ_TILES", 0), c["ROWS"]),
+           "decode H_STATS: per 16-row o_proj tile and row, the sum of squares of h (the second norm's statistics)"),
 )
 
 ARGS: tuple[Arg, ...] = (

@@ -84,3 +84,9 @@ __device__ __forceinline__ float activation(float g) {
     return g / (1.f + __expf(-g));
 #endif
 }
+
+// The threads of warp group `group` (n threads, a multiple of 32) meet: a named barrier (id 1 + group; 0 is
+// __syncthreads), so groups that do not take part are not waited for. At most 15 groups.
+__device__ __forceinline__ void group_sync(int group, int n) {
+    asm volatile("bar.sync %0, %1;" :: "r"(1 + group), "r"(n) : "memory");
+}

@@ -51,6 +51,7 @@ constexpr int DOWN_NWG = 16;
 constexpr int DOWN_U = 8;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int DOWN_PRE = 0;
+constexpr int H_STATS = 0;
 constexpr float NORM_EPS = 1e-05f;
 constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
 typedef __nv_bfloat16 T;

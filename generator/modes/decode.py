@@ -17,9 +17,11 @@ STEPS = (
          flow="QKV_FLOW", pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_ready, ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_hb, tp_rank, ws_split, ws_count, ws_ready, o_pre, smem)",
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, o_pre, "
+                   "smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
-    Step("gate_up", "gate_up(ws_h, ws_hb, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, gu_pre, smem)",
+    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, gu_pre, "
+                    "smem)",
          pre="const auto gu_pre = gate_up_pre(w_gu)"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, down_pre, smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
@@ -36,10 +38,13 @@ STEPS = (
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
-# launch's wait for the previous layer; templates/gemv.cuh gemv_pre)
+# launch's wait for the previous layer; templates/gemv.cuh gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes
+# the second norm's input times its gain and each row's sum of squares per tile, so that norm makes no pass
+# (templates/stages/o_proj.cuh)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
-         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD"))
+         + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
+            "H_STATS"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -64,7 +69,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if (k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD") or k.endswith("_PRE")) and val not in (0, 1):
+        if (k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD", "H_STATS") or k.endswith("_PRE")) \
+                and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -156,11 +162,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
 
-    def gemv_need(batch: int, fold: int) -> int:  # the norm + projection stage's bytes: rows, reduction tiles[, fold]
-        red = max(2 * nw * 16 * batch * 4, nw * 2 * batch * 4)  # per warp a 16 x batch tile, double-buffered;
-        need = align(batch * xs_ld * esize) + red                # the norm's scratch shares the region
-        # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection
-        return align(need) + align(m.hidden * esize) + batch * 4 if fold else need
+    def gemv_need(batch: int, fold: int, stats: int = 0) -> int:  # the norm + projection stage's bytes: rows,
+        red = max(2 * nw * 16 * batch * 4, nw * 2 * batch * 4)      # reduction tiles (per warp a 16 x batch tile,
+        need = align(batch * xs_ld * esize) + red                    # double-buffered; the norm's scratch shares it)
+        # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
+        return align(need) + align(m.hidden * esize) + batch * 4 if fold else align(need) + batch * 4 if stats else need
 
     def fold_default(batch: int) -> int:
         # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki) where it fits:
@@ -171,10 +177,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                    and batch * m.hidden <= 65536 and gemv_need(batch, 1) <= arch.smem_per_block)
 
     norm_fold = ov.get("NORM_FOLD", fold_default(v.batch))
+    h_stats = ov.get("H_STATS", 0)
+    if h_stats and (m.norm != "rmsnorm" or not hb_copy):
+        raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
+                        f"{m.dtype}, tp {v.tp})")
+    o_groups = nw // gemv["o"]["NWG"]
+    if h_stats and (o_groups > 15 or o_groups * 16 * v.batch * 4 > v.batch * xs_ld * esize):
+        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups} warp groups a block: at most 15 "
+                        "(named barriers), their squares within the rows' region")
     smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0)) if norm_fold else 0
-    smem["SMEM_RS"] = smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold else 0
-    gemv_bytes = gemv_need(v.batch, norm_fold)
+    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
+                       else align(gemv_need(v.batch, 0)) if h_stats else 0)
+    gemv_bytes = gemv_need(v.batch, norm_fold, h_stats)
 
     def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
         if norm_fold and gemv_need(v.batch, 0) <= arch.smem_per_block:
@@ -219,6 +234,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
+    consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
             "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()
@@ -226,6 +242,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                       "XN_ROWS": 0,
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
                       "HB_ROWS": v.batch if hb_copy else 0,
+                      "HSQ_TILES": m.hidden // 16 if h_stats else 0,
                       "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
                                                  if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}

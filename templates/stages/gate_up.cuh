@@ -6,14 +6,14 @@
 __device__ __forceinline__ GemvPre<GU_U> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
     return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT>(w_gu);
 }
-__device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const T* ln_b, const T* w_gu, T* ws_act,
-                        unsigned* ws_status, float* ws_split, unsigned* ws_count, const GemvPre<GU_U>& pre,
-                        unsigned char* smem) {
+__device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
+                        const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split, unsigned* ws_count,
+                        const GemvPre<GU_U>& pre, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
+    T* gs = NORM_FOLD && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: the gain is in ws_hb
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
     if constexpr (HB_COPY)
-        norm(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
+        norm<H_STATS>(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs, ws_hsq);
     else  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF, 0, GU_PRE>(w_gu, xs,
@@ -21,7 +21,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const T* ln_w, const 
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {
                 const int pr = i / BATCH, b = i % BATCH;
-                const float r = NORM_FOLD ? rs[b] : 1.f;
+                const float r = NORM_FOLD || H_STATS ? rs[b] : 1.f;
                 const float g = tile(2 * pr, b) * r;
                 const float u = tile(2 * pr + 1, b) * r;
                 const float a = activation(g) * u;

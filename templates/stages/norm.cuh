@@ -9,15 +9,33 @@
 // and dst scaled in place. NORM_FOLD: no scale pass; dst keeps the raw rows, gs gets the gain (HIDDEN T) and rs each
 // row's 1/rms (BATCH floats): the projection multiplies its B fragments by the gain and its sums by 1/rms
 // (session 9's ablation: the scale pass was the norm's largest part at batch 16, ~4 us a norm at hidden 5120).
+// STATS (the decode plan's H_STATS, the second norm): src is already multiplied by the gain (o_proj's epilogue) and
+// hsq holds each row's sum of squares in HIDDEN/16 parts: dst keeps the raw rows and rs gets each row's 1/rms (the
+// parts summed in a fixed order), no pass over the rows at all.
 #pragma once
 #include "../common.cuh"
-template <class S>
+template <bool STATS = false, class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
-                     T* gs, float* rs) {
+                     T* gs, float* rs, const float* hsq = nullptr) {
     constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;
     constexpr int RB = BATCH >= NW ? NW : (BATCH <= 1 ? 1 : BATCH <= 2 ? 2 : BATCH <= 4 ? 4 : BATCH <= 8 ? 8 : 16);
     constexpr int WPR = NW / RB;  // warps per row (RB rows at a time)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % WPR;
+    if constexpr (STATS) {
+        static_assert(sizeof(S) == sizeof(T), "the statistics' norm copies T rows");
+        for (int i = tid; i < BATCH * NCH; i += THREADS)
+            cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
+        cp_async_commit();
+        for (int b = warp; b < BATCH; b += NW) {  // while the rows are copied
+            float q = 0.f;
+            for (int t = lane; t < HIDDEN / 16; t += 32) q += __ldcg(hsq + (size_t)t * BATCH + b);
+            q = warp_sum(q);
+            if (lane == 0) rs[b] = rsqrtf(q / HIDDEN + NORM_EPS);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        return;
+    }
     if constexpr (NORM_FOLD)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (sizeof(S) == sizeof(T)) {

@@ -1,14 +1,18 @@
 // ---- stage: o_proj ---- output projection of the attention result plus the residual: h = x + attn @ Wo^T,
 // kept in fp32 (ws_h) for the second norm and the final residual. With tensor parallel (TP > 1) each GPU writes its
 // heads' partial product and rank 0 alone adds x, so the all-reduce of ws_h between launches gives h on every GPU.
-// With HB_COPY (tp = 1, bf16) it also writes h rounded to T (ws_hb): the second norm's input.
+// With HB_COPY (tp = 1, bf16) it also writes h rounded to T (ws_hb): the second norm's input. With H_STATS it writes
+// that input already multiplied by the second norm's gain (ln2_w) and, per 16-row tile and row, the sum of squares of
+// h rounded to T (ws_hsq [HIDDEN/16][BATCH], in a fixed order: deterministic): the norm then makes no pass over its
+// rows (templates/stages/norm.cuh), gate_up scales its sums by 1/rms.
 #pragma once
 #include "../gemv.cuh"
 __device__ __forceinline__ GemvPre<O_U> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT>(w_o);
 }
-__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, T* ws_hb, int tp_rank, float* ws_split,
-                       unsigned* ws_count, unsigned* ws_ready, const GemvPre<O_U>& pre, unsigned char* smem) {
+__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
+                       float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
+                       const GemvPre<O_U>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage
@@ -17,11 +21,29 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, float* ws_h, 
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
+            // H_STATS: the group's squares [16][BATCH] in the rows' region (idle in this stage)
+            const int group = threadIdx.x / (O_NWG * 32);
+            float* sq = reinterpret_cast<float*>(smem + SMEM_XS) + group * 16 * BATCH;
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
                 const float h = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
                 ws_h[(size_t)b * HIDDEN + n] = h;
-                if constexpr (HB_COPY) ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
+                if constexpr (HB_COPY && H_STATS) {
+                    const float f = to_f(from_f(h));  // h as the norm reads it (transformers: the T residual, upcast)
+                    sq[i] = f * f;
+                    ws_hb[(size_t)b * HIDDEN + n] = from_f(f * to_f(ln2_w[n]));
+                } else if constexpr (HB_COPY) {
+                    ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
+                }
+            }
+            if constexpr (HB_COPY && H_STATS) {
+                group_sync(group, O_NWG * 32);
+                if (gt < BATCH) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int r = 0; r < 16; ++r) s += sq[r * BATCH + gt];
+                    ws_hsq[(size_t)(row0 / 16) * BATCH + gt] = s;
+                }
             }
         }, NoDone{}, nullptr, &pre);
 }
