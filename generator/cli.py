@@ -155,6 +155,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     def terminated(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, terminated)  # a SIGTERM stops the build the way Ctrl-C does
+
+    def note(line: str) -> None:  # a phase of the build the progress count does not show (re-planning)
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+        sys.stderr.flush()
     try:
         if sys.stdout.isatty():
             with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -162,7 +166,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                 task = bar.add_task("build", total=len(vs))
                 result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch,
                                         progress=lambda n, ok: bar.advance(task, n),
-                                        variants_file=variants_file, tuning_file=tfile)
+                                        variants_file=variants_file, tuning_file=tfile, notify=note)
         else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
             done, t0 = [0], time.perf_counter()
 
@@ -172,7 +176,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                            f"({time.perf_counter() - t0:.0f} s)")
                 sys.stdout.flush()
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
-                                    variants_file=variants_file, tuning_file=tfile)
+                                    variants_file=variants_file, tuning_file=tfile, notify=note)
     except KeyboardInterrupt as exc:
         why = f" ({exc})" if str(exc) else ""
         err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are as "

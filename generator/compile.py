@@ -214,7 +214,7 @@ REPLAN_TRIES = 12  # candidates compiled for a default plan that spills (a spill
 def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
           arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None,
           tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None,
-          replan_spills: bool = True) -> dict:
+          replan_spills: bool = True, notify=None) -> dict:
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
@@ -231,7 +231,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     whose default plan compiles with register spills is built with the first of the tuner's first REPLAN_TRIES
     candidates (generator.tune.candidates) that compiles without, warned, with plan_source "default (re-planned)"
     and the entry's "replanned" {"overrides", "default_spills"}; where none does, as planned, warned (the tuner
-    passes False: it measures plans as given); their warnings are result["replans"]. Raises TargetError for an
+    passes False: it measures plans as given); their warnings are result["replans"]; `notify(line)` is told before
+    that second round of compiles starts (the progress count is complete by then). Raises TargetError for an
     architecture the kernel cannot target.
     """
     from . import tune as gtune
@@ -391,6 +392,10 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     unique = {v.name: v for v in variants}.values()  # a variant given twice is re-planned once
     spilling = [v for v in unique if spilled_default(entries[v.name])] if replan_spills else []
     if spilling:
+        if notify:
+            notify(f"re-planning {len(spilling)} variant(s) whose default plan spills "
+                   f"({', '.join(v.name for v in spilling[:3])}{' ...' if len(spilling) > 3 else ''}): compiling up "
+                   f"to {REPLAN_TRIES} candidate plans each, {jobs} at a time")
         pool = ThreadPoolExecutor(max_workers=jobs)
         try:
             for v in spilling:

@@ -128,7 +128,7 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     exist) and intact. Raises LoadError naming the build command."""
     from . import variants as gvariants
     build_dir = Path(build_dir)
-    fix = f"run `megakernel build --build-dir {build_dir} --only '{name}'`"
+    fix = f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'`"
     try:
         manifest = read_manifest(build_dir)
     except ManifestError:
