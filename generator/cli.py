@@ -214,8 +214,11 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     replanned = " ".join(result.get("replans", []))  # already warned, with what was tried
     for r in rep["rows"]:
         if "spills" in r["flags"] and f"{r['name']}:" not in replanned:
+            ov = r.get("overrides") or {}  # a tuned or hand plan is built as given (not re-planned): say which
+            cause = (f" with its {r['plan']} plan overrides {ov} (only a default plan is re-planned; --no-tuned "
+                     "builds the default)" if ov else "")
             err_console.print(f"warning: {r['name']} spills {r['spill_stores']} B / loads {r['spill_loads']} B "
-                              "to local memory", highlight=False)
+                              f"to local memory{cause}", markup=False, highlight=False, soft_wrap=True)
     if result["errors"]:
         sys.exit(1)
     if not built:

@@ -58,13 +58,16 @@ def flags(entry: dict) -> list[str]:
 
 def plan_fields(entry: dict) -> dict:
     """"plan": which plan the build used ("default", "default (re-planned)": the default spilled, a spill-free
-    tuner candidate was built, "tuned (<file>)", "override"; entries of older builds: "default"); "tuned_gain": default_us / tuned_us the tuner measured for it (None where not known)."""
+    tuner candidate was built, "tuned (<file>)", "override"; entries of older builds: "default"); "overrides": the
+    plan overrides it was built with ({knob: value}, {} for the default plan); "tuned_gain": default_us / tuned_us
+    the tuner measured for it (None where not known)."""
     src = entry.get("plan_source") or "default"
     fig = entry.get("tuned_figures") or {}
     gain = None
     if src.startswith("tuned") and fig.get("default_us") and fig.get("tuned_us"):
         gain = round(fig["default_us"] / fig["tuned_us"], 3)
-    return {"plan": src, "tuned_gain": gain, "split_k": split_k_cell((entry.get("plan") or {}).get("consts") or {})}
+    return {"plan": src, "overrides": dict((entry.get("plan") or {}).get("overrides") or {}), "tuned_gain": gain,
+            "split_k": split_k_cell((entry.get("plan") or {}).get("consts") or {})}
 
 
 def split_k_cell(c: dict) -> str | None:
@@ -102,9 +105,10 @@ def _numel(shape) -> int:
 def _plan_cell(r: dict, k: str) -> str:
     src = r.get("plan") or "default"
     other = " [yellow](timed: other plan)[/yellow]" if r.get("timed_plan") == "other" else ""
+    ov = " ".join(f"{k}={v}" for k, v in sorted((r.get("overrides") or {}).items()))  # what was built
     if not src.startswith("tuned"):
-        return src + other
-    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "") + other
+        return src + (f" ({ov})" if ov else "") + other
+    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "") + (f" ({ov})" if ov else "") + other
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:

@@ -301,6 +301,9 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     assert "tuned ×1.20" in rep.stdout
     row = json.loads((b / "report.json").read_text())["rows"][0]
     assert row["plan"].startswith("tuned") and row["tuned_gain"] == 1.2
+    assert row["overrides"] == {"DOWN_U": 2, "QKV_NWG": 2}  # what was built, in report.json and the plan cell
+    from generator.report import _plan_cell
+    assert _plan_cell(row, "plan") == "tuned ×1.20 (DOWN_U=2 QKV_NWG=2)"
 
     # the tuning entry changes: the build is stale until rebuilt
     (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 4},
