@@ -36,8 +36,8 @@ CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places the
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS and
-# SPLIT_FLOATS (0 in decode where no GEMV splits K), the decode-only XF_ROWS (rows of a fragment-ordered buffer)
-# and HB_ROWS.
+# SPLIT_FLOATS (0 in decode where no GEMV splits K), the decode-only XF_ROWS (rows of a fragment-ordered buffer),
+# HB_ROWS and HSQ_TILES.
 WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
@@ -49,7 +49,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "attention output (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
-           "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers)"),
+           "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
+           "with H_STATS times the second norm's gain"),
     Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["INTER"]),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),

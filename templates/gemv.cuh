@@ -57,22 +57,11 @@ struct SplitTile {
     }
 };
 
-// W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with
-// XF in fragment order (x_at).
-// epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
-// Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
-// on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
-// last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
 struct NoDone {  // gemv's `done` where no later step waits on single tiles (a grid barrier follows the projection)
     static constexpr bool active = false;
     __device__ void operator()(int) const {}
 };
 
-// done(tile) (Done::active): called by the first thread of the group that wrote the tile, once its epilogue stores
-// are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
-// KSPLIT 1 only. TILE0: the first tile in task order
-// (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
-// gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
 // one step of a task: a warp's U weight loads from k-tile k0 of task `task` (all in flight before any use)
 template <int N, int K, int NWG, int U, int KSPLIT, int TILE0>
 __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane, uint4 (&a)[U]) {
@@ -97,12 +86,25 @@ __device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
     GemvPre<U> p;
     if constexpr (ON) {
         const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
-        const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round
+        const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round (its round loop)
         if (task < N / 16 * KSPLIT) gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, warp, threadIdx.x & 31, p.a);
     }
     return p;
 }
 
+// W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with
+// XF in fragment order (x_at).
+// epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
+// Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
+// on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
+// last to count (and reset the counter for the next launch: no barrier) runs the epilogue over all the partials.
+// done(tile) (Done::active): called by the first thread of the group that wrote the tile, once its epilogue stores
+// are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
+// KSPLIT 1 only. TILE0: the first tile in task order
+// (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
+// gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
+// pre (PRE, the decode plan's <P>_PRE): this group's first step of its first-round task, loaded by gemv_pre before
+// the barrier that precedes the stage; used in place of that step's loads (PF 1/2 then prefetch as without it).
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
           class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,

@@ -509,8 +509,9 @@ models:
 def test_h_stats_matches_the_reference(tmp_path):
     """H_STATS (o_proj writes the second norm's input times its gain and each row's sum of squares per tile; the norm
     makes no pass): Llama-3.2-1B b1 and b8 (with NORM_FOLD's first norm), a qkv-bias shape at batch 5 (a partial
-    n-tile) with o_proj in 8-warp groups and split-K, and at batch 16; rows of different scales (verify.random_inputs)
-    against the fp32 reference, and two launches on the same inputs bit-equal (the statistics' fixed order)."""
+    n-tile) with o_proj in 8-warp groups and split-K, and at batch 16, and a small shape at batch 65 with o_proj in
+    2-warp groups (more rows than a group has threads); rows of different scales (verify.random_inputs) against the
+    fp32 reference, and two launches on the same inputs bit-equal (the statistics' fixed order)."""
     import torch
 
     from bench.tune import renamed
@@ -523,9 +524,15 @@ models:
   hs: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
        norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
 """, "hs.yaml")
+    b65, = parse("""
+matrix: {mode: [decode], batch: [65], seq_len: [128]}
+models:
+  hw: {hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, layers: 2, norm: rmsnorm,
+       norm_eps: 1.0e-6, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "hw.yaml")
     l1b = {v.name: v for v in declared()}
     cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {}), (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_FOLD": 1}),
-             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {})]
+             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {}), (b65, {"O_NWG": 2})]
     for i, (v, ov) in enumerate(cases):
         c = renamed(v, f"hs{i}")
         res = gcompile.build([c], tmp_path, overrides={c.name: {"H_STATS": 1, **ov}})

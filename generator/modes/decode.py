@@ -38,9 +38,9 @@ STEPS = (
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
-# launch's wait for the previous layer; templates/gemv.cuh gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes
-# the second norm's input times its gain and each row's sum of squares per tile, so that norm makes no pass
-# (templates/stages/o_proj.cuh)
+# launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
+# gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
+# of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
@@ -102,8 +102,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
     if v.tp > 1 and (pre := [k for k in ov if k.endswith("_PRE") and ov[k]]):
-        raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (a launch's weights before "
-                        "its all-reduced input has not run on 2 GPUs)")
+        raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (weights loaded before the "
+                        "wait for the all-reduced input have not run on 2 GPUs)")
     norm_fold = ov.get("NORM_FOLD", 0)  # explicit here; the default is decided with the shared memory, below
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
         raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
@@ -166,7 +166,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         red = max(2 * nw * 16 * batch * 4, nw * 2 * batch * 4)      # reduction tiles (per warp a 16 x batch tile,
         need = align(batch * xs_ld * esize) + red                    # double-buffered; the norm's scratch shares it)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
-        return align(need) + align(m.hidden * esize) + batch * 4 if fold else align(need) + batch * 4 if stats else need
+        if fold:
+            return align(need) + align(m.hidden * esize) + batch * 4
+        return align(need) + batch * 4 if stats else need
 
     def fold_default(batch: int) -> int:
         # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki) where it fits:
@@ -195,8 +197,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if norm_fold and gemv_need(v.batch, 0) <= arch.smem_per_block:
             return (f"NORM_FOLD=1 keeps the gain and each row's 1/rms beside the rows: "
                     f"{gemv_bytes - gemv_need(v.batch, 0)} B more; without it the stage fits")
+        if h_stats and gemv_need(v.batch, 0) <= arch.smem_per_block:
+            return (f"H_STATS=1 keeps each row's 1/rms beside the rows: {gemv_bytes - gemv_need(v.batch, 0)} B more; "
+                    "without it the stage fits")
         fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
-        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", fold_default(fits + 1))) \
+        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", fold_default(fits + 1)), h_stats) \
                 <= arch.smem_per_block:
             fits += 1
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "

@@ -9,6 +9,7 @@ __device__ __forceinline__ GemvPre<GU_U> gate_up_pre(const T* w_gu) {  // GU_PRE
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
                         const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split, unsigned* ws_count,
                         const GemvPre<GU_U>& pre, unsigned char* smem) {
+    static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: the gain is in ws_hb
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);

@@ -9,9 +9,9 @@
 // and dst scaled in place. NORM_FOLD: no scale pass; dst keeps the raw rows, gs gets the gain (HIDDEN T) and rs each
 // row's 1/rms (BATCH floats): the projection multiplies its B fragments by the gain and its sums by 1/rms
 // (session 9's ablation: the scale pass was the norm's largest part at batch 16, ~4 us a norm at hidden 5120).
-// STATS (the decode plan's H_STATS, the second norm): src is already multiplied by the gain (o_proj's epilogue) and
-// hsq holds each row's sum of squares in HIDDEN/16 parts: dst keeps the raw rows and rs gets each row's 1/rms (the
-// parts summed in a fixed order), no pass over the rows at all.
+// STATS (the decode plan's H_STATS, the second norm): src is h already multiplied by the gain (o_proj's epilogue)
+// and hsq holds each row's sum of squares of h in HIDDEN/16 parts: dst gets src's rows as they are and rs each row's
+// 1/rms (the parts summed in a fixed order), no pass over the rows at all.
 #pragma once
 #include "../common.cuh"
 template <bool STATS = false, class S>

@@ -14,6 +14,9 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                        float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
                        const GemvPre<O_U>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
+    static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
+                               THREADS / (O_NWG * 32) * 16 * BATCH * 4 <= SMEM_RED),
+                  "H_STATS: the T copy of h, at most 15 warp groups (named barriers), their squares before SMEM_RED");
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage
     if (QKV_FLOW && blockIdx.x == 0)
@@ -38,11 +41,11 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
             }
             if constexpr (HB_COPY && H_STATS) {
                 group_sync(group, O_NWG * 32);
-                if (gt < BATCH) {
+                for (int b = gt; b < BATCH; b += O_NWG * 32) {
                     float s = 0.f;
 #pragma unroll
-                    for (int r = 0; r < 16; ++r) s += sq[r * BATCH + gt];
-                    ws_hsq[(size_t)(row0 / 16) * BATCH + gt] = s;
+                    for (int r = 0; r < 16; ++r) s += sq[r * BATCH + b];
+                    ws_hsq[(size_t)(row0 / 16) * BATCH + b] = s;
                 }
             }
         }, NoDone{}, nullptr, &pre);
