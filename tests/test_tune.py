@@ -427,6 +427,37 @@ def test_early_weight_loads_match_the_reference(tmp_path, pf):
         torch.cuda.synchronize()
 
 
+def _overrides_match_the_reference(tmp_path, cases, tag: str, seed: int, expect: dict, repeat: bool = False) -> None:
+    """Each (variant, overrides) of `cases`, renamed `tag`<i>, built with those overrides (all ok), loaded with random
+    weights (`seed`) and checked against the fp32 reference at two seeds (verify.random_inputs: rows of different
+    scales); its plan holds `expect` ({knob: value}); repeat: a second launch on the same inputs and caches is
+    bit-equal to the first."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    for i, (v, ov) in enumerate(cases):
+        c = renamed(v, f"{tag}{i}")
+        res = gcompile.build([c], tmp_path, overrides={c.name: ov})
+        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+        W = reference.random_weights(v.model, seed=seed, device="cuda")
+        layer = load(c.name, W, build_dir=tmp_path)
+        assert all(layer.plan["consts"][k] == val for k, val in expect.items()), (c.name, ov)
+        for s in (seed, seed + 1):
+            x, pos = verify.random_inputs(layer, s)
+            caches = (layer.k_cache.clone(), layer.v_cache.clone()) if repeat else None
+            res = verify.check_step(layer, x, pos, weights=W)
+            assert verify.passed(res, v.model.dtype), (c.name, ov, s, res["rel_err"], res["first_bad_stage"])
+            if repeat:
+                layer.k_cache.copy_(caches[0])
+                layer.v_cache.copy_(caches[1])
+                again = verify.check_step(layer, x, pos, weights=W)
+                assert torch.equal(again["out"], res["out"]), (c.name, s)
+        del layer
+        torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_norm_fold_matches_the_reference(tmp_path):
@@ -434,11 +465,6 @@ def test_norm_fold_matches_the_reference(tmp_path):
     and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
     and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
     n-tile) with GEMV_PF 2; against the fp32 reference on rows of different scales (verify.random_inputs)."""
-    import torch
-
-    from bench.tune import renamed
-    from generator import compile as gcompile, reference, verify
-    from generator.loader import load
     from generator.variants import parse
     b5, b16, b32 = parse("""
 matrix: {mode: [decode], batch: [5, 16, 32], seq_len: [512]}
@@ -450,19 +476,8 @@ models:
                                                                           "llama3.2-1b_decode_b8_s4096_bf16")]
     cases += [(b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}), (b32, {"QKV_KSPLIT": 2, "QKV_FLOW": 0, "GEMV_PF": 1}),
               (b5, {"GEMV_PF": 2})]
-    for v, extra in cases:
-        c = renamed(v, "nf")
-        res = gcompile.build([c], tmp_path, overrides={c.name: {"NORM_FOLD": 1, **extra}})
-        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
-        W = reference.random_weights(v.model, seed=9, device="cuda")
-        layer = load(c.name, W, build_dir=tmp_path)
-        assert layer.plan["consts"]["NORM_FOLD"] == 1
-        for seed in (9, 10):
-            x, pos = verify.random_inputs(layer, seed)
-            res = verify.check_step(layer, x, pos, weights=W)
-            assert verify.passed(res, v.model.dtype), (v.name, seed, res["rel_err"], res["first_bad_stage"])
-        del layer
-        torch.cuda.synchronize()
+    _overrides_match_the_reference(tmp_path, [(v, {"NORM_FOLD": 1, **ov}) for v, ov in cases], "nf", 9,
+                                   {"NORM_FOLD": 1})
 
 
 @pytest.mark.gpu
@@ -473,11 +488,6 @@ def test_pre_loaded_weights_match_the_reference(tmp_path):
     (the later rounds' prefetch after the pre-loaded first) and GEMV_PF 2 (the pipeline starting from it) at batch 5
     (a partial n-tile), and with split-K o_proj and down (the pre-loaded task is a split); against the fp32
     reference, two consecutive steps (the next launch's pre-loads run before the previous one's end)."""
-    import torch
-
-    from bench.tune import renamed
-    from generator import compile as gcompile, reference, verify
-    from generator.loader import load
     from generator.variants import parse
     b5, = parse("""
 matrix: {mode: [decode], batch: [5], seq_len: [512]}
@@ -489,19 +499,7 @@ models:
     every = {"QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}
     cases = [(l1b, every), (l1b, {**every, "GEMV_PF": 1}), (b5, {**every, "GEMV_PF": 2}),
              (b5, {**every, "O_KSPLIT": 2, "DOWN_KSPLIT": 4})]
-    for i, (v, ov) in enumerate(cases):
-        c = renamed(v, f"pre{i}")
-        res = gcompile.build([c], tmp_path, overrides={c.name: ov})
-        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
-        W = reference.random_weights(v.model, seed=11, device="cuda")
-        layer = load(c.name, W, build_dir=tmp_path)
-        assert all(layer.plan["consts"][k] == 1 for k in every)
-        for seed in (11, 12):
-            x, pos = verify.random_inputs(layer, seed)
-            res = verify.check_step(layer, x, pos, weights=W)
-            assert verify.passed(res, v.model.dtype), (c.name, ov, seed, res["rel_err"], res["first_bad_stage"])
-        del layer
-        torch.cuda.synchronize()
+    _overrides_match_the_reference(tmp_path, cases, "pre", 11, every)
 
 
 @pytest.mark.gpu
@@ -512,11 +510,6 @@ def test_h_stats_matches_the_reference(tmp_path):
     n-tile) with o_proj in 8-warp groups and split-K, and at batch 16, and a small shape at batch 65 with o_proj in
     2-warp groups (more rows than a group has threads); rows of different scales (verify.random_inputs) against the
     fp32 reference, and two launches on the same inputs bit-equal (the statistics' fixed order)."""
-    import torch
-
-    from bench.tune import renamed
-    from generator import compile as gcompile, reference, verify
-    from generator.loader import load
     from generator.variants import parse
     b5, b16 = parse("""
 matrix: {mode: [decode], batch: [5, 16], seq_len: [512]}
@@ -533,24 +526,8 @@ models:
     l1b = {v.name: v for v in declared()}
     cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {}), (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_FOLD": 1}),
              (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {}), (b65, {"O_NWG": 2})]
-    for i, (v, ov) in enumerate(cases):
-        c = renamed(v, f"hs{i}")
-        res = gcompile.build([c], tmp_path, overrides={c.name: {"H_STATS": 1, **ov}})
-        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
-        W = reference.random_weights(v.model, seed=13, device="cuda")
-        layer = load(c.name, W, build_dir=tmp_path)
-        assert layer.plan["consts"]["H_STATS"] == 1
-        for seed in (13, 14):
-            x, pos = verify.random_inputs(layer, seed)
-            k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
-            res = verify.check_step(layer, x, pos, weights=W)
-            assert verify.passed(res, v.model.dtype), (c.name, ov, seed, res["rel_err"], res["first_bad_stage"])
-            layer.k_cache.copy_(k0)
-            layer.v_cache.copy_(v0)
-            again = verify.check_step(layer, x, pos, weights=W)
-            assert torch.equal(again["out"], res["out"]), (c.name, seed)
-        del layer
-        torch.cuda.synchronize()
+    _overrides_match_the_reference(tmp_path, [(v, {"H_STATS": 1, **ov}) for v, ov in cases], "hs", 13,
+                                   {"H_STATS": 1}, repeat=True)
 
 
 def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
