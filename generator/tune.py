@@ -167,8 +167,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
     flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32);
-    per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention: ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the
-    splits), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
+    per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
+    ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits), ATT_STAGES 3
+    (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
