@@ -172,7 +172,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
 
             def progress(n, ok):
                 done[0] += n
-                click.echo(f"{'built' if ok else 'failed'} {n}, {done[0]}/{len(vs)} variants done "
+                what = "built a binary for" if ok else "failed to compile the binary of"
+                click.echo(f"{what} {n} variant{'s' if n != 1 else ''}, "
+                           f"{done[0]}/{len(vs)} variants done "
                            f"({time.perf_counter() - t0:.0f} s)")
                 sys.stdout.flush()
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,

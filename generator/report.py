@@ -108,7 +108,9 @@ def _plan_cell(r: dict, k: str) -> str:
     ov = " ".join(f"{k}={v}" for k, v in sorted((r.get("overrides") or {}).items()))  # what was built
     if not src.startswith("tuned"):
         return src + (f" ({ov})" if ov else "") + other
-    return "tuned" + (f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "") + (f" ({ov})" if ov else "") + other
+    # a tuning entry without the tuner's times (one written by hand) is built but was never timed
+    gain = f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else ", not timed"
+    return "tuned" + gain + (f" ({ov})" if ov else "") + other
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:

@@ -304,6 +304,8 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     assert row["overrides"] == {"DOWN_U": 2, "QKV_NWG": 2}  # what was built, in report.json and the plan cell
     from generator.report import _plan_cell
     assert _plan_cell(row, "plan") == "tuned ×1.20 (DOWN_U=2 QKV_NWG=2)"
+    # an entry written by hand (no tuner times): built, said not timed
+    assert _plan_cell({"plan": "tuned (x.json)", "overrides": {"H_STATS": 1}}, "plan") == "tuned, not timed (H_STATS=1)"
 
     # the tuning entry changes: the build is stale until rebuilt
     (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 4},
@@ -551,7 +553,7 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
     # H_STATS: RMSNorm in bf16 on one GPU; o_proj's groups within the named barriers
     with pytest.raises(PlanError, match="H_STATS=1: needs RMSNorm, bf16 and one GPU"):
         plan(tp, "90", overrides={"H_STATS": 1})
-    with pytest.raises(PlanError, match="H_STATS=1: o_proj's 16 warp groups"):
+    with pytest.raises(PlanError, match=r"H_STATS=1: needs o_proj in groups of >= 2 warps \(O_NWG=1: 16 warp"):
         plan(v, "90", overrides={"H_STATS": 1, "O_NWG": 1})
     p = plan(v, "90", overrides={"H_STATS": 1})
     assert p["workspace"]["buffers"]["hsq"]["shape"] == [2048 // 16, 1] and p["consts"]["SMEM_RS"] > 0

@@ -184,9 +184,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
                         f"{m.dtype}, tp {v.tp})")
     o_groups = nw // gemv["o"]["NWG"]
-    if h_stats and (o_groups > 15 or o_groups * 16 * v.batch * 4 > v.batch * xs_ld * esize):
-        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups} warp groups a block: at most 15 "
-                        "(named barriers), their squares within the rows' region")
+    if h_stats and o_groups > 15:
+        raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
+                        f"{gemv['o']['NWG']}: {o_groups} warp groups a block, at most 15 named barriers)")
+    if h_stats and o_groups * 16 * v.batch * 4 > v.batch * xs_ld * esize:
+        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups} warp groups' squares "
+                        f"({o_groups * 16 * v.batch * 4} B) exceed the rows' region ({v.batch * xs_ld * esize} B): "
+                        "a larger O_NWG")
     smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0)) if norm_fold else 0
     smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
