@@ -116,7 +116,8 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
         fail(f"{variants_file}: no variant named '{name}' (see `megakernel list`)")
     v = vs[name]
     ov, source, _, warning = gtune.resolve(v, arch, tfile)
-    tuned = [f"note: {source} plan: {ov or 'the default (the tuner found nothing faster)'}"
+    knobs = " ".join(f"{k}={val}" for k, val in sorted(ov.items()))  # as the report's plan column writes them
+    tuned = [f"note: {source} plan: {knobs or 'the default (the tuner found nothing faster)'}"
              ] if source != "default" else []
     for note in ([warning] if warning else []) + tuned:
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
