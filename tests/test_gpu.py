@@ -209,6 +209,33 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
         assert bool(layer.buffer("ready").eq(0).all()), layer.buffer("ready")
 
 
+def test_dynamic_attention_split_at_skewed_positions(build_dir):
+    """ATT_DYN (the rows per attention task chosen at run time from the positions; the default at batch 2-32):
+    every sequence against the fp32 reference where the positions are far apart (one at the last cache row, the
+    rest at 0 or 1; spread evenly; all but one refused with -1, whose outputs are NaN and whose cache rows are not
+    written), and the split counters back at zero after each launch."""
+    picks = [v for v in DECLARED + USER if v.batch >= 2][:3] + [u for u in USER if u.batch >= 2][:1]
+    assert picks, "no batch >= 2 variant declared"
+    for v in picks:
+        layer = _layer(v, build_dir, SEED + 10)
+        assert layer.plan["consts"]["ATT_DYN"] == 1, v.name
+        B, S = v.batch, v.seq_len
+        for case, pos in (("one long", [S - 1] + [b % 2 for b in range(1, B)]),
+                          ("spread", [(b + 1) * S // B - 1 for b in range(B)]),
+                          ("refused", [S // 2] + [-1] * (B - 1))):
+            x, _ = verify.random_inputs(layer, SEED + 10)
+            p = torch.tensor(pos, dtype=torch.int32, device="cuda")
+            kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+            out = layer(x, p, validate=False)
+            torch.cuda.synchronize()
+            ok = p >= 0
+            ref = reference.decoder_layer(x[ok], p[ok], layer.weights(), kc[ok], vc[ok], v.model)
+            assert verify.rel_err(out[ok], ref) <= verify.REL_TOL[v.model.dtype], f"seed {SEED} {v.name} {case}"
+            assert bool(out[~ok].isnan().all()), f"{v.name} {case}: a refused position's output is not NaN"
+            assert torch.equal(layer.k_cache[~ok], kc[~ok]), f"{v.name} {case}: a refused sequence's cache written"
+            assert bool(layer.buffer("count").eq(0).all()), f"{v.name} {case}: split counters left set"
+
+
 def test_torch_compile_and_custom_op(build_dir):
     v = _first_small()
     layer = _layer(v, build_dir, SEED + 3)

@@ -140,6 +140,39 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_dynamic_attention_split_is_the_planned_one_at_full_context():
+    """ATT_DYN (default at batch 2-32 on one GPU, off with an ATT_C override): at full context the split the kernel
+    picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the planner's ATT_C
+    for every declared and held-out variant, as built (tuned plans included); at mixed positions it is never more
+    rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles for every walker warp; batch 1,
+    batch > 32 and tensor parallel keep the static split (asking for it there is refused)."""
+    import random
+    from generator.modes.decode import attention_split
+    rng = random.Random(5)
+    n_dyn = 0
+    for v in declared():
+        c = render.plan(v, "90", overrides=gtune.resolve(v, "90", gtune.default_tuning_file())[0])["consts"]
+        if v.batch == 1 or v.tp > 1:
+            assert c["ATT_DYN"] == 0, v.name
+            continue
+        n_dyn += 1
+        assert c["ATT_DYN"] == 1, v.name
+        assert attention_split([v.seq_len] * v.batch, c, 132) == c["ATT_C"], v.name
+        for _ in range(20):
+            lengths = [rng.choice([0, 1, v.seq_len, rng.randint(1, v.seq_len)]) for _ in range(v.batch)]
+            split = attention_split(lengths, c, 132)
+            assert split % (16 * c["ATT_WARPS"]) == 0 and split <= max(c["ATT_C"], 16 * c["ATT_WARPS"]), (v, lengths)
+            assert max(-(-n // split) for n in lengths) <= c["ATT_NSPLIT"], (v.name, lengths, split)
+    assert n_dyn >= 20
+    v = next(v for v in declared() if v.name == "llama3-8b_decode_b8_s32768_bf16")
+    assert attention_split([(b + 1) * 4096 for b in range(8)], render.plan(v)["consts"], 132) < 16384 / 2
+    assert render.plan(v, overrides={"ATT_C": 8192})["consts"]["ATT_DYN"] == 0
+    for bad in (dataclasses.replace(v, tp=2), dataclasses.replace(v, batch=1)):
+        assert render.plan(bad)["consts"]["ATT_DYN"] == 0
+    with pytest.raises(PlanError, match="ATT_DYN=1: needs batch <= 32"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 1})
+
+
 def test_fragment_ordered_activations_on_one_gpu():
     """X_FRAG (o_proj's and down_proj's X in B-fragment order) is the default on one GPU, from 8 sequences on with
     tensor parallel: the buffers hold whole n-tiles of 8 rows, the knob turns it off; the second norm's T copy of h

@@ -8,6 +8,8 @@
 // (qk_norm, rope, scale) in shared memory; the task that holds row pos also appends the new k and v.
 // Splits of one (sequence, kv head) meet through a counter: the last to finish combines the partial results
 // (max-rescaled sums) and writes the attention output, so no extra grid barrier is needed.
+// ATT_DYN: the rows per task are chosen at run time from this launch's positions (att_schedule), so sequences at
+// mixed positions spread their actual rows over the blocks; at full context it picks ATT_C (the planner's choice).
 #pragma once
 #include "../gemv.cuh"
 #include "qk_norm.cuh"
@@ -26,6 +28,78 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
 __device__ __forceinline__ unsigned pack2(float a, float b) {
     T2 h = from_f2(a, b);
     return *reinterpret_cast<unsigned*>(&h);
+}
+
+// ATT_DYN: warp 0 picks the rows per task C (a multiple of 16 x ATT_WARPS) for this launch's positions, the model of
+// generator/modes/decode.py attention_split (the same integer arithmetic): a (sequence, KV head) of L rows makes
+// ceil(L / C) tasks (one for an empty or refused position), T tasks in all take ceil(T / grid) rounds, and a round
+// costs C rows plus ATT_OVH rows of fixed latency a task; the cheapest C wins (the largest of equals). Candidates: C
+// for s = 1 .. smax splits of the longest sequence (32 spread over them), then 32 between the best one's neighbours.
+// Writes sched[0] = C, sched[1] = the task count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH).
+__device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a / c) for 0 <= a < 2^24, exact
+    int q = __float2int_ru((float)a * rc);
+    if (q * c < a) ++q;
+    else if (q > 0 && (q - 1) * c >= a) --q;
+    return q;
+}
+__device__ void att_schedule(const int* pos, int* sched) {
+    static_assert(BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
+    constexpr int STEP = 16 * ATT_WARPS;
+    const int lane = threadIdx.x & 31;
+    int L = 0;  // rows of this lane's sequence; 0 for an empty or refused position (one task: it writes NaN)
+    if (lane < BATCH) {
+        int p;
+        asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + lane));
+        L = p >= 0 && p < SEQ_LEN ? p + 1 : 0;
+        sched[2 + lane] = L;
+    }
+    __syncwarp();
+    int lmax = L;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) lmax = max(lmax, __shfl_xor_sync(0xffffffffu, lmax, o));
+    const int grid = gridDim.x;
+    const int klo = max(1, (max(1, (lmax + ATT_NSPLIT - 1) / ATT_NSPLIT) + STEP - 1) / STEP);
+    const int khi = max(klo, (lmax + STEP - 1) / STEP);
+    const int smax = max(1, min(ATT_NSPLIT, (lmax + STEP - 1) / STEP));
+    auto clamp_k = [&](int s) { return min(khi, max(klo, ((lmax + s - 1) / s + STEP - 1) / STEP)); };
+    auto key = [&](int k) {  // (cost, then the larger C first) as one ordered 64-bit key
+        const int c = k * STEP;
+        const float rc = 1.f / (float)c;
+        int t = 0;
+        for (int b = 0; b < BATCH; ++b) {
+            const int l = sched[2 + b];
+            t += l > 0 ? att_ceil_div(l, c, rc) : 1;
+        }
+        t *= KV_HEADS;
+        const unsigned long long cost = (unsigned long long)((t + grid - 1) / grid) * (unsigned)(c + ATT_OVH);
+        return cost << 32 | (0xffffffffu - (unsigned)k);
+    };
+    auto argmin = [&](unsigned long long v) {
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+            v = w < v ? w : v;
+        }
+        return v;
+    };
+    const int s1 = 1 + lane * (smax - 1) / 31;
+    const unsigned long long b1 = argmin(key(clamp_k(s1)));
+    const int best = (int)(0xffffffffu - (unsigned)b1);
+    const int sb = (__ffs(__ballot_sync(0xffffffffu, clamp_k(s1) == best)) - 1) * (smax - 1) / 31 + 1;
+    const int ka = clamp_k(sb + 1), kb = clamp_k(max(1, sb - 1));
+    const unsigned long long b2 = argmin(key(ka + lane * (kb - ka) / 31));
+    const int c = (int)(0xffffffffu - (unsigned)(b1 < b2 ? b1 : b2)) * STEP;
+    // each sequence's first task (in units of KV_HEADS tasks): an inclusive scan of its task count
+    __syncwarp();
+    int n = lane < BATCH ? (L > 0 ? (L + c - 1) / c : 1) : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, n, o);
+        if (lane >= o) n += u;
+    }
+    if (lane < BATCH) sched[3 + lane] = n;
+    if (lane == 0) { sched[0] = c; sched[2] = 0; }
+    if (lane == 31) sched[1] = n * KV_HEADS;
 }
 
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
@@ -50,14 +124,32 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     T* pt = reinterpret_cast<T*>(smem + SMEM_PT) + warp * NT * 8 * PL;                       // [NT*8 heads][PL]
     const bool walker = warp < ATT_WARPS;
 
-    for (int task = blockIdx.x; task < NTASK; task += gridDim.x) {
-        const int split = task / (BATCH * KV_HEADS), rem = task % (BATCH * KV_HEADS);
-        const int b = rem / KV_HEADS, kvh = rem % KV_HEADS;
+    int att_c = ATT_C, ntask = NTASK;
+    const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: [BATCH + 1] first tasks
+    if constexpr (ATT_DYN) {
+        if (warp == 0) att_schedule(pos, reinterpret_cast<int*>(smem + SMEM_SCHED));
+        __syncthreads();
+        att_c = first[-2];
+        ntask = first[-1];
+    }
+    for (int task = blockIdx.x; task < ntask; task += gridDim.x) {
+        int split, b, kvh;
+        if constexpr (ATT_DYN) {  // sequence-major, KV head fastest: b is the last sequence starting at or before u
+            const int u = task / KV_HEADS;
+            kvh = task % KV_HEADS;
+            b = __popc(__ballot_sync(0xffffffffu, lane < BATCH - 1 && first[lane + 1] <= u));
+            split = u - first[b];
+        } else {
+            split = task / (BATCH * KV_HEADS);
+            const int rem = task % (BATCH * KV_HEADS);
+            b = rem / KV_HEADS;
+            kvh = rem % KV_HEADS;
+        }
         // (a volatile load: with QKV_FLOW no grid barrier stops the compiler hoisting it into qkv_proj, whose
         // register peak it then raises past the cap: a spill)
         int p;
         asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + b));
-        const int row0 = split * ATT_C;
+        const int row0 = split * att_c;
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
                 for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS)
@@ -66,7 +158,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
         if (row0 > p) continue;                       // the same for the whole block
-        const int n = min(ATT_C, p + 1 - row0), nsplit = p / ATT_C + 1;
+        const int n = min(att_c, p + 1 - row0), nsplit = p / att_c + 1;
         const bool appends = split == nsplit - 1;
         const size_t head_base = ((size_t)b * KV_HEADS + kvh) * SEQ_LEN * HEAD_DIM;
         const T* kc = k_cache + head_base + (size_t)row0 * HEAD_DIM;
