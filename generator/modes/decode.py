@@ -79,20 +79,19 @@ def _check_overrides(name: str, ov: dict) -> dict:
     return out
 
 
-ATT_OVH_BYTES = 96 * 1024  # an attention task's fixed latency (queries, warp states, partial + counter: ~3 us on the
-#                           H200, bench/NOTES.md session 11) in cache bytes one SM streams meanwhile (~31 GB/s an SM)
-ATT_DYN_SPLITS = 32        # ATT_DYN: the most splits a sequence may take beyond the planned ones (the partials' size)
+ATT_DYN_SPLITS = 32  # ATT_DYN: the most splits a sequence may take beyond the planned ones (the partials' size)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
-    """The cache rows per attention task that ATT_DYN's kernel picks for one launch (templates/stages/attention.cuh
+    """The cache rows per attention task C that ATT_DYN's kernel picks for one launch (templates/stages/attention.cuh
     att_schedule does the same integer arithmetic on the device): `lengths` are each sequence's rows (position + 1;
     0 for an empty or refused position), `consts` the plan's constants, `grid` the launch's blocks. A sequence of L
-    rows makes ceil(L / C) tasks per KV head (one when empty); T tasks take ceil(T / grid) rounds; a round costs C
-    rows plus ATT_OVH rows of a task's fixed latency. The cheapest C (a multiple of 16 x ATT_WARPS, at most
-    ATT_NSPLIT splits a sequence) wins, the largest of equals: candidates are C for 1 .. smax splits of the longest
-    sequence (32 spread over them), then 32 between the best one's neighbours. At full context every declared
-    variant's pick is the planner's ATT_C (tests/test_tune.py)."""
+    rows makes ceil(L / C) tasks per KV head (one when empty); C is the smallest multiple of 16 x ATT_WARPS (at most
+    ATT_NSPLIT splits a sequence) with every task in one round (at most `grid`), else the one that gives each
+    sequence one task. Candidates: C for 1 .. smax splits of the longest sequence (32 spread over them), then 32
+    between the smallest that fits and the next. At full context every declared variant's pick is the planner's
+    ATT_C (tests/test_tune.py). Why one round: a second costs every block a task's fixed latency again (queries,
+    partial, counter: ~3 us), which lost to the static split at KV 4096 on the H200 (bench/NOTES.md session 15)."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
     step, nsplit, kvh = 16 * consts["ATT_WARPS"], consts["ATT_NSPLIT"], consts["KV_HEADS"]
@@ -104,14 +103,15 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     def clamp(s: int) -> int:
         return min(khi, max(klo, cdiv(cdiv(lmax, s), step)))
 
-    def key(k: int) -> tuple:
-        t = kvh * sum(cdiv(n, k * step) if n > 0 else 1 for n in lengths)
-        return cdiv(t, grid) * (k * step + consts["ATT_OVH"]), -k
-    ks = [clamp(1 + lane * (smax - 1) // 31) for lane in range(32)]
-    best = min(ks, key=key)
-    sb = 1 + ks.index(best) * (smax - 1) // 31
-    ka, kb = clamp(sb + 1), clamp(max(1, sb - 1))
-    return min([best] + [ka + lane * (kb - ka) // 31 for lane in range(32)], key=key) * step
+    def fits(k: int) -> bool:
+        return kvh * sum(cdiv(n, k * step) if n > 0 else 1 for n in lengths) <= grid
+    k1 = [clamp(1 + lane * (smax - 1) // 31) for lane in range(32)]
+    ok = [lane for lane in range(32) if fits(k1[lane])]
+    if not ok:
+        return khi * step
+    j = max(ok)
+    kb, ka = k1[j], k1[min(31, j + 1)]
+    return next(k for k in (ka + lane * (kb - ka) // 31 for lane in range(32)) if fits(k)) * step
 
 
 def _fmt(ov: dict) -> str:
@@ -171,7 +171,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # session 11; Qwen2.5-0.5B b1 KV 4096 +1.9 %: its tuned plan keeps 16)
     nw = THREADS // 32
     tile = 16 * (m.head_dim + 8) * esize * 2            # one 16-key tile of K and V
-    kv_row = m.head_dim * esize                         # one cache row of K (or V), bytes
     att_stages = ov.get("ATT_STAGES", 2)
     ring_budget = arch.smem_per_block * 2 // 3
     att_warps = ov.get("ATT_WARPS", max(1, min(nw, ATT_WARPS_MAX, ring_budget // (att_stages * tile))))
@@ -188,8 +187,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                             f"to {step}")
     nsplit = math.ceil(v.seq_len / att_c)
     # ATT_DYN (batch 2-32, one GPU, no ATT_C override): the rows per task follow the positions, so sequences at
-    # mixed positions spread their actual rows over the blocks; at full context the same split as ATT_C. The
-    # partials then have room for more splits: one round's worth per KV head (at most ATT_DYN_SPLITS).
+    # mixed positions spread their actual rows over the blocks (attention_split); at full context the same split as
+    # ATT_C. The partials then have room for more splits: one round's worth per KV head (at most ATT_DYN_SPLITS).
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1):
         raise PlanError(f"{v.name}: plan override ATT_DYN=1: needs batch <= 32 (one warp schedules) and one GPU "
@@ -262,7 +261,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     ring = att_warps * att_stages * tile
     smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
     smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16  # ATT_DYN: C, the task count, each sequence's first task
-    att_bytes = smem["SMEM_SCHED"] + (4 * (v.batch + 3) if att_dyn else 0)
+    att_bytes = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
     combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
     if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:
         raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "
@@ -279,7 +278,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "ATT_DYN": att_dyn, "ATT_OVH": ATT_OVH_BYTES // (2 * kv_row),
+        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "ATT_DYN": att_dyn,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

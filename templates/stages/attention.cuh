@@ -30,12 +30,14 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// ATT_DYN: warp 0 picks the rows per task C (a multiple of 16 x ATT_WARPS) for this launch's positions, the model of
-// generator/modes/decode.py attention_split (the same integer arithmetic): a (sequence, KV head) of L rows makes
-// ceil(L / C) tasks (one for an empty or refused position), T tasks in all take ceil(T / grid) rounds, and a round
-// costs C rows plus ATT_OVH rows of fixed latency a task; the cheapest C wins (the largest of equals). Candidates: C
-// for s = 1 .. smax splits of the longest sequence (32 spread over them), then 32 between the best one's neighbours.
-// Writes sched[0] = C, sched[1] = the task count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH).
+// ATT_DYN: warp 0 picks the rows per task C (a multiple of 16 x ATT_WARPS) for this launch's positions, as
+// generator/modes/decode.py attention_split does (the same integer arithmetic): a (sequence, KV head) of L rows makes
+// ceil(L / C) tasks (one for an empty or refused position); C is the smallest with at most one task a block (every
+// task in one round: a second round costs a task's fixed latency again and lost on the H200, bench/NOTES.md session
+// 15), else the one that gives each (sequence, KV head) one task. Candidates: C for 1 .. smax splits of the longest
+// sequence (32 spread over them), then 32 between the smallest that fits and the next. Writes sched[0] = C,
+// sched[1] = the task count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] =
+// its rows (position + 1; 0: refused).
 __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a / c) for 0 <= a < 2^24, exact
     int q = __float2int_ru((float)a * rc);
     if (q * c < a) ++q;
@@ -46,51 +48,44 @@ __device__ void att_schedule(const int* pos, int* sched) {
     static_assert(BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
     constexpr int STEP = 16 * ATT_WARPS;
     const int lane = threadIdx.x & 31;
-    int L = 0;  // rows of this lane's sequence; 0 for an empty or refused position (one task: it writes NaN)
+    int* lens = sched + 3 + BATCH;
+    int L = 0;
     if (lane < BATCH) {
         int p;
         asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + lane));
         L = p >= 0 && p < SEQ_LEN ? p + 1 : 0;
-        sched[2 + lane] = L;
+        lens[lane] = L;
     }
     __syncwarp();
-    int lmax = L;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) lmax = max(lmax, __shfl_xor_sync(0xffffffffu, lmax, o));
-    const int grid = gridDim.x;
+    const int lmax = (int)__reduce_max_sync(0xffffffffu, (unsigned)L);
     const int klo = max(1, (max(1, (lmax + ATT_NSPLIT - 1) / ATT_NSPLIT) + STEP - 1) / STEP);
     const int khi = max(klo, (lmax + STEP - 1) / STEP);
     const int smax = max(1, min(ATT_NSPLIT, (lmax + STEP - 1) / STEP));
     auto clamp_k = [&](int s) { return min(khi, max(klo, ((lmax + s - 1) / s + STEP - 1) / STEP)); };
-    auto key = [&](int k) {  // (cost, then the larger C first) as one ordered 64-bit key
+    auto fits = [&](int k) {  // every task in one round
         const int c = k * STEP;
-        const float rc = 1.f / (float)c;
+        const float rc = __frcp_rn((float)c);
         int t = 0;
+#pragma unroll 4
         for (int b = 0; b < BATCH; ++b) {
-            const int l = sched[2 + b];
+            const int l = lens[b];
             t += l > 0 ? att_ceil_div(l, c, rc) : 1;
         }
-        t *= KV_HEADS;
-        const unsigned long long cost = (unsigned long long)((t + grid - 1) / grid) * (unsigned)(c + ATT_OVH);
-        return cost << 32 | (0xffffffffu - (unsigned)k);
+        return t * KV_HEADS <= (int)gridDim.x;
     };
-    auto argmin = [&](unsigned long long v) {
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-            const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
-            v = w < v ? w : v;
-        }
-        return v;
-    };
-    const int s1 = 1 + lane * (smax - 1) / 31;
-    const unsigned long long b1 = argmin(key(clamp_k(s1)));
-    const int best = (int)(0xffffffffu - (unsigned)b1);
-    const int sb = (__ffs(__ballot_sync(0xffffffffu, clamp_k(s1) == best)) - 1) * (smax - 1) / 31 + 1;
-    const int ka = clamp_k(sb + 1), kb = clamp_k(max(1, sb - 1));
-    const unsigned long long b2 = argmin(key(ka + lane * (kb - ka) / 31));
-    const int c = (int)(0xffffffffu - (unsigned)(b1 < b2 ? b1 : b2)) * STEP;
+    // round 1: k falls with the lane, so the lanes that fit are a prefix
+    const int k1 = clamp_k(1 + lane * (smax - 1) / 31);
+    const unsigned f1 = __ballot_sync(0xffffffffu, fits(k1));
+    int k = khi;
+    if (f1) {
+        const int j = 31 - __clz(f1);
+        const int kb = __shfl_sync(0xffffffffu, k1, j), ka = __shfl_sync(0xffffffffu, k1, min(31, j + 1));
+        const int k2 = ka + lane * (kb - ka) / 31;  // round 2: rises with the lane; lane 31 (kb) fits
+        const unsigned f2 = __ballot_sync(0xffffffffu, fits(k2));
+        k = __shfl_sync(0xffffffffu, k2, __ffs(f2) - 1);
+    }
+    const int c = k * STEP;
     // each sequence's first task (in units of KV_HEADS tasks): an inclusive scan of its task count
-    __syncwarp();
     int n = lane < BATCH ? (L > 0 ? (L + c - 1) / c : 1) : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -125,7 +120,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     const bool walker = warp < ATT_WARPS;
 
     int att_c = ATT_C, ntask = NTASK;
-    const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: [BATCH + 1] first tasks
+    const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: first tasks, rows
     if constexpr (ATT_DYN) {
         if (warp == 0) att_schedule(pos, reinterpret_cast<int*>(smem + SMEM_SCHED));
         __syncthreads();
@@ -147,8 +142,9 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         }
         // (a volatile load: with QKV_FLOW no grid barrier stops the compiler hoisting it into qkv_proj, whose
         // register peak it then raises past the cap: a spill)
-        int p;
-        asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + b));
+        int p;  // ATT_DYN: from the schedule's copy (rows - 1; -1: refused)
+        if constexpr (ATT_DYN) p = first[BATCH + 1 + b] - 1;
+        else asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + b));
         const int row0 = split * att_c;
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
