@@ -111,6 +111,8 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
         return khi * step
     j = max(ok)
     kb, ka = k1[j], k1[min(31, j + 1)]
+    if ka >= kb - 1:
+        return kb * step
     return next(k for k in (ka + lane * (kb - ka) // 31 for lane in range(32)) if fits(k)) * step
 
 

@@ -66,7 +66,7 @@ __device__ void att_schedule(const int* pos, int* sched) {
         const int c = k * STEP;
         const float rc = __frcp_rn((float)c);
         int t = 0;
-#pragma unroll 4
+#pragma unroll
         for (int b = 0; b < BATCH; ++b) {
             const int l = lens[b];
             t += l > 0 ? att_ceil_div(l, c, rc) : 1;
@@ -80,9 +80,12 @@ __device__ void att_schedule(const int* pos, int* sched) {
     if (f1) {
         const int j = 31 - __clz(f1);
         const int kb = __shfl_sync(0xffffffffu, k1, j), ka = __shfl_sync(0xffffffffu, k1, min(31, j + 1));
-        const int k2 = ka + lane * (kb - ka) / 31;  // round 2: rises with the lane; lane 31 (kb) fits
-        const unsigned f2 = __ballot_sync(0xffffffffu, fits(k2));
-        k = __shfl_sync(0xffffffffu, k2, __ffs(f2) - 1);
+        k = kb;
+        if (ka < kb - 1) {  // round 2: rises with the lane; lane 31 (kb) fits
+            const int k2 = ka + lane * (kb - ka) / 31;
+            const unsigned f2 = __ballot_sync(0xffffffffu, fits(k2));
+            k = __shfl_sync(0xffffffffu, k2, __ffs(f2) - 1);
+        }
     }
     const int c = k * STEP;
     // each sequence's first task (in units of KV_HEADS tasks): an inclusive scan of its task count
