@@ -141,10 +141,10 @@ def test_qkv_flow_replaces_one_barrier():
 
 
 def test_dynamic_attention_split_is_the_planned_one_at_full_context():
-    """ATT_DYN (default at batch 2-32 on one GPU, off with an ATT_C override): at full context the split the kernel
-    picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the planner's ATT_C
-    for every declared and held-out variant, as built (tuned plans included); at mixed positions it is never more
-    rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles for every walker warp; batch 1,
+    """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
+    split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
+    planner's ATT_C for every declared and held-out variant, as built (tuned plans included) with ATT_DYN on; at
+    mixed positions it is never more rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles for every walker warp; batch 1,
     batch > 32 and tensor parallel keep the static split (asking for it there is refused)."""
     import random
     from generator.modes.decode import attention_split
@@ -155,8 +155,10 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context():
         if v.batch == 1 or v.tp > 1:
             assert c["ATT_DYN"] == 0, v.name
             continue
+        assert c["ATT_DYN"] == int(v.seq_len >= 8192), v.name
+        c = render.plan(v, "90", overrides={**gtune.resolve(v, "90", gtune.default_tuning_file())[0],
+                                            "ATT_DYN": 1})["consts"]
         n_dyn += 1
-        assert c["ATT_DYN"] == 1, v.name
         assert attention_split([v.seq_len] * v.batch, c, 132) == c["ATT_C"], v.name
         for _ in range(20):
             lengths = [rng.choice([0, 1, v.seq_len, rng.randint(1, v.seq_len)]) for _ in range(v.batch)]
@@ -175,6 +177,8 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context():
         assert render.plan(bad)["consts"]["ATT_DYN"] == 0
     with pytest.raises(PlanError, match="ATT_DYN=1: needs batch <= 32"):
         render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 1})
+    with pytest.raises(PlanError, match="ATT_DYN=1 and ATT_C=8192"):
+        render.plan(v, overrides={"ATT_DYN": 1, "ATT_C": 8192})
 
 
 def test_fragment_ordered_activations_on_one_gpu():

@@ -79,7 +79,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
     return out
 
 
-ATT_DYN_SPLITS = 32  # ATT_DYN: the most splits a sequence may take beyond the planned ones (the partials' size)
+ATT_DYN_SPLITS = 16   # ATT_DYN: the most splits a sequence may take beyond the planned ones
+ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -188,13 +189,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             raise PlanError(f"{v.name}: plan override ATT_C={att_c}: over the cache length {v.seq_len} rounded up "
                             f"to {step}")
     nsplit = math.ceil(v.seq_len / att_c)
-    # ATT_DYN (batch 2-32, one GPU, no ATT_C override): the rows per task follow the positions, so sequences at
-    # mixed positions spread their actual rows over the blocks (attention_split); at full context the same split as
-    # ATT_C. The partials then have room for more splits: one round's worth per KV head (at most ATT_DYN_SPLITS).
-    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and "ATT_C" not in ov))
+    # ATT_DYN (batch 2-32, one GPU): the rows per task follow the positions, so sequences at mixed positions spread
+    # their actual rows over the blocks (attention_split); at full context the same split as ATT_C. The partials
+    # then have room for more splits: one round's worth per KV head, at most ATT_DYN_SPLITS (finer splits lost on a
+    # 2-KV-head shape: their combine). By default from a KV length of ATT_DYN_MIN_SEQ (no ATT_C override): measured
+    # on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096 it won 2-6 % at
+    # random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread positions.
+    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and v.seq_len >= ATT_DYN_MIN_SEQ
+                                    and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1):
         raise PlanError(f"{v.name}: plan override ATT_DYN=1: needs batch <= 32 (one warp schedules) and one GPU "
                         f"(this variant: batch {v.batch}, tp {v.tp})")
+    if att_dyn and "ATT_C" in ov:
+        raise PlanError(f"{v.name}: plan overrides ATT_DYN=1 and ATT_C={ov['ATT_C']}: with ATT_DYN the rows per task "
+                        "are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
     if att_dyn:
         nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
 
