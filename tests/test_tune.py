@@ -140,7 +140,7 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
-def test_dynamic_attention_split_is_the_planned_one_at_full_context():
+def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
     split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
     planner's ATT_C for every declared and held-out variant, as built (tuned plans included) with ATT_DYN on; at
@@ -179,6 +179,16 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context():
         render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 1})
     with pytest.raises(PlanError, match="ATT_DYN=1 and ATT_C=8192"):
         render.plan(v, overrides={"ATT_DYN": 1, "ATT_C": 8192})
+    # the schedule's one-warp limit holds only where it is compiled in: a batch-33 layer builds
+    from generator import compile as gcompile
+    b33 = gvariants.parse("""
+matrix: {mode: [decode], batch: [33], seq_len: [128]}
+models:
+  hw: {hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, layers: 2, norm: rmsnorm,
+       norm_eps: 1.0e-6, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "b33.yaml")
+    res = gcompile.build(b33, tmp_path)
+    assert not res["errors"], res["errors"][0]["error"][:300]
 
 
 def test_fragment_ordered_activations_on_one_gpu():

@@ -45,7 +45,7 @@ __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a
     return q;
 }
 __device__ void att_schedule(const int* pos, int* sched) {
-    static_assert(BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
+    static_assert(!ATT_DYN || BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
     constexpr int STEP = 16 * ATT_WARPS;
     const int lane = threadIdx.x & 31;
     int* lens = sched + 3 + BATCH;
