@@ -153,7 +153,7 @@ def _half(n: int) -> int:
 
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS")  # on/off knobs: 0 is a setting, not a size
+                "DOWN_PRE", "H_STATS", "ATT_DYN")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[dict]:
@@ -168,8 +168,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
     flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
-    ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits), ATT_STAGES 3
-    (a deeper ring; with fewer walker warps where 3 stages of all of them do not fit)."""
+    ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
+    so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
+    all of them do not fit). ATT_DYN itself is not tried: it pays at mixed positions, and the tuner times full
+    context."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]

@@ -79,7 +79,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
     return out
 
 
-ATT_DYN_SPLITS = 16   # ATT_DYN: the most splits a sequence may take beyond the planned ones
+ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 
 
@@ -89,7 +89,8 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     0 for an empty or refused position), `consts` the plan's constants, `grid` the launch's blocks. A sequence of L
     rows makes ceil(L / C) tasks per KV head (one when empty); C is the smallest multiple of 16 x ATT_WARPS (at most
     ATT_NSPLIT splits a sequence) with every task in one round (at most `grid`), else the one that gives each
-    sequence one task. Candidates: C for 1 .. smax splits of the longest sequence (32 spread over them), then 32
+    sequence one task; where two first-round candidates are more than 31 steps apart the pick can be a few steps
+    above that smallest (kernel and model alike). Candidates: C for 1 .. smax splits of the longest sequence (32 spread over them), then 32
     between the smallest that fits and the next. At full context every declared variant's pick is the planner's
     ATT_C (tests/test_tune.py). Why one round: a second costs every block a task's fixed latency again (queries,
     partial, counter: ~3 us), which lost to the static split at KV 4096 on the H200 (bench/NOTES.md session 15)."""
@@ -191,7 +192,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     nsplit = math.ceil(v.seq_len / att_c)
     # ATT_DYN (batch 2-32, one GPU): the rows per task follow the positions, so sequences at mixed positions spread
     # their actual rows over the blocks (attention_split); at full context the same split as ATT_C. The partials
-    # then have room for more splits: one round's worth per KV head, at most ATT_DYN_SPLITS (finer splits lost on a
+    # then have room for more splits: one round's worth per KV head, at most ATT_DYN_SPLITS (or the planned ones) (finer splits lost on a
     # 2-KV-head shape: their combine). By default from a KV length of ATT_DYN_MIN_SEQ (no ATT_C override): measured
     # on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096 it won 2-6 % at
     # random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread positions.

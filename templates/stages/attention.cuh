@@ -35,7 +35,8 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
 // ceil(L / C) tasks (one for an empty or refused position); C is the smallest with at most one task a block (every
 // task in one round: a second round costs a task's fixed latency again and lost on the H200, bench/NOTES.md session
 // 15), else the one that gives each (sequence, KV head) one task. Candidates: C for 1 .. smax splits of the longest
-// sequence (32 spread over them), then 32 between the smallest that fits and the next. Writes sched[0] = C,
+// sequence (32 spread over them), then 32 between the smallest that fits and the next (within a few steps of the
+// smallest where those two are more than 31 steps apart). Writes sched[0] = C,
 // sched[1] = the task count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] =
 // its rows (position + 1; 0: refused).
 __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a / c) for 0 <= a < 2^24, exact
@@ -46,6 +47,7 @@ __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a
 }
 __device__ void att_schedule(const int* pos, int* sched) {
     static_assert(!ATT_DYN || BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
+    static_assert(!ATT_DYN || SEQ_LEN < (1 << 24), "ATT_DYN: att_ceil_div is exact below 2^24 rows");
     constexpr int STEP = 16 * ATT_WARPS;
     const int lane = threadIdx.x & 31;
     int* lens = sched + 3 + BATCH;
