@@ -144,8 +144,9 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
     split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
     planner's ATT_C for every declared and held-out variant, as built (tuned plans included) with ATT_DYN on; at
-    mixed positions it is never more rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles for every walker warp; batch 1,
-    batch > 32 and tensor parallel keep the static split (asking for it there is refused)."""
+    mixed positions it is never more rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles
+    for every walker warp; batch 1, batch > 32 and tensor parallel keep the static split (asking for it there is
+    refused)."""
     import random
     from generator.modes.decode import attention_split
     rng = random.Random(5)

@@ -91,9 +91,10 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     ATT_NSPLIT splits a sequence) with every task in one round (at most `grid`), else the one that gives each
     sequence one task; where two first-round candidates are more than 31 steps apart the pick can be a few steps
     above that smallest (kernel and model alike). Candidates: C for 1 .. smax splits of the longest sequence (32
-    spread over them), then 32 between the smallest that fits and the next. At full context every declared variant's pick is the planner's
-    ATT_C (tests/test_tune.py). Why one round: a second costs every block a task's fixed latency again (queries,
-    partial, counter: ~3 us), which lost to the static split at KV 4096 on the H200 (bench/NOTES.md session 15)."""
+    spread over them), then 32 between the smallest that fits and the next. At full context every declared variant's
+    pick is the planner's ATT_C (tests/test_tune.py). Why one round: a second costs every block a task's fixed latency
+    again (queries, partial, counter: ~3 us), which lost to the static split at KV 4096 on the H200 (bench/NOTES.md
+    session 15)."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
     step, nsplit, kvh = 16 * consts["ATT_WARPS"], consts["ATT_NSPLIT"], consts["KV_HEADS"]
@@ -193,9 +194,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # ATT_DYN (batch 2-32, one GPU): the rows per task follow the positions, so sequences at mixed positions spread
     # their actual rows over the blocks (attention_split); at full context the same split as ATT_C. The partials
     # then have room for more splits: one round's worth per KV head, at most ATT_DYN_SPLITS or the planned ones
-    # (finer splits lost on a 2-KV-head shape: their combine). By default from a KV length of ATT_DYN_MIN_SEQ (no ATT_C override): measured
-    # on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096 it won 2-6 % at
-    # random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread positions.
+    # (finer splits lost on a 2-KV-head shape: their combine). By default from a KV length of ATT_DYN_MIN_SEQ (no ATT_C
+    # override): measured on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096
+    # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
+    # positions.
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and v.seq_len >= ATT_DYN_MIN_SEQ
                                     and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1):
