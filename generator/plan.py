@@ -39,16 +39,13 @@ class Step:
     `flow` names a plan constant that, where it is 1, replaces the step's grid barrier by per-tile counters (the
     next step waits on the parts it reads).
     `pre` is a C statement run before the barrier that precedes the step (before the launch's wait for the previous
-    launch where the step comes first): work that does not depend on the previous step (loading its first weights).
-    `early` is a C statement run right after the launch's wait, before the first step: work on the launch's inputs
-    that the step wants ready when it starts (attention's positions prefetched into L1)."""
+    launch where the step comes first): work that does not depend on the previous step (loading its first weights)."""
     stage: str
     call: str
     then: str = "grid"
     reduce: str = ""
     flow: str = ""
     pre: str = ""
-    early: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

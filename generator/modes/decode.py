@@ -16,7 +16,7 @@ STEPS = (
     Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, smem)",
          flow="QKV_FLOW", pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
-                      "ws_ready, ws_attn, smem)", early="attention_early(pos)"),
+                      "ws_ready, ws_attn, smem)"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, o_pre, "
                    "smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
@@ -89,10 +89,9 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     0 for an empty or refused position), `consts` the plan's constants, `grid` the launch's blocks. A sequence of L
     rows makes ceil(L / C) tasks per KV head (one when empty); C is the smallest multiple of 16 x ATT_WARPS (at most
     ATT_NSPLIT splits a sequence) with every task in one round (at most `grid`), else the one that gives each
-    sequence one task. First the 32 multiples from the lower bound KV_HEADS x Σ rows / grid up (the first that fits
-    is the smallest); where none fits, candidates C for 1 .. smax splits of the longest sequence (32 spread over
-    them), then 32 between the smallest that fits and the next (where two first-round candidates are more than 31
-    steps apart the pick can be a few steps above the smallest; kernel and model alike). At full context every declared variant's
+    sequence one task; where two first-round candidates are more than 31 steps apart the pick can be a few steps
+    above that smallest (kernel and model alike). Candidates: C for 1 .. smax splits of the longest sequence (32
+    spread over them), then 32 between the smallest that fits and the next. At full context every declared variant's
     pick is the planner's ATT_C (tests/test_tune.py). Why one round: a second costs every block a task's fixed latency
     again (queries, partial, counter: ~3 us), which lost to the static split at KV 4096 on the H200 (bench/NOTES.md
     session 15)."""
@@ -109,10 +108,6 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
 
     def fits(k: int) -> bool:
         return kvh * sum(cdiv(n, k * step) if n > 0 else 1 for n in lengths) <= grid
-    k0 = min(khi, max(klo, cdiv(cdiv(kvh * sum(lengths), grid), step)))  # a lower bound: T >= KV_HEADS x rows / C
-    first = [k for k in range(k0, min(khi, k0 + 31) + 1) if fits(k)]
-    if first:
-        return first[0] * step
     k1 = [clamp(1 + lane * (smax - 1) // 31) for lane in range(32)]
     ok = [lane for lane in range(32) if fits(k1[lane])]
     if not ok:

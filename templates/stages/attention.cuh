@@ -34,23 +34,16 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
 // generator/modes/decode.py attention_split does (the same integer arithmetic): a (sequence, KV head) of L rows makes
 // ceil(L / C) tasks (one for an empty or refused position); C is the smallest with at most one task a block (every
 // task in one round: a second round costs a task's fixed latency again and lost on the H200, bench/NOTES.md session
-// 15), else the one that gives each (sequence, KV head) one task. First the 32 multiples from the lower bound
-// KV_HEADS x rows / grid (the first that fits is the smallest); where none fits, candidates C for 1 .. smax splits of
-// the longest sequence (32 spread over them), then 32 between the smallest that fits and the next (within a few
-// steps of the smallest where those two are more than 31 steps apart). Writes sched[0] = C, sched[1] = the task
-// count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] = its rows (position
-// + 1; 0: refused).
+// 15), else the one that gives each (sequence, KV head) one task. Candidates: C for 1 .. smax splits of the longest
+// sequence (32 spread over them), then 32 between the smallest that fits and the next (within a few steps of the
+// smallest where those two are more than 31 steps apart). Writes sched[0] = C,
+// sched[1] = the task count, sched[2 + b] = sequence b's first task / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] =
+// its rows (position + 1; 0: refused).
 __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a / c) for 0 <= a < 2^24, exact
     int q = __float2int_ru((float)a * rc);
     if (q * c < a) ++q;
     else if (q > 0 && (q - 1) * c >= a) --q;
     return q;
-}
-// ATT_DYN: warp 0 prefetches the positions into L1 right after the launch's wait, so the schedule's load at
-// attention's start is an L1 hit, not an L2 round trip on the block's critical path (no register held meanwhile)
-__device__ __forceinline__ void attention_early(const int* pos) {
-    if constexpr (ATT_DYN)
-        if (threadIdx.x < BATCH) asm volatile("prefetch.global.L1 [%0];" :: "l"(pos + threadIdx.x));
 }
 __device__ void att_schedule(const int* pos, int* sched) {
     static_assert(!ATT_DYN || BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
@@ -82,14 +75,10 @@ __device__ void att_schedule(const int* pos, int* sched) {
         }
         return t * KV_HEADS <= (int)gridDim.x;
     };
-    // the 32 multiples from the lower bound KV_HEADS x rows / grid: the first that fits is the smallest
-    const long long rows = (long long)__reduce_add_sync(0xffffffffu, (unsigned)L) * KV_HEADS;
-    const int k0 = min(khi, max(klo, (int)(((rows + gridDim.x - 1) / gridDim.x + STEP - 1) / STEP)));
-    const unsigned f0 = __ballot_sync(0xffffffffu, k0 + lane <= min(khi, k0 + 31) && fits(k0 + lane));
-    // else round 1: k falls with the lane, so the lanes that fit are a prefix
+    // round 1: k falls with the lane, so the lanes that fit are a prefix
     const int k1 = clamp_k(1 + lane * (smax - 1) / 31);
-    const unsigned f1 = f0 ? 0u : __ballot_sync(0xffffffffu, fits(k1));
-    int k = f0 ? k0 + __ffs(f0) - 1 : khi;
+    const unsigned f1 = __ballot_sync(0xffffffffu, fits(k1));
+    int k = khi;
     if (f1) {
         const int j = 31 - __clz(f1);
         const int kb = __shfl_sync(0xffffffffu, k1, j), ka = __shfl_sync(0xffffffffu, k1, min(31, j + 1));
