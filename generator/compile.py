@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import __version__, toolchain
 from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
+from .plan import l1_bytes
 from .render import PlanError, plan, render
 from .targets import DEFAULT_ARCH, arch as get_arch
 from .variants import Variant
@@ -355,6 +356,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
             "smem_total": smem + meta["static_smem"],
             "smem_limit": target.smem_per_block,
             "smem_pct": round(100 * (smem + meta["static_smem"]) / target.smem_per_block, 1),
+            # the L1 left beside one block (the GEMV's weight loads are staged there: plan.l1_bytes)
+            "l1_bytes": l1_bytes(target, smem + meta["static_smem"]),
             "blocks_per_sm": blocks_per_sm(meta["registers"], p["threads"], smem + meta["static_smem"], target.sm),
             "cached": cached,
             "sass": meta.get("sass"),

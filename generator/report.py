@@ -21,7 +21,8 @@ from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 from .tune import knob_dict, knobs_differ
 
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
-           "static_smem", "dynamic_smem", "smem_total", "smem_pct", "blocks_per_sm", "compile_s", "load_ms",
+           "static_smem", "dynamic_smem", "smem_total", "smem_pct", "l1_bytes", "blocks_per_sm", "compile_s",
+           "load_ms",
            "plan", "tuned_gain", "split_k", "mma_sass", "tp", "gpu_bytes", "workspace_bytes", "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
                  "speedup_eager", "speedup_compile"]
@@ -352,6 +353,7 @@ TABLE_COLUMNS = [
     ("stack_frame", "stack\nB", _num("d"), False),
     ("smem_total", "smem\nKB", lambda r, k: f"{r[k] / 1024:.1f}", True),
     ("smem_pct", "% of\nsmem", _num(".0f"), False),
+    ("l1_bytes", "L1\nKB", lambda r, k: "-" if r.get(k) is None else f"{r[k] / 1024:.0f}", True),
     ("blocks_per_sm", "blk/\nSM", _num("d"), True),
     ("compile_s", "compile\ns", _num(".1f"), False),
     ("load_ms", "load\nms", _num(".2f"), True),
@@ -371,8 +373,8 @@ TABLE_COLUMNS = [
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
 # dropped first to last where the console is too narrow; variant, µs, ×, flags stay
-DROP_ORDER = ["plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "route", "pct_bw", "blocks_per_sm",
-              "smem_total", "spill", "registers"]
+DROP_ORDER = ["l1_bytes", "plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "route", "pct_bw",
+              "blocks_per_sm", "smem_total", "spill", "registers"]
 BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
               "speedup_compile",
               "speedup_eager"}

@@ -24,16 +24,23 @@ class Arch:
     sms: int                # SM count of the flagship part; the planner balances tasks for it (the kernel
     example: str            # strides over gridDim, so any SM count is correct)
     mem_bytes: int = 0      # device memory of the largest part (a layer that needs more cannot run on any)
+    # the SM's unified L1 / shared-memory storage (KB) and the shared-memory sizes (carveouts, KB) it can be split at
+    # (the CUDA C++ Programming Guide's compute-capability sections, "Shared Memory"); the rest is L1
+    unified_kb: int = 0
+    carveouts_kb: tuple[int, ...] = ()
 
 
+_CARVE_86 = (0, 8, 16, 32, 64, 100)
+_CARVE_80 = _CARVE_86 + (132, 164)
+_CARVE_90 = _CARVE_80 + (196, 228)
 # the kernel needs mma.sync m16n8k16 with bf16/fp16 inputs, cp.async and ldmatrix: sm_80 and later
 ARCHS: dict[str, Arch] = {a.sm: a for a in (
-    Arch("80", 163 * 1024, 164 * 1024, 65536, 2048, 108, "A100", 80 * 10**9),
-    Arch("86", 99 * 1024, 100 * 1024, 65536, 1536, 84, "RTX 3090", 48 * 10**9),
-    Arch("89", 99 * 1024, 100 * 1024, 65536, 1536, 128, "RTX 4090 / L40S", 48 * 10**9),
-    Arch("90", 227 * 1024, 228 * 1024, 65536, 2048, 132, "H100 / H200", 141 * 10**9),
-    Arch("100", 227 * 1024, 228 * 1024, 65536, 2048, 148, "B200", 192 * 10**9),
-    Arch("120", 99 * 1024, 100 * 1024, 65536, 1536, 188, "RTX 5090", 32 * 10**9),
+    Arch("80", 163 * 1024, 164 * 1024, 65536, 2048, 108, "A100", 80 * 10**9, 192, _CARVE_80),
+    Arch("86", 99 * 1024, 100 * 1024, 65536, 1536, 84, "RTX 3090", 48 * 10**9, 128, _CARVE_86),
+    Arch("89", 99 * 1024, 100 * 1024, 65536, 1536, 128, "RTX 4090 / L40S", 48 * 10**9, 128, _CARVE_86),
+    Arch("90", 227 * 1024, 228 * 1024, 65536, 2048, 132, "H100 / H200", 141 * 10**9, 256, _CARVE_90),
+    Arch("100", 227 * 1024, 228 * 1024, 65536, 2048, 148, "B200", 192 * 10**9, 256, _CARVE_90),
+    Arch("120", 99 * 1024, 100 * 1024, 65536, 1536, 188, "RTX 5090", 32 * 10**9, 128, _CARVE_86),
 )}
 DEFAULT_ARCH = "90"
 

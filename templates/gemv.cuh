@@ -105,15 +105,17 @@ __device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
 // gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
 // pre (PRE, the decode plan's <P>_PRE): this group's first step of its first-round task, loaded by gemv_pre before
 // the barrier that precedes the stage; used in place of that step's loads (PF 1/2 then prefetch as without it).
+// DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
+// before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
-          class Epi, class Done = NoDone>
+          int DB = 1, class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr, const GemvPre<U>* pre = nullptr) {
     static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-    float* my_red = red + group * 2 * NWG * 16 * BATCH;
+    float* my_red = red + group * (1 + DB) * NWG * 16 * BATCH;
     static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
     auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
         gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, k0, lane, a);
@@ -190,6 +192,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             }
             if (PF && next >= 0) load_step(next, warp, pf);
         }
+        if constexpr (!DB) group_sync(group, NWG * 32);  // one buffer: the group's last epilogue read it
 #pragma unroll
         for (int t = 0; t < NTILE; ++t)
 #pragma unroll
@@ -200,7 +203,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     };
     // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs (the splits of a
     // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
-    // partial sums are double-buffered: the next round's writes cannot race this round's epilogue.
+    // partial sums are double-buffered (DB): the next round's writes cannot race this round's epilogue.
     const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
     if constexpr (PRE) {
 #pragma unroll
@@ -212,7 +215,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
         const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
         const bool active = task < TASKS;
-        float* buf = my_red + (rd & 1) * NWG * 16 * BATCH;
+        float* buf = my_red + (DB ? rd & 1 : 0) * NWG * 16 * BATCH;
         if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1, PF || rd == 0);
         __syncthreads();
         if constexpr (KSPLIT == 1) {

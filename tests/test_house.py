@@ -246,7 +246,7 @@ models:
   wide: {hidden: 8192, heads: 64, kv_heads: 8, head_dim: 128, intermediate: 8192, layers: 1, norm: rmsnorm,
          norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
 """, "t.yaml")[0]
-    with pytest.raises(PlanError, match=r"norm\+projection stage.*a batch of at most 12 fits"):
+    with pytest.raises(PlanError, match=r"norm\+projection stage.*a batch of at most 13 fits"):
         grender.plan(wide)
 
 

@@ -536,6 +536,28 @@ models:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_single_buffered_partial_sums_match_the_reference(tmp_path):
+    """RED_DB 0 (one buffer of partial sums, each warp group meeting before a round writes it): Llama-3.2-1B b1 with
+    two 8-warp groups in every projection (the group barrier with several groups a block) and with H_STATS (o_proj's
+    own group barriers on the same ids), batch 5 with GEMV_PF 2 and split-K o_proj/down (the partials through the
+    one buffer), batch 32 with NORM_FOLD (the planner's choice there); two consecutive steps bit-equal."""
+    from generator.variants import parse
+    b5, b32 = parse("""
+matrix: {mode: [decode], batch: [5, 32], seq_len: [512]}
+models:
+  rb: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
+       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
+""", "rb.yaml")
+    l1b = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    nwg8 = {"QKV_NWG": 8, "O_NWG": 8, "GU_NWG": 8, "DOWN_NWG": 8}
+    cases = [(l1b, nwg8), (l1b, {"H_STATS": 1, "O_NWG": 4}), (b5, {"GEMV_PF": 2, "O_KSPLIT": 2, "DOWN_KSPLIT": 4}),
+             (b32, {"NORM_FOLD": 1})]
+    _overrides_match_the_reference(tmp_path, [(v, {"RED_DB": 0, **ov}) for v, ov in cases], "rb", 13,
+                                   {"RED_DB": 0}, repeat=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_pre_loaded_weights_match_the_reference(tmp_path):
     """<P>_PRE (a projection's first weight step loaded before the barrier that precedes its stage; qkv's before the
     launch's wait): every projection at once on Llama-3.2-1B b1 (one round each but gate_up and down), with GEMV_PF 1
@@ -846,20 +868,49 @@ models:
 
 
 def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
-    """NORM_FOLD's default (bench/NOTES.md session 13): on at batch 8-16 with batch x hidden <= 64 Ki (RMSNorm, bf16,
-    one GPU, no q/k norm); off at batch 4 and 32, hidden 5120 x 16 rows, q/k norm, LayerNorm, fp16, tensor
-    parallel; and never turned on where its extra shared memory would not fit (sm_80 / sm_86 plan as without it)."""
+    """NORM_FOLD's default (bench/NOTES.md sessions 13, 16): on from batch 8 (RMSNorm, bf16, one GPU, no q/k norm)
+    where the block keeps >= L1_ENOUGH of L1 (or no plan does); off at batch 4, q/k norm, LayerNorm, fp16, tensor
+    parallel, and where it would cost L1 below L1_ENOUGH (Qwen2.5-7B-like hidden 3584 at batch 24); never on where
+    its extra shared memory does not fit (sm_86 plans hidden 3072 x 14 rows without it)."""
+    from generator.plan import l1_bytes
+    from generator.modes.decode import L1_ENOUGH
     from generator.render import plan
+    from generator.targets import arch as get_arch
     fold = lambda v, arch="90": plan(v, arch)["consts"]["NORM_FOLD"]  # noqa: E731
-    assert fold(_layer(4096, 8)) == 1 and fold(_layer(2048, 16)) == 1 and fold(_layer(4096, 16)) == 1
-    for v in (_layer(4096, 4), _layer(2048, 32), _layer(5120, 16), _layer(4096, 8, qk_norm="true"),
-              _layer(4096, 8, norm="layernorm"), _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2)):
+    for v in (_layer(4096, 8), _layer(2048, 16), _layer(4096, 16), _layer(5120, 16), _layer(2048, 32)):
+        p = plan(v, "90")
+        assert p["consts"]["NORM_FOLD"] == 1 and l1_bytes(get_arch("90"), p["smem_bytes"]) >= L1_ENOUGH, v.name
+    for v in (_layer(4096, 4), _layer(4096, 8, qk_norm="true"), _layer(4096, 8, norm="layernorm"),
+              _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2), _layer(3584, 24)):
         assert fold(v) == 0, v.name
-    for arch, v in (("80", _layer(4096, 16)), ("86", _layer(2048, 16)), ("86", _layer(3072, 12))):
-        p = plan(v, arch)  # planned (the unfolded rows fit), unfolded
-        assert p["consts"]["NORM_FOLD"] == 0, (arch, v.name)
-        with pytest.raises(PlanError, match="NORM_FOLD=1 keeps the gain"):
-            plan(v, arch, overrides={"NORM_FOLD": 1})
+    p = plan(_layer(3072, 14), "86")  # planned (the unfolded rows fit), unfolded
+    assert p["consts"]["NORM_FOLD"] == 0
+    with pytest.raises(PlanError, match="NORM_FOLD=1 keeps the gain"):
+        plan(_layer(3072, 14), "86", overrides={"NORM_FOLD": 1})
+
+
+def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
+    """RED_DB (templates/gemv.cuh): double-buffered partial sums unless one buffer lifts the block's L1 to
+    L1_ENOUGH (plan.l1_bytes: the smallest carveout holding the block and the 1 KB the system reserves) or makes the
+    block fit; every batch-1 shape keeps it; an override is honoured either way."""
+    from generator.modes.decode import L1_ENOUGH
+    from generator.plan import SMEM_RESERVED, l1_bytes
+    from generator.render import plan
+    from generator.targets import arch as get_arch
+    h200 = get_arch("90")
+    assert l1_bytes(h200, 164 * 1024 - SMEM_RESERVED) == 92 * 1024
+    assert l1_bytes(h200, 164 * 1024 - SMEM_RESERVED + 1) == 60 * 1024
+    assert l1_bytes(h200, 0) == 256 * 1024 - 8 * 1024 and l1_bytes(get_arch("86"), 100 * 1024) < 28 * 1024
+    for v in (_layer(4096, 20), _layer(3584, 24)):  # double-buffered: 28 KB of L1
+        d = plan(v, "90", overrides={"RED_DB": 1})
+        p = plan(v, "90")
+        assert l1_bytes(h200, d["smem_bytes"]) < L1_ENOUGH <= l1_bytes(h200, p["smem_bytes"]), v.name
+        assert p["consts"]["RED_DB"] == 0 and d["consts"]["RED_DB"] == 1
+    for v in (_layer(2048, 1), _layer(4096, 8), _layer(4096, 16)):
+        assert plan(v, "90")["consts"]["RED_DB"] == 1, v.name
+        assert plan(v, "90", overrides={"RED_DB": 0})["consts"]["RED_DB"] == 0
+    with pytest.raises(PlanError, match="RED_DB=2: must be 0 or 1"):
+        plan(_layer(2048, 1), "90", overrides={"RED_DB": 2})
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ..plan import (THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split, gemv_split_k,
-                    plan_gemv)
+                    l1_bytes, plan_gemv)
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -41,11 +41,13 @@ STEPS = (
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
 # of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN: attention's rows per task
-# chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule)
+# chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule);
+# RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
+# each round's writes; templates/gemv.cuh)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN"))
+            "H_STATS", "ATT_DYN", "RED_DB"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -70,8 +72,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if (k in ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD", "H_STATS", "ATT_DYN") or k.endswith("_PRE")) \
-                and val not in (0, 1):
+        on_off = ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD", "H_STATS", "ATT_DYN", "RED_DB")
+        if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
@@ -81,6 +83,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
 
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
+L1_ENOUGH = 60 * 1024   # bytes of L1 the planner keeps beside the block's shared memory where it can (see plan)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -220,23 +223,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
 
-    def gemv_need(batch: int, fold: int, stats: int = 0) -> int:  # the norm + projection stage's bytes: rows,
-        red = max(2 * nw * 16 * batch * 4, nw * 2 * batch * 4)      # reduction tiles (per warp a 16 x batch tile,
-        need = align(batch * xs_ld * esize) + red                    # double-buffered; the norm's scratch shares it)
+    def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1) -> int:  # the norm + projection stage's
+        red = max((1 + db) * nw * 16 * batch * 4, nw * 2 * batch * 4)  # bytes: rows, reduction tiles (per warp a
+        need = align(batch * xs_ld * esize) + red      # 16 x batch tile, RED_DB: twice; the norm's scratch shares it)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
         if fold:
             return align(need) + align(m.hidden * esize) + batch * 4
         return align(need) + batch * 4 if stats else need
 
-    def fold_default(batch: int) -> int:
-        # NORM_FOLD by default at batch 8-16 with <= 128 KB of rows (batch x hidden <= 64 Ki) where it fits:
-        # measured on the H200 (bench/NOTES.md session 13) +0.4 to +5.5 % on 12 of 13 such shapes, -0.4 % on one;
-        # at batch 4, batch 32 and hidden 5120 x 16 rows it lost 1.8-3.2 %. Not with q/k norm (Qwen3-1.7B spills
-        # 8 B with it)
-        return int(m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and 8 <= batch <= 16
-                   and batch * m.hidden <= 65536 and gemv_need(batch, 1) <= arch.smem_per_block)
+    def fold_ok(batch: int) -> bool:  # NORM_FOLD possible at this batch (its measured range: from batch 8)
+        # measured on the H200 (bench/NOTES.md sessions 13, 16): +0.4 to +5.9 % at batch 8-32 where the block keeps
+        # >= L1_ENOUGH of L1 (-1.8 % at batch 4); not with q/k norm (Qwen3-1.7B spills 8 B with it)
+        return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and batch >= 8 \
+            and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
 
-    norm_fold = ov.get("NORM_FOLD", fold_default(v.batch))
     h_stats = ov.get("H_STATS", 0)
     if h_stats and (m.norm != "rmsnorm" or not hb_copy):
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
@@ -250,24 +250,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"({o_groups * 16 * v.batch * 4} B) exceed the rows' region ({v.batch * xs_ld * esize} B): "
                         "a larger O_NWG")
     smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
-    smem["SMEM_GS"] = align(gemv_need(v.batch, 0)) if norm_fold else 0
-    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
-                       else align(gemv_need(v.batch, 0)) if h_stats else 0)
-    gemv_bytes = gemv_need(v.batch, norm_fold, h_stats)
-
-    def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
-        if norm_fold and gemv_need(v.batch, 0) <= arch.smem_per_block:
-            return (f"NORM_FOLD=1 keeps the gain and each row's 1/rms beside the rows: "
-                    f"{gemv_bytes - gemv_need(v.batch, 0)} B more; without it the stage fits")
-        if h_stats and gemv_need(v.batch, 0) <= arch.smem_per_block:
-            return (f"H_STATS=1 keeps each row's 1/rms beside the rows: {gemv_bytes - gemv_need(v.batch, 0)} B more; "
-                    "without it the stage fits")
-        fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
-        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", fold_default(fits + 1)), h_stats) \
-                <= arch.smem_per_block:
-            fits += 1
-        return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
-                f"most {fits} fits (declare batches up to it)" if fits else "lower hidden")
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
     smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
@@ -280,6 +262,33 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
+    # NORM_FOLD and RED_DB by the L1 they leave beside the block's shared memory (plan.l1_bytes): first at least
+    # L1_ENOUGH (below it the weight loads slowed 5-11 %, bench/NOTES.md session 16), then the fold, then the
+    # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1
+    def pick(c: tuple[int, int]) -> tuple:
+        need = gemv_need(v.batch, c[0], h_stats, c[1])
+        l1 = l1_bytes(arch, max(att_bytes, need))
+        return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), c[0], c[1], l1)
+    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0] if fold_ok(v.batch) else [0]
+    norm_fold, red_db = max(((f, d) for f in folds for d in ([ov["RED_DB"]] if "RED_DB" in ov else [1, 0])),
+                            key=pick)
+    smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold else 0
+    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
+                       else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats else 0)
+    gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db)
+
+    def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
+        if norm_fold and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
+            return (f"NORM_FOLD=1 keeps the gain and each row's 1/rms beside the rows: "
+                    f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
+        if h_stats and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
+            return (f"H_STATS=1 keeps each row's 1/rms beside the rows: "
+                    f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
+        fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
+        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, 0) <= arch.smem_per_block:
+            fits += 1
+        return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
+                f"most {fits} fits (declare batches up to it)" if fits else "lower hidden")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
         "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
@@ -293,7 +302,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "ATT_DYN": att_dyn,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold,
+        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the

@@ -9,7 +9,7 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                           int tp_rank, float* ws_split, unsigned* ws_count, const GemvPre<DOWN_U>& pre,
                           unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, X_FRAG, GEMV_PF, 0, DOWN_PRE>(w_down, ws_act,
+    gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB>(w_down, ws_act,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += DOWN_NWG * 32) {

@@ -17,7 +17,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
         norm<H_STATS>(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs, ws_hsq);
     else  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
-    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF, 0, GU_PRE>(w_gu, xs,
+    gemv<2 * INTER, HIDDEN, XS_LD, GU_NWG, GU_U, GU_KSPLIT, false, GEMV_PF, 0, GU_PRE, RED_DB>(w_gu, xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {

@@ -21,7 +21,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // barrier that precedes this stage
     if (QKV_FLOW && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             // H_STATS: the group's squares [16][BATCH] in the rows' region (idle in this stage)

@@ -42,9 +42,9 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
         }
     };
     if constexpr (QKV_FLOW)
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE>(w_qkv, xs,
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
             reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gs, &pre);
     else
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE>(w_qkv, xs,
+        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
             reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gs, &pre);
 }
