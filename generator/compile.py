@@ -349,20 +349,21 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
 
     def resources(p: dict, meta: dict, cached: bool) -> dict:
         smem = p["smem_bytes"]
-        return {
+        out = {
             **{k: meta[k] for k in ("cubin_bytes", "ptx_bytes", "registers", "stack_frame", "spill_stores",
                                     "spill_loads", "static_smem", "compile_s")},
             "dynamic_smem": smem,
             "smem_total": smem + meta["static_smem"],
             "smem_limit": target.smem_per_block,
             "smem_pct": round(100 * (smem + meta["static_smem"]) / target.smem_per_block, 1),
-            # the L1 left beside one block (the GEMV's weight loads are staged there: plan.l1_bytes)
-            "l1_bytes": l1_bytes(target, smem + meta["static_smem"]),
             "blocks_per_sm": blocks_per_sm(meta["registers"], p["threads"], smem + meta["static_smem"], target.sm),
             "cached": cached,
             "sass": meta.get("sass"),
             "wgmma_serialized": meta.get("wgmma_serialized", 0),
         }
+        # the L1 left beside the resident blocks (the GEMV's weight loads are staged there: plan.l1_bytes)
+        out["l1_bytes"] = l1_bytes(target, out["smem_total"], out["blocks_per_sm"])
+        return out
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     links: list[tuple[str, str]] = []  # (object key, variant): cubins linked with the manifest's write, not before

@@ -167,12 +167,13 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalanc
 SMEM_RESERVED = 1024  # bytes of shared memory the system reserves per block (sm_80 and later)
 
 
-def l1_bytes(arch: Arch, smem_bytes: int) -> int:
-    """Bytes of L1 an SM keeps beside one block of `smem_bytes` dynamic shared memory: the driver configures the
-    smallest carveout (Arch.carveouts_kb) that holds the block and SMEM_RESERVED, and the rest of the unified storage
-    is L1. Measured on the H200 (bench/NOTES.md session 16): the GEMV's weight loads (ld.global, staged in L1) stream
-    5-7 % slower with 28 KB of L1 than with 60 KB, 1-2.7 % slower with 60 KB than with >= 92 KB."""
-    need = smem_bytes + SMEM_RESERVED
+def l1_bytes(arch: Arch, smem_bytes: int, blocks: int = 1) -> int:
+    """Bytes of L1 an SM keeps beside `blocks` resident blocks of `smem_bytes` shared memory each (the decode
+    kernel: one): the driver configures the smallest carveout (Arch.carveouts_kb) that holds them and SMEM_RESERVED
+    each, and the rest of the unified storage is L1. Measured on the H200 (bench/NOTES.md session 16): the GEMV's
+    weight loads (ld.global, staged in L1) stream 5-7 % slower with 28 KB of L1 than with 60 KB, 1-2.7 % slower
+    with 60 KB than with >= 92 KB."""
+    need = max(1, blocks) * (smem_bytes + SMEM_RESERVED)
     steps = [c * 1024 for c in arch.carveouts_kb if c * 1024 >= need]
     return arch.unified_kb * 1024 - (steps[0] if steps else need)
 

@@ -437,7 +437,7 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
                       "(the bench directory; their GPU is in the name), not on this machine", highlight=False)
         other = [r["name"] for r in rows if r.get("timed_plan") == "other"]
-        if other:  # said here too: a narrow table drops the plan column first
+        if other:  # said here too: a narrow table drops the plan column (after L1) first
             console.print(f"[yellow]timed with another plan than the one built:[/yellow] {', '.join(other)}",
                           highlight=False)
     if report.get("e2e"):

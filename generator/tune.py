@@ -133,7 +133,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
             # a knob the overrides set that the record lacks was set by hand after it was measured
             unmeasured = [k for k in e["overrides"] if isinstance(e.get("knobs"), dict) and k not in e["knobs"]]
             if isinstance(e.get("knobs"), dict) and (knobs_differ(e["knobs"], now) or unmeasured):
-                diff = ", ".join([f"{k} {e['knobs'].get(k)} -> {now.get(k)}" for k in knobs_differ(e["knobs"], now)]
+                rec = {**KNOBS_BEFORE, **e["knobs"]}
+                diff = ", ".join([f"{k} {rec.get(k)} -> {now.get(k)}" for k in knobs_differ(e["knobs"], now)]
                                  + [f"{k} (not recorded) -> {now.get(k)}" for k in unmeasured])
                 why = (f"the knobs it records (what was measured) differ from what its overrides plan now ({diff}): "
                        "the planner's defaults changed since it was tuned (run `megakernel tune` again) or the "
@@ -166,7 +167,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
-    flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32);
+    flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32),
+    RED_DB 1 where the planner took one buffer of partial sums (two were 2 % faster at batch 32 where one only added
+    L1 above 60 KB);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
@@ -187,6 +190,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 28) -> list[di
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
                   {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"NORM_FOLD": 1 - d["NORM_FOLD"]},
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
+        tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
@@ -247,11 +251,19 @@ def knob_dict(p: dict) -> dict:
     return dict(zip(prefill.KNOBS if p["mode"] == "prefill" else decode.KNOBS, knob_values(p)))
 
 
+# knobs added after records were made whose default is no longer always the kernel as it was: the value a record
+# without them measured (RED_DB: two buffers of partial sums until session 16)
+KNOBS_BEFORE = {"RED_DB": 1}
+
+
 def knobs_differ(recorded: dict, now: dict) -> list[str]:
     """The knobs whose value in `recorded` (a tuning entry's or a timing row's) differs from `now` (knob_dict of a
     plan), sorted. A knob the record lacks was added to the planner after it was made: not a difference (a new knob's
-    default is the kernel as it was)."""
-    return sorted(k for k in recorded if now.get(k) != recorded[k])
+    default is the kernel as it was), except those of KNOBS_BEFORE, compared at the value the record measured."""
+    if not recorded:
+        return []
+    rec = {**{k: val for k, val in KNOBS_BEFORE.items() if k in now}, **recorded}
+    return sorted(k for k in rec if now.get(k) != rec[k])
 
 
 def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:

@@ -192,7 +192,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             }
             if (PF && next >= 0) load_step(next, warp, pf);
         }
-        if constexpr (!DB) group_sync(group, NWG * 32);  // one buffer: the group's last epilogue read it
+        if constexpr (!DB) {  // one buffer: the group's last epilogue has read it (a one-warp group: its lanes)
+            if constexpr (NWG == 1) __syncwarp();
+            else group_sync(group, NWG * 32);  // NWG >= 2: at most 8 groups, named barriers 1..8
+        }
 #pragma unroll
         for (int t = 0; t < NTILE; ++t)
 #pragma unroll

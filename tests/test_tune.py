@@ -540,7 +540,8 @@ def test_single_buffered_partial_sums_match_the_reference(tmp_path):
     """RED_DB 0 (one buffer of partial sums, each warp group meeting before a round writes it): Llama-3.2-1B b1 with
     two 8-warp groups in every projection (the group barrier with several groups a block) and with H_STATS (o_proj's
     own group barriers on the same ids), batch 5 with GEMV_PF 2 and split-K o_proj/down (the partials through the
-    one buffer), batch 32 with NORM_FOLD (the planner's choice there); two consecutive steps bit-equal."""
+    one buffer), batch 32 with NORM_FOLD (the planner's choice there), one-warp groups and many short rounds,
+    Llama-3-8B's o_proj in two rounds with H_STATS; two consecutive steps bit-equal."""
     from generator.variants import parse
     b5, b32 = parse("""
 matrix: {mode: [decode], batch: [5, 32], seq_len: [512]}
@@ -548,10 +549,21 @@ models:
   rb: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
        norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
 """, "rb.yaml")
+    # short rows (hidden 512: a task is a few k-tiles, so a round's writes follow its epilogue closely) and a wide
+    # MLP: gate_up in 2 rounds of 16 one-warp groups a block (the warp's own barrier), or 17 rounds of one
+    # 16-warp group
+    wide, = parse("""
+matrix: {mode: [decode], batch: [4], seq_len: [256]}
+models:
+  rbw: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 17408, layers: 2, norm: rmsnorm,
+        norm_eps: 1.0e-6, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "rbw.yaml")
     l1b = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    l8b = next(v for v in declared() if v.name == "llama3-8b_decode_b1_s4096_bf16")
     nwg8 = {"QKV_NWG": 8, "O_NWG": 8, "GU_NWG": 8, "DOWN_NWG": 8}
     cases = [(l1b, nwg8), (l1b, {"H_STATS": 1, "O_NWG": 4}), (b5, {"GEMV_PF": 2, "O_KSPLIT": 2, "DOWN_KSPLIT": 4}),
-             (b32, {"NORM_FOLD": 1})]
+             (b32, {"NORM_FOLD": 1}), (wide, {"GU_NWG": 1}), (wide, {"GU_NWG": 16, "DOWN_NWG": 16}),
+             (l8b, {"H_STATS": 1, "O_NWG": 16})]  # o_proj in 2 rounds: H_STATS's group barriers between them
     _overrides_match_the_reference(tmp_path, [(v, {"RED_DB": 0, **ov}) for v, ov in cases], "rb", 13,
                                    {"RED_DB": 0}, repeat=True)
 
@@ -911,6 +923,25 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
         assert plan(v, "90", overrides={"RED_DB": 0})["consts"]["RED_DB"] == 0
     with pytest.raises(PlanError, match="RED_DB=2: must be 0 or 1"):
         plan(_layer(2048, 1), "90", overrides={"RED_DB": 2})
+    # tensor parallel keeps two buffers (one has not run on 2 GPUs); the smaller-L1 GPUs keep the planner's old
+    # order where no plan leaves L1_ENOUGH (two buffers, no fold: sm_86 hidden 2048 x 16 rows)
+    assert plan(_layer(4096, 20), "90")["consts"]["RED_DB"] == 0
+    assert plan(_layer(4096, 20, tp=2), "90")["consts"]["RED_DB"] == 1
+    p86 = plan(_layer(2048, 16), "86")["consts"]
+    assert (p86["NORM_FOLD"], p86["RED_DB"]) == (0, 1)
+    # a refusal with two buffers forced names the way out
+    with pytest.raises(PlanError, match="RED_DB=1 keeps two buffers of partial sums: .* with one the stage fits"):
+        plan(_layer(8192, 13), "90", overrides={"RED_DB": 1})
+
+
+def test_a_record_without_red_db_was_measured_with_two_buffers():
+    """tune.knobs_differ: a knob a record lacks is not a difference, except RED_DB (KNOBS_BEFORE), whose default
+    can now be 0: a record made before it existed measured two buffers."""
+    from generator.tune import knobs_differ
+    assert knobs_differ({"GEMV_PF": 0}, {"GEMV_PF": 0, "H_STATS": 1, "RED_DB": 1}) == []
+    assert knobs_differ({"GEMV_PF": 0}, {"GEMV_PF": 0, "RED_DB": 0}) == ["RED_DB"]
+    assert knobs_differ({"GEMV_PF": 0, "RED_DB": 0}, {"GEMV_PF": 0, "RED_DB": 0}) == []
+    assert knobs_differ({}, {"RED_DB": 0}) == []  # nothing recorded: nothing to compare
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])

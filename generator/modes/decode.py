@@ -231,10 +231,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             return align(need) + align(m.hidden * esize) + batch * 4
         return align(need) + batch * 4 if stats else need
 
-    def fold_ok(batch: int) -> bool:  # NORM_FOLD possible at this batch (its measured range: from batch 8)
+    def fold_ok(batch: int) -> bool:  # NORM_FOLD possible at this batch (in its measured range, batch 8-32)
         # measured on the H200 (bench/NOTES.md sessions 13, 16): +0.4 to +5.9 % at batch 8-32 where the block keeps
         # >= L1_ENOUGH of L1 (-1.8 % at batch 4); not with q/k norm (Qwen3-1.7B spills 8 B with it)
-        return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and batch >= 8 \
+        return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and 8 <= batch <= 32 \
             and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
 
     h_stats = ov.get("H_STATS", 0)
@@ -264,14 +264,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         "ATT_C")
     # NORM_FOLD and RED_DB by the L1 they leave beside the block's shared memory (plan.l1_bytes): first at least
     # L1_ENOUGH (below it the weight loads slowed 5-11 %, bench/NOTES.md session 16), then the fold, then the
-    # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1
+    # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1. Where no plan
+    # leaves L1_ENOUGH (the smaller-L1 GPUs, never measured) two buffers come before the fold, as the planner had it;
+    # tensor parallel keeps two buffers (one has not run on 2 GPUs)
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1])
         l1 = l1_bytes(arch, max(att_bytes, need))
-        return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), c[0], c[1], l1)
+        return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), c[0] if l1 >= L1_ENOUGH else 0, c[1], c[0], l1)
     folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0] if fold_ok(v.batch) else [0]
-    norm_fold, red_db = max(((f, d) for f in folds for d in ([ov["RED_DB"]] if "RED_DB" in ov else [1, 0])),
-                            key=pick)
+    dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
+    norm_fold, red_db = max(((f, d) for f in folds for d in dbs), key=pick)
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold else 0
     smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
                        else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats else 0)
@@ -284,8 +286,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if h_stats and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
             return (f"H_STATS=1 keeps each row's 1/rms beside the rows: "
                     f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
+        one = gemv_need(v.batch, norm_fold, h_stats, 0)
+        if red_db and one <= arch.smem_per_block:
+            return f"RED_DB=1 keeps two buffers of partial sums: {gemv_bytes - one} B more; with one the stage fits"
         fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
-        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, 0) <= arch.smem_per_block:
+        while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, min(dbs)) \
+                <= arch.smem_per_block:
             fits += 1
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits (declare batches up to it)" if fits else "lower hidden")
