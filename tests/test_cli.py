@@ -424,7 +424,7 @@ def test_report_table_fits_80_and_120_columns(tiny_build, width):
     greport.print_report(rep, wide, wide=True)
     wtext = wide.export_text()
     assert "…" not in wtext
-    for must in ("PTX", "stack", "compile", "graph", "eager", "% of", "baseline"):
+    for must in ("PTX", "stack", "compile", "graph", "eager", "% of", "baseline", "L1"):
         assert must in wtext, must
 
 

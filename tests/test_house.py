@@ -258,6 +258,10 @@ def test_build_for_a_small_smem_arch(tiny_variants_file, tmp_path):
     e = json.loads((d / "manifest.json").read_text())["variants"][TINY_NAMES[0]]
     assert e["arch"] == "86" and e["plan"]["arch"] == "86"
     assert e["resources"]["smem_total"] <= 99 * 1024 and e["resources"]["smem_limit"] == 99 * 1024
+    # the L1 beside the block: the RTX 3090's 128 KB less the smallest carveout (0 ... 100 KB) holding it + 1 KB
+    res = e["resources"]
+    carve = min(c for c in (0, 8, 16, 32, 64, 100) if c * 1024 >= res["smem_total"] + 1024)
+    assert res["l1_bytes"] == (128 - carve) * 1024 and res["blocks_per_sm"] == 1
 
 
 def test_unsupported_arch_is_one_line(tiny_variants_file, tmp_path):

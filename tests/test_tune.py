@@ -512,6 +512,18 @@ def _overrides_match_the_reference(tmp_path, cases, tag: str, seed: int, expect:
         torch.cuda.synchronize()
 
 
+def _qwen15_like(name: str, batches: list[int], seq_len: int = 512) -> list:
+    """Decode variants of a Qwen2.5-1.5B-like test layer (hidden 1536, 12/2 heads of 128, qkv bias) named `name`,
+    one per batch: the plan-override GPU tests' small shape with a partial n-tile (batch 5) and several rounds."""
+    from generator.variants import parse
+    return parse(f"""
+matrix: {{mode: [decode], batch: {batches}, seq_len: [{seq_len}]}}
+models:
+  {name}: {{hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
+       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}}
+""", f"{name}.yaml")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_norm_fold_matches_the_reference(tmp_path):
@@ -519,13 +531,7 @@ def test_norm_fold_matches_the_reference(tmp_path):
     and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
     and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
     n-tile) with GEMV_PF 2; against the fp32 reference on rows of different scales (verify.random_inputs)."""
-    from generator.variants import parse
-    b5, b16, b32 = parse("""
-matrix: {mode: [decode], batch: [5, 16, 32], seq_len: [512]}
-models:
-  nf: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
-       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
-""", "nf.yaml")
+    b5, b16, b32 = _qwen15_like("nf", [5, 16, 32])
     cases = [(next(v for v in declared() if v.name == n), {}) for n in ("llama3.2-1b_decode_b1_s4096_bf16",
                                                                           "llama3.2-1b_decode_b8_s4096_bf16")]
     cases += [(b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}), (b32, {"QKV_KSPLIT": 2, "QKV_FLOW": 0, "GEMV_PF": 1}),
@@ -542,17 +548,11 @@ def test_single_buffered_partial_sums_match_the_reference(tmp_path):
     own group barriers on the same ids), batch 5 with GEMV_PF 2 and split-K o_proj/down (the partials through the
     one buffer), batch 32 with NORM_FOLD (the planner's choice there), one-warp groups and many short rounds,
     Llama-3-8B's o_proj in two rounds with H_STATS; two consecutive steps bit-equal."""
-    from generator.variants import parse
-    b5, b32 = parse("""
-matrix: {mode: [decode], batch: [5, 32], seq_len: [512]}
-models:
-  rb: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
-       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
-""", "rb.yaml")
+    b5, b32 = _qwen15_like("rb", [5, 32])
     # short rows (hidden 512: a task is a few k-tiles, so a round's writes follow its epilogue closely) and a wide
     # MLP: gate_up in 2 rounds of 16 one-warp groups a block (the warp's own barrier), or 17 rounds of one
     # 16-warp group
-    wide, = parse("""
+    wide, = gvariants.parse("""
 matrix: {mode: [decode], batch: [4], seq_len: [256]}
 models:
   rbw: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 17408, layers: 2, norm: rmsnorm,
@@ -576,13 +576,7 @@ def test_pre_loaded_weights_match_the_reference(tmp_path):
     (the later rounds' prefetch after the pre-loaded first) and GEMV_PF 2 (the pipeline starting from it) at batch 5
     (a partial n-tile), and with split-K o_proj and down (the pre-loaded task is a split); against the fp32
     reference, two consecutive steps (the next launch's pre-loads run before the previous one's end)."""
-    from generator.variants import parse
-    b5, = parse("""
-matrix: {mode: [decode], batch: [5], seq_len: [512]}
-models:
-  pre: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
-        norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
-""", "pre.yaml")
+    b5, = _qwen15_like("pre", [5])
     l1b = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     every = {"QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}
     cases = [(l1b, every), (l1b, {**every, "GEMV_PF": 1}), (b5, {**every, "GEMV_PF": 2}),
@@ -598,14 +592,8 @@ def test_h_stats_matches_the_reference(tmp_path):
     n-tile) with o_proj in 8-warp groups and split-K, and at batch 16, and a small shape at batch 65 with o_proj in
     2-warp groups (more rows than a group has threads); rows of different scales (verify.random_inputs) against the
     fp32 reference, and two launches on the same inputs bit-equal (the statistics' fixed order)."""
-    from generator.variants import parse
-    b5, b16 = parse("""
-matrix: {mode: [decode], batch: [5, 16], seq_len: [512]}
-models:
-  hs: {hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 4096, layers: 2, norm: rmsnorm,
-       norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: true, qk_norm: false, dtype: bf16}
-""", "hs.yaml")
-    b65, = parse("""
+    b5, b16 = _qwen15_like("hs", [5, 16])
+    b65, = gvariants.parse("""
 matrix: {mode: [decode], batch: [65], seq_len: [128]}
 models:
   hw: {hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, layers: 2, norm: rmsnorm,
