@@ -40,6 +40,10 @@ def load_selected(variants_file: str, only=(), exclude=()) -> list:
     if not selected:
         fail(f"{variants_file}: no variant matches --only {' '.join(only) or '*'}"
              + (f" --exclude {' '.join(exclude)}" if exclude else ""))
+    unmatched = [g for g in only if not gvariants.select(vs, (g,))]
+    if unmatched:  # one of several globs matches nothing: likely a typo, said rather than silently dropped
+        err_console.print(f"warning: {variants_file}: --only {' '.join(unmatched)} matches no variant", markup=False,
+                          highlight=False, soft_wrap=True)
     return selected
 
 
@@ -382,6 +386,9 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
             matrix.append({"mode": ["prefill"], "batch": b, "seq_len": ints("--prefill-chunks", prefill_chunks, [])})
     try:
         text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
+        for line in text.splitlines():
+            if line.lstrip().startswith("# " + hf.WARNING_MARK):
+                err_console.print(line.lstrip()[2:], markup=False, highlight=False, soft_wrap=True)
         if write_file:
             try:
                 started = not Path(write_file).read_text().strip()
@@ -502,6 +509,15 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             fail("--variant: fused variants run on CUDA; --device cpu serves the unfused layers (drop --variant)")
         chosen = []
         cache_len = cache_len or max(len(s) for s in seqs) + max_new_tokens
+    try:
+        trained = hf.read_config(model_dir)[1].get("max_position_embeddings")
+        longest = max(len(s) for s in seqs) + max_new_tokens
+        if isinstance(trained, int) and longest > trained:  # generated as asked, but past what the model learned
+            err_console.print(f"warning: {model_dir}: up to {longest} positions (prompt + --max-new-tokens), longer "
+                              f"than max_position_embeddings {trained}: positions past it were never trained",
+                              markup=False, highlight=False, soft_wrap=True)
+    except hf.HFConfigError:
+        pass  # Model.from_hf below says what is wrong with the directory
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)

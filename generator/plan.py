@@ -165,6 +165,7 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalanc
 
 
 SMEM_RESERVED = 1024  # bytes of shared memory the system reserves per block (sm_80 and later)
+L1_ENOUGH = 60 * 1024  # bytes of L1 the decode planner keeps beside the block's shared memory where it can (l1_bytes)
 
 
 def l1_bytes(arch: Arch, smem_bytes: int, blocks: int = 1) -> int:

@@ -17,6 +17,7 @@ from rich.table import Table
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
 from .manifest import build_dir_flag, kernel_sources_digest, status as build_status, variant_from_entry
+from .plan import L1_ENOUGH
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 from .tune import knob_dict, knobs_differ
 
@@ -29,8 +30,9 @@ BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_
 
 
 def flags(entry: dict) -> list[str]:
-    """What a user must not miss: spills, over-budget shared memory, a refused or failed build, wgmma serialised by
-    ptxas (the prefill GEMM's tensor-core work waiting on itself: slower, not wrong), one layer's weights, KV cache
+    """What a user must not miss: spills, over-budget shared memory, less L1 than L1_ENOUGH beside the block on a GPU
+    with room for more (its weight loads stream slower), a refused or failed build, wgmma serialised by ptxas (the
+    prefill GEMM's tensor-core work waiting on itself: slower, not wrong), one layer's weights, KV cache
     and workspace over the largest GPU of its arch (mem>N GB: it cannot run), a tuning entry that was not used
     (tuned-plan-unused: the default plan was built; the build's warning said why)."""
     out = ["tuned-plan-unused"] if entry.get("tuning_warning") else []
@@ -48,6 +50,9 @@ def flags(entry: dict) -> list[str]:
     if r["blocks_per_sm"] < 1:
         out.append("no-residency")
     a = get_arch(entry.get("arch", DEFAULT_ARCH))
+    # the weight streams slow down (plan.l1_bytes); flagged where the SM's storage (>= 192 KB) leaves room for more
+    if r.get("l1_bytes") is not None and r["l1_bytes"] < L1_ENOUGH and a.unified_kb >= 192:
+        out.append(f"L1<{L1_ENOUGH // 1024}KB")
     try:
         g = gpu_fields(entry)
     except (KeyError, TypeError):  # an older build's entry without its parameters: nothing to add up
@@ -372,8 +377,11 @@ TABLE_COLUMNS = [
     ("speedup_eager", "×\neager", _num(".2f"), False),
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
+# a table column whose cell is its row's value (or "-"): left out where no row has one
+PLAIN_KEYS = {"gpu_bytes", "cubin_bytes", "ptx_bytes", "registers", "stack_frame", "smem_total", "smem_pct", "l1_bytes",
+              "blocks_per_sm", "compile_s", "load_ms", "workspace_bytes", "mma_sass"}
 # dropped first to last where the console is too narrow; variant, µs, ×, flags stay
-DROP_ORDER = ["l1_bytes", "plan", "gpu_bytes", "cubin_bytes", "load_ms", "best_baseline", "route", "pct_bw",
+DROP_ORDER = ["l1_bytes", "cubin_bytes", "load_ms", "gpu_bytes", "plan", "best_baseline", "route", "pct_bw",
               "blocks_per_sm", "smem_total", "spill", "registers"]
 BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
               "speedup_compile",
@@ -419,14 +427,19 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         finally:
             console._width = saved
     else:
-        cols = [c for c in cols if c[3]]
-        drop = list(DROP_ORDER)
+        # kept columns with a figure in some row (load ms without a GPU is all "-"), then dropped to fit the width
+        cols = [c for c in cols if c[3] and (c[0] not in PLAIN_KEYS or any(r.get(c[0]) is not None for r in rows))]
+        drop, hidden = list(DROP_ORDER), []
         t = _table(rows, cols)
         while drop and natural(t) > console.width:
             key = drop.pop(0)
+            hidden += [c[1].replace("\n", " ") for c in cols if c[0] == key]
             cols = [c for c in cols if c[0] != key]
             t = _table(rows, cols)
         console.print(t)
+        if hidden:
+            console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
+                          highlight=False)
     tot = report["totals"]
     console.print(f"{tot['built']}/{tot['variants']} built, {tot['distinct_binaries']} distinct binaries, "
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"

@@ -83,13 +83,15 @@ struct GemvPre {
 };
 template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0>
 __device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
-    GemvPre<U> p;
-    if constexpr (ON) {
+    if constexpr (!ON) {
+        return GemvPre<U>{};  // nothing loaded (PRE 0 never reads it)
+    } else {
+        GemvPre<U> p;
         const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
         const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round (its round loop)
         if (task < N / 16 * KSPLIT) gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, warp, threadIdx.x & 31, p.a);
+        return p;
     }
-    return p;
 }
 
 // W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with

@@ -184,6 +184,22 @@ def test_report_flags_serialized_wgmma():
     assert report.flags(entry) == ["wgmma-serialized"]
 
 
+def test_report_flags_little_l1_where_the_gpu_has_room_for_more():
+    """L1<60KB (plan.L1_ENOUGH): the block's shared memory leaves so little L1 that the weight loads stream slower;
+    on the H200 / A100 class (>= 192 KB of L1 + shared memory an SM), not on 128 KB parts where it is the norm."""
+    from generator import report
+    from generator.plan import l1_bytes
+    from generator.targets import arch
+    res = {"spill_stores": 0, "spill_loads": 0, "smem_total": 200 * 1024, "blocks_per_sm": 1}
+    assert report.flags({"status": "ok", "arch": "90", "resources": dict(res, l1_bytes=l1_bytes(arch("90"),
+                                                                                           200 * 1024))}) == ["L1<60KB"]
+    assert report.flags({"status": "ok", "arch": "90", "resources": dict(res, smem_total=150 * 1024, l1_bytes=l1_bytes(
+        arch("90"), 150 * 1024))}) == []
+    assert report.flags({"status": "ok", "arch": "86", "resources": dict(res, smem_total=90 * 1024, l1_bytes=l1_bytes(
+        arch("86"), 90 * 1024))}) == []
+    assert report.flags({"status": "ok", "arch": "90", "resources": res}) == []  # an older build: no L1 recorded
+
+
 def test_report_flags_a_layer_no_gpu_of_its_arch_holds():
     import dataclasses
     from generator import report, variants as gvariants

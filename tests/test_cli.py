@@ -90,6 +90,10 @@ def test_only_matching_nothing(workdir):
     r = run_cli(["list", "--only", "nothing*"], cwd=workdir)
     assert_bad_input(r, "no variant matches")
     assert snapshot(workdir / "build") == before
+    # one of several globs matching nothing (a typo) is said, the others still listed
+    r = run_cli(["list", "--only", "tiny*", "--only", "tyni*"], cwd=workdir)
+    assert r.returncode == 0 and "tiny" in r.stdout, r.stderr
+    assert r.stderr.count("\n") == 1 and "warning" in r.stderr and "--only tyni* matches no variant" in r.stderr
 
 
 # ---------------------------------------------------------------- list, render

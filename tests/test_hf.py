@@ -700,3 +700,9 @@ def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (args, r.stderr)
     assert f.read_text() == before
+    # a cache past the positions the model was trained on: built as asked, said on stderr and in the entry
+    d8 = write_config(tmp_path / "short", "mistral", {**MISTRAL_7B_V0_3, "max_position_embeddings": 8192})
+    r = run_cli("from-hf", d8, "--seq-len", "4096,32768")
+    warn = "seq_len 32768 is longer than max_position_embeddings 8192"
+    assert r.returncode == 0 and warn in r.stderr and f"# warning: {warn}" in r.stdout, r.stderr
+    assert warn not in run_cli("from-hf", d8, "--seq-len", "8192").stderr

@@ -358,7 +358,10 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 2 and "cache capacity 32" in r.stderr and r.stderr.count("\n") == 1
     # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # past the positions the model was trained on (max_position_embeddings 256): generated as asked, and said
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "254", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0 and "257 positions" in r.stderr and "max_position_embeddings 256" in r.stderr, r.stderr
     r = cli(["generate", tmp_path / "nonexist", "--ids", "1"], cwd=tmp_path)  # the path first, on any machine
     assert r.returncode == 2 and "no such file or directory" in r.stderr and r.stderr.count("\n") == 1
     (tmp_path / "empty").mkdir()

@@ -893,8 +893,7 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
     """RED_DB (templates/gemv.cuh): double-buffered partial sums unless one buffer lifts the block's L1 to
     L1_ENOUGH (plan.l1_bytes: the smallest carveout holding the block and the 1 KB the system reserves) or makes the
     block fit; every batch-1 shape keeps it; an override is honoured either way."""
-    from generator.modes.decode import L1_ENOUGH
-    from generator.plan import SMEM_RESERVED, l1_bytes
+    from generator.plan import L1_ENOUGH, SMEM_RESERVED, l1_bytes
     from generator.render import plan
     from generator.targets import arch as get_arch
     h200 = get_arch("90")
@@ -920,6 +919,18 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
     # a refusal with two buffers forced names the way out
     with pytest.raises(PlanError, match="RED_DB=1 keeps two buffers of partial sums: .* with one the stage fits"):
         plan(_layer(8192, 13), "90", overrides={"RED_DB": 1})
+
+
+def test_dynamic_split_stays_off_for_caches_of_2_24_rows_and_more():
+    """ATT_DYN's run-time division is exact below 2^24 rows (templates/stages/attention.cuh att_ceil_div): at a cache
+    of 2^24 rows the planner keeps the static split (the kernel's static_assert would fail the build) and refuses
+    the override in one line."""
+    from generator.render import plan
+    big = dataclasses.replace(_layer(2048, 2), seq_len=1 << 24)
+    assert plan(big, "90")["consts"]["ATT_DYN"] == 0
+    assert plan(dataclasses.replace(big, seq_len=(1 << 24) - 16), "90")["consts"]["ATT_DYN"] == 1
+    with pytest.raises(PlanError, match="ATT_DYN=1: needs .* a cache under 2\\^24 rows"):
+        plan(big, "90", overrides={"ATT_DYN": 1})
 
 
 def test_a_record_without_red_db_was_measured_with_two_buffers():

@@ -41,7 +41,15 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
         text += "    matrix: " + (flows[0] if len(flows) == 1 else "[" + ", ".join(flows) + "]") + "\n"
         _check_windows(text, name, gvariants.parse(NEW_FILE + text, f"{cfg_path}: --batch/--seq-len/--prefill-chunks"),
                        f"{cfg_path}")
+        trained = cfg.get("max_position_embeddings")
+        longest = max((n for m in matrix if "decode" in m.get("mode", ()) for n in m.get("seq_len", ())), default=0)
+        if isinstance(trained, int) and longest > trained:  # built and run as asked, but past what the model learned
+            text += (f"    # {WARNING_MARK} seq_len {longest} is longer than max_position_embeddings {trained}: "
+                     "positions past it were never trained\n")
     return text
+
+
+WARNING_MARK = "warning:"  # a comment line of the entry that `from-hf` also prints
 
 
 def _check_windows(text: str, name: str, expanded, where: str) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from ..plan import (THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split, gemv_split_k,
-                    l1_bytes, plan_gemv)
+from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split,
+                    gemv_split_k, l1_bytes, plan_gemv)
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -83,7 +83,6 @@ def _check_overrides(name: str, ov: dict) -> dict:
 
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
-L1_ENOUGH = 60 * 1024   # bytes of L1 the planner keeps beside the block's shared memory where it can (see plan)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -201,11 +200,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # override): measured on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096
     # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
     # positions.
-    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and v.seq_len >= ATT_DYN_MIN_SEQ
+    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= v.seq_len < 1 << 24
                                     and "ATT_C" not in ov))
-    if att_dyn and (v.batch > 32 or v.tp > 1):
-        raise PlanError(f"{v.name}: plan override ATT_DYN=1: needs batch <= 32 (one warp schedules) and one GPU "
-                        f"(this variant: batch {v.batch}, tp {v.tp})")
+    if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
+        raise PlanError(f"{v.name}: plan override ATT_DYN=1: needs batch <= 32 (one warp schedules), one GPU and a "
+                        f"cache under 2^24 rows (its float division is exact below; this variant: batch {v.batch}, "
+                        f"tp {v.tp}, seq_len {v.seq_len})")
     if att_dyn and "ATT_C" in ov:
         raise PlanError(f"{v.name}: plan overrides ATT_DYN=1 and ATT_C={ov['ATT_C']}: with ATT_DYN the rows per task "
                         "are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
