@@ -172,8 +172,8 @@ def l1_bytes(arch: Arch, smem_bytes: int, blocks: int = 1) -> int:
     """Bytes of L1 an SM keeps beside `blocks` resident blocks of `smem_bytes` shared memory each (the decode
     kernel: one): the driver configures the smallest carveout (Arch.carveouts_kb) that holds them and SMEM_RESERVED
     each, and the rest of the unified storage is L1. Measured on the H200 (bench/NOTES.md session 16): the GEMV's
-    weight loads (ld.global, staged in L1) stream 5-7 % slower with 28 KB of L1 than with 60 KB, 1-2.7 % slower
-    with 60 KB than with >= 92 KB."""
+    weight loads (ld.global, staged in L1) stream 3-6 % slower with 28 KB of L1 than with 60 KB (5-11 % on batch
+    20-24 shapes), 0.4-2.7 % slower with 60 KB than with >= 92 KB."""
     need = max(1, blocks) * (smem_bytes + SMEM_RESERVED)
     steps = [c * 1024 for c in arch.carveouts_kb if c * 1024 >= need]
     return arch.unified_kb * 1024 - (steps[0] if steps else need)

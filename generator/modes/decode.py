@@ -263,7 +263,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
     # NORM_FOLD and RED_DB by the L1 they leave beside the block's shared memory (plan.l1_bytes): first at least
-    # L1_ENOUGH (below it the weight loads slowed 5-11 %, bench/NOTES.md session 16), then the fold, then the
+    # L1_ENOUGH (below it the weight loads slowed 3-11 %, bench/NOTES.md session 16), then the fold, then the
     # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1. Where no plan
     # leaves L1_ENOUGH (the smaller-L1 GPUs, never measured) two buffers come before the fold, as the planner had it;
     # tensor parallel keeps two buffers (one has not run on 2 GPUs)
