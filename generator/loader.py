@@ -212,6 +212,7 @@ class FusedDecoderLayer:
                                "cooperative launch cannot have all its blocks resident")
         # the kernel strides over gridDim: any co-resident grid is correct; one block per SM is what was planned
         self.grid = sms * min(occ, 1)
+        self.grid -= self.grid % self.plan["consts"].get("NORM_CLUSTER", 1)  # whole clusters (NORM_CLUSTER)
         # programmatic dependent launch for decode where the GPU has it (sm_90+) unless MEGAKERNEL_PDL=0 (measured
         # on the H200: 1B batch 1 50.1 -> 49.2 us a layer); prefill and tensor parallel (launches with all-reduces
         # between) launch without: not measured there

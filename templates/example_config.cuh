@@ -28,6 +28,7 @@ constexpr int HB_COPY = 1;
 constexpr int GEMV_PF = 0;
 constexpr int NORM_FOLD = 0;
 constexpr int RED_DB = 1;
+constexpr int NORM_CLUSTER = 1;
 constexpr int QKV_FLOW = 1;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;

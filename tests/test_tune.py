@@ -570,6 +570,34 @@ models:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_norm_cluster_matches_the_reference(tmp_path):
+    """NORM_CLUSTER (the kernel in clusters of 2 or 4 blocks, each norm's rows bulk-copied once a cluster by
+    multicast): Llama-3.2-1B b1 (one row: only rank 0 copies) and b8 in clusters of 4, batch 5 in clusters of 2 (an
+    odd row count), batch 32 with NORM_FOLD and one buffer of partial sums; two launches bit-equal."""
+    b5, b32 = _qwen15_like("nc", [5, 32])
+    l1b = {v.name: v for v in declared()}
+    cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {"NORM_CLUSTER": 4}),
+             (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_CLUSTER": 4}), (b5, {"NORM_CLUSTER": 2}),
+             (b32, {"NORM_CLUSTER": 4, "NORM_FOLD": 1, "RED_DB": 0})]
+    _overrides_match_the_reference(tmp_path, cases, "nc", 17, {}, repeat=True)
+
+
+def test_norm_cluster_is_refused_where_it_cannot_run():
+    """NORM_CLUSTER > 1: bf16 on one GPU (the rows copied as T), no H_STATS, sm_90/sm_100 (clusters and multicast
+    bulk copies); 1, 2 or 4."""
+    from generator.render import plan
+    for v, arch, ov in ((_layer(2048, 8, tp=2), "90", {}), (_layer(2048, 8, dtype="fp16"), "90", {}),
+                        (_layer(2048, 8), "90", {"H_STATS": 1}), (_layer(2048, 8), "86", {})):
+        with pytest.raises(PlanError, match="NORM_CLUSTER=2: needs bf16 on one GPU"):
+            plan(v, arch, overrides={"NORM_CLUSTER": 2, **ov})
+    with pytest.raises(PlanError, match="NORM_CLUSTER=3: must be 1, 2 or 4"):
+        plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 3})
+    assert plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 4})["consts"]["NORM_CLUSTER"] == 4
+    assert plan(_layer(2048, 8), "90")["consts"]["NORM_CLUSTER"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_pre_loaded_weights_match_the_reference(tmp_path):
     """<P>_PRE (a projection's first weight step loaded before the barrier that precedes its stage; qkv's before the
     launch's wait): every projection at once on Llama-3.2-1B b1 (one round each but gate_up and down), with GEMV_PF 1

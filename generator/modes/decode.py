@@ -47,7 +47,7 @@ STEPS = (
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -75,6 +75,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         on_off = ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD", "H_STATS", "ATT_DYN", "RED_DB")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
+        if k == "NORM_CLUSTER" and val not in (1, 2, 4):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 1, 2 or 4")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
         out[k] = val
@@ -238,6 +240,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
 
     h_stats = ov.get("H_STATS", 0)
+    # NORM_CLUSTER (off by default, not yet run on a GPU): the kernel in clusters of that many blocks, each norm's
+    # rows bulk-copied once a cluster by multicast (templates/stages/norm.cuh norm_rows_multicast); T rows only
+    norm_cluster = ov.get("NORM_CLUSTER", 1)
+    if norm_cluster > 1 and (not hb_copy or h_stats or arch.sm[:2] not in ("90", "10")):
+        raise PlanError(f"{v.name}: plan override NORM_CLUSTER={norm_cluster}: needs bf16 on one GPU, no H_STATS "
+                        f"and sm_90/sm_100 (this variant: {m.dtype}, tp {v.tp}, H_STATS {h_stats}, sm_{arch.sm})")
     if h_stats and (m.norm != "rmsnorm" or not hb_copy):
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
                         f"{m.dtype}, tp {v.tp})")
@@ -308,7 +316,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "ATT_DYN": att_dyn,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db,
+        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the

@@ -14,6 +14,47 @@
 // 1/rms (the parts summed in a fixed order), no pass over the rows at all.
 #pragma once
 #include "../common.cuh"
+// NORM_CLUSTER (the decode plan's knob; the kernel launched in clusters of that many blocks): the BATCH rows of src
+// (T, HIDDEN each) into dst (rows XS_LD apart) of every block of the cluster, each block bulk-copying every
+// NORM_CLUSTER-th row with .multicast::cluster (the TMA unit writes the row at the same offset in each block's shared
+// memory and counts its bytes on each block's mbarrier): L2 -> SM traffic / NORM_CLUSTER (every block copied every
+// row: 12-26 us of a batch-16-32 layer, bench/NOTES.md session 16). Every block of the cluster calls it (each norm
+// of each launch); the cluster barrier first makes every block's mbarrier initialised and its rows region free.
+__device__ __forceinline__ void norm_rows_multicast(const T* src, T* dst) {
+#if __CUDA_ARCH__ >= 900
+    static_assert((HIDDEN * sizeof(T)) % 16 == 0 && (XS_LD * sizeof(T)) % 16 == 0, "bulk copies of 16-byte units");
+    __shared__ alignas(8) unsigned long long bar;
+    const unsigned b_addr = (unsigned)__cvta_generic_to_shared(&bar);
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(b_addr) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    // every block of the cluster: its barrier initialised, its rows region no longer read (the last stage's use)
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                         :: "r"(b_addr), "r"(BATCH * HIDDEN * (int)sizeof(T)) : "memory");
+        // the rows were written by other blocks (generic proxy, ordered by the grid barrier or the launch's wait):
+        // ordered before this thread's bulk copies' reads (async proxy)
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        const unsigned short mask = (unsigned short)((1u << NORM_CLUSTER) - 1u);
+        for (int b = (int)rank + NORM_CLUSTER * (int)threadIdx.x; b < BATCH; b += NORM_CLUSTER * 32)
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                         "[%0], [%1], %2, [%3], %4;"
+                         :: "r"((unsigned)__cvta_generic_to_shared(dst + (size_t)b * XS_LD)),
+                            "l"(src + (size_t)b * HIDDEN), "r"(HIDDEN * (int)sizeof(T)), "r"(b_addr), "h"(mask)
+                         : "memory");
+    }
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT_%=;\n}" :: "r"(b_addr) : "memory");
+    __syncthreads();  // every thread past the wait: the barrier is invalidated for the next norm's init
+    if (threadIdx.x == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(b_addr) : "memory");
+#endif
+}
 template <bool STATS = false, class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
                      T* gs, float* rs, const float* hsq = nullptr) {
@@ -38,7 +79,13 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
     }
     if constexpr (NORM_FOLD)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
-    if constexpr (sizeof(S) == sizeof(T)) {
+    if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
+        norm_rows_multicast(src, dst);
+        if constexpr (NORM_FOLD) {
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+    } else if constexpr (sizeof(S) == sizeof(T)) {
         for (int i = tid; i < BATCH * NCH; i += THREADS)
             cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
         cp_async_commit();
