@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -98,6 +99,18 @@ def _launch_kernel_ex():
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return fn, err
+
+
+def _max_active_clusters(fn_ptr: int, grid: int, threads: int, smem: int) -> int:
+    """cuOccupancyMaxActiveClusters: how many of the kernel's compiled clusters (__cluster_dims__) can be resident
+    at once (a cluster's blocks share one GPC, so this can be fewer than SMs / cluster size)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    n = ctypes.c_int(0)
+    cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, None, 0)
+    rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn_ptr), ctypes.byref(cfg))
+    if rc:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {rc})")
+    return n.value
 
 
 class FusedDecoderLayer:
@@ -212,7 +225,14 @@ class FusedDecoderLayer:
                                "cooperative launch cannot have all its blocks resident")
         # the kernel strides over gridDim: any co-resident grid is correct; one block per SM is what was planned
         self.grid = sms * min(occ, 1)
-        self.grid -= self.grid % self.plan["consts"].get("NORM_CLUSTER", 1)  # whole clusters (NORM_CLUSTER)
+        ncl = self.plan["consts"].get("NORM_CLUSTER", 1)
+        if ncl > 1:  # whole clusters, as many as can be resident at once (NORM_CLUSTER): a cluster's blocks share a GPC
+            with cupy.cuda.Device(self.device.index):
+                self.grid = ncl * min(self.grid // ncl, _max_active_clusters(
+                    self._fns[0][0].ptr, self.grid - self.grid % ncl, self.plan["threads"], self.plan["smem_bytes"]))
+            if self.grid < sms:
+                warnings.warn(f"{self.name}: NORM_CLUSTER={ncl}: {self.grid // ncl} clusters of {ncl} resident, "
+                              f"{self.grid} of {sms} SMs run the layer", stacklevel=2)
         # programmatic dependent launch for decode where the GPU has it (sm_90+) unless MEGAKERNEL_PDL=0 (measured
         # on the H200: 1B batch 1 50.1 -> 49.2 us a layer); prefill and tensor parallel (launches with all-reduces
         # between) launch without: not measured there

@@ -71,6 +71,19 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+// at most n of this thread's groups still pending, n known once the caller's loop is unrolled (more than 7: 7)
+__device__ __forceinline__ void cp_async_wait_le(int n) {
+    switch (n) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        case 3: cp_async_wait<3>(); break;
+        case 4: cp_async_wait<4>(); break;
+        case 5: cp_async_wait<5>(); break;
+        case 6: cp_async_wait<6>(); break;
+        default: cp_async_wait<7>(); break;
+    }
+}
 // A value about to be stored as T that T cannot hold (fp16 above 65504) becomes inf: count it in status[0] so the
 // host can say so (FusedDecoderLayer.overflows()). bf16 has fp32's range: the check compiles away.
 __device__ __forceinline__ void count_overflow(float v, unsigned* status) {

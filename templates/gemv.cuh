@@ -104,7 +104,8 @@ __device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
 // are all made (a block barrier, then its release fence; one thread for all of them spilled at the register cap);
 // KSPLIT 1 only. TILE0: the first tile in task order
 // (tiles are taken in the order TILE0, TILE0 + 1, ..., wrapping), so the tiles a waiting step needs first come first.
-// gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded.
+// gs (NORM_FOLD: X is the norm's raw rows): X's column k is multiplied by gs[k] as its B fragments are loaded (gs in
+// shared memory, or NORM_FOLD 2 the norm's weight in global memory).
 // pre (PRE, the decode plan's <P>_PRE): this group's first step of its first-round task, loaded by gemv_pre before
 // the barrier that precedes the stage; used in place of that step's loads (PF 1/2 then prefetch as without it).
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting

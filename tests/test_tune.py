@@ -32,7 +32,7 @@ def tiny(tiny_variants_file, name=TINY):
 def test_candidates_default_first_all_plan_no_duplicates(v):
     cands = gtune.candidates(v)
     assert cands[0] == {}
-    assert 9 <= len(cands) <= 28
+    assert 9 <= len(cands) <= 30
     if v.mode == "decode":  # the attention's neighbours still fit in the limit
         assert any("ATT_C" in ov for ov in cands) and any("ATT_STAGES" in ov for ov in cands), cands
     seen = set()
@@ -484,7 +484,7 @@ def test_early_weight_loads_match_the_reference(tmp_path, pf):
 def _overrides_match_the_reference(tmp_path, cases, tag: str, seed: int, expect: dict, repeat: bool = False) -> None:
     """Each (variant, overrides) of `cases`, renamed `tag`<i>, built with those overrides (all ok), loaded with random
     weights (`seed`) and checked against the fp32 reference at two seeds (verify.random_inputs: rows of different
-    scales); its plan holds `expect` ({knob: value}); repeat: a second launch on the same inputs and caches is
+    scales); its plan holds `expect` ({knob: value}) and the overrides; repeat: a second launch on the same inputs and caches is
     bit-equal to the first."""
     import torch
 
@@ -497,7 +497,7 @@ def _overrides_match_the_reference(tmp_path, cases, tag: str, seed: int, expect:
         assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
         W = reference.random_weights(v.model, seed=seed, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
-        assert all(layer.plan["consts"][k] == val for k, val in expect.items()), (c.name, ov)
+        assert all(layer.plan["consts"][k] == val for k, val in {**expect, **ov}.items()), (c.name, ov)
         for s in (seed, seed + 1):
             x, pos = verify.random_inputs(layer, s)
             caches = (layer.k_cache.clone(), layer.v_cache.clone()) if repeat else None
@@ -530,14 +530,16 @@ def test_norm_fold_matches_the_reference(tmp_path):
     """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues): Llama-3.2-1B b1
     and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
     and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
-    n-tile) with GEMV_PF 2; against the fp32 reference on rows of different scales (verify.random_inputs)."""
+    n-tile) with GEMV_PF 2; NORM_FOLD 2 (the gain read from global memory) at batch 32 and 5; against the fp32
+    reference on rows of different scales (verify.random_inputs)."""
     b5, b16, b32 = _qwen15_like("nf", [5, 16, 32])
     cases = [(next(v for v in declared() if v.name == n), {}) for n in ("llama3.2-1b_decode_b1_s4096_bf16",
                                                                           "llama3.2-1b_decode_b8_s4096_bf16")]
     cases += [(b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}), (b32, {"QKV_KSPLIT": 2, "QKV_FLOW": 0, "GEMV_PF": 1}),
               (b5, {"GEMV_PF": 2})]
-    _overrides_match_the_reference(tmp_path, [(v, {"NORM_FOLD": 1, **ov}) for v, ov in cases], "nf", 9,
-                                   {"NORM_FOLD": 1})
+    cases = [(v, {"NORM_FOLD": 1, **ov}) for v, ov in cases]
+    cases += [(b32, {"NORM_FOLD": 2}), (b5, {"NORM_FOLD": 2, "GEMV_PF": 2})]  # the gain read from global memory
+    _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
 
 
 @pytest.mark.gpu
@@ -571,28 +573,28 @@ models:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_norm_cluster_matches_the_reference(tmp_path):
-    """NORM_CLUSTER (the kernel in clusters of 2 or 4 blocks, each norm's rows bulk-copied once a cluster by
-    multicast): Llama-3.2-1B b1 (one row: only rank 0 copies) and b8 in clusters of 4, batch 5 in clusters of 2 (an
-    odd row count), batch 32 with NORM_FOLD and one buffer of partial sums; two launches bit-equal."""
+    """NORM_CLUSTER 2 (the kernel in clusters of 2 blocks, each norm's rows bulk-copied once a cluster by multicast):
+    Llama-3.2-1B b1 (one row: only rank 0 copies) and b8, batch 5 (an odd row count), batch 32 with NORM_FOLD and one
+    buffer of partial sums and with NORM_FOLD 2; two launches bit-equal."""
     b5, b32 = _qwen15_like("nc", [5, 32])
     l1b = {v.name: v for v in declared()}
-    cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {"NORM_CLUSTER": 4}),
-             (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_CLUSTER": 4}), (b5, {"NORM_CLUSTER": 2}),
-             (b32, {"NORM_CLUSTER": 4, "NORM_FOLD": 1, "RED_DB": 0})]
+    cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {"NORM_CLUSTER": 2}),
+             (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_CLUSTER": 2}), (b5, {"NORM_CLUSTER": 2}),
+             (b32, {"NORM_CLUSTER": 2, "NORM_FOLD": 1, "RED_DB": 0}), (b32, {"NORM_CLUSTER": 2, "NORM_FOLD": 2})]
     _overrides_match_the_reference(tmp_path, cases, "nc", 17, {}, repeat=True)
 
 
 def test_norm_cluster_is_refused_where_it_cannot_run():
     """NORM_CLUSTER > 1: bf16 on one GPU (the rows copied as T), no H_STATS, sm_90/sm_100 (clusters and multicast
-    bulk copies); 1, 2 or 4."""
+    bulk copies); 1 or 2."""
     from generator.render import plan
     for v, arch, ov in ((_layer(2048, 8, tp=2), "90", {}), (_layer(2048, 8, dtype="fp16"), "90", {}),
                         (_layer(2048, 8), "90", {"H_STATS": 1}), (_layer(2048, 8), "86", {})):
         with pytest.raises(PlanError, match="NORM_CLUSTER=2: needs bf16 on one GPU"):
             plan(v, arch, overrides={"NORM_CLUSTER": 2, **ov})
-    with pytest.raises(PlanError, match="NORM_CLUSTER=3: must be 1, 2 or 4"):
-        plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 3})
-    assert plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 4})["consts"]["NORM_CLUSTER"] == 4
+    with pytest.raises(PlanError, match="NORM_CLUSTER=4: must be 1 or 2"):
+        plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 4})
+    assert plan(_layer(2048, 8), "90", overrides={"NORM_CLUSTER": 2})["consts"]["NORM_CLUSTER"] == 2
     assert plan(_layer(2048, 8), "90")["consts"]["NORM_CLUSTER"] == 1
 
 
@@ -897,9 +899,10 @@ models:
 
 def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
     """NORM_FOLD's default (bench/NOTES.md sessions 13, 16): on from batch 8 (RMSNorm, bf16, one GPU, no q/k norm)
-    where the block keeps >= L1_ENOUGH of L1 (or no plan does); off at batch 4, q/k norm, LayerNorm, fp16, tensor
-    parallel, and where it would cost L1 below L1_ENOUGH (Qwen2.5-7B-like hidden 3584 at batch 24); never on where
-    its extra shared memory does not fit (sm_86 plans hidden 3072 x 14 rows without it)."""
+    where the block keeps >= L1_ENOUGH of L1 (or no plan does); off at batch 4, q/k norm, LayerNorm, fp16 and tensor
+    parallel; NORM_FOLD 2 (the gain read from L1) where the gain in shared memory would cost L1 below L1_ENOUGH
+    (Qwen2.5-7B-like hidden 3584 at batch 24: session 17); never on where its extra shared memory does not fit
+    (sm_86 plans hidden 3072 x 14 rows without it)."""
     from generator.plan import l1_bytes
     from generator.modes.decode import L1_ENOUGH
     from generator.render import plan
@@ -909,8 +912,13 @@ def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
         p = plan(v, "90")
         assert p["consts"]["NORM_FOLD"] == 1 and l1_bytes(get_arch("90"), p["smem_bytes"]) >= L1_ENOUGH, v.name
     for v in (_layer(4096, 4), _layer(4096, 8, qk_norm="true"), _layer(4096, 8, norm="layernorm"),
-              _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2), _layer(3584, 24)):
+              _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2)):
         assert fold(v) == 0, v.name
+    p, one = plan(_layer(3584, 24), "90"), plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 1})
+    assert p["consts"]["NORM_FOLD"] == 2 and p["consts"]["SMEM_GS"] == 0
+    assert l1_bytes(get_arch("90"), one["smem_bytes"]) < L1_ENOUGH <= l1_bytes(get_arch("90"), p["smem_bytes"])
+    with pytest.raises(PlanError, match="NORM_FOLD=3: must be 0, 1 or 2"):
+        plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 3})
     p = plan(_layer(3072, 14), "86")  # planned (the unfolded rows fit), unfolded
     assert p["consts"]["NORM_FOLD"] == 0
     with pytest.raises(PlanError, match="NORM_FOLD=1 keeps the gain"):

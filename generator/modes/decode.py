@@ -36,14 +36,16 @@ STEPS = (
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
-# and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh);
+# and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh), the
+# gain kept in shared memory (1) or read from global memory (2);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
 # of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN: attention's rows per task
 # chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule);
 # RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
-# each round's writes; templates/gemv.cuh)
+# each round's writes; templates/gemv.cuh); NORM_CLUSTER: the kernel in clusters of that many blocks, the norms' rows
+# copied once a cluster (templates/stages/norm.cuh norm_rows_multicast)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
@@ -72,17 +74,21 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "NORM_FOLD", "H_STATS", "ATT_DYN", "RED_DB")
+        on_off = ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "H_STATS", "ATT_DYN", "RED_DB")
+        if k == "NORM_FOLD" and val not in (0, 1, 2):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
-        if k == "NORM_CLUSTER" and val not in (1, 2, 4):
-            raise PlanError(f"{name}: plan override {k}={val}: must be 1, 2 or 4")
+        if k == "NORM_CLUSTER" and val not in (1, 2):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2 (clusters of 4: 30 resident on the H200, "
+                            "120 of its 132 SMs)")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
         out[k] = val
     return out
 
 
+FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 
@@ -151,10 +157,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         "wait for the all-reduced input have not run on 2 GPUs)")
     norm_fold = ov.get("NORM_FOLD", 0)  # explicit here; the default is decided with the shared memory, below
     if norm_fold and (m.norm != "rmsnorm" or m.dtype != "bf16"):
-        raise PlanError(f"{v.name}: plan override NORM_FOLD=1: needs RMSNorm in bf16 (this layer: {m.norm}, "
+        raise PlanError(f"{v.name}: plan override NORM_FOLD={norm_fold}: needs RMSNorm in bf16 (this layer: {m.norm}, "
                         f"{m.dtype}; LayerNorm's mean and fp16's range need the scaled rows)")
     if norm_fold and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override NORM_FOLD=1: not with tensor parallel (its fp32-source norm has not "
+        raise PlanError(f"{v.name}: plan override NORM_FOLD={norm_fold}: not with tensor parallel (its fp32-source norm has not "
                         "run folded on 2 GPUs)")
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
@@ -229,9 +235,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         red = max((1 + db) * nw * 16 * batch * 4, nw * 2 * batch * 4)  # bytes: rows, reduction tiles (per warp a
         need = align(batch * xs_ld * esize) + red      # 16 x batch tile, RED_DB: twice; the norm's scratch shares it)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
-        if fold:
+        if fold == 1:
             return align(need) + align(m.hidden * esize) + batch * 4
-        return align(need) + batch * 4 if stats else need
+        return align(need) + batch * 4 if stats or fold == 2 else need
 
     def fold_ok(batch: int) -> bool:  # NORM_FOLD possible at this batch (in its measured range, batch 8-32)
         # measured on the H200 (bench/NOTES.md sessions 13, 16): +0.4 to +5.9 % at batch 8-32 where the block keeps
@@ -240,8 +246,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
 
     h_stats = ov.get("H_STATS", 0)
-    # NORM_CLUSTER (off by default, not yet run on a GPU): the kernel in clusters of that many blocks, each norm's
-    # rows bulk-copied once a cluster by multicast (templates/stages/norm.cuh norm_rows_multicast); T rows only
+    # NORM_CLUSTER 2 (a tuner knob, off by default): the kernel in clusters of 2 blocks, each norm's rows bulk-copied
+    # once a cluster by multicast (templates/stages/norm.cuh norm_rows_multicast); T rows only. Measured on the H200
+    # (bench/NOTES.md session 17): +0.9 to +2.8 % on 5 of 8 batch 8-32 shapes, -1 % on 2: the copy from L2 is not
+    # what the norms wait on
     norm_cluster = ov.get("NORM_CLUSTER", 1)
     if norm_cluster > 1 and (not hb_copy or h_stats or arch.sm[:2] not in ("90", "10")):
         raise PlanError(f"{v.name}: plan override NORM_CLUSTER={norm_cluster}: needs bf16 on one GPU, no H_STATS "
@@ -270,6 +278,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "
                         f"combine, over the {smem['SMEM_FLAG'] - smem['SMEM_WST']} B warp-state region: a larger "
                         "ATT_C")
+    # NORM_FOLD 2 (the gain read from L1, not kept in shared memory) only where the gain in shared memory would leave
+    # less than L1_ENOUGH and without it the block leaves enough: measured on the H200 (bench/NOTES.md session 17), Qwen2.5-7B-like b24 -2.7 % against no
+    # fold, equal at batch 8-20, and where fold 1 leaves enough L1 slower than it (hidden 5120 b16 +12 %)
     # NORM_FOLD and RED_DB by the L1 they leave beside the block's shared memory (plan.l1_bytes): first at least
     # L1_ENOUGH (below it the weight loads slowed 3-11 %, bench/NOTES.md session 16), then the fold, then the
     # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1. Where no plan
@@ -278,13 +289,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1])
         l1 = l1_bytes(arch, max(att_bytes, need))
-        return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), c[0] if l1 >= L1_ENOUGH else 0, c[1], c[0], l1)
-    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0] if fold_ok(v.batch) else [0]
+        return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), FOLD_RANK[c[0]] if l1 >= L1_ENOUGH else 0, c[1],
+                int(c[0] == 1), l1)
+    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0, 2] if fold_ok(v.batch) else [0]
     dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
     norm_fold, red_db = max(((f, d) for f in folds for d in dbs), key=pick)
-    smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold else 0
-    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold
-                       else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats else 0)
+    smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold == 1 else 0
+    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold == 1
+                       else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats or norm_fold == 2 else 0)
     gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db)
 
     def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)

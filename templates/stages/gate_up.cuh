@@ -11,7 +11,8 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                         const GemvPre<GU_U>& pre, unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    T* gs = NORM_FOLD && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: the gain is in ws_hb
+    T* gs = NORM_FOLD == 1 && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: in ws_hb
+    const T* gain = NORM_FOLD == 2 && !H_STATS ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
     if constexpr (HB_COPY)
         norm<H_STATS>(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs, ws_hsq);
@@ -29,5 +30,5 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 count_overflow(a, ws_status);
                 ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        }, NoDone{}, gs, &pre);
+        }, NoDone{}, gain, &pre);
 }

@@ -6,8 +6,12 @@
 // src by cp.async, all of it in flight at once without registers; an fp32 src (tensor parallel's all-reduced h)
 // through registers, rounded to T (two roundings, as transformers' bf16 residual stream and its normalised output).
 // Then the rows' sums from shared memory (a row split over WPR warps where the batch has fewer rows than warps),
-// and dst scaled in place. NORM_FOLD: no scale pass; dst keeps the raw rows, gs gets the gain (HIDDEN T) and rs each
-// row's 1/rms (BATCH floats): the projection multiplies its B fragments by the gain and its sums by 1/rms
+// and dst scaled in place. Each thread copies, sums and scales the same chunks, so no block barrier stands between
+// the copy and the sums (measured on the H200 against a copy by all threads then a barrier: 1B b32 -2.3 %,
+// Qwen2.5-7B-like b24 -1.7 %, b1 equal; bench/NOTES.md session 17). NORM_FOLD: no scale pass; dst keeps the raw
+// rows, gs gets the gain (HIDDEN T) and rs each row's 1/rms (BATCH floats): the projection multiplies its B
+// fragments by the gain and its sums by 1/rms; NORM_FOLD 2: the same, the projection reading the gain from global
+// memory (L1) instead, so the block needs HIDDEN x T less shared memory (gs is not written)
 // (session 9's ablation: the scale pass was the norm's largest part at batch 16, ~4 us a norm at hidden 5120).
 // STATS (the decode plan's H_STATS, the second norm): src is h already multiplied by the gain (o_proj's epilogue)
 // and hsq holds each row's sum of squares of h in HIDDEN/16 parts: dst gets src's rows as they are and rs each row's
@@ -77,50 +81,67 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         __syncthreads();
         return;
     }
-    if constexpr (NORM_FOLD)
+    // Each thread copies, sums and scales the same chunks: row b0 + r * RB (r < R), columns c0 + j * CS (j < NJ),
+    // so no block barrier stands between the copy and the sums, and a T src's rows arrive in one cp.async group
+    // each, the sums of the first row running while the next arrives (a thread waits only for its own copies).
+    constexpr int R = (BATCH + RB - 1) / RB, CS = 32 * WPR, NJ = (NCH + CS - 1) / CS;
+    const int b0 = warp / WPR, c0 = part * 32 + lane;
+    if constexpr (NORM_FOLD == 1)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
-        norm_rows_multicast(src, dst);
-        if constexpr (NORM_FOLD) {
-            cp_async_commit();
-            cp_async_wait<0>();
-        }
+        norm_rows_multicast(src, dst);  // every row, for the whole block
+        if constexpr (NORM_FOLD == 1) cp_async_commit();
     } else if constexpr (sizeof(S) == sizeof(T)) {
-        for (int i = tid; i < BATCH * NCH; i += THREADS)
-            cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
-        cp_async_commit();
-        cp_async_wait<0>();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int b = b0 + r * RB;
+            if (b < BATCH)
+                for (int c = c0; c < NCH; c += CS)
+                    cp_async16(dst + (size_t)b * XS_LD + c * 8, src + ((size_t)b * HIDDEN + c * 8), true);
+            cp_async_commit();  // one group a row (empty past BATCH: the count stays R)
+        }
     } else {
         constexpr int G = 4;  // chunks a thread loads before it stores any (the stores may alias src for nvcc)
-        for (int i0 = tid; i0 < BATCH * NCH; i0 += G * THREADS) {
-            float f[G][8];
 #pragma unroll
-            for (int g = 0; g < G; ++g)
-                if (i0 + g * THREADS < BATCH * NCH) load8(src + (size_t)(i0 + g * THREADS) * 8, f[g]);
+        for (int r = 0; r < R; ++r) {
+            const int b = b0 + r * RB;
+            if (b < BATCH)
+                for (int c1 = c0; c1 < NCH; c1 += G * CS) {
+                    float f[G][8];
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const int i = i0 + g * THREADS;
-                if (i < BATCH * NCH)
-                    *reinterpret_cast<uint4*>(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8) = pack8(f[g]);
-            }
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH) load8(src + ((size_t)b * HIDDEN + (c1 + g * CS) * 8), f[g]);
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH)
+                            *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) = pack8(f[g]);
+                }
         }
-        if constexpr (NORM_FOLD) {
-            cp_async_commit();
-            cp_async_wait<0>();
-        }
+        if constexpr (NORM_FOLD == 1) cp_async_commit();
     }
-    __syncthreads();
-    for (int b = warp / WPR; b < BATCH; b += RB) {
-        float s1 = 0.f, s2 = 0.f;
-        for (int c = part * 32 + lane; c < NCH; c += 32 * WPR) {
-            float f[8];
-            unpack8(*reinterpret_cast<const uint4*>(dst + (size_t)b * XS_LD + c * 8), f);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) { s1 += f[i]; s2 = fmaf(f[i], f[i], s2); }
+    for (int r = 0; r < R; ++r) {
+        const int b = b0 + r * RB;
+        if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER == 1) cp_async_wait_le(R - 1 - r);  // row r is in
+        else if (NORM_FOLD == 1 && r == 0) cp_async_wait<0>();
+        if (b < BATCH) {  // (the whole warp or none: b depends on the warp)
+            float s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};  // two chains: the FMAs of two chunks overlap
+#pragma unroll 2
+            for (int j = 0; j < NJ; ++j) {
+                const int c = c0 + j * CS;
+                if (c < NCH) {
+                    float f[8];
+                    unpack8(*reinterpret_cast<const uint4*>(dst + (size_t)b * XS_LD + c * 8), f);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if constexpr (NORM_LAYERNORM) s1[j & 1] += f[i];
+                        s2[j & 1] = fmaf(f[i], f[i], s2[j & 1]);
+                    }
+                }
+            }
+            const float a = warp_sum(s1[0] + s1[1]), q = warp_sum(s2[0] + s2[1]);
+            if (lane == 0) { scratch[2 * (b * WPR + part)] = a; scratch[2 * (b * WPR + part) + 1] = q; }
         }
-        s1 = warp_sum(s1);
-        s2 = warp_sum(s2);
-        if (lane == 0) { scratch[2 * (b * WPR + part)] = s1; scratch[2 * (b * WPR + part) + 1] = s2; }
     }
     __syncthreads();
     if constexpr (NORM_FOLD) {
@@ -129,31 +150,54 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
             for (int p = 0; p < WPR; ++p) q += scratch[2 * (tid * WPR + p) + 1];
             rs[tid] = rsqrtf(q / HIDDEN + NORM_EPS);
         }
-    } else {  // the scale pass
-        for (int i = tid; i < BATCH * NCH; i += THREADS) {
-            const int b = i / NCH, c = i % NCH;
-            float a = 0.f, q = 0.f;
+    } else {  // the scale pass, over the same chunks; the gain (and bias) loaded once a column for all R rows
+        float mean[R], rstd[R];
 #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int b = min(b0 + r * RB, BATCH - 1);
+            float a = 0.f, q = 0.f;
             for (int p = 0; p < WPR; ++p) { a += scratch[2 * (b * WPR + p)]; q += scratch[2 * (b * WPR + p) + 1]; }
 #if NORM_LAYERNORM
-            const float mean = a / HIDDEN, rstd = rsqrtf(fmaxf(q / HIDDEN - mean * mean, 0.f) + NORM_EPS);
+            mean[r] = a / HIDDEN;
+            rstd[r] = rsqrtf(fmaxf(q / HIDDEN - mean[r] * mean[r], 0.f) + NORM_EPS);
 #else
-            const float mean = 0.f, rstd = rsqrtf(q / HIDDEN + NORM_EPS);
+            mean[r] = 0.f;
+            rstd[r] = rsqrtf(q / HIDDEN + NORM_EPS);
 #endif
-            float f[8], g[8];
-            uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
-            unpack8(*px, f);
-            load8(w + c * 8, g);
-#if NORM_LAYERNORM
-            float bb[8];
-            load8(bias + c * 8, bb);
+        }
+        constexpr int GB = NJ < 8 ? NJ : 8;  // gain chunks whose loads are in flight together
+        for (int j0 = 0; j0 < NJ; j0 += GB) {
+            uint4 g[GB], bb[GB];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k] + bb[k];
-#else
+            for (int jj = 0; jj < GB; ++jj) {
+                const int c = c0 + (j0 + jj) * CS;
+                if (c < NCH) {
+                    g[jj] = __ldg(reinterpret_cast<const uint4*>(w + c * 8));
+                    if constexpr (NORM_LAYERNORM) bb[jj] = __ldg(reinterpret_cast<const uint4*>(bias + c * 8));
+                }
+            }
 #pragma unroll
-            for (int k = 0; k < 8; ++k) f[k] = (f[k] - mean) * rstd * g[k];
-#endif
-            *px = pack8(f);
+            for (int jj = 0; jj < GB; ++jj) {
+                const int c = c0 + (j0 + jj) * CS;
+                if (c >= NCH) continue;
+                float gf[8], bf[8];
+                unpack8(g[jj], gf);
+                if constexpr (NORM_LAYERNORM) unpack8(bb[jj], bf);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int b = b0 + r * RB;
+                    if (b >= BATCH) continue;
+                    float f[8];
+                    uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
+                    unpack8(*px, f);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        f[k] = (f[k] - mean[r]) * rstd[r] * gf[k];
+                        if constexpr (NORM_LAYERNORM) f[k] += bf[k];
+                    }
+                    *px = pack8(f);
+                }
+            }
         }
     }
     __syncthreads();

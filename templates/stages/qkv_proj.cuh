@@ -27,7 +27,8 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
                          float* ws_split, unsigned* ws_count, unsigned* ws_ready, const GemvPre<QKV_U>& pre,
                          unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    T* gs = NORM_FOLD ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;
+    T* gs = NORM_FOLD == 1 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the norm's copy of the gain
+    const T* gain = NORM_FOLD == 2 ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
     const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
     norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
     auto epi = [&](int row0, auto tile, int gt) {
@@ -43,8 +44,8 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
     };
     if constexpr (QKV_FLOW)
         gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gs, &pre);
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
         gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gs, &pre);
+            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gain, &pre);
 }
