@@ -139,8 +139,8 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
 @click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged (spills, over budget, refused, "
-                                             "memory) or the tuning file gave a warning (a tuned plan refused, "
-                                             "a broken file)")
+                                             "L1<60KB, memory, tuned-plan-unused) or the tuning file gave a warning "
+                                             "(a tuned plan refused, a broken file)")
 @tuned_opts
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
@@ -178,7 +178,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
             def progress(n, ok):
                 done[0] += n
                 what = "built a binary for" if ok else "failed to compile the binary of"
-                click.echo(f"{what} {n} variant{'s' if n != 1 else ''}, "
+                click.echo(f"{what} {greport.counted(n, 'variant')}, "
                            f"{done[0]}/{len(vs)} variants done "
                            f"({time.perf_counter() - t0:.0f} s)")
                 sys.stdout.flush()
@@ -208,8 +208,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])
     failed = f", {len(result['errors'])} failed to compile" if result["errors"] else ""
-    err_console.print(f"{len(vs)} variants: {len(compiled)} binaries compiled, {fresh} variants up to date, "
-                      f"{result['distinct']} distinct binaries{failed}", highlight=False)
+    n = greport.counted
+    err_console.print(f"{n(len(vs), 'variant')}: {n(len(compiled), 'binary', 'binaries')} compiled, {fresh} up to "
+                      f"date, {n(result['distinct'], 'distinct binary', 'distinct binaries')}{failed}", highlight=False)
     for e in result["entries"]:
         if e["status"] == "refused":
             err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False, soft_wrap=True)

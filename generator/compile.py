@@ -232,7 +232,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     whose default plan compiles with register spills is built with the first of the tuner's first REPLAN_TRIES
     candidates (generator.tune.candidates) that compiles without, warned, with plan_source "default (re-planned)"
     and the entry's "replanned" {"overrides", "default_spills"}; where none does, as planned, warned (the tuner
-    passes False: it measures plans as given); their warnings are result["replans"]; `notify(line)` is told before
+    passes False: it measures plans as given), and so is one whose tuning entry kept the default plan (overrides {});
+    their warnings are result["replans"]; `notify(line)` is told before
     that second round of compiles starts (the progress count is complete by then). Raises TargetError for an
     architecture the kernel cannot target.
     """
@@ -390,8 +391,11 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     pool.shutdown(wait=True)
     def spilled_default(e: dict) -> bool:  # a default plan that compiled with spills: replan_spills re-plans it
         r = e.get("resources") or {}
-        return e["status"] == "ok" and e["plan_source"] == "default" and bool(r.get("spill_stores") or
-                                                                              r.get("spill_loads"))
+        # (also a tuning entry that kept the default plan, overrides {}: the default, measured before a template
+        # change made it spill)
+        kept = e["plan_source"].startswith("tuned") and not (e.get("tuning") or {}).get("overrides")
+        return e["status"] == "ok" and (e["plan_source"] == "default" or kept) and bool(r.get("spill_stores") or
+                                                                                      r.get("spill_loads"))
 
     unique = {v.name: v for v in variants}.values()  # a variant given twice is re-planned once
     spilling = [v for v in unique if spilled_default(entries[v.name])] if replan_spills else []

@@ -223,13 +223,17 @@ class FusedDecoderLayer:
             raise RuntimeError(f"{self.name}: no block of {self.plan['threads']} threads with "
                                f"{self.plan['smem_bytes']} B shared memory fits on an SM of this GPU, so the "
                                "cooperative launch cannot have all its blocks resident")
-        # the kernel strides over gridDim: any co-resident grid is correct; one block per SM is what was planned
+        # the kernel strides over gridDim: any co-resident grid (of whole clusters with NORM_CLUSTER) is correct; one
+        # block per SM is what was planned
         self.grid = sms * min(occ, 1)
         ncl = self.plan["consts"].get("NORM_CLUSTER", 1)
         if ncl > 1:  # whole clusters, as many as can be resident at once (NORM_CLUSTER): a cluster's blocks share a GPC
             with cupy.cuda.Device(self.device.index):
                 self.grid = ncl * min(self.grid // ncl, _max_active_clusters(
                     self._fns[0][0].ptr, self.grid - self.grid % ncl, self.plan["threads"], self.plan["smem_bytes"]))
+            if self.grid < ncl:
+                raise RuntimeError(f"{self.name}: NORM_CLUSTER={ncl}: no cluster of {ncl} blocks of "
+                                   f"{self.plan['smem_bytes']} B shared memory can be resident on this GPU")
             if self.grid < sms:
                 warnings.warn(f"{self.name}: NORM_CLUSTER={ncl}: {self.grid // ncl} clusters of {ncl} resident, "
                               f"{self.grid} of {sms} SMs run the layer", stacklevel=2)

@@ -29,6 +29,11 @@ BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_
                  "speedup_eager", "speedup_compile"]
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 binary", "3 binaries": n and the noun in the number it takes (plural: noun + "s" unless given)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def flags(entry: dict) -> list[str]:
     """What a user must not miss: spills, over-budget shared memory, less L1 than L1_ENOUGH beside the block on a GPU
     with room for more (its weight loads stream slower), a refused or failed build, wgmma serialised by ptxas (the
@@ -441,7 +446,8 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
             console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
                           highlight=False)
     tot = report["totals"]
-    console.print(f"{tot['built']}/{tot['variants']} built, {tot['distinct_binaries']} distinct binaries, "
+    console.print(f"{tot['built']}/{tot['variants']} built, "
+                  f"{counted(tot['distinct_binaries'], 'distinct binary', 'distinct binaries')}, "
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"
                   + (f", {tot['load_ms']} ms to load all" if tot["load_ms"] is not None else ", load time: no GPU")
                   + (f"; [yellow]{tot['flagged']} flagged[/yellow]" if tot["flagged"] else ""))

@@ -163,13 +163,14 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order), QKV_FLOW, ATT_COMBINE and NORM_FOLD (RMSNorm in bf16 only) flipped, GEMV_PF 1 (the next round's weight
+    order), QKV_FLOW and ATT_COMBINE flipped, NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
     flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32),
     RED_DB 1 where the planner took one buffer of partial sums (two were 2 % faster at batch 32 where one only added
-    L1 above 60 KB); at batch >= 16 NORM_FOLD 2 where the plan has no fold and NORM_CLUSTER 2;
+    L1 above 60 KB); at batch >= 16 NORM_FOLD 2 where not planned and NORM_CLUSTER 2 (last, so the limit cuts them
+    first);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
@@ -188,7 +189,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
-                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]}, {"NORM_FOLD": 0 if d["NORM_FOLD"] else 1},
+                  {"ATT_COMBINE": 1 - d["ATT_COMBINE"]},
+                  *({"NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
@@ -199,9 +201,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
-        # at batch >= 16: the gain read from L1 (NORM_FOLD 2) where the plan has no fold, and the norms' rows copied
-        # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 8 such shapes, -1 % on 2; session 17)
-        tries += [{"NORM_FOLD": 2}] if d["NORM_FOLD"] == 0 and v.batch >= 16 else []
+        # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
+        # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
+        tries += [{"NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []
         tries += [{"NORM_CLUSTER": 2}] if v.batch >= 16 else []
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:

@@ -228,7 +228,7 @@ def test_second_build_recompiles_nothing(copy_build, tiny_build, tmp_path):
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60
-    assert "0 binaries compiled, 3 variants up to date, 2 distinct binaries" in r.stderr
+    assert "0 binaries compiled, 3 up to date, 2 distinct binaries" in r.stderr
     after = manifest(d)["variants"]
     for name in TINY_NAMES:
         assert after[name]["resources"]["cached"] is True
@@ -252,7 +252,7 @@ def test_only_and_exclude_restrict_the_build(tiny_build, tmp_path):
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-c*"],
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 variants: 0 binaries compiled, 1 variants up to date" in r.stderr
+    assert "1 variant: 0 binaries compiled, 1 up to date" in r.stderr
     assert set(manifest(d)["variants"]) == {TINY_NAMES[2]}
     assert not (d / TINY_NAMES[0]).exists() and not (d / TINY_NAMES[1]).exists()
     assert (d / TINY_NAMES[2] / "kernel.cubin").read_bytes()[:4] == ELF
@@ -375,7 +375,7 @@ def test_corrupt_cubin_is_detected_and_rebuilt(copy_build, tiny_build, tmp_path)
 
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 binaries compiled, 2 variants up to date" in r.stderr
+    assert "1 binary compiled, 2 up to date" in r.stderr
     m = manifest(d)["variants"]
     assert m[TINY_NAMES[2]]["resources"]["cached"] is False
     assert m[TINY_NAMES[0]]["resources"]["cached"] is True
@@ -410,7 +410,7 @@ def test_killed_build_then_rebuild_gives_correct_cubins(tmp_path):
 
     r = run_cli(["build", "--variants", f, "--build-dir", d, "-j", "1"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1 binaries compiled, 1 variants up to date" in r.stderr
+    assert "1 binary compiled, 1 up to date" in r.stderr
     m = manifest(d)["variants"]
     assert set(m) == {"killme_decode_b1_s16_bf16", "killme_decode_b1_s32_bf16"}
     assert {e["key"] for e in m.values() if e["resources"]["cached"]} == complete
@@ -434,7 +434,7 @@ def test_two_builds_at_once_on_one_build_dir(tmp_path):
         assert p.returncode == 0, err
         assert "Traceback" not in err
     # the shared object was compiled once: the second build waited for it and reused it
-    compiled = [int(re.search(r"(\d+) binaries compiled", err).group(1)) for _, err in outs]
+    compiled = [int(re.search(r"(\d+) binar(?:y|ies) compiled", err).group(1)) for _, err in outs]
     assert sum(compiled) == 3, [err for _, err in outs]
     m = manifest(d)["variants"]
     assert set(m) == {f"conc_decode_b1_s{s}_bf16" for s in (24, 40, 56)}  # the union
@@ -484,7 +484,7 @@ def test_every_default_variant_builds(tmp_path):
     assert rep["totals"]["built"] == len(names) == 67
     assert_objects_intact(d)
     r = run_cli(["build", "--variants", ROOT / "variants.yaml", "--build-dir", d], cwd=tmp_path)
-    assert r.returncode == 0 and "67 variants: 0 binaries compiled, 67 variants up to date" in r.stderr, r.stderr
+    assert r.returncode == 0 and "67 variants: 0 binaries compiled, 67 up to date" in r.stderr, r.stderr
 
 
 def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path):
@@ -534,7 +534,8 @@ def test_pdl_launch_structs_match_cuda_h():
 def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, tiny_variants_file, monkeypatch):
     """build(replan_spills=True): a default plan whose compile spills is replaced by the first tuner candidate
     that compiles without (warned, plan_source "default (re-planned)", its source and cubin in the build dir);
-    the tuner's builds (replan_spills=False) keep the plan as given; where every tried candidate spills, the
+    the tuner's builds (replan_spills=False) keep the plan as given; a tuning entry that kept the default plan
+    (overrides {}) is re-planned like it, one with overrides is not; where every tried candidate spills, the
     default stays, warned. Spills are simulated: X_FRAG 1 (the tiny variants' default) "spills"."""
     real = gcompile._compile_object
 
@@ -562,6 +563,15 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
         (tmp_path / "a" / "objects" / e["key"] / "kernel.cubin").read_bytes()
     r = gcompile.build([v], tmp_path / "b", jobs=2, replan_spills=False)
     assert r["entries"][0]["plan_source"] == "default" and r["entries"][0]["resources"]["spill_stores"] == 8
+    # a tuning entry that kept the default plan (overrides {}) is the default: re-planned too; one with overrides
+    # is built as given
+    for ov, replanned in (({}, True), ({"ATT_STAGES": 3}, False)):
+        tfile = tmp_path / f"t{len(ov)}.json"
+        tfile.write_text(json.dumps({v.name: {"overrides": ov}}))
+        r = gcompile.build([v], tmp_path / f"t{len(ov)}", jobs=2, tuning_file=tfile)
+        e = r["entries"][0]
+        assert (e["plan_source"] == "default (re-planned)") == replanned, (ov, e["plan_source"])
+        assert (e["resources"]["spill_stores"] == 0) == replanned, ov
     monkeypatch.setattr(gcompile, "REPLAN_TRIES", 2)
     monkeypatch.setattr(gtune, "candidates",
                         lambda v, arch="90", limit=28: [{}, {"ATT_STAGES": 3}, {"GEMV_PF": 1}, {"X_FRAG": 0}])

@@ -445,7 +445,7 @@ def test_build_footer_counts_the_selection(tiny_build, copy_build, tmp_path):
     d = copy_build()
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d, "--only", "tiny-a*"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1/1 built, 1 distinct binaries" in r.stdout, r.stdout
+    assert "1/1 built, 1 distinct binary," in r.stdout, r.stdout
     assert TINY_NAMES[2] not in r.stdout
     rows = json.loads((d / "report.json").read_text())["rows"]  # report.json: every declared variant built
     assert {row["name"] for row in rows} == set(TINY_NAMES)
@@ -469,7 +469,7 @@ def test_report_considers_only_declared_variants(tiny_build, copy_build, tmp_pat
     (tmp_path / "only_c.yaml").write_text(text.split("  tiny-a:")[0] + "  tiny-c:" + text.split("  tiny-c:")[1])
     r = run_cli(["report", "--no-gpu", "--variants", "only_c.yaml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "1/1 built, 1 distinct binaries" in r.stdout and TINY_NAMES[0] not in r.stdout, r.stdout
+    assert "1/1 built, 1 distinct binary," in r.stdout and TINY_NAMES[0] not in r.stdout, r.stdout
     rep = json.loads((d / "report.json").read_text())
     assert [row["name"] for row in rep["rows"]] == [TINY_NAMES[2]]
     assert rep["not_declared"] == sorted([TINY_NAMES[0], TINY_NAMES[1], "gone_decode_b1_s64_bf16"])

@@ -530,15 +530,17 @@ def test_norm_fold_matches_the_reference(tmp_path):
     """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues): Llama-3.2-1B b1
     and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
     and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
-    n-tile) with GEMV_PF 2; NORM_FOLD 2 (the gain read from global memory) at batch 32 and 5; against the fp32
-    reference on rows of different scales (verify.random_inputs)."""
+    n-tile) with GEMV_PF 2; NORM_FOLD 2 (the gain read from global memory) at batch 32 and 5, and at batch 16 with
+    H_STATS (the second norm's gain from o_proj); against the fp32 reference on rows of different scales
+    (verify.random_inputs)."""
     b5, b16, b32 = _qwen15_like("nf", [5, 16, 32])
     cases = [(next(v for v in declared() if v.name == n), {}) for n in ("llama3.2-1b_decode_b1_s4096_bf16",
                                                                           "llama3.2-1b_decode_b8_s4096_bf16")]
     cases += [(b16, {"GU_KSPLIT": 2, "QKV_FLOW": 0}), (b32, {"QKV_KSPLIT": 2, "QKV_FLOW": 0, "GEMV_PF": 1}),
               (b5, {"GEMV_PF": 2})]
     cases = [(v, {"NORM_FOLD": 1, **ov}) for v, ov in cases]
-    cases += [(b32, {"NORM_FOLD": 2}), (b5, {"NORM_FOLD": 2, "GEMV_PF": 2})]  # the gain read from global memory
+    cases += [(b32, {"NORM_FOLD": 2}), (b5, {"NORM_FOLD": 2, "GEMV_PF": 2}),  # the gain read from global memory
+              (b16, {"NORM_FOLD": 2, "H_STATS": 1})]
     _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
 
 
@@ -691,6 +693,17 @@ models:
     c = on["consts"]
     assert c["SMEM_GS"] >= c["SMEM_RED"] + 2 * 16 * 16 * v.batch * 4 and c["SMEM_RS"] >= c["SMEM_GS"] + 4096 * 2
     assert on["smem_bytes"] >= max(off["smem_bytes"], c["SMEM_RS"] + v.batch * 4)
+    # NORM_FOLD 2 (the gain read from L1): only 1/rms after the partial sums (with or without H_STATS, which keeps
+    # the same), no gain in shared memory
+    for ov in ({"NORM_FOLD": 2}, {"NORM_FOLD": 2, "H_STATS": 1}):
+        two = plan(v, "90", overrides={**ov, "RED_DB": 1})
+        off, one = (plan(v, "90", overrides={"NORM_FOLD": f, "RED_DB": 1}) for f in (0, 1))
+        c2 = two["consts"]
+        assert c2["NORM_FOLD"] == 2 and c2["SMEM_GS"] == 0, ov
+        assert c2["SMEM_RS"] >= c2["SMEM_RED"] + 2 * 16 * 16 * v.batch * 4, ov
+        assert c2["SMEM_RS"] == one["consts"]["SMEM_GS"], ov  # where fold 1 keeps its gain
+        assert off["smem_bytes"] <= two["smem_bytes"] <= one["smem_bytes"], ov
+        assert two["smem_bytes"] >= c2["SMEM_RS"] + v.batch * 4, ov
 
 
 def test_a_broken_default_tuning_file_warns_once(tmp_path, tiny_variants_file):
@@ -895,6 +908,18 @@ models:
       layers: 2, norm: {norm}, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false,
       qk_norm: {qk_norm}, dtype: {dtype}}}
 """, "x.yaml")[0]
+
+
+def test_candidates_try_every_norm_fold_and_clusters_at_large_batch():
+    """At batch >= 16 the tuner's candidates plan every NORM_FOLD setting (0, 1, 2: the gain in shared memory or read
+    from L1) and NORM_CLUSTER 2, whatever the default; below batch 16 neither fold 2 nor clusters."""
+    for v in (_layer(2048, 32), _layer(3584, 24), _layer(5120, 16), _layer(4096, 8)):
+        plans = [render.plan(v, overrides=ov)["consts"] for ov in gtune.candidates(v)]
+        folds, clusters = {c["NORM_FOLD"] for c in plans}, {c["NORM_CLUSTER"] for c in plans}
+        if v.batch >= 16:
+            assert folds == {0, 1, 2} and clusters == {1, 2}, (v.name, folds, clusters)
+        else:
+            assert folds == {0, 1} and clusters == {1}, (v.name, folds, clusters)
 
 
 def test_norm_fold_default_where_it_was_measured_to_win_and_fits():

@@ -80,8 +80,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "NORM_CLUSTER" and val not in (1, 2):
-            raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2 (clusters of 4: 30 resident on the H200, "
-                            "120 of its 132 SMs)")
+            raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
+                " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
         out[k] = val
@@ -248,7 +248,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     h_stats = ov.get("H_STATS", 0)
     # NORM_CLUSTER 2 (a tuner knob, off by default): the kernel in clusters of 2 blocks, each norm's rows bulk-copied
     # once a cluster by multicast (templates/stages/norm.cuh norm_rows_multicast); T rows only. Measured on the H200
-    # (bench/NOTES.md session 17): +0.9 to +2.8 % on 5 of 8 batch 8-32 shapes, -1 % on 2: the copy from L2 is not
+    # (bench/NOTES.md session 17): +0.9 to +2.8 % on 6 of 8 batch 8-32 shapes, -1 % on 2: the copy from L2 is not
     # what the norms wait on
     norm_cluster = ov.get("NORM_CLUSTER", 1)
     if norm_cluster > 1 and (not hb_copy or h_stats or arch.sm[:2] not in ("90", "10")):
@@ -300,9 +300,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db)
 
     def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
-        if norm_fold and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
-            return (f"NORM_FOLD=1 keeps the gain and each row's 1/rms beside the rows: "
-                    f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
+        if norm_fold and gemv_need(v.batch, 0, h_stats, red_db) <= arch.smem_per_block:
+            kept = "the gain and each row's 1/rms" if norm_fold == 1 else "each row's 1/rms"
+            return (f"NORM_FOLD={norm_fold} keeps {kept} beside the rows: "
+                    f"{gemv_bytes - gemv_need(v.batch, 0, h_stats, red_db)} B more; without it the stage fits")
         if h_stats and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
             return (f"H_STATS=1 keeps each row's 1/rms beside the rows: "
                     f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")

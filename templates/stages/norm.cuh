@@ -21,9 +21,10 @@
 // NORM_CLUSTER (the decode plan's knob; the kernel launched in clusters of that many blocks): the BATCH rows of src
 // (T, HIDDEN each) into dst (rows XS_LD apart) of every block of the cluster, each block bulk-copying every
 // NORM_CLUSTER-th row with .multicast::cluster (the TMA unit writes the row at the same offset in each block's shared
-// memory and counts its bytes on each block's mbarrier): L2 -> SM traffic / NORM_CLUSTER (every block copied every
-// row: 12-26 us of a batch-16-32 layer, bench/NOTES.md session 16). Every block of the cluster calls it (each norm
-// of each launch); the cluster barrier first makes every block's mbarrier initialised and its rows region free.
+// memory and counts its bytes on each block's mbarrier): L2 -> SM traffic / NORM_CLUSTER. Measured (bench/NOTES.md
+// session 17): the norms shrank only 15-20 %, the copy from L2 is not what they wait on; a tuner knob. Every block
+// of the cluster calls it (each norm of each launch); the cluster barrier first makes every block's mbarrier
+// initialised and its rows region free (its earlier generic accesses ordered before the peers' async-proxy writes).
 __device__ __forceinline__ void norm_rows_multicast(const T* src, T* dst) {
 #if __CUDA_ARCH__ >= 900
     static_assert((HIDDEN * sizeof(T)) % 16 == 0 && (XS_LD * sizeof(T)) % 16 == 0, "bulk copies of 16-byte units");
@@ -36,6 +37,7 @@ __device__ __forceinline__ void norm_rows_multicast(const T* src, T* dst) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // every block of the cluster: its barrier initialised, its rows region no longer read (the last stage's use)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
     if (threadIdx.x < 32) {
         if (threadIdx.x == 0)
