@@ -138,9 +138,9 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
 @click.option("--exclude", multiple=True, help="glob over variant names to skip (repeatable)")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="parallel compiles [all cores]")
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
-@click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged (spills, over budget, refused, "
-                                             "L1<60KB, memory, tuned-plan-unused) or the tuning file gave a warning "
-                                             "(a tuned plan refused, a broken file)")
+@click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged (the report's flags column: "
+                                             "spills, refused, over budget, L1<60KB, memory, an unused tuned plan; "
+                                             "README: the flags) or the tuning file gave a warning")
 @tuned_opts
 def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""

@@ -69,6 +69,11 @@ def write_if_changed(path: Path, text: str) -> bool:
 
 def _link(src: Path, dst: Path) -> None:
     """Atomically make dst the same file as src (hard link; copy where links are not possible)."""
+    try:
+        if os.path.samefile(src, dst):  # already linked (an up-to-date rebuild): rename(tmp, dst) would leave tmp
+            return
+    except OSError:
+        pass  # dst missing: link it
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:
         os.link(src, tmp)

@@ -229,6 +229,9 @@ def test_second_build_recompiles_nothing(copy_build, tiny_build, tmp_path):
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60
     assert "0 binaries compiled, 3 up to date, 2 distinct binaries" in r.stderr
+    # a rebuild where each variant's cubin already is its object's (hard-linked) leaves no temporary link behind
+    assert run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path).returncode == 0
+    assert not list(d.rglob("*.tmp")), list(d.rglob("*.tmp"))
     after = manifest(d)["variants"]
     for name in TINY_NAMES:
         assert after[name]["resources"]["cached"] is True
