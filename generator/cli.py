@@ -170,17 +170,17 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                           console=err_console, transient=True) as bar:
                 task = bar.add_task("build", total=len(vs))
                 result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch,
-                                        progress=lambda n, ok: bar.advance(task, n),
+                                        progress=lambda n, ok, **_: bar.advance(task, n),
                                         variants_file=variants_file, tuning_file=tfile, notify=note)
         else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
             done, t0 = [0], time.perf_counter()
 
-            def progress(n, ok):
+            def progress(n, ok, names=(), cached=False):
                 done[0] += n
-                what = "built a binary for" if ok else "failed to compile the binary of"
-                click.echo(f"{what} {greport.counted(n, 'variant')}, "
-                           f"{done[0]}/{len(vs)} variants done "
-                           f"({time.perf_counter() - t0:.0f} s)")
+                what = "up to date:" if cached else "built" if ok else "failed to compile"
+                shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+                click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants done, "
+                           f"{time.perf_counter() - t0:.0f} s)")
                 sys.stdout.flush()
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
                                     variants_file=variants_file, tuning_file=tfile, notify=note)

@@ -224,9 +224,10 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
-    variant (status "error") so one bad variant does not hide the others. `progress(n, ok)`: n variants finished (ok
-    False: their compile failed). Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal
-    (BuildInterrupted: SIGINT, SIGTERM, SIGHUP; compiler_killed) stops the build: no queued compile starts, and
+    variant (status "error") so one bad variant does not hide the others. `progress(n, ok, names=, cached=)`: n
+    variants (`names`) that share one binary finished (ok False: its compile failed; cached: it was up to date).
+    Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal (BuildInterrupted: SIGINT, SIGTERM, SIGHUP;
+    compiler_killed) stops the build: no queued compile starts, and
     neither the manifest nor any variant's cubin is touched (they change together, at the end). `variants_file`
     (where the variants were declared) is recorded so that loading can tell when a declaration changed since.
     `tuning_file` (tuning/<gpu>.json): a variant with a valid entry there is built with its tuned plan; a bad or
@@ -383,13 +384,13 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 for v, entry in by_key[key]:
                     entry.update(status="error", error=f"{v.name}: nvcc failed:\n{exc}")
                 if progress:
-                    progress(len(by_key[key]), ok=False)
+                    progress(len(by_key[key]), ok=False, names=[v.name for v, _ in by_key[key]], cached=False)
                 continue
             for v, entry in by_key[key]:
                 links.append((key, v.name))
                 entry["resources"] = resources(entry["plan"], meta, cached)
             if progress:
-                progress(len(by_key[key]), ok=True)
+                progress(len(by_key[key]), ok=True, names=[v.name for v, _ in by_key[key]], cached=cached)
     except BaseException:  # Ctrl-C, a compiler interrupted, or a fault here: no queued compile starts, nothing written
         pool.shutdown(wait=False, cancel_futures=True)
         raise
