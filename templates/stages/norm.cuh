@@ -22,7 +22,7 @@
 // (T, HIDDEN each) into dst (rows XS_LD apart) of every block of the cluster, each block bulk-copying every
 // NORM_CLUSTER-th row with .multicast::cluster (the TMA unit writes the row at the same offset in each block's shared
 // memory and counts its bytes on each block's mbarrier): L2 -> SM traffic / NORM_CLUSTER. Measured (bench/NOTES.md
-// session 17): the norms shrank only 15-20 %, the copy from L2 is not what they wait on; a tuner knob. Every block
+// session 17): the norms shrank only 14-21 %, the copy from L2 is not what they wait on; a tuner knob. Every block
 // of the cluster calls it (each norm of each launch); the cluster barrier first makes every block's mbarrier
 // initialised and its rows region free (its earlier generic accesses ordered before the peers' async-proxy writes).
 __device__ __forceinline__ void norm_rows_multicast(const T* src, T* dst) {
