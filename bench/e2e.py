@@ -102,9 +102,10 @@ def bench_long(model, args) -> float:
 
 def kernel_bound(model, pos: int = 192) -> dict:
     """What a decode step cannot beat, measured on the same weights: the model's batch-1 fused layers replayed
-    back to back in one CUDA graph (µs, at position `pos`) plus its LM head alone (final norm + [1, hidden] @
-    lm_head^T, µs), and the layer call from Python: `layer(x, pos)` in an eager loop, with and without the
-    positions' check (µs per call, host included, and the host's own time) against its kernel in a graph."""
+    back to back in one CUDA graph (µs, at position `pos`) plus its head alone (final norm + [1, hidden] @
+    lm_head^T + argmax, µs: the served one, and torch's for comparison), and the layer call from Python:
+    `layer(x, pos)` in an eager loop, with and without the positions' check (µs per call, host included, and the
+    host's own time) against its kernel in a graph."""
     from bench.timing import graph_of, time_replays
     name = model.decode_variants[1]
     layers = model.fused[name]
@@ -117,15 +118,18 @@ def kernel_bound(model, pos: int = 192) -> dict:
             y = L(y, p, validate=False)
         return y
     layers_us = time_replays(graph_of(step).replay, 1)["median"]
-    head = graph_of(lambda: model._logits(x))
+    head = graph_of(lambda: model._logits(x))  # the served head (head_path(1)): the fused kernel where it serves
     lm_head_us = time_replays(head.replay, 1)["median"]
+    torch_head = graph_of(lambda: model._torch_logits(x).argmax(-1))  # torch's: norm, GEMM, cast, argmax
+    lm_head_torch_us = time_replays(torch_head.replay, 1)["median"]
     one = graph_of(lambda: layers[0](x, p, validate=False))
     kernel_us = time_replays(one.replay, 1)["median"]
     for _ in range(20):
         layers[0](x, p)
     torch.cuda.synchronize()
     out = {"variant": name, "layers": len(layers), "layers_us": round(layers_us, 1),
-           "lm_head_us": round(lm_head_us, 1), "bound_ms": round((layers_us + lm_head_us) / 1e3, 4),
+           "lm_head_us": round(lm_head_us, 1), "head": model.head_path(1),
+           "lm_head_torch_us": round(lm_head_torch_us, 1), "bound_ms": round((layers_us + lm_head_us) / 1e3, 4),
            "layer_kernel_us": round(kernel_us, 1)}
     n = 500
     for tag, call in (("", lambda: layers[0](x, p)), ("_unchecked", lambda: layers[0](x, p, validate=False))):
@@ -231,6 +235,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     if "unfused" not in args.skip:
         m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=args.seq_len, max_batch=8)
+        m.fused_head = False  # the unfused baseline is torch's all through
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", serve.MissingVariantWarning)
@@ -263,7 +268,8 @@ def main(argv=None):
     if res.get("kernel_bound") and "error" not in res["kernel_bound"]:
         kb, served = res["kernel_bound"], res["providers"]["served (fused, graph)"]
         print(f"served b1 long context: {served['ms_per_token_b1_long']:.3f} ms/token; bound (its {kb['layers']} "
-              f"fused layers in one graph {kb['layers_us']} us + LM head {kb['lm_head_us']} us) = {kb['bound_ms']} ms:"
+              f"fused layers in one graph {kb['layers_us']} us + LM head {kb['lm_head_us']} us, {kb.get('head')}; "
+              f"torch's head {kb.get('lm_head_torch_us')} us) = {kb['bound_ms']} ms:"
               f" x{kb['ratio']}; one layer from Python: {kb['layer_eager_call_us']} us a call "
               f"({kb['layer_call_host_us']} us host; validate=False: {kb['layer_eager_call_unchecked_us']} us, "
               f"{kb['layer_call_unchecked_host_us']} us host), kernel {kb['layer_kernel_us']} us")

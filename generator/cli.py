@@ -186,8 +186,9 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
                                     variants_file=variants_file, tuning_file=tfile, notify=note)
     except KeyboardInterrupt as exc:
         why = f" ({exc})" if str(exc) else ""
+        again = shlex.join(["megakernel", *sys.argv[1:]])  # the same build: its --variants, --build-dir, --only
         err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are as "
-                          "before); the objects already compiled are kept, so `megakernel build` again reuses them",
+                          f"before); the objects already compiled are kept, so `{again}` again reuses them",
                           markup=False, highlight=False, soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -557,14 +558,15 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         for b, new in enumerate(out.tokens):
             echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
-    info(f"{n_new} tokens, {len(seqs)} sequences: time to first token {out.ttft_s * 1e3:.1f} ms, "
+    info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token {out.ttft_s * 1e3:.1f} ms, "
                       f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
                       highlight=False)
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
     info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
-                      f"{pre}", markup=False, highlight=False, soft_wrap=True)
+                      f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}",
+         markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
     per = f" (per GPU, tensor parallel over {group.size()})" if group is not None else ""
     info(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),

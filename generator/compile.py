@@ -190,6 +190,25 @@ def object_meta(obj: Path) -> dict | None:
     return meta if ok else None
 
 
+def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[dict, bool]:
+    """(meta, cached): the object build_dir/objects/`key` of `source` (key = cache_key(source, arch)), compiled
+    unless complete. Raises CompileError, BuildInterrupted."""
+    obj = build_dir / "objects" / key
+    meta = object_meta(obj)
+    if meta is not None:
+        return meta, True
+    # one compile per object across concurrent builds: two compiles of one source differ (-lineinfo records
+    # CuPy's temporary path), so interleaved writes could pair one's cubin with the other's meta.json
+    obj.mkdir(parents=True, exist_ok=True)
+    with open(obj / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        meta = object_meta(obj)
+        cached = meta is not None
+        if not cached:
+            meta = _compile_object(source, arch, obj)
+    return meta, cached
+
+
 @contextlib.contextmanager
 def locked(build_dir: Path):
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -298,20 +317,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         by_key.setdefault(key, []).append((v, entry))
 
     def one(key):
-        obj = build_dir / "objects" / key
-        meta = object_meta(obj)
-        if meta is not None:
-            return key, meta, True
-        # one compile per object across concurrent builds: two compiles of one source differ (-lineinfo records
-        # CuPy's temporary path), so interleaved writes could pair one's cubin with the other's meta.json
-        obj.mkdir(parents=True, exist_ok=True)
-        with open(obj / ".lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
-            meta = object_meta(obj)
-            cached = meta is not None
-            if not cached:
-                meta = _compile_object(sources[key], arch, obj)
-        return key, meta, cached
+        return (key, *compiled_object(sources[key], key, arch, build_dir))
 
     def replan_spilled(v: Variant, entry: dict, pool: ThreadPoolExecutor) -> None:
         """A default plan that spills: the first of the tuner's first REPLAN_TRIES candidates that compiles without

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from . import reference
+from . import lm_head, reference
 from .unfused import UnfusedLayer
 from .variants import Model as ModelShape, Variant, shard_model
 
@@ -398,7 +398,8 @@ class Model:
     """
 
     def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
-                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None, tp=1):
+                 route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None, tp=1,
+                 build_dir=None):
         self.shape = shape
         self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -426,6 +427,12 @@ class Model:
         self.max_prefill_graphs = 64  # prompt pieces captured (per path, batch, start, padded length); then eager
         self._prefill_pool = None
         self._plans: dict[tuple, list] = {}  # (prompt length, batch) -> its pieces
+        # the head (final norm, LM head, greedy token) as one kernel (generator.lm_head) where it serves the model;
+        # fused_head False: torch's (norm, GEMM, argmax)
+        self.build_dir = build_dir
+        self.fused_head = self.device.type == "cuda" and build_dir is not None
+        self._head: lm_head.LMHead | None = None
+        self._head_why: str | None = None
 
     # -- construction --
     @classmethod
@@ -577,7 +584,7 @@ class Model:
         return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
-                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp)
+                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp, build_dir=build_dir)
 
     # -- reports --
     def stats(self) -> list[dict]:
@@ -602,14 +609,15 @@ class Model:
 
     def paths(self, batch: int = 1, prompt_len: int = 1) -> dict:
         """Which path would serve each layer for a request of `batch` sequences and a `prompt_len` prompt:
-        {"decode": Choice, "prefill": [Piece], "layers": [{"layer": i, "decode": path/variant, "prefill": ...}]}.
+        {"decode": Choice, "prefill": [Piece], "head": head_path(batch),
+        "layers": [{"layer": i, "decode": path/variant, "prefill": ...}]}.
         Every layer has the same shape, so every layer takes the same path."""
         d = decode_choice(batch, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         p = prefill_plan(prompt_len, batch, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
                          decode=d, unfused=self.unfused is not None, costs=self.route_costs)
         desc = lambda ch: ch.variant or f"unfused b{ch.batch}"  # noqa: E731
         pre = ", ".join(sorted({desc(x.choice) for x in p}))
-        return {"decode": d, "prefill": p,
+        return {"decode": d, "prefill": p, "head": self.head_path(batch),
                 "layers": [{"layer": i, "decode": desc(d), "prefill": pre} for i in range(self.shape.layers)]}
 
     def memory(self) -> dict[str, int]:
@@ -655,8 +663,50 @@ class Model:
             + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=4)
 
     # -- the pieces of a step --
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final RMSNorm (layernorm for a layernorm shape) as transformers computes it, then lm_head -> fp32."""
+    def head_path(self, batch: int) -> str:
+        """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)"."""
+        why = self._head_why or self._head_unsupported(batch)
+        return "fused" if why is None else f"torch ({why})"
+
+    def _head_unsupported(self, batch: int) -> str | None:
+        if not self.fused_head:
+            return "fused_head off" if self.device.type == "cuda" else f"on {self.device.type}"
+        return lm_head.supported(batch, self.shape.hidden, self.shape.norm, self.dtype)
+
+    def _fused_head(self, batch: int) -> lm_head.LMHead | None:
+        """The head's kernel for `batch` rows (compiled into build_dir at its first use), or None: torch's head.
+        A head that cannot be built warns once and is not tried again."""
+        if self._head_why is not None or self._head_unsupported(batch) is not None:
+            return None
+        if self._head is None:
+            try:
+                self._head = lm_head.LMHead(self.norm_weight, self.lm_head, self.shape.norm_eps,
+                                            min(self.max_batch, lm_head.MAX_BATCH), build_dir=self.build_dir)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves torch's head, said once
+                self._head_why = f"the fused head failed: {str(exc).strip().splitlines()[-1]}"
+                warnings.warn(f"{self._head_why}; serving torch's head", stacklevel=3)
+                return None
+        return self._head if batch <= self._head.maxb else None
+
+    def _logits(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, hidden] -> (logits [B, vocab] float32, greedy next tokens [B] int64), into the given tensors where
+        given: the fused head's kernel where it serves B rows (head_path), else torch's: the final RMSNorm
+        (layernorm for a layernorm shape) as transformers computes it, lm_head in the model's dtype, argmax."""
+        head = self._fused_head(x.shape[0])
+        if head is not None:
+            return head(x.contiguous(), logits, nxt)
+        lg = self._torch_logits(x)
+        if logits is not None:
+            logits.copy_(lg)
+            lg = logits
+        nx = lg.argmax(-1)
+        if nxt is not None:
+            nxt.copy_(nx)
+            nx = nxt
+        return lg, nx
+
+    def _torch_logits(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if self.shape.norm == "layernorm":
             h = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), self.norm_weight.float(), None,
@@ -691,14 +741,10 @@ class Model:
     def _compute(self, ch: Choice, bufs: dict, sampled: bool) -> None:
         """tok, pos -> logits, out (the next tokens); writes cache row pos of every sequence (idempotent)."""
         x = self._layers_decode(self.embed[bufs["tok"]], bufs["pos"], ch)
-        logits = self._logits(x)
-        bufs["logits"].copy_(logits)
+        logits, _ = self._logits(x, bufs["logits"], bufs["out"])
         if sampled:
-            nxt = sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
-                                bufs["pos"].long() + 1)
-        else:
-            nxt = logits.argmax(-1)
-        bufs["out"].copy_(nxt)
+            bufs["out"].copy_(sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
+                                            bufs["pos"].long() + 1))
 
     @staticmethod
     def _advance(bufs: dict) -> None:
@@ -885,10 +931,11 @@ class Model:
         T = max(lens)
         tok = torch.tensor([p + [0] * (T - len(p)) for p in prompts], dtype=torch.long).to(dev)
         last = self._prefill(tok, lens, pieces)
-        logits = self._logits(last)
+        logits, first = self._logits(last)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        first = sample_tokens(logits, bufs["temp"][:B], bufs["topk"][:B], bufs["topp"][:B], bufs["seed"][:B],
-                              lens_t) if sampled else logits.argmax(-1)
+        if sampled:
+            first = sample_tokens(logits, bufs["temp"][:B], bufs["topk"][:B], bufs["topp"][:B], bufs["seed"][:B],
+                                  lens_t)
         all_logits = [logits.clone()] if output_logits else None
         bufs["tok"].copy_(torch.cat([first, first.new_zeros(pad)]))
         bufs["pos"].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32))

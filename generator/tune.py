@@ -125,7 +125,9 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
         tuned_on = gpu_arch(str(e.get("gpu", "")))
         if tuned_on and tuned_on != arch and e["identity"] == identity(v.params(), tuned_on):
             return {}, "default", None, None  # tuned on another architecture's GPU: not this build's plan
-        why = "tuned for other parameters or another arch (stale: run `megakernel tune` again)"
+        why = ("its entry was tuned for other parameters or another arch (a model of the same name and another "
+               "shape, or this variant before its declaration changed): not this variant's plan (`megakernel tune` "
+               "it, rename the model, or build with --no-tuned)")
     else:
         try:
             p = plan(v, str(arch), overrides=e["overrides"])

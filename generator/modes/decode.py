@@ -309,7 +309,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                     f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
         one = gemv_need(v.batch, norm_fold, h_stats, 0)
         if red_db and one <= arch.smem_per_block:
-            return f"RED_DB=1 keeps two buffers of partial sums: {gemv_bytes - one} B more; with one the stage fits"
+            tp = (" (tensor parallel plans two: one has not run on 2 GPUs; a tuning entry's overrides "
+                  "{\"RED_DB\": 0} build it with one)") if v.tp > 1 and "RED_DB" not in ov else ""
+            return (f"RED_DB=1 keeps two buffers of partial sums: {gemv_bytes - one} B more; with one the stage "
+                    f"fits{tp}")
         fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
         while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, min(dbs)) \
                 <= arch.smem_per_block:

@@ -1,0 +1,141 @@
+"""The served model's head as one kernel (templates/lm_head.cu): final RMSNorm -> LM head -> greedy next token.
+
+At batch 1 the LM head is a read of its [vocab, hidden] weight (525 MB for Llama-3's 128,256 x 2,048 in
+bf16): cuBLAS's GEMV streams it at ~3.5 TB/s on the H200 (150 µs, bench/NOTES.md session 7), a streaming GEMV near
+the copy bandwidth. The norm and the argmax come with it, so a decode step's head is one launch instead of the
+norm's elementwise kernels, a GEMM, a cast and an argmax. Compiled ahead of its first use into the build directory's
+object cache (generator.compile), one object per (hidden, rows, dtype).
+"""
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import torch
+
+from .targets import DEFAULT_ARCH, DTYPES
+
+# Rows a launch serves. Measured on the H200 (bench/NOTES.md session 18; hidden 896-4096, vocab 128-152 K): at one
+# row the kernel streams the head at 3.8-4.2 TB/s, 1.16-1.43x torch's head; at 4 and 8 rows its FMAs and shared
+# memory reads bound it (0.83-1.05x and 0.5-0.66x torch's, whose GEMM uses the tensor cores): batch > 1 is torch's.
+MAX_BATCH = 1
+WARPS, ROWS_PER_WARP = 8, 2  # templates/lm_head.cu: WARPS, LMH_R
+
+
+def source(hidden: int, maxb: int, dtype: str) -> str:
+    """The kernel's whole CUDA source for `hidden` (a multiple of 8) and up to `maxb` (1..MAX_BATCH) rows of
+    `dtype`."""
+    from .render import TEMPLATES, _inline  # the renderer and compiler only where a head is built
+    dt = DTYPES[dtype]
+    cfg = (f"#define MEGAKERNEL_CONFIG 1\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+           f"constexpr int HIDDEN = {hidden};\nconstexpr int MAXB = {maxb};\n"
+           f"typedef {dt.ctype} T;\ntypedef {dt.ctype2} T2;\nconstexpr float T_MAX = {dt.max_finite!r}f;\n"
+           f"#define DTYPE_BF16 {1 if dtype == 'bf16' else 0}\n")
+    return _inline(cfg + (TEMPLATES / "lm_head.cu").read_text(), TEMPLATES, set())
+
+
+def supported(batch: int, hidden: int, norm: str, dtype: torch.dtype) -> str | None:
+    """None where LMHead serves this head, else why not (one line: the served model then runs torch's)."""
+    if norm != "rmsnorm":
+        return f"the fused head does RMSNorm only ({norm}: torch)"
+    if not 1 <= batch <= MAX_BATCH:
+        return f"batch {batch}: the fused head serves batch {MAX_BATCH}"
+    if hidden % 8:
+        return f"hidden {hidden} is not a multiple of 8"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (bf16/fp16 only)"
+    return None
+
+
+class LMHead:
+    """logits, next = norm(x) @ weight.T and its argmax, for 1..max_batch rows (<= MAX_BATCH), in one launch.
+
+    gain: [hidden] the final RMSNorm's weight; weight: [vocab, hidden] the LM head (tied or not), both the model's
+    dtype (bf16/fp16) on one CUDA device; eps: the norm's epsilon. The norm rounds as transformers' LlamaRMSNorm:
+    h = gain * T(x * rsqrt(mean(x^2) + eps)); logits are h @ weight.T summed in fp32 (torch's bf16 GEMM rounds them
+    to bf16 as well); next is the first index of each row's largest logit (torch.argmax).
+    Raises ValueError (shapes, dtypes, devices; supported() says why a head is not served) and CompileError.
+    Its resources (registers, spills) are in `meta`; spills warn. One launch at a time (its argmax scratch is
+    shared).
+    """
+
+    def __init__(self, gain: torch.Tensor, weight: torch.Tensor, eps: float, max_batch: int, *,
+                 build_dir: str | Path = "build", arch: str = DEFAULT_ARCH):
+        V, H = weight.shape
+        why = supported(max_batch, H, "rmsnorm", weight.dtype)
+        if why:
+            raise ValueError(f"LMHead: {why}")
+        if gain.shape != (H,) or gain.dtype != weight.dtype or gain.device != weight.device or \
+                weight.device.type != "cuda":
+            raise ValueError(f"LMHead: gain [{H}] and weight [vocab, {H}] of one dtype on one CUDA device, got "
+                             f"{tuple(gain.shape)} {gain.dtype} {gain.device} and {tuple(weight.shape)} "
+                             f"{weight.dtype} {weight.device}")
+        if not weight.is_contiguous() or not gain.is_contiguous():
+            raise ValueError("LMHead: gain and weight must be contiguous")
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        from . import compile as gcompile
+        self.maxb = min(max_batch, MAX_BATCH)
+        self.gain, self.weight, self.eps, self.vocab, self.hidden = gain, weight, eps, V, H
+        self.device = weight.device
+        dtype = next(n for n, d in DTYPES.items() if getattr(torch, d.torch) == weight.dtype)
+        src = source(H, self.maxb, dtype)
+        key = gcompile.cache_key(src, arch)
+        self.meta, _ = gcompile.compiled_object(src, key, arch, Path(build_dir))
+        if self.meta["spill_stores"] or self.meta["spill_loads"]:
+            warnings.warn(f"LMHead (hidden {H}, up to {self.maxb} rows): the kernel spills "
+                          f"{self.meta['spill_stores']} B of stores, {self.meta['spill_loads']} B of loads",
+                          stacklevel=2)
+        self.smem = self.maxb * H * weight.element_size()  # at most; a launch asks for its rows' share
+        with cupy.cuda.Device(self.device.index):
+            self._module = cupy.RawModule(path=str(Path(build_dir) / "objects" / key / "kernel.cubin"))
+            fn = self._module.get_function("lm_head")
+            fn.max_dynamic_shared_size_bytes = self.smem
+            self._fn = fn.kernel
+            occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(self._fn.ptr, WARPS * 32, self.smem)
+            sms = cupy.cuda.Device(self.device.index).attributes["MultiProcessorCount"]
+        if occ < 1:
+            raise ValueError(f"LMHead: {self.maxb} x hidden {H} rows ({self.smem} B of shared memory) do not fit "
+                             "an SM")
+        self._driver = driver
+        self.grid = max(1, min(sms * occ, -(-V // (WARPS * ROWS_PER_WARP))))
+        self.part = torch.empty(self.grid * self.maxb, dtype=torch.int64, device=self.device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernel leaves it at 0
+        # the driver's kernelParams, built once (x, logits, next filled in per call)
+        vals = [ctypes.c_uint64(0), ctypes.c_uint64(gain.data_ptr()), ctypes.c_uint64(weight.data_ptr()),
+                ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(self.part.data_ptr()),
+                ctypes.c_uint64(self.counter.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(1), ctypes.c_float(eps)]
+        self._vals = vals
+        self._params = (ctypes.c_void_p * len(vals))(*map(ctypes.addressof, vals))
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                 next_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, hidden], 1 <= B <= maxb (the last layer's output, the model's dtype) -> (logits [B, vocab]
+        float32, next [B] int64), written into the given tensors where given. On torch's current stream;
+        capturable in a CUDA graph. Raises ValueError on a wrong shape, dtype or device."""
+        B, V = x.shape[0] if x.dim() == 2 else -1, self.vocab
+        if not 1 <= B <= self.maxb or x.shape[1] != self.hidden or x.dtype != self.weight.dtype or \
+                x.device != self.device or not x.is_contiguous():
+            raise ValueError(f"LMHead: x must be contiguous [1..{self.maxb}, {self.hidden}] {self.weight.dtype} "
+                             f"on {self.device}, got {tuple(x.shape)} {x.dtype} {x.device}")
+        logits = torch.empty(B, V, dtype=torch.float32, device=self.device) if logits is None else logits
+        next_tokens = torch.empty(B, dtype=torch.int64, device=self.device) if next_tokens is None else next_tokens
+        if logits.shape != (B, V) or logits.dtype != torch.float32 or not logits.is_contiguous() or \
+                next_tokens.shape != (B,) or next_tokens.dtype != torch.int64 or \
+                logits.device != self.device or next_tokens.device != self.device:
+            raise ValueError(f"LMHead: logits [{B}, {V}] float32 and next [{B}] int64 on {self.device}")
+        self.launch(x, logits, next_tokens)
+        return logits, next_tokens
+
+    def launch(self, x: torch.Tensor, logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """As __call__ with no checks."""
+        nb = x.shape[0]
+        self._vals[0].value, self._vals[3].value, self._vals[4].value = \
+            x.data_ptr(), logits.data_ptr(), next_tokens.data_ptr()
+        self._vals[8].value = nb
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._driver.launchKernel(self._fn.ptr, self.grid, 1, 1, WARPS * 32, 1, 1,
+                                  nb * self.hidden * self.weight.element_size(), stream,
+                                  ctypes.addressof(self._params), 0)

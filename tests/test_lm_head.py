@@ -1,0 +1,128 @@
+"""The served model's head kernel (generator.lm_head: final RMSNorm -> LM head -> greedy token): it compiles without
+spills for the shapes a served model has (CPU: nvcc), and on a GPU its logits and tokens equal the fp64 reference
+of what transformers computes, every logit written, ties going to the first index, graph replays equal."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator import compile as gcompile, lm_head
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("hidden,maxb,dtype", [(2048, 1, "bf16"), (896, 8, "bf16"), (8192, 8, "fp16")])
+def test_head_compiles_without_spills(tmp_path, hidden, maxb, dtype):
+    src = lm_head.source(hidden, maxb, dtype)
+    assert '#include "' not in src
+    meta, cached = gcompile.compiled_object(src, gcompile.cache_key(src, "90"), "90", tmp_path)
+    assert not cached and meta["spill_stores"] == 0 and meta["spill_loads"] == 0, meta
+    assert meta["registers"] <= 128
+    assert gcompile.compiled_object(src, gcompile.cache_key(src, "90"), "90", tmp_path)[1]  # cached now
+
+
+def test_launch_geometry_is_the_templates():
+    import re
+    src = lm_head.source(2048, 1, "bf16")
+    assert int(re.search(r"constexpr int WARPS = (\d+)", src).group(1)) == lm_head.WARPS
+    assert int(re.search(r"#define LMH_R (\d+)", src).group(1)) == lm_head.ROWS_PER_WARP
+
+
+def test_which_heads_are_served():
+    assert lm_head.supported(1, 2048, "rmsnorm", torch.bfloat16) is None
+    assert lm_head.supported(1, 4096, "rmsnorm", torch.float16) is None
+    assert "RMSNorm only" in lm_head.supported(1, 2048, "layernorm", torch.bfloat16)
+    assert "serves batch 1" in lm_head.supported(2, 2048, "rmsnorm", torch.bfloat16)
+    assert "float32" in lm_head.supported(1, 2048, "rmsnorm", torch.float32)
+    assert "multiple of 8" in lm_head.supported(1, 2044, "rmsnorm", torch.bfloat16)
+
+
+def reference(x, gain, W, eps):
+    """transformers' LlamaRMSNorm (rounded to the model dtype, then times the gain in that dtype), then the head
+    in fp64: what the kernel computes, summed exactly."""
+    xf = x.float()
+    h = gain * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return h.double() @ W.double().T
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("hidden,vocab,dtype", [(2048, 32000 + 13, torch.bfloat16), (896, 10007, torch.bfloat16),
+                                               (1032, 5003, torch.float16)])
+def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype):
+    seed = torch.seed() % 2**31  # fresh inputs every run
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    W = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
+    W[vocab - 1] = W[5]  # an exact tie: argmax takes the first index
+    gain = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+    head = lm_head.LMHead(gain, W, 1e-5, 1, build_dir=Path(tmp_path))
+    nb = 1
+    for scale in (0.01, 1.0, 40.0):  # inputs of different rms
+        x = (torch.randn(nb, hidden, device="cuda", generator=g) * scale).to(dtype)
+        logits = torch.full((nb, vocab), float("nan"), device="cuda")
+        nxt = torch.full((nb,), -1, dtype=torch.int64, device="cuda")
+        head(x, logits, nxt)
+        torch.cuda.synchronize()
+        assert not logits.isnan().any(), "a logit was not written"
+        ref = reference(x, gain, W, 1e-5)
+        err = ((logits.double() - ref).norm() / ref.norm()).item()
+        assert err <= 1e-4, f"seed {seed}: relative error {err:.2e}"
+        assert torch.equal(nxt, logits.argmax(-1)), "next is the first index of the largest logit"
+        assert head.counter.item() == 0  # left for the next launch (a graph replays it as is)
+    # a tie on the largest logit: W's rows 5 and vocab-1 are equal, and x = row 5 makes it the largest by far
+    x = W[5:6].clone()
+    _, nxt = head(x)
+    assert nxt.tolist() == [5] * x.shape[0]
+    # a CUDA graph replays it with the same results
+    x = torch.randn(1, hidden, device="cuda", generator=g).to(dtype)
+    want_l, want_n = head(x)
+    lg, nx = torch.empty_like(want_l), torch.empty_like(want_n)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        head(x, lg, nx)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head(x, lg, nx)
+    for _ in range(3):
+        lg.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(lg, want_l) and torch.equal(nx, want_n)
+
+
+@gpu
+@needs_cuda
+def test_gpu_head_refuses_bad_inputs_in_one_line(tmp_path):
+    W = torch.randn(100, 64, device="cuda").to(torch.bfloat16)
+    gain = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    head = lm_head.LMHead(gain, W, 1e-6, 1, build_dir=tmp_path)
+    for x in (torch.randn(2, 64, device="cuda").to(torch.bfloat16), torch.randn(1, 64, device="cuda"),
+              torch.randn(1, 63, device="cuda").to(torch.bfloat16)):
+        with pytest.raises(ValueError, match="LMHead: x must be"):
+            head(x)
+    with pytest.raises(ValueError, match="bf16/fp16 only"):
+        lm_head.LMHead(gain.float(), W.float(), 1e-6, 1, build_dir=tmp_path)
+
+
+def test_editing_the_head_leaves_layer_builds_current(tmp_path):
+    """The head's objects are keyed by its own source: its template is not one of the layers' kernel sources."""
+    import shutil
+    from generator import manifest as gmanifest
+    root = Path(__file__).resolve().parent.parent
+    for rel in gmanifest.KERNEL_SOURCES:
+        src, dst = root / rel, tmp_path / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy(src, dst)
+    before = gmanifest.kernel_sources_digest(tmp_path)
+    (tmp_path / "templates" / "lm_head.cu").write_text("// edited\n")
+    assert gmanifest.kernel_sources_digest(tmp_path) == before
+    (tmp_path / "templates" / "common.cuh").write_text("// edited\n")
+    assert gmanifest.kernel_sources_digest(tmp_path) != before
