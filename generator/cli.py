@@ -305,6 +305,14 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
     if rep.get("not_declared"):
         err_console.print(f"not declared in {variants_file} (ignored): {', '.join(rep['not_declared'])}",
                           markup=False, highlight=False, soft_wrap=True)
+    for r in rep["rows"]:  # the flags column says refused/error; the reason is one line here
+        if r["status"] != "ok":
+            why = r.get("error", "")
+            err_console.print(f"{r['status']}: " + (why if why.startswith(r["name"]) else f"{r['name']}: {why}"),
+                              markup=False, highlight=False, soft_wrap=True)
+    if rep.get("not_built"):
+        err_console.print(f"declared in {variants_file}, not built: {', '.join(rep['not_built'])} (run `{cmd}`)",
+                          markup=False, highlight=False, soft_wrap=True)
     if strict and rep["totals"]["flagged"]:
         err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged)", markup=False, highlight=False)
         sys.exit(1)

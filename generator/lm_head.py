@@ -14,13 +14,19 @@ from pathlib import Path
 
 import torch
 
-from .targets import DEFAULT_ARCH, DTYPES
+from .targets import DTYPES
 
-# Rows a launch serves. Measured on the H200 (bench/NOTES.md session 18; hidden 896-4096, vocab 128-152 K): at one
-# row the kernel streams the head at 3.8-4.2 TB/s, 1.16-1.43x torch's head; at 4 and 8 rows its FMAs and shared
-# memory reads bound it (0.83-1.05x and 0.5-0.66x torch's, whose GEMM uses the tensor cores): batch > 1 is torch's.
-MAX_BATCH = 1
-WARPS, ROWS_PER_WARP = 8, 2  # templates/lm_head.cu: WARPS, LMH_R
+# Rows of x a launch serves: 1 (FMAs) or 2..MAX_BATCH (the tensor cores, one n-tile of 8). Measured on the H200
+# (bench/NOTES.md session 18, hidden 896-4096, vocab 128-152 K), one row: the head streamed at 3.8-4.2 TB/s,
+# 1.16-1.43x torch's norm + GEMM + argmax.
+MAX_BATCH = 8
+WARPS = 8  # templates/lm_head.cu: WARPS
+ROWS_PER_WARP = {1: 2, MAX_BATCH: 16}  # rows of W a warp takes at a time, by kernel_rows (LMH_R; the mma tile)
+
+
+def kernel_rows(batch: int) -> int:
+    """The MAXB of the kernel that serves `batch` rows: 1 (its own FMA loop) or MAX_BATCH (1..8 rows)."""
+    return 1 if batch == 1 else MAX_BATCH
 
 
 def source(hidden: int, maxb: int, dtype: str) -> str:
@@ -31,7 +37,7 @@ def source(hidden: int, maxb: int, dtype: str) -> str:
     cfg = (f"#define MEGAKERNEL_CONFIG 1\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
            f"constexpr int HIDDEN = {hidden};\nconstexpr int MAXB = {maxb};\n"
            f"typedef {dt.ctype} T;\ntypedef {dt.ctype2} T2;\nconstexpr float T_MAX = {dt.max_finite!r}f;\n"
-           f"#define DTYPE_BF16 {1 if dtype == 'bf16' else 0}\n")
+           f"#define DTYPE_BF16 {1 if dtype == 'bf16' else 0}\n#define MMA_AB \"{dt.mma}\"\n")
     return _inline(cfg + (TEMPLATES / "lm_head.cu").read_text(), TEMPLATES, set())
 
 
@@ -40,7 +46,7 @@ def supported(batch: int, hidden: int, norm: str, dtype: torch.dtype) -> str | N
     if norm != "rmsnorm":
         return f"the fused head does RMSNorm only ({norm}: torch)"
     if not 1 <= batch <= MAX_BATCH:
-        return f"batch {batch}: the fused head serves batch {MAX_BATCH}"
+        return f"batch {batch} > {MAX_BATCH}: a GEMM (torch's)"
     if hidden % 8:
         return f"hidden {hidden} is not a multiple of 8"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -49,21 +55,24 @@ def supported(batch: int, hidden: int, norm: str, dtype: torch.dtype) -> str | N
 
 
 class LMHead:
-    """logits, next = norm(x) @ weight.T and its argmax, for 1..max_batch rows (<= MAX_BATCH), in one launch.
+    """logits, next = norm(x) @ weight.T and its argmax, for x of 1..maxb rows (maxb = kernel_rows(batch): 1, or
+    MAX_BATCH for any batch of 2..MAX_BATCH), in one launch.
 
     gain: [hidden] the final RMSNorm's weight; weight: [vocab, hidden] the LM head (tied or not), both the model's
     dtype (bf16/fp16) on one CUDA device; eps: the norm's epsilon. The norm rounds as transformers' LlamaRMSNorm:
-    h = gain * T(x * rsqrt(mean(x^2) + eps)); logits are h @ weight.T summed in fp32 (torch's bf16 GEMM rounds them
-    to bf16 as well); next is the first index of each row's largest logit (torch.argmax).
+    h = gain * T(x * rsqrt(mean(x^2) + eps)); logits are h @ weight.T summed in fp32 and rounded to T (as
+    transformers' lm_head in T returns them), stored as float32; next is the first index of each row's largest
+    logit (torch.argmax). Compiled for the weight's GPU (its compute capability) at construction: needs nvcc and
+    the templates, as `megakernel build` does.
     Raises ValueError (shapes, dtypes, devices; supported() says why a head is not served) and CompileError.
     Its resources (registers, spills) are in `meta`; spills warn. One launch at a time (its argmax scratch is
     shared).
     """
 
-    def __init__(self, gain: torch.Tensor, weight: torch.Tensor, eps: float, max_batch: int, *,
-                 build_dir: str | Path = "build", arch: str = DEFAULT_ARCH):
+    def __init__(self, gain: torch.Tensor, weight: torch.Tensor, eps: float, batch: int, *,
+                 build_dir: str | Path = "build", arch: str | None = None):
         V, H = weight.shape
-        why = supported(max_batch, H, "rmsnorm", weight.dtype)
+        why = supported(batch, H, "rmsnorm", weight.dtype)
         if why:
             raise ValueError(f"LMHead: {why}")
         if gain.shape != (H,) or gain.dtype != weight.dtype or gain.device != weight.device or \
@@ -77,7 +86,8 @@ class LMHead:
         from cupy_backends.cuda.api import driver
 
         from . import compile as gcompile
-        self.maxb = min(max_batch, MAX_BATCH)
+        arch = arch or "%d%d" % torch.cuda.get_device_capability(weight.device)
+        self.maxb = kernel_rows(batch)
         self.gain, self.weight, self.eps, self.vocab, self.hidden = gain, weight, eps, V, H
         self.device = weight.device
         dtype = next(n for n, d in DTYPES.items() if getattr(torch, d.torch) == weight.dtype)
@@ -88,7 +98,8 @@ class LMHead:
             warnings.warn(f"LMHead (hidden {H}, up to {self.maxb} rows): the kernel spills "
                           f"{self.meta['spill_stores']} B of stores, {self.meta['spill_loads']} B of loads",
                           stacklevel=2)
-        self.smem = self.maxb * H * weight.element_size()  # at most; a launch asks for its rows' share
+        self.pitch = (H + 8) * weight.element_size()  # a row of x in shared memory (templates/lm_head.cu: HP)
+        self.smem = self.maxb * self.pitch  # at most; a launch asks for its rows' share
         with cupy.cuda.Device(self.device.index):
             self._module = cupy.RawModule(path=str(Path(build_dir) / "objects" / key / "kernel.cubin"))
             fn = self._module.get_function("lm_head")
@@ -100,7 +111,7 @@ class LMHead:
             raise ValueError(f"LMHead: {self.maxb} x hidden {H} rows ({self.smem} B of shared memory) do not fit "
                              "an SM")
         self._driver = driver
-        self.grid = max(1, min(sms * occ, -(-V // (WARPS * ROWS_PER_WARP))))
+        self.grid = max(1, min(sms * occ, -(-V // (WARPS * ROWS_PER_WARP[self.maxb]))))
         self.part = torch.empty(self.grid * self.maxb, dtype=torch.int64, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernel leaves it at 0
         # the driver's kernelParams, built once (x, logits, next filled in per call)
@@ -136,6 +147,6 @@ class LMHead:
             x.data_ptr(), logits.data_ptr(), next_tokens.data_ptr()
         self._vals[8].value = nb
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._driver.launchKernel(self._fn.ptr, self.grid, 1, 1, WARPS * 32, 1, 1,
-                                  nb * self.hidden * self.weight.element_size(), stream,
-                                  ctypes.addressof(self._params), 0)
+        with torch.cuda.device(self.device):  # the module's context: the weight's device, whichever is current
+            self._driver.launchKernel(self._fn.ptr, self.grid, 1, 1, WARPS * 32, 1, 1,
+                                      nb * self.pitch, stream, ctypes.addressof(self._params), 0)

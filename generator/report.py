@@ -276,6 +276,7 @@ def select(report: dict, names) -> dict:
 def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
                  declared=None, write: bool = True, build_cmd: str | None = None) -> dict:
     """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
+    "not_built": [declared names with no entry in the manifest],
     "e2e": the newest end-to-end result in bench_dir (latest_e2e) or None}.
 
     declared: variant names still in the variants file ({name: Variant} also checks each entry against the
@@ -291,12 +292,13 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     if not manifest["variants"]:
         raise FileNotFoundError(f"{build_dir}/manifest.json: nothing built yet (run `{build_cmd}`)")
     entries = manifest["variants"]
-    not_declared = []
+    not_declared, not_built = [], []
     now = declared if isinstance(declared, dict) else {}
     digest = kernel_sources_digest() if now else None
     if declared is not None:
         declared = set(declared)
         not_declared = sorted(n for n in entries if n not in declared)
+        not_built = sorted((n for n in declared if n not in entries), key=natural_key)
         entries = {n: e for n, e in entries.items() if n in declared}
         if not entries:
             raise FileNotFoundError(f"{build_dir}/manifest.json: none of the declared variants is built yet "
@@ -333,7 +335,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         rows.append(row)
     e2e = latest_e2e(Path(bench_dir), set(arch_of.values())) if bench_dir else None
     report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared,
-              "e2e": e2e}
+              "not_built": not_built, "e2e": e2e}
     if write:
         atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
         buf = io.StringIO()

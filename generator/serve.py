@@ -430,8 +430,8 @@ class Model:
         # the head (final norm, LM head, greedy token) as one kernel (generator.lm_head) where it serves the model;
         # fused_head False: torch's (norm, GEMM, argmax)
         self.build_dir = build_dir
-        self.fused_head = self.device.type == "cuda" and build_dir is not None
-        self._head: lm_head.LMHead | None = None
+        self._fused_head_on = self.device.type == "cuda" and build_dir is not None
+        self._heads: dict[int, lm_head.LMHead] = {}  # by kernel_rows: 1, MAX_BATCH
         self._head_why: str | None = None
 
     # -- construction --
@@ -663,6 +663,18 @@ class Model:
             + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=4)
 
     # -- the pieces of a step --
+    @property
+    def fused_head(self) -> bool:
+        """Whether the head is the fused kernel where it serves (head_path); setting it drops the captured steps,
+        which hold the head they were captured with."""
+        return self._fused_head_on
+
+    @fused_head.setter
+    def fused_head(self, on: bool) -> None:
+        if bool(on) != self._fused_head_on:
+            self._graphs.clear()
+        self._fused_head_on = bool(on)
+
     def head_path(self, batch: int) -> str:
         """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)"."""
         why = self._head_why or self._head_unsupported(batch)
@@ -678,15 +690,16 @@ class Model:
         A head that cannot be built warns once and is not tried again."""
         if self._head_why is not None or self._head_unsupported(batch) is not None:
             return None
-        if self._head is None:
+        rows = lm_head.kernel_rows(batch)
+        if rows not in self._heads:
             try:
-                self._head = lm_head.LMHead(self.norm_weight, self.lm_head, self.shape.norm_eps,
-                                            min(self.max_batch, lm_head.MAX_BATCH), build_dir=self.build_dir)
+                self._heads[rows] = lm_head.LMHead(self.norm_weight, self.lm_head, self.shape.norm_eps, batch,
+                                                   build_dir=self.build_dir)
             except Exception as exc:  # noqa: BLE001 - any failure leaves torch's head, said once
-                self._head_why = f"the fused head failed: {str(exc).strip().splitlines()[-1]}"
+                self._head_why = f"the fused head failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[-1]}"
                 warnings.warn(f"{self._head_why}; serving torch's head", stacklevel=3)
                 return None
-        return self._head if batch <= self._head.maxb else None
+        return self._heads[rows]
 
     def _logits(self, x: torch.Tensor, logits: torch.Tensor | None = None,
                 nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ def test_head_compiles_without_spills(tmp_path, hidden, maxb, dtype):
     assert '#include "' not in src
     meta, cached = gcompile.compiled_object(src, gcompile.cache_key(src, "90"), "90", tmp_path)
     assert not cached and meta["spill_stores"] == 0 and meta["spill_loads"] == 0, meta
-    assert meta["registers"] <= 128
+    assert meta["registers"] <= 168  # KS 16 above hidden 2048: one block of 8 warps an SM, as measured
     assert gcompile.compiled_object(src, gcompile.cache_key(src, "90"), "90", tmp_path)[1]  # cached now
 
 
@@ -28,21 +28,23 @@ def test_launch_geometry_is_the_templates():
     import re
     src = lm_head.source(2048, 1, "bf16")
     assert int(re.search(r"constexpr int WARPS = (\d+)", src).group(1)) == lm_head.WARPS
-    assert int(re.search(r"#define LMH_R (\d+)", src).group(1)) == lm_head.ROWS_PER_WARP
+    assert int(re.search(r"#define LMH_R (\d+)", src).group(1)) == lm_head.ROWS_PER_WARP[1]
 
 
 def test_which_heads_are_served():
     assert lm_head.supported(1, 2048, "rmsnorm", torch.bfloat16) is None
     assert lm_head.supported(1, 4096, "rmsnorm", torch.float16) is None
     assert "RMSNorm only" in lm_head.supported(1, 2048, "layernorm", torch.bfloat16)
-    assert "serves batch 1" in lm_head.supported(2, 2048, "rmsnorm", torch.bfloat16)
+    assert "a GEMM" in lm_head.supported(9, 2048, "rmsnorm", torch.bfloat16)
+    assert lm_head.supported(8, 2048, "rmsnorm", torch.bfloat16) is None
+    assert [lm_head.kernel_rows(b) for b in (1, 2, 8)] == [1, 8, 8]
     assert "float32" in lm_head.supported(1, 2048, "rmsnorm", torch.float32)
     assert "multiple of 8" in lm_head.supported(1, 2044, "rmsnorm", torch.bfloat16)
 
 
 def reference(x, gain, W, eps):
     """transformers' LlamaRMSNorm (rounded to the model dtype, then times the gain in that dtype), then the head
-    in fp64: what the kernel computes, summed exactly."""
+    summed exactly (fp64): what the kernel computes before it rounds the logits to the model dtype."""
     xf = x.float()
     h = gain * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return h.double() @ W.double().T
@@ -50,18 +52,22 @@ def reference(x, gain, W, eps):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("hidden,vocab,dtype", [(2048, 32000 + 13, torch.bfloat16), (896, 10007, torch.bfloat16),
-                                               (1032, 5003, torch.float16)])
-def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype):
+@pytest.mark.parametrize("hidden,vocab,dtype,batch", [(2048, 32000 + 13, torch.bfloat16, 1),
+                                                     (2048, 32000 + 13, torch.bfloat16, 5),
+                                                     (896, 10007, torch.bfloat16, 8), (1032, 5003, torch.float16, 1),
+                                                     (1032, 5003, torch.float16, 3)])
+def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
+    """batch 1: the FMA kernel; 2..8: the tensor-core kernel (hidden 1032: a k step past the end)."""
     seed = torch.seed() % 2**31  # fresh inputs every run
     g = torch.Generator(device="cuda").manual_seed(seed)
     W = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
     W[vocab - 1] = W[5]  # an exact tie: argmax takes the first index
     gain = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
-    head = lm_head.LMHead(gain, W, 1e-5, 1, build_dir=Path(tmp_path))
-    nb = 1
-    for scale in (0.01, 1.0, 40.0):  # inputs of different rms
-        x = (torch.randn(nb, hidden, device="cuda", generator=g) * scale).to(dtype)
+    head = lm_head.LMHead(gain, W, 1e-5, batch, build_dir=Path(tmp_path))
+    nb = batch
+    for scale in (0.01, 1.0, 40.0):  # inputs of different rms (each row its own)
+        x = (torch.randn(nb, hidden, device="cuda", generator=g) * scale
+             * (1 + torch.arange(nb, device="cuda")[:, None])).to(dtype)
         logits = torch.full((nb, vocab), float("nan"), device="cuda")
         nxt = torch.full((nb,), -1, dtype=torch.int64, device="cuda")
         head(x, logits, nxt)
@@ -69,15 +75,25 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype):
         assert not logits.isnan().any(), "a logit was not written"
         ref = reference(x, gain, W, 1e-5)
         err = ((logits.double() - ref).norm() / ref.norm()).item()
-        assert err <= 1e-4, f"seed {seed}: relative error {err:.2e}"
+        assert err <= 4e-3, f"seed {seed}: relative error {err:.2e}"  # the logits' rounding to bf16/fp16
+        assert torch.equal(logits, logits.to(dtype).float()), "logits rounded to the model dtype"
+        # within one rounding of the exact sum: a wrong row, column or k chunk is far outside it
+        bad = (logits.double() - ref).abs() > ref.abs() * 2 ** -7 + 1e-4 * ref.abs().max()  # fp32 sums' error
+        assert not bad.any(), f"seed {seed}: {bad.sum().item()} logits off, first at {bad.nonzero()[0].tolist()}"
         assert torch.equal(nxt, logits.argmax(-1)), "next is the first index of the largest logit"
         assert head.counter.item() == 0  # left for the next launch (a graph replays it as is)
     # a tie on the largest logit: W's rows 5 and vocab-1 are equal, and x = row 5 makes it the largest by far
-    x = W[5:6].clone()
+    x = W[5:6].clone().repeat(batch, 1)
     _, nxt = head(x)
     assert nxt.tolist() == [5] * x.shape[0]
+    # every logit negative (the argmax key's other branch): -|W| rows against a positive x and gain
+    Wn = -W.abs()
+    neg = lm_head.LMHead(gain.abs(), Wn, 1e-5, batch, build_dir=Path(tmp_path))
+    x = torch.rand(batch, hidden, device="cuda", generator=g).to(dtype) + 0.1
+    lg, nx = neg(x)
+    assert (lg < 0).all() and torch.equal(nx, lg.argmax(-1))
     # a CUDA graph replays it with the same results
-    x = torch.randn(1, hidden, device="cuda", generator=g).to(dtype)
+    x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
     want_l, want_n = head(x)
     lg, nx = torch.empty_like(want_l), torch.empty_like(want_n)
     s = torch.cuda.Stream()
@@ -90,6 +106,7 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype):
         head(x, lg, nx)
     for _ in range(3):
         lg.fill_(float("nan"))
+        nx.fill_(-1)
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(lg, want_l) and torch.equal(nx, want_n)
@@ -102,6 +119,7 @@ def test_gpu_head_refuses_bad_inputs_in_one_line(tmp_path):
     gain = torch.ones(64, device="cuda", dtype=torch.bfloat16)
     head = lm_head.LMHead(gain, W, 1e-6, 1, build_dir=tmp_path)
     for x in (torch.randn(2, 64, device="cuda").to(torch.bfloat16), torch.randn(1, 64, device="cuda"),
+              torch.randn(1, 2, 32, device="cuda").to(torch.bfloat16),
               torch.randn(1, 63, device="cuda").to(torch.bfloat16)):
         with pytest.raises(ValueError, match="LMHead: x must be"):
             head(x)

@@ -459,6 +459,24 @@ def test_gpu_graph_replay_equals_direct_steps(built):
 
 @gpu
 @needs_cuda
+def test_gpu_fused_head_serves_and_agrees_with_torchs(built):
+    """The head kernel (generator.lm_head) serves batch 1..8; its logits are torch's head's within one rounding
+    to bf16 (both round; fp32 sums in other orders); switching it off drops the captured steps."""
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    assert model.head_path(1) == "fused" and model.head_path(3) == "fused"
+    assert model.head_path(9).startswith("torch (batch 9")
+    a = model.generate(PROMPTS, 6, output_logits=True)
+    assert model._graphs
+    model.fused_head = False
+    assert model.head_path(1) == "torch (fused_head off)" and not model._graphs
+    b = model.generate(PROMPTS, 6, output_logits=True)
+    x, y = a.logits[0], b.logits[0]  # the prompts' last positions: the same hidden states into both heads
+    assert ((x - y).abs() <= y.abs() * 2 ** -7 + 1e-6).all()
+
+
+@gpu
+@needs_cuda
 def test_gpu_sampled_runs_reproducible_with_a_seed(built):
     _, d, build = built
     model = serve.Model.from_hf(d, build_dir=build)
