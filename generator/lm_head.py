@@ -17,8 +17,8 @@ import torch
 from .targets import DTYPES
 
 # Rows of x a launch serves: 1 (FMAs) or 2..MAX_BATCH (the tensor cores, one n-tile of 8). Measured on the H200
-# (bench/NOTES.md session 18, hidden 896-4096, vocab 128-152 K), one row: the head streamed at 3.8-4.2 TB/s,
-# 1.16-1.43x torch's norm + GEMM + argmax.
+# (bench/NOTES.md session 18; hidden 896-5120, vocab 128-152 K): 3.5-4.3 TB/s, 1.09-1.37x torch's norm + GEMM +
+# argmax at one row, 1.00-1.41x at 2-8; above 8 rows the head is a GEMM (torch's).
 MAX_BATCH = 8
 WARPS = 8  # templates/lm_head.cu: WARPS
 ROWS_PER_WARP = {1: 2, MAX_BATCH: 16}  # rows of W a warp takes at a time, by kernel_rows (LMH_R; the mma tile)
