@@ -105,10 +105,12 @@ def list_cmd(variants_file, build_dir, only):
 @click.argument("name")
 @variants_opt
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
+@build_dir_opt
 @tuned_opts
-def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
+def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned):
     """Print the rendered CUDA source of one variant, with the plan `build` would compile (tuned where tuning/ has
-    it: a note on stderr says so)."""
+    it: a note on stderr says so; where the build directory holds a build that re-planned its spilling default, a
+    note says where that source is)."""
     from . import tune as gtune
     try:
         get_arch(arch)
@@ -123,6 +125,14 @@ def render_cmd(name, variants_file, arch, tuned_for, no_tuned):
     knobs = " ".join(f"{k}={val}" for k, val in sorted(ov.items()))  # as the report's plan column writes them
     tuned = [f"note: {source} plan: {knobs or 'the default (the tuner found nothing faster)'}"
              ] if source != "default" else []
+    try:  # a build of it that re-planned this plan (it spilled): what it compiled is not what is printed here
+        built = gmanifest.read_manifest(Path(build_dir))["variants"].get(name) or {}
+    except (OSError, ValueError):
+        built = {}
+    if source == "default" and built.get("plan_source") == "default (re-planned)":
+        rp = " ".join(f"{k}={val}" for k, val in sorted((built.get("replanned") or {}).get("overrides", {}).items()))
+        tuned.append(f"note: `megakernel build` re-planned this variant (its default plan spilled): it compiled "
+                     f"{Path(build_dir) / name / 'kernel.cu'} ({rp}), not the default plan printed here")
     for note in ([warning] if warning else []) + tuned:
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     try:
@@ -287,6 +297,8 @@ def cuda_unavailable() -> str | None:
 def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
     """Resource figures of the built variants still declared in the variants file, joined with the latest
     benchmark. Entries of the build directory no longer declared are named in one line, not reported."""
+    if bench_dir != "bench/results" and not Path(bench_dir).is_dir():  # the default may be absent (outside the repo)
+        fail(f"--bench-dir {bench_dir}: no such directory")
     declared = None
     if Path(variants_file).exists() or variants_file != "variants.yaml":
         declared = {v.name: v for v in load_selected(variants_file)}  # stale builds flagged against these

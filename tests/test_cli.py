@@ -532,3 +532,38 @@ def test_delegated_commands_usage_errors_are_one_line(cmd, tmp_path):
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     r = run_cli([cmd, "-h"], cwd=tmp_path)
     assert r.returncode == 0 and f"Usage: megakernel {cmd}" in r.stdout
+
+
+def test_report_names_refusals_unbuilt_variants_and_a_missing_bench_dir(tiny_build, copy_build, tmp_path):
+    """A refused variant's reason is one line (the table says only `refused`); a declared variant never built is
+    named with the command that builds it; a --bench-dir that does not exist is an error, not silently empty."""
+    d = copy_build(tmp_path / "build")
+    m = json.loads((d / "manifest.json").read_text())
+    e = m["variants"][TINY_NAMES[0]]  # as a build writes a refusal: the entry without its plan and object
+    for k in ("key", "plan", "resources", "source", "cubin", "object", "source_sha256"):
+        e.pop(k, None)
+    e.update(status="refused", error=f"{TINY_NAMES[0]}: shared memory over budget")
+    del m["variants"][TINY_NAMES[1]]
+    (d / "manifest.json").write_text(json.dumps(m))
+    shutil.copy(tiny_build["variants"], tmp_path / "variants.yaml")
+    r = run_cli(["report", "--no-gpu"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"refused: {TINY_NAMES[0]}: shared memory over budget" in r.stderr.splitlines(), r.stderr
+    assert any(ln.startswith("declared in variants.yaml, not built: " + TINY_NAMES[1]) and "megakernel build" in ln
+               for ln in r.stderr.splitlines()), r.stderr
+    assert json.loads((d / "report.json").read_text())["not_built"] == [TINY_NAMES[1]]
+    assert_bad_input(run_cli(["report", "--no-gpu", "--bench-dir", "nowhere"], cwd=tmp_path), "--bench-dir nowhere")
+
+
+def test_render_says_when_the_build_compiled_a_replanned_plan(tiny_build, copy_build, tmp_path):
+    d = copy_build(tmp_path / "build")
+    m = json.loads((d / "manifest.json").read_text())
+    m["variants"][TINY_NAMES[0]].update(plan_source="default (re-planned)",
+                                        replanned={"overrides": {"X_FRAG": 0}, "default_spills": 8})
+    (d / "manifest.json").write_text(json.dumps(m))
+    shutil.copy(tiny_build["variants"], tmp_path / "variants.yaml")
+    r = run_cli(["render", TINY_NAMES[0], "--no-tuned"], cwd=tmp_path)
+    assert r.returncode == 0 and "extern \"C\" __global__" in r.stdout, r.stderr
+    assert "re-planned this variant" in r.stderr and "X_FRAG=0" in r.stderr, r.stderr
+    r = run_cli(["render", TINY_NAMES[2], "--no-tuned"], cwd=tmp_path)
+    assert r.returncode == 0 and "re-planned" not in r.stderr
