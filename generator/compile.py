@@ -418,8 +418,14 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                    f"to {REPLAN_TRIES} candidate plans each, {jobs} at a time")
         pool = ThreadPoolExecutor(max_workers=jobs)
         try:
-            for v in spilling:
+            for i, v in enumerate(spilling):
+                t0 = time.perf_counter()
                 replan_spilled(v, entries[v.name], pool)
+                if notify:  # one line a variant: re-planning a large one takes minutes
+                    e = entries[v.name]
+                    how = (f"built with {e['replanned']['overrides']}" if e["plan_source"] == "default (re-planned)"
+                           else "no candidate without spills: built as planned")
+                    notify(f"re-planned {v.name} ({i + 1}/{len(spilling)}, {time.perf_counter() - t0:.0f} s): {how}")
         except BaseException:  # as above: nothing written, no queued compile starts
             pool.shutdown(wait=False, cancel_futures=True)
             raise

@@ -553,7 +553,8 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
     assert grender.plan(v)["consts"]["X_FRAG"] == 1
     said = []  # the re-planning round is announced (the progress count is complete before it)
     r = gcompile.build([v], tmp_path / "a", jobs=2, variants_file=tiny_variants_file, notify=said.append)
-    assert len(said) == 1 and "re-planning 1 variant(s)" in said[0] and v.name in said[0]
+    assert len(said) == 2 and "re-planning 1 variant(s)" in said[0] and v.name in said[0]
+    assert said[1].startswith(f"re-planned {v.name} (1/1, ") and "X_FRAG" in said[1]  # each variant as it is done
     e = r["entries"][0]
     assert e["plan_source"] == "default (re-planned)" and e["replanned"]["overrides"].get("X_FRAG") == 0
     assert e["replanned"]["default_spills"] == [8, 8] and e["resources"]["spill_stores"] == 0
