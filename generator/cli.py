@@ -405,7 +405,12 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         b = ints("--batch", batches, [1, 8])
         matrix = [{"mode": ["decode"], "batch": b, "seq_len": ints("--seq-len", seq_lens, [4096])}]
         if prefill_chunks is not None:
-            matrix.append({"mode": ["prefill"], "batch": b, "seq_len": ints("--prefill-chunks", prefill_chunks, [])})
+            chunks = ints("--prefill-chunks", prefill_chunks, [])
+            cache = max(matrix[0]["seq_len"])
+            if any(c > cache for c in chunks):  # a prompt chunk lands in the decode variants' cache
+                fail(f"--prefill-chunks: a chunk of {max(chunks)} tokens does not fit the decode variants' cache of "
+                     f"{cache} rows (--seq-len{'' if seq_lens else ', default 4096'}): chunks up to {cache}")
+            matrix.append({"mode": ["prefill"], "batch": b, "seq_len": chunks})
     try:
         text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
         for line in text.splitlines():
@@ -424,7 +429,9 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:
-        fail(str(exc))
+        hint = ("; the entry's own matrix took the default --seq-len 4096: pass --seq-len"
+                if matrix is not None and seq_lens is None and "seq_len 4096" in str(exc) else "")
+        fail(str(exc) + hint)
 
 
 @main.command("generate")

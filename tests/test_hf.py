@@ -706,3 +706,19 @@ def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
     warn = "seq_len 32768 is longer than max_position_embeddings 8192"
     assert r.returncode == 0 and warn in r.stderr and f"# warning: {warn}" in r.stdout, r.stderr
     assert warn not in run_cli("from-hf", d8, "--seq-len", "8192").stderr
+
+
+def test_own_matrix_checks_chunks_against_the_cache_and_hints_the_default_seq_len(tmp_path):
+    """--prefill-chunks longer than the decode variants' cache is one line; a sliding window shorter than the
+    default --seq-len the user never typed says to pass it."""
+    d = write_config(tmp_path, "l", LLAMA_3_2_1B)
+    r = run_cli("from-hf", d, "--seq-len", "1000", "--prefill-chunks", "512,4096")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "a chunk of 4096 tokens does not fit the decode variants' cache of 1000 rows" in r.stderr
+    assert run_cli("from-hf", d, "--seq-len", "1000", "--prefill-chunks", "512").returncode == 0
+    d = write_config(tmp_path, "sw", {**LLAMA_3_2_1B, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                                      "sliding_window": 2048})
+    r = run_cli("from-hf", d, "--prefill-chunks", "1024")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "sliding_window 2048" in r.stderr and "default --seq-len 4096: pass --seq-len" in r.stderr
+    assert run_cli("from-hf", d, "--seq-len", "2048", "--prefill-chunks", "1024").returncode == 0
