@@ -2,7 +2,7 @@
 // next token. logits[b][v] = T(sum_k h[b][k] * W[v][k]) summed in fp32 and rounded to T as transformers' T
 // lm_head returns them (W row-major [V][HIDDEN], the checkpoint's own layout: no packed copy of the largest
 // matrix), h = gain * T(x * rsqrt(mean(x^2) + eps)) rounded to T as transformers' LlamaRMSNorm rounds it;
-// next[b] = the first index of the largest logit (torch.argmax): the same tokens at any batch as torch's head.
+// next[b] = the first index of the largest logit (torch.argmax). Within one rounding of torch's head's logits.
 // A streaming GEMV: at batch <= 8 the head is a read of V x HIDDEN x 2 bytes, 16-byte loads with no L1 allocation,
 // the normed rows in shared memory. MAXB 1: FMAs, R rows of W a warp at a time; MAXB 8 (1..8 rows of x): the
 // tensor cores, 16 rows of W a warp (FMAs would bound it: measured 0.5-0.66x torch's head at 8 rows).
