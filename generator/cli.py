@@ -585,9 +585,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         for b, new in enumerate(out.tokens):
             echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
-    info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token {out.ttft_s * 1e3:.1f} ms, "
-                      f"decode {out.tokens_per_s:,.1f} tokens/s ({'CUDA graph' if model.use_graphs else 'eager'})",
-                      highlight=False)
+    info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
+         f"{out.ttft_s * 1e3:.1f} ms, decode {out.tokens_per_s:,.1f} tokens/s "
+         f"({'CUDA graph' if model.use_graphs else 'eager'})", highlight=False)
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"

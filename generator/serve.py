@@ -696,7 +696,8 @@ class Model:
                 self._heads[rows] = lm_head.LMHead(self.norm_weight, self.lm_head, self.shape.norm_eps, batch,
                                                    build_dir=self.build_dir)
             except Exception as exc:  # noqa: BLE001 - any failure leaves torch's head, said once
-                self._head_why = f"the fused head failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[-1]}"
+                last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+                self._head_why = f"the fused head failed: {last}"
                 warnings.warn(f"{self._head_why}; serving torch's head", stacklevel=3)
                 return None
         return self._heads[rows]
