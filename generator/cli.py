@@ -151,8 +151,10 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned):
 @click.option("--strict", is_flag=True, help="exit 1 if any variant is flagged (the report's flags column: "
                                              "spills, refused, over budget, L1<60KB, memory, an unused tuned plan; "
                                              "README: the flags) or the tuning file gave a warning")
+@click.option("--no-report", is_flag=True, help="print no report table (`megakernel report` prints it, with the "
+                                                "benchmark's columns)")
 @tuned_opts
-def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned_for, no_tuned):
+def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_report, tuned_for, no_tuned):
     """Render and compile the variants, then print the resource report."""
     try:
         get_arch(arch)
@@ -185,13 +187,16 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
         else:  # a log file or a pipe: one plain line per finished object (the variants that share it), flushed
             done, t0 = [0], time.perf_counter()
 
-            def progress(n, ok, names=(), cached=False):
+            def progress(n, ok, names=(), cached=False, refused=False):
                 done[0] += n
-                what = "up to date:" if cached else "built" if ok else "failed to compile"
+                what = "refused:" if refused else "up to date:" if cached else "built" if ok else "failed to compile"
                 shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-                click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants done, "
-                           f"{time.perf_counter() - t0:.0f} s)")
-                sys.stdout.flush()
+                try:
+                    click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants "
+                               f"done, {time.perf_counter() - t0:.0f} s)")
+                    sys.stdout.flush()
+                except BrokenPipeError:  # stdout closed (`| head`): the build goes on, its output to /dev/null
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
                                     variants_file=variants_file, tuning_file=tfile, notify=note)
     except KeyboardInterrupt as exc:
@@ -229,7 +234,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, tuned
         err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
     rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
-    greport.print_report(rep, console)
+    if not no_report:
+        greport.print_report(rep, console)
     replanned = " ".join(result.get("replans", []))  # already warned, with what was tried
     for r in rep["rows"]:
         if "spills" in r["flags"] and f"{r['name']}:" not in replanned:

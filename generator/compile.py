@@ -243,7 +243,8 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
-    variant (status "error") so one bad variant does not hide the others. `progress(n, ok, names=, cached=)`: n
+    variant (status "error") so one bad variant does not hide the others. `progress(n, ok, names=, cached=,
+    [refused=True])`: the refused variants first (once, where any), then per object: n
     variants (`names`) that share one binary finished (ok False: its compile failed; cached: it was up to date).
     Ctrl-C (KeyboardInterrupt) or a compiler interrupted by a signal (BuildInterrupted: SIGINT, SIGTERM, SIGHUP;
     compiler_killed) stops the build: no queued compile starts, and
@@ -378,6 +379,9 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         out["l1_bytes"] = l1_bytes(target, out["smem_total"], out["blocks_per_sm"])
         return out
 
+    refused = [e["name"] for e in entries.values() if e["status"] == "refused"]
+    if progress and refused:  # counted too, so the progress count reaches every variant
+        progress(len(refused), ok=False, names=refused, cached=False, refused=True)
     pool = ThreadPoolExecutor(max_workers=jobs)
     links: list[tuple[str, str]] = []  # (object key, variant): cubins linked with the manifest's write, not before
     try:
