@@ -222,12 +222,13 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ServeError(f"max_new_tokens: a positive integer, got {max_new_tokens!r}")
     need = max(prompt_lens) + max_new_tokens - 1
+    longest = f"{max(prompt_lens)} token{'s' * (max(prompt_lens) != 1)}"
     if max(prompt_lens) > cache_len:
-        raise ServeError(f"prompts: the longest prompt ({max(prompt_lens)} tokens) is over the cache capacity "
+        raise ServeError(f"prompts: the longest prompt ({longest}) is over the cache capacity "
                          f"{cache_len} rows by itself (a larger cache_len / seq_len, or a shorter prompt)")
     if need > cache_len:
-        raise ServeError(f"max_new_tokens: the longest prompt ({max(prompt_lens)} tokens) + {max_new_tokens} new "
-                         f"tokens need {need} cache rows (every token but the last new one is cached), over the "
+        raise ServeError(f"max_new_tokens: the longest prompt ({longest}) + {max_new_tokens} new "
+                         f"token{'s' * (max_new_tokens != 1)} need {need} cache rows (every token but the last new one is cached), over the "
                          f"cache capacity {cache_len} (at most "
                          f"{cache_len - max(prompt_lens) + 1} new tokens; or a larger cache_len / seq_len)")
 
