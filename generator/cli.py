@@ -422,6 +422,14 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         for line in text.splitlines():
             if line.lstrip().startswith("# " + hf.WARNING_MARK):
                 err_console.print(line.lstrip()[2:], markup=False, highlight=False, soft_wrap=True)
+        if matrix is not None:  # the entry's own variants: say now which `build` would refuse (e.g. a batch too large)
+            from . import render
+            for v in gvariants.parse("models:\n" + text, "the entry"):
+                try:
+                    render.plan(v)
+                except render.PlanError as exc:
+                    err_console.print(f"warning: `megakernel build` will refuse {exc}", markup=False,
+                                      highlight=False, soft_wrap=True)
         if write_file:
             try:
                 started = not Path(write_file).read_text().strip()

@@ -722,3 +722,14 @@ def test_own_matrix_checks_chunks_against_the_cache_and_hints_the_default_seq_le
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "sliding_window 2048" in r.stderr and "default --seq-len 4096: pass --seq-len" in r.stderr
     assert run_cli("from-hf", d, "--seq-len", "2048", "--prefill-chunks", "1024").returncode == 0
+
+
+def test_own_matrix_warns_of_variants_the_build_would_refuse(tmp_path):
+    """--batch past what a block's shared memory holds: the entry is printed, and one warning line per variant the
+    planner refuses says why (before the user waits on a build to learn it)."""
+    d = write_config(tmp_path, "m", MISTRAL_7B_V0_3)
+    r = run_cli("from-hf", d, "--batch", "1,8,64")
+    assert r.returncode == 0 and "batch: [1, 8, 64]" in r.stdout, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: `megakernel build` will refuse")]
+    assert len(lines) == 1 and "_decode_b64_" in lines[0] and "a batch of at most" in lines[0], r.stderr
+    assert "refuse" not in run_cli("from-hf", d, "--batch", "1,8").stderr
