@@ -1028,3 +1028,46 @@ def test_the_tuner_never_records_a_spilling_default_and_still_times_against_it()
     assert pick(rows, {"c00"})["name"] == "c01"  # a spilling default: the fastest other, whatever its gain
     assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": None}], {"c00"}) is None
     assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": 8.0}])["name"] == "c01"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_split_parallel_combine_matches_the_reference(tmp_path):
+    """ATT_COMBINE 2 (the last split's combine spread over warps, merged in shared memory): runs of more than 32
+    splits a warp (a group of 16: one warp a head, 64 splits), more query heads than warps (a group of 20: a warp
+    takes two heads), head_dim 80 (a lane's dims past the head skipped) at batch 3, and the Qwen2.5-1.5B-like shape
+    at batch 5; the sequence at the last position has every split, the one at 0 a single one; two launches
+    bit-equal (runs and merge order are fixed)."""
+    big, wide, hd80 = gvariants.parse("""
+matrix: {mode: [decode], batch: [1], seq_len: [8192]}
+models:
+  cbg16: {hidden: 2048, heads: 32, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 2, norm: rmsnorm,
+          norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+  cbg20: {hidden: 2560, heads: 40, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 2, norm: rmsnorm,
+          norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+          matrix: {mode: [decode], batch: [1], seq_len: [4096]}}
+  cbhd80: {hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048, layers: 2, norm: rmsnorm,
+           norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+           matrix: {mode: [decode], batch: [3], seq_len: [3000]}}
+""", "cb.yaml")
+    b5, = _qwen15_like("cb", [5])
+    cases = [(v, {"ATT_COMBINE": 2, "ATT_C": 128, **({"NORM_FOLD": 1} if v is wide else {})})  # (its re-planned
+             for v in (big, wide, hd80, b5)]                                                    # default: no spills)
+    _overrides_match_the_reference(tmp_path, cases, "cb", 19, {}, repeat=True)
+    assert render.plan(big, overrides={"ATT_C": 128})["consts"]["ATT_NSPLIT"] == 64
+
+
+def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
+    """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
+    the group's outputs over the block x batches of 8 splits), else 1; an override of 0-2 is taken, 3 refused."""
+    from generator.modes import decode
+    assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
+    assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1
+    assert decode.combine_default(4 * 128, 8) == 1
+    by_name = {v.name: v for v in declared()}
+    assert render.plan(by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"])["consts"]["ATT_COMBINE"] == 2
+    assert render.plan(by_name["llama3.2-1b_decode_b1_s4096_bf16"])["consts"]["ATT_COMBINE"] == 1
+    v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
+    assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: must be 0, 1 or 2"):
+        render.plan(v, overrides={"ATT_COMBINE": 3})

@@ -30,8 +30,9 @@ STEPS = (
 
 # the knobs a plan override (generator.tune) may set: per projection the warps per task NWG, the 16-byte loads
 # in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT), ring depth
-# and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 0: two passes
-# through shared memory after a fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
+# and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 2: the same release/
+# acquire, the splits spread over warps and merged in shared memory; 0: two passes through shared memory after a
+# fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
@@ -74,8 +75,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("ATT_COMBINE", "X_FRAG", "QKV_FLOW", "H_STATS", "ATT_DYN", "RED_DB")
-        if k == "NORM_FOLD" and val not in (0, 1, 2):
+        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "ATT_DYN", "RED_DB")
+        if k in ("NORM_FOLD", "ATT_COMBINE") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
@@ -127,6 +128,15 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     if ka >= kb - 1:
         return kb * step
     return next(k for k in (ka + lane * (kb - ka) // 31 for lane in range(32)) if fits(k)) * step
+
+
+def combine_default(outputs: int, nsplit: int) -> int:
+    """ATT_COMBINE by default: 2 (split-parallel) where the one online pass takes >= 3 dependent batches of loads
+    (ceil(group x head_dim / THREADS) rounds of ceil(nsplit / 8) batches: its loop keeps 8 splits in flight), else
+    1. Measured on the H200 (bench/NOTES.md session 19): 32 splits 1.022-1.075x (Qwen2.5-0.5B b1, Qwen2.5-7B b1,
+    a hidden-1536 group-6 b2), 16 splits with 2 rounds 1.009x (Qwen2.5-7B b1), 16 splits in one round 0.998-1.002x
+    (Llama-3.2-1B, Llama-3-8B b1), 8 splits 0.972-0.985x (Qwen2.5-0.5B b8, Llama-3.2-1B b1 KV 1024)."""
+    return 2 if -(-outputs // THREADS) * -(-nsplit // 8) >= 3 else 1
 
 
 def _fmt(ov: dict) -> str:
@@ -330,7 +340,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", 1), "ATT_DYN": att_dyn,
+        "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)), "ATT_DYN": att_dyn,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

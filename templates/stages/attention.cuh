@@ -367,7 +367,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
         }
-        if (nsplit > 1 && ATT_COMBINE == 1) {
+        if (nsplit > 1 && ATT_COMBINE >= 1) {
             // the block's partial, then one thread's release (fence.acq_rel + the counter: the block barrier makes
             // every thread's stores its own, cumulativity publishes them) in place of a fence by every thread
             __syncthreads();
@@ -382,8 +382,76 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 }
             }
             __syncthreads();
-            if (*flag) {  // last split: one online pass over the splits per output (max, sum and acc loaded
-                          // together, in split order: the same result whichever split is last)
+            if (*flag && ATT_COMBINE == 2) {
+                // last split, split-parallel: WPH warps a query head, each a run of its splits; a lane holds one
+                // split's (m, l) and, for each split of the run, the dims lane + 32 i, a batch of splits' loads in
+                // flight together (issued before the max and sum need theirs); then each head's WPH states merge
+                // in shared memory. Fixed runs and merge order: the same result whichever split is last.
+                constexpr int WPH = NW / GROUP > 0 ? NW / GROUP : 1, DPL = (HEAD_DIM + 31) / 32;
+                constexpr int B = 32 / DPL > 0 ? 32 / DPL : 1;  // splits a batch of loads (32 registers)
+                static_assert(GROUP * WPH * WS * 4 <= SMEM_FLAG - SMEM_WST, "ATT_COMBINE 2: the merge states");
+                float* mst = wst;  // [GROUP * WPH][WS]: acc[HEAD_DIM], M, den (the warp states are consumed)
+                const int spw = (nsplit + WPH - 1) / WPH;
+                for (int job = warp; job < GROUP * WPH; job += NW) {
+                    const int g = job / WPH, s0 = job % WPH * spw, s1 = min(nsplit, s0 + spw);
+                    const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
+                    float M = -INFINITY, den = 0.f, acc[DPL];
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
+                    for (int r0 = s0; r0 < s1; r0 += 32) {  // runs of at most 32 splits, a lane's (m, l) each
+                        const int cnt = min(32, s1 - r0);
+                        float a[B][DPL];
+                        auto load = [&](int j0) {
+#pragma unroll
+                            for (int j = 0; j < B; ++j)
+#pragma unroll
+                                for (int i = 0; i < DPL; ++i)
+                                    a[j][i] = j0 + j < cnt && lane + 32 * i < HEAD_DIM
+                                                  ? __ldcg(pg + (size_t)(r0 + j0 + j) * WS + lane + 32 * i) : 0.f;
+                        };
+                        load(0);
+                        const float ms = lane < cnt ? __ldcg(pg + (size_t)(r0 + lane) * WS + HEAD_DIM) : -INFINITY;
+                        const float ls = lane < cnt ? __ldcg(pg + (size_t)(r0 + lane) * WS + HEAD_DIM + 1) : 0.f;
+                        const float Mn = fmaxf(M, warp_max(ms)), f = exp2f(M - Mn), e = exp2f(ms - Mn);
+                        den = fmaf(den, f, warp_sum(e * ls));
+                        M = Mn;
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) acc[i] *= f;
+                        for (int j0 = 0; j0 < cnt; j0 += B) {
+                            if (j0 > 0) load(j0);
+#pragma unroll
+                            for (int j = 0; j < B; ++j) {
+                                if (j0 + j >= cnt) break;
+                                const float ej = __shfl_sync(0xffffffffu, e, j0 + j);
+#pragma unroll
+                                for (int i = 0; i < DPL; ++i) acc[i] = fmaf(ej, a[j][i], acc[i]);
+                            }
+                        }
+                    }
+                    float* st = mst + job * WS;
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i)
+                        if (lane + 32 * i < HEAD_DIM) st[lane + 32 * i] = acc[i];
+                    if (lane == 0) { st[HEAD_DIM] = M; st[HEAD_DIM + 1] = den; }
+                }
+                __syncthreads();
+                for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS) {
+                    const int g = t / HEAD_DIM, d = t % HEAD_DIM;
+                    const float* sg = mst + g * WPH * WS;
+                    float M = -INFINITY;
+#pragma unroll
+                    for (int w = 0; w < WPH; ++w) M = fmaxf(M, sg[w * WS + HEAD_DIM]);
+                    float o = 0.f, den = 0.f;
+#pragma unroll
+                    for (int w = 0; w < WPH; ++w) {
+                        const float e = sg[w * WS + HEAD_DIM] == -INFINITY ? 0.f : exp2f(sg[w * WS + HEAD_DIM] - M);
+                        o = fmaf(e, sg[w * WS + d], o);
+                        den = fmaf(e, sg[w * WS + HEAD_DIM + 1], den);
+                    }
+                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+                }
+            } else if (*flag) {  // last split: one online pass over the splits per output (max, sum and acc loaded
+                                 // together, in split order: the same result whichever split is last)
                 for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS) {
                     const int g = t / HEAD_DIM, d = t % HEAD_DIM;
                     const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
