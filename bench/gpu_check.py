@@ -170,6 +170,51 @@ def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dic
     return where, entries
 
 
+
+def print_tables(doc: dict, routes_path=None) -> None:
+    """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content), as the run prints them."""
+    rows = doc["rows"]
+    print(f"\n{doc['gpu']}  {doc['date']}  seed {doc['seed']}  copy BW {doc['copy_gbps']:.0f} GB/s  tests: {doc['tests']}")
+    hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "
+           f"{'flashinf':>8s} {'x best':>6s} {'mix us':>7s} {'x FI':>5s}")
+    print(hdr + "   stages (us): qkv att o gu down")
+    print("(mix: the batch's positions spread evenly over the cache, fused and FlashInfer re-timed)")
+    for r in rows:
+        name = r["variant"] + ("*" if r.get("heldout") else "")
+        if r.get("mode") == "prefill":
+            continue
+        if "error" in r:
+            print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
+        else:
+            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
+            fi = f"{r['flashinfer_us']:8.1f}" if r["flashinfer_us"] else f"{'-':>8s}"
+            mix = f"{r['us_mixed']:7.1f}" if r.get("us_mixed") else f"{'-':>7s}"
+            mix += (f" {r['flashinfer_us_mixed'] / r['us_mixed']:5.2f}" if r.get("flashinfer_us_mixed")
+                    else f" {'-':>5s}")
+            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
+                  f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f} {mix}   "
+                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)
+    pre = [r for r in rows if r.get("mode") == "prefill"]
+    if pre:
+        print(f"\n{'prefill variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>9s} {'TFLOP/s':>7s} "
+              f"{'unfused':>9s} {'TFLOP/s':>7s} {'x unf':>6s} route    stages (us): norm qkv kv att o norm gu down")
+        for r in pre:
+            name = r["variant"] + ("*" if r.get("heldout") else "")
+            if "error" in r:
+                print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
+                continue
+            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
+            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:9.1f} "
+                  f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
+                  f"{r['route']}  " + " ".join(f"{s:.0f}" for s in r["stage_us"].values()) + bad)
+        if routes_path:
+            print(f"routes: {routes_path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json; a route flips "
+                  f"only beyond {routes.ROUTE_MARGIN:.0%}: the table shows the recorded one)")
+    skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
+    for why in skipped:
+        print(f"flashinfer: {why}")
+
+
 @click.command()
 @check_options
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
@@ -223,45 +268,7 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
            "seed": seed,
            "copy_gbps": round(bw, 1), "tests": tests, "rows": rows}
     (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
-    print(f"\n{doc['gpu']}  {doc['date']}  seed {seed}  copy BW {bw:.0f} GB/s  tests: {tests}")
-    hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "
-           f"{'flashinf':>8s} {'x best':>6s} {'mix us':>7s} {'x FI':>5s}")
-    print(hdr + "   stages (us): qkv att o gu down")
-    print("(mix: the batch's positions spread evenly over the cache, fused and FlashInfer re-timed)")
-    for r in rows:
-        name = r["variant"] + ("*" if r.get("heldout") else "")
-        if r.get("mode") == "prefill":
-            continue
-        if "error" in r:
-            print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
-        else:
-            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
-            fi = f"{r['flashinfer_us']:8.1f}" if r["flashinfer_us"] else f"{'-':>8s}"
-            mix = f"{r['us_mixed']:7.1f}" if r.get("us_mixed") else f"{'-':>7s}"
-            mix += (f" {r['flashinfer_us_mixed'] / r['us_mixed']:5.2f}" if r.get("flashinfer_us_mixed")
-                    else f" {'-':>5s}")
-            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
-                  f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f} {mix}   "
-                  + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)
-    pre = [r for r in rows if r.get("mode") == "prefill"]
-    if pre:
-        print(f"\n{'prefill variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>9s} {'TFLOP/s':>7s} "
-              f"{'unfused':>9s} {'TFLOP/s':>7s} {'x unf':>6s} route    stages (us): norm qkv kv att o norm gu down")
-        for r in pre:
-            name = r["variant"] + ("*" if r.get("heldout") else "")
-            if "error" in r:
-                print(f"{name:41s} {'-':>8s} {'FAIL':>4s}  {r['error'][:80]}")
-                continue
-            bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
-            print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:9.1f} "
-                  f"{r['tflops']:7.1f} {r['unfused_us']:9.1f} {r['unfused_tflops']:7.1f} {r['speedup']:6.2f} "
-                  f"{r['route']}  " + " ".join(f"{s:.0f}" for s in r["stage_us"].values()) + bad)
-        if routes_path:
-            print(f"routes: {routes_path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json; a route flips "
-                  f"only beyond {routes.ROUTE_MARGIN:.0%}: the table shows the recorded one)")
-    skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
-    for why in skipped:
-        print(f"flashinfer: {why}")
+    print_tables(doc, routes_path)
     tp_ok = tensor_parallel(vs + held, variants_file, heldout_file, only, build_dir, out, seed)
     sys.exit(0 if all(r["pass"] for r in rows) and tp_ok else 1)
 

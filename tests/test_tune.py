@@ -1059,7 +1059,7 @@ models:
 
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits), else 1; an override of 0-2 is taken, 3 refused."""
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-2 is taken, 3 refused."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
     assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1
@@ -1067,6 +1067,8 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     by_name = {v.name: v for v in declared()}
     assert render.plan(by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"])["consts"]["ATT_COMBINE"] == 2
     assert render.plan(by_name["llama3.2-1b_decode_b1_s4096_bf16"])["consts"]["ATT_COMBINE"] == 1
+    dyn = render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"])["consts"]  # ATT_DYN: 1 (measured 5 % slower)
+    assert dyn["ATT_DYN"] == 1 and dyn["ATT_COMBINE"] == 1
     v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
     with pytest.raises(render.PlanError, match="ATT_COMBINE=3: must be 0, 1 or 2"):

@@ -135,7 +135,10 @@ def combine_default(outputs: int, nsplit: int) -> int:
     (ceil(group x head_dim / THREADS) rounds of ceil(nsplit / 8) batches: its loop keeps 8 splits in flight), else
     1. Measured on the H200 (bench/NOTES.md session 19): 32 splits 1.022-1.075x (Qwen2.5-0.5B b1, Qwen2.5-7B b1,
     a hidden-1536 group-6 b2), 16 splits with 2 rounds 1.009x (Qwen2.5-7B b1), 16 splits in one round 0.998-1.002x
-    (Llama-3.2-1B, Llama-3-8B b1), 8 splits 0.972-0.985x (Qwen2.5-0.5B b8, Llama-3.2-1B b1 KV 1024)."""
+    (Llama-3.2-1B, Llama-3-8B b1), 8 splits 0.972-0.985x (Qwen2.5-0.5B b8, Llama-3.2-1B b1 KV 1024). The planner
+    takes it on one GPU without ATT_DYN only: with ATT_DYN (Qwen2.5-7B b4 KV 32768) the whole suite measured the layer
+    5 % slower, its attention stage unchanged (the GEMV stages slower: register allocation), and tensor parallel's
+    combine has not run on 2 GPUs with it."""
     return 2 if -(-outputs // THREADS) * -(-nsplit // 8) >= 3 else 1
 
 
@@ -340,7 +343,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
-        "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)), "ATT_DYN": att_dyn,
+        "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
+                              if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
