@@ -172,7 +172,9 @@ def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dic
 
 
 def print_tables(doc: dict, routes_path=None) -> None:
-    """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content), as the run prints them."""
+    """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content), as the run prints them;
+    `routes_path`: where the run recorded the prefill routes (named under the prefill table)."""
+    from generator import routes
     rows = doc["rows"]
     print(f"\n{doc['gpu']}  {doc['date']}  seed {doc['seed']}  copy BW {doc['copy_gbps']:.0f} GB/s  tests: {doc['tests']}")
     hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "

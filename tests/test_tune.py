@@ -1035,8 +1035,8 @@ def test_the_tuner_never_records_a_spilling_default_and_still_times_against_it()
 def test_split_parallel_combine_matches_the_reference(tmp_path):
     """ATT_COMBINE 2 (the last split's combine spread over warps, merged in shared memory): runs of more than 32
     splits a warp (a group of 16: one warp a head, 64 splits), more query heads than warps (a group of 20: a warp
-    takes two heads), head_dim 80 (a lane's dims past the head skipped) at batch 3, and the Qwen2.5-1.5B-like shape
-    at batch 5; the sequence at the last position has every split, the one at 0 a single one; two launches
+    takes two heads), head_dim 80 (a lane's dims past the head skipped) at batch 3, the Qwen2.5-1.5B-like shape
+    at batch 5, and a group of 4 over at most 3 splits (warps whose run is empty); the sequence at the last position has every split, the one at 0 a single one; two launches
     bit-equal (runs and merge order are fixed)."""
     big, wide, hd80 = gvariants.parse("""
 matrix: {mode: [decode], batch: [1], seq_len: [8192]}
@@ -1051,8 +1051,14 @@ models:
            matrix: {mode: [decode], batch: [3], seq_len: [3000]}}
 """, "cb.yaml")
     b5, = _qwen15_like("cb", [5])
+    few, = gvariants.parse("""
+matrix: {mode: [decode], batch: [2], seq_len: [384]}
+models:
+  cbfew: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, norm: rmsnorm,
+          norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "cbfew.yaml")  # a group of 4 (4 warps a head) over at most 3 splits: warps with no split
     cases = [(v, {"ATT_COMBINE": 2, "ATT_C": 128, **({"NORM_FOLD": 1} if v is wide else {})})  # (its re-planned
-             for v in (big, wide, hd80, b5)]                                                    # default: no spills)
+             for v in (big, wide, hd80, b5, few)]                                               # default: no spills)
     _overrides_match_the_reference(tmp_path, cases, "cb", 19, {}, repeat=True)
     assert render.plan(big, overrides={"ATT_C": 128})["consts"]["ATT_NSPLIT"] == 64
 
@@ -1073,3 +1079,7 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
     with pytest.raises(render.PlanError, match="ATT_COMBINE=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"ATT_COMBINE": 3})
+    tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
+    assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=2: not with tensor parallel"):
+        render.plan(tp2, overrides={"ATT_COMBINE": 2})

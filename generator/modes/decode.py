@@ -159,6 +159,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     shapes = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
               "down": (m.hidden, m.intermediate)}
     gemv = {}
+    if ov.get("ATT_COMBINE") == 2 and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override ATT_COMBINE=2: not with tensor parallel (the split-parallel combine "
+                        "has not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override QKV_FLOW=1: tensor parallel keeps the qkv -> attention grid barrier "
                         "(the counters have not run on 2 GPUs)")
