@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import click
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -403,9 +404,12 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         if text is None:
             return default
         try:
-            return [int(t) for t in text.split(",")]
+            out = [int(t) for t in text.split(",")]
         except ValueError:
             fail(f"{opt}: comma-separated integers, got {text!r}")
+        if min(out) < 1:
+            fail(f"{opt}: positive integers, got {text!r}")
+        return out
     matrix = None
     if batches is not None or seq_lens is not None or prefill_chunks is not None:
         b = ints("--batch", batches, [1, 8])
@@ -422,14 +426,16 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         for line in text.splitlines():
             if line.lstrip().startswith("# " + hf.WARNING_MARK):
                 err_console.print(line.lstrip()[2:], markup=False, highlight=False, soft_wrap=True)
-        if matrix is not None:  # the entry's own variants: say now which `build` would refuse (e.g. a batch too large)
+        def warn_refused(variants):  # say now which of the entry's variants `build` would refuse (a batch too large)
             from . import render
-            for v in gvariants.parse("models:\n" + text, "the entry"):
+            for v in variants:
                 try:
                     render.plan(v)
                 except render.PlanError as exc:
                     err_console.print(f"warning: `megakernel build` will refuse {exc}", markup=False,
                                       highlight=False, soft_wrap=True)
+        if matrix is not None:  # the entry's own matrix
+            warn_refused(gvariants.parse("models:\n" + text, "the entry"))
         if write_file:
             try:
                 started = not Path(write_file).read_text().strip()
@@ -440,6 +446,9 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
             hf.append_entry(write_file, text)
             err_console.print(f"started {write_file} (a default matrix) with the entry" if started
                               else f"appended to {write_file}", highlight=False)
+            if matrix is None:  # the file's matrix applies: its variants of this entry
+                name = next(iter(yaml.safe_load("models:\n" + text)["models"]))
+                warn_refused([v for v in gvariants.load(write_file) if v.model.name == name])
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:

@@ -695,7 +695,7 @@ def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
     assert r.returncode == 2 and "from-hf --seq-len N" in r.stderr, r.stderr
     for args, want in ((["--seq-len", "8192"], "longer than sliding_window 4096"),
                        (["--batch", "1,x"], "--batch: comma-separated integers"),
-                       (["--batch", "0"], "matrix.batch")):
+                       (["--batch", "0"], "--batch: positive integers")):
         r = run_cli("from-hf", d, "--write", f, "--name", "other", *args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], (args, r.stderr)
@@ -733,3 +733,22 @@ def test_own_matrix_warns_of_variants_the_build_would_refuse(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: `megakernel build` will refuse")]
     assert len(lines) == 1 and "_decode_b64_" in lines[0] and "a batch of at most" in lines[0], r.stderr
     assert "refuse" not in run_cli("from-hf", d, "--batch", "1,8").stderr
+
+
+def test_write_warns_of_variants_the_files_matrix_makes_that_build_would_refuse(tmp_path):
+    """--write into a file whose matrix holds a batch too large for this shape: the entry is appended, and a warning
+    line names each of its variants the planner refuses; 0 or a negative in --batch / --prefill-chunks is one error
+    line."""
+    f = tmp_path / "v.yaml"
+    f.write_text("matrix: {mode: [decode], batch: [1, 64], seq_len: [4096]}\nmodels:\n"
+                 "  tiny: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, "
+                 "norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, "
+                 "qk_norm: false, dtype: bf16}\n")
+    d = write_config(tmp_path, "m", MISTRAL_7B_V0_3)
+    r = run_cli("from-hf", d, "--write", f)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: `megakernel build` will refuse")]
+    assert len(lines) == 1 and "m_decode_b64_" in lines[0], r.stderr  # not tiny's (its batch 64 fits)
+    for opt in ("--batch", "--prefill-chunks"):
+        r = run_cli("from-hf", d, opt, "0")
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {opt}: positive integers, got '0'", r.stderr
