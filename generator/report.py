@@ -214,7 +214,7 @@ E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unf
 
 def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
     """The newest `bench/e2e.py` result among bench_dir/e2e-*.json, None where there is none: {"file", "gpu",
-    "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
+    "checkpoint" (the model directory it measured), "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
     "unfused fp32": {"greedy_tokens_equal_before_divergence", "of", ...}}, "kernel_bound": {layers_us, lm_head_us
     (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms), and one layer's call from
     Python: layer_kernel_us, layer_eager_call_us, layer_eager_call_unchecked_us (µs a call) where recorded} or None}.
@@ -246,7 +246,8 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
         else:
             providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
     agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
-    return {"file": p.name, "gpu": doc.get("gpu"), "providers": providers, "agreement": agreement,
+    return {"file": p.name, "gpu": doc.get("gpu"), "checkpoint": doc.get("checkpoint"), "providers": providers,
+            "agreement": agreement,
             "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None}
 
 
@@ -471,7 +472,9 @@ def print_e2e(e2e: dict, console: Console) -> None:
     token at batch 1 is above the kernels' own time."""
     provs = e2e["providers"]
     figs = [f for f in E2E_FIGURES if any(f[0] in r for r in provs.values())]
-    t = Table(title="end to end (bench/e2e.py)", caption=f"{e2e['file']}" + (f", {e2e['gpu']}" if e2e.get("gpu")
+    # the benchmark's own checkpoint, whatever model the variants file declares: say which one was measured
+    ck = f", checkpoint {Path(str(e2e['checkpoint'])).name}" if e2e.get("checkpoint") else ""
+    t = Table(title=f"end to end (bench/e2e.py{ck})", caption=f"{e2e['file']}" + (f", {e2e['gpu']}" if e2e.get("gpu")
               else ""), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     t.add_column("provider", justify="left", min_width=12)
     for _, head, _ in figs:
