@@ -458,6 +458,9 @@ def test_report_json_carries_the_e2e_section(copy_build, tmp_path):
     greport.print_report(rep, con)
     text = con.export_text()
     assert "end to end" in text and "transformers eager" in text and "e2e-h200-2026-11-30-1.json" in text
+    # the benchmark's own checkpoint is named: its figures are not the variants file's model's
+    ck = Path(json.loads(E2E_RESULT.read_text())["checkpoint"]).name
+    assert rep["e2e"]["checkpoint"] and f"checkpoint {ck}" in text
 
 
 def test_report_says_when_the_figures_were_timed_with_another_plan(copy_build, tmp_path):
