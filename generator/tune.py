@@ -177,7 +177,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
     all of them do not fit). ATT_DYN itself is not tried: it pays at mixed positions, and the tuner times full
-    context."""
+    context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default plan's."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
@@ -217,6 +217,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
             continue
         try:
             p = plan(v, arch, overrides=ov)
+            if "ATT_COMBINE" not in ov and p["consts"].get("ATT_COMBINE", 0) != d.get("ATT_COMBINE", 0):
+                # another split count (or ATT_DYN off) moved the combine's default: keep the default plan's, so the
+                # candidate changes one thing (the ATT_COMBINE candidates time the other)
+                ov = {**ov, "ATT_COMBINE": d["ATT_COMBINE"]}
+                p = plan(v, arch, overrides=ov)
         except PlanError:
             continue
         key = knob_values(p)

@@ -1083,3 +1083,13 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
     with pytest.raises(render.PlanError, match="ATT_COMBINE=2: not with tensor parallel"):
         render.plan(tp2, overrides={"ATT_COMBINE": 2})
+
+
+def test_candidates_that_move_the_split_keep_the_default_combine():
+    """A candidate that changes the attention split (ATT_C, ATT_WARPS) plans the default plan's ATT_COMBINE (only the
+    ATT_COMBINE candidates change it), so each candidate times one change."""
+    for name in ("qwen2.5-7b_decode_b4_s32768_bf16", "qwen2.5-0.5b_decode_b1_s4096_bf16"):
+        v = next(v for v in declared() if v.name == name)
+        base = render.plan(v)["consts"]["ATT_COMBINE"]
+        moved = [ov for ov in gtune.candidates(v) if {"ATT_C", "ATT_WARPS"} & set(ov)]
+        assert moved and all(render.plan(v, overrides=ov)["consts"]["ATT_COMBINE"] == base for ov in moved), moved
