@@ -108,10 +108,12 @@ def list_cmd(variants_file, build_dir, only):
 @click.option("--arch", default="90", show_default=True, help="SM architecture, digits (90 = sm_90)")
 @build_dir_opt
 @tuned_opts
-def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned):
+@click.option("--knobs", "knobs_only", is_flag=True, help="print the plan's knobs (one `KNOB value` a line: what "
+              "`megakernel tune` varies and a tuning entry overrides), not the source")
+def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_only):
     """Print the rendered CUDA source of one variant, with the plan `build` would compile (tuned where tuning/ has
     it: a note on stderr says so; where the build directory holds a build that re-planned its spilling default, a
-    note says where that source is)."""
+    note says where that source is); with --knobs, that plan's knobs instead."""
     from . import tune as gtune
     try:
         get_arch(arch)
@@ -137,9 +139,13 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned):
     for note in ([warning] if warning else []) + tuned:
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     try:
-        click.echo(render(v, plan(v, arch, overrides=ov or None)), nl=False)
+        p = plan(v, arch, overrides=ov or None)
     except PlanError as exc:
         fail(str(exc))
+    if knobs_only:
+        click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)
+    else:
+        click.echo(render(v, p), nl=False)
 
 
 @main.command("build")

@@ -172,6 +172,19 @@ def test_render_shows_the_plan_build_compiles(tmp_path):
     assert "note: tuned" in r.stderr and "GU_NWG" in r.stderr
 
 
+def test_render_knobs_prints_the_plans_knobs(tmp_path):
+    """render --knobs: one `KNOB value` line per tunable knob of the plan build would compile (a tuning entry's
+    override shows), nothing else on stdout."""
+    from generator.tune import knob_dict
+    v = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.name == "llama3.2-1b_decode_b4_s4096_bf16")
+    tf = tmp_path / "gpu.json"
+    tf.write_text(json.dumps({v.name: {"overrides": {"GU_NWG": 8}}}))
+    r = run_cli(["render", v.name, "--tuned-for", tf, "--knobs"], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    want = knob_dict(grender.plan(v, overrides={"GU_NWG": 8}))
+    assert r.stdout == "".join(f"{k} {val}\n" for k, val in want.items()) and "GU_NWG 8\n" in r.stdout
+
+
 def test_render_unknown_name(tmp_path):
     r = run_cli(["render", "no-such-model_decode_b1_s1_bf16", "--variants", ROOT / "variants.yaml"], cwd=tmp_path)
     assert_bad_input(r, "no variant named 'no-such-model_decode_b1_s1_bf16'", "megakernel list")
