@@ -335,8 +335,11 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
             why = r.get("error", "")
             err_console.print(f"{r['status']}: " + (why if why.startswith(r["name"]) else f"{r['name']}: {why}"),
                               markup=False, highlight=False, soft_wrap=True)
-    if rep.get("not_built"):
-        err_console.print(f"declared in {variants_file}, not built: {', '.join(rep['not_built'])} (run `{cmd}`)",
+    if rep.get("not_built"):  # (after an --only build most are: the first few named, `list` shows all)
+        nb = rep["not_built"]
+        names = ", ".join(nb) if len(nb) <= 8 else f"{len(nb)} variants ({', '.join(nb[:5])}, ...; `megakernel list` " \
+                                                     "names them)"
+        err_console.print(f"declared in {variants_file}, not built: {names} (run `{cmd}`)",
                           markup=False, highlight=False, soft_wrap=True)
     if strict and rep["totals"]["flagged"]:
         err_console.print(f"--strict: exit 1 ({rep['totals']['flagged']} flagged)", markup=False, highlight=False)

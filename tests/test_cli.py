@@ -566,6 +566,15 @@ def test_report_names_refusals_unbuilt_variants_and_a_missing_bench_dir(tiny_bui
                for ln in r.stderr.splitlines()), r.stderr
     assert json.loads((d / "report.json").read_text())["not_built"] == [TINY_NAMES[1]]
     assert_bad_input(run_cli(["report", "--no-gpu", "--bench-dir", "nowhere"], cwd=tmp_path), "--bench-dir nowhere")
+    # many unbuilt (after an --only build): counted, the first few named, not a wall of names
+    (tmp_path / "variants.yaml").write_text(Path(tiny_build["variants"]).read_text().replace(
+        "models:", "models:\n  many: {hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, layers: 1, "
+        "norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, "
+        "dtype: bf16, matrix: {mode: [decode], batch: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], seq_len: [64]}}", 1))
+    r = run_cli(["report", "--no-gpu"], cwd=tmp_path)
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("declared in variants.yaml, not built: "))
+    assert line.startswith("declared in variants.yaml, not built: 11 variants (") and "`megakernel list`" in line
+    assert "many_decode_b10_" not in line, line
 
 
 def test_render_says_when_the_build_compiled_a_replanned_plan(tiny_build, copy_build, tmp_path):
