@@ -231,6 +231,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])
     failed = f", {len(result['errors'])} failed to compile" if result["errors"] else ""
+    refused = sum(1 for e in result["entries"] if e["status"] == "refused")
+    failed += f", {refused} refused (below)" if refused else ""
     n = greport.counted
     err_console.print(f"{n(len(vs), 'variant')}: {n(len(compiled), 'binary', 'binaries')} compiled, {fresh} up to "
                       f"date, {n(result['distinct'], 'distinct binary', 'distinct binaries')}{failed}", highlight=False)

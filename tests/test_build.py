@@ -293,6 +293,7 @@ def test_over_budget_variant_is_refused(tmp_path):
     # flagged; with nothing else selected nothing is built: exit 1 (a build with other variants exits 0)
     assert r.returncode == 1 and "error: nothing built: every selected variant was refused" in r.stderr, r.stderr
     assert f"warning: refused {v.name}: needs" in r.stderr and "227 KB" in r.stderr
+    assert "1 variant: 0 binaries compiled, 0 up to date, 0 distinct binaries, 1 refused (below)" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     e = manifest(d)["variants"][v.name]
     assert e["status"] == "refused" and "227 KB" in e["error"]
