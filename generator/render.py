@@ -47,11 +47,13 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
     p.update(mode=mode.name, arch=a.sm, grid_syncs=syncs, kernels=ks, tp=v.tp, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
     # every constant is a C int in the kernel, and so is every buffer's element count: a larger shape would wrap
-    elements = {f"workspace buffer '{k}'": math.prod(b["shape"]) for k, b in p["workspace"]["buffers"].items()}
+    elements = {f"workspace buffer '{k}' ({' x '.join(map(str, b['shape']))} elements)": math.prod(b["shape"])
+                for k, b in p["workspace"]["buffers"].items()}
     for what, val in {**p["consts"], **p["sizes"], **elements}.items():
         if isinstance(val, int) and abs(val) > INT_MAX:
-            raise PlanError(f"{v.name}: {what} = {val} is over a C int ({INT_MAX}): a smaller shape (hidden, "
-                            "heads x head_dim, intermediate, batch or seq_len)")
+            raise PlanError(f"{v.name}: {what} = {val} is over a C int ({INT_MAX}), as every size in the kernel is: "
+                            "a smaller shape (hidden, heads x head_dim, intermediate, batch x tokens a launch, or "
+                            "seq_len)")
     return p
 
 
