@@ -170,7 +170,6 @@ def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dic
     return where, entries
 
 
-
 def print_tables(doc: dict, routes_path=None) -> None:
     """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content), as the run prints them;
     `routes_path`: where the run recorded the prefill routes (named under the prefill table)."""

@@ -458,8 +458,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
             err_console.print(f"started {write_file} (a default matrix) with the entry" if started
                               else f"appended to {write_file}", highlight=False)
             if matrix is None:  # the file's matrix applies: its variants of this entry
-                name = next(iter(yaml.safe_load("models:\n" + text)["models"]))
-                warn_refused([v for v in gvariants.load(write_file) if v.model.name == name])
+                entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
+                warn_refused([v for v in gvariants.load(write_file) if v.model.name == entry])
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:
