@@ -36,8 +36,16 @@ CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places the
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS and
-# SPLIT_FLOATS (0 in decode where no GEMV splits K), the decode-only XF_ROWS (rows of a fragment-ordered buffer),
-# HB_ROWS and HSQ_TILES.
+# SPLIT_FLOATS (0 in decode where no GEMV splits K), XF_ROWS (decode: rows of a fragment-ordered buffer; prefill:
+# the GEMM inputs' rows, whole token tiles), the decode-only HB_ROWS and HSQ_TILES, and on sm_90a prefill
+# (GEMM_WGMMA) the GEMM inputs' columns padded to 64 (their tiled layout, from_tiles).
+
+
+def _gemm_cols(c: dict, k: int) -> int:
+    """Columns of a prefill GEMM's input buffer: whole 64-wide blocks where tiled (sm_90a)."""
+    return -(-k // 64) * 64 if c.get("GEMM_WGMMA") else k
+
+
 WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
@@ -45,15 +53,16 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
     Buffer("ready", "unsigned", lambda c: (c["KV_HEADS"],),
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's; o_proj zeroes them)"),
-    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["Q_DIM"]),
-           "attention output (decode X_FRAG: in fragment order, from_frag)"),
+    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"])),
+           "attention output (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
            "with H_STATS times the second norm's gain"),
-    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), c["INTER"]),
-           "act(gate) * up (decode X_FRAG: in fragment order, from_frag)"),
-    Buffer("xn", "T", lambda c: (c["XN_ROWS"], c["HIDDEN"]), "normalised token rows (prefill: the GEMMs read them)"),
+    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["INTER"])),
+           "act(gate) * up (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
+    Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
+           "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles)"),
     Buffer("q", "T", lambda c: (c["XN_ROWS"], c["Q_DIM"]), "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),
            "split-K partial sums of the GEMMs (prefill) and GEMVs (decode)"),
@@ -227,6 +236,16 @@ def from_frag(raw, rows: int, k: int):
     c = torch.arange(k, device=raw.device)[None, :]
     ntile = (rows + 7) // 8
     idx = ((((c >> 4) * ntile + (b >> 3)) * 32 + (b & 7) * 4 + ((c & 7) >> 1)) << 2) + ((c >> 3) & 1) * 2 + (c & 1)
+    return raw.reshape(-1)[idx]
+
+
+def from_tiles(raw, rows: int, k: int, xrows: int):
+    """A prefill GEMM input stored tiled (sm_90a, templates/gemm.cuh gemm_x: [ceil(k/64)][xrows][64], row t's 16-byte
+    chunk c of a block at c ^ (t % 8), the 128-byte swizzle) -> row-major [rows, k]. raw: the flat buffer."""
+    import torch
+    t = torch.arange(rows, device=raw.device)[:, None]
+    c = torch.arange(k, device=raw.device)[None, :]
+    idx = ((c >> 6) * xrows + t) * 64 + ((((c >> 3) & 7) ^ (t & 7)) << 3) + (c & 7)
     return raw.reshape(-1)[idx]
 
 

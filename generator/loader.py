@@ -20,7 +20,7 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import ARGS, CLOCK_SLOTS, PACKED, from_frag, pack_weights, shard_weights, unpack_weights, weight_shapes
+from .interface import ARGS, CLOCK_SLOTS, PACKED, from_frag, from_tiles, pack_weights, shard_weights, unpack_weights, weight_shapes
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -296,12 +296,17 @@ class FusedDecoderLayer:
     def buffer(self, name: str) -> torch.Tensor:
         """A view of workspace buffer `name` (interface.WORKSPACE) with its dtype and shape, e.g. "qkv" fp32
         [batch, q_dim + 2 kv_dim], "attn" [batch, q_dim], "h" fp32 [batch, hidden], "act" [batch, intermediate]
-        ("attn" and "act" of a decode plan with X_FRAG: a row-major copy of the fragment-ordered buffer)."""
+        ("attn" and "act" of a decode plan with X_FRAG, and "attn", "act", "xn" of an sm_90a prefill plan: a
+        row-major copy of the fragment-ordered or tiled buffer, [token rows, columns])."""
         b = self._buffers[name]
         dt = {"T": self.dtype, "float": torch.float32, "unsigned": torch.int32, "long long": torch.int64}[b["ctype"]]
         raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]].view(dt)
-        if name in ("attn", "act") and self.plan["consts"].get("X_FRAG"):
+        consts = self.plan["consts"]
+        if name in ("attn", "act") and consts.get("X_FRAG"):
             return from_frag(raw, self.plan["rows"], b["shape"][1])
+        if name in ("attn", "act", "xn") and self.mode == "prefill" and consts.get("GEMM_WGMMA"):
+            k = {"attn": consts["Q_DIM"], "act": consts["INTER"], "xn": consts["HIDDEN"]}[name]
+            return from_tiles(raw, self.plan["rows"], k, consts["GEMM_XROWS"])
         return raw.view(b["shape"])
 
     def stage_us(self) -> dict[str, float]:

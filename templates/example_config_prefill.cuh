@@ -25,6 +25,7 @@ constexpr int GEMM_TM = 1;
 constexpr int GEMM_TN = 8;
 constexpr int GEMM_BK = 64;
 constexpr int GEMM_STAGES = 5;
+constexpr int GEMM_XROWS = 64;
 constexpr int QKV_KSPLIT = 8;
 constexpr int QKV_FULL = 0;
 constexpr int O_KSPLIT = 8;

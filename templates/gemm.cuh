@@ -10,8 +10,8 @@
 // On sm_90a (GEMM_WGMMA) the tensor-core work is Hopper's asynchronous warpgroup mma (wgmma.cuh): each warpgroup
 // owns 64 weight rows (its warps' 16-row tiles: GEMM_WM = 4 x warpgroups, GEMM_TM = 1) and every token of the tile
 // (GEMM_WN = 1, GEMM_BN <= 128), the weights' fragments from shared memory into registers and the tokens read by the
-// tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded). Other archs keep
-// mma.sync.
+// tensor cores straight from the ring (rows of 64 elements in the 128-byte swizzle, not padded), a chunk of them
+// one bulk copy from the tiled inputs (gemm_x) on the weights' mbarrier. Other archs keep mma.sync.
 // Split-K (KSPLIT > 1, for projections with fewer tiles than SMs, e.g. a short chunk, or for the tiles past the last
 // full wave, FULL, where there are more): a tile's K range is split over KSPLIT tasks that run on different blocks;
 // each stores its fp32 partial tile to `part`; where all of a tile's splits are resident together each then sums and
@@ -27,6 +27,19 @@
 static_assert(!GEMM_WGMMA, "GEMM_WGMMA needs sm_90a (the build compiles sm_90 as sm_90a)");
 #endif
 
+// The GEMMs' token inputs (X of gemm: prefill's normed rows, attention output, act) in global memory. sm_90a
+// (GEMM_WGMMA): tiled as the ring holds them, [ceil(K/64)][GEMM_XROWS][64] with a row's 16-byte chunk c at c ^ (t %
+// 8) (the 128-byte swizzle), so a token tile's 64-wide chunk is one contiguous run: one bulk copy (the TMA unit)
+// instead of every thread's 16-byte cp.async (8B, 512 tokens: 662 -> 597 µs, bench/NOTES.md session 20). Rows past
+// the chunk (up to GEMM_XROWS, a whole token tile) and columns past K are never written: zeros from the workspace's
+// allocation. Elsewhere row-major [rows][K]. The writers keep 8-element runs (a 16-byte chunk) contiguous either way.
+__device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
+    if constexpr (GEMM_WGMMA)
+        return ((size_t)(k >> 6) * GEMM_XROWS + t) * 64 + ((((k >> 3) & 7) ^ (t & 7)) << 3) + (k & 7);
+    else
+        return (size_t)t * K + k;
+}
+
 constexpr int GEMM_WN = (THREADS / 32) / GEMM_WM;   // warp columns
 constexpr int GEMM_BN = GEMM_WN * GEMM_TN * 8;     // tokens per block tile
 constexpr int GEMM_BM = GEMM_WM * GEMM_TM * 16;    // weight rows per block tile
@@ -34,9 +47,10 @@ static_assert(GEMM_TN % 2 == 0, "tokens are read 16 at a time (ldmatrix.x4)");
 constexpr int GEMM_XLD = GEMM_WGMMA ? GEMM_BK : GEMM_BK + 8;  // token row (elements): swizzled, or padded for ldmatrix
 constexpr int GEMM_A_STAGE = GEMM_BM * GEMM_BK;    // elements of one weight chunk
 constexpr int GEMM_B_STAGE = GEMM_BN * GEMM_XLD;   // elements of one token chunk
-static_assert(!GEMM_WGMMA || (GEMM_WN == 1 && GEMM_TM == 1 && GEMM_WM % 4 == 0 && GEMM_BK % 64 == 0 &&
-                              GEMM_BN % 16 == 0 && GEMM_BN <= 128),
-              "wgmma tiles: one 64-row tile per warpgroup, every token of the tile, 64-element swizzled rows");
+static_assert(!GEMM_WGMMA || (GEMM_WN == 1 && GEMM_TM == 1 && GEMM_WM % 4 == 0 && GEMM_BK == 64 &&
+                              GEMM_BN % 16 == 0 && GEMM_BN <= 128 && GEMM_XROWS % GEMM_BN == 0),
+              "wgmma tiles: one 64-row tile per warpgroup, every token of the tile, one 64-element swizzled block "
+              "a chunk, whole token tiles in the tiled inputs");
 
 __device__ __forceinline__ void ldsm_x4_gemm(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
@@ -165,7 +179,7 @@ __device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int 
     }
 }
 
-// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global). epi(n, t, v, pre(n, t)) for every
+// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global, laid out by gemm_x). epi(n, t, v, pre(n, t)) for every
 // result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
 // v_odd_row) once per pair of rows 2p, 2p+1). The first FULL tiles are computed whole, the others split (KSPLIT).
 // part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
@@ -219,7 +233,12 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     // split's finish skip), a K tail is zeroed below
                     const int mts = min(GEMM_BM / 16, NT16 - mt0), kts = min(BKT, KT16 - kc * BKT);
                     if (warp == 0) {
-                        if (lane == 0) mbar_expect_tx(bar + stage, (unsigned)(mts * kts * 512));
+                        if (lane == 0) {
+                            // and the token tile's chunk: one contiguous run in the tiled layout (gemm_x)
+                            mbar_expect_tx(bar + stage, (unsigned)(mts * kts * 512 + GEMM_BN * 128));
+                            bulk_copy(Bs + stage * GEMM_B_STAGE, X + ((size_t)kc * GEMM_XROWS + t0) * 64,
+                                      (unsigned)(GEMM_BN * 128), bar + stage);
+                        }
                         for (int mt = lane; mt < mts; mt += 32)
                             bulk_copy(a + (size_t)mt * BKT * 256, Wv + ((size_t)(mt0 + mt) * KT16 + kc * BKT) * 32,
                                       (unsigned)kts * 512u, bar + stage);
@@ -242,21 +261,20 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                                    ok);
                     }
                 }
-                T* b = Bs + stage * GEMM_B_STAGE;
-                // tokens: a compile-time count of 16-byte copies a thread (unrolled: no loop arithmetic per copy)
-                constexpr int XCH = GEMM_BK / 8, XN = (GEMM_BN * XCH + THREADS - 1) / THREADS;
+                if constexpr (!GEMM_WGMMA) {
+                    T* b = Bs + stage * GEMM_B_STAGE;
+                    // tokens: a compile-time count of 16-byte copies a thread (unrolled: no loop arithmetic per copy)
+                    constexpr int XCH = GEMM_BK / 8, XN = (GEMM_BN * XCH + THREADS - 1) / THREADS;
 #pragma unroll
-                for (int i = 0; i < XN; ++i) {
-                    const int c = tid + i * THREADS, r = c / XCH, ch = c % XCH, k = kc * GEMM_BK + ch * 8;
-                    if (XN * THREADS != GEMM_BN * XCH && c >= GEMM_BN * XCH) break;
-                    const bool ok = t0 + r < rows && k < K;
-                    // wgmma: 64-element column blocks of BN rows, chunk ch % 8 of row r at ch % 8 ^ r % 8
-                    T* dst = GEMM_WGMMA ? b + (ch / 8) * (GEMM_BN * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8
-                                        : b + r * GEMM_XLD + ch * 8;
-                    cp_async16(dst, ok ? X + (size_t)(t0 + r) * K + k : X, ok);
+                    for (int i = 0; i < XN; ++i) {
+                        const int c = tid + i * THREADS, r = c / XCH, ch = c % XCH, k = kc * GEMM_BK + ch * 8;
+                        if (XN * THREADS != GEMM_BN * XCH && c >= GEMM_BN * XCH) break;
+                        const bool ok = t0 + r < rows && k < K;
+                        cp_async16(b + r * GEMM_XLD + ch * 8, ok ? X + gemm_x(t0 + r, k, K) : X, ok);
+                    }
                 }
             }
-            cp_async_commit();  // an empty group past the end keeps the wait count uniform
+            if constexpr (!GEMM_WGMMA) cp_async_commit();  // an empty group past the end keeps the wait count uniform
         };
         // chunks in flight ahead of the one computed: wgmma keeps the previous chunk's mma running while this one's
         // are issued, so the stage refilled is the one of two chunks back
@@ -274,8 +292,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                                        : t0 + wn * GEMM_TN * 8 < rows && mt0 + wm * GEMM_TM < NT16;
         for (int kc = kc0; kc < kc1; ++kc) {
             const int st = (kc - kc0) % GEMM_STAGES;
-            cp_async_wait<AHEAD - 1>();  // this thread's token copies of chunk kc are in
-            if constexpr (GEMM_WGMMA) {  // and the weights' bulk copies
+            if constexpr (!GEMM_WGMMA) cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk kc are in
+            if constexpr (GEMM_WGMMA) {  // wgmma: the chunk's bulk copies (weights and tokens)
                 mbar_wait(bar + st, (phase >> st) & 1u);
                 phase ^= 1u << st;
             }

@@ -57,7 +57,26 @@ def test_every_prefill_variant_plans_within_its_arch(sm):
             continue
         assert p["smem_bytes"] <= ARCHS[sm].smem_per_block
         assert p["rows"] == v.batch * v.seq_len and p["grid_syncs"] == 7
-        assert p["workspace"]["buffers"]["xn"]["shape"] == [p["rows"], v.model.hidden]
+        # the GEMMs' input: sm_90a tiled (whole token tiles x 64-column blocks, gemm.cuh gemm_x), else row-major
+        xn = p["workspace"]["buffers"]["xn"]["shape"]
+        if p["consts"]["GEMM_WGMMA"]:
+            bn = p["gemm"]["BN"]
+            assert xn == [-(-p["rows"] // bn) * bn, -(-v.model.hidden // 64) * 64]
+            assert p["consts"]["GEMM_XROWS"] == xn[0]
+        else:
+            assert xn == [p["rows"], v.model.hidden]
+
+
+def test_from_tiles_reads_every_element_once_in_the_swizzled_blocks():
+    import torch
+    from generator.interface import from_tiles
+    rows, k, xrows = 37, 200, 48  # a partial token tile, a K tail past the last whole 64-column block
+    raw = torch.arange(4 * xrows * 64, dtype=torch.int64)
+    got = from_tiles(raw, rows, k, xrows)
+    assert got.shape == (rows, k) and got.unique().numel() == rows * k  # a bijection onto the buffer
+    # row t's 16-byte chunk c of a block sits at chunk c ^ (t % 8) of the row's 128 bytes (the 128-byte swizzle)
+    t, c = 13, 64 + 3 * 8 + 5
+    assert int(got[t, c]) == (1 * xrows + t) * 64 + ((3 ^ (t % 8)) * 8) + 5
 
 
 def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path):

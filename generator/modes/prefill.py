@@ -159,17 +159,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if ks == 1:
             full = 0
         tiles[name] = {"N": n, "K": k, "tiles": count, "FULL": full, "KSPLIT": ks}
+    xrows = -(-rows // bn) * bn if wgmma else rows  # rows of the GEMMs' inputs: whole token tiles where tiled
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "ATT_NSPLIT": 0, "ATT_INLINE": ov.get("ATT_INLINE", 0),
         "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,
-        "GEMM_BK": bk, "GEMM_STAGES": stages,
+        "GEMM_BK": bk, "GEMM_STAGES": stages, "GEMM_XROWS": xrows,
         **{f"{p}_{x}": tiles[k][x] for p, k in PROJECTIONS for x in ("KSPLIT", "FULL")},
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
-    sizes = {"XN_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
+    # the GEMMs' inputs (normed rows, attention output, act) hold whole token tiles on sm_90a (gemm.cuh gemm_x)
+    sizes = {"XN_ROWS": xrows, "XF_ROWS": xrows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
              "SPLIT_FLOATS": max((t["tiles"] - t["FULL"]) * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0
                                  for t in tiles.values())}
     return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},

@@ -10,7 +10,8 @@
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
 #include "../../example_config_prefill.cuh"
 #endif
-#include "../../gemv.cuh"
+// gemm_x: o_proj's input layout
+#include "../../gemm.cuh"
 
 constexpr int PA_KT = 64;                  // keys per tile
 constexpr int PA_RL = HEAD_DIM + 8;        // ring row length (elements)
@@ -45,8 +46,8 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
             for (int i = lane; i < 16 * HEAD_DIM; i += 32) {
                 const int r = r0 + i / HEAD_DIM;
                 if (r < CHUNK * GROUP)
-                    ws_attn[((size_t)b * CHUNK + r / GROUP) * Q_DIM + (kvh * GROUP + r % GROUP) * HEAD_DIM +
-                            i % HEAD_DIM] = from_f(__int_as_float(0x7fc00000));
+                    ws_attn[gemm_x(b * CHUNK + r / GROUP, (kvh * GROUP + r % GROUP) * HEAD_DIM + i % HEAD_DIM,
+                                   Q_DIM)] = from_f(__int_as_float(0x7fc00000));
             }
             continue;
         }
@@ -170,11 +171,12 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + gid + h * 8;
             if (r >= CHUNK * GROUP) continue;
-            T* dst = ws_attn + ((size_t)b * CHUNK + r / GROUP) * Q_DIM + (kvh * GROUP + r % GROUP) * HEAD_DIM;
+            const int t = b * CHUNK + r / GROUP, k0 = (kvh * GROUP + r % GROUP) * HEAD_DIM + 2 * tig;
             const float inv = 1.f / l[h];
 #pragma unroll
-            for (int d = 0; d < DT; ++d)
-                *reinterpret_cast<T2*>(dst + d * 8 + 2 * tig) = from_f2(o[d][h * 2] * inv, o[d][h * 2 + 1] * inv);
+            for (int d = 0; d < DT; ++d)  // a pair within an 8-element run: contiguous in o_proj's input (gemm_x)
+                *reinterpret_cast<T2*>(ws_attn + gemm_x(t, k0 + d * 8, Q_DIM)) =
+                    from_f2(o[d][h * 2] * inv, o[d][h * 2 + 1] * inv);
         }
     }
 }

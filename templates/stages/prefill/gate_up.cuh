@@ -12,6 +12,6 @@ __device__ void gate_up(const T* ws_xn, const T* w_gu, T* ws_act, unsigned* ws_s
         [&](int i, int t, float g, float u) {
         const float a = activation(g) * u;
         count_overflow(a, ws_status);
-        ws_act[(size_t)t * INTER + i] = from_f(a);
+        ws_act[gemm_x(t, i, INTER)] = from_f(a);  // down_proj's input
     });
 }

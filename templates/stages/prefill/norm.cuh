@@ -1,11 +1,13 @@
 // ---- stage: norm (prefill) ---- RMSNorm (or LayerNorm) of every token row of src (T or fp32, HIDDEN values)
-// into dst (T, rows of HIDDEN): one warp per row, rows strided over the grid's warps. The GEMM that follows reads
-// dst from global memory (L2), since a whole chunk's rows do not fit in one block's shared memory.
+// into dst (T, rows of HIDDEN in the GEMMs' input layout, gemm_x): one warp per row, rows strided over the grid's
+// warps. The GEMM that follows reads dst from global memory (L2), since a whole chunk's rows do not fit in one
+// block's shared memory.
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
 #include "../../example_config_prefill.cuh"
 #endif
-#include "../../common.cuh"
+// gemm_x: the GEMMs' input layout
+#include "../../gemm.cuh"
 
 template <class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst) {
@@ -40,7 +42,7 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
 #pragma unroll
             for (int i = 0; i < 8; ++i) f[i] = (f[i] - mean) * rstd * g[i];
 #endif
-            *reinterpret_cast<uint4*>(dst + (size_t)row * HIDDEN + c * 8) = pack8(f);
+            *reinterpret_cast<uint4*>(dst + gemm_x(row, c * 8, HIDDEN)) = pack8(f);
         }
     }
 }
