@@ -40,6 +40,22 @@ __device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
         return (size_t)t * K + k;
 }
 
+// The epilogues' unit (gemm's pre and epi): 4 consecutive T as fp32, and back, one 8-byte access each.
+__device__ __forceinline__ float4 load4(const T* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = to_f2(*reinterpret_cast<const T2*>(&u.x)), b = to_f2(*reinterpret_cast<const T2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void store4(T* p, float4 v) {
+    uint2 u;
+    *reinterpret_cast<T2*>(&u.x) = from_f2(v.x, v.y);
+    *reinterpret_cast<T2*>(&u.y) = from_f2(v.z, v.w);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ float4 operator+(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
 constexpr int GEMM_WN = (THREADS / 32) / GEMM_WM;   // warp columns
 constexpr int GEMM_BN = GEMM_WN * GEMM_TN * 8;     // tokens per block tile
 constexpr int GEMM_BM = GEMM_WM * GEMM_TM * 16;    // weight rows per block tile
@@ -76,7 +92,7 @@ __device__ __forceinline__ int opaque(int x) {
 // most one split task a block) or count this one's arrival (else: the last to arrive sums all), then sum this
 // split's share of the tile's partials `tp` and run the epilogue on it. Inlined: not inlined (its own register
 // allocation) the call itself spilled 8-32 B on three shapes.
-template <int N, int KSPLIT, bool PAIR, class Pre, class Epi>
+template <int N, int KSPLIT, class Pre, class Epi>
 __device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* count, int tile, int ks, int n0, int t0,
                                                int rows, bool scatter, Pre pre, Epi epi) {
     constexpr int TILE = GEMM_BM * GEMM_BN, U = TILE / 4;
@@ -103,35 +119,24 @@ __device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* cou
     constexpr int UPT_ALL = ((U + KSPLIT - 1) / KSPLIT + THREADS - 1) / THREADS, UPT = UPT_ALL < 2 ? UPT_ALL : 2;
     const int lo = scatter ? ks * U / KSPLIT : 0, hi = scatter ? (ks + 1) * U / KSPLIT : U;
     for (int base = lo + (int)threadIdx.x; base < hi; base += UPT * THREADS) {
-        float4 v[UPT];
-        float in[UPT][4];
+        float4 v[UPT], in[UPT];
 #pragma unroll
         for (int u = 0; u < UPT; ++u) {
             const int idx = base + u * THREADS, n = n0 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
-            v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            v[u] = in[u] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (idx >= hi || n >= N || t >= rows) continue;  // N % 16 == 0: all 4 rows or none
 #pragma unroll
             for (int s = 0; s < KSPLIT; ++s) {
                 const float4 w = __ldcg(reinterpret_cast<const float4*>(tp + (size_t)s * TILE) + idx);
                 v[u].x += w.x; v[u].y += w.y; v[u].z += w.z; v[u].w += w.w;
             }
-            if constexpr (!PAIR)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) in[u][q] = pre(n + q, t);
+            in[u] = pre(n, t);
         }
 #pragma unroll
         for (int u = 0; u < UPT; ++u) {
             const int idx = base + u * THREADS, n = n0 + idx * 4 % GEMM_BM, t = t0 + idx * 4 / GEMM_BM;
             if (idx >= hi || n >= N || t >= rows) continue;
-            if constexpr (PAIR) {
-                epi(n / 2, t, v[u].x, v[u].y);
-                epi(n / 2 + 1, t, v[u].z, v[u].w);
-            } else {
-                epi(n, t, v[u].x, in[u][0]);
-                epi(n + 1, t, v[u].y, in[u][1]);
-                epi(n + 2, t, v[u].z, in[u][2]);
-                epi(n + 3, t, v[u].w, in[u][3]);
-            }
+            epi(n, t, v[u], in[u]);
         }
     }
     if (scatter) {
@@ -148,43 +153,39 @@ static_assert(GEMM_BN * GEMM_ELD * 4 <= GEMM_STAGES * (GEMM_A_STAGE + GEMM_B_STA
               "the staged epilogue's tile must fit in the ring");
 
 // A whole tile's epilogue from its fp32 results staged in shared memory `ts` ([token][row], pitch GEMM_ELD):
-// consecutive threads take consecutive rows of a token (PAIR: consecutive row pairs), so the stores and pre's loads
-// of a warp are contiguous; 4 elements a thread a round, their inputs loaded before any is stored.
-template <int N, bool PAIR, class Pre, class Epi>
+// consecutive threads take consecutive groups of 4 rows of a token, so the stores and pre's loads of a warp are
+// contiguous and vectors; 4 groups a thread a round, their inputs loaded before any is stored. (One element a
+// thread a call was issue-bound: its index arithmetic and scalar accesses took ~8,500 SM clocks a gate_up tile and
+// ~21,000 an o_proj tile against ~112,000 for the tile's main loop; clock stamps, bench/NOTES.md session 20.)
+template <int N, class Pre, class Epi>
 __device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int t0, int rows, Pre pre, Epi epi) {
-    constexpr int W = PAIR ? GEMM_BM / 2 : GEMM_BM, TOTAL = W * GEMM_BN, U = 4;
+    constexpr int W = GEMM_BM / 4, TOTAL = W * GEMM_BN, U = 4;
     const int tid = (int)threadIdx.x;
     for (int base = tid; base < TOTAL; base += U * THREADS) {
-        float v[U], w[U];
+        float4 v[U], w[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int idx = base + u * THREADS, tl = idx / W, nl = idx % W, n = n0 + (PAIR ? 2 * nl : nl);
-            v[u] = w[u] = 0.f;
-            if (idx >= TOTAL || n >= N || t0 + tl >= rows) continue;
-            if constexpr (PAIR) {
-                const float2 p = *reinterpret_cast<const float2*>(ts + tl * GEMM_ELD + 2 * nl);
-                v[u] = p.x;
-                w[u] = p.y;
-            } else {
-                v[u] = ts[tl * GEMM_ELD + nl];
-                w[u] = pre(n, t0 + tl);
-            }
+            const int idx = base + u * THREADS, tl = idx / W, n = n0 + idx % W * 4;
+            v[u] = w[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (idx >= TOTAL || n >= N || t0 + tl >= rows) continue;  // N % 16 == 0: all 4 rows or none
+            v[u] = *reinterpret_cast<const float4*>(ts + tl * GEMM_ELD + (n - n0));
+            w[u] = pre(n, t0 + tl);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int idx = base + u * THREADS, tl = idx / W, nl = idx % W, n = n0 + (PAIR ? 2 * nl : nl);
+            const int idx = base + u * THREADS, tl = idx / W, n = n0 + idx % W * 4;
             if (idx >= TOTAL || n >= N || t0 + tl >= rows) continue;
-            epi(PAIR ? n / 2 : n, t0 + tl, v[u], w[u]);
+            epi(n, t0 + tl, v[u], w[u]);
         }
     }
 }
 
-// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global, laid out by gemm_x). epi(n, t, v, pre(n, t)) for every
-// result with n < N and t < rows: pre loads what the epilogue reads (PAIR: no pre; epi(n/2, t, v_even_row,
-// v_odd_row) once per pair of rows 2p, 2p+1). The first FULL tiles are computed whole, the others split (KSPLIT).
+// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global, laid out by gemm_x). epi(n, t, v,
+// pre(n, t)) for every group of 4 results, rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre
+// loads what the epilogue reads. The first FULL tiles are computed whole, the others split (KSPLIT).
 // part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
 // KSPLIT == 1).
-template <int N, int K, int KSPLIT, int FULL = 0, bool PAIR = false, class Pre, class Epi>
+template <int N, int K, int KSPLIT, int FULL = 0, class Pre, class Epi>
 __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int rows, unsigned char* smem, float* part,
                                      unsigned* count, Pre pre, Epi epi) {
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
@@ -375,7 +376,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     }
             __threadfence();
             __syncthreads();
-            gemm_finish_split<N, KSPLIT, PAIR>(tp, count, stile, sks, mt0 * 16, t0, rows,
+            gemm_finish_split<N, KSPLIT>(tp, count, stile, sks, mt0 * 16, t0, rows,
                                                split_tiles * KSPLIT <= (int)gridDim.x, pre, epi);
             continue;  // the tile is finished: the staged epilogue below is for whole tiles
         }
@@ -392,7 +393,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
                     ts[((wn * GEMM_TN + j) * 8 + 2 * tig + (e & 1)) * GEMM_ELD + (wm * GEMM_TM + i) * 16 + gid +
                        (e >> 1) * 8] = c[i][j][e];
         __syncthreads();
-        gemm_epilogue_smem<N, PAIR>(ts, mt0 * 16, t0, rows, pre, epi);
+        gemm_epilogue_smem<N>(ts, mt0 * 16, t0, rows, pre, epi);
         // the staged tile's generic reads and writes ordered before the next task's bulk copies refill the ring
         if constexpr (GEMM_WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();

@@ -8,10 +8,12 @@
 
 __device__ void gate_up(const T* ws_xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
     unsigned* ws_count, unsigned char* smem) {
-    gemm<2 * INTER, HIDDEN, GU_KSPLIT, GU_FULL, true>(w_gu, ws_xn, ROWS, smem, ws_split, ws_count, [](int, int) { return 0.f; },
-        [&](int i, int t, float g, float u) {
-        const float a = activation(g) * u;
-        count_overflow(a, ws_status);
-        ws_act[gemm_x(t, i, INTER)] = from_f(a);  // down_proj's input
+    gemm<2 * INTER, HIDDEN, GU_KSPLIT, GU_FULL>(w_gu, ws_xn, ROWS, smem, ws_split, ws_count,
+        [](int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); },
+        [&](int n, int t, float4 v, float4) {  // rows n .. n + 3: (gate, up) of act columns n / 2 and n / 2 + 1
+        const float a0 = activation(v.x) * v.y, a1 = activation(v.z) * v.w;
+        count_overflow(a0, ws_status);
+        count_overflow(a1, ws_status);
+        *reinterpret_cast<T2*>(ws_act + gemm_x(t, n / 2, INTER)) = from_f2(a0, a1);  // down_proj's input
     });
 }
