@@ -425,6 +425,11 @@ class FusedDecoderLayer:
         """The launch behind __call__ and prefill: through the torch custom op while torch.compile traces (it
         sees the op and what it mutates), directly otherwise: the custom op's dispatch alone costs ~15-30 µs of
         host time per call, more than a small layer's kernel."""
+        # the kernel reads x as dense rows with 16-byte vector loads: a strided view (e.g. a column slice of a wider
+        # tensor) or storage at an unaligned offset is copied first (it read the wrong elements, or faulted)
+        x = x.contiguous()
+        if x.data_ptr() % 16:
+            x = x.clone()
         if torch.compiler.is_compiling():
             return torch.ops.megakernel.decoder_layer(x, pos, self.k_cache, self.v_cache, self.workspace, self.id)
         out = torch.empty_like(x)

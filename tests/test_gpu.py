@@ -259,6 +259,25 @@ def test_torch_compile_and_custom_op(build_dir):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_strided_and_unaligned_x_give_the_contiguous_result(build_dir):
+    """x as a column slice of a wider tensor and at a storage offset of one element (not 16-byte aligned): the
+    same output and cache rows as a dense x (the kernel reads dense rows with vector loads)."""
+    v = _first_small()
+    layer = _layer(v, build_dir, SEED + 5)
+    x, pos = verify.random_inputs(layer, SEED + 5)
+    pos_dev = pos.cuda()
+    k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
+    want = layer(x, pos_dev)
+    wide = torch.zeros(x.shape[0], x.shape[1] + 8, dtype=x.dtype, device=x.device)
+    wide[:, 3:3 + x.shape[1]] = x
+    flat = torch.zeros(x.numel() + 1, dtype=x.dtype, device=x.device)
+    flat[1:] = x.reshape(-1)
+    for name, xs in (("strided", wide[:, 3:3 + x.shape[1]]), ("unaligned", flat[1:].view(x.shape))):
+        layer.k_cache.copy_(k0)
+        layer.v_cache.copy_(v0)
+        assert verify.rel_err(layer(xs, pos_dev), want) <= 1e-3, name  # wrong elements read: O(1)
+
+
 def test_bad_inputs_raise_before_launch(build_dir):
     v = _first_small()
     layer = _layer(v, build_dir, SEED + 4)
