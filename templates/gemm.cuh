@@ -2,7 +2,7 @@
 // C[n][t] = sum_k W[n][k] * X[t][k] for N weight rows and `rows` tokens on the tensor cores (mma.sync m16n8k16):
 // weight rows are M, tokens are N. A block task is a GEMM_BM x GEMM_BN tile (weight rows x tokens) over the whole
 // of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the
-// weights by bulk copies, the TMA unit, each stage's bytes counted on an mbarrier): the packed
+// weights and tokens by bulk copies, the TMA unit, each stage's bytes counted on an mbarrier): the packed
 // weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows (padded by 16
 // bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM
 // 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). A whole tile's epilogue
@@ -198,11 +198,15 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
     const int wm = warp % GEMM_WM, wn = warp / GEMM_WM;
     const int nb_count = (rows + GEMM_BN - 1) / GEMM_BN;
     const uint4* Wv = reinterpret_cast<const uint4*>(W);
-    // wgmma: one mbarrier a ring stage for the weights' bulk copies (their phase parity a bit of `phase`, flipped at
-    // each wait: every fill is waited on once), initialised by each GEMM of a launch before its first copy
+    // wgmma: one mbarrier a ring stage for its bulk copies (weights and tokens; their phase parity a bit of `phase`,
+    // flipped at each wait: every fill is waited on once), initialised by each GEMM of a launch before its first copy
     __shared__ unsigned long long bar[GEMM_WGMMA ? GEMM_STAGES : 1];
     unsigned phase = 0;
     if constexpr (GEMM_WGMMA) {
+        // the bulk copies read through the async proxy what generic stores wrote: the token inputs (other blocks'
+        // stores, before the grid barrier that precedes this stage) and the ring's shared memory (the previous
+        // stage's, e.g. attention's K/V ring): ordered before them by every thread
+        asm volatile("fence.proxy.async;" ::: "memory");
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < GEMM_STAGES; ++s) mbar_init(bar + s, 1);
@@ -300,8 +304,8 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             }
             __syncthreads();  // chunk kc is in; every warp is done with the stage about to be refilled
             issue(kc + AHEAD, (kc - kc0 + AHEAD) % GEMM_STAGES);
-            // wgmma: every warpgroup (a divergent wgmma is serialised; padding tokens are zeros, weight rows past N
-            // stale: each gives only its own, unused, result rows)
+            // wgmma: every warpgroup (a divergent wgmma is serialised; padding tokens are zeros from the workspace's
+            // allocation (gemm_x), weight rows past N stale: each gives only its own, unused, result rows)
             if (GEMM_WGMMA || active) {
                 const T* a = As + st * GEMM_A_STAGE;
                 const T* b = Bs + st * GEMM_B_STAGE;

@@ -58,13 +58,16 @@ def test_every_prefill_variant_plans_within_its_arch(sm):
         assert p["smem_bytes"] <= ARCHS[sm].smem_per_block
         assert p["rows"] == v.batch * v.seq_len and p["grid_syncs"] == 7
         # the GEMMs' input: sm_90a tiled (whole token tiles x 64-column blocks, gemm.cuh gemm_x), else row-major
-        xn = p["workspace"]["buffers"]["xn"]["shape"]
-        if p["consts"]["GEMM_WGMMA"]:
-            bn = p["gemm"]["BN"]
-            assert xn == [-(-p["rows"] // bn) * bn, -(-v.model.hidden // 64) * 64]
-            assert p["consts"]["GEMM_XROWS"] == xn[0]
-        else:
-            assert xn == [p["rows"], v.model.hidden]
+        bufs, c, m = p["workspace"]["buffers"], p["consts"], v.model
+        ks = {"xn": m.hidden, "attn": m.heads * m.head_dim, "act": m.intermediate}
+        assert bufs["q"]["shape"] == [p["rows"], m.heads * m.head_dim]
+        for name, k in ks.items():
+            if c["GEMM_WGMMA"]:  # whole token tiles, 64-column blocks: a token tile's chunk is one bulk copy
+                bn = p["gemm"]["BN"]
+                assert bufs[name]["shape"] == [-(-p["rows"] // bn) * bn, -(-k // 64) * 64]
+                assert c["GEMM_XROWS"] == bufs[name]["shape"][0] and c["GEMM_XROWS"] % bn == 0
+            else:
+                assert bufs[name]["shape"] == [p["rows"], k]
 
 
 def test_from_tiles_reads_every_element_once_in_the_swizzled_blocks():
@@ -73,10 +76,15 @@ def test_from_tiles_reads_every_element_once_in_the_swizzled_blocks():
     rows, k, xrows = 37, 200, 48  # a partial token tile, a K tail past the last whole 64-column block
     raw = torch.arange(4 * xrows * 64, dtype=torch.int64)
     got = from_tiles(raw, rows, k, xrows)
-    assert got.shape == (rows, k) and got.unique().numel() == rows * k  # a bijection onto the buffer
+    assert got.shape == (rows, k) and got.unique().numel() == rows * k  # one-to-one
     # row t's 16-byte chunk c of a block sits at chunk c ^ (t % 8) of the row's 128 bytes (the 128-byte swizzle)
     t, c = 13, 64 + 3 * 8 + 5
     assert int(got[t, c]) == (1 * xrows + t) * 64 + ((3 ^ (t % 8)) * 8) + 5
+    # what gemm.cuh copies in one piece: a token tile's rows [t0, t0 + bn) of 64-column block kc are the contiguous
+    # run [(kc * xrows + t0) * 64, + bn * 64)
+    bn, t0, kc = 16, 16, 2
+    run = got[t0:t0 + bn, kc * 64:(kc + 1) * 64].flatten().sort().values
+    assert torch.equal(run, torch.arange((kc * xrows + t0) * 64, (kc * xrows + t0 + bn) * 64))
 
 
 def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path):

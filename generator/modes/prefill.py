@@ -171,7 +171,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     }
     flops = 2 * rows * sum(t["N"] * t["K"] for t in tiles.values())
     # the GEMMs' inputs (normed rows, attention output, act) hold whole token tiles on sm_90a (gemm.cuh gemm_x)
-    sizes = {"XN_ROWS": xrows, "XF_ROWS": xrows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
+    sizes = {"XN_ROWS": xrows, "XF_ROWS": xrows, "Q_ROWS": rows, "COUNTERS": max(t["tiles"] for t in tiles.values()),
              "SPLIT_FLOATS": max((t["tiles"] - t["FULL"]) * t["KSPLIT"] * bm * bn if t["KSPLIT"] > 1 else 0
                                  for t in tiles.values())}
     return {"consts": consts, "rows": rows, "gemm": {"BM": bm, "BN": bn, "BK": bk, **tiles},
