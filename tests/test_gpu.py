@@ -243,15 +243,24 @@ def test_dynamic_attention_split_at_skewed_positions(tmp_path):
             assert bool(layer.buffer("count").eq(0).all()), f"{v.name} {case}: split counters left set"
 
 
-def test_torch_compile_and_custom_op(build_dir):
-    v = _first_small()
-    layer = _layer(v, build_dir, SEED + 3)
-    x, pos = verify.random_inputs(layer, SEED + 3)
+def _small_step(build_dir, seed):
+    """The smallest declared decode layer, its random inputs (pos on the GPU), a step's output from them, and a
+    function that puts the caches back as they were before that step."""
+    layer = _layer(_first_small(), build_dir, seed)
+    x, pos = verify.random_inputs(layer, seed)
     pos_dev = pos.cuda()
     k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
-    eager = layer(x, pos_dev)
-    layer.k_cache.copy_(k0)
-    layer.v_cache.copy_(v0)
+    out = layer(x, pos_dev)
+
+    def restore():
+        layer.k_cache.copy_(k0)
+        layer.v_cache.copy_(v0)
+    return layer, x, pos_dev, out, restore
+
+
+def test_torch_compile_and_custom_op(build_dir):
+    layer, x, pos_dev, eager, restore = _small_step(build_dir, SEED + 3)
+    restore()
     compiled = torch.compile(lambda a, p: layer(a, p, validate=False) * 1.0)
     assert torch.equal(compiled(x, pos_dev), eager)
     torch.library.opcheck(torch.ops.megakernel.decoder_layer.default,
@@ -261,20 +270,14 @@ def test_torch_compile_and_custom_op(build_dir):
 
 def test_strided_and_unaligned_x_give_the_contiguous_result(build_dir):
     """x as a column slice of a wider tensor and at a storage offset of one element (not 16-byte aligned): the
-    same output and cache rows as a dense x (the kernel reads dense rows with vector loads)."""
-    v = _first_small()
-    layer = _layer(v, build_dir, SEED + 5)
-    x, pos = verify.random_inputs(layer, SEED + 5)
-    pos_dev = pos.cuda()
-    k0, v0 = layer.k_cache.clone(), layer.v_cache.clone()
-    want = layer(x, pos_dev)
+    same output as a dense x (the kernel reads dense rows with vector loads)."""
+    layer, x, pos_dev, want, restore = _small_step(build_dir, SEED + 5)
     wide = torch.zeros(x.shape[0], x.shape[1] + 8, dtype=x.dtype, device=x.device)
     wide[:, 3:3 + x.shape[1]] = x
     flat = torch.zeros(x.numel() + 1, dtype=x.dtype, device=x.device)
     flat[1:] = x.reshape(-1)
     for name, xs in (("strided", wide[:, 3:3 + x.shape[1]]), ("unaligned", flat[1:].view(x.shape))):
-        layer.k_cache.copy_(k0)
-        layer.v_cache.copy_(v0)
+        restore()
         assert verify.rel_err(layer(xs, pos_dev), want) <= 1e-3, name  # wrong elements read: O(1)
 
 
