@@ -117,8 +117,9 @@ class FusedDecoderLayer:
     """One decoder layer of one variant: holds the packed weights, the KV cache and the kernel's workspace (each
     may be shared with other layers: load()'s packed, caches, share_workspace).
 
-    k_cache, v_cache: [batch, kv_heads / tp, seq_len, head_dim] in the variant's dtype (bf16/fp16), updated in place
-    at each step's positions. Built by generator.load(); raises LoadError (build for another GPU, no CUDA) or
+    k_cache, v_cache: [batch, kv_heads / tp, cache rows, head_dim] in the variant's dtype (bf16/fp16), updated in
+    place at each step's positions; the cache rows are a decode variant's seq_len, a prefill variant's cache_len (its
+    seq_len is the chunk). Built by generator.load(); raises LoadError (build for another GPU, no CUDA) or
     ValueError (a weight of the wrong name, shape, dtype or device; a bad process group) before anything is launched.
     With tensor parallel (variant tp > 1) this process holds its rank's part of the layer (`shard`: heads, KV heads
     and MLP columns / tp) and a step is one launch per part with an all-reduce of its partial sum between
@@ -139,6 +140,11 @@ class FusedDecoderLayer:
         self.rank = tp_rank(group, self.tp, self.name)
         self.mode = self.variant.mode
         self.plan = entry["plan"]
+        chunk = self.variant.seq_len
+        if self.mode == "prefill" and cache_len is not None and (
+                isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < chunk):
+            raise ValueError(f"cache_len: a prefill variant of {chunk}-token chunks needs a cache of at least {chunk} "
+                             f"rows per sequence (an int), got {cache_len!r}")
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device: the fused layer runs on CUDA, got {self.device}")
@@ -181,6 +187,9 @@ class FusedDecoderLayer:
                                      f"{want[1]}, {want[2]}] on {self.device}, got "
                                      f"{getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
             cache_len = k.shape[2]
+            if self.mode == "prefill" and cache_len < chunk:
+                raise ValueError(f"caches: a prefill variant of {chunk}-token chunks needs a cache of at least {chunk} "
+                                 f"rows per sequence, got {cache_len}")
             self.k_cache, self.v_cache = k[:B], v[:B]  # the first B sequences: a contiguous view
         else:
             if cache_len is None:
@@ -294,10 +303,14 @@ class FusedDecoderLayer:
         return tuple(self.plan["steps"])
 
     def buffer(self, name: str) -> torch.Tensor:
-        """A view of workspace buffer `name` (interface.WORKSPACE) with its dtype and shape, e.g. "qkv" fp32
-        [batch, q_dim + 2 kv_dim], "attn" [batch, q_dim], "h" fp32 [batch, hidden], "act" [batch, intermediate]
-        ("attn" and "act" of a decode plan with X_FRAG, and "attn", "act", "xn" of an sm_90a prefill plan: a
-        row-major copy of the fragment-ordered or tiled buffer, [token rows, columns])."""
+        """A view of workspace buffer `name` (interface.WORKSPACE) with its dtype (T = the variant's dtype, "float"
+        fp32, "unsigned" int32) and shape, rows = the launch's token rows (decode: batch; prefill: batch x chunk,
+        sequence-major), e.g. "qkv" fp32 [rows, q_dim + 2 kv_dim], "attn" [rows, q_dim], "h" fp32 [rows, hidden],
+        "act" [rows, intermediate] ("attn" and "act" of a decode plan with X_FRAG, and "attn", "act", "xn" of an
+        sm_90a prefill plan: a row-major copy of the fragment-ordered or tiled buffer, [rows, columns]). Raises
+        ValueError naming the buffers for an unknown name."""
+        if name not in self._buffers:
+            raise ValueError(f"buffer: no workspace buffer {name!r}; there are {', '.join(self._buffers)}")
         b = self._buffers[name]
         dt = {"T": self.dtype, "float": torch.float32, "unsigned": torch.int32, "long long": torch.int64}[b["ctype"]]
         raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]].view(dt)
@@ -411,9 +424,13 @@ class FusedDecoderLayer:
         return self._run(x, self._positions(pos, validate))
 
     def prefill(self, x: torch.Tensor, start_pos: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-        """One prompt chunk: x [batch, chunk, hidden] (chunk = the variant's seq_len), start_pos int32 [batch] ->
-        out [batch, chunk, hidden]; token t of sequence b sits at position start_pos[b] + t, attends causally to
-        cache rows 0 .. start_pos[b] + t, and its k, v are written to that cache row. Raises ValueError."""
+        """One prompt chunk: x [batch, chunk, hidden] (exactly the variant's seq_len tokens a sequence: a shorter
+        last chunk is padded or run unfused by the caller, generator.serve), start_pos int32 [batch] on the CPU or
+        the layer's GPU -> out [batch, chunk, hidden]; token t of sequence b sits at position start_pos[b] + t,
+        attends causally to cache rows 0 .. start_pos[b] + t, and its k, v are written to that cache row. Raises
+        ValueError before anything is launched for a wrong shape, dtype or device, or a start position outside
+        [0, cache_len - chunk]; with validate=False a GPU start_pos is not read back (no host sync) and a sequence
+        out of range gets NaN outputs with its cache untouched (_positions)."""
         if self.mode != "prefill":
             raise ValueError(f"{self.name} is a {self.mode} variant: prefill needs a prefill variant")
         self.check_inputs(x, start_pos)

@@ -97,6 +97,12 @@ def test_prefill_source_has_its_own_stages_and_compiles_without_spills(tmp_path)
     assert not res["errors"], res["errors"]
     r = res["entries"][0]["resources"]
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+    # a cache shorter than the chunk (or not an int) is refused at load, in one line naming cache_len, before any
+    # GPU is needed (it loaded, and every prefill call then failed on its positions)
+    from generator.loader import load
+    for bad in (v.seq_len - 1, 0, -5, 64.0, True):
+        with pytest.raises(ValueError, match=r"^cache_len: a prefill variant of \d+-token chunks"):
+            load(v.name, None, build_dir=tmp_path / "b", device="cuda", cache_len=bad)
 
 
 @pytest.mark.parametrize("sm", ["80", "100"])
