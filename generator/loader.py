@@ -20,7 +20,8 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import ARGS, CLOCK_SLOTS, PACKED, from_frag, from_tiles, pack_weights, shard_weights, unpack_weights, weight_shapes
+from .interface import (ARGS, CLOCK_SLOTS, PACKED, from_frag, from_tiles, pack_weights, shard_weights, unpack_weights,
+                        weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
