@@ -55,8 +55,10 @@ def flags(entry: dict) -> list[str]:
     if r["blocks_per_sm"] < 1:
         out.append("no-residency")
     a = get_arch(entry.get("arch", DEFAULT_ARCH))
-    # the weight streams slow down (plan.l1_bytes); flagged where the SM's storage (>= 192 KB) leaves room for more
-    if r.get("l1_bytes") is not None and r["l1_bytes"] < L1_ENOUGH and a.unified_kb >= 192:
+    # the weight streams slow down (plan.l1_bytes); flagged where the SM's storage (>= 192 KB) leaves room for more.
+    # Decode only: prefill's GEMM brings its weights and tokens into shared memory by bulk copies, not through L1
+    decode = (entry.get("plan") or {}).get("mode", "decode") == "decode"
+    if decode and r.get("l1_bytes") is not None and r["l1_bytes"] < L1_ENOUGH and a.unified_kb >= 192:
         out.append(f"L1<{L1_ENOUGH // 1024}KB")
     try:
         g = gpu_fields(entry)
@@ -376,7 +378,7 @@ TABLE_COLUMNS = [
     ("mma_sass", "mma\nSASS", _num("d"), False),
     ("fused_us", "fused\nµs", _num(".1f"), True),
     ("pct_bw", "%\nBW", _num(".1f"), True),
-    ("tflops", "TFLOP\n/s", _num(".0f"), False),
+    ("tflops", "TFLOP\n/s", _num(".0f"), True),
     ("route", "prefill\nroute", lambda r, k: r.get(k) or "-", True),
     ("speedup_best", "×\nbest", _num(".2f"), True),
     ("best_baseline", "best\nbaseline", lambda r, k: r.get(k) or "-", True),
@@ -385,11 +387,27 @@ TABLE_COLUMNS = [
     ("speedup_eager", "×\neager", _num(".2f"), False),
     ("flags", "flags", lambda r, k: f"[yellow]{', '.join(r[k].split(','))}[/yellow]" if r[k] else "", True),
 ]
+# what each flag means, printed under the table for the flags it shows (README.md has the longer story)
+FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
+    ("spills", "spills", "registers spilled to local memory (slower)"),
+    ("refused", "refused", "the planner refused the variant (its reason is printed below the table)"),
+    ("error", "error", "the build failed (its error is printed below the table)"),
+    ("smem>", "smem>NKB", "over the block's shared-memory limit"),
+    ("no-residency", "no-residency", "no block fits an SM"),
+    ("L1<", "L1<NKB", "the block's shared memory leaves less L1 than the planner keeps (decode's weight streams "
+                      "slow 3-11 %)"),
+    ("wgmma-serialized", "wgmma-serialized", "ptxas serialised the prefill GEMM's wgmma (slower, not wrong)"),
+    ("mem>", "mem>NGB", "one layer's weights, KV cache and workspace exceed the largest GPU of the arch"),
+    ("tuned-plan-unused", "tuned-plan-unused", "the tuning entry was not used: the default plan was built (the "
+                                               "build's warning says why)"),
+    ("stale", "stale (...)", "the build no longer matches the declaration or the templates: rebuild"),
+    ("cubin-missing", "cubin-missing", "the manifest names a cubin that is not there: rebuild"),
+]
 # a table column whose cell is its row's value (or "-"): left out where no row has one
 PLAIN_KEYS = {"gpu_bytes", "cubin_bytes", "ptx_bytes", "registers", "stack_frame", "smem_total", "smem_pct", "l1_bytes",
               "blocks_per_sm", "compile_s", "load_ms", "workspace_bytes", "mma_sass"}
 # dropped first to last where the console is too narrow; variant, µs, ×, flags stay
-DROP_ORDER = ["l1_bytes", "cubin_bytes", "load_ms", "gpu_bytes", "plan", "best_baseline", "route", "pct_bw",
+DROP_ORDER = ["l1_bytes", "cubin_bytes", "load_ms", "gpu_bytes", "plan", "best_baseline", "route", "tflops", "pct_bw",
               "blocks_per_sm", "smem_total", "spill", "registers"]
 BENCH_KEYS = {"fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
               "speedup_compile",
@@ -448,6 +466,10 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         if hidden:
             console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
                           highlight=False)
+    shown = {f.strip() for r in rows for f in (r.get("flags") or "").split(",") if f.strip()}
+    for prefix, label, what in FLAG_HELP:
+        if any(f.startswith(prefix) for f in shown):
+            console.print(f"[yellow]{label}[/yellow]: {what}", highlight=False, markup=True)
     tot = report["totals"]
     console.print(f"{tot['built']}/{tot['variants']} built, "
                   f"{counted(tot['distinct_binaries'], 'distinct binary', 'distinct binaries')}, "

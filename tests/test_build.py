@@ -198,6 +198,9 @@ def test_report_flags_little_l1_where_the_gpu_has_room_for_more():
     assert report.flags({"status": "ok", "arch": "86", "resources": dict(res, smem_total=90 * 1024, l1_bytes=l1_bytes(
         arch("86"), 90 * 1024))}) == []
     assert report.flags({"status": "ok", "arch": "90", "resources": res}) == []  # an older build: no L1 recorded
+    # prefill: its GEMM's operands come by bulk copies into shared memory, not through L1
+    assert report.flags({"status": "ok", "arch": "90", "plan": {"mode": "prefill"}, "resources": dict(
+        res, l1_bytes=l1_bytes(arch("90"), 200 * 1024))}) == []
 
 
 def test_report_flags_a_layer_no_gpu_of_its_arch_holds():

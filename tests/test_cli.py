@@ -434,6 +434,10 @@ def test_report_table_fits_80_and_120_columns(tiny_build, width):
         assert r["name"] in text
     for must in ("fused", "best", "flags", "123.4", "1.37", "spills, smem>227KB", "refused"):
         assert must in text, (must, text)
+    # a legend line for each kind of flag shown, none for the others
+    for must in ("spills: registers spilled", "smem>NKB: over the block's shared-memory limit", "refused: the planner"):
+        assert must in " ".join(text.split()), (must, text)
+    assert "L1<NKB:" not in text and "mem>NGB:" not in text
     if width == 120:
         for must in ("regs", "smem", "spill"):
             assert must in text, (must, text)
