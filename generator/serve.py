@@ -526,6 +526,16 @@ class Model:
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
                              f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")
         check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers)
+        # a prefill chunk longer than the cache can never run (the loader refuses it): named ones are an error, of
+        # every built variant offered they are left out, said in one warning
+        long = [v.name for v in vs if v.mode == "prefill" and v.seq_len > cache_len]
+        if long and variants is not None:
+            raise ServeError(f"variants: {', '.join(long)}: a prefill chunk longer than cache_len {cache_len} (rows "
+                             "per sequence) cannot run")
+        if long:
+            vs = [v for v in vs if v.name not in long]
+            warnings.warn(f"prefill variants with chunks longer than cache_len {cache_len} not used: "
+                          f"{', '.join(long)}", stacklevel=2)
         batches = [v.batch for v in vs]
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or max_batch < 1):

@@ -505,23 +505,32 @@ def test_gpu_fallback_numerics_equal_the_reference(built):
 
 def test_every_built_variant_offered_keeps_one_seq_len_with_a_warning(tmp_path):
     """A default build declares several KV lengths; from_hf with no `variants` keeps the decode variants of
-    cache_len (else of the longest) and names the others in one warning; naming both is still a ServeError."""
+    cache_len (else of the longest) and names the others in one warning; naming both is still a ServeError. A prefill
+    chunk longer than the chosen cache is left out with a warning (named: a ServeError), not loaded."""
     from conftest import run_cli
     d = tmp_path / "tiny-llama"
     make_llama(d, seed=4)
     vfile = tmp_path / "variants.yaml"
-    vfile.write_text("matrix: {mode: [decode], batch: [1], seq_len: [32, 64]}\nmodels:\n")
+    vfile.write_text("matrix: [{mode: [decode], batch: [1], seq_len: [32, 64]}, {mode: [prefill], batch: [1], "
+                     "seq_len: [48]}]\nmodels:\n")
     assert run_cli(["from-hf", d, "--write", vfile], cwd=tmp_path).returncode == 0
     r = run_cli(["build", "--variants", vfile, "--build-dir", tmp_path / "build"], cwd=tmp_path, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     names = sorted(e for e in json.loads((tmp_path / "build" / "manifest.json").read_text())["variants"])
-    assert len(names) == 2
+    assert len(names) == 3
+    pf = next(n for n in names if "_prefill_" in n)
     for kw, keep, other in (({}, 64, 32), ({"cache_len": 32}, 32, 64)):
         # on the CPU the fused variants are then refused (they run on CUDA): the choice comes first
         with pytest.warns(UserWarning, match=f"decode variants of seq_len {keep} used") as rec, \
                 pytest.raises(serve.ServeError, match="fused variants run on CUDA"):
             serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", **kw)
-        msg = next(str(w.message) for w in rec if "not used" in str(w.message))
+        msg = next(str(w.message) for w in rec if "decode variants" in str(w.message))
         assert f"_s{other}_" in msg.split("not used")[1] and f"_s{keep}_" not in msg.split("not used")[1]
+        dropped = [str(w.message) for w in rec if "prefill variants" in str(w.message)]
+        assert (dropped == [f"prefill variants with chunks longer than cache_len 32 not used: {pf}"] if keep == 32
+                else dropped == []), dropped
     with pytest.raises(serve.ServeError, match="mix seq_len"):
         serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", variants=names)
+    with pytest.raises(serve.ServeError, match=f"^variants: {pf}: a prefill chunk longer than cache_len 32"):
+        serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=32,
+                            variants=[n for n in names if "_s32_" in n or n == pf])
