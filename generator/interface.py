@@ -96,7 +96,14 @@ ARGS: tuple[Arg, ...] = (
     Arg("cache_len", "int", "param"),  # rows per sequence of the caches (decode: SEQ_LEN, a constant there)
     Arg("tp_rank", "int", "param"),    # this GPU's rank in the tensor-parallel group (0 when TP = 1)
     *(Arg(f"ws_{b.name}", f"{b.ctype}*", "workspace") for b in WORKSPACE),
+    # sm_90a prefill: a TMA tensor map (128 B, cuTensorMapEncodeTiled) of each weight in TENSOR_MAPS, in that order,
+    # written by the loader (null where the plan's GEMM has none: decode, mma.sync)
+    Arg("w_tmaps", "const unsigned char*", "param", optional=True),
 )
+
+# the weights the prefill GEMM reads by TMA tensor maps (w_tmaps), in order: config.cuh's TMAP_<NAME> is the index
+TENSOR_MAPS = ("w_qkv", "w_o", "w_gu", "w_down")
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 
 
 def c_params() -> str:

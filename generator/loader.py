@@ -20,8 +20,8 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import (ARGS, CLOCK_SLOTS, PACKED, from_frag, from_tiles, pack_weights, shard_weights, unpack_weights,
-                        weight_shapes)
+from .interface import (ARGS, CLOCK_SLOTS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_tiles, pack_weights,
+                        shard_weights, unpack_weights, weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -100,6 +100,36 @@ def _launch_kernel_ex():
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return fn, err
+
+
+def _tensor_maps(packed: dict, box_rows: int, box_k: int, device) -> torch.Tensor:
+    """The TMA tensor maps of the prefill GEMM's weights (interface.TENSOR_MAPS order; templates/gemm.cuh):
+    cuTensorMapEncodeTiled (CUDA driver API) of each packed weight [N/16, K/16, 32, 8] (16-bit elements) as a 3-D
+    tensor [N/16][K/16][256] with a box of [box_rows][box_k][256] (a ring stage's chunk of a weight tile), zeros past
+    the edges. Returns them as uint8 [len(TENSOR_MAPS), 128] on `device` (the kernel reads them from global memory).
+    Raises RuntimeError naming the weight where the driver refuses one."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
+    host = bytearray(len(TENSOR_MAPS) * TENSOR_MAP_BYTES + 64)
+    base = (ctypes.c_char * len(host)).from_buffer(host)
+    off = (-ctypes.addressof(base)) % 64  # CUtensorMap is 64-byte aligned
+    for i, name in enumerate(TENSOR_MAPS):
+        w = packed[name]
+        mts, kts = w.shape[:2]
+        rc = fn(ctypes.c_void_p(ctypes.addressof(base) + off + i * TENSOR_MAP_BYTES),
+                ctypes.c_int(1),   # CU_TENSOR_MAP_DATA_TYPE_UINT16: a copy, any 16-bit element
+                ctypes.c_uint32(3), ctypes.c_void_p(w.data_ptr()),
+                u64x3(256, kts, mts), (ctypes.c_uint64 * 2)(512, kts * 512),  # sizes; strides in bytes (dims 1, 2)
+                u32x3(256, box_k, box_rows), u32x3(1, 1, 1),
+                ctypes.c_int(0), ctypes.c_int(0),  # no interleave, no swizzle (the ring keeps the packed order)
+                ctypes.c_int(3), ctypes.c_int(0))  # L2 promotion 256 B; out-of-bounds elements are zeros
+        if rc:
+            raise RuntimeError(f"cuTensorMapEncodeTiled refused {name} {tuple(w.shape)} with a box of "
+                               f"[{box_rows}][{box_k}][256] (CUresult {rc})")
+    raw = bytes(host[off:off + len(TENSOR_MAPS) * TENSOR_MAP_BYTES])
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(TENSOR_MAPS), TENSOR_MAP_BYTES).to(device)
 
 
 def _max_active_clusters(fn_ptr: int, grid: int, threads: int, smem: int) -> int:
@@ -264,6 +294,10 @@ class FusedDecoderLayer:
         fixed.update({a.name: self.workspace.data_ptr() + self._buffers[a.name[3:]]["offset"]
                       for a in ARGS if a.role == "workspace"})
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
+        if self.plan["consts"].get("GEMM_WGMMA"):  # the prefill GEMM's weights by TMA tensor maps
+            g = self.plan["gemm"]
+            self.tensor_maps = _tensor_maps(self.packed, g["BM"] // 16, g["BK"] // 16, self.device)
+            fixed["w_tmaps"] = self.tensor_maps
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]
         assert not missing, f"interface.PACKED gives no {missing}"  # a null pointer the kernel would dereference

@@ -56,6 +56,11 @@ constexpr int DOWN_U = 8;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int DOWN_PRE = 0;
 constexpr int H_STATS = 0;
+constexpr int TMAP_BYTES = 128;  // a tensor map's size in w_tmaps
+constexpr int TMAP_QKV = 0;  // w_tmaps' w_qkv
+constexpr int TMAP_O = 1;  // w_tmaps' w_o
+constexpr int TMAP_GU = 2;  // w_tmaps' w_gu
+constexpr int TMAP_DOWN = 3;  // w_tmaps' w_down
 constexpr float NORM_EPS = 1e-05f;
 constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
 typedef __nv_bfloat16 T;

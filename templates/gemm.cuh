@@ -180,13 +180,15 @@ __device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int 
     }
 }
 
-// W: packed [N/16][K/16][32][8]; X: `rows` token rows of K elements (global, laid out by gemm_x). epi(n, t, v,
+// W: packed [N/16][K/16][32][8]; tmap (sm_90a; else unused): W's TMA tensor map, a 3-D tensor [N/16][K/16][256]
+// elements with a box of [GEMM_BM/16][GEMM_BK/16][256] (the loader's _tensor_map); X: `rows` token rows of K
+// elements (global, laid out by gemm_x). epi(n, t, v,
 // pre(n, t)) for every group of 4 results, rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre
 // loads what the epilogue reads. The first FULL tiles are computed whole, the others split (KSPLIT).
 // part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
 // KSPLIT == 1).
 template <int N, int K, int KSPLIT, int FULL = 0, class Pre, class Epi>
-__device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int rows, unsigned char* smem, float* part,
+__device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned char* tmap, const T* X, int rows, unsigned char* smem, float* part,
                                      unsigned* count, Pre pre, Epi epi) {
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
     constexpr int NT16 = N / 16, KT16 = K / 16, KCH = (K + GEMM_BK - 1) / GEMM_BK, BKT = GEMM_BK / 16;
@@ -232,31 +234,17 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const T* X, int ro
             if (kc < kc1) {
                 T* a = As + stage * GEMM_A_STAGE;
                 if constexpr (GEMM_WGMMA) {
-                    // weights: one bulk copy per 16-row tile (its BKT k-tiles are 2 KB contiguous in the packing) by
-                    // the lanes of warp 0, the stage's mbarrier counting the bytes; rows past N are not copied (their
-                    // results are never used: stale shared memory there gives garbage rows the epilogue and the
-                    // split's finish skip), a K tail is zeroed below
-                    const int mts = min(GEMM_BM / 16, NT16 - mt0), kts = min(BKT, KT16 - kc * BKT);
-                    if (warp == 0) {
-                        if (lane == 0) {
-                            // and the token tile's chunk: one contiguous run in the tiled layout (gemm_x)
-                            mbar_expect_tx(bar + stage, (unsigned)(mts * kts * 512 + GEMM_BN * 128));
-                            bulk_copy(Bs + stage * GEMM_B_STAGE, X + ((size_t)kc * GEMM_XROWS + t0) * 64,
-                                      (unsigned)(GEMM_BN * 128), bar + stage);
-                        }
-                        for (int mt = lane; mt < mts; mt += 32)
-                            bulk_copy(a + (size_t)mt * BKT * 256, Wv + ((size_t)(mt0 + mt) * KT16 + kc * BKT) * 32,
-                                      (unsigned)kts * 512u, bar + stage);
+                    // a chunk of the weight tile (its GEMM_BM/16 row tiles' BKT k-tiles, 2 KB runs KT16 x 512 B
+                    // apart in the packing) as ONE tensor copy: one bulk copy per row tile (12 a chunk) left the
+                    // main loop waiting on the TMA unit (x1.26-1.31 slower, bench/NOTES.md session 21). Row tiles
+                    // past N and k-tiles past K are zeros. And the token tile's chunk: one contiguous run in the
+                    // tiled layout (gemm_x). Both by one thread, the stage's mbarrier counting the bytes.
+                    if (tid == 0) {
+                        mbar_expect_tx(bar + stage, (unsigned)(GEMM_A_STAGE * sizeof(T) + GEMM_BN * 128));
+                        bulk_copy(Bs + stage * GEMM_B_STAGE, X + ((size_t)kc * GEMM_XROWS + t0) * 64,
+                                  (unsigned)(GEMM_BN * 128), bar + stage);
+                        tensor_copy3(a, tmap, 0, kc * BKT, mt0, bar + stage);
                     }
-                    if constexpr (K % GEMM_BK != 0)
-                        if (kc == KCH - 1) {  // the last chunk's k-tiles past K: zeros (stale data may be NaN)
-                            for (int c = tid; c < (GEMM_BM / 16) * (BKT - kts) * 32; c += THREADS) {
-                                const int mt = c / ((BKT - kts) * 32), rem = c % ((BKT - kts) * 32);
-                                T* z = a + ((size_t)(mt * BKT + kts + rem / 32) * 32 + rem % 32) * 8;
-                                *reinterpret_cast<uint4*>(z) = make_uint4(0u, 0u, 0u, 0u);
-                            }
-                            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before a later bulk copy
-                        }
                 } else {
                     // weights: (BM/16 tiles) x (BKT k-tiles) x 32 lanes x 16 B, contiguous per tile in the packing
                     for (int c = tid; c < (GEMM_BM / 16) * BKT * 32; c += THREADS) {

@@ -54,6 +54,17 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                     "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }
 
+// a box of a 3-D tensor (TMA tiled mode) from the tensor map at global `tmap` (cuTensorMapEncodeTiled, written by the
+// host before the launch) to shared `dst` (128-byte aligned), at coordinates (c0 innermost, c1, c2); elements past
+// the tensor's edges are zeros; the box's whole size is counted on `bar`
+__device__ __forceinline__ void tensor_copy3(void* dst, const void* tmap, int c0, int c1, int c2,
+                                             unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                 "[%1, { %2, %3, %4 }], [%5];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+
 template <int N> struct Wgmma;  // N = tokens of the tile
 // D += A B with scale-d 1. A template on the accumulators' type: in the mma.sync build's discarded `if constexpr`
 // branch (its accumulators have another shape) the call is never instantiated, so it compiles for every arch

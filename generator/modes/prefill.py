@@ -12,13 +12,13 @@ from ..variants import Variant
 
 STEPS = (
     Step("norm", "norm(x, ln1_w, ln1_b, ws_xn)"),
-    Step("qkv_proj", "qkv_proj(ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, smem)"),
+    Step("qkv_proj", "qkv_proj(ws_xn, w_qkv, w_tmaps, b_qkv, ws_qkv, ws_split, ws_count, smem)"),
     Step("kv_append", "kv_append(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, cache_len, ws_q, smem)"),
     Step("attention", "attention(pos, ws_q, k_cache, v_cache, cache_len, ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ws_h, ws_split, ws_count, smem)"),
+    Step("o_proj", "o_proj(ws_attn, w_o, w_tmaps, x, ws_h, ws_split, ws_count, smem)"),
     Step("norm", "norm(ws_h, ln2_w, ln2_b, ws_xn)"),
-    Step("gate_up", "gate_up(ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
+    Step("gate_up", "gate_up(ws_xn, w_gu, w_tmaps, ws_act, ws_status, ws_split, ws_count, smem)"),
+    Step("down_proj", "down_proj(ws_act, w_down, w_tmaps, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
 )
 
 # the GEMM ring's depth (cp.async; sm_90a: the weights by bulk copies): up to 7 chunks in flight per SM (mma.sync;

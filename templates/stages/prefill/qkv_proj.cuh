@@ -6,9 +6,10 @@
 #endif
 #include "../../gemm.cuh"
 
-__device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const T* b_qkv, float* ws_qkv, float* ws_split,
-    unsigned* ws_count, unsigned char* smem) {
-    gemm<QKV_DIM, HIDDEN, QKV_KSPLIT, QKV_FULL>(w_qkv, ws_xn, ROWS, smem, ws_split, ws_count,
+__device__ void qkv_proj(const T* ws_xn, const T* w_qkv, const unsigned char* w_tmaps, const T* b_qkv,
+    float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned char* smem) {
+    gemm<QKV_DIM, HIDDEN, QKV_KSPLIT, QKV_FULL>(w_qkv, w_tmaps + TMAP_QKV * TMAP_BYTES, ws_xn, ROWS, smem,
+        ws_split, ws_count,
         [&](int n, int t) { return QKV_BIAS ? load4(b_qkv + n) : make_float4(0.f, 0.f, 0.f, 0.f); },
         [&](int n, int t, float4 v, float4 bias) {
             *reinterpret_cast<float4*>(ws_qkv + (size_t)t * QKV_DIM + n) = v + bias;
