@@ -278,6 +278,20 @@ def pack_weights(weights: dict, m: Model, packing: str = "fragments") -> dict:
     return out
 
 
+def packed_shapes(m: Model) -> dict[str, tuple[int, ...]]:
+    """{arg name: shape} of pack_weights' output for model `m` (a matrix [N/16, K/16, 32, 8] in the fragments
+    packing, the joined rows otherwise)."""
+    shapes = weight_shapes(m)
+    out = {}
+    for p in PACKED:
+        if not p.when(m):
+            continue
+        rows = sum(shapes[s][0] for s in p.sources)
+        rest = shapes[p.sources[0]][1:]
+        out[p.arg] = (rows // 16, rest[0] // 16, 32, 8) if p.matrix else (rows, *rest)
+    return out
+
+
 def unpack_weights(packed: dict, m: Model, packing: str = "fragments") -> dict:
     """Inverse of pack_weights: the HF-named tensors back from the kernel's layout."""
     unpack = PACKINGS[packing][1]

@@ -21,7 +21,7 @@ import torch
 from .collectives import AllReduce
 from .host import inv_freq
 from .interface import (ARGS, CLOCK_SLOTS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_tiles, pack_weights,
-                        shard_weights, unpack_weights, weight_shapes)
+                        packed_shapes, shard_weights, unpack_weights, weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
 from .targets import runs_on, torch_dtype, weight_format
@@ -107,16 +107,20 @@ def _tensor_maps(packed: dict, box_rows: int, box_k: int, device) -> torch.Tenso
     cuTensorMapEncodeTiled (CUDA driver API) of each packed weight [N/16, K/16, 32, 8] (16-bit elements) as a 3-D
     tensor [N/16][K/16][256] with a box of [box_rows][box_k][256] (a ring stage's chunk of a weight tile), zeros past
     the edges. Returns them as uint8 [len(TENSOR_MAPS), 128] on `device` (the kernel reads them from global memory).
-    Raises RuntimeError naming the weight where the driver refuses one."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuTensorMapEncodeTiled
+    Raises LoadError where the driver has no cuTensorMapEncodeTiled (CUDA < 12) or refuses a weight (named)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError) as e:
+        raise LoadError(f"the prefill GEMM's TMA tensor maps need the CUDA driver's cuTensorMapEncodeTiled (CUDA 12+ "
+                        f"driver): {e}") from None
     fn.restype = ctypes.c_int
     u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
     host = bytearray(len(TENSOR_MAPS) * TENSOR_MAP_BYTES + 64)
     base = (ctypes.c_char * len(host)).from_buffer(host)
     off = (-ctypes.addressof(base)) % 64  # CUtensorMap is 64-byte aligned
     for i, name in enumerate(TENSOR_MAPS):
-        w = packed[name]
+        w = packed[name]  # contiguous 16-bit [N/16, K/16, 32, 8] on the device (checked by the caller)
+        assert w.element_size() == 2 and w.is_contiguous() and tuple(w.shape[2:]) == (32, 8), (name, w.shape)
         mts, kts = w.shape[:2]
         rc = fn(ctypes.c_void_p(ctypes.addressof(base) + off + i * TENSOR_MAP_BYTES),
                 ctypes.c_int(1),   # CU_TENSOR_MAP_DATA_TYPE_UINT16: a copy, any 16-bit element
@@ -126,8 +130,8 @@ def _tensor_maps(packed: dict, box_rows: int, box_k: int, device) -> torch.Tenso
                 ctypes.c_int(0), ctypes.c_int(0),  # no interleave, no swizzle (the ring keeps the packed order)
                 ctypes.c_int(3), ctypes.c_int(0))  # L2 promotion 256 B; out-of-bounds elements are zeros
         if rc:
-            raise RuntimeError(f"cuTensorMapEncodeTiled refused {name} {tuple(w.shape)} with a box of "
-                               f"[{box_rows}][{box_k}][256] (CUresult {rc})")
+            raise LoadError(f"cuTensorMapEncodeTiled refused {name} {tuple(w.shape)} with a box of "
+                            f"[{box_rows}][{box_k}][256] (CUresult {rc})")
     raw = bytes(host[off:off + len(TENSOR_MAPS) * TENSOR_MAP_BYTES])
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(TENSOR_MAPS), TENSOR_MAP_BYTES).to(device)
 
@@ -197,6 +201,13 @@ class FusedDecoderLayer:
             if not isinstance(packed, dict) or set(packed) != need:
                 raise ValueError(f"packed: expected another layer's .packed with {', '.join(sorted(need))}, got "
                                  f"{', '.join(sorted(packed)) if isinstance(packed, dict) else type(packed).__name__}")
+            want = packed_shapes(sm)
+            for k, t in sorted(packed.items()):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[k] or t.dtype != self.dtype \
+                        or t.device != self.device or not t.is_contiguous():
+                    raise ValueError(f"packed['{k}']: expected a contiguous {self.dtype} tensor {list(want[k])} on "
+                                     f"{self.device} (this layer's shape), got {getattr(t, 'dtype', type(t).__name__)} "
+                                     f"{list(getattr(t, 'shape', ()))} on {getattr(t, 'device', '?')}")
             self.packed = packed
         else:
             check_weights(weights, m, self.dtype, self.device)
@@ -294,9 +305,9 @@ class FusedDecoderLayer:
         fixed.update({a.name: self.workspace.data_ptr() + self._buffers[a.name[3:]]["offset"]
                       for a in ARGS if a.role == "workspace"})
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
-        if self.plan["consts"].get("GEMM_WGMMA"):  # the prefill GEMM's weights by TMA tensor maps
-            g = self.plan["gemm"]
-            self.tensor_maps = _tensor_maps(self.packed, g["BM"] // 16, g["BK"] // 16, self.device)
+        c = self.plan["consts"]
+        if c.get("GEMM_WGMMA"):  # the prefill GEMM's weights by TMA tensor maps: the box is the kernel's chunk
+            self.tensor_maps = _tensor_maps(self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16, self.device)
             fixed["w_tmaps"] = self.tensor_maps
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]

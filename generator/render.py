@@ -65,7 +65,8 @@ def _env() -> jinja2.Environment:
 def _config_vars(v: Variant, p: dict) -> dict:
     m = v.shard
     dt = DTYPES[m.dtype]
-    return dict(name=v.name, consts=p["consts"], tmaps=interface.TENSOR_MAPS, tmap_bytes=interface.TENSOR_MAP_BYTES, dtype=dt, t_max=f"{dt.max_finite!r}f",
+    return dict(name=v.name, consts=p["consts"], tmaps=interface.TENSOR_MAPS, tmap_bytes=interface.TENSOR_MAP_BYTES,
+                dtype=dt, t_max=f"{dt.max_finite!r}f",
                 norm_eps=f"{m.norm_eps!r}f", score_scale=f"{math.log2(math.e) / math.sqrt(m.head_dim)!r}f",
                 norm=m.norm, activation=m.activation, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm)
 

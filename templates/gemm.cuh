@@ -180,16 +180,15 @@ __device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int 
     }
 }
 
-// W: packed [N/16][K/16][32][8]; tmap (sm_90a; else unused): W's TMA tensor map, a 3-D tensor [N/16][K/16][256]
-// elements with a box of [GEMM_BM/16][GEMM_BK/16][256] (the loader's _tensor_map); X: `rows` token rows of K
-// elements (global, laid out by gemm_x). epi(n, t, v,
-// pre(n, t)) for every group of 4 results, rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre
-// loads what the epilogue reads. The first FULL tiles are computed whole, the others split (KSPLIT).
+// W: packed [N/16][K/16][32][8]; tmap (sm_90a; else unused): W's TMA tensor map in global memory, a 3-D tensor
+// [N/16][K/16][256] elements with a box of [GEMM_BM/16][GEMM_BK/16][256] (the loader's _tensor_maps); X: `rows`
+// token rows of K elements (global, laid out by gemm_x). epi(n, t, v, pre(n, t)) for every group of 4 results,
+// rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre loads what the epilogue reads. The first FULL tiles are computed whole, the others split (KSPLIT).
 // part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
 // KSPLIT == 1).
 template <int N, int K, int KSPLIT, int FULL = 0, class Pre, class Epi>
-__device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned char* tmap, const T* X, int rows, unsigned char* smem, float* part,
-                                     unsigned* count, Pre pre, Epi epi) {
+__device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned char* tmap, const T* X, int rows,
+                                     unsigned char* smem, float* part, unsigned* count, Pre pre, Epi epi) {
     static_assert(N % 16 == 0 && K % 16 == 0 && GEMM_BK % 16 == 0, "bad GEMM shape");
     constexpr int NT16 = N / 16, KT16 = K / 16, KCH = (K + GEMM_BK - 1) / GEMM_BK, BKT = GEMM_BK / 16;
     constexpr int MB = (N + GEMM_BM - 1) / GEMM_BM;
@@ -293,7 +292,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned cha
             __syncthreads();  // chunk kc is in; every warp is done with the stage about to be refilled
             issue(kc + AHEAD, (kc - kc0 + AHEAD) % GEMM_STAGES);
             // wgmma: every warpgroup (a divergent wgmma is serialised; padding tokens are zeros from the workspace's
-            // allocation (gemm_x), weight rows past N stale: each gives only its own, unused, result rows)
+            // allocation (gemm_x), weight rows past N zeros: each gives only its own, unused, result rows)
             if (GEMM_WGMMA || active) {
                 const T* a = As + st * GEMM_A_STAGE;
                 const T* b = Bs + st * GEMM_B_STAGE;

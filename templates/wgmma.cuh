@@ -28,8 +28,9 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e]) :: "memory");
 }
 
-// The weights' ring on sm_90a: bulk asynchronous copies (the TMA unit; one instruction a contiguous 2 KB run, no
-// thread issues per 16 bytes) whose completion an mbarrier counts in bytes (PTX ISA: cp.async.bulk, mbarrier).
+// The GEMM's ring on sm_90a: asynchronous copies by the TMA unit (a weight chunk one tensor copy, a token chunk one
+// bulk copy: no thread issues per 16 bytes) whose completion an mbarrier counts in bytes (PTX ISA: cp.async.bulk,
+// cp.async.bulk.tensor, mbarrier).
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(count)
                  : "memory");

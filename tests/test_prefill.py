@@ -252,6 +252,28 @@ def test_prefill_bad_inputs(builds):
         layer.prefill(x, torch.full((v.batch,), 89, dtype=torch.int32))
     with pytest.raises(ValueError, match="prefill variant: call layer.prefill"):
         layer(x[:, 0], ok)
+    with pytest.raises(ValueError, match=r"^packed\['w_o'\]: expected a contiguous"):  # another shape's weights
+        load(v.name, None, build_dir=builds[v.name], cache_len=128,
+             packed={**layer.packed, "w_o": layer.packed["w_o"][1:]})
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_layers_loaded_in_turn_read_their_own_tensor_maps(builds):
+    """The GEMM reads each weight through a TMA tensor map the loader writes to device memory: a layer loaded after
+    another was freed (its maps' memory likely handed out again) must compute with its own weights."""
+    import gc
+    from generator import reference, verify
+    from generator.loader import load
+    v = HELD_OUT[0]
+    for seed in (SEED + 5, SEED + 6, SEED + 7):
+        W = reference.random_weights(v.model, seed=seed, device="cuda")
+        layer = load(v.name, W, build_dir=builds[v.name], cache_len=CACHE_LEN)
+        x, start = verify.random_inputs(layer, seed)
+        r = verify.check_step(layer, x, start, weights=W)
+        assert verify.passed(r, v.model.dtype), f"seed {seed}: rel_err {r['rel_err']:.2e} {r['first_bad_stage']}"
+        del layer, W
+        gc.collect()
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ STEPS = (
     Step("down_proj", "down_proj(ws_act, w_down, w_tmaps, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
 )
 
-# the GEMM ring's depth (cp.async; sm_90a: the weights by bulk copies): up to 7 chunks in flight per SM (mma.sync;
+# the GEMM ring's depth (cp.async; sm_90a: TMA tensor and bulk copies): up to 7 chunks in flight per SM (mma.sync;
 # wgmma: 6, one stage is still being read by the mma in flight) keep HBM busy when a chunk is short (few tasks); the
 # shared memory sets it lower for large tiles (GEMM_STAGES overrides it)
 MAX_STAGES = 8
