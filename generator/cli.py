@@ -329,8 +329,10 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         err_console.print(f"note: {why}: module load times not measured (--no-gpu skips this check)",
                           markup=False, highlight=False, soft_wrap=True)
     greport.print_report(rep, console, wide=wide)
-    if rep.get("not_declared"):
-        err_console.print(f"not declared in {variants_file} (ignored): {', '.join(rep['not_declared'])}",
+    if rep.get("not_declared"):  # a build dir shared by several variants files: the first few named
+        nd = rep["not_declared"]
+        names = ", ".join(nd) if len(nd) <= 8 else f"{len(nd)} built variants ({', '.join(nd[:5])}, ...)"
+        err_console.print(f"not declared in {variants_file} (ignored): {names}",
                           markup=False, highlight=False, soft_wrap=True)
     for r in rep["rows"]:  # the flags column says refused/error; the reason is one line here
         if r["status"] != "ok":

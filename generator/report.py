@@ -216,7 +216,8 @@ E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unf
 
 def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
     """The newest `bench/e2e.py` result among bench_dir/e2e-*.json, None where there is none: {"file", "gpu",
-    "checkpoint" (the model directory it measured), "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
+    "checkpoint" (the model directory it measured), "variants" (the fused decode variants it served; print_report
+    tables it only where the report has one of them), "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
     "unfused fp32": {"greedy_tokens_equal_before_divergence", "of", ...}}, "kernel_bound": {layers_us, lm_head_us
     (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms), and one layer's call from
     Python: layer_kernel_us, layer_eager_call_us, layer_eager_call_unchecked_us (µs a call) where recorded} or None}.
@@ -248,8 +249,11 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
         else:
             providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
     agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
+    kb = doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else {}
+    fused = {r.get(k) for r in doc["providers"].values() if isinstance(r, dict)
+             for k in ("decode_path_b1", "decode_path_b8")} | {kb.get("variant")}
     return {"file": p.name, "gpu": doc.get("gpu"), "checkpoint": doc.get("checkpoint"), "providers": providers,
-            "agreement": agreement,
+            "agreement": agreement, "variants": sorted(v for v in fused if isinstance(v, str) and v != "unfused"),
             "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None}
 
 
@@ -484,8 +488,14 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         if other:  # said here too: a narrow table drops the plan column (after L1) first
             console.print(f"[yellow]timed with another plan than the one built:[/yellow] {', '.join(other)}",
                           highlight=False)
-    if report.get("e2e"):
-        print_e2e(report["e2e"], console)
+    e2e = report.get("e2e")
+    if e2e:
+        mine = {r["name"] for r in rows}
+        if not e2e.get("variants") or mine & set(e2e["variants"]):
+            print_e2e(e2e, console)
+        else:  # another model's run: named, not tabled as if it measured this file's variants
+            console.print(f"end to end: the newest bench/e2e.py result ({e2e['file']}) served "
+                          f"{', '.join(e2e['variants'])}, none of them in this report", highlight=False)
 
 
 def print_e2e(e2e: dict, console: Console) -> None:

@@ -2,10 +2,10 @@
 // C[n][t] = sum_k W[n][k] * X[t][k] for N weight rows and `rows` tokens on the tensor cores (mma.sync m16n8k16):
 // weight rows are M, tokens are N. A block task is a GEMM_BM x GEMM_BN tile (weight rows x tokens) over the whole
 // of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the
-// weights and tokens by bulk copies, the TMA unit, each stage's bytes counted on an mbarrier): the packed
-// weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows (padded by 16
-// bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM
-// 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). A whole tile's epilogue
+// TMA unit, each stage's bytes counted on an mbarrier: a weight chunk one tensor copy, a token chunk one bulk
+// copy): the packed weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows
+// (padded by 16 bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a
+// warp owns GEMM_TM 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). A whole tile's epilogue
 // goes through shared memory (fp32, [token][row]) so that each token's results are stored by consecutive lanes.
 // On sm_90a (GEMM_WGMMA) the tensor-core work is Hopper's asynchronous warpgroup mma (wgmma.cuh): each warpgroup
 // owns 64 weight rows (its warps' 16-row tiles: GEMM_WM = 4 x warpgroups, GEMM_TM = 1) and every token of the tile
@@ -183,7 +183,8 @@ __device__ __forceinline__ void gemm_epilogue_smem(const float* ts, int n0, int 
 // W: packed [N/16][K/16][32][8]; tmap (sm_90a; else unused): W's TMA tensor map in global memory, a 3-D tensor
 // [N/16][K/16][256] elements with a box of [GEMM_BM/16][GEMM_BK/16][256] (the loader's _tensor_maps); X: `rows`
 // token rows of K elements (global, laid out by gemm_x). epi(n, t, v, pre(n, t)) for every group of 4 results,
-// rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre loads what the epilogue reads. The first FULL tiles are computed whole, the others split (KSPLIT).
+// rows n .. n + 3 (n % 4 == 0, n < N) of token t < rows, as float4s: pre loads what the epilogue reads. The first
+// FULL tiles are computed whole, the others split (KSPLIT).
 // part: KSPLIT x GEMM_BM x GEMM_BN floats per split tile, count: one counter per output tile (both unused when
 // KSPLIT == 1).
 template <int N, int K, int KSPLIT, int FULL = 0, class Pre, class Epi>
