@@ -38,6 +38,10 @@ KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + 
                                                                                   "ATT_INLINE")
 MAX_SPLIT = 16
 MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
+# ... and this much where every tile of more than a wave is split (FULL 0, tiles > SMs: every tile's partials go
+# through L2): the model's 10.2 % for 8B down_proj at 2,048 token rows (352 tiles of 224 chunks, split 3) measured
+# 5-6 % slower than no split (bench/results/tune-prefill-h200-2026-12-02-2.txt, 8B 4 x 512 and 1 x 2048)
+MIN_SPLIT_GAIN_WAVES = 0.15
 WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
 
 
@@ -46,7 +50,7 @@ def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> tuple
     computed whole, the rest split KSPLIT ways. Minimises the busiest SM's work, rounds of tasks x chunks a task
     (+ `split_cost` chunks where split: storing the partial tile, summing a share of the splits', the counter),
     with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN; the fewest splits within
-    5 % of the least. Plans: every tile split into one wave of tasks (fewer tiles than SMs); the full waves whole and
+    5 % of the least (MIN_SPLIT_GAIN_WAVES where every tile of more than a wave would be split). Plans: every tile split into one wave of tasks (fewer tiles than SMs); the full waves whole and
     the tiles past them split over one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times
     instead of 2 x 64); every tile split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the
     last split to finish then sums the whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more
@@ -64,7 +68,8 @@ def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> tuple
     least = min(cost(*pl) for pl in plans)
     # the fewest partial tiles within 5 % of the least (whole waves first)
     best = min((pl for pl in plans if cost(*pl) <= 1.05 * least), key=lambda pl: ((tiles - pl[0]) * pl[1], pl[1]))
-    if best[1] == 1 or cost(*best) > (1 - MIN_SPLIT_GAIN) * cost(0, 1):
+    need = MIN_SPLIT_GAIN_WAVES if best[0] == 0 and tiles > sms else MIN_SPLIT_GAIN
+    if best[1] == 1 or cost(*best) > (1 - need) * cost(0, 1):
         return 0, 1
     return best
 
