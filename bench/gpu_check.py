@@ -226,6 +226,12 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
     seed = seed if seed is not None else int(time.time()) % 100000
     vs = gvariants.select(gvariants.load(variants_file), only)
     held = gvariants.select(gvariants.load(heldout_file), only) if heldout_file else []
+    # said before the minutes of building and timing: without FlashInfer the decode rows' "x best" is torch's only
+    probe = next((v for v in vs + held if v.mode == "decode" and v.tp == 1), None)
+    fi_why = FlashInfer().unavailable(probe) if probe is not None else None
+    if fi_why and "flashinfer not" in fi_why:
+        print(f"warning: {fi_why}: decode rows are compared with torch + CUDA graph only (carry the wheels: "
+              "../shared/wheels/README.md)", flush=True)
     where, entries = build_checked(vs, held, variants_file, heldout_file, build_dir)
 
     tests = "skipped"
