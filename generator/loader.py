@@ -205,9 +205,11 @@ class FusedDecoderLayer:
             for k, t in sorted(packed.items()):
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[k] or t.dtype != self.dtype \
                         or t.device != self.device or not t.is_contiguous():
+                    got = (f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))} on "
+                           f"{getattr(t, 'device', '?')}" + ("" if getattr(t, "is_contiguous", lambda: 1)() else
+                                                             ", not contiguous"))
                     raise ValueError(f"packed['{k}']: expected a contiguous {self.dtype} tensor {list(want[k])} on "
-                                     f"{self.device} (this layer's shape), got {getattr(t, 'dtype', type(t).__name__)} "
-                                     f"{list(getattr(t, 'shape', ()))} on {getattr(t, 'device', '?')}")
+                                     f"{self.device} (this layer's shape), got {got}")
             self.packed = packed
         else:
             check_weights(weights, m, self.dtype, self.device)
@@ -307,7 +309,11 @@ class FusedDecoderLayer:
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
         c = self.plan["consts"]
         if c.get("GEMM_WGMMA"):  # the prefill GEMM's weights by TMA tensor maps: the box is the kernel's chunk
-            self.tensor_maps = _tensor_maps(self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16, self.device)
+            try:
+                self.tensor_maps = _tensor_maps(self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16,
+                                                self.device)
+            except LoadError as e:
+                raise LoadError(f"{self.name}: {e}") from None
             fixed["w_tmaps"] = self.tensor_maps
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]

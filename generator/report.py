@@ -250,10 +250,10 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
             providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
     agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
     kb = doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else {}
-    fused = {r.get(k) for r in doc["providers"].values() if isinstance(r, dict)
-             for k in ("decode_path_b1", "decode_path_b8")} | {kb.get("variant")}
+    fused = [r.get(k) for r in doc["providers"].values() if isinstance(r, dict)
+             for k in ("decode_path_b1", "decode_path_b8")] + [kb.get("variant")]
     return {"file": p.name, "gpu": doc.get("gpu"), "checkpoint": doc.get("checkpoint"), "providers": providers,
-            "agreement": agreement, "variants": sorted(v for v in fused if isinstance(v, str) and v != "unfused"),
+            "agreement": agreement, "variants": sorted({v for v in fused if isinstance(v, str) and v != "unfused"}),
             "kernel_bound": doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else None}
 
 
@@ -495,7 +495,8 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
             print_e2e(e2e, console)
         else:  # another model's run: named, not tabled as if it measured this file's variants
             console.print(f"end to end: the newest bench/e2e.py result ({e2e['file']}) served "
-                          f"{', '.join(e2e['variants'])}, none of them in this report", highlight=False)
+                          f"{', '.join(e2e['variants'])}, none of them in this report", markup=False,
+                          highlight=False)
 
 
 def print_e2e(e2e: dict, console: Console) -> None:

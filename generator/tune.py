@@ -248,6 +248,9 @@ def _prefill_tries(base: dict, sms: int) -> list[dict]:
                 tries.append({f"{prefix}_KSPLIT": k})
         if g["FULL"] == 0 and g["tiles"] > sms and g["tiles"] % sms:  # the full waves whole, the rest split
             tries.append({f"{prefix}_FULL": g["tiles"] // sms * sms})
+        full, k = g.get("LOOSE", (g["FULL"], ks))  # the split the planner's 10 % rule would take (split_k)
+        if (full, k) != (g["FULL"], ks) and k > 1:  # (a KSPLIT alone splits every tile)
+            tries.append({f"{prefix}_KSPLIT": k, **({f"{prefix}_FULL": full} if full else {})})
     gm, stages = base["consts"]["GEMM_GM"], base["consts"]["GEMM_STAGES"]
     return tries + [{"GEMM_GM": max(1, gm // 2)}, {"GEMM_GM": gm * 2}, {"GEMM_STAGES": stages + 1},
                     {"ATT_INLINE": 1 - base["consts"]["ATT_INLINE"]}]

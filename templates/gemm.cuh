@@ -4,9 +4,10 @@
 // of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the
 // TMA unit, each stage's bytes counted on an mbarrier: a weight chunk one tensor copy, a token chunk one bulk
 // copy): the packed weights (fragment order, so a chunk of one 16-row tile is 2 KB contiguous) and the token rows
-// (padded by 16 bytes: ldmatrix reads them without bank conflicts). The warps form a GEMM_WM x GEMM_WN grid; a
-// warp owns GEMM_TM 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles read fewer fragments per mma). A whole tile's epilogue
-// goes through shared memory (fp32, [token][row]) so that each token's results are stored by consecutive lanes.
+// (mma.sync: padded by 16 bytes, so ldmatrix reads them without bank conflicts; wgmma: swizzled, not padded). The
+// warps form a GEMM_WM x GEMM_WN grid; a warp owns GEMM_TM 16-row tiles x GEMM_TN 8-token tiles (larger warp tiles
+// read fewer fragments per mma). A whole tile's epilogue goes through shared memory (fp32, [token][row]) so that
+// each token's results are stored by consecutive lanes.
 // On sm_90a (GEMM_WGMMA) the tensor-core work is Hopper's asynchronous warpgroup mma (wgmma.cuh): each warpgroup
 // owns 64 weight rows (its warps' 16-row tiles: GEMM_WM = 4 x warpgroups, GEMM_TM = 1) and every token of the tile
 // (GEMM_WN = 1, GEMM_BN <= 128), the weights' fragments from shared memory into registers and the tokens read by the

@@ -18,7 +18,8 @@ STEPS = (
     Step("o_proj", "o_proj(ws_attn, w_o, w_tmaps, x, ws_h, ws_split, ws_count, smem)"),
     Step("norm", "norm(ws_h, ln2_w, ln2_b, ws_xn)"),
     Step("gate_up", "gate_up(ws_xn, w_gu, w_tmaps, ws_act, ws_status, ws_split, ws_count, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, w_tmaps, ws_h, out, ws_status, ws_split, ws_count, smem)", then="none"),
+    Step("down_proj", "down_proj(ws_act, w_down, w_tmaps, ws_h, out, ws_status, ws_split, ws_count, smem)",
+         then="none"),
 )
 
 # the GEMM ring's depth (cp.async; sm_90a: TMA tensor and bulk copies): up to 7 chunks in flight per SM (mma.sync;
@@ -40,23 +41,26 @@ MAX_SPLIT = 16
 MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
 # ... and this much where every tile of more than a wave is split (FULL 0, tiles > SMs: every tile's partials go
 # through L2): the model's 10.2 % for 8B down_proj at 2,048 token rows (352 tiles of 224 chunks, split 3) measured
-# 5-6 % slower than no split (bench/results/tune-prefill-h200-2026-12-02-2.txt, 8B 4 x 512 and 1 x 2048)
+# x1.056-1.067 slower than no split (bench/results/tune-prefill-h200-2026-12-02-2.txt, 8B 1 x 2048 and 4 x 512); the
+# tuner still times that split (the plan's LOOSE)
 MIN_SPLIT_GAIN_WAVES = 0.15
 WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
 
 
-def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> tuple[int, int]:
+def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0,
+            waves_gain: float = MIN_SPLIT_GAIN_WAVES) -> tuple[int, int]:
     """(FULL, KSPLIT) of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: FULL tiles
     computed whole, the rest split KSPLIT ways. Minimises the busiest SM's work, rounds of tasks x chunks a task
     (+ `split_cost` chunks where split: storing the partial tile, summing a share of the splits', the counter),
-    with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN; the fewest splits within
-    5 % of the least (MIN_SPLIT_GAIN_WAVES where every tile of more than a wave would be split). Plans: every tile split into one wave of tasks (fewer tiles than SMs); the full waves whole and
-    the tiles past them split over one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times
-    instead of 2 x 64); every tile split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the
-    last split to finish then sums the whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more
-    waves of long tasks won (8B down_proj at 512 tokens, 88 tiles of 224 chunks, split 3: 231 -> 168 µs), of short
-    ones lost or won by turns (8B gate_up, 150 tiles of 64 chunks, split 5: 100 -> 83 µs at 16 tokens, 161 -> 182
-    at 128); `megakernel tune` tries the others per variant."""
+    with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN (by `waves_gain` where
+    every tile of more than a wave would be split); the fewest splits within 5 % of the least. Plans: every tile
+    split into one wave of tasks (fewer tiles than SMs); the full waves whole and the tiles past them split over
+    one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times instead of 2 x 64); every tile
+    split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the last split to finish then sums the
+    whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more waves of long tasks won (8B
+    down_proj at 512 tokens, 88 tiles of 224 chunks, split 3: 231 -> 168 µs), of short ones lost or won by turns
+    (8B gate_up, 150 tiles of 64 chunks, split 5: 100 -> 83 µs at 16 tokens, 161 -> 182 at 128); `megakernel tune`
+    tries the others per variant."""
     def cost(full, k):
         rest = tiles - full
         return full // sms * chunks + -(-rest * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
@@ -68,7 +72,7 @@ def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0) -> tuple
     least = min(cost(*pl) for pl in plans)
     # the fewest partial tiles within 5 % of the least (whole waves first)
     best = min((pl for pl in plans if cost(*pl) <= 1.05 * least), key=lambda pl: ((tiles - pl[0]) * pl[1], pl[1]))
-    need = MIN_SPLIT_GAIN_WAVES if best[0] == 0 and tiles > sms else MIN_SPLIT_GAIN
+    need = waves_gain if best[0] == 0 and tiles > sms else MIN_SPLIT_GAIN
     if best[1] == 1 or cost(*best) > (1 - need) * cost(0, 1):
         return 0, 1
     return best
@@ -152,6 +156,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         n, k = projs[name]
         count, chunks = counts[name], -(-k // bk)
         full, ks = split_k(count, chunks, arch.sms, split_cost)
+        loose = split_k(count, chunks, arch.sms, split_cost, waves_gain=MIN_SPLIT_GAIN)  # a tuner candidate
         # a KSPLIT alone splits every tile; a FULL alone splits the rest over one wave where they fit in one
         # (FULL 0 alone: every tile over one wave, or no split where the tiles are more than the SMs)
         if f"{prefix}_KSPLIT" in ov or f"{prefix}_FULL" in ov:
@@ -163,7 +168,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                                 f"{why}: give {prefix}_KSPLIT > 1 (or FULL 0)")
         if ks == 1:
             full = 0
-        tiles[name] = {"N": n, "K": k, "tiles": count, "FULL": full, "KSPLIT": ks}
+        tiles[name] = {"N": n, "K": k, "tiles": count, "FULL": full, "KSPLIT": ks, "LOOSE": list(loose)}
     xrows = -(-rows // bn) * bn if wgmma else rows  # rows of the GEMMs' inputs: whole token tiles where tiled
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
