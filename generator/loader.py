@@ -102,25 +102,26 @@ def _launch_kernel_ex():
     return fn, err
 
 
-def _tensor_maps(packed: dict, box_rows: int, box_k: int, device) -> torch.Tensor:
+def _tensor_maps(name: str, packed: dict, box_rows: int, box_k: int, device) -> torch.Tensor:
     """The TMA tensor maps of the prefill GEMM's weights (interface.TENSOR_MAPS order; templates/gemm.cuh):
     cuTensorMapEncodeTiled (CUDA driver API) of each packed weight [N/16, K/16, 32, 8] (16-bit elements) as a 3-D
     tensor [N/16][K/16][256] with a box of [box_rows][box_k][256] (a ring stage's chunk of a weight tile), zeros past
     the edges. Returns them as uint8 [len(TENSOR_MAPS), 128] on `device` (the kernel reads them from global memory).
-    Raises LoadError where the driver has no cuTensorMapEncodeTiled (CUDA < 12) or refuses a weight (named)."""
+    Raises LoadError (naming the variant `name`) where the driver has no cuTensorMapEncodeTiled (CUDA < 12) or
+    refuses a weight."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     except (OSError, AttributeError) as e:
-        raise LoadError(f"the prefill GEMM's TMA tensor maps need the CUDA driver's cuTensorMapEncodeTiled (CUDA 12+ "
-                        f"driver): {e}") from None
+        raise LoadError(f"{name}: the prefill GEMM's TMA tensor maps need the CUDA driver's cuTensorMapEncodeTiled "
+                        f"(CUDA 12+ driver): {e}") from None
     fn.restype = ctypes.c_int
     u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
     host = bytearray(len(TENSOR_MAPS) * TENSOR_MAP_BYTES + 64)
     base = (ctypes.c_char * len(host)).from_buffer(host)
     off = (-ctypes.addressof(base)) % 64  # CUtensorMap is 64-byte aligned
-    for i, name in enumerate(TENSOR_MAPS):
-        w = packed[name]  # contiguous 16-bit [N/16, K/16, 32, 8] on the device (checked by the caller)
-        assert w.element_size() == 2 and w.is_contiguous() and tuple(w.shape[2:]) == (32, 8), (name, w.shape)
+    for i, arg in enumerate(TENSOR_MAPS):
+        w = packed[arg]  # contiguous 16-bit [N/16, K/16, 32, 8] on the device (checked by the caller)
+        assert w.element_size() == 2 and w.is_contiguous() and tuple(w.shape[2:]) == (32, 8), (arg, w.shape)
         mts, kts = w.shape[:2]
         rc = fn(ctypes.c_void_p(ctypes.addressof(base) + off + i * TENSOR_MAP_BYTES),
                 ctypes.c_int(1),   # CU_TENSOR_MAP_DATA_TYPE_UINT16: a copy, any 16-bit element
@@ -130,7 +131,7 @@ def _tensor_maps(packed: dict, box_rows: int, box_k: int, device) -> torch.Tenso
                 ctypes.c_int(0), ctypes.c_int(0),  # no interleave, no swizzle (the ring keeps the packed order)
                 ctypes.c_int(3), ctypes.c_int(0))  # L2 promotion 256 B; out-of-bounds elements are zeros
         if rc:
-            raise LoadError(f"cuTensorMapEncodeTiled refused {name} {tuple(w.shape)} with a box of "
+            raise LoadError(f"{name}: cuTensorMapEncodeTiled refused {arg} {tuple(w.shape)} with a box of "
                             f"[{box_rows}][{box_k}][256] (CUresult {rc})")
     raw = bytes(host[off:off + len(TENSOR_MAPS) * TENSOR_MAP_BYTES])
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(TENSOR_MAPS), TENSOR_MAP_BYTES).to(device)
@@ -309,11 +310,8 @@ class FusedDecoderLayer:
         fixed.update(inv_freq=self.inv_freq, k_cache=self.k_cache, v_cache=self.v_cache)
         c = self.plan["consts"]
         if c.get("GEMM_WGMMA"):  # the prefill GEMM's weights by TMA tensor maps: the box is the kernel's chunk
-            try:
-                self.tensor_maps = _tensor_maps(self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16,
-                                                self.device)
-            except LoadError as e:
-                raise LoadError(f"{self.name}: {e}") from None
+            self.tensor_maps = _tensor_maps(self.name, self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16,
+                                            self.device)
             fixed["w_tmaps"] = self.tensor_maps
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]
