@@ -214,6 +214,10 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned cha
 #pragma unroll
             for (int s = 0; s < GEMM_STAGES; ++s) mbar_init(bar + s, 1);
             mbar_init_fence();
+            // the tensor map was written to global memory by a host copy: acquired by the tensormap proxy before the
+            // thread's first copy uses it (CUDA C++ Programming Guide, "Using TMA to transfer multi-dimensional
+            // arrays"); a freed layer's maps may have sat at the same address
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;" :: "l"(tmap) : "memory");
         }
         __syncthreads();
     }
