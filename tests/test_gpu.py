@@ -209,23 +209,24 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
         assert bool(layer.buffer("ready").eq(0).all()), layer.buffer("ready")
 
 
-def test_dynamic_attention_split_at_skewed_positions(tmp_path):
-    """ATT_DYN (the rows per attention task chosen at run time from the positions; the default at batch 2-32 from
-    KV 8192): every sequence against the fp32 reference where the positions are far apart (one at the last cache row,
-    the rest at 0 or 1; spread evenly; all but one refused with -1, whose outputs are NaN and whose cache rows are not
-    written), and the split counters back at zero after each launch; on a declared shape (GQA 4, head_dim 64), an
+@pytest.mark.parametrize("dyn", [1, 2])
+def test_dynamic_attention_split_at_skewed_positions(tmp_path, dyn):
+    """ATT_DYN 1 (the rows per attention task chosen at run time from the positions; the default at batch 2-32 from
+    KV 8192) and 2 (stream-K: equal runs of the launch's tiles, one a block): every sequence against the fp32
+    reference where the positions are far apart (one at the last cache row, the rest at 0 or 1; spread evenly; all but
+    one refused with -1, whose outputs are NaN and whose cache rows are not written), and the split counters back at zero after each launch; on a declared shape (GQA 4, head_dim 64), an
     fp16 LayerNorm shape (head_dim 96, group 4, batch 3) and plain multi-head attention at head_dim 256 (batch 5)."""
     from bench.tune import renamed
     defaults = {v.name: v for v in gvariants.load(ROOT / "variants.yaml")}
     picks = [defaults["llama3.2-1b_decode_b4_s4096_bf16"], next(u for u in USER if u.model.name == "user-ln-gelu-fp16"),
              next(u for u in USER if u.model.name == "user-mha-hd256" and u.batch > 1)]
-    cands = [renamed(v, "dyn") for v in picks]
-    res = gcompile.build(cands, tmp_path, overrides={c.name: {"ATT_DYN": 1} for c in cands})
+    cands = [renamed(v, f"dyn{dyn}") for v in picks]
+    res = gcompile.build(cands, tmp_path, overrides={c.name: {"ATT_DYN": dyn} for c in cands})
     assert not res["errors"], res["errors"][0]["error"][:500]
     for v, c in zip(picks, cands):
         W = reference.random_weights(v.model, seed=SEED + 10, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
-        assert layer.plan["consts"]["ATT_DYN"] == 1, v.name
+        assert layer.plan["consts"]["ATT_DYN"] == dyn, v.name
         B, S = v.batch, v.seq_len
         for case, pos in (("one long", [S - 1] + [b % 2 for b in range(1, B)]),
                           ("spread", [(b + 1) * S // B - 1 for b in range(B)]),

@@ -140,6 +140,51 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_stream_attention_covers_every_tile_once():
+    """ATT_DYN 2 (stream-K attention, decode.attention_stream / attention_pieces, the model of templates/stages/
+    attention.cuh att_stream_schedule): at full context and at random positions every 16-row tile of every
+    (sequence, KV head) is walked by exactly one block, pieces are contiguous and whole tiles, a pair spans at most
+    ATT_NSPLIT blocks, no block walks more than R tiles; the planner takes it by default only where the static split
+    takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
+    not where one round leaves SMs idle (measured: no consistent gain); an override of 2 is taken, 3 refused."""
+    import random
+    from generator.modes.decode import STREAM_MIN_GAIN, attention_pieces, attention_stream, static_rounds, stream_gain
+    rng = random.Random(22)
+    by_name = {v.name: v for v in declared()}
+    v = by_name["ho-l1b-b20_decode_b20_s4096_bf16"]
+    c = render.plan(v, "90")["consts"]
+    assert c["ATT_DYN"] == 2 and c["ATT_NSPLIT"] == 16 and c["ATT_COMBINE"] == 1
+    assert static_rounds(c, 132) == 2 and stream_gain(c, 132, 2) >= STREAM_MIN_GAIN
+    for name in ("llama3-8b_decode_b8_s4096_bf16", "ho-h3584-b24_decode_b24_s4096_bf16",
+                 "ho-l1b-b32_decode_b32_s4096_bf16", "llama3.2-1b_decode_b8_s32768_bf16"):
+        assert render.plan(by_name[name], "90")["consts"]["ATT_DYN"] != 2, name
+    for u, grid in ((v, 132), (by_name["llama3.2-1b_decode_b4_s4096_bf16"], 132),
+                    (by_name["ho-h3584-b24_decode_b24_s4096_bf16"], 100)):
+        cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]
+        assert cu["ATT_DYN"] == 2 and cu["ATT_NSPLIT"] >= 2
+        for trial in range(30):
+            lengths = ([u.seq_len] * u.batch if trial == 0 else
+                       [rng.choice([0, 1, 17, u.seq_len, rng.randint(1, u.seq_len)]) for _ in range(u.batch)])
+            r, w = attention_stream(lengths, cu, grid)
+            seen: dict = {}
+            for blk in attention_pieces(lengths, cu, grid):
+                assert sum(-(-(e - s) // 16) for _, _, s, e in blk) <= r
+                for b, h, s, e in blk:
+                    assert s % 16 == 0 and s < e <= max(16, -(-lengths[b] // 16) * 16)
+                    seen.setdefault((b, h), []).append((s, e))
+            assert len(seen) == u.batch * cu["KV_HEADS"], (u.name, lengths)
+            for (b, h), runs in seen.items():
+                runs.sort()
+                assert runs[0][0] == 0 and runs[-1][1] == max(16, -(-lengths[b] // 16) * 16), (u.name, lengths, b)
+                assert all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)), (u.name, lengths, b)
+                assert len(runs) <= cu["ATT_NSPLIT"], (u.name, lengths, b, len(runs))
+            assert w == cu["KV_HEADS"] * sum(max(1, -(-n // 16)) for n in lengths)
+    with pytest.raises(PlanError, match="ATT_DYN=3: must be 0, 1 or 2"):
+        render.plan(v, overrides={"ATT_DYN": 3})
+    with pytest.raises(PlanError, match="ATT_DYN=2: needs batch <= 32"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 2})
+
+
 def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
     split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
@@ -155,6 +200,8 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
         c = render.plan(v, "90", overrides=gtune.resolve(v, "90", gtune.default_tuning_file())[0])["consts"]
         if v.batch == 1 or v.tp > 1:
             assert c["ATT_DYN"] == 0, v.name
+            continue
+        if c["ATT_DYN"] == 2:  # stream-K (test_stream_attention_covers_every_tile_once)
             continue
         assert c["ATT_DYN"] == int(v.seq_len >= 8192), v.name
         c = render.plan(v, "90", overrides={**gtune.resolve(v, "90", gtune.default_tuning_file())[0],

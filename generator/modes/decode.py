@@ -75,8 +75,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "ATT_DYN", "RED_DB")
-        if k in ("NORM_FOLD", "ATT_COMBINE") and val not in (0, 1, 2):
+        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB")
+        if k in ("NORM_FOLD", "ATT_COMBINE", "ATT_DYN") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
@@ -128,6 +128,67 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     if ka >= kb - 1:
         return kb * step
     return next(k for k in (ka + lane * (kb - ka) // 31 for lane in range(32)) if fits(k)) * step
+
+
+def attention_stream(lengths: list[int], consts: dict, grid: int) -> tuple[int, int]:
+    """ATT_DYN 2 (stream-K attention): (R, W), the 16-row tiles each block walks and the launch's tiles in all, as
+    templates/stages/attention.cuh att_stream_schedule computes them on the device. `lengths` are each sequence's
+    rows (position + 1; 0 for an empty or refused position: one tile, its NaN output), `consts` the plan's
+    constants, `grid` the launch's blocks. Every (sequence, KV head) pair's tiles laid end to end, block i walks
+    tiles [i R, (i + 1) R): the pieces of at most a few pairs in turn. R is at least ceil((Umax - 1) / (ATT_NSPLIT -
+    1)), so a pair of Umax tiles spans at most ATT_NSPLIT blocks (the partials' room). Stream-K: Osama et al.,
+    "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU" (PPoPP 2023)."""
+    tiles = [max(1, -(-n // 16)) for n in lengths]
+    w = consts["KV_HEADS"] * sum(tiles)
+    return max(-(-w // grid), -(-(max(tiles) - 1) // (consts["ATT_NSPLIT"] - 1))), w
+
+
+def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[tuple[int, int, int, int]]]:
+    """ATT_DYN 2: each block's pieces as (sequence, KV head, first row, end row), in the order the block walks them
+    (the device loop of templates/stages/attention.cuh, for tests and the planner's model)."""
+    r, w = attention_stream(lengths, consts, grid)
+    tiles = [max(1, -(-n // 16)) for n in lengths]
+    pairs, f = [], 0
+    for b, u in enumerate(tiles):
+        for h in range(consts["KV_HEADS"]):
+            pairs.append((b, h, f, u))
+            f += u
+    out = []
+    for i in range(grid):
+        lo, hi, got = i * r, min(w, (i + 1) * r), []
+        for b, h, f, u in pairs:
+            if f < hi and f + u > lo:
+                got.append((b, h, (max(lo, f) - f) * 16, (min(hi, f + u) - f) * 16))
+        out.append(got)
+    return out
+
+
+# ATT_DYN 2 by the planner's model of a block's attention time in bytes of cache walked: its rows times the row's
+# bytes plus ATT_TASK_BYTES for each task or piece (a task's fixed latency, ~3 us: queries, the walk's first loads,
+# the partial and its counter, bench/NOTES.md session 15, at one SM's walk rate, ~32 GB/s: 65 us for 2 MB, session
+# 19's batch-24 profile); taken where the static split takes two rounds or more and the full-context model gains at
+# least STREAM_MIN_GAIN. Measured on the H200 (bench/NOTES.md session 22), against the static split in a stack of
+# layers: two rounds, 160 pairs: +9-10 % (Llama-3.2-1B shape b20, KV 4096, modelled 0.46), +1 % (Llama-3-8B shape
+# b20, KV 1024, 0.33), -2.5 % (1B b20 KV 1024, 0.17), -0.5 % (1B b28, 0.11); one round with idle SMs (96 pairs or
+# fewer): -4.5 ... +7 %, not following the model (Qwen2.5-7B shape b24 -2 ... -4.5 %, Llama-3-8B b12 +5 ... +7 %)
+ATT_TASK_BYTES = 96 << 10
+STREAM_MIN_GAIN = 0.25
+
+
+def static_rounds(consts: dict, grid: int) -> int:
+    """Rounds of the static split's tasks over `grid` blocks at full context (ATT_C rows a task)."""
+    return -(-consts["BATCH"] * consts["KV_HEADS"] * -(-consts["SEQ_LEN"] // consts["ATT_C"]) // grid)
+
+
+def stream_gain(consts: dict, grid: int, esize: int) -> float:
+    """The modelled gain of ATT_DYN 2 over the static split ATT_C at full context (every sequence at SEQ_LEN rows):
+    static time / stream-K time - 1 (bytes model above; 0.25 = a quarter faster)."""
+    row = 2 * consts["HEAD_DIM"] * esize
+    seq, att_c = consts["SEQ_LEN"], consts["ATT_C"]
+    static = static_rounds(consts, grid) * (att_c * row + ATT_TASK_BYTES)
+    stream = max(sum((e - s) * row + ATT_TASK_BYTES for _, _, s, e in blk)
+                 for blk in attention_pieces([seq] * consts["BATCH"], consts, grid))
+    return static / stream - 1
 
 
 def combine_default(outputs: int, nsplit: int) -> int:
@@ -227,14 +288,25 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= v.seq_len < 1 << 24
                                     and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
-        raise PlanError(f"{v.name}: plan override ATT_DYN=1: needs batch <= 32 (one warp schedules), one GPU and a "
+        raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one GPU and a "
                         f"cache under 2^24 rows (its float division is exact below; this variant: batch {v.batch}, "
                         f"tp {v.tp}, seq_len {v.seq_len})")
     if att_dyn and "ATT_C" in ov:
-        raise PlanError(f"{v.name}: plan overrides ATT_DYN=1 and ATT_C={ov['ATT_C']}: with ATT_DYN the rows per task "
+        raise PlanError(f"{v.name}: plan overrides ATT_DYN={att_dyn} and ATT_C={ov['ATT_C']}: with ATT_DYN the rows per task "
                         "are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
-    if att_dyn:
+    if att_dyn == 1:
         nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
+    # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
+    # gains STREAM_MIN_GAIN at full context (b20 with 8 KV heads: 160 pairs on 132 SMs), room for ATT_DYN_SPLITS
+    # pieces a pair
+    stream_room = max(2, min(math.ceil(v.seq_len / 16), ATT_DYN_SPLITS))
+    if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
+        model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
+                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room}
+        if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN:
+            att_dyn = 2
+    if att_dyn == 2:
+        nsplit = max(nsplit, stream_room)
 
     # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
     # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32

@@ -8,8 +8,11 @@
 // (qk_norm, rope, scale) in shared memory; the task that holds row pos also appends the new k and v.
 // Splits of one (sequence, kv head) meet through a counter: the last to finish combines the partial results
 // (max-rescaled sums) and writes the attention output, so no extra grid barrier is needed.
-// ATT_DYN: the rows per task are chosen at run time from this launch's positions (att_schedule), so sequences at
+// ATT_DYN 1: the rows per task are chosen at run time from this launch's positions (att_schedule), so sequences at
 // mixed positions spread their actual rows over the blocks; at full context it picks ATT_C (the planner's choice).
+// ATT_DYN 2 (stream-K): the launch's 16-row tiles of every (sequence, KV head), laid end to end, are cut into equal
+// runs, one a block (att_stream_schedule); a block walks the pieces of its run in turn, so a count of (sequence, KV
+// head) pairs that is no multiple of the SMs leaves no block idle or a second round behind.
 #pragma once
 #include "../gemv.cuh"
 #include "qk_norm.cuh"
@@ -102,6 +105,38 @@ __device__ void att_schedule(const int* pos, int* sched) {
     if (lane == 31) sched[1] = n * KV_HEADS;
 }
 
+// ATT_DYN 2: warp 0 writes sched[0] = R (tiles a block), sched[1] = W (tiles in all), sched[2 + b] = the tiles of
+// the KV heads' runs before sequence b / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] = its rows (0: refused). A
+// sequence of L rows has U = max(1, ceil(L / 16)) tiles a KV head (an empty or refused one: one tile, its NaN
+// output); R = max(ceil(W / blocks), ceil((Umax - 1) / (ATT_NSPLIT - 1))) keeps a pair within ATT_NSPLIT pieces
+// (generator/modes/decode.py attention_stream does the same arithmetic).
+__device__ void att_stream_schedule(const int* pos, int* sched) {
+    static_assert(ATT_DYN != 2 || ATT_NSPLIT >= 2, "ATT_DYN 2: room for two pieces a pair");
+    const int lane = threadIdx.x & 31;
+    int L = 0;
+    if (lane < BATCH) {
+        int p;
+        asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + lane));
+        L = p >= 0 && p < SEQ_LEN ? p + 1 : 0;
+        sched[3 + BATCH + lane] = L;
+    }
+    const int u = lane < BATCH ? max(1, (L + 15) >> 4) : 0;
+    const int umax = (int)__reduce_max_sync(0xffffffffu, (unsigned)u);
+    int n = u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, n, o);
+        if (lane >= o) n += t;
+    }
+    if (lane < BATCH) sched[3 + lane] = n;
+    const int w = __shfl_sync(0xffffffffu, n, 31) * KV_HEADS;
+    if (lane == 0) {
+        sched[0] = max((w + (int)gridDim.x - 1) / (int)gridDim.x, (umax - 1 + ATT_NSPLIT - 2) / (ATT_NSPLIT - 1));
+        sched[1] = w;
+        sched[2] = 0;
+    }
+}
+
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
                           T* v_cache, float* ws_part, unsigned* ws_count, const unsigned* ws_ready, T* ws_attn,
@@ -124,17 +159,32 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     T* pt = reinterpret_cast<T*>(smem + SMEM_PT) + warp * NT * 8 * PL;                       // [NT*8 heads][PL]
     const bool walker = warp < ATT_WARPS;
 
-    int att_c = ATT_C, ntask = NTASK;
+    int att_c = ATT_C, ntask = NTASK, su = 0, su_end = 0;  // ATT_DYN 2: this block's run of tiles [su, su_end)
     const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: first tasks, rows
     if constexpr (ATT_DYN) {
-        if (warp == 0) att_schedule(pos, reinterpret_cast<int*>(smem + SMEM_SCHED));
+        if (warp == 0) {
+            if constexpr (ATT_DYN == 2) att_stream_schedule(pos, reinterpret_cast<int*>(smem + SMEM_SCHED));
+            else att_schedule(pos, reinterpret_cast<int*>(smem + SMEM_SCHED));
+        }
         __syncthreads();
         att_c = first[-2];
         ntask = first[-1];
+        su = blockIdx.x * att_c;
+        su_end = min(ntask, su + att_c);
     }
-    for (int task = blockIdx.x; task < ntask; task += gridDim.x) {
-        int split, b, kvh;
-        if constexpr (ATT_DYN) {  // sequence-major, KV head fastest: b is the last sequence starting at or before u
+    for (int task = blockIdx.x; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
+        int split, b, kvh, row0, row1 = 0, nsplit = 0;  // ATT_DYN 2: the piece's rows [row0, row1), its pair's pieces
+        if constexpr (ATT_DYN == 2) {  // pairs sequence-major, KV head fastest, U_b tiles each
+            b = __popc(__ballot_sync(0xffffffffu, lane < BATCH - 1 && KV_HEADS * first[lane + 1] <= su));
+            const int s0 = KV_HEADS * first[b], ub = first[b + 1] - first[b];
+            kvh = (su - s0) / ub;
+            const int f = s0 + kvh * ub, end = min(f + ub, su_end);
+            row0 = (su - f) * 16;
+            row1 = (end - f) * 16;
+            split = (int)blockIdx.x - f / att_c;
+            nsplit = (f + ub - 1) / att_c - f / att_c + 1;
+            su = end;
+        } else if constexpr (ATT_DYN) {  // sequence-major, KV head fastest: b, the last sequence starting by u
             const int u = task / KV_HEADS;
             kvh = task % KV_HEADS;
             b = __popc(__ballot_sync(0xffffffffu, lane < BATCH - 1 && first[lane + 1] <= u));
@@ -150,7 +200,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         int p;  // ATT_DYN: from the schedule's copy (rows - 1; -1: refused)
         if constexpr (ATT_DYN) p = first[BATCH + 1 + b] - 1;
         else asm volatile("ld.global.s32 %0, [%1];" : "=r"(p) : "l"(pos + b));
-        const int row0 = split * att_c;
+        if constexpr (ATT_DYN != 2) row0 = split * att_c;
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
                 for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS)
@@ -159,7 +209,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
         if (row0 > p) continue;                       // the same for the whole block
-        const int n = min(att_c, p + 1 - row0), nsplit = p / att_c + 1;
+        const int n = ATT_DYN == 2 ? min(row1, p + 1) - row0 : min(att_c, p + 1 - row0);
+        if constexpr (ATT_DYN != 2) nsplit = p / att_c + 1;
         const bool appends = split == nsplit - 1;
         const size_t head_base = ((size_t)b * KV_HEADS + kvh) * SEQ_LEN * HEAD_DIM;
         const T* kc = k_cache + head_base + (size_t)row0 * HEAD_DIM;
