@@ -176,8 +176,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
-    all of them do not fit). ATT_DYN itself is not tried: it pays at mixed positions, and the tuner times full
-    context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default plan's."""
+    all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
+    STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer where one round leaves
+    SMs idle, bench/NOTES.md session 22) and the split as before (ATT_DYN 0, or 1 from KV 8192) where it took it.
+    ATT_DYN 1 itself is not tried: it pays at mixed positions, and the tuner times full context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default plan's."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
@@ -203,6 +205,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
+        if d["ATT_DYN"] == 2:
+            tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
+        elif 2 <= v.batch <= 32 and v.tp == 1 and decode.stream_gain(
+                {**d, "ATT_NSPLIT": max(2, min(-(-v.seq_len // 16), decode.ATT_DYN_SPLITS))},
+                get_arch(arch).sms, decode.DTYPES[v.model.dtype].bytes) >= decode.STREAM_TRY_GAIN:
+            tries += [{"ATT_DYN": 2}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{"NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []

@@ -173,6 +173,7 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
 # fewer): -4.5 ... +7 %, not following the model (Qwen2.5-7B shape b24 -2 ... -4.5 %, Llama-3-8B b12 +5 ... +7 %)
 ATT_TASK_BYTES = 96 << 10
 STREAM_MIN_GAIN = 0.25
+STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
 
 
 def static_rounds(consts: dict, grid: int) -> int:
