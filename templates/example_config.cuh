@@ -23,6 +23,7 @@ constexpr int ATT_STAGES = 2;
 constexpr int ATT_NSPLIT = 16;
 constexpr int ATT_COMBINE = 1;
 constexpr int ATT_DYN = 0;
+constexpr int ATT_PIECE_TILES = 24;
 constexpr int X_FRAG = 1;
 constexpr int HB_COPY = 1;
 constexpr int GEMV_PF = 0;

@@ -144,7 +144,8 @@ def test_stream_attention_covers_every_tile_once():
     """ATT_DYN 2 (stream-K attention, decode.attention_stream / attention_pieces, the model of templates/stages/
     attention.cuh att_stream_schedule): at full context and at random positions every 16-row tile of every
     (sequence, KV head) is walked by exactly one block, pieces are contiguous and whole tiles, a pair spans at most
-    ATT_NSPLIT blocks, no block walks more than R tiles; the planner takes it by default only where the static split
+    ATT_NSPLIT blocks, no block walks more than R tiles, each pair charged ATT_PIECE_TILES units (spread positions:
+    a block holds few short pairs); the planner takes it by default only where the static split
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
     not where one round leaves SMs idle (measured: no consistent gain; the tuner tries it there); an override of 2 is
     taken, 3 refused."""
@@ -179,11 +180,14 @@ def test_stream_attention_covers_every_tile_once():
                 assert runs[0][0] == 0 and runs[-1][1] == max(16, -(-lengths[b] // 16) * 16), (u.name, lengths, b)
                 assert all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)), (u.name, lengths, b)
                 assert len(runs) <= cu["ATT_NSPLIT"], (u.name, lengths, b, len(runs))
-            assert w == cu["KV_HEADS"] * sum(max(1, -(-n // 16)) for n in lengths)
+            assert w == cu["KV_HEADS"] * sum(max(1, -(-n // 16)) + cu["ATT_PIECE_TILES"] for n in lengths)
     # the tuner times the static split where stream-K is planned, and stream-K where one round leaves SMs idle
     assert {"ATT_DYN": 0} in gtune.candidates(v)
     assert {"ATT_DYN": 2} in gtune.candidates(by_name["ho-h3584-b24_decode_b24_s4096_bf16"])
     assert not any("ATT_DYN" in o for o in gtune.candidates(by_name["llama3-8b_decode_b8_s4096_bf16"]))
+    # positions spread evenly over the cache: no block walks the pieces of more than 5 pairs (unweighted: 12)
+    spread = [(b + 1) * v.seq_len // v.batch for b in range(v.batch)]
+    assert max(len(blk) for blk in attention_pieces(spread, c, 132)) <= 5
     with pytest.raises(PlanError, match="ATT_DYN=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"ATT_DYN": 3})
     with pytest.raises(PlanError, match="ATT_DYN=2: needs batch <= 32"):

@@ -131,15 +131,17 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
 
 
 def attention_stream(lengths: list[int], consts: dict, grid: int) -> tuple[int, int]:
-    """ATT_DYN 2 (stream-K attention): (R, W), the 16-row tiles each block walks and the launch's tiles in all, as
+    """ATT_DYN 2 (stream-K attention): (R, W), the units each block takes and the launch's units in all, as
     templates/stages/attention.cuh att_stream_schedule computes them on the device. `lengths` are each sequence's
     rows (position + 1; 0 for an empty or refused position: one tile, its NaN output), `consts` the plan's
-    constants, `grid` the launch's blocks. Every (sequence, KV head) pair's tiles laid end to end, block i walks
-    tiles [i R, (i + 1) R): the pieces of at most a few pairs in turn. R is at least ceil((Umax - 1) / (ATT_NSPLIT -
-    1)), so a pair of Umax tiles spans at most ATT_NSPLIT blocks (the partials' room). Stream-K: Osama et al.,
-    "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU" (PPoPP 2023)."""
+    constants, `grid` the launch's blocks. Every (sequence, KV head) pair spans ATT_PIECE_TILES units (a piece's
+    fixed cost, in 16-row tiles) then its tiles, pairs end to end; block i takes units [i R, (i + 1) R) and walks
+    the tiles among them: the pieces of a few pairs in turn, fewer where the pairs are short. R is at least
+    ceil((Umax - 1) / (ATT_NSPLIT - 1)), so a pair of Umax tiles spans at most ATT_NSPLIT blocks (the partials'
+    room). Stream-K: Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix
+    Multiplication on the GPU" (PPoPP 2023)."""
     tiles = [max(1, -(-n // 16)) for n in lengths]
-    w = consts["KV_HEADS"] * sum(tiles)
+    w = consts["KV_HEADS"] * sum(u + consts["ATT_PIECE_TILES"] for u in tiles)
     return max(-(-w // grid), -(-(max(tiles) - 1) // (consts["ATT_NSPLIT"] - 1))), w
 
 
@@ -147,12 +149,12 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
     """ATT_DYN 2: each block's pieces as (sequence, KV head, first row, end row), in the order the block walks them
     (the device loop of templates/stages/attention.cuh, for tests and the planner's model)."""
     r, w = attention_stream(lengths, consts, grid)
-    tiles = [max(1, -(-n // 16)) for n in lengths]
     pairs, f = [], 0
-    for b, u in enumerate(tiles):
+    for b, n in enumerate(lengths):
+        u = max(1, -(-n // 16))
         for h in range(consts["KV_HEADS"]):
-            pairs.append((b, h, f, u))
-            f += u
+            pairs.append((b, h, f + consts["ATT_PIECE_TILES"], u))  # the pair's first tile, its tiles
+            f += consts["ATT_PIECE_TILES"] + u
     out = []
     for i in range(grid):
         lo, hi, got = i * r, min(w, (i + 1) * r), []
@@ -179,6 +181,11 @@ STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (gen
 def static_rounds(consts: dict, grid: int) -> int:
     """Rounds of the static split's tasks over `grid` blocks at full context (ATT_C rows a task)."""
     return -(-consts["BATCH"] * consts["KV_HEADS"] * -(-consts["SEQ_LEN"] // consts["ATT_C"]) // grid)
+
+
+def piece_tiles(head_dim: int, esize: int) -> int:
+    """ATT_DYN 2: a piece's fixed cost in 16-row tiles of K and V (ATT_TASK_BYTES over a tile's bytes)."""
+    return -(-ATT_TASK_BYTES // (16 * 2 * head_dim * esize))
 
 
 def stream_gain(consts: dict, grid: int, esize: int) -> float:
@@ -303,7 +310,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     stream_room = max(2, min(math.ceil(v.seq_len / 16), ATT_DYN_SPLITS))
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
-                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room}
+                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room, "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
         if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN:
             att_dyn = 2
     if att_dyn == 2:
@@ -421,6 +428,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
+        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize),
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

@@ -10,9 +10,9 @@
 // (max-rescaled sums) and writes the attention output, so no extra grid barrier is needed.
 // ATT_DYN 1: the rows per task are chosen at run time from this launch's positions (att_schedule), so sequences at
 // mixed positions spread their actual rows over the blocks; at full context it picks ATT_C (the planner's choice).
-// ATT_DYN 2 (stream-K): the launch's 16-row tiles of every (sequence, KV head), laid end to end, are cut into equal
-// runs, one a block (att_stream_schedule); a block walks the pieces of its run in turn, so a count of (sequence, KV
-// head) pairs that is no multiple of the SMs leaves no block idle or a second round behind.
+// ATT_DYN 2 (stream-K): the launch's 16-row tiles of every (sequence, KV head), laid end to end (each pair behind a
+// fixed cost in tiles), are cut into equal runs, one a block (att_stream_schedule); a block walks the pieces of its
+// run in turn, so a count of pairs that is no multiple of the SMs leaves no block idle or a second round behind.
 #pragma once
 #include "../gemv.cuh"
 #include "qk_norm.cuh"
@@ -105,11 +105,13 @@ __device__ void att_schedule(const int* pos, int* sched) {
     if (lane == 31) sched[1] = n * KV_HEADS;
 }
 
-// ATT_DYN 2: warp 0 writes sched[0] = R (tiles a block), sched[1] = W (tiles in all), sched[2 + b] = the tiles of
-// the KV heads' runs before sequence b / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] = its rows (0: refused). A
+// ATT_DYN 2: warp 0 writes sched[0] = R (units a block), sched[1] = W (units in all), sched[2 + b] = the units of
+// the KV heads' spans before sequence b / KV_HEADS (b <= BATCH), sched[3 + BATCH + b] = its rows (0: refused). A
 // sequence of L rows has U = max(1, ceil(L / 16)) tiles a KV head (an empty or refused one: one tile, its NaN
-// output); R = max(ceil(W / blocks), ceil((Umax - 1) / (ATT_NSPLIT - 1))) keeps a pair within ATT_NSPLIT pieces
-// (generator/modes/decode.py attention_stream does the same arithmetic).
+// output); each (sequence, KV head) spans ATT_PIECE_TILES units (a piece's fixed cost in tiles: queries, the partial,
+// the counter) then its U tiles, so a run over many short sequences holds fewer of them. R = max(ceil(W / blocks),
+// ceil((Umax - 1) / (ATT_NSPLIT - 1))) keeps a pair within ATT_NSPLIT pieces (generator/modes/decode.py
+// attention_stream does the same arithmetic).
 __device__ void att_stream_schedule(const int* pos, int* sched) {
     static_assert(ATT_DYN != 2 || ATT_NSPLIT >= 2, "ATT_DYN 2: room for two pieces a pair");
     const int lane = threadIdx.x & 31;
@@ -122,7 +124,7 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
     }
     const int u = lane < BATCH ? max(1, (L + 15) >> 4) : 0;
     const int umax = (int)__reduce_max_sync(0xffffffffu, (unsigned)u);
-    int n = u;
+    int n = lane < BATCH ? u + ATT_PIECE_TILES : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
         const int t = __shfl_up_sync(0xffffffffu, n, o);
@@ -174,12 +176,16 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     }
     for (int task = blockIdx.x; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
         int split, b, kvh, row0, row1 = 0, nsplit = 0;  // ATT_DYN 2: the piece's rows [row0, row1), its pair's pieces
-        if constexpr (ATT_DYN == 2) {  // pairs sequence-major, KV head fastest, U_b tiles each
+        if constexpr (ATT_DYN == 2) {  // pairs sequence-major, KV head fastest: ATT_PIECE_TILES + U_b units each
             b = __popc(__ballot_sync(0xffffffffu, lane < BATCH - 1 && KV_HEADS * first[lane + 1] <= su));
-            const int s0 = KV_HEADS * first[b], ub = first[b + 1] - first[b];
-            kvh = (su - s0) / ub;
-            const int f = s0 + kvh * ub, end = min(f + ub, su_end);
-            row0 = (su - f) * 16;
+            const int s0 = KV_HEADS * first[b], span = first[b + 1] - first[b], ub = span - ATT_PIECE_TILES;
+            kvh = (su - s0) / span;
+            const int f = s0 + kvh * span + ATT_PIECE_TILES, end = min(f + ub, su_end);  // f: the pair's first tile
+            if (end <= f) {  // the run ends inside the pair's fixed cost: nothing of it to walk here
+                su = su_end;
+                continue;
+            }
+            row0 = (max(su, f) - f) * 16;
             row1 = (end - f) * 16;
             split = (int)blockIdx.x - f / att_c;
             nsplit = (f + ub - 1) / att_c - f / att_c + 1;
