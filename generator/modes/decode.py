@@ -170,9 +170,10 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
 # the partial and its counter, bench/NOTES.md session 15, at one SM's walk rate, ~32 GB/s: 65 us for 2 MB, session
 # 19's batch-24 profile); taken where the static split takes two rounds or more and the full-context model gains at
 # least STREAM_MIN_GAIN. Measured on the H200 (bench/NOTES.md session 22), against the static split in a stack of
-# layers: two rounds, 160 pairs: +9-10 % (Llama-3.2-1B shape b20, KV 4096, modelled 0.46), +1 % (Llama-3-8B shape
-# b20, KV 1024, 0.33), -2.5 % (1B b20 KV 1024, 0.17), -0.5 % (1B b28, 0.11); one round with idle SMs (96 pairs or
-# fewer): -4.5 ... +7 %, not following the model (Qwen2.5-7B shape b24 -2 ... -4.5 %, Llama-3-8B b12 +5 ... +7 %)
+# layers at full context: two rounds, +1.2 ... +13.9 % on eight shapes (Llama-3.2-1B shape b20 KV 4096 +13 %,
+# modelled 0.54; b20 KV 1024 +1.5 %, 0.34; Llama-3-8B shape b20 KV 1024 +1.2 %, 0.45); one round with idle SMs (96
+# pairs or fewer) -4.5 ... +7 % across runs, the static split's own time moving by up to 25 % from run to run there
+# (the tuner tries it: generator/tune.py); the 1B b28 (two rounds, modelled 0.10) -0.5 %
 ATT_TASK_BYTES = 96 << 10
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
