@@ -177,9 +177,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
     all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
-    STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer where one round leaves
-    SMs idle, bench/NOTES.md session 22) and the split as before (ATT_DYN 0, or 1 from KV 8192) where it took it.
-    ATT_DYN 1 itself is not tried: it pays at mixed positions, and the tuner times full context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default plan's."""
+    STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer
+    where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
+    0, or 1 from KV 8192). ATT_DYN 1 is never tried against a static plan: it pays at mixed positions, and the tuner
+    times full context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default
+    plan's."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]

@@ -214,8 +214,9 @@ def test_dynamic_attention_split_at_skewed_positions(tmp_path, dyn):
     """ATT_DYN 1 (the rows per attention task chosen at run time from the positions; the default at batch 2-32 from
     KV 8192) and 2 (stream-K: equal runs of the launch's tiles, one a block): every sequence against the fp32
     reference where the positions are far apart (one at the last cache row, the rest at 0 or 1; spread evenly; all but
-    one refused with -1, whose outputs are NaN and whose cache rows are not written), and the split counters back at zero after each launch; on a declared shape (GQA 4, head_dim 64), an
-    fp16 LayerNorm shape (head_dim 96, group 4, batch 3) and plain multi-head attention at head_dim 256 (batch 5)."""
+    one refused with -1, whose outputs are NaN and whose cache rows are not written), and the split counters back at
+    zero after each launch; on a declared shape (GQA 4, head_dim 64), an fp16 LayerNorm shape (head_dim 96, group 4,
+    batch 3) and plain multi-head attention at head_dim 256 (batch 5)."""
     from bench.tune import renamed
     defaults = {v.name: v for v in gvariants.load(ROOT / "variants.yaml")}
     picks = [defaults["llama3.2-1b_decode_b4_s4096_bf16"], next(u for u in USER if u.model.name == "user-ln-gelu-fp16"),

@@ -42,8 +42,9 @@ STEPS = (
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
-# of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN: attention's rows per task
-# chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule);
+# of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN 1: attention's rows per
+# task chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule),
+# 2: stream-K, equal runs of the launch's tiles a block (attention_stream; att_stream_schedule);
 # RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
 # each round's writes; templates/gemv.cuh); NORM_CLUSTER: the kernel in clusters of that many blocks, the norms' rows
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast)
@@ -145,22 +146,30 @@ def attention_stream(lengths: list[int], consts: dict, grid: int) -> tuple[int, 
     return max(-(-w // grid), -(-(max(tiles) - 1) // (consts["ATT_NSPLIT"] - 1))), w
 
 
-def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[tuple[int, int, int, int]]]:
-    """ATT_DYN 2: each block's pieces as (sequence, KV head, first row, end row), in the order the block walks them
-    (the device loop of templates/stages/attention.cuh, for tests and the planner's model)."""
+def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[tuple[int, ...]]]:
+    """ATT_DYN 2: each block's pieces as (sequence, KV head, first row, end row, split, nsplit), in the order the
+    block walks them: the device loop of templates/stages/attention.cuh step by step (the sequence found from the
+    units before each, a run that ends inside a pair's fixed cost walks nothing of it; the end row is whole tiles,
+    the kernel stops at the position), for tests and the planner's model."""
     r, w = attention_stream(lengths, consts, grid)
-    pairs, f = [], 0
-    for b, n in enumerate(lengths):
-        u = max(1, -(-n // 16))
-        for h in range(consts["KV_HEADS"]):
-            pairs.append((b, h, f + consts["ATT_PIECE_TILES"], u))  # the pair's first tile, its tiles
-            f += consts["ATT_PIECE_TILES"] + u
+    kvh, pt = consts["KV_HEADS"], consts["ATT_PIECE_TILES"]
+    first = [0]
+    for n in lengths:
+        first.append(first[-1] + max(1, -(-n // 16)) + pt)
     out = []
     for i in range(grid):
-        lo, hi, got = i * r, min(w, (i + 1) * r), []
-        for b, h, f, u in pairs:
-            if f < hi and f + u > lo:
-                got.append((b, h, (max(lo, f) - f) * 16, (min(hi, f + u) - f) * 16))
+        su, su_end, got = i * r, min(w, (i + 1) * r), []
+        while su < su_end:
+            b = max(j for j in range(len(lengths)) if kvh * first[j] <= su)
+            s0, span = kvh * first[b], first[b + 1] - first[b]
+            h = (su - s0) // span
+            f = s0 + h * span + pt
+            ub = span - pt
+            end = min(f + ub, su_end)
+            if end <= f:
+                break
+            got.append((b, h, (max(su, f) - f) * 16, (end - f) * 16, i - f // r, (f + ub - 1) // r - f // r + 1))
+            su = end
         out.append(got)
     return out
 
@@ -173,7 +182,7 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
 # layers at full context: two rounds, +1.2 ... +13.9 % on eight shapes (Llama-3.2-1B shape b20 KV 4096 +13 %,
 # modelled 0.54; b20 KV 1024 +1.5 %, 0.34; Llama-3-8B shape b20 KV 1024 +1.2 %, 0.45); one round with idle SMs (96
 # pairs or fewer) -4.5 ... +7 % across runs, the static split's own time moving by up to 25 % from run to run there
-# (the tuner tries it: generator/tune.py); the 1B b28 (two rounds, modelled 0.10) -0.5 %
+# (the tuner tries it: generator/tune.py); the 1B b28 (two rounds, modelled 0.12: not taken) -0.5 %
 ATT_TASK_BYTES = 96 << 10
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
@@ -195,7 +204,7 @@ def stream_gain(consts: dict, grid: int, esize: int) -> float:
     row = 2 * consts["HEAD_DIM"] * esize
     seq, att_c = consts["SEQ_LEN"], consts["ATT_C"]
     static = static_rounds(consts, grid) * (att_c * row + ATT_TASK_BYTES)
-    stream = max(sum((e - s) * row + ATT_TASK_BYTES for _, _, s, e in blk)
+    stream = max(sum((e - s) * row + ATT_TASK_BYTES for _, _, s, e, _, _ in blk)
                  for blk in attention_pieces([seq] * consts["BATCH"], consts, grid))
     return static / stream - 1
 
@@ -297,12 +306,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= v.seq_len < 1 << 24
                                     and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
-        raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one GPU and a "
-                        f"cache under 2^24 rows (its float division is exact below; this variant: batch {v.batch}, "
-                        f"tp {v.tp}, seq_len {v.seq_len})")
+        raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one "
+                        f"GPU and a cache under 2^24 rows (ATT_DYN 1's float division is exact below; this variant: "
+                        f"batch {v.batch}, tp {v.tp}, seq_len {v.seq_len})")
     if att_dyn and "ATT_C" in ov:
-        raise PlanError(f"{v.name}: plan overrides ATT_DYN={att_dyn} and ATT_C={ov['ATT_C']}: with ATT_DYN the rows per task "
-                        "are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
+        raise PlanError(f"{v.name}: plan overrides ATT_DYN={att_dyn} and ATT_C={ov['ATT_C']}: with ATT_DYN the rows "
+                        "per task are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
     if att_dyn == 1:
         nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
     # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
@@ -368,7 +377,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
     ring = att_warps * att_stages * tile
     smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
-    smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16  # ATT_DYN: C, the task count, each sequence's first task
+    # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each sequence, rows
+    smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
     att_bytes = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
     combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
     if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:

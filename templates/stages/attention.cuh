@@ -161,7 +161,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     T* pt = reinterpret_cast<T*>(smem + SMEM_PT) + warp * NT * 8 * PL;                       // [NT*8 heads][PL]
     const bool walker = warp < ATT_WARPS;
 
-    int att_c = ATT_C, ntask = NTASK, su = 0, su_end = 0;  // ATT_DYN 2: this block's run of tiles [su, su_end)
+    int att_c = ATT_C, ntask = NTASK, su = 0, su_end = 0;  // ATT_DYN 2: this block's run of units [su, su_end)
     const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: first tasks, rows
     if constexpr (ATT_DYN) {
         if (warp == 0) {
