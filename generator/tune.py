@@ -210,7 +210,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
         if d["ATT_DYN"] == 2:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
         elif 2 <= v.batch <= 32 and v.tp == 1 and decode.stream_gain(
-                {**d, "ATT_NSPLIT": max(2, min(-(-v.seq_len // 16), decode.ATT_DYN_SPLITS))},
+                {**d, "ATT_NSPLIT": decode.stream_room(v.seq_len)},
                 get_arch(arch).sms, decode.DTYPES[v.model.dtype].bytes) >= decode.STREAM_TRY_GAIN:
             tries += [{"ATT_DYN": 2}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied

@@ -193,6 +193,12 @@ def static_rounds(consts: dict, grid: int) -> int:
     return -(-consts["BATCH"] * consts["KV_HEADS"] * -(-consts["SEQ_LEN"] // consts["ATT_C"]) // grid)
 
 
+def stream_room(seq_len: int) -> int:
+    """ATT_DYN 2: the partials' room, pieces a (sequence, KV head) may span (ATT_NSPLIT): ATT_DYN_SPLITS, fewer where
+    the cache has fewer tiles, at least 2."""
+    return max(2, min(-(-seq_len // 16), ATT_DYN_SPLITS))
+
+
 def piece_tiles(head_dim: int, esize: int) -> int:
     """ATT_DYN 2: a piece's fixed cost in 16-row tiles of K and V (ATT_TASK_BYTES over a tile's bytes)."""
     return -(-ATT_TASK_BYTES // (16 * 2 * head_dim * esize))
@@ -317,14 +323,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
     # gains STREAM_MIN_GAIN at full context (b20 with 8 KV heads: 160 pairs on 132 SMs), room for ATT_DYN_SPLITS
     # pieces a pair
-    stream_room = max(2, min(math.ceil(v.seq_len / 16), ATT_DYN_SPLITS))
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
-                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room, "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
+                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len), "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
         if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN:
             att_dyn = 2
     if att_dyn == 2:
-        nsplit = max(nsplit, stream_room)
+        nsplit = max(nsplit, stream_room(v.seq_len))
 
     # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
     # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32
