@@ -156,7 +156,7 @@ def _half(n: int) -> int:
 
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB")  # on/off knobs: 0 is a setting, not a size
+                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[dict]:
@@ -172,7 +172,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
     flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32),
     RED_DB 1 where the planner took one buffer of partial sums (two were 2 % faster at batch 32 where one only added
     L1 above 60 KB); at batch >= 16 NORM_FOLD 2 where not planned and NORM_CLUSTER 2 (last, so the limit cuts them
-    first);
+    first); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for two grid barriers;
+    +3 % on the 1B b20 where the planner keeps the rows, session 23);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
@@ -217,6 +218,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{"NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []
         tries += [{"NORM_CLUSTER": 2}] if v.batch >= 16 else []
+        tries += [{"NORM_GLOBAL": 1 - d["NORM_GLOBAL"]}] if v.batch >= 8 else []
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:
         if len(out) >= limit:
@@ -234,6 +236,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
                 p = plan(v, arch, overrides=ov)
         except PlanError:
             continue
+        if "NORM_GLOBAL" not in ov and p["consts"].get("NORM_GLOBAL") != d.get("NORM_GLOBAL"):
+            continue  # a knob whose rows no longer fit moved them to global memory: two changes, not one
         key = knob_values(p)
         if key in seen:
             continue

@@ -275,7 +275,7 @@ def test_only_and_exclude_restrict_the_build(tiny_build, tmp_path):
 # ---------------------------------------------------------------- refusal and compile errors
 
 OVER_BUDGET = """\
-matrix: {mode: [decode], batch: [8], seq_len: [1024]}
+matrix: {mode: [decode], batch: [256], seq_len: [1024]}
 models:
   huge:
     {hidden: 16384, heads: 128, kv_heads: 8, head_dim: 128, intermediate: 53248, layers: 126, norm: rmsnorm,

@@ -601,7 +601,7 @@ def test_build_counts_refusals_survives_a_closed_stdout_and_can_skip_the_table(t
     text = Path(tiny_variants_file).read_text()
     big = ("  big:\n    {hidden: 8192, heads: 64, kv_heads: 8, head_dim: 128, intermediate: 28672, layers: 1, "
            "norm: rmsnorm,\n     norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, "
-           "qk_norm: false, dtype: bf16,\n     matrix: {mode: [decode], batch: [40], seq_len: [64]}}\n")
+           "qk_norm: false, dtype: bf16,\n     matrix: {mode: [decode], batch: [256], seq_len: [64]}}\n")
     vfile = tmp_path / "v.yaml"
     vfile.write_text(text.split("  tiny-b:")[0] + big)
     args = ["-m", "generator.cli", "build", "--variants", str(vfile), "--build-dir", str(tmp_path / "b")]
@@ -611,9 +611,9 @@ def test_build_counts_refusals_survives_a_closed_stdout_and_can_skip_the_table(t
     p.stdout.close()  # as `| head -1` does
     err = p.stderr.read()
     assert p.wait(timeout=600) == 0, err
-    assert first.startswith("refused: big_decode_b40_s64_bf16 (1/2 variants done"), first
+    assert first.startswith("refused: big_decode_b256_s64_bf16 (1/2 variants done"), first
     m = json.loads((tmp_path / "b" / "manifest.json").read_text())["variants"]
-    assert m[TINY_NAMES[0]]["status"] == "ok" and m["big_decode_b40_s64_bf16"]["status"] == "refused"
+    assert m[TINY_NAMES[0]]["status"] == "ok" and m["big_decode_b256_s64_bf16"]["status"] == "refused"
     r = run_cli(["build", "--variants", vfile, "--build-dir", tmp_path / "b", "--no-report"], cwd=tmp_path)
     assert r.returncode == 0 and "up to date: " + TINY_NAMES[0] + " (2/2 variants done" in r.stdout, r.stdout
     assert "cost per variant" not in r.stdout and "1 distinct binary" in r.stderr

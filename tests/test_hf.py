@@ -725,13 +725,14 @@ def test_own_matrix_checks_chunks_against_the_cache_and_hints_the_default_seq_le
 
 
 def test_own_matrix_warns_of_variants_the_build_would_refuse(tmp_path):
-    """--batch past what a block's shared memory holds: the entry is printed, and one warning line per variant the
-    planner refuses says why (before the user waits on a build to learn it)."""
+    """--batch past what a block's shared memory holds (batch 256: the projections' partial sums alone, the rows
+    being in global memory past batch 25): the entry is printed, and one warning line per variant the planner
+    refuses says why (before the user waits on a build to learn it)."""
     d = write_config(tmp_path, "m", MISTRAL_7B_V0_3)
-    r = run_cli("from-hf", d, "--batch", "1,8,64")
-    assert r.returncode == 0 and "batch: [1, 8, 64]" in r.stdout, r.stderr
+    r = run_cli("from-hf", d, "--batch", "1,8,256")
+    assert r.returncode == 0 and "batch: [1, 8, 256]" in r.stdout, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: `megakernel build` will refuse")]
-    assert len(lines) == 1 and "_decode_b64_" in lines[0] and "a batch of at most" in lines[0], r.stderr
+    assert len(lines) == 1 and "_decode_b256_" in lines[0] and "a batch of at most 227 fits" in lines[0], r.stderr
     assert "refuse" not in run_cli("from-hf", d, "--batch", "1,8").stderr
 
 
@@ -740,7 +741,7 @@ def test_write_warns_of_variants_the_files_matrix_makes_that_build_would_refuse(
     line names each of its variants the planner refuses; 0 or a negative in --batch / --prefill-chunks is one error
     line."""
     f = tmp_path / "v.yaml"
-    f.write_text("matrix: {mode: [decode], batch: [1, 64], seq_len: [4096]}\nmodels:\n"
+    f.write_text("matrix: {mode: [decode], batch: [1, 256], seq_len: [4096]}\nmodels:\n"
                  "  tiny: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, "
                  "norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, "
                  "qk_norm: false, dtype: bf16}\n")
@@ -748,7 +749,7 @@ def test_write_warns_of_variants_the_files_matrix_makes_that_build_would_refuse(
     r = run_cli("from-hf", d, "--write", f)
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: `megakernel build` will refuse")]
-    assert len(lines) == 1 and "m_decode_b64_" in lines[0], r.stderr  # not tiny's (its batch 64 fits)
+    assert len(lines) == 1 and "m_decode_b256_" in lines[0], r.stderr  # the appended entry's only
     for opt in ("--batch", "--prefill-chunks"):
         r = run_cli("from-hf", d, opt, "0")
         assert r.returncode == 2 and r.stderr.strip() == f"error: {opt}: positive integers, got '0'", r.stderr

@@ -246,8 +246,9 @@ models:
   wide: {hidden: 8192, heads: 64, kv_heads: 8, head_dim: 128, intermediate: 8192, layers: 1, norm: rmsnorm,
          norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
 """, "t.yaml")[0]
-    with pytest.raises(PlanError, match=r"norm\+projection stage.*a batch of at most 13 fits"):
-        grender.plan(wide)
+    with pytest.raises(PlanError, match=r"norm\+projection stage.*a batch of at most 13 fits; NORM_GLOBAL=1"):
+        grender.plan(wide, overrides={"NORM_GLOBAL": 0})
+    assert grender.plan(wide)["consts"]["NORM_GLOBAL"] == 1  # its rows in global memory: no refusal
 
 
 def test_build_for_a_small_smem_arch(tiny_variants_file, tmp_path):

@@ -61,8 +61,8 @@ def test_tp_plan_ends_a_kernel_at_each_partial_sum():
     p1, p2 = render.plan(one), render.plan(two)
     assert [k["name"] for k in p1["kernels"]] == ["decoder_layer"] and p1["kernels"][0]["reduce"] is None
     assert [(k["name"], k["steps"], k["reduce"]) for k in p2["kernels"]] == [
-        ("decoder_layer_0", ["qkv_proj", "attention", "o_proj"], "h"),
-        ("decoder_layer_1", ["gate_up", "down_proj"], "out")]
+        ("decoder_layer_0", ["norm", "qkv_proj", "attention", "o_proj"], "h"),
+        ("decoder_layer_1", ["norm", "gate_up", "down_proj"], "out")]
     # the barrier after o_proj is the launch boundary; one GPU also replaces qkv's by counters (QKV_FLOW)
     assert (p1["consts"]["QKV_FLOW"], p2["consts"]["QKV_FLOW"]) == (1, 0)
     assert p2["grid_syncs"] == render.plan(one, overrides={"QKV_FLOW": 0})["grid_syncs"] - 1

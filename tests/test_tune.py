@@ -193,6 +193,46 @@ def test_stream_attention_covers_every_tile_once():
         render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 2})
 
 
+def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
+    """NORM_GLOBAL is the default where the normalised rows and one buffer of partial sums would not fit in the
+    block's shared memory (Llama-3-8B from batch 26: refused before) and, on a GPU of 256 KB of L1 and shared memory,
+    where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB);
+    then the norms are steps of their own with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles and
+    no rows in shared memory. Off on every other declared and held-out variant and with tensor parallel; refused
+    with NORM_FOLD / H_STATS / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
+    batch that does and NORM_GLOBAL in its refusal."""
+    from generator.plan import L1_ENOUGH, l1_bytes
+    from generator.targets import arch as get_arch
+    by = {v.name: v for v in declared()}
+    on = {v.name for v in declared() if v.tp == 1 and render.plan(v, "90")["consts"]["NORM_GLOBAL"]}
+    assert on == {"ho-nemo-b18_decode_b18_s6144_bf16", "ho-l8b-b32_decode_b32_s4096_bf16",
+                  "ho-h8192-b16_decode_b16_s2048_bf16"}
+    l8b = by["llama3-8b_decode_b8_s4096_bf16"]
+    for b, want in ((20, 0), (21, 0), (22, 1), (25, 1), (26, 1), (32, 1)):
+        p = render.plan(dataclasses.replace(l8b, batch=b), "90")
+        c = p["consts"]
+        assert c["NORM_GLOBAL"] == want and c["NORM_LOCAL"] == 1 - want, b
+        assert p["grid_syncs"] == 3 + 2 * want and p["sizes"]["XN_ROWS"] == (-(-b // 8) * 8 if want else 0), b
+        if want:
+            assert c["SMEM_RED"] == 0 and c["NORM_FOLD"] == 0 and p["smem_bytes"] < 160 * 1024
+            if b < 26:  # the rows would fit, leaving too little L1
+                local = render.plan(dataclasses.replace(l8b, batch=b), "90", overrides={"NORM_GLOBAL": 0})
+                assert l1_bytes(get_arch("90"), local["smem_bytes"]) < L1_ENOUGH
+    b32 = dataclasses.replace(l8b, batch=32)
+    assert tuple(render.plan(b32, "90")["workspace"]["buffers"]["xn"]["shape"]) == (32, 4096)
+    with pytest.raises(PlanError, match="at most 25 fits; NORM_GLOBAL=1 .the default where they do not fit."):
+        render.plan(b32, "90", overrides={"NORM_GLOBAL": 0})
+    with pytest.raises(PlanError, match="a batch of at most 22 fits$"):  # tensor parallel: no NORM_GLOBAL
+        render.plan(dataclasses.replace(b32, tp=2), "90")
+    for ov in ({"NORM_FOLD": 1}, {"H_STATS": 1}, {"NORM_CLUSTER": 2}):
+        with pytest.raises(PlanError, match="NORM_GLOBAL=1: the rows are normalised in global memory"):
+            render.plan(l8b, "90", overrides={"NORM_GLOBAL": 1, **ov})
+    with pytest.raises(PlanError, match="NORM_GLOBAL=1: .* one GPU"):
+        render.plan(dataclasses.replace(l8b, tp=2), "90", overrides={"NORM_GLOBAL": 1})
+    src = render.render(b32, render.plan(b32, "90"))
+    assert src.count("if constexpr (!NORM_LOCAL) grid.sync();") == 2
+
+
 def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
     split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
@@ -671,6 +711,31 @@ def test_pre_loaded_weights_match_the_reference(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_norm_global_matches_the_reference(tmp_path):
+    """NORM_GLOBAL (each norm a step of its own: the rows normalised into global memory in fragment order, a grid
+    barrier, qkv_proj and gate_up reading them as o_proj and down_proj read theirs): Llama-3.2-1B b1 and b8 forced
+    on, the qkv-bias shape at batch 5 (a partial n-tile: rows past the batch never written), an fp16 LayerNorm GELU
+    shape at batch 3 (fp32 h into the second norm, the mean), and Llama-3-8B at batch 32 where it is the default (its
+    rows do not fit in shared memory: refused before); against the fp32 reference at two seeds, a second launch
+    bit-equal."""
+    b5, = _qwen15_like("ng", [5])
+    ln, = gvariants.parse("""
+matrix: {mode: [decode], batch: [3], seq_len: [512]}
+models:
+  ngln: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 96, intermediate: 1376, layers: 2, norm: layernorm,
+         norm_eps: 1.0e-5, rope_theta: 10000.0, activation: gelu, qkv_bias: true, qk_norm: false, dtype: fp16}
+""", "ngln.yaml")
+    by = {v.name: v for v in declared()}
+    l8b32 = dataclasses.replace(by["llama3-8b_decode_b8_s4096_bf16"], batch=32)
+    assert render.plan(l8b32, "90")["consts"]["NORM_GLOBAL"] == 1
+    on = {"NORM_GLOBAL": 1}
+    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], on), (by["llama3.2-1b_decode_b8_s4096_bf16"], on), (b5, on),
+             (ln, on), (l8b32, {})]
+    _overrides_match_the_reference(tmp_path, cases, "ng", 19, {"NORM_GLOBAL": 1}, repeat=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_h_stats_matches_the_reference(tmp_path):
     """H_STATS (o_proj writes the second norm's input times its gain and each row's sum of squares per tile; the norm
     makes no pass): Llama-3.2-1B b1 and b8 (with NORM_FOLD's first norm), a qkv-bias shape at batch 5 (a partial
@@ -1017,8 +1082,8 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
     assert l1_bytes(h200, 164 * 1024 - SMEM_RESERVED) == 92 * 1024
     assert l1_bytes(h200, 164 * 1024 - SMEM_RESERVED + 1) == 60 * 1024
     assert l1_bytes(h200, 0) == 256 * 1024 - 8 * 1024 and l1_bytes(get_arch("86"), 100 * 1024) < 28 * 1024
-    for v in (_layer(4096, 20), _layer(3584, 24)):  # double-buffered: 28 KB of L1
-        d = plan(v, "90", overrides={"RED_DB": 1})
+    for v in (_layer(4096, 20), _layer(3584, 24)):  # double-buffered: 28 KB of L1 (rows in shared memory)
+        d = plan(v, "90", overrides={"RED_DB": 1, "NORM_GLOBAL": 0})
         p = plan(v, "90")
         assert l1_bytes(h200, d["smem_bytes"]) < L1_ENOUGH <= l1_bytes(h200, p["smem_bytes"]), v.name
         assert p["consts"]["RED_DB"] == 0 and d["consts"]["RED_DB"] == 1
@@ -1035,7 +1100,7 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
     assert (p86["NORM_FOLD"], p86["RED_DB"]) == (0, 1)
     # a refusal with two buffers forced names the way out
     with pytest.raises(PlanError, match="RED_DB=1 keeps two buffers of partial sums: .* with one the stage fits"):
-        plan(_layer(8192, 13), "90", overrides={"RED_DB": 1})
+        plan(_layer(8192, 13), "90", overrides={"RED_DB": 1, "NORM_GLOBAL": 0})
 
 
 def test_dynamic_split_stays_off_for_caches_of_2_24_rows_and_more():
@@ -1063,15 +1128,19 @@ def test_a_record_without_red_db_was_measured_with_two_buffers():
 @pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])
 @pytest.mark.parametrize("arch", ["90", "86"])
 def test_shared_memory_refusal_names_the_largest_batch_that_plans(hidden, arch):
-    """The norm + projection stage's refusal names the largest batch that fits, as that batch would be planned
-    (NORM_FOLD's default included): that batch plans, the next is refused."""
+    """With the rows kept in shared memory (NORM_GLOBAL=0), the norm + projection stage's refusal names the largest
+    batch that fits, as that batch would be planned (NORM_FOLD's default included): that batch plans with the rows
+    in shared memory, the next is refused so and plans by default with NORM_GLOBAL (near the limit the default may
+    take NORM_GLOBAL already: too little L1)."""
     from generator.render import plan
+    local = {"NORM_GLOBAL": 0}
     with pytest.raises(PlanError) as info:
-        plan(_layer(hidden, 200), arch)
+        plan(_layer(hidden, 200), arch, overrides=local)
     n = int(re.search(r"a batch of at most (\d+) fits", str(info.value)).group(1))
-    plan(_layer(hidden, n), arch)
-    with pytest.raises(PlanError, match="norm\\+projection"):
-        plan(_layer(hidden, n + 1), arch)
+    plan(_layer(hidden, n), arch, overrides=local)
+    with pytest.raises(PlanError, match="norm\\+projection.*NORM_GLOBAL=1 .the default where they do not fit."):
+        plan(_layer(hidden, n + 1), arch, overrides=local)
+    assert plan(_layer(hidden, n + 1), arch)["consts"]["NORM_GLOBAL"] == 1
 
 
 def test_the_tuner_never_records_a_spilling_default_and_still_times_against_it():

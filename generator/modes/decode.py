@@ -1,7 +1,9 @@
 """Decode: one new token for each of `batch` sequences, every stage of the layer in one cooperative launch.
 
 norm + qkv_proj | attention (qk_norm, RoPE, KV append, flash-decoding) | o_proj + residual | norm + gate_up |
-down_proj + residual   ("|" = grid-wide barrier)
+down_proj + residual   ("|" = grid-wide barrier). Each norm runs inside its projection's stage, every block
+normalising the rows into its own shared memory, except with NORM_GLOBAL (where the rows do not fit): then it is a
+step of its own, "norm | qkv_proj" and "norm | gate_up".
 """
 from __future__ import annotations
 
@@ -13,16 +15,22 @@ from ..targets import DTYPES, Arch
 from ..variants import Variant
 
 STEPS = (
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, smem)",
-         flow="QKV_FLOW", pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
+    # NORM_GLOBAL: each norm a step of its own, its rows to global memory and a grid barrier; else (NORM_LOCAL) every
+    # block normalises the rows into its own shared memory inside the projection's stage: the step is empty
+    Step("norm", "norm(x, ln1_w, ln1_b, ws_xn, smem)", flow="NORM_LOCAL",
+         pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, "
+                     "smem)",
+         flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
                       "ws_ready, ws_attn, smem)"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, o_pre, "
                    "smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
-    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, w_gu, ws_act, ws_status, ws_split, ws_count, gu_pre, "
-                    "smem)",
+    Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem)", flow="NORM_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu)"),
+    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
+                    "gu_pre, smem)"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, down_pre, smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
@@ -47,11 +55,12 @@ STEPS = (
 # 2: stream-K, equal runs of the launch's tiles a block (attention_stream; att_stream_schedule);
 # RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
 # each round's writes; templates/gemv.cuh); NORM_CLUSTER: the kernel in clusters of that many blocks, the norms' rows
-# copied once a cluster (templates/stages/norm.cuh norm_rows_multicast)
+# copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
+# writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -76,7 +85,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB")
+        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL")
         if k in ("NORM_FOLD", "ATT_COMBINE", "ATT_DYN") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
@@ -342,9 +351,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
 
-    def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1) -> int:  # the norm + projection stage's
-        red = max((1 + db) * nw * 16 * batch * 4, nw * 2 * batch * 4)  # bytes: rows, reduction tiles (per warp a
-        need = align(batch * xs_ld * esize) + red      # 16 x batch tile, RED_DB: twice; the norm's scratch shares it)
+    def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1, rows: bool = True) -> int:  # the norm +
+        red = max((1 + db) * nw * 16 * batch * 4, nw * 2 * batch * 4)  # projection stage's bytes: rows (not with
+        need = (align(batch * xs_ld * esize) if rows else 0) + red  # NORM_GLOBAL), reduction tiles (per warp a 16 x
+        # batch tile, RED_DB: twice; the norm's scratch shares it)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
         if fold == 1:
             return align(need) + align(m.hidden * esize) + batch * 4
@@ -376,7 +386,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups} warp groups' squares "
                         f"({o_groups * 16 * v.batch * 4} B) exceed the rows' region ({v.batch * xs_ld * esize} B): "
                         "a larger O_NWG")
-    smem = {"SMEM_XS": 0, "SMEM_RED": align(v.batch * xs_ld * esize)}
+    smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
     smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
@@ -398,18 +408,38 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # partial sums double-buffered (one buffer and L1 from 60 to 92 KB: -1.8 ... +0.6 %), then more L1. Where no plan
     # leaves L1_ENOUGH (the smaller-L1 GPUs, never measured) two buffers come before the fold, as the planner had it;
     # tensor parallel keeps two buffers (one has not run on 2 GPUs)
+    # NORM_GLOBAL (one GPU): each norm a step of its own, the rows in global memory in fragment order
+    # (templates/stages/norm.cuh), read by qkv_proj and gate_up as o_proj and down_proj read theirs, at the cost of
+    # two grid barriers; by default where the rows do not fit in shared memory beside one buffer of partial sums
+    # (Llama-3-8B from batch 26, hidden 5120 from 21: refused before), and where no plan with them there leaves
+    # L1_ENOUGH of L1. Measured on the H200 (bench/NOTES.md session 23): a Mistral-Nemo-like b18 (28 KB of L1 with its
+    # 184 KB of rows) 316 -> 281 us; with 60-124 KB left, -2.2 ... +3 % (the tuner tries it from batch 8)
+    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0, 2] if fold_ok(v.batch) else [0]
+    dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
+    local_l1 = max([l1_bytes(arch, max(att_bytes, need)) for f in folds for d in dbs
+                    if (need := gemv_need(v.batch, f, h_stats, d)) <= arch.smem_per_block] or [0])
+    pinned = bool(ov.get("NORM_FOLD") or h_stats or norm_cluster > 1)  # overrides that keep the rows local
+    # (the L1 rule only where an SM's unified L1 and shared memory is 256 KB, as measured: smaller ones never ran it)
+    norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
+        local_l1 < L1_ENOUGH and arch.unified_kb >= 256))))
+    if norm_global and (pinned or v.tp > 1):
+        raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
+                        f"GPU (not run on 2) and no NORM_FOLD, H_STATS or NORM_CLUSTER (this plan: tp {v.tp}, "
+                        f"overrides {_fmt(ov)})")
+    smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
+    if norm_global:
+        folds = [0]
+
     def pick(c: tuple[int, int]) -> tuple:
-        need = gemv_need(v.batch, c[0], h_stats, c[1])
+        need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
         l1 = l1_bytes(arch, max(att_bytes, need))
         return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), FOLD_RANK[c[0]] if l1 >= L1_ENOUGH else 0, c[1],
                 int(c[0] == 1), l1)
-    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0, 2] if fold_ok(v.batch) else [0]
-    dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
     norm_fold, red_db = max(((f, d) for f in folds for d in dbs), key=pick)
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold == 1 else 0
     smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold == 1
                        else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats or norm_fold == 2 else 0)
-    gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db)
+    gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db, not norm_global)
 
     def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
         if norm_fold and gemv_need(v.batch, 0, h_stats, red_db) <= arch.smem_per_block:
@@ -425,12 +455,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                   "{\"RED_DB\": 0} build it with one)") if v.tp > 1 and "RED_DB" not in ov else ""
             return (f"RED_DB=1 keeps two buffers of partial sums: {gemv_bytes - one} B more; with one the stage "
                     f"fits{tp}")
+        if norm_global:  # no rows in shared memory: the partial sums alone are over
+            most = arch.smem_per_block // (nw * 16 * 4)  # one buffer (RED_DB=0)
+            return (f"with NORM_GLOBAL the projections' partial sums still take {nw} warps x 16 x batch x 4 B "
+                    f"(twice with RED_DB=1): a batch of at most {most} fits")
         fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
         while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, min(dbs)) \
                 <= arch.smem_per_block:
             fits += 1
+        glob = ("; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory"
+                if not norm_global and v.tp == 1 and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block
+                else "")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
-                f"most {fits} fits (declare batches up to it)" if fits else "lower hidden")
+                f"most {fits} fits{glob}" if fits else "lower hidden")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
         "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
@@ -451,7 +488,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
         # barrier until it runs on 2 GPUs.
-        "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)), **smem,
+        "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
+        "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
@@ -461,7 +499,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
             "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()
                                                                  if g["KSPLIT"] > 1]),
-                      "XN_ROWS": 0,
+                      "XN_ROWS": math.ceil(v.batch / 8) * 8 if norm_global else 0,  # fragment order
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
                       "HB_ROWS": v.batch if hb_copy else 0,
                       "HSQ_TILES": m.hidden // 16 if h_stats else 0,

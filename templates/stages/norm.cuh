@@ -18,6 +18,7 @@
 // 1/rms (the parts summed in a fixed order), no pass over the rows at all.
 #pragma once
 #include "../common.cuh"
+#include "../gemv.cuh"
 // NORM_CLUSTER (the decode plan's knob; the kernel launched in clusters of that many blocks): the BATCH rows of src
 // (T, HIDDEN each) into dst (rows XS_LD apart) of every block of the cluster, each block bulk-copying every
 // NORM_CLUSTER-th row with .multicast::cluster (the TMA unit writes the row at the same offset in each block's shared
@@ -203,4 +204,76 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         }
     }
     __syncthreads();
+}
+
+// NORM_GLOBAL (the decode plan's knob; where BATCH rows of HIDDEN do not fit in shared memory beside the projection's
+// partial sums, or leave it too little L1): the norm as a step of its own. The BATCH rows of src (T, or fp32 h with
+// tensor parallel) normalised (as the scale pass above: (x - mean) x rstd x gain (+ bias), rounded once to T) into
+// xn in the tensor cores' B-fragment order (gemv.cuh x_at<true>), read from there by the projection after a grid
+// barrier, as o_proj and down_proj read theirs. Each row's statistics need the whole row, so a row is split over
+// P = max(1, blocks / BATCH) blocks, each reading the row for its sums and writing 1/P of its columns.
+template <class S>
+__device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* xn, unsigned char* smem) {
+    if constexpr (NORM_GLOBAL) {
+        constexpr int NCH = HIDDEN / 8, NW = THREADS / 32, NPT = (NCH + THREADS - 1) / THREADS;  // chunks a thread
+        float* scratch = reinterpret_cast<float*>(smem + SMEM_RED);  // [NW][2], then mean and rstd
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int P = max(1, (int)gridDim.x / BATCH);
+        for (int u = blockIdx.x; u < BATCH * P; u += gridDim.x) {
+            const int b = u / P, part = u % P, c0 = part * NCH / P, c1 = (part + 1) * NCH / P;
+            // the row in registers (one read from L2), the gain of this block's columns loaded alongside
+            float f[NPT][8], g[NPT][8], bb[NPT][8];
+            float a = 0.f, q = 0.f;
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const int c = tid + i * THREADS;
+                if (c < NCH) {
+                    load8(src + (size_t)b * HIDDEN + c * 8, f[i]);
+                    if (c0 <= c && c < c1) {
+                        load8(w + c * 8, g[i]);
+                        if constexpr (NORM_LAYERNORM) load8(bias + c * 8, bb[i]);
+                    }
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        f[i][k] = to_f(from_f(f[i][k]));  // fp32 h: as the T residual transformers normalises
+                        a += f[i][k];
+                        q = fmaf(f[i][k], f[i][k], q);
+                    }
+                }
+            }
+            a = warp_sum(a);
+            q = warp_sum(q);
+            if (lane == 0) { scratch[2 * warp] = a; scratch[2 * warp + 1] = q; }
+            __syncthreads();
+            float sa = 0.f, sq = 0.f;  // every thread sums the warps' parts in the same order
+#pragma unroll
+            for (int i = 0; i < NW; ++i) { sa += scratch[2 * i]; sq += scratch[2 * i + 1]; }
+#if NORM_LAYERNORM
+            const float mean = sa / HIDDEN, rstd = rsqrtf(fmaxf(sq / HIDDEN - mean * mean, 0.f) + NORM_EPS);
+#else
+            const float mean = 0.f, rstd = rsqrtf(sq / HIDDEN + NORM_EPS);
+#endif
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const int c = tid + i * THREADS;
+                if (c < c0 || c >= c1) continue;
+#pragma unroll
+                for (int k = 0; k < 8; k += 2) {  // a pair of columns is one 4-byte word of the fragment order
+                    float y[2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        y[j] = (f[i][k + j] - mean) * rstd * g[i][k + j];
+                        if constexpr (NORM_LAYERNORM) y[j] += bb[i][k + j];
+                    }
+                    *reinterpret_cast<T2*>(xn + x_at<true>(b, c * 8 + k, HIDDEN)) = from_f2(y[0], y[1]);
+                }
+            }
+            __syncthreads();  // scratch is reused by the next row
+        }
+    }
+}
+// the second norm's input: h rounded to T where o_proj writes that copy (HB_COPY), else fp32 h
+__device__ __forceinline__ auto norm_src(const T* hb, const float* h) {
+    if constexpr (HB_COPY) return hb;
+    else return h;
 }

@@ -23,14 +23,16 @@ constexpr int QKV_TILE0 = QKV_FLOW ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v t
 __device__ __forceinline__ GemvPre<QKV_U> qkv_proj_pre(const T* w_qkv) {  // QKV_PRE: before the launch's wait
     return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0>(w_qkv);
 }
-__device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qkv, const T* b_qkv, float* ws_qkv,
-                         float* ws_split, unsigned* ws_count, unsigned* ws_ready, const GemvPre<QKV_U>& pre,
-                         unsigned char* smem) {
+// NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
+__device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv, const T* b_qkv,
+                         float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
+                         const GemvPre<QKV_U>& pre, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the norm's copy of the gain
     const T* gain = NORM_FOLD == 2 ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
     const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
-    norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
+    if constexpr (!NORM_GLOBAL)
+        norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
     auto epi = [&](int row0, auto tile, int gt) {
         for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
             const int n = row0 + i / BATCH, b = i % BATCH;
@@ -42,10 +44,12 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* w_qk
             ws_qkv[(size_t)b * QKV_DIM + n] = v;
         }
     };
+    const T* X = NORM_GLOBAL ? xn : xs;
+    constexpr int LDX = NORM_GLOBAL ? HIDDEN : XS_LD;
     if constexpr (QKV_FLOW)
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv,
+            X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
-        gemv<QKV_DIM, HIDDEN, XS_LD, QKV_NWG, QKV_U, QKV_KSPLIT, false, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv, xs,
-            reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gain, &pre);
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv,
+            X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gain, &pre);
 }
