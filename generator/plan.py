@@ -143,14 +143,15 @@ def fewest_rounds(tasks: int, nwg: int, sms: int) -> int:
     return nwg
 
 
-def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True) -> dict:
+def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True, tm: int = 1) -> dict:
     """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
-    a step per warp U (<= umax) for one [n, k] projection (tasks are 16-row tiles, or a KSPLIT-th of one's K range),
-    balanced for `sms` blocks of THREADS threads; `rebalance`: smaller groups where that saves rounds
-    (fewest_rounds)."""
+    a step per warp U (<= umax / TM: the TM tiles of a task each take U loads) for one [n, k] projection (tasks are
+    TM 16-row tiles (given), or a KSPLIT-th of one's K range), balanced for `sms` blocks of THREADS threads;
+    `rebalance`: smaller groups where that saves rounds (fewest_rounds)."""
     ktiles, tiles = k // 16, n // 16
     ktiles //= ksplit
-    tasks = tiles * ksplit
+    tasks = tiles * ksplit // tm
+    umax = max(1, umax // tm)
     # about four k-tiles per warp per task at least; short rows get small groups, so more tasks run at once
     nwg = max(1, min(16, pow2_floor(ktiles // 4)))
     if rebalance:
@@ -161,7 +162,7 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalanc
     per_warp = math.ceil(ktiles / nwg)
     u = math.ceil(per_warp / math.ceil(per_warp / umax))
     balance = tasks / (math.ceil(tasks / groups) * groups)
-    return {"KSPLIT": ksplit, "NWG": nwg, "U": u, "tasks": tasks, "balance": round(balance, 3)}
+    return {"KSPLIT": ksplit, "NWG": nwg, "U": u, "TM": tm, "tasks": tasks, "balance": round(balance, 3)}
 
 
 SMEM_RESERVED = 1024  # bytes of shared memory the system reserves per block (sm_80 and later)

@@ -23,13 +23,13 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
         return (size_t)b * ld + k;
 }
 
-template <int NWG>
-struct Tile {  // the task's 16 x BATCH results, summed over the group's warps
+template <int NWG, int TM = 1>
+struct Tile {  // one of the task's TM 16 x BATCH results (buf at its first), summed over the group's warps
     const float* buf;
     __device__ __forceinline__ float operator()(int r, int b) const {
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < NWG; ++w) s += buf[(w * 16 + r) * BATCH + b];
+        for (int w = 0; w < NWG; ++w) s += buf[(w * TM * 16 + r) * BATCH + b];
         return s;
     }
 };
@@ -55,16 +55,22 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
     __device__ void operator()(int) const {}
 };
 
-// one step of a task: a warp's U weight loads from k-tile k0 of task `task` (all in flight before any use)
-template <int N, int K, int NWG, int U, int KSPLIT, int TILE0>
-__device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane, uint4 (&a)[U]) {
-    constexpr int KT = K / 16 / KSPLIT, TILES = N / 16;
-    const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
-    const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)tile * KSPLIT + ks) * KT * 32 + lane;
+// one step of a task: a warp's U weight loads from k-tile k0 of each of the task's TM tiles, a[m * U + u] (all in
+// flight before any use)
+template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1>
+__device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane,
+                                               uint4 (&a)[U * TM]) {
+    constexpr int KT = K / 16 / KSPLIT, TILES = N / 16, TT = TILES / TM;
+    const int tile = ((task % TT) * TM + TILE0) % TILES, ks = task / TT;
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-        a[u] = (k0 + u * NWG < KT) ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                                   : make_uint4(0u, 0u, 0u, 0u);
+    for (int m = 0; m < TM; ++m) {
+        const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            a[m * U + u] = (k0 + u * NWG < KT)
+                               ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                               : make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 
 // A projection's first weight step, loaded before the barrier (or the launch's wait) that precedes its stage (the
@@ -74,15 +80,16 @@ template <int U>
 struct GemvPre {
     uint4 a[U];
 };
-template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0>
-__device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
+template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0, int TM = 1>
+__device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
     if constexpr (!ON) {
-        return GemvPre<U>{};  // nothing loaded (PRE 0 never reads it)
+        return GemvPre<U * TM>{};  // nothing loaded (PRE 0 never reads it)
     } else {
-        GemvPre<U> p;
+        GemvPre<U * TM> p;
         const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
         const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round (its round loop)
-        if (task < N / 16 * KSPLIT) gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, warp, threadIdx.x & 31, p.a);
+        if (task < N / 16 / TM * KSPLIT)
+            gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, warp, threadIdx.x & 31, p.a);
         return p;
     }
 }
@@ -104,34 +111,40 @@ __device__ __forceinline__ GemvPre<U> gemv_pre(const T* __restrict__ W) {
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, class Epi, class Done = NoDone>
+          int DB = 1, int TM = 1, class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
-                                     Epi epi, Done done = {}, const T* gs = nullptr, const GemvPre<U>* pre = nullptr) {
-    static_assert(N % 16 == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0, "bad GEMV plan");
-    constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES * KSPLIT;
+                                     Epi epi, Done done = {}, const T* gs = nullptr,
+                                     const GemvPre<U * TM>* pre = nullptr) {
+    static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
+                  "bad GEMV plan");
+    static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
+    constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES / TM * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-    float* my_red = red + group * (1 + DB) * NWG * 16 * BATCH;
+    constexpr int RED = NWG * TM * 16 * BATCH;  // a buffer of the group's partial sums: [warp][TM][16][BATCH]
+    float* my_red = red + group * (1 + DB) * RED;
     static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
-    auto load_step = [&](int task, int k0, uint4 (&a)[U]) {
-        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0>(W, task, k0, lane, a);
+    auto load_step = [&](int task, int k0, uint4 (&a)[U * TM]) {
+        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
     // through each round's reduction (pf: those loads; U x 4 registers more). PF 2: a software pipeline of two
     // register sets (pf and nx, U loads each): every step's loads are issued one step ahead, so the next step's
     // weights fly while this step's mma run, and across rounds as with PF 1.
-    uint4 pf[U];
+    uint4 pf[U * TM];
     // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
     // sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its first step is in pf
     auto compute = [&](int task, float* buf, int next, bool use_pf) {
-        const int ks = task / TILES;
+        const int ks = task / (TILES / TM);
         const T* xk = X + ks * KT * 16;  // this split's columns of X
-        float c[NTILE][4];
+        float c[TM][NTILE][4];
 #pragma unroll
-        for (int t = 0; t < NTILE; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
-        // the mma of one step's k-tiles k0, k0 + NWG, ... with its weights a
-        auto mma_step = [&](const uint4 (&a)[U], int k0) {
+        for (int m = 0; m < TM; ++m)
+#pragma unroll
+            for (int t = 0; t < NTILE; ++t) c[m][t][0] = c[m][t][1] = c[m][t][2] = c[m][t][3] = 0.f;
+        // the mma of one step's k-tiles k0, k0 + NWG, ... with its weights a (each B fragment for the TM tiles)
+        auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
@@ -160,14 +173,15 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                                 b1 = mul2(b1, g1);
                             }
                         }
-                        mma_bf16(c[t], a[u], b0, b1);
+#pragma unroll
+                        for (int m = 0; m < TM; ++m) mma_bf16(c[m][t], a[m * U + u], b0, b1);
                     }
                 }
             }
         };
         constexpr int S = NWG * U;  // k-tiles a step of the group
         if constexpr (PF == 2) {
-            uint4 nx[U];  // pf holds this task's first step; the sets alternate, with no register copies
+            uint4 nx[U * TM];  // pf holds this task's first step; the sets alternate, with no register copies
             for (int k0 = warp; k0 < KT; k0 += 2 * S) {
                 if (k0 + S < KT) load_step(task, k0 + S, nx);
                 mma_step(pf, k0);
@@ -177,10 +191,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             }
         } else {
             for (int k0 = warp; k0 < KT; k0 += S) {
-                uint4 a[U];
+                uint4 a[U * TM];
                 if ((PF || PRE) && use_pf && k0 == warp) {
 #pragma unroll
-                    for (int u = 0; u < U; ++u) a[u] = pf[u];
+                    for (int u = 0; u < U * TM; ++u) a[u] = pf[u];
                 } else {
                     load_step(task, k0, a);
                 }
@@ -193,12 +207,14 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             else group_sync(group, NWG * 32);  // NWG >= 2: at most 8 groups, named barriers 1..8
         }
 #pragma unroll
-        for (int t = 0; t < NTILE; ++t)
+        for (int m = 0; m < TM; ++m)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = gid + (j >> 1) * 8, b = t * 8 + 2 * tig + (j & 1);
-                if (b < BATCH) buf[(warp * 16 + r) * BATCH + b] = c[t][j];
-            }
+            for (int t = 0; t < NTILE; ++t)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int r = gid + (j >> 1) * 8, b = t * 8 + 2 * tig + (j & 1);
+                    if (b < BATCH) buf[((warp * TM + m) * 16 + r) * BATCH + b] = c[m][t][j];
+                }
     };
     // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs (the splits of a
     // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
@@ -206,24 +222,27 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
     if constexpr (PRE) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) pf[u] = pre->a[u];
+        for (int u = 0; u < U * TM; ++u) pf[u] = pre->a[u];
     } else if (PF && group * gridDim.x + blockIdx.x < TASKS) {
         load_step(group * gridDim.x + blockIdx.x, warp, pf);
     }
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
-        const int tile = (task % TILES + TILE0) % TILES, ks = task / TILES;
+        const int tile = ((task % (TILES / TM)) * TM + TILE0) % TILES, ks = task / (TILES / TM);  // its first tile
         const bool active = task < TASKS;
-        float* buf = my_red + (DB ? rd & 1 : 0) * NWG * 16 * BATCH;
+        float* buf = my_red + (DB ? rd & 1 : 0) * RED;
         if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1, PF || rd == 0);
         __syncthreads();
         if constexpr (KSPLIT == 1) {
-            if (active) epi(tile * 16, Tile<NWG>{buf}, gt);
+            if (active)
+#pragma unroll
+                for (int m = 0; m < TM; ++m) epi((tile + m) * 16, Tile<NWG, TM>{buf + m * 16 * BATCH}, gt);
             if constexpr (Done::active) {
                 __syncthreads();  // the group's epilogue stores are all made: its first thread releases them
                 if (active && gt == 0) {
                     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-                    done(tile);
+#pragma unroll
+                    for (int m = 0; m < TM; ++m) done(tile + m);
                 }
             }
         } else {

@@ -197,8 +197,8 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     """NORM_GLOBAL is the default where the normalised rows and one buffer of partial sums would not fit in the
     block's shared memory (Llama-3-8B from batch 26: refused before) and, on a GPU of 256 KB of L1 and shared memory,
     where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB);
-    then the norms are steps of their own with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles and
-    no rows in shared memory. Off on every other declared and held-out variant and with tensor parallel; refused
+    then the norms are steps of their own with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles,
+    no rows in shared memory and two tiles a GEMV task (TM). Off on every other declared and held-out variant and with tensor parallel; refused
     with NORM_FOLD / H_STATS / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
     batch that does and NORM_GLOBAL in its refusal."""
     from generator.plan import L1_ENOUGH, l1_bytes
@@ -231,6 +231,20 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
         render.plan(dataclasses.replace(l8b, tp=2), "90", overrides={"NORM_GLOBAL": 1})
     src = render.render(b32, render.plan(b32, "90"))
     assert src.count("if constexpr (!NORM_LOCAL) grid.sync();") == 2
+    # with the rows in global memory every projection takes two tiles a task (<P>_TM 2: each B fragment loaded once
+    # for both), its loads a step halved (the same registers); beside rows in shared memory one
+    c = render.plan(b32, "90")["consts"]
+    assert all(c[f"{p}_TM"] == 2 and c[f"{p}_U"] <= 4 for p in ("QKV", "O", "GU", "DOWN"))
+    assert all(render.plan(l8b, "90")["consts"][f"{p}_TM"] == 1 for p in ("QKV", "O", "GU", "DOWN"))
+    one = render.plan(b32, "90", overrides={"GU_TM": 1})["consts"]
+    assert one["GU_TM"] == 1 and one["GU_U"] == 8 and one["O_TM"] == 2
+    for ov, words in (({"O_TM": 3}, "must be 1, 2 or 4"), ({"O_TM": 2, "O_KSPLIT": 2}, "O_TM=2: needs O_KSPLIT 1"),
+                      ({"H_STATS": 1, "O_TM": 2}, "H_STATS=1 and O_TM=2")):
+        with pytest.raises(PlanError, match=re.escape(words)):
+            render.plan(l8b, "90", overrides=ov)
+    odd = dataclasses.replace(l8b, model=dataclasses.replace(l8b.model, hidden=4112, intermediate=14352))
+    with pytest.raises(PlanError, match="in whole groups of 4"):
+        render.plan(odd, "90", overrides={"DOWN_TM": 4})
 
 
 def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
@@ -732,6 +746,23 @@ models:
     cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], on), (by["llama3.2-1b_decode_b8_s4096_bf16"], on), (b5, on),
              (ln, on), (l8b32, {})]
     _overrides_match_the_reference(tmp_path, cases, "ng", 19, {"NORM_GLOBAL": 1}, repeat=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_tiles_a_task_match_the_reference(tmp_path):
+    """<P>_TM (TM 16-row tiles a task, each B fragment loaded once for all of them): every projection at TM 2 on
+    Llama-3.2-1B b1 with every first step pre-loaded and QKV_FLOW (its per-tile counters, k/v tiles first), the
+    qkv-bias shape at batch 5 (a partial n-tile) with GEMV_PF 2 (the pipelined loads) and o/down at TM 4, and
+    NORM_GLOBAL at batch 8 (X from global memory for all four); against the fp32 reference at two seeds, a second
+    launch bit-equal."""
+    b5, = _qwen15_like("tm", [5])
+    by = {v.name: v for v in declared()}
+    two = {"QKV_TM": 2, "O_TM": 2, "GU_TM": 2, "DOWN_TM": 2}
+    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {**two, "QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}),
+             (b5, {**two, "O_TM": 4, "DOWN_TM": 4, "GEMV_PF": 2}),
+             (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1})]
+    _overrides_match_the_reference(tmp_path, cases, "tm", 23, {}, repeat=True)
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ STEPS = (
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
 # writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE"))
+KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
@@ -75,6 +75,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k.endswith("_NWG") and val not in NWG_CHOICES:
             raise PlanError(f"{name}: plan override {k}={val}: must be one of {NWG_CHOICES} (divides "
                             f"{THREADS // 32} warps)")
+        if k.endswith("_TM") and val not in (1, 2, 4):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 1, 2 or 4")
         if k.endswith("_KSPLIT") and not 1 <= val <= 8:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..8")
         if k.endswith("_U") and not U_RANGE[0] <= val <= U_RANGE[1]:
@@ -272,20 +274,29 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if norm_fold and v.tp > 1:
         raise PlanError(f"{v.name}: plan override NORM_FOLD={norm_fold}: not with tensor parallel (its fp32-source norm has not "
                         "run folded on 2 GPUs)")
+    def plan_projection(prefix: str, key: str, tm: int) -> None:  # gemv[key], TM tiles a task
+        n, k = shapes[key]
+        ks = ov.get(f"{prefix}_KSPLIT", 1)
+        if tm > 1 and (ks > 1 or (n // 16) % tm or (prefix == "QKV" and (q_dim // 16) % tm)):
+            raise PlanError(f"{v.name}: plan override {prefix}_TM={tm}: needs {prefix}_KSPLIT 1 and {key}'s "
+                            f"{n // 16} tiles (and qkv's {q_dim // 16} q tiles) in whole groups of {tm}")
+        # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
+        # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
+        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1,
+                                  tm=tm)
+        g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
+        g["split_balance"] = gemv_balance_split(n, k, sms)
+        g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
+        groups = sms * (THREADS // 32 // g["NWG"])
+        g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
+
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)
         if (k // 16) % ks:
             raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
                             f"{key}")
-        # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
-        # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
-        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1)
-        g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
-        g["split_balance"] = gemv_balance_split(n, k, sms)
-        g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
-        groups = sms * (THREADS // 32 // g["NWG"])
-        g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
+        plan_projection(prefix, key, ov.get(f"{prefix}_TM", 1))
 
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
     # shared memory (rows padded by 16 bytes); a task covers ATT_C rows (whole tiles for every warp), sized so a
@@ -351,10 +362,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     hb_copy = int(v.tp == 1 and m.dtype == "bf16")
     xs_ld = m.hidden + 8                          # padded rows: conflict-free B-fragment loads
 
-    def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1, rows: bool = True) -> int:  # the norm +
-        red = max((1 + db) * nw * 16 * batch * 4, nw * 2 * batch * 4)  # projection stage's bytes: rows (not with
-        need = (align(batch * xs_ld * esize) if rows else 0) + red  # NORM_GLOBAL), reduction tiles (per warp a 16 x
-        # batch tile, RED_DB: twice; the norm's scratch shares it)
+    tm_max = max(g["TM"] for g in gemv.values())  # the partial sums' region holds every projection's
+
+    def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1, rows: bool = True) -> int:
+        # the norm + projection stage's bytes: rows (not with NORM_GLOBAL), reduction tiles (per warp TM 16 x batch
+        # tiles, RED_DB: twice; the norm's scratch shares it)
+        red = max((1 + db) * nw * tm_max * 16 * batch * 4, nw * 2 * batch * 4)
+        need = (align(batch * xs_ld * esize) if rows else 0) + red
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
         if fold == 1:
             return align(need) + align(m.hidden * esize) + batch * 4
@@ -379,6 +393,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
                         f"{m.dtype}, tp {v.tp})")
     o_groups = nw // gemv["o"]["NWG"]
+    if h_stats and gemv["o"]["TM"] > 1:
+        raise PlanError(f"{v.name}: plan overrides H_STATS=1 and O_TM={gemv['o']['TM']}: the statistics' squares are "
+                        "summed per tile in one region (O_TM 1)")
     if h_stats and o_groups > 15:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
                         f"{gemv['o']['NWG']}: {o_groups} warp groups a block, at most 15 named barriers)")
@@ -429,6 +446,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
     if norm_global:
         folds = [0]
+        # every projection's X from global memory: two tiles a task (<P>_TM 2) load each B fragment once for both,
+        # halving the X reads from L2 (at batch 32, 2x the weight bytes a 16-row tile). Measured on the H200
+        # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +3 %, 70B-like b16 +3 %, hidden-5120 b16
+        # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
+        # (its partial sums take twice the shared memory: -6 ... -12 %)
+        for prefix, key in PROJECTIONS:
+            n = shapes[key][0]
+            if f"{prefix}_TM" not in ov and gemv[key]["KSPLIT"] == 1 and (n // 16) % 2 == 0 and \
+                    (prefix != "QKV" or (q_dim // 16) % 2 == 0):
+                plan_projection(prefix, key, 2)
+        tm_max = max(g["TM"] for g in gemv.values())
 
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
@@ -492,7 +520,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, **smem,
     }
     for prefix, key in PROJECTIONS:
-        consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT")})
+        consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,

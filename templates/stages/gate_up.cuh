@@ -3,13 +3,13 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
-__device__ __forceinline__ GemvPre<GU_U> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
-    return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT>(w_gu);
+__device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
+    return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
 }
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
                         const T* xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
-                        unsigned* ws_count, const GemvPre<GU_U>& pre, unsigned char* smem) {
+                        unsigned* ws_count, const GemvPre<GU_U * GU_TM>& pre, unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: in ws_hb
@@ -22,7 +22,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     }
     gemv<2 * INTER, HIDDEN, NORM_GLOBAL ? HIDDEN : XS_LD, GU_NWG, GU_U, GU_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, 0, GU_PRE,
-         RED_DB>(w_gu, NORM_GLOBAL ? xn : xs,
+         RED_DB, GU_TM>(w_gu, NORM_GLOBAL ? xn : xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {

@@ -215,30 +215,23 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
 template <class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* xn, unsigned char* smem) {
     if constexpr (NORM_GLOBAL) {
-        constexpr int NCH = HIDDEN / 8, NW = THREADS / 32, NPT = (NCH + THREADS - 1) / THREADS;  // chunks a thread
+        // two passes over the row (the second from L1/L2): the row held in registers between them took 48 more
+        // (NPT x 8 values and gains a thread at hidden 5120) and the kernel spilled 80 B (bench/NOTES.md session 23)
+        constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;
         float* scratch = reinterpret_cast<float*>(smem + SMEM_RED);  // [NW][2], then mean and rstd
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
         const int P = max(1, (int)gridDim.x / BATCH);
         for (int u = blockIdx.x; u < BATCH * P; u += gridDim.x) {
-            const int b = u / P, part = u % P, c0 = part * NCH / P, c1 = (part + 1) * NCH / P;
-            // the row in registers (one read from L2), the gain of this block's columns loaded alongside
-            float f[NPT][8], g[NPT][8], bb[NPT][8];
+            const int b = u / P, part = u % P;
             float a = 0.f, q = 0.f;
+            for (int c = tid; c < NCH; c += THREADS) {
+                float f[8];
+                load8(src + (size_t)b * HIDDEN + c * 8, f);
 #pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const int c = tid + i * THREADS;
-                if (c < NCH) {
-                    load8(src + (size_t)b * HIDDEN + c * 8, f[i]);
-                    if (c0 <= c && c < c1) {
-                        load8(w + c * 8, g[i]);
-                        if constexpr (NORM_LAYERNORM) load8(bias + c * 8, bb[i]);
-                    }
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        f[i][k] = to_f(from_f(f[i][k]));  // fp32 h: as the T residual transformers normalises
-                        a += f[i][k];
-                        q = fmaf(f[i][k], f[i][k], q);
-                    }
+                for (int i = 0; i < 8; ++i) {
+                    const float x = to_f(from_f(f[i]));  // fp32 h: as the T residual transformers normalises
+                    a += x;
+                    q = fmaf(x, x, q);
                 }
             }
             a = warp_sum(a);
@@ -253,19 +246,20 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
 #else
             const float mean = 0.f, rstd = rsqrtf(sq / HIDDEN + NORM_EPS);
 #endif
+            for (int c = part * NCH / P + tid; c < (part + 1) * NCH / P; c += THREADS) {
+                float f[8], g[8], bb[8];
+                load8(src + (size_t)b * HIDDEN + c * 8, f);
+                load8(w + c * 8, g);
+                if constexpr (NORM_LAYERNORM) load8(bias + c * 8, bb);
 #pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const int c = tid + i * THREADS;
-                if (c < c0 || c >= c1) continue;
-#pragma unroll
-                for (int k = 0; k < 8; k += 2) {  // a pair of columns is one 4-byte word of the fragment order
+                for (int i = 0; i < 8; i += 2) {  // a pair of columns is one 4-byte word of the fragment order
                     float y[2];
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        y[j] = (f[i][k + j] - mean) * rstd * g[i][k + j];
-                        if constexpr (NORM_LAYERNORM) y[j] += bb[i][k + j];
+                        y[j] = (to_f(from_f(f[i + j])) - mean) * rstd * g[i + j];
+                        if constexpr (NORM_LAYERNORM) y[j] += bb[i + j];
                     }
-                    *reinterpret_cast<T2*>(xn + x_at<true>(b, c * 8 + k, HIDDEN)) = from_f2(y[0], y[1]);
+                    *reinterpret_cast<T2*>(xn + x_at<true>(b, c * 8 + i, HIDDEN)) = from_f2(y[0], y[1]);
                 }
             }
             __syncthreads();  // scratch is reused by the next row

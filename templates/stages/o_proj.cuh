@@ -7,12 +7,12 @@
 // rows (templates/stages/norm.cuh), gate_up scales its sums by 1/rms.
 #pragma once
 #include "../gemv.cuh"
-__device__ __forceinline__ GemvPre<O_U> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
-    return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT>(w_o);
+__device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
+    return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
                        float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                       const GemvPre<O_U>& pre, unsigned char* smem) {
+                       const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
                                THREADS / (O_NWG * 32) * 16 * BATCH * 4 <= SMEM_RED),
@@ -21,7 +21,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // barrier that precedes this stage
     if (QKV_FLOW && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             // H_STATS: the group's squares [16][BATCH] in the rows' region (idle in this stage)

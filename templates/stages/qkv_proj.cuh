@@ -20,13 +20,13 @@ struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (re
     }
 };
 constexpr int QKV_TILE0 = QKV_FLOW ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v tiles first
-__device__ __forceinline__ GemvPre<QKV_U> qkv_proj_pre(const T* w_qkv) {  // QKV_PRE: before the launch's wait
-    return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0>(w_qkv);
+__device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv) {  // QKV_PRE: before the launch's wait
+    return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0, QKV_TM>(w_qkv);
 }
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv, const T* b_qkv,
                          float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                         const GemvPre<QKV_U>& pre, unsigned char* smem) {
+                         const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the norm's copy of the gain
     const T* gain = NORM_FOLD == 2 ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
@@ -47,9 +47,9 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
     const T* X = NORM_GLOBAL ? xn : xs;
     constexpr int LDX = NORM_GLOBAL ? HIDDEN : XS_LD;
     if constexpr (QKV_FLOW)
-        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv,
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
-        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB>(w_qkv,
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gain, &pre);
 }
