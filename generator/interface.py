@@ -35,7 +35,7 @@ CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places them); two global-timer ones follow
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
-# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, the prefill-only XN_ROWS, Q_ROWS
+# QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, XN_ROWS (decode: 0 unless NORM_GLOBAL), Q_ROWS
 # and SPLIT_FLOATS (0 in decode where no GEMV splits K), XF_ROWS (decode: rows of a fragment-ordered buffer; prefill:
 # the GEMM inputs' rows, whole token tiles), the decode-only HB_ROWS and HSQ_TILES, and on sm_90a prefill
 # (GEMM_WGMMA) the GEMM inputs' columns padded to 64 (their tiled layout, from_tiles).
@@ -62,7 +62,8 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["INTER"])),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
-           "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles)"),
+           "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles; decode NORM_GLOBAL: in "
+           "fragment order, from_frag)"),
     Buffer("q", "T", lambda c: (c.get("Q_ROWS", c["XN_ROWS"]), c["Q_DIM"]),
            "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),

@@ -365,7 +365,7 @@ class FusedDecoderLayer:
         dt = {"T": self.dtype, "float": torch.float32, "unsigned": torch.int32, "long long": torch.int64}[b["ctype"]]
         raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]].view(dt)
         consts = self.plan["consts"]
-        if name in ("attn", "act") and consts.get("X_FRAG"):
+        if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):
             return from_frag(raw, self.plan["rows"], b["shape"][1])
         if name in ("attn", "act", "xn") and self.mode == "prefill" and consts.get("GEMM_WGMMA"):
             k = {"attn": consts["Q_DIM"], "act": consts["INTER"], "xn": consts["HIDDEN"]}[name]

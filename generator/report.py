@@ -79,8 +79,20 @@ def plan_fields(entry: dict) -> dict:
     gain = None
     if src.startswith("tuned") and fig.get("default_us") and fig.get("tuned_us"):
         gain = round(fig["default_us"] / fig["tuned_us"], 3)
+    consts = (entry.get("plan") or {}).get("consts") or {}
     return {"plan": src, "overrides": dict((entry.get("plan") or {}).get("overrides") or {}), "tuned_gain": gain,
-            "split_k": split_k_cell((entry.get("plan") or {}).get("consts") or {})}
+            "split_k": split_k_cell(consts), "path": path_cell(consts)}
+
+
+def path_cell(c: dict) -> str | None:
+    """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
+    rows in global memory, two more grid barriers), TM=n (n tiles a GEMV task, the largest of the projections'),
+    ATT_DYN=2 (stream-K attention); None where it takes none (or a prefill plan)."""
+    parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
+    tm = max([c.get(f"{p}_TM", 1) for p in ("QKV", "O", "GU", "DOWN")])
+    parts += [f"TM={tm}"] if tm > 1 else []
+    parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
+    return " ".join(parts) or None
 
 
 def split_k_cell(c: dict) -> str | None:
@@ -119,11 +131,12 @@ def _plan_cell(r: dict, k: str) -> str:
     src = r.get("plan") or "default"
     other = " [yellow](timed: other plan)[/yellow]" if r.get("timed_plan") == "other" else ""
     ov = " ".join(f"{k}={v}" for k, v in sorted((r.get("overrides") or {}).items()))  # what was built
+    path = f" [{r['path']}]" if r.get("path") else ""  # the paths the plan takes (path_cell)
     if not src.startswith("tuned"):
-        return src + (f" ({ov})" if ov else "") + other
+        return src + (f" ({ov})" if ov else "") + path + other
     # a tuning entry without the tuner's times (one written by hand) is built but was never timed
     gain = f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else ", not timed"
-    return "tuned" + gain + (f" ({ov})" if ov else "") + other
+    return "tuned" + gain + (f" ({ov})" if ov else "") + path + other
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:
@@ -394,8 +407,8 @@ TABLE_COLUMNS = [
 # what each flag means, printed under the table for the flags it shows (README.md has the longer story)
 FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
     ("spills", "spills", "registers spilled to local memory (slower)"),
-    ("refused", "refused", "the planner refused the variant (its reason is printed below the table)"),
-    ("error", "error", "the build failed (its error is printed below the table)"),
+    ("refused", "refused", "the planner refused the variant (its reason is on stderr)"),
+    ("error", "error", "the build failed (its error is on stderr)"),
     ("smem>", "smem>NKB", "over the block's shared-memory limit"),
     ("no-residency", "no-residency", "no block fits an SM"),
     ("L1<", "L1<NKB", "the block's shared memory leaves less L1 than the planner keeps (decode's weight streams "

@@ -202,8 +202,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[di
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
+        umax = 8 // d.get(f"{prefix}_TM", 1)  # the planner's own bound: TM tiles' loads a step
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
-                  {f"{prefix}_U": u * 2 if u * 2 <= 8 else u // 2}]
+                  {f"{prefix}_U": u * 2 if u * 2 <= umax else u // 2}]
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
@@ -283,7 +284,7 @@ def knob_dict(p: dict) -> dict:
 
 # knobs added after records were made whose default is no longer always the kernel as it was: the value a record
 # without them measured (RED_DB: two buffers of partial sums until session 16)
-KNOBS_BEFORE = {"RED_DB": 1}
+KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1}
 
 
 def knobs_differ(recorded: dict, now: dict) -> list[str]:

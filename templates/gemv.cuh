@@ -2,14 +2,16 @@
 #pragma once
 #include "common.cuh"
 // out[n][b] = sum_k W[n][k] * X[b][k] on the tensor cores: mma.sync m16n8k16 with 16 weight rows as M, 16 of K,
-// and the batch as N (8 sequences per n-tile, zero-padded). A task is one 16-row tile of W over the whole of K,
-// done by a group of GEMV_NWG warps that split K; the weights are packed on the host in fragment order, so one
-// coalesced 16-byte load gives a lane its whole A fragment of a 16x16 tile. The warps' accumulators meet in shared
-// memory and the stage's epilogue reads tile(r, b).
+// and the batch as N (8 sequences per n-tile, zero-padded). A task is TM consecutive 16-row tiles of W (the decode
+// plan's <P>_TM, usually 1) over the whole of K, done by a group of GEMV_NWG warps that split K; each B fragment of
+// X is loaded once for the TM tiles (X from L2 at large batch: TM 2 halves its reads). The weights are packed on
+// the host in fragment order, so one coalesced 16-byte load gives a lane its whole A fragment of a 16x16 tile. The
+// warps' accumulators meet in shared memory and the stage's epilogue reads tile(r, b), once per tile.
 
 constexpr int NTILE = (BATCH + 7) / 8;  // n-tiles of 8 sequences
 // Element (b, k) of an activation that a later GEMV reads from global memory as X (attention's output, the MLP's
-// act): row-major [BATCH][ld], or with XF (the decode plan's X_FRAG) in mma m16n8k16 B-fragment order,
+// act, and NORM_GLOBAL's normalised rows): row-major [BATCH][ld], or with XF (the decode plan's X_FRAG; always
+// for NORM_GLOBAL's rows) in mma m16n8k16 B-fragment order,
 // [K/16][NTILE][32 lanes][4]: the two registers a lane needs for a k-tile and 8 rows are one 8-byte load, a warp's 256 contiguous bytes (row-major,
 // they were two 4-byte loads touching 8 rows each: at batch >= 16 the L1's request rate, not bytes, bounded
 // o_proj and down_proj). Rows past BATCH (up to NTILE x 8) are never written; their products are discarded.
@@ -129,12 +131,13 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
-    // through each round's reduction (pf: those loads; U x 4 registers more). PF 2: a software pipeline of two
-    // register sets (pf and nx, U loads each): every step's loads are issued one step ahead, so the next step's
+    // through each round's reduction (pf: those loads; U x TM x 4 registers more). PF 2: a software pipeline of two
+    // register sets (pf and nx, U x TM loads each): every step's loads are issued one step ahead, so the next step's
     // weights fly while this step's mma run, and across rounds as with PF 1.
     uint4 pf[U * TM];
-    // one task (split ks of a tile): this warp's share of its K range for 16 rows on the tensor cores, its partial
-    // sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its first step is in pf
+    // one task (split ks of a tile, or TM tiles): this warp's share of its K range for 16 x TM rows on the tensor
+    // cores, its partial sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its
+    // first step is in pf
     auto compute = [&](int task, float* buf, int next, bool use_pf) {
         const int ks = task / (TILES / TM);
         const T* xk = X + ks * KT * 16;  // this split's columns of X

@@ -222,8 +222,15 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     assert tuple(render.plan(b32, "90")["workspace"]["buffers"]["xn"]["shape"]) == (32, 4096)
     with pytest.raises(PlanError, match="at most 25 fits; NORM_GLOBAL=1 .the default where they do not fit."):
         render.plan(b32, "90", overrides={"NORM_GLOBAL": 0})
-    with pytest.raises(PlanError, match="a batch of at most 22 fits$"):  # tensor parallel: no NORM_GLOBAL
+    with pytest.raises(PlanError, match="a batch of at most 22 fits; NORM_GLOBAL .rows in global memory. is one GPU only$"):
         render.plan(dataclasses.replace(b32, tp=2), "90")
+    with pytest.raises(PlanError, match="at most 24 fits; NORM_GLOBAL=1 keeps them in global memory, without the "
+                                        "overrides NORM_FOLD=1$"):  # an override that pins the rows: drop it
+        render.plan(b32, "90", overrides={"NORM_FOLD": 1})
+    big = render.plan(dataclasses.replace(l8b, batch=128), "90")["consts"]  # two tiles' partial sums do not fit
+    assert big["NORM_GLOBAL"] == 1 and big["GU_TM"] == 1
+    with pytest.raises(PlanError, match="16 warps x 16 x batch x 4 B .twice with RED_DB=1.: a batch of at most 227"):
+        render.plan(dataclasses.replace(l8b, batch=240), "90")
     for ov in ({"NORM_FOLD": 1}, {"H_STATS": 1}, {"NORM_CLUSTER": 2}):
         with pytest.raises(PlanError, match="NORM_GLOBAL=1: the rows are normalised in global memory"):
             render.plan(l8b, "90", overrides={"NORM_GLOBAL": 1, **ov})
@@ -754,14 +761,15 @@ def test_tiles_a_task_match_the_reference(tmp_path):
     """<P>_TM (TM 16-row tiles a task, each B fragment loaded once for all of them): every projection at TM 2 on
     Llama-3.2-1B b1 with every first step pre-loaded and QKV_FLOW (its per-tile counters, k/v tiles first), the
     qkv-bias shape at batch 5 (a partial n-tile) with GEMV_PF 2 (the pipelined loads) and o/down at TM 4, and
-    NORM_GLOBAL at batch 8 (X from global memory for all four); against the fp32 reference at two seeds, a second
-    launch bit-equal."""
+    NORM_GLOBAL at batch 8 (X from global memory for all four), also with one buffer of partial sums (RED_DB 0: the
+    default from batch ~64) and GEMV_PF 1; against the fp32 reference at two seeds, a second launch bit-equal."""
     b5, = _qwen15_like("tm", [5])
     by = {v.name: v for v in declared()}
     two = {"QKV_TM": 2, "O_TM": 2, "GU_TM": 2, "DOWN_TM": 2}
     cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {**two, "QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}),
              (b5, {**two, "O_TM": 4, "DOWN_TM": 4, "GEMV_PF": 2}),
-             (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1})]
+             (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1}),
+             (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1, "RED_DB": 0, "GEMV_PF": 1})]
     _overrides_match_the_reference(tmp_path, cases, "tm", 23, {}, repeat=True)
 
 

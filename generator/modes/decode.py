@@ -2,8 +2,8 @@
 
 norm + qkv_proj | attention (qk_norm, RoPE, KV append, flash-decoding) | o_proj + residual | norm + gate_up |
 down_proj + residual   ("|" = grid-wide barrier). Each norm runs inside its projection's stage, every block
-normalising the rows into its own shared memory, except with NORM_GLOBAL (where the rows do not fit): then it is a
-step of its own, "norm | qkv_proj" and "norm | gate_up".
+normalising the rows into its own shared memory, except with NORM_GLOBAL (where the rows do not fit, or leave too
+little L1): then it is a step of its own, "norm | qkv_proj" and "norm | gate_up".
 """
 from __future__ import annotations
 
@@ -274,12 +274,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if norm_fold and v.tp > 1:
         raise PlanError(f"{v.name}: plan override NORM_FOLD={norm_fold}: not with tensor parallel (its fp32-source norm has not "
                         "run folded on 2 GPUs)")
+    def tm_ok(prefix: str, key: str, tm: int) -> bool:  # TM tiles a task: unsplit, the tiles (qkv: its q tiles,
+        return tm == 1 or (ov.get(f"{prefix}_KSPLIT", 1) == 1 and (shapes[key][0] // 16) % tm == 0  # QKV_FLOW's
+                           and (prefix != "QKV" or (q_dim // 16) % tm == 0))  # first) in whole groups
+
     def plan_projection(prefix: str, key: str, tm: int) -> None:  # gemv[key], TM tiles a task
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)
-        if tm > 1 and (ks > 1 or (n // 16) % tm or (prefix == "QKV" and (q_dim // 16) % tm)):
+        if not tm_ok(prefix, key, tm):
+            q = f" (and its {q_dim // 16} q tiles)" if prefix == "QKV" else ""
             raise PlanError(f"{v.name}: plan override {prefix}_TM={tm}: needs {prefix}_KSPLIT 1 and {key}'s "
-                            f"{n // 16} tiles (and qkv's {q_dim // 16} q tiles) in whole groups of {tm}")
+                            f"{n // 16} tiles{q} in whole groups of {tm}")
         # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
         # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
         g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1,
@@ -437,8 +442,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                     if (need := gemv_need(v.batch, f, h_stats, d)) <= arch.smem_per_block] or [0])
     pinned = bool(ov.get("NORM_FOLD") or h_stats or norm_cluster > 1)  # overrides that keep the rows local
     # (the L1 rule only where an SM's unified L1 and shared memory is 256 KB, as measured: smaller ones never ran it)
+    # (and where it leaves L1_ENOUGH itself: its partial sums, at two tiles a task, may take as much at small hidden)
+    global_l1 = l1_bytes(arch, max(att_bytes, nw * 2 * 16 * v.batch * 4))
     norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
-        local_l1 < L1_ENOUGH and arch.unified_kb >= 256))))
+        local_l1 < L1_ENOUGH <= global_l1 and arch.unified_kb >= 256))))
     if norm_global and (pinned or v.tp > 1):
         raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
                         f"GPU (not run on 2) and no NORM_FOLD, H_STATS or NORM_CLUSTER (this plan: tp {v.tp}, "
@@ -451,11 +458,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +3 %, 70B-like b16 +3 %, hidden-5120 b16
         # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
         # (its partial sums take twice the shared memory: -6 ... -12 %)
-        for prefix, key in PROJECTIONS:
-            n = shapes[key][0]
-            if f"{prefix}_TM" not in ov and gemv[key]["KSPLIT"] == 1 and (n // 16) % 2 == 0 and \
-                    (prefix != "QKV" or (q_dim // 16) % 2 == 0):
-                plan_projection(prefix, key, 2)
+        # (where their partial sums fit: at batch > 113 only one tile a task does)
+        if nw * 2 * 16 * v.batch * 4 <= arch.smem_per_block:
+            for prefix, key in PROJECTIONS:
+                if f"{prefix}_TM" not in ov and tm_ok(prefix, key, 2):
+                    plan_projection(prefix, key, 2)
         tm_max = max(g["TM"] for g in gemv.values())
 
     def pick(c: tuple[int, int]) -> tuple:
@@ -477,23 +484,25 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if h_stats and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:
             return (f"H_STATS=1 keeps each row's 1/rms beside the rows: "
                     f"{gemv_bytes - gemv_need(v.batch, 0, 0, red_db)} B more; without it the stage fits")
-        one = gemv_need(v.batch, norm_fold, h_stats, 0)
+        one = gemv_need(v.batch, norm_fold, h_stats, 0, not norm_global)
         if red_db and one <= arch.smem_per_block:
             tp = (" (tensor parallel plans two: one has not run on 2 GPUs; a tuning entry's overrides "
                   "{\"RED_DB\": 0} build it with one)") if v.tp > 1 and "RED_DB" not in ov else ""
             return (f"RED_DB=1 keeps two buffers of partial sums: {gemv_bytes - one} B more; with one the stage "
                     f"fits{tp}")
         if norm_global:  # no rows in shared memory: the partial sums alone are over
-            most = arch.smem_per_block // (nw * 16 * 4)  # one buffer (RED_DB=0)
-            return (f"with NORM_GLOBAL the projections' partial sums still take {nw} warps x 16 x batch x 4 B "
-                    f"(twice with RED_DB=1): a batch of at most {most} fits")
+            most = arch.smem_per_block // (nw * tm_max * 16 * 4)  # one buffer (RED_DB=0)
+            return (f"with NORM_GLOBAL the projections' partial sums still take {nw} warps x {tm_max * 16} x batch x "
+                    f"4 B (twice with RED_DB=1): a batch of at most {most} fits")
         fits = 0  # the largest batch that fits, planned as that batch would be (the need grows with the batch)
         while fits < v.batch and gemv_need(fits + 1, ov.get("NORM_FOLD", 0), h_stats, min(dbs)) \
                 <= arch.smem_per_block:
             fits += 1
-        glob = ("; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory"
-                if not norm_global and v.tp == 1 and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block
-                else "")
+        glob = ""  # what would keep the rows in global memory instead
+        if not norm_global and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block:
+            glob = ("; NORM_GLOBAL (rows in global memory) is one GPU only" if v.tp > 1 else
+                    f"; NORM_GLOBAL=1 keeps them in global memory, without the overrides {_fmt(ov)}" if pinned else
+                    "; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits{glob}" if fits else "lower hidden")
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {

@@ -14,7 +14,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                        float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
                        const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
+    static_assert(!H_STATS || (HB_COPY && O_TM == 1 && THREADS / (O_NWG * 32) <= 15 &&
                                THREADS / (O_NWG * 32) * 16 * BATCH * 4 <= SMEM_RED),
                   "H_STATS: the T copy of h, at most 15 warp groups (named barriers), their squares before SMEM_RED");
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
