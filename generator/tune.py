@@ -159,7 +159,7 @@ BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "N
                 "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL")  # on/off knobs: 0 is a setting, not a size
 
 
-def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 30) -> list[dict]:
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
