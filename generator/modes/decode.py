@@ -455,7 +455,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         folds = [0]
         # every projection's X from global memory: two tiles a task (<P>_TM 2) load each B fragment once for both,
         # halving the X reads from L2 (at batch 32, 2x the weight bytes a 16-row tile). Measured on the H200
-        # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +3 %, 70B-like b16 +3 %, hidden-5120 b16
+        # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +5 %, 70B-like b16 +3 %, hidden-5120 b16
         # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
         # (its partial sums take twice the shared memory: -6 ... -12 %)
         # (where their partial sums fit: at batch > 113 only one tile a task does)
