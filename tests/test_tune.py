@@ -227,8 +227,9 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     with pytest.raises(PlanError, match="at most 24 fits; NORM_GLOBAL=1 keeps them in global memory, without the "
                                         "overrides NORM_FOLD=1$"):  # an override that pins the rows: drop it
         render.plan(b32, "90", overrides={"NORM_FOLD": 1})
-    big = render.plan(dataclasses.replace(l8b, batch=128), "90")["consts"]  # two tiles' partial sums do not fit
-    assert big["NORM_GLOBAL"] == 1 and big["GU_TM"] == 1
+    for b, tm in ((64, 2), (72, 1), (128, 1)):  # two tiles' accumulators in registers: 2 x NTILE <= 16
+        c = render.plan(dataclasses.replace(l8b, batch=b), "90")["consts"]
+        assert c["NORM_GLOBAL"] == 1 and c["GU_TM"] == c["O_TM"] == tm, b
     with pytest.raises(PlanError, match="16 warps x 16 x batch x 4 B .twice with RED_DB=1.: a batch of at most 227"):
         render.plan(dataclasses.replace(l8b, batch=240), "90")
     for ov in ({"NORM_FOLD": 1}, {"H_STATS": 1}, {"NORM_CLUSTER": 2}):

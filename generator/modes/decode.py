@@ -458,8 +458,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +5 %, 70B-like b16 +3 %, hidden-5120 b16
         # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
         # (its partial sums take twice the shared memory: -6 ... -12 %)
-        # (where their partial sums fit: at batch > 113 only one tile a task does)
-        if nw * 2 * 16 * v.batch * 4 <= arch.smem_per_block:
+        # (where their accumulators fit in registers: 2 x NTILE <= 16, batch <= 64; Llama-3-8B b96 at TM 2 spilled
+        # 368 B, b64 4 B, b128 at TM 1 none; their partial sums fit in shared memory up to batch 113)
+        if 2 * math.ceil(v.batch / 8) <= 16:
             for prefix, key in PROJECTIONS:
                 if f"{prefix}_TM" not in ov and tm_ok(prefix, key, 2):
                     plan_projection(prefix, key, 2)
