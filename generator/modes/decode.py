@@ -443,7 +443,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     pinned = bool(ov.get("NORM_FOLD") or h_stats or norm_cluster > 1)  # overrides that keep the rows local
     # (the L1 rule only where an SM's unified L1 and shared memory is 256 KB, as measured: smaller ones never ran it)
     # (and where it leaves L1_ENOUGH itself: its partial sums, at two tiles a task, may take as much at small hidden)
-    global_l1 = l1_bytes(arch, max(att_bytes, nw * 2 * 16 * v.batch * 4))
+    # TM 2 with NORM_GLOBAL where two tiles' accumulators (TM x NTILE x 4 a lane) fit in registers: 2 x NTILE <= 16,
+    # batch <= 64 (Llama-3-8B b96 at TM 2 spilled 368 B, b64 4 B, b128 at TM 1 none)
+    global_tm = 2 if 2 * math.ceil(v.batch / 8) <= 16 else 1
+    global_l1 = l1_bytes(arch, max(att_bytes, nw * global_tm * 16 * v.batch * 4))
     norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
         local_l1 < L1_ENOUGH <= global_l1 and arch.unified_kb >= 256))))
     if norm_global and (pinned or v.tp > 1):
@@ -458,12 +461,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +5 %, 70B-like b16 +3 %, hidden-5120 b16
         # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
         # (its partial sums take twice the shared memory: -6 ... -12 %)
-        # (where their accumulators fit in registers: 2 x NTILE <= 16, batch <= 64; Llama-3-8B b96 at TM 2 spilled
-        # 368 B, b64 4 B, b128 at TM 1 none; their partial sums fit in shared memory up to batch 113)
-        if 2 * math.ceil(v.batch / 8) <= 16:
-            for prefix, key in PROJECTIONS:
-                if f"{prefix}_TM" not in ov and tm_ok(prefix, key, 2):
-                    plan_projection(prefix, key, 2)
+        # (global_tm: up to batch 64)
+        for prefix, key in PROJECTIONS:
+            if f"{prefix}_TM" not in ov and global_tm > 1 and tm_ok(prefix, key, global_tm):
+                plan_projection(prefix, key, global_tm)
         tm_max = max(g["TM"] for g in gemv.values())
 
     def pick(c: tuple[int, int]) -> tuple:
