@@ -100,11 +100,16 @@ ARGS: tuple[Arg, ...] = (
     # sm_90a prefill: a TMA tensor map (128 B, cuTensorMapEncodeTiled) of each weight in TENSOR_MAPS, in that order,
     # written by the loader (null where the plan's GEMM has none: decode, mma.sync)
     Arg("w_tmaps", "const unsigned char*", "param", optional=True),
+    # decode attention with ATT_TMA: the TMA tensor maps of k_cache and v_cache (KV_TENSOR_MAPS), written by the loader
+    Arg("kv_tmaps", "const unsigned char*", "param", optional=True),
 )
 
 # the weights the prefill GEMM reads by TMA tensor maps (w_tmaps), in order: config.cuh's TMAP_<NAME> is the index
 TENSOR_MAPS = ("w_qkv", "w_o", "w_gu", "w_down")
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
+# decode attention's (ATT_TMA) cache maps in kv_tmaps, in order: each cache [batch x kv_heads x rows, head_dim] with a box
+# of 16 rows x 64 dims in the 128-byte swizzle (templates/stages/attention.cuh; the loader's _cache_maps)
+KV_TENSOR_MAPS = ("k_cache", "v_cache")
 
 
 def c_params() -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import (ARGS, CLOCK_SLOTS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_tiles, pack_weights,
+from .interface import (ARGS, CLOCK_SLOTS, KV_TENSOR_MAPS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_tiles, pack_weights,
                         packed_shapes, shard_weights, unpack_weights, weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
@@ -102,39 +102,64 @@ def _launch_kernel_ex():
     return fn, err
 
 
-def _tensor_maps(name: str, packed: dict, box_rows: int, box_k: int, device) -> torch.Tensor:
-    """The TMA tensor maps of the prefill GEMM's weights (interface.TENSOR_MAPS order; templates/gemm.cuh):
-    cuTensorMapEncodeTiled (CUDA driver API) of each packed weight [N/16, K/16, 32, 8] (16-bit elements) as a 3-D
-    tensor [N/16][K/16][256] with a box of [box_rows][box_k][256] (a ring stage's chunk of a weight tile), zeros past
-    the edges. Returns them as uint8 [len(TENSOR_MAPS), 128] on `device` (the kernel reads them from global memory).
-    Raises LoadError (naming the variant `name`) where the driver has no cuTensorMapEncodeTiled (CUDA < 12) or
-    refuses a weight."""
+def _encode_tiled(name: str, what: str, maps: list, device) -> torch.Tensor:
+    """cuTensorMapEncodeTiled (CUDA driver API) of each (label, tensor, sizes, strides, box, swizzle) in `maps`:
+    16-bit elements, sizes and box innermost first, strides in bytes of the dims above the innermost, zeros past
+    the edges, L2 promotion 256 B; swizzle as CUtensorMapSwizzle (0 none, 3 the 128-byte swizzle). Returns the maps as
+    uint8 [len(maps), TENSOR_MAP_BYTES] on `device` (the kernel reads them from global memory). Raises LoadError
+    (naming the variant `name` and `what` needs them) where the driver has no cuTensorMapEncodeTiled (CUDA < 12) or
+    refuses one."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     except (OSError, AttributeError) as e:
-        raise LoadError(f"{name}: the prefill GEMM's TMA tensor maps need the CUDA driver's cuTensorMapEncodeTiled "
-                        f"(CUDA 12+ driver): {e}") from None
+        raise LoadError(f"{name}: {what} need the CUDA driver's cuTensorMapEncodeTiled (CUDA 12+ driver): {e}") \
+            from None
     fn.restype = ctypes.c_int
-    u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
-    host = bytearray(len(TENSOR_MAPS) * TENSOR_MAP_BYTES + 64)
+    host = bytearray(len(maps) * TENSOR_MAP_BYTES + 64)
     base = (ctypes.c_char * len(host)).from_buffer(host)
     off = (-ctypes.addressof(base)) % 64  # CUtensorMap is 64-byte aligned
-    for i, arg in enumerate(TENSOR_MAPS):
-        w = packed[arg]  # contiguous 16-bit [N/16, K/16, 32, 8] on the device (checked by the caller)
-        assert w.element_size() == 2 and w.is_contiguous() and tuple(w.shape[2:]) == (32, 8), (arg, w.shape)
-        mts, kts = w.shape[:2]
+    for i, (label, w, sizes, strides, box, swizzle) in enumerate(maps):
+        assert w.element_size() == 2 and w.is_contiguous(), (label, w.dtype, w.shape)
+        r = len(sizes)
         rc = fn(ctypes.c_void_p(ctypes.addressof(base) + off + i * TENSOR_MAP_BYTES),
                 ctypes.c_int(1),   # CU_TENSOR_MAP_DATA_TYPE_UINT16: a copy, any 16-bit element
-                ctypes.c_uint32(3), ctypes.c_void_p(w.data_ptr()),
-                u64x3(256, kts, mts), (ctypes.c_uint64 * 2)(512, kts * 512),  # sizes; strides in bytes (dims 1, 2)
-                u32x3(256, box_k, box_rows), u32x3(1, 1, 1),
-                ctypes.c_int(0), ctypes.c_int(0),  # no interleave, no swizzle (the ring keeps the packed order)
+                ctypes.c_uint32(r), ctypes.c_void_p(w.data_ptr()),
+                (ctypes.c_uint64 * r)(*sizes), (ctypes.c_uint64 * (r - 1))(*strides),
+                (ctypes.c_uint32 * r)(*box), (ctypes.c_uint32 * r)(*([1] * r)),
+                ctypes.c_int(0), ctypes.c_int(swizzle),  # no interleave
                 ctypes.c_int(3), ctypes.c_int(0))  # L2 promotion 256 B; out-of-bounds elements are zeros
         if rc:
-            raise LoadError(f"{name}: cuTensorMapEncodeTiled refused {arg} {tuple(w.shape)} with a box of "
-                            f"[{box_rows}][{box_k}][256] (CUresult {rc})")
-    raw = bytes(host[off:off + len(TENSOR_MAPS) * TENSOR_MAP_BYTES])
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(TENSOR_MAPS), TENSOR_MAP_BYTES).to(device)
+            raise LoadError(f"{name}: cuTensorMapEncodeTiled refused {label} {tuple(w.shape)} with a box of "
+                            f"{list(reversed(box))} (CUresult {rc})")
+    raw = bytes(host[off:off + len(maps) * TENSOR_MAP_BYTES])
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(maps), TENSOR_MAP_BYTES).to(device)
+
+
+def _tensor_maps(name: str, packed: dict, box_rows: int, box_k: int, device) -> torch.Tensor:
+    """The TMA tensor maps of the prefill GEMM's weights (interface.TENSOR_MAPS order; templates/gemm.cuh): each
+    packed weight [N/16, K/16, 32, 8] (16-bit elements) as a 3-D tensor [N/16][K/16][256] with a box of
+    [box_rows][box_k][256] (a ring stage's chunk of a weight tile), no swizzle (the ring keeps the packed order).
+    Returns uint8 [len(TENSOR_MAPS), 128] on `device`; raises LoadError as _encode_tiled."""
+    maps = []
+    for arg in TENSOR_MAPS:
+        w = packed[arg]  # contiguous 16-bit [N/16, K/16, 32, 8] on the device (checked by the caller)
+        assert tuple(w.shape[2:]) == (32, 8), (arg, w.shape)
+        mts, kts = w.shape[:2]
+        maps.append((arg, w, (256, kts, mts), (512, kts * 512), (256, box_k, box_rows), 0))
+    return _encode_tiled(name, "the prefill GEMM's TMA tensor maps", maps, device)
+
+
+def _cache_maps(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, device) -> torch.Tensor:
+    """The TMA tensor maps of decode attention's caches (ATT_TMA; interface.KV_TENSOR_MAPS order;
+    templates/stages/attention.cuh): each cache [batch, kv_heads, rows, head_dim] as a 2-D tensor
+    [batch x kv_heads x rows][head_dim] with a box of 16 rows x 64 dims (a K or V tile's 64-dim part; dims past
+    head_dim are zeros) in the 128-byte swizzle. Returns uint8 [2, 128] on `device`; raises LoadError as
+    _encode_tiled."""
+    maps = []
+    for label, c in zip(KV_TENSOR_MAPS, (k_cache, v_cache)):
+        hd = c.shape[-1]
+        maps.append((label, c, (hd, c.numel() // hd), (hd * c.element_size(),), (64, 16), 3))
+    return _encode_tiled(name, "decode attention's cache tensor maps (ATT_TMA)", maps, device)
 
 
 def _max_active_clusters(fn_ptr: int, grid: int, threads: int, smem: int) -> int:
@@ -313,6 +338,9 @@ class FusedDecoderLayer:
             self.tensor_maps = _tensor_maps(self.name, self.packed, c["GEMM_WM"] * c["GEMM_TM"], c["GEMM_BK"] // 16,
                                             self.device)
             fixed["w_tmaps"] = self.tensor_maps
+        if c.get("ATT_TMA"):  # decode attention's K/V tiles by TMA tensor copies (the caches are fixed from here on)
+            self.cache_maps = _cache_maps(self.name, self.k_cache, self.v_cache, self.device)
+            fixed["kv_tmaps"] = self.cache_maps
         ptr = lambda v: np.uint64(0 if v is None else v if isinstance(v, int) else v.data_ptr())  # noqa: E731
         missing = [a.name for a in ARGS if a.role == "weight" and not a.optional and fixed.get(a.name) is None]
         assert not missing, f"interface.PACKED gives no {missing}"  # a null pointer the kernel would dereference

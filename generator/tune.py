@@ -156,7 +156,7 @@ def _half(n: int) -> int:
 
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL")  # on/off knobs: 0 is a setting, not a size
+                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[dict]:
@@ -172,11 +172,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     flipped (the second norm's statistics from o_proj: 0 to +1.6 % on 8 of 9 batch 1-4 shapes, -6 % at batch 32),
     RED_DB 1 where the planner took one buffer of partial sums (two were 2 % faster at batch 32 where one only added
     L1 above 60 KB); at batch >= 16 NORM_FOLD 2 where not planned and NORM_CLUSTER 2 (last, so the limit cuts them
-    first); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for two grid barriers;
+    first; these and the NORM_FOLD flips with NORM_GLOBAL 0 where it is planned: they keep the rows in shared memory); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for two grid barriers;
     +3 % on the 1B b20 where the planner keeps the rows, session 23);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
-    so ATT_DYN off where it is the default), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
+    so ATT_DYN off where it is the default), ATT_TMA flipped on sm_90+ (the walk's tiles by TMA tensor copies or
+    cp.async: -2.4 ... +2.6 % a layer, bench/NOTES.md session 24), ATT_STAGES 3 (a deeper ring; with fewer walker warps where 3 stages of
     all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
     STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer
     where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
@@ -193,11 +194,14 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
+    # (NORM_FOLD, NORM_CLUSTER: beside the rows kept in shared memory; with NORM_GLOBAL, the default from batch 16,
+    # they are refused, so they come with NORM_GLOBAL 0 there)
+    local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
                   *({"ATT_COMBINE": c} for c in (1, 2) if c != d["ATT_COMBINE"]),
-                  *({"NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
+                  *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
@@ -208,6 +212,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
+        # the walk's copy engine flipped (sm_90+; the planner takes TMA from batch 16: -1.6 ... +0.6 % at batch 8)
+        tries += [{"ATT_TMA": 1 - d["ATT_TMA"]}] if int(get_arch(arch).sm) >= 90 else []
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
         if d["ATT_DYN"] == 2:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
@@ -217,8 +223,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
             tries += [{"ATT_DYN": 2}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
-        tries += [{"NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []
-        tries += [{"NORM_CLUSTER": 2}] if v.batch >= 16 else []
+        tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []
+        tries += [{**local, "NORM_CLUSTER": 2}] if v.batch >= 16 else []
         tries += [{"NORM_GLOBAL": 1 - d["NORM_GLOBAL"]}] if v.batch >= 8 else []
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:
@@ -284,7 +290,7 @@ def knob_dict(p: dict) -> dict:
 
 # knobs added after records were made whose default is no longer always the kernel as it was: the value a record
 # without them measured (RED_DB: two buffers of partial sums until session 16)
-KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1}
+KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0}
 
 
 def knobs_differ(recorded: dict, now: dict) -> list[str]:

@@ -92,6 +92,58 @@ __device__ __forceinline__ void cp_async_wait_le(int n) {
         default: cp_async_wait<7>(); break;
     }
 }
+// Rings filled by the TMA unit (sm_90+: the prefill GEMM's weights and tokens, decode attention's K/V tiles): bulk and
+// tensor copies, no thread issuing per 16 bytes, whose completion an mbarrier counts in bytes (PTX ISA:
+// cp.async.bulk, cp.async.bulk.tensor, mbarrier).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(count)
+                 : "memory");
+}
+// the inits visible to the async proxy (the bulk copies' complete_tx) before any copy is issued
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// the arrival of this phase's one producer, with the bytes the phase's copies will bring
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+// waits for the phase of the given parity to complete
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), counted on `bar`
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+
+// a box of a 3-D tensor (TMA tiled mode) from the tensor map at global `tmap` (cuTensorMapEncodeTiled, written by the
+// host before the launch) to shared `dst` (128-byte aligned), at coordinates (c0 innermost, c1, c2); elements past
+// the tensor's edges are zeros; the box's whole size is counted on `bar`
+__device__ __forceinline__ void tensor_copy3(void* dst, const void* tmap, int c0, int c1, int c2,
+                                             unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                 "[%1, { %2, %3, %4 }], [%5];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+
+// a box of a 2-D tensor (TMA tiled mode) at coordinates (c0 innermost, c1), as tensor_copy3
+__device__ __forceinline__ void tensor_copy2(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                 "[%1, { %2, %3 }], [%4];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(tmap), "r"(c0), "r"(c1),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+// the mbarrier's memory released for other use (PTX ISA: before an mbarrier's shared memory is repurposed)
+__device__ __forceinline__ void mbar_inval(unsigned long long* bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+// this thread's generic shared-memory accesses ordered before later copies by the async proxy (TMA) into it
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // A value about to be stored as T that T cannot hold (fp16 above 65504) becomes inf: count it in status[0] so the
 // host can say so (FusedDecoderLayer.overflows()). bf16 has fp32's range: the check compiles away.
 __device__ __forceinline__ void count_overflow(float v, unsigned* status) {

@@ -28,44 +28,6 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e]) :: "memory");
 }
 
-// The GEMM's ring on sm_90a: asynchronous copies by the TMA unit (a weight chunk one tensor copy, a token chunk one
-// bulk copy: no thread issues per 16 bytes) whose completion an mbarrier counts in bytes (PTX ISA: cp.async.bulk,
-// cp.async.bulk.tensor, mbarrier).
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(count)
-                 : "memory");
-}
-// the inits visible to the async proxy (the bulk copies' complete_tx) before any copy is issued
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-// the arrival of this phase's one producer, with the bytes the phase's copies will bring
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
-}
-// waits for the phase of the given parity to complete
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra wait_%=;\n}\n" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), counted on `bar`
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
-                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
-}
-
-// a box of a 3-D tensor (TMA tiled mode) from the tensor map at global `tmap` (cuTensorMapEncodeTiled, written by the
-// host before the launch) to shared `dst` (128-byte aligned), at coordinates (c0 innermost, c1, c2); elements past
-// the tensor's edges are zeros; the box's whole size is counted on `bar`
-__device__ __forceinline__ void tensor_copy3(void* dst, const void* tmap, int c0, int c1, int c2,
-                                             unsigned long long* bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
-                 "[%1, { %2, %3, %4 }], [%5];"
-                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2),
-                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
-}
-
 template <int N> struct Wgmma;  // N = tokens of the tile
 // D += A B with scale-d 1. A template on the accumulators' type: in the mma.sync build's discarded `if constexpr`
 // branch (its accumulators have another shape) the call is never instantiated, so it compiles for every arch

@@ -193,31 +193,72 @@ def test_stream_attention_covers_every_tile_once():
         render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_DYN": 2})
 
 
+def test_attention_tiles_by_tma_on_sm90(tmp_path):
+    """ATT_TMA (attention's K/V tiles by TMA tensor copies in the 128-byte swizzle) is the default for the decode
+    variants of batch >= 16 on one GPU on sm_90, off below and on sm_80 (refused there as an override, in one line);
+    its ring sits at 1024 bytes (the swizzle's atom), a tile of K and V is one 2 KB box a 64-dim part (head_dim 80:
+    two, the second part zeros past the row), and each walker warp's stage has an 8-byte mbarrier beside the
+    schedule."""
+    vs = declared()
+    on = set()
+    for v in vs:
+        c = render.plan(v, "90")["consts"]
+        if v.mode == "decode":
+            assert c["ATT_TMA"] == int(v.batch >= 16 and v.tp == 1), v.name
+            on |= {v.name} if c["ATT_TMA"] else set()
+            assert c["SMEM_WST"] % (1024 if c["ATT_TMA"] else 16) == 0, v.name
+            assert c["SMEM_MBAR"] % 16 == 0 and c["SMEM_MBAR"] >= c["SMEM_SCHED"], v.name
+            assert render.plan(v, "80")["consts"]["ATT_TMA"] == 0, v.name
+    assert len(on) >= 6, on
+    v = next(v for v in vs if v.name == "llama3-8b_decode_b1_s4096_bf16")
+    with pytest.raises(PlanError) as ei:
+        render.plan(v, "80", overrides={"ATT_TMA": 1})
+    assert "\n" not in str(ei.value) and "sm_90" in str(ei.value)
+    hd80 = next(v for v in vs if v.name.startswith("ho-hd80") and v.mode == "decode")
+    on, off = (render.plan(hd80, "90", overrides={"ATT_TMA": t})["consts"] for t in (1, 0))
+    ring = lambda c: c["SMEM_FLAG"] - c["SMEM_WST"]  # noqa: E731
+    assert ring(on) >= on["ATT_WARPS"] * on["ATT_STAGES"] * 2 * 2 * 16 * 64 * 2  # two boxes a row of 80 dims
+    assert ring(off) >= off["ATT_WARPS"] * off["ATT_STAGES"] * 2 * 16 * 88 * 2
+    # the TMA walk compiles for sm_90 (mbarriers, tensor copies, the swizzled ldmatrix addresses) without spills: a
+    # 1B-shaped layer at batch 16 and the head_dim-80 shape forced on
+    from generator import compile as gcompile
+    from bench.tune import renamed
+    l1b16 = dataclasses.replace(next(v for v in vs if v.name == "llama3.2-1b_decode_b8_s4096_bf16"), batch=16)
+    c80 = renamed(hd80, "tma80")
+    res = gcompile.build([l1b16, c80], tmp_path, overrides={c80.name: {"ATT_TMA": 1}})
+    for e in res["entries"]:
+        r = e["resources"]
+        assert e["status"] == "ok" and r["spill_stores"] + r["spill_loads"] == 0, (e["name"], e.get("error"), r)
+
+
 def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     """NORM_GLOBAL is the default where the normalised rows and one buffer of partial sums would not fit in the
     block's shared memory (Llama-3-8B from batch 26: refused before) and, on a GPU of 256 KB of L1 and shared memory,
-    where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB);
-    then the norms are steps of their own with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles,
-    no rows in shared memory and two tiles a GEMV task (TM). Off on every other declared and held-out variant and with tensor parallel; refused
+    where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB)
+    or from batch 16 (NORM_GLOBAL_MIN_BATCH, where it leaves L1_ENOUGH itself); then the norms are steps of their own
+    with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles, no rows in shared memory and two tiles a
+    GEMV task (TM). Off on every other declared and held-out variant, on sm_80 below that batch, and with tensor parallel; refused
     with NORM_FOLD / H_STATS / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
     batch that does and NORM_GLOBAL in its refusal."""
     from generator.plan import L1_ENOUGH, l1_bytes
     from generator.targets import arch as get_arch
     by = {v.name: v for v in declared()}
     on = {v.name for v in declared() if v.tp == 1 and render.plan(v, "90")["consts"]["NORM_GLOBAL"]}
-    assert on == {"ho-nemo-b18_decode_b18_s6144_bf16", "ho-l8b-b32_decode_b32_s4096_bf16",
-                  "ho-h8192-b16_decode_b16_s2048_bf16"}
+    assert on == {v.name for v in declared() if v.mode == "decode" and v.tp == 1 and v.batch >= 16}
+    assert len(on) >= 8
     l8b = by["llama3-8b_decode_b8_s4096_bf16"]
-    for b, want in ((20, 0), (21, 0), (22, 1), (25, 1), (26, 1), (32, 1)):
+    for b, want in ((8, 0), (15, 0), (16, 1), (20, 1), (21, 1), (22, 1), (25, 1), (26, 1), (32, 1)):
         p = render.plan(dataclasses.replace(l8b, batch=b), "90")
         c = p["consts"]
         assert c["NORM_GLOBAL"] == want and c["NORM_LOCAL"] == 1 - want, b
         assert p["grid_syncs"] == 3 + 2 * want and p["sizes"]["XN_ROWS"] == (-(-b // 8) * 8 if want else 0), b
         if want:
             assert c["SMEM_RED"] == 0 and c["NORM_FOLD"] == 0 and p["smem_bytes"] < 160 * 1024
-            if b < 26:  # the rows would fit, leaving too little L1
+            if 22 <= b < 26:  # the rows would fit, leaving too little L1
                 local = render.plan(dataclasses.replace(l8b, batch=b), "90", overrides={"NORM_GLOBAL": 0})
                 assert l1_bytes(get_arch("90"), local["smem_bytes"]) < L1_ENOUGH
+    # below the batch rule the rows stay where they leave L1_ENOUGH; sm_80 (164 KB) never measured the L1 rules
+    assert render.plan(dataclasses.replace(l8b, batch=16), "80")["consts"]["NORM_GLOBAL"] == 0
     b32 = dataclasses.replace(l8b, batch=32)
     assert tuple(render.plan(b32, "90")["workspace"]["buffers"]["xn"]["shape"]) == (32, 4096)
     with pytest.raises(PlanError, match="at most 25 fits; NORM_GLOBAL=1 .the default where they do not fit."):
@@ -764,6 +805,51 @@ def test_norm_global_matches_the_reference(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_attention_by_tma_equals_cp_async(tmp_path):
+    """ATT_TMA's walk (tensor copies, the 128-byte swizzle, mbarrier phases over tasks, rows past the position
+    zeroed, the appended row patched in) gives the same bits as the cp.async walk (ATT_TMA 0): out and both caches,
+    at random positions (0 and the last included: partial last tiles) and at full context, on head_dim 64 (1B b1
+    and b8, also 16 walker warps), 80 (two boxes, the second past the row), 96 and 128 with a group of 7 (Qwen2.5-7B
+    b4, also 3 ring stages and 2 walker warps: several tasks a block, the phases carried over), and stream-K
+    (ATT_DYN 2, pieces) at batch 20; each also within tolerance of the fp32 reference."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    by = {v.name: v for v in declared()}
+    l1b = by["llama3.2-1b_decode_b8_s4096_bf16"]
+    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {}), (l1b, {}), (l1b, {"ATT_WARPS": 16}),
+             (next(v for v in declared() if v.name.startswith("ho-hd80") and v.mode == "decode"), {}),
+             (next(v for v in declared() if v.model.head_dim == 96 and v.mode == "decode"), {}),
+             (by["qwen2.5-7b_decode_b4_s4096_bf16"], {}),
+             (by["qwen2.5-7b_decode_b4_s4096_bf16"], {"ATT_STAGES": 3, "ATT_WARPS": 2}),
+             (dataclasses.replace(l1b, batch=20, seq_len=1024), {"ATT_DYN": 2})]
+    for i, (v, ov) in enumerate(cases):
+        a, b = renamed(v, f"tma{i}"), renamed(v, f"cpa{i}")
+        res = gcompile.build([a, b], tmp_path, overrides={a.name: {**ov, "ATT_TMA": 1}, b.name: {**ov, "ATT_TMA": 0}})
+        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+        W = reference.random_weights(v.model, seed=29 + i, device="cuda")
+        la = load(a.name, W, build_dir=tmp_path)
+        lb = load(b.name, None, build_dir=tmp_path, packed=la.packed,
+                  caches=(la.k_cache.clone(), la.v_cache.clone()))
+        assert la.plan["consts"]["ATT_TMA"] == 1 and lb.plan["consts"]["ATT_TMA"] == 0
+        for s, where in ((31 + i, "random"), (41 + i, "full")):
+            x, pos = verify.random_inputs(la, s, positions=where)
+            lb.k_cache.copy_(la.k_cache)
+            lb.v_cache.copy_(la.v_cache)
+            res = verify.check_step(la, x, pos, weights=W)
+            assert verify.passed(res, v.model.dtype), (a.name, where, res["rel_err"], res["first_bad_stage"])
+            out_b = lb(x, pos.to(lb.device))
+            out_a = res["out"]
+            assert torch.equal(out_a, out_b), (a.name, where, (out_a.float() - out_b.float()).abs().max().item())
+            assert torch.equal(la.k_cache, lb.k_cache) and torch.equal(la.v_cache, lb.v_cache), (a.name, where)
+        del la, lb
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_tiles_a_task_match_the_reference(tmp_path):
     """<P>_TM (TM 16-row tiles a task, each B fragment loaded once for all of them): every projection at TM 2 on
     Llama-3.2-1B b1 with every first step pre-loaded and QKV_FLOW (its per-tile counters, k/v tiles first), the
@@ -1057,7 +1143,7 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
     assert (p["NWG"], p["U"]) == (4, 8)  # 216 k-tiles a warp in steps of 8
     assert plan_gemv(5120, 13824, 132, rebalance=False)["NWG"] == 16
     v = next(v for v in declared() if v.name == "ho-h5120-g5_decode_b16_s4096_bf16")
-    c = render.plan(v)["consts"]
+    c = render.plan(v, overrides={"NORM_GLOBAL": 0})["consts"]  # one tile a task (NORM_GLOBAL's TM 2 halves them)
     assert (c["QKV_NWG"], c["O_NWG"], c["GU_NWG"], c["DOWN_NWG"]) == (4, 4, 16, 4)
     tp = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp > 1 and v.mode == "decode")
     assert render.plan(tp)["consts"]["QKV_NWG"] == 16  # the 70B shard's qkv: 320 tiles, 4-warp groups on one GPU
@@ -1096,13 +1182,14 @@ def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
     from generator.render import plan
     from generator.targets import arch as get_arch
     fold = lambda v, arch="90": plan(v, arch)["consts"]["NORM_FOLD"]  # noqa: E731
+    local = {"NORM_GLOBAL": 0}  # (from batch 16 the rows default to global memory: the fold is the local plan's)
     for v in (_layer(4096, 8), _layer(2048, 16), _layer(4096, 16), _layer(5120, 16), _layer(2048, 32)):
-        p = plan(v, "90")
+        p = plan(v, "90", overrides=local if v.batch >= 16 else None)
         assert p["consts"]["NORM_FOLD"] == 1 and l1_bytes(get_arch("90"), p["smem_bytes"]) >= L1_ENOUGH, v.name
     for v in (_layer(4096, 4), _layer(4096, 8, qk_norm="true"), _layer(4096, 8, norm="layernorm"),
               _layer(4096, 8, dtype="fp16"), _layer(4096, 8, tp=2)):
         assert fold(v) == 0, v.name
-    p, one = plan(_layer(3584, 24), "90"), plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 1})
+    p, one = plan(_layer(3584, 24), "90", overrides=local), plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 1})
     assert p["consts"]["NORM_FOLD"] == 2 and p["consts"]["SMEM_GS"] == 0
     assert l1_bytes(get_arch("90"), one["smem_bytes"]) < L1_ENOUGH <= l1_bytes(get_arch("90"), p["smem_bytes"])
     with pytest.raises(PlanError, match="NORM_FOLD=3: must be 0, 1 or 2"):
@@ -1126,7 +1213,7 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
     assert l1_bytes(h200, 0) == 256 * 1024 - 8 * 1024 and l1_bytes(get_arch("86"), 100 * 1024) < 28 * 1024
     for v in (_layer(4096, 20), _layer(3584, 24)):  # double-buffered: 28 KB of L1 (rows in shared memory)
         d = plan(v, "90", overrides={"RED_DB": 1, "NORM_GLOBAL": 0})
-        p = plan(v, "90")
+        p = plan(v, "90", overrides={"NORM_GLOBAL": 0})  # (from batch 16 the default keeps the rows in global memory)
         assert l1_bytes(h200, d["smem_bytes"]) < L1_ENOUGH <= l1_bytes(h200, p["smem_bytes"]), v.name
         assert p["consts"]["RED_DB"] == 0 and d["consts"]["RED_DB"] == 1
     for v in (_layer(2048, 1), _layer(4096, 8), _layer(4096, 16)):
@@ -1136,7 +1223,7 @@ def test_the_partial_sums_are_single_buffered_where_that_keeps_l1():
         plan(_layer(2048, 1), "90", overrides={"RED_DB": 2})
     # tensor parallel keeps two buffers (one has not run on 2 GPUs); the smaller-L1 GPUs keep the planner's old
     # order where no plan leaves L1_ENOUGH (two buffers, no fold: sm_86 hidden 2048 x 16 rows)
-    assert plan(_layer(4096, 20), "90")["consts"]["RED_DB"] == 0
+    assert plan(_layer(4096, 20), "90", overrides={"NORM_GLOBAL": 0})["consts"]["RED_DB"] == 0
     assert plan(_layer(4096, 20, tp=2), "90")["consts"]["RED_DB"] == 1
     p86 = plan(_layer(2048, 16), "86")["consts"]
     assert (p86["NORM_FOLD"], p86["RED_DB"]) == (0, 1)

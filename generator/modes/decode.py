@@ -22,8 +22,8 @@ STEPS = (
     Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, "
                      "smem)",
          flow="QKV_FLOW"),
-    Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, ws_part, ws_count, "
-                      "ws_ready, ws_attn, smem)"),
+    Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
+                      "ws_count, ws_ready, ws_attn, smem)"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, o_pre, "
                    "smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
@@ -56,11 +56,13 @@ STEPS = (
 # RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
 # each round's writes; templates/gemv.cuh); NORM_CLUSTER: the kernel in clusters of that many blocks, the norms' rows
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
-# writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there
+# writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there;
+# ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
+# stage, instead of cp.async by every lane
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -87,7 +89,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL")
+        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
         if k in ("NORM_FOLD", "ATT_COMBINE", "ATT_DYN") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
@@ -104,6 +106,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
 FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
+NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -311,7 +314,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # cache gets few tasks; 8 measured 0.2-5.4 % faster on 12 of 13 head_dim 64/80/96 shapes (bench/NOTES.md
     # session 11; Qwen2.5-0.5B b1 KV 4096 +1.9 %: its tuned plan keeps 16)
     nw = THREADS // 32
-    tile = 16 * (m.head_dim + 8) * esize * 2            # one 16-key tile of K and V
+    # ATT_TMA (sm_90+): the ring's tiles by TMA tensor copies, whose 128-byte swizzle keeps ldmatrix conflict-free
+    # without padding, a tile of K (or V) one 16-row x 64-dim box per 64 dims. Measured on the H200 (bench/NOTES.md
+    # session 24), against cp.async in a stack: +0.5 ... +2.6 % a layer at batch 16-32 (Llama-3-8B b32 +2.6 %, a
+    # Qwen2.5-7B-like b24 +1.9 %), -1.4 ... -2.4 % at batch 1 (its entry: mbarriers, fences, one block barrier more),
+    # -1.6 ... +0.6 % at batch 8: the default from batch 16 on one GPU (sm_90, where measured; an override may take
+    # it on any sm_90+)
+    att_tma = ov.get("ATT_TMA", int(arch.sm == "90" and v.batch >= 16 and v.tp == 1))
+    if att_tma and int(arch.sm) < 90:
+        raise PlanError(f"{v.name}: plan override ATT_TMA=1: TMA tensor copies need sm_90 or later (this build: "
+                        f"sm_{arch.sm})")
+    half_dims = -(-m.head_dim // 64)                    # ATT_TMA: 64-dim boxes a row
+    tile = (2 * half_dims * 16 * 64 * esize if att_tma
+            else 16 * (m.head_dim + 8) * esize * 2)     # one 16-key tile of K and V
     att_stages = ov.get("ATT_STAGES", 2)
     ring_budget = arch.smem_per_block * 2 // 3
     att_warps = ov.get("ATT_WARPS", max(1, min(nw, ATT_WARPS_MAX, ring_budget // (att_stages * tile))))
@@ -411,12 +426,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
-    smem["SMEM_WST"] = smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize)
+    # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
+    smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),
+                             1024 if att_tma else 16)
     ring = att_warps * att_stages * tile
     smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
     # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each sequence, rows
     smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
-    att_bytes = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
+    # ATT_TMA: an mbarrier a walker warp's ring stage
+    smem["SMEM_MBAR"] = align(smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0))
+    att_bytes = smem["SMEM_MBAR"] + (8 * att_warps * att_stages if att_tma else 0)
     combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
     if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:
         raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "
@@ -447,8 +466,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # batch <= 64 (Llama-3-8B b96 at TM 2 spilled 368 B, b64 4 B, b128 at TM 1 none)
     global_tm = 2 if 2 * math.ceil(v.batch / 8) <= 16 else 1
     global_l1 = l1_bytes(arch, max(att_bytes, nw * global_tm * 16 * v.batch * 4))
+    # (and from batch NORM_GLOBAL_MIN_BATCH on such a GPU wherever it leaves L1_ENOUGH: with ATT_TMA, measured on the
+    # H200 (bench/NOTES.md session 24) +0.6 ... +4.2 % on four batch 16-32 shapes whose rows fit with 60-92 KB of L1)
     norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
-        local_l1 < L1_ENOUGH <= global_l1 and arch.unified_kb >= 256))))
+        arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (local_l1 < L1_ENOUGH
+                                                               or v.batch >= NORM_GLOBAL_MIN_BATCH)))))
     if norm_global and (pinned or v.tp > 1):
         raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
                         f"GPU (not run on 2) and no NORM_FOLD, H_STATS or NORM_CLUSTER (this plan: tp {v.tp}, "
@@ -520,7 +542,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize),
+        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

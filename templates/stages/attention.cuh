@@ -20,13 +20,30 @@
 #include "kv_append.cuh"
 // QKV_FLOW: the tiles of a KV head that qkv_proj counts in ws_ready
 #include "qkv_proj.cuh"
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+// (shared-space addresses: att_at)
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// 16 bytes to shared-space address a
+__device__ __forceinline__ void st_shared16(unsigned a, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };" :: "r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+// The shared-space address of key row r, dims d..d+7 (d a multiple of 8) of a K or V tile in the ring at `tile`
+// (shared-space address). cp.async (ATT_TMA 0): rows of HEAD_DIM + 8 elements (16 bytes of pad: ldmatrix's 8 rows
+// of one column fall in 8 different bank groups). ATT_TMA: as the tensor copy lays out its boxes in the 128-byte
+// swizzle, the tile 1024-byte aligned: one box a 64-dim part (16 rows x 128 B, 2 KB), the 16-byte chunk c of row r
+// at chunk c ^ (r % 8) (PTX ISA, "Tensor copy swizzle modes"; the same pattern as templates/wgmma.cuh's operands).
+__device__ __forceinline__ unsigned att_at(unsigned tile, int r, int d) {
+    if constexpr (ATT_TMA)
+        return tile + (d >> 6) * 2048 + r * 128 + ((((d & 63) >> 3) ^ (r & 7)) << 4);
+    else
+        return tile + (r * (HEAD_DIM + 8) + d) * (unsigned)sizeof(T);
 }
 __device__ __forceinline__ unsigned pack2(float a, float b) {
     T2 h = from_f2(a, b);
@@ -141,15 +158,15 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
 
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
-                          T* v_cache, float* ws_part, unsigned* ws_count, const unsigned* ws_ready, T* ws_attn,
-                          unsigned char* smem) {
+                          T* v_cache, const unsigned char* kv_tmaps, float* ws_part, unsigned* ws_count,
+                          const unsigned* ws_ready, T* ws_attn, unsigned char* smem) {
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
     constexpr int NT = (GROUP + 7) / 8;       // n-tiles of 8 query heads
     constexpr int KS = HEAD_DIM / 16;         // 16-wide steps over the head dimension
-    constexpr int RL = HEAD_DIM + 8;          // ring row length (elements): +16 bytes against bank conflicts
-    constexpr int TILE = 16 * RL;             // one 16-key tile of K (or V) in the ring
+    constexpr int NH = (HEAD_DIM + 63) / 64;  // ATT_TMA: 64-dim boxes a row
+    constexpr int TILE = ATT_TMA ? NH * 16 * 64 : 16 * (HEAD_DIM + 8);  // one 16-key tile of K (or V) in the ring
     constexpr int CH = HEAD_DIM / 8;          // 16-byte chunks per row
     constexpr int PL = 24;                    // P^T row length (elements): 16 keys + pad, conflict-free reads
     float* qs = reinterpret_cast<float*>(smem + SMEM_QS);     // [GROUP][HEAD_DIM] prepared queries
@@ -157,9 +174,31 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     float* wst = reinterpret_cast<float*>(smem + SMEM_WST);   // [ATT_WARPS][GROUP][WS] warp states (aliases ring)
     int* flag = reinterpret_cast<int*>(smem + SMEM_FLAG);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
-    T* ring = reinterpret_cast<T*>(smem + SMEM_WST) + (size_t)warp * ATT_STAGES * 2 * TILE;  // [stage][K,V][16][RL]
+    T* ring = reinterpret_cast<T*>(smem + SMEM_WST) + (size_t)warp * ATT_STAGES * 2 * TILE;  // [stage][K,V] tiles
+    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
     T* pt = reinterpret_cast<T*>(smem + SMEM_PT) + warp * NT * 8 * PL;                       // [NT*8 heads][PL]
     const bool walker = warp < ATT_WARPS;
+    // ATT_TMA: a walker warp's ring stages each counted on an mbarrier (lane 0 arms it and issues the copies); its
+    // k-th tile of the launch in stage k % ATT_STAGES, phase parity (k / ATT_STAGES) & 1
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + SMEM_MBAR) + warp * ATT_STAGES;
+    unsigned ktile = 0;
+    if constexpr (ATT_TMA) {
+        // the ring's shared memory was last written by generic stores (the step before): ordered before the
+        // tensor copies by every thread, then the block barrier below
+        fence_proxy_async_smem();
+        if (walker && lane == 0) {
+            if ((unsigned)__cvta_generic_to_shared(smem + SMEM_WST) & 1023u) __trap();  // att_at's swizzle atom
+#pragma unroll
+            for (int s = 0; s < ATT_STAGES; ++s) mbar_init(bars + s, 1);
+            mbar_init_fence();
+            // the maps were written to global memory by a host copy: acquired by the tensormap proxy before this
+            // thread's first copy (as templates/gemm.cuh)
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;" :: "l"(kv_tmaps) : "memory");
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;" :: "l"(kv_tmaps + TMAP_BYTES)
+                         : "memory");
+        }
+        __syncthreads();
+    }
 
     int att_c = ATT_C, ntask = NTASK, su = 0, su_end = 0;  // ATT_DYN 2: this block's run of units [su, su_end)
     const int* first = reinterpret_cast<const int*>(smem + SMEM_SCHED) + 2;  // ATT_DYN: first tasks, rows
@@ -224,21 +263,36 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         const float* qkv = ws_qkv + (size_t)b * QKV_DIM;
 
         // rows before p were written by earlier launches: streamed before the queries are ready. Row p is
-        // appended by this launch: it is zero-filled here and patched in (plain loads) after the block barrier.
+        // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (plain
+        // loads) after the block barrier; so are rows past n (ATT_TMA: V's zeroed after the copy, K's scores masked)
         auto issue = [&](int t0, int stage) {
             if (walker && t0 < n) {
                 T* dst = ring + stage * 2 * TILE;
-                for (int c = lane; c < 16 * CH; c += 32) {
-                    const int r = c / CH, off = (c % CH) * 8, row = t0 + r;
-                    const bool ok = row < n && row0 + row < p;
-                    cp_async16(dst + r * RL + off, ok ? kc + (size_t)row * HEAD_DIM + off : kc, ok);
-                    cp_async16(dst + TILE + r * RL + off, ok ? vc + (size_t)row * HEAD_DIM + off : vc, ok);
+                if constexpr (ATT_TMA) {  // one box a 64-dim part of K and of V: rows (b, kvh, row0 + t0 ..) of the maps
+                    if (lane == 0) {
+                        unsigned long long* bar = bars + stage;
+                        mbar_expect_tx(bar, 2 * TILE * (unsigned)sizeof(T));
+                        const int y = ((b * KV_HEADS + kvh) * SEQ_LEN) + row0 + t0;
+#pragma unroll
+                        for (int h = 0; h < NH; ++h) {
+                            tensor_copy2(dst + h * 1024, kv_tmaps, h * 64, y, bar);
+                            tensor_copy2(dst + TILE + h * 1024, kv_tmaps + TMAP_BYTES, h * 64, y, bar);
+                        }
+                    }
+                } else {
+                    for (int c = lane; c < 16 * CH; c += 32) {
+                        const int r = c / CH, off = (c % CH) * 8, row = t0 + r;
+                        const bool ok = row < n && row0 + row < p;
+                        cp_async16(dst + r * (HEAD_DIM + 8) + off, ok ? kc + (size_t)row * HEAD_DIM + off : kc, ok);
+                        cp_async16(dst + TILE + r * (HEAD_DIM + 8) + off, ok ? vc + (size_t)row * HEAD_DIM + off : vc,
+                                   ok);
+                    }
                 }
             }
-            cp_async_commit();  // an empty group past the end keeps the wait count uniform
+            if constexpr (!ATT_TMA) cp_async_commit();  // an empty group past the end keeps the wait count uniform
         };
 #pragma unroll
-        for (int st = 0; st < ATT_STAGES - 1; ++st) issue((st * ATT_WARPS + warp) * 16, st);
+        for (int st = 0; st < ATT_STAGES - 1; ++st) issue((st * ATT_WARPS + warp) * 16, (ktile + st) % ATT_STAGES);
 
         // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
         // after them, inside rope). With QKV_FLOW no grid barrier separates this from qkv_proj: first this KV head's
@@ -298,22 +352,32 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             for (int kk = 0; kk < KS; ++kk) o[t][kk][0] = o[t][kk][1] = o[t][kk][2] = o[t][kk][3] = 0.f;
         }
         if (walker) {
-            for (int k = 0, t0 = warp * 16; t0 < n; ++k, t0 += ATT_WARPS * 16) {
-                issue(t0 + (ATT_STAGES - 1) * ATT_WARPS * 16, (k + ATT_STAGES - 1) % ATT_STAGES);
-                cp_async_wait<ATT_STAGES - 1>();
-                T* kt = ring + (k % ATT_STAGES) * 2 * TILE;
-                T* vt = kt + TILE;
+            int k = 0;
+            for (int t0 = warp * 16; t0 < n; ++k, t0 += ATT_WARPS * 16) {
+                const int st = (ktile + k) % ATT_STAGES;
+                issue(t0 + (ATT_STAGES - 1) * ATT_WARPS * 16, (ktile + k + ATT_STAGES - 1) % ATT_STAGES);
+                if constexpr (ATT_TMA) mbar_wait(bars + st, ((ktile + k) / ATT_STAGES) & 1u);
+                else cp_async_wait<ATT_STAGES - 1>();
+                const unsigned kt = ring_s + st * 2 * TILE * (unsigned)sizeof(T);
+                const unsigned vt = kt + TILE * (unsigned)sizeof(T);
+                if (ATT_TMA && n - t0 < 16) {  // rows past n: V zeroed (P is 0 there, but 0 x NaN is not)
+                    for (int c = lane; c < 16 * CH; c += 32)
+                        if (c / CH >= n - t0)
+                            st_shared16(att_at(vt, c / CH, (c % CH) * 8), make_uint4(0u, 0u, 0u, 0u));
+                }
                 if (t0 <= p - row0 && p - row0 < t0 + 16) {   // this tile holds the appended row: patch it in
                     const int r = p - row0 - t0;                  // (each chunk by the lane that zero-filled it)
                     for (int c = lane; c < 16 * CH; c += 32) {
                         if (c / CH != r) continue;
                         const int off = (c % CH) * 8;
-                        *reinterpret_cast<uint4*>(kt + r * RL + off) =
-                            *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off);
-                        *reinterpret_cast<uint4*>(vt + r * RL + off) =
-                            *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off);
+                        st_shared16(att_at(kt, r, off),
+                                    *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off));
+                        st_shared16(att_at(vt, r, off),
+                                    *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off));
                     }
                 }
+                // (ATT_TMA: the stores above ordered before the next tensor copy into this stage)
+                if constexpr (ATT_TMA) fence_proxy_async_smem();
                 __syncwarp();  // the ring rows (this lane's copies and the patch) are visible to the whole warp
 
                 // scores^T [16 keys x 8 heads] per n-tile: A = K tile (ldmatrix), B = Q^T
@@ -323,7 +387,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk) {
                     unsigned a[4];
-                    ldsm_x4(a, kt + (lane & 15) * RL + kk * 16 + (lane >> 4) * 8);
+                    ldsm_x4(a, att_at(kt, lane & 15, kk * 16 + (lane >> 4) * 8));
 #pragma unroll
                     for (int t = 0; t < NT; ++t)
                         mma_bf16(sc[t], make_uint4(a[0], a[1], a[2], a[3]), qb[t][kk][0], qb[t][kk][1]);
@@ -364,14 +428,16 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
                     for (int kk = 0; kk < KS; ++kk) {
                         unsigned a[4];
-                        ldsm_x4_t(a, vt + ((lane & 7) + ((lane >> 4) << 3)) * RL + kk * 16 + ((lane >> 3) & 1) * 8);
+                        ldsm_x4_t(a, att_at(vt, (lane & 7) + ((lane >> 4) << 3), kk * 16 + ((lane >> 3) & 1) * 8));
                         mma_bf16(o[t][kk], make_uint4(a[0], a[1], a[2], a[3]), b0, b1);
                     }
                 }
                 __syncwarp();  // P^T and this ring stage are rewritten by the next tile
             }
+            if constexpr (ATT_TMA) ktile += k;  // (else stays 0: cp.async's stages restart each task)
         }
-        cp_async_wait<0>();  // no copy may land in the ring once it is reused for the warp states
+        if constexpr (!ATT_TMA) cp_async_wait<0>();  // no copy may land in the ring once it is reused for the warp states
+        // (ATT_TMA: every copy issued was waited on: none past n is issued)
         __syncthreads();
 
         // 3. publish the warp's state: l summed over the lanes of one head (they share m)
@@ -563,6 +629,13 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 }
             }
         }
-        __syncthreads();  // shared memory is reused by the next task
+        // shared memory is reused by the next task (ATT_TMA: the warp states' and combine's generic stores ordered
+        // before its tensor copies into the ring)
+        if constexpr (ATT_TMA) fence_proxy_async_smem();
+        __syncthreads();
     }
+    if constexpr (ATT_TMA)
+        if (walker && lane == 0)
+#pragma unroll
+            for (int s = 0; s < ATT_STAGES; ++s) mbar_inval(bars + s);  // the next step reuses the memory
 }
