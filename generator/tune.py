@@ -194,8 +194,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
-    # (NORM_FOLD, NORM_CLUSTER: beside the rows kept in shared memory; with NORM_GLOBAL, the default from batch 16,
-    # they are refused, so they come with NORM_GLOBAL 0 there)
+    # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
+    # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
@@ -212,8 +212,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]
-        # the walk's copy engine flipped (sm_90+; the planner takes TMA from batch 16: -1.6 ... +0.6 % at batch 8)
-        tries += [{"ATT_TMA": 1 - d["ATT_TMA"]}] if int(get_arch(arch).sm) >= 90 else []
+        # the walk's copy engine flipped (sm_90+; the planner takes TMA from batch 16: -1.6 ... +0.6 % at batch 8),
+        # NORM_GLOBAL kept as planned (its batch rule goes with ATT_TMA)
+        tries += [{"ATT_TMA": 1 - d["ATT_TMA"], **({"NORM_GLOBAL": 1} if d["NORM_GLOBAL"] else {})}] \
+            if int(get_arch(arch).sm.rstrip("a")) >= 90 else []
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
         if d["ATT_DYN"] == 2:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]

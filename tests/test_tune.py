@@ -207,13 +207,23 @@ def test_attention_tiles_by_tma_on_sm90(tmp_path):
             assert c["ATT_TMA"] == int(v.batch >= 16 and v.tp == 1), v.name
             on |= {v.name} if c["ATT_TMA"] else set()
             assert c["SMEM_WST"] % (1024 if c["ATT_TMA"] else 16) == 0, v.name
-            assert c["SMEM_MBAR"] % 16 == 0 and c["SMEM_MBAR"] >= c["SMEM_SCHED"], v.name
+            assert c["SMEM_MBAR"] % (8 if c["ATT_TMA"] else 4) == 0 and c["SMEM_MBAR"] >= c["SMEM_SCHED"], v.name
             assert render.plan(v, "80")["consts"]["ATT_TMA"] == 0, v.name
     assert len(on) >= 6, on
     v = next(v for v in vs if v.name == "llama3-8b_decode_b1_s4096_bf16")
     with pytest.raises(PlanError) as ei:
         render.plan(v, "80", overrides={"ATT_TMA": 1})
     assert "\n" not in str(ei.value) and "sm_90" in str(ei.value)
+    tp = next(v for v in vs if v.tp > 1 and v.mode == "decode")
+    with pytest.raises(PlanError, match="ATT_TMA=1: not with tensor parallel"):
+        render.plan(tp, "90", overrides={"ATT_TMA": 1})
+    # sm_90a (what sm_90 builds as) plans as sm_90: the same default, an override taken, the tuner's flip listed
+    b16 = next(v for v in vs if v.name == "ho-h5120-g5_decode_b16_s4096_bf16")
+    assert render.plan(b16, "90a")["consts"]["ATT_TMA"] == 1 == render.plan(v, "90a", overrides={"ATT_TMA": 1})[
+        "consts"]["ATT_TMA"]
+    assert {"ATT_TMA": 1} in gtune.candidates(v, "90a")
+    # NORM_GLOBAL's batch rule goes with ATT_TMA (measured together): without it the rows stay where they fit
+    assert render.plan(b16, "90", overrides={"ATT_TMA": 0})["consts"]["NORM_GLOBAL"] == 0
     hd80 = next(v for v in vs if v.name.startswith("ho-hd80") and v.mode == "decode")
     on, off = (render.plan(hd80, "90", overrides={"ATT_TMA": t})["consts"] for t in (1, 0))
     ring = lambda c: c["SMEM_FLAG"] - c["SMEM_WST"]  # noqa: E731
@@ -235,7 +245,7 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     """NORM_GLOBAL is the default where the normalised rows and one buffer of partial sums would not fit in the
     block's shared memory (Llama-3-8B from batch 26: refused before) and, on a GPU of 256 KB of L1 and shared memory,
     where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB)
-    or from batch 16 (NORM_GLOBAL_MIN_BATCH, where it leaves L1_ENOUGH itself); then the norms are steps of their own
+    or, with ATT_TMA, from batch 16 (NORM_GLOBAL_MIN_BATCH, where it leaves L1_ENOUGH itself); then the norms are steps of their own
     with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles, no rows in shared memory and two tiles a
     GEMV task (TM). Off on every other declared and held-out variant, on sm_80 below that batch, and with tensor parallel; refused
     with NORM_FOLD / H_STATS / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
@@ -810,8 +820,10 @@ def test_attention_by_tma_equals_cp_async(tmp_path):
     zeroed, the appended row patched in) gives the same bits as the cp.async walk (ATT_TMA 0): out and both caches,
     at random positions (0 and the last included: partial last tiles) and at full context, on head_dim 64 (1B b1
     and b8, also 16 walker warps), 80 (two boxes, the second past the row), 96 and 128 with a group of 7 (Qwen2.5-7B
-    b4, also 3 ring stages and 2 walker warps: several tasks a block, the phases carried over), and stream-K
-    (ATT_DYN 2, pieces) at batch 20; each also within tolerance of the fp32 reference."""
+    b4, also 3 ring stages and 2 walker warps over 64-row splits: 8 tasks a block, the phases carried over), stream-K
+    (ATT_DYN 2, pieces) at batch 20 and the run-time split (ATT_DYN 1) at batch 16, KV 8192; each also within
+    tolerance of the fp32 reference. Then with NaN in every cache row past each position (rows a partial last tile
+    brings in): the same bits and a finite output (V's rows past the position zeroed)."""
     import torch
 
     from bench.tune import renamed
@@ -823,10 +835,13 @@ def test_attention_by_tma_equals_cp_async(tmp_path):
              (next(v for v in declared() if v.name.startswith("ho-hd80") and v.mode == "decode"), {}),
              (next(v for v in declared() if v.model.head_dim == 96 and v.mode == "decode"), {}),
              (by["qwen2.5-7b_decode_b4_s4096_bf16"], {}),
-             (by["qwen2.5-7b_decode_b4_s4096_bf16"], {"ATT_STAGES": 3, "ATT_WARPS": 2}),
-             (dataclasses.replace(l1b, batch=20, seq_len=1024), {"ATT_DYN": 2})]
+             (by["qwen2.5-7b_decode_b4_s4096_bf16"], {"ATT_STAGES": 3, "ATT_WARPS": 2, "ATT_C": 64}),
+             (dataclasses.replace(l1b, batch=20, seq_len=1024), {"ATT_DYN": 2}),
+             (dataclasses.replace(l1b, batch=16, seq_len=8192), {"ATT_DYN": 1})]
     for i, (v, ov) in enumerate(cases):
         a, b = renamed(v, f"tma{i}"), renamed(v, f"cpa{i}")
+        # everything else as the TMA plan has it (NORM_GLOBAL's batch rule goes with ATT_TMA)
+        ov = {**ov, "NORM_GLOBAL": render.plan(v, "90", overrides={**ov, "ATT_TMA": 1})["consts"]["NORM_GLOBAL"]}
         res = gcompile.build([a, b], tmp_path, overrides={a.name: {**ov, "ATT_TMA": 1}, b.name: {**ov, "ATT_TMA": 0}})
         assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
         W = reference.random_weights(v.model, seed=29 + i, device="cuda")
@@ -844,6 +859,14 @@ def test_attention_by_tma_equals_cp_async(tmp_path):
             out_a = res["out"]
             assert torch.equal(out_a, out_b), (a.name, where, (out_a.float() - out_b.float()).abs().max().item())
             assert torch.equal(la.k_cache, lb.k_cache) and torch.equal(la.v_cache, lb.v_cache), (a.name, where)
+        x, pos = verify.random_inputs(la, 51 + i)
+        past = torch.arange(la.cache_len, device="cuda")[None, :] > pos.cuda().long()[:, None]  # [B, rows]
+        for c in (la.k_cache, la.v_cache):
+            c.permute(0, 2, 1, 3)[past] = float("nan")
+        lb.k_cache.copy_(la.k_cache)
+        lb.v_cache.copy_(la.v_cache)
+        out_a, out_b = la(x, pos.cuda()), lb(x, pos.cuda())
+        assert torch.isfinite(out_a).all() and torch.equal(out_a, out_b), a.name
         del la, lb
         torch.cuda.synchronize()
 

@@ -307,7 +307,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         plan_projection(prefix, key, ov.get(f"{prefix}_TM", 1))
 
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
-    # shared memory (rows padded by 16 bytes); a task covers ATT_C rows (whole tiles for every warp), sized so a
+    # shared memory (rows padded by 16 bytes; ATT_TMA: swizzled boxes, below); a task covers ATT_C rows (whole tiles for every warp), sized so a
     # full cache is one round of tasks: each task pays fixed latencies (queries, the combine), so fewer, longer win.
     # The ring takes two thirds of the block's shared memory at most (150 KB on sm_90), the rest stays L1. At most
     # ATT_WARPS_MAX walkers: with 16 (head_dim 64 fits them) a split is >= 256 rows, one tile a warp, and a short
@@ -320,10 +320,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # Qwen2.5-7B-like b24 +1.9 %), -1.4 ... -2.4 % at batch 1 (its entry: mbarriers, fences, one block barrier more),
     # -1.6 ... +0.6 % at batch 8: the default from batch 16 on one GPU (sm_90, where measured; an override may take
     # it on any sm_90+)
-    att_tma = ov.get("ATT_TMA", int(arch.sm == "90" and v.batch >= 16 and v.tp == 1))
-    if att_tma and int(arch.sm) < 90:
+    sm = int(arch.sm.rstrip("a"))  # "90a": planned as sm_90
+    att_tma = ov.get("ATT_TMA", int(sm == 90 and v.batch >= 16 and v.tp == 1))
+    if att_tma and sm < 90:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: TMA tensor copies need sm_90 or later (this build: "
                         f"sm_{arch.sm})")
+    if att_tma and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override ATT_TMA=1: not with tensor parallel (the cache maps of a GPU's "
+                        "shard have not run on 2 GPUs)")
     half_dims = -(-m.head_dim // 64)                    # ATT_TMA: 64-dim boxes a row
     tile = (2 * half_dims * 16 * 64 * esize if att_tma
             else 16 * (m.head_dim + 8) * esize * 2)     # one 16-key tile of K and V
@@ -433,8 +437,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
     # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each sequence, rows
     smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
-    # ATT_TMA: an mbarrier a walker warp's ring stage
-    smem["SMEM_MBAR"] = align(smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0))
+    # ATT_TMA: an mbarrier a walker warp's ring stage (8-byte aligned)
+    smem["SMEM_MBAR"] = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
+    if att_tma:
+        smem["SMEM_MBAR"] = align(smem["SMEM_MBAR"], 8)
     att_bytes = smem["SMEM_MBAR"] + (8 * att_warps * att_stages if att_tma else 0)
     combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
     if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:
@@ -466,11 +472,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # batch <= 64 (Llama-3-8B b96 at TM 2 spilled 368 B, b64 4 B, b128 at TM 1 none)
     global_tm = 2 if 2 * math.ceil(v.batch / 8) <= 16 else 1
     global_l1 = l1_bytes(arch, max(att_bytes, nw * global_tm * 16 * v.batch * 4))
-    # (and from batch NORM_GLOBAL_MIN_BATCH on such a GPU wherever it leaves L1_ENOUGH: with ATT_TMA, measured on the
-    # H200 (bench/NOTES.md session 24) +0.6 ... +4.2 % on four batch 16-32 shapes whose rows fit with 60-92 KB of L1)
+    # (and, with ATT_TMA, from batch NORM_GLOBAL_MIN_BATCH on such a GPU wherever it leaves L1_ENOUGH: measured on
+    # the H200 (bench/NOTES.md session 24) +0.6 ... +4.2 % on four batch 16-32 shapes whose rows fit with 60-92 KB of
+    # L1; without ATT_TMA, session 23: -0.7 ... +2.8 %)
     norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
-        arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (local_l1 < L1_ENOUGH
-                                                               or v.batch >= NORM_GLOBAL_MIN_BATCH)))))
+        arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
+            local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global and (pinned or v.tp > 1):
         raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
                         f"GPU (not run on 2) and no NORM_FOLD, H_STATS or NORM_CLUSTER (this plan: tp {v.tp}, "
@@ -534,6 +541,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
+    # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K
+    # and NORM_CLUSTER declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
+    if att_tma and (norm_cluster > 1 or any(g["KSPLIT"] > 1 for g in gemv.values())) \
+            and smem_bytes > arch.smem_per_block - 1024:
+        raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K or "
+                        f"NORM_CLUSTER, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
+                        f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
