@@ -342,8 +342,8 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
                               markup=False, highlight=False, soft_wrap=True)
     if rep.get("not_built"):  # (after an --only build most are: the first few named, `list` shows all)
         nb = rep["not_built"]
-        names = ", ".join(nb) if len(nb) <= 8 else f"{len(nb)} variants ({', '.join(nb[:5])}, ...; `megakernel list` " \
-                                                     "names them)"
+        listing = "megakernel list" + (f" --variants {variants_file}" if Path(variants_file).name != "variants.yaml" else "")
+        names = ", ".join(nb) if len(nb) <= 8 else f"{len(nb)} variants ({', '.join(nb[:5])}, ...; `{listing}` names them)"
         err_console.print(f"declared in {variants_file}, not built: {names} (run `{cmd}`)",
                           markup=False, highlight=False, soft_wrap=True)
     if strict and rep["totals"]["flagged"]:

@@ -6,6 +6,7 @@ turns a Variant into every compile-time constant of the kernel. Nothing here kno
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Callable
 
@@ -25,7 +26,7 @@ def check_knob(name: str, knob: str, val, knobs: tuple) -> None:
     if knob not in knobs:
         raise PlanError(f"{name}: plan override {knob}: unknown knob (one of {', '.join(knobs)})")
     if isinstance(val, bool) or not isinstance(val, int):
-        raise PlanError(f"{name}: plan override {knob}={val!r}: must be an integer")
+        raise PlanError(f"{name}: plan override {knob}={json.dumps(val)}: must be an integer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1370,3 +1370,43 @@ def test_candidates_that_move_the_split_keep_the_default_combine():
         base = render.plan(v)["consts"]["ATT_COMBINE"]
         moved = [ov for ov in gtune.candidates(v) if {"ATT_C", "ATT_WARPS"} & set(ov)]
         assert moved and all(render.plan(v, overrides=ov)["consts"]["ATT_COMBINE"] == base for ov in moved), moved
+
+
+def test_cache_tensor_maps_are_the_kernels_boxes(monkeypatch):
+    """The loader's ATT_TMA cache maps (loader._cache_maps through _encode_tiled, cuTensorMapEncodeTiled captured
+    here on the CPU): per cache a rank-2 16-bit tensor [batch x kv_heads x rows][head_dim] at the cache's address,
+    the row stride head_dim x 2 B, a box of 64 dims x 16 rows (attention.cuh's tensor_copy2 at (64 h, row)), the
+    128-byte swizzle (att_off's pattern), zeros out of bounds; K's map first, then V's (interface.KV_TENSOR_MAPS).
+    A driver refusal is a one-line LoadError naming the variant."""
+    import ctypes
+
+    import torch
+
+    from generator import loader
+    from generator.manifest import LoadError
+    calls = []
+
+    class Fn:
+        restype = None
+
+        def __call__(self, out, dtype, rank, addr, sizes, strides, box, estr, inter, swz, l2, oob):
+            r = rank.value
+            calls.append(dict(dtype=dtype.value, rank=r, addr=addr.value, sizes=list(sizes)[:r],
+                              strides=list(strides)[:r - 1], box=list(box)[:r], estr=list(estr)[:r],
+                              interleave=inter.value, swizzle=swz.value, oob=oob.value))
+            return self.rc
+    fn = Fn()
+    fn.rc = 0
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: type("Lib", (), {"cuTensorMapEncodeTiled": fn})())
+    k = torch.zeros(3, 2, 40, 80, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    maps = loader._cache_maps("x_decode_b3", k, v, "cpu")
+    assert tuple(maps.shape) == (2, 128) and maps.dtype == torch.uint8
+    assert [c["addr"] for c in calls] == [k.data_ptr(), v.data_ptr()]
+    for c in calls:
+        assert c == dict(dtype=1, rank=2, addr=c["addr"], sizes=[80, 3 * 2 * 40], strides=[160], box=[64, 16],
+                         estr=[1, 1], interleave=0, swizzle=3, oob=0), c
+    fn.rc = 1
+    with pytest.raises(LoadError, match="^x_decode_b3: cuTensorMapEncodeTiled refused k_cache") as ei:
+        loader._cache_maps("x_decode_b3", k, v, "cpu")
+    assert "\n" not in str(ei.value)
