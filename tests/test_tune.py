@@ -195,7 +195,8 @@ def test_stream_attention_covers_every_tile_once():
 
 def test_attention_tiles_by_tma_on_sm90(tmp_path):
     """ATT_TMA (attention's K/V tiles by TMA tensor copies in the 128-byte swizzle) is the default for the decode
-    variants of batch >= 16 on one GPU on sm_90, off below and on sm_80 (refused there as an override, in one line);
+    variants of batch >= 16 on one GPU on sm_90 with head_dim 64 or 128 (whole boxes), off below, at head_dim 80/96
+    (box bytes past the row: not measured) and on sm_80 (refused there as an override, in one line);
     its ring sits at 1024 bytes (the swizzle's atom), a tile of K and V is one 2 KB box a 64-dim part (head_dim 80:
     two, the second part zeros past the row), and each walker warp's stage has an 8-byte mbarrier beside the
     schedule."""
@@ -204,12 +205,14 @@ def test_attention_tiles_by_tma_on_sm90(tmp_path):
     for v in vs:
         c = render.plan(v, "90")["consts"]
         if v.mode == "decode":
-            assert c["ATT_TMA"] == int(v.batch >= 16 and v.tp == 1), v.name
+            assert c["ATT_TMA"] == int(v.batch >= 16 and v.tp == 1 and v.model.head_dim % 64 == 0), v.name
             on |= {v.name} if c["ATT_TMA"] else set()
             assert c["SMEM_WST"] % (1024 if c["ATT_TMA"] else 16) == 0, v.name
             assert c["SMEM_MBAR"] % (8 if c["ATT_TMA"] else 4) == 0 and c["SMEM_MBAR"] >= c["SMEM_SCHED"], v.name
             assert render.plan(v, "80")["consts"]["ATT_TMA"] == 0, v.name
     assert len(on) >= 6, on
+    hd96 = dataclasses.replace(next(v for v in vs if v.model.head_dim == 96 and v.mode == "decode"), batch=16)
+    assert render.plan(hd96, "90")["consts"]["ATT_TMA"] == 0
     v = next(v for v in vs if v.name == "llama3-8b_decode_b1_s4096_bf16")
     with pytest.raises(PlanError) as ei:
         render.plan(v, "80", overrides={"ATT_TMA": 1})

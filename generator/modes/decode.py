@@ -319,9 +319,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # session 24), against cp.async in a stack: +0.5 ... +2.6 % a layer at batch 16-32 (Llama-3-8B b32 +2.6 %, a
     # Qwen2.5-7B-like b24 +1.9 %), -1.4 ... -2.4 % at batch 1 (its entry: mbarriers, fences, one block barrier more),
     # -1.6 ... +0.6 % at batch 8: the default from batch 16 on one GPU (sm_90, where measured; an override may take
-    # it on any sm_90+)
+    # it on any sm_90+), for head_dim 64 and 128 (a row of whole boxes: at 80 or 96 the second box's zeros take ring
+    # bytes, 23-45 % more a tile; not measured there)
     sm = int(arch.sm.rstrip("a"))  # "90a": planned as sm_90
-    att_tma = ov.get("ATT_TMA", int(sm == 90 and v.batch >= 16 and v.tp == 1))
+    att_tma = ov.get("ATT_TMA", int(sm == 90 and v.batch >= 16 and v.tp == 1 and m.head_dim % 64 == 0))
     if att_tma and sm < 90:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: TMA tensor copies need sm_90 or later (this build: "
                         f"sm_{arch.sm})")
