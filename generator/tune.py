@@ -179,8 +179,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_TMA flipped on sm_90+ (the walk's tiles by TMA tensor copies or
     cp.async: -2.4 ... +2.6 % a layer, bench/NOTES.md session 24), ATT_STAGES 3 (a deeper ring; with fewer walker
-    warps where 3 stages of
-    all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
+    warps where 3 stages of all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
     STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer
     where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
     0, or 1 from KV 8192). ATT_DYN 1 is never tried against a static plan: it pays at mixed positions, and the tuner
