@@ -250,8 +250,9 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     where no plan with the rows there leaves L1_ENOUGH of L1 (Llama-3-8B b22-25, the Mistral-Nemo-like b18: 28 KB)
     or, with ATT_TMA, from batch 16 (NORM_GLOBAL_MIN_BATCH, where it leaves L1_ENOUGH itself); then the norms are steps of their own
     with a grid barrier each, the rows' buffer (xn) sized in whole n-tiles, no rows in shared memory and two tiles a
-    GEMV task (TM). Off on every other declared and held-out variant, on sm_80 below that batch, and with tensor parallel; refused
-    with NORM_FOLD / H_STATS / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
+    GEMV task (TM), and H_STATS (the second norm from o_proj's epilogue: no step, no barrier; H_STATS=0 gives it back).
+    Off on every other declared and held-out variant, on sm_80 below that batch, and with tensor parallel; refused
+    with NORM_FOLD / NORM_CLUSTER or tp 2, and NORM_GLOBAL=0 where the rows do not fit names the largest
     batch that does and NORM_GLOBAL in its refusal."""
     from generator.plan import L1_ENOUGH, l1_bytes
     from generator.targets import arch as get_arch
@@ -263,8 +264,12 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     for b, want in ((8, 0), (15, 0), (16, 1), (20, 1), (21, 1), (22, 1), (25, 1), (26, 1), (32, 1)):
         p = render.plan(dataclasses.replace(l8b, batch=b), "90")
         c = p["consts"]
-        assert c["NORM_GLOBAL"] == want and c["NORM_LOCAL"] == 1 - want, b
-        assert p["grid_syncs"] == 3 + 2 * want and p["sizes"]["XN_ROWS"] == (-(-b // 8) * 8 if want else 0), b
+        assert c["NORM_GLOBAL"] == want and c["NORM_LOCAL"] == 1 - want and c["H_STATS"] == want, b
+        assert c["NORM2_LOCAL"] == 1 and (c["SMEM_SQ"] > 0) == bool(want), b
+        assert p["grid_syncs"] == 3 + want and p["sizes"]["XN_ROWS"] == (-(-b // 8) * 8 if want else 0), b
+        if want:  # without H_STATS the second norm is a step of its own again
+            p0 = render.plan(dataclasses.replace(l8b, batch=b), "90", overrides={"H_STATS": 0})
+            assert p0["grid_syncs"] == 5 and p0["consts"]["NORM2_LOCAL"] == 0 and p0["consts"]["SMEM_SQ"] == 0, b
         if want:
             assert c["SMEM_RED"] == 0 and c["NORM_FOLD"] == 0 and p["smem_bytes"] < 160 * 1024
             if 22 <= b < 26:  # the rows would fit, leaving too little L1
@@ -286,13 +291,14 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
         assert c["NORM_GLOBAL"] == 1 and c["GU_TM"] == c["O_TM"] == tm, b
     with pytest.raises(PlanError, match="16 warps x 16 x batch x 4 B .twice with RED_DB=1.: a batch of at most 227"):
         render.plan(dataclasses.replace(l8b, batch=240), "90")
-    for ov in ({"NORM_FOLD": 1}, {"H_STATS": 1}, {"NORM_CLUSTER": 2}):
+    for ov in ({"NORM_FOLD": 1}, {"NORM_CLUSTER": 2}):
         with pytest.raises(PlanError, match="NORM_GLOBAL=1: the rows are normalised in global memory"):
             render.plan(l8b, "90", overrides={"NORM_GLOBAL": 1, **ov})
     with pytest.raises(PlanError, match="NORM_GLOBAL=1: .* one GPU"):
         render.plan(dataclasses.replace(l8b, tp=2), "90", overrides={"NORM_GLOBAL": 1})
     src = render.render(b32, render.plan(b32, "90"))
-    assert src.count("if constexpr (!NORM_LOCAL) grid.sync();") == 2
+    assert src.count("if constexpr (!NORM_LOCAL) grid.sync();") == 1
+    assert src.count("if constexpr (!NORM2_LOCAL) grid.sync();") == 1 and "std::bool_constant<!NORM2_LOCAL>{})" in src
     # with the rows in global memory every projection takes two tiles a task (<P>_TM 2: each B fragment loaded once
     # for both), its loads a step halved (the same registers); beside rows in shared memory one
     c = render.plan(b32, "90")["consts"]
@@ -300,10 +306,13 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     assert all(render.plan(l8b, "90")["consts"][f"{p}_TM"] == 1 for p in ("QKV", "O", "GU", "DOWN"))
     one = render.plan(b32, "90", overrides={"GU_TM": 1})["consts"]
     assert one["GU_TM"] == 1 and one["GU_U"] == 8 and one["O_TM"] == 2
-    for ov, words in (({"O_TM": 3}, "must be 1, 2 or 4"), ({"O_TM": 2, "O_KSPLIT": 2}, "O_TM=2: needs O_KSPLIT 1"),
-                      ({"H_STATS": 1, "O_TM": 2}, "H_STATS=1 and O_TM=2")):
+    for ov, words in (({"O_TM": 3}, "must be 1, 2 or 4"), ({"O_TM": 2, "O_KSPLIT": 2}, "O_TM=2: needs O_KSPLIT 1")):
         with pytest.raises(PlanError, match=re.escape(words)):
             render.plan(l8b, "90", overrides=ov)
+    # H_STATS beside the rows: o_proj's squares, a region per group and tile of a task, in the rows' region
+    assert render.plan(l8b, "90", overrides={"H_STATS": 1, "O_TM": 2})["consts"]["O_TM"] == 2
+    with pytest.raises(PlanError, match=re.escape("8 warp groups' squares (16384 B) exceed the rows' region (14464 B)")):
+        render.plan(by["qwen2.5-0.5b_decode_b8_s4096_bf16"], "90", overrides={"H_STATS": 1, "O_TM": 4, "O_NWG": 2})
     odd = dataclasses.replace(l8b, model=dataclasses.replace(l8b.model, hidden=4112, intermediate=14352))
     with pytest.raises(PlanError, match="in whole groups of 4"):
         render.plan(odd, "90", overrides={"DOWN_TM": 4})
@@ -897,15 +906,21 @@ def test_tiles_a_task_match_the_reference(tmp_path):
 def test_h_stats_matches_the_reference(tmp_path):
     """H_STATS (o_proj writes the second norm's input times its gain and each row's sum of squares per tile; the norm
     makes no pass): Llama-3.2-1B b1 and b8 (with NORM_FOLD's first norm), a qkv-bias shape at batch 5 (a partial
-    n-tile) with o_proj in 8-warp groups and split-K, and at batch 16, and a small shape at batch 65 with o_proj in
-    2-warp groups (more rows than a group has threads); rows of different scales (verify.random_inputs) against the
-    fp32 reference, and two launches on the same inputs bit-equal (the statistics' fixed order)."""
+    n-tile) with o_proj in 8-warp groups and split-K, and at batch 16 (rows in shared memory, o_proj at one and two
+    tiles a task; NORM_GLOBAL with one and two o_proj groups a block), and a small shape at batch 65 with o_proj in
+    2-warp groups (more rows than a group has threads; rows local and global); rows of different scales
+    (verify.random_inputs) against the fp32 reference, and two launches on the same inputs bit-equal (the statistics'
+    fixed order)."""
     b5, b16 = _qwen15_like("hs", [5, 16])
     b65 = _decode_layer("hw", 65, 128, "hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, "
                         "norm_eps: 1.0e-6")
     l1b = {v.name: v for v in declared()}
     cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {}), (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_FOLD": 1}),
-             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {}), (b65, {"O_NWG": 2})]
+             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {"NORM_GLOBAL": 0}), (b65, {"O_NWG": 2}),
+             # o_proj at two tiles a task beside the rows; with NORM_GLOBAL (xn and the squares from o_proj's
+             # epilogue, no second norm step): one group a block, two 8-warp groups, and 2-warp groups at batch 65
+             (b16, {"NORM_GLOBAL": 0, "O_TM": 2}), (b16, {"NORM_GLOBAL": 1}), (b16, {"NORM_GLOBAL": 1, "O_NWG": 8}),
+             (b65, {"NORM_GLOBAL": 1, "O_NWG": 2})]
     _overrides_match_the_reference(tmp_path, [(v, {"H_STATS": 1, **ov}) for v, ov in cases], "hs", 13,
                                    {"H_STATS": 1}, repeat=True)
 

@@ -23,11 +23,13 @@ STEPS = (
                      "smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
-                      "ws_count, ws_ready, ws_attn, smem)"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, o_pre, "
-                   "smem)",
+                      "ws_count, ws_ready, ws_attn, smem)", pre="attention_pre(w_o, w_gu)"),
+    Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
+                   "o_pre, smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
-    Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem)", flow="NORM_LOCAL",
+    # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
+    Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
+         flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu)"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
                     "gu_pre, smem)"),
@@ -58,11 +60,12 @@ STEPS = (
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
 # writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there;
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
-# stage, instead of cp.async by every lane
+# stage, instead of cp.async by every lane; L2_PF (sm_90+): that many MB of o_proj's then gate_up's weights prefetched
+# into L2 as each block reaches attention (templates/stages/attention.cuh attention_pre)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "L2_PF"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -94,6 +97,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
+        if k == "L2_PF" and not 0 <= val <= L2_PF_MAX:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 0..{L2_PF_MAX} (MB)")
         if k == "NORM_CLUSTER" and val not in (1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
                 " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
@@ -107,6 +112,7 @@ FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order wher
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
+L2_PF_MAX = 48  # L2_PF: at most this many MB prefetched (the H200's L2 is 60 MB)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -326,6 +332,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if att_tma and sm < 90:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: TMA tensor copies need sm_90 or later (this build: "
                         f"sm_{arch.sm})")
+    l2_pf = ov.get("L2_PF", 0)
+    if l2_pf and sm < 90:
+        raise PlanError(f"{v.name}: plan override L2_PF={l2_pf}: the bulk prefetch into L2 needs sm_90 or later (this "
+                        f"build: sm_{arch.sm})")
     if att_tma and v.tp > 1:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: not with tensor parallel (the cache maps of a GPU's "
                         "shard have not run on 2 GPUs)")
@@ -389,11 +399,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     tm_max = max(g["TM"] for g in gemv.values())  # the partial sums' region holds every projection's
 
+    def sq_bytes(batch: int) -> int:  # H_STATS: o_proj's squares, [groups][O_TM][16][batch] fp32 (SMEM_SQ)
+        return nw // gemv["o"]["NWG"] * gemv["o"]["TM"] * 16 * batch * 4
+
     def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1, rows: bool = True) -> int:
         # the norm + projection stage's bytes: rows (not with NORM_GLOBAL), reduction tiles (per warp TM 16 x batch
         # tiles, RED_DB: twice; the norm's scratch shares it)
         red = max((1 + db) * nw * tm_max * 16 * batch * 4, nw * 2 * batch * 4)
         need = (align(batch * xs_ld * esize) if rows else 0) + red
+        if stats and not rows:  # H_STATS with NORM_GLOBAL: o_proj's squares after the partial sums (else in the rows)
+            need = align(need) + sq_bytes(batch)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
         if fold == 1:
             return align(need) + align(m.hidden * esize) + batch * 4
@@ -405,7 +420,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and 8 <= batch <= 32 \
             and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
 
-    h_stats = ov.get("H_STATS", 0)
+    h_stats = ov.get("H_STATS", 0)  # (the default with NORM_GLOBAL: below)
     # NORM_CLUSTER 2 (a tuner knob, off by default): the kernel in clusters of 2 blocks, each norm's rows bulk-copied
     # once a cluster by multicast (templates/stages/norm.cuh norm_rows_multicast); T rows only. Measured on the H200
     # (bench/NOTES.md session 17): +0.9 to +2.8 % on 6 of 8 batch 8-32 shapes, -1 % on 2: the copy from L2 is not
@@ -417,17 +432,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if h_stats and (m.norm != "rmsnorm" or not hb_copy):
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
                         f"{m.dtype}, tp {v.tp})")
-    o_groups = nw // gemv["o"]["NWG"]
-    if h_stats and gemv["o"]["TM"] > 1:
-        raise PlanError(f"{v.name}: plan overrides H_STATS=1 and O_TM={gemv['o']['TM']}: the statistics' squares are "
-                        "summed per tile in one region (O_TM 1)")
-    if h_stats and o_groups > 15:
+    if h_stats and nw // gemv["o"]["NWG"] > 15:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
-                        f"{gemv['o']['NWG']}: {o_groups} warp groups a block, at most 15 named barriers)")
-    if h_stats and o_groups * 16 * v.batch * 4 > v.batch * xs_ld * esize:
-        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups} warp groups' squares "
-                        f"({o_groups * 16 * v.batch * 4} B) exceed the rows' region ({v.batch * xs_ld * esize} B): "
-                        "a larger O_NWG")
+                        f"{gemv['o']['NWG']}: {nw // gemv['o']['NWG']} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
@@ -466,7 +473,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
     local_l1 = max([l1_bytes(arch, max(att_bytes, need)) for f in folds for d in dbs
                     if (need := gemv_need(v.batch, f, h_stats, d)) <= arch.smem_per_block] or [0])
-    pinned = bool(ov.get("NORM_FOLD") or h_stats or norm_cluster > 1)  # overrides that keep the rows local
+    pinned = bool(ov.get("NORM_FOLD") or norm_cluster > 1)  # overrides that keep the rows local
     # (the L1 rule only where an SM's unified L1 and shared memory is 256 KB, as measured: smaller ones never ran it)
     # (and where it leaves L1_ENOUGH itself: its partial sums, at two tiles a task, may take as much at small hidden)
     # TM 2 with NORM_GLOBAL where two tiles' accumulators (TM x NTILE x 4 a lane) fit in registers: 2 x NTILE <= 16,
@@ -481,7 +488,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global and (pinned or v.tp > 1):
         raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
-                        f"GPU (not run on 2) and no NORM_FOLD, H_STATS or NORM_CLUSTER (this plan: tp {v.tp}, "
+                        f"GPU (not run on 2) and no NORM_FOLD or NORM_CLUSTER (this plan: tp {v.tp}, "
                         f"overrides {_fmt(ov)})")
     smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
     if norm_global:
@@ -496,6 +503,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             if f"{prefix}_TM" not in ov and global_tm > 1 and tm_ok(prefix, key, global_tm):
                 plan_projection(prefix, key, global_tm)
         tm_max = max(g["TM"] for g in gemv.values())
+        # H_STATS with NORM_GLOBAL: o_proj's epilogue writes the second norm's rows (times its gain) and their sums of
+        # squares, so that norm is no step: one grid barrier and a pass over the rows less (bench/NOTES.md session
+        # 25); where RMSNorm in bf16 and o_proj's groups fit the named barriers
+        if "H_STATS" not in ov:
+            h_stats = int(m.norm == "rmsnorm" and hb_copy and nw // gemv["o"]["NWG"] <= 15)
+    if h_stats and not norm_global and sq_bytes(v.batch) > v.batch * xs_ld * esize:
+        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {nw // gemv['o']['NWG']} warp groups' squares "
+                        f"({sq_bytes(v.batch)} B) exceed the rows' region ({v.batch * xs_ld * esize} B): a larger "
+                        "O_NWG or O_TM 1")
 
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
@@ -504,7 +520,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                 int(c[0] == 1), l1)
     norm_fold, red_db = max(((f, d) for f in folds for d in dbs), key=pick)
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold == 1 else 0
+    # H_STATS: o_proj's squares in the rows' region (idle in its stage), with NORM_GLOBAL after the partial sums
+    smem["SMEM_SQ"] = align(gemv_need(v.batch, 0, 0, red_db, False)) if h_stats and norm_global else 0
     smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold == 1
+                       else smem["SMEM_SQ"] + align(sq_bytes(v.batch)) if h_stats and norm_global
                        else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats or norm_fold == 2 else 0)
     gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db, not norm_global)
 
@@ -557,7 +576,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma,
+        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma, "L2_PF": l2_pf,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
@@ -565,7 +584,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
         # barrier until it runs on 2 GPUs.
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
-        "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, **smem,
+        "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
+        **smem,
     }
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})

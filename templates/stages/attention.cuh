@@ -4,7 +4,7 @@
 // (fp32, exp2) and no block barrier. The group's query heads are the N of tensor-core products (mma m16n8k16):
 // scores^T = K_tile . Q^T (keys as M) and out^T += V_tile^T . P^T (head dims as M), so GQA groups of up to 8 heads
 // cost one n-tile. K and V tiles stream through a per-warp ATT_STAGES-deep ring in shared memory (cp.async, rows
-// padded by 16 bytes so ldmatrix is conflict-free; ATT_TMA: TMA tensor copies in the 128-byte swizzle, att_off).
+// padded by 16 bytes so ldmatrix is conflict-free; ATT_TMA: TMA tensor copies in the 128-byte swizzle, att_at).
 // Before the walk the task prepares its GROUP query heads (qk_norm, rope, scale) in shared memory; the task that
 // holds row pos also appends the new k and v.
 // Splits of one (sequence, kv head) meet through a counter: the last to finish combines the partial results
@@ -21,26 +21,65 @@
 #include "kv_append.cuh"
 // QKV_FLOW: the tiles of a KV head that qkv_proj counts in ws_ready
 #include "qkv_proj.cuh"
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+// The walk addresses the ring's tiles as shared-space byte addresses with ATT_TMA (asm loads and stores), else as
+// generic pointers (plain C++): each is the form that compiles without spills for its walk (bench/NOTES.md session 25:
+// the TMA walk on generic pointers spilled 4 B on a Mistral-Nemo-like b18, the cp.async walk on shared-space
+// addresses 32 B on Qwen3-1.7B b1's tuned plan)
+using AttAddr = std::conditional_t<ATT_TMA != 0, unsigned, T*>;
+__device__ __forceinline__ unsigned smem_u32(unsigned a) { return a; }
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], AttAddr a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(a)));
 }
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], AttAddr a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(a)));
 }
-// The element offset of key row r, dims d..d+7 (d a multiple of 8) in a K or V tile of the ring. cp.async (ATT_TMA 0):
-// rows of HEAD_DIM + 8 elements (16 bytes of pad: ldmatrix's 8 rows of one column fall in 8 different bank groups).
-// ATT_TMA: as the tensor copy lays out its boxes in the 128-byte swizzle, the tile 1024-byte aligned: one box a
-// 64-dim part (16 rows x 64 elements, 2 KB), the 16-byte chunk c of row r at chunk c ^ (r % 8) (PTX ISA, "Tensor
-// copy swizzle modes"; the same pattern as templates/wgmma.cuh's operands).
-__device__ __forceinline__ int att_off(int r, int d) {
-    if constexpr (ATT_TMA)
-        return (d >> 6) * 1024 + r * 64 + ((((d & 63) >> 3) ^ (r & 7)) << 3);
-    else
-        return r * (HEAD_DIM + 8) + d;
+__device__ __forceinline__ void st16(unsigned a, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };" :: "r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
 }
+__device__ __forceinline__ void st16(T* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+// Key row r, dims d..d+7 (d a multiple of 8) of a K or V tile of the ring at `tile`. cp.async (ATT_TMA 0): rows of
+// HEAD_DIM + 8 elements (16 bytes of pad: ldmatrix's 8 rows of one column fall in 8 different bank groups).
+// ATT_TMA (bytes): as the tensor copy lays out its boxes in the 128-byte swizzle, the tile 1024-byte aligned: one box
+// a 64-dim part (16 rows x 128 B, 2 KB), the 16-byte chunk c of row r at chunk c ^ (r % 8) (PTX ISA, "Tensor copy
+// swizzle modes"; the same pattern as templates/wgmma.cuh's operands).
+__device__ __forceinline__ unsigned att_at(unsigned tile, int r, int d) {
+    return tile + (d >> 6) * 2048 + r * 128 + ((((d & 63) >> 3) ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ T* att_at(T* tile, int r, int d) { return tile + r * (HEAD_DIM + 8) + d; }
+template <class A = AttAddr>
+__device__ __forceinline__ A att_addr(T* p) {
+    if constexpr (std::is_same_v<A, unsigned>) return smem_u32(p);
+    else return p;
+}
+// element i of the ring at a
+__device__ __forceinline__ unsigned att_plus(unsigned a, int i) { return a + i * (unsigned)sizeof(T); }
+__device__ __forceinline__ T* att_plus(T* a, int i) { return a + i; }
 
+// L2_PF (the decode plan's knob, sm_90+): the first L2_PF MB of o_proj's weights, then gate_up's (their packed
+// layout is tile-major and gemv's first round takes the first tiles, so a prefix is every block's first round), fetched
+// into L2 as each block reaches attention: at small batch attention is a chain of latencies (queries, a few tiles,
+// the split combine; bench/NOTES.md session 19) that leaves HBM idle, and o_proj / gate_up then read that part from
+// L2. 16 KB chunks spread over the grid's threads in order, each thread one prefetch (no waiting on it).
+__device__ __forceinline__ void attention_pre(const T* w_o, const T* w_gu) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (L2_PF > 0) {
+        constexpr size_t CH = 16384, O = (size_t)HIDDEN * Q_DIM * sizeof(T), GU = (size_t)2 * INTER * HIDDEN * sizeof(T);
+        constexpr size_t N = ((size_t)L2_PF << 20) < O + GU ? ((size_t)L2_PF << 20) : O + GU;
+        const unsigned char* o = reinterpret_cast<const unsigned char*>(w_o);
+        const unsigned char* gu = reinterpret_cast<const unsigned char*>(w_gu);
+        for (size_t off = (blockIdx.x + (size_t)gridDim.x * threadIdx.x) * CH; off < N;
+             off += (size_t)gridDim.x * THREADS * CH) {
+            const size_t end = off + CH < N ? off + CH : N;
+            if (off < O) l2_prefetch(o + off, (unsigned)((end < O ? end : O) - off));  // (a chunk may cross into w_gu)
+            if (end > O) l2_prefetch(gu + (off > O ? off - O : 0), (unsigned)(end - (off > O ? off : O)));
+        }
+    }
+#endif
+}
 __device__ __forceinline__ unsigned pack2(float a, float b) {
     T2 h = from_f2(a, b);
     return *reinterpret_cast<unsigned*>(&h);
@@ -171,18 +210,19 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     int* flag = reinterpret_cast<int*>(smem + SMEM_FLAG);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
     T* ring = reinterpret_cast<T*>(smem + SMEM_WST) + (size_t)warp * ATT_STAGES * 2 * TILE;  // [stage][K,V] tiles
+    const AttAddr ring_a = att_addr(ring);
     T* pt = reinterpret_cast<T*>(smem + SMEM_PT) + warp * NT * 8 * PL;                       // [NT*8 heads][PL]
     const bool walker = warp < ATT_WARPS;
     // ATT_TMA: a walker warp's ring stages each counted on an mbarrier (lane 0 arms it and issues the copies); its
     // k-th tile of the launch in stage k % ATT_STAGES, phase parity (k / ATT_STAGES) & 1
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + SMEM_MBAR) + warp * ATT_STAGES;
-    int ktile = 0;
+    unsigned ktile = 0;
     if constexpr (ATT_TMA) {
         // the ring's shared memory was last written by generic stores (the step before): ordered before the
         // tensor copies by every thread, then the block barrier below
         fence_proxy_async_smem();
         if (walker && lane == 0) {
-            if ((unsigned)__cvta_generic_to_shared(smem + SMEM_WST) & 1023u) __trap();  // att_off's swizzle atom
+            if ((unsigned)__cvta_generic_to_shared(smem + SMEM_WST) & 1023u) __trap();  // att_at's swizzle atom
 #pragma unroll
             for (int s = 0; s < ATT_STAGES; ++s) mbar_init(bars + s, 1);
             mbar_init_fence();
@@ -347,27 +387,27 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             for (int kk = 0; kk < KS; ++kk) o[t][kk][0] = o[t][kk][1] = o[t][kk][2] = o[t][kk][3] = 0.f;
         }
         if (walker) {
-            for (int k = 0, t0 = warp * 16; t0 < n; ++k, t0 += ATT_WARPS * 16) {
-                const int g = ATT_TMA ? ktile + k : k;  // the warp's tile count (ATT_TMA: over the launch's tasks)
+            int k = 0;
+            for (int t0 = warp * 16; t0 < n; ++k, t0 += ATT_WARPS * 16) {
+                const unsigned g = ATT_TMA ? ktile + k : k;  // the warp's tile count (ATT_TMA: over the launch's tasks)
                 issue(t0 + (ATT_STAGES - 1) * ATT_WARPS * 16, (g + ATT_STAGES - 1) % ATT_STAGES);
                 if constexpr (ATT_TMA) mbar_wait(bars + g % ATT_STAGES, (g / ATT_STAGES) & 1);
                 else cp_async_wait<ATT_STAGES - 1>();
-                T* kt = ring + (g % ATT_STAGES) * 2 * TILE;
-                T* vt = kt + TILE;
+                const AttAddr kt = att_plus(ring_a, (g % ATT_STAGES) * 2 * TILE), vt = att_plus(kt, TILE);
                 if (ATT_TMA && n - t0 < 16) {  // rows past n: V zeroed (P is 0 there, but 0 x NaN is not)
                     for (int c = lane; c < 16 * CH; c += 32)
                         if (c / CH >= n - t0)
-                            *reinterpret_cast<uint4*>(vt + att_off(c / CH, (c % CH) * 8)) = make_uint4(0, 0, 0, 0);
+                            st16(att_at(vt, c / CH, (c % CH) * 8), make_uint4(0u, 0u, 0u, 0u));
                 }
                 if (t0 <= p - row0 && p - row0 < t0 + 16) {   // this tile holds the appended row: patch it in
                     const int r = p - row0 - t0;                  // (each chunk by the lane that zero-filled it)
                     for (int c = lane; c < 16 * CH; c += 32) {
                         if (c / CH != r) continue;
                         const int off = (c % CH) * 8;
-                        *reinterpret_cast<uint4*>(kt + att_off(r, off)) =
-                            *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off);
-                        *reinterpret_cast<uint4*>(vt + att_off(r, off)) =
-                            *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off);
+                        st16(att_at(kt, r, off),
+                             *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off));
+                        st16(att_at(vt, r, off),
+                             *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off));
                     }
                 }
                 // (ATT_TMA: the stores above, and this tile's reads below, ordered before the next tensor copy into
@@ -382,7 +422,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk) {
                     unsigned a[4];
-                    ldsm_x4(a, kt + att_off(lane & 15, kk * 16 + (lane >> 4) * 8));
+                    ldsm_x4(a, att_at(kt, lane & 15, kk * 16 + (lane >> 4) * 8));
 #pragma unroll
                     for (int t = 0; t < NT; ++t)
                         mma_bf16(sc[t], make_uint4(a[0], a[1], a[2], a[3]), qb[t][kk][0], qb[t][kk][1]);
@@ -423,14 +463,13 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 #pragma unroll
                     for (int kk = 0; kk < KS; ++kk) {
                         unsigned a[4];
-                        ldsm_x4_t(a, vt + att_off((lane & 7) + ((lane >> 4) << 3), kk * 16 + ((lane >> 3) & 1) * 8));
+                        ldsm_x4_t(a, att_at(vt, (lane & 7) + ((lane >> 4) << 3), kk * 16 + ((lane >> 3) & 1) * 8));
                         mma_bf16(o[t][kk], make_uint4(a[0], a[1], a[2], a[3]), b0, b1);
                     }
                 }
                 __syncwarp();  // P^T and this ring stage are rewritten by the next tile
             }
-            // (ATT_TMA: the tiles this warp walked; cp.async's stages restart each task)
-            if constexpr (ATT_TMA) ktile += n > warp * 16 ? (n - warp * 16 + ATT_WARPS * 16 - 1) / (ATT_WARPS * 16) : 0;
+            if constexpr (ATT_TMA) ktile += k;  // (the tiles this warp walked; cp.async's stages restart each task)
         }
         if constexpr (!ATT_TMA) cp_async_wait<0>();  // no copy may land in the ring once it is reused for the warp states
         // (ATT_TMA: every copy issued was waited on: none past n is issued)

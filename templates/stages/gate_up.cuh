@@ -6,7 +6,8 @@
 __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
     return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
 }
-// NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
+// NORM_GLOBAL: the norm was a step of its own (norm.cuh), or with H_STATS o_proj's epilogue; xn holds the (H_STATS:
+// not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
                         const T* xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
                         unsigned* ws_count, const GemvPre<GU_U * GU_TM>& pre, unsigned char* smem) {
@@ -15,7 +16,9 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     T* gs = NORM_FOLD == 1 && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: in ws_hb
     const T* gain = NORM_FOLD == 2 && !H_STATS ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
-    if constexpr (NORM_GLOBAL) {
+    if constexpr (NORM_GLOBAL && H_STATS) {  // o_proj wrote xn (times the gain) and the sums of squares
+        rows_rms(ws_hsq, rs, reinterpret_cast<float*>(smem + SMEM_RED));
+    } else if constexpr (NORM_GLOBAL) {
     } else if constexpr (HB_COPY) {
         norm<H_STATS>(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs, ws_hsq);
     } else {  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h

@@ -62,6 +62,28 @@ __device__ __forceinline__ void norm_rows_multicast(const T* src, T* dst) {
     if (threadIdx.x == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(b_addr) : "memory");
 #endif
 }
+// H_STATS: each row's 1/rms (rs, BATCH floats) from o_proj's sums of squares of h per 16-row tile (hsq
+// [HIDDEN/16][BATCH]): thread (part, b) sums tiles part, part + P, ... of row b (coalesced over b), then one thread a
+// row sums the P parts, in a fixed order (deterministic); scratch: P x BATCH floats, at most 1 KB. Ends in a block
+// barrier (rs ready).
+__device__ void rows_rms(const float* hsq, float* rs, float* scratch) {
+    static_assert(THREADS >= 256 && BATCH <= 256, "rows_rms: 256 threads, one part a row at least");
+    constexpr int P = 256 / BATCH, NT = HIDDEN / 16;
+    const int tid = threadIdx.x, b = tid % BATCH, part = tid / BATCH;
+    if (part < P) {
+        float q = 0.f;
+#pragma unroll 8
+        for (int t = part; t < NT; t += P) q += __ldcg(hsq + (size_t)t * BATCH + b);
+        scratch[part * BATCH + b] = q;
+    }
+    __syncthreads();
+    if (tid < BATCH) {
+        float q = 0.f;
+        for (int i = 0; i < P; ++i) q += scratch[i * BATCH + tid];
+        rs[tid] = rsqrtf(q / HIDDEN + NORM_EPS);
+    }
+    __syncthreads();
+}
 template <bool STATS = false, class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
                      T* gs, float* rs, const float* hsq = nullptr) {
@@ -74,12 +96,7 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         for (int i = tid; i < BATCH * NCH; i += THREADS)
             cp_async16(dst + (size_t)(i / NCH) * XS_LD + (i % NCH) * 8, src + (size_t)i * 8, true);
         cp_async_commit();
-        for (int b = warp; b < BATCH; b += NW) {  // while the rows are copied
-            float q = 0.f;
-            for (int t = lane; t < HIDDEN / 16; t += 32) q += __ldcg(hsq + (size_t)t * BATCH + b);
-            q = warp_sum(q);
-            if (lane == 0) rs[b] = rsqrtf(q / HIDDEN + NORM_EPS);
-        }
+        rows_rms(hsq, rs, scratch);  // while the rows are copied
         cp_async_wait<0>();
         __syncthreads();
         return;
@@ -212,9 +229,12 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
 // xn in the tensor cores' B-fragment order (gemv.cuh x_at<true>), read from there by the projection after a grid
 // barrier, as o_proj and down_proj read theirs. Each row's statistics need the whole row, so a row is split over
 // P = max(1, blocks / BATCH) blocks, each reading the row for its sums and writing 1/P of its columns.
-template <class S>
-__device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* xn, unsigned char* smem) {
-    if constexpr (NORM_GLOBAL) {
+// on: whether this step runs (NORM_GLOBAL; the second norm's call passes !NORM2_LOCAL: with H_STATS o_proj's
+// epilogue writes xn and the statistics, templates/stages/o_proj.cuh).
+template <class S, class On = std::bool_constant<NORM_GLOBAL != 0>>
+__device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* xn, unsigned char* smem,
+                     On = {}) {
+    if constexpr (On::value) {
         // two passes over the row (the second from L1/L2): the row held in registers between them took 48 more
         // (NPT x 8 values and gains a thread at hidden 5120) and the kernel spilled 80 B (bench/NOTES.md session 23)
         constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;

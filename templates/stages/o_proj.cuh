@@ -4,18 +4,20 @@
 // With HB_COPY (tp = 1, bf16) it also writes h rounded to T (ws_hb): the second norm's input. With H_STATS it writes
 // that input already multiplied by the second norm's gain (ln2_w) and, per 16-row tile and row, the sum of squares of
 // h rounded to T (ws_hsq [HIDDEN/16][BATCH], in a fixed order: deterministic): the norm then makes no pass over its
-// rows (templates/stages/norm.cuh), gate_up scales its sums by 1/rms.
+// rows (templates/stages/norm.cuh), gate_up scales its sums by 1/rms. With NORM_GLOBAL that input goes to ws_xn in the
+// tensor cores' fragment order (gemv.cuh x_at<true>) instead, and the second norm is no step at all: no grid barrier
+// and no pass over the rows between o_proj and gate_up.
 #pragma once
 #include "../gemv.cuh"
 __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
-                       float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
+                       T* ws_xn, float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
                        const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    static_assert(!H_STATS || (HB_COPY && O_TM == 1 && THREADS / (O_NWG * 32) <= 15 &&
-                               THREADS / (O_NWG * 32) * 16 * BATCH * 4 <= SMEM_RED),
+    static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
+                               (NORM_GLOBAL || THREADS / (O_NWG * 32) * O_TM * 16 * BATCH * 4 <= SMEM_RED)),
                   "H_STATS: the T copy of h, at most 15 warp groups (named barriers), their squares before SMEM_RED");
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage
@@ -24,9 +26,11 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
-            // H_STATS: the group's squares [16][BATCH] in the rows' region (idle in this stage)
+            // H_STATS: the group's squares [16][BATCH] for each of its O_TM tiles (the group barrier before the
+            // next task's epilogue orders its reads before their reuse) at SMEM_SQ: the rows' region, idle in this
+            // stage, or with NORM_GLOBAL after the partial sums
             const int group = threadIdx.x / (O_NWG * 32);
-            float* sq = reinterpret_cast<float*>(smem + SMEM_XS) + group * 16 * BATCH;
+            float* sq = reinterpret_cast<float*>(smem + SMEM_SQ) + (group * O_TM + row0 / 16 % O_TM) * 16 * BATCH;
             for (int i = gt; i < 16 * BATCH; i += O_NWG * 32) {
                 const int n = row0 + i / BATCH, b = i % BATCH;
                 const float h = (residual ? to_f(x[(size_t)b * HIDDEN + n]) : 0.f) + tile(i / BATCH, b);
@@ -34,7 +38,8 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                 if constexpr (HB_COPY && H_STATS) {
                     const float f = to_f(from_f(h));  // h as the norm reads it (transformers: the T residual, upcast)
                     sq[i] = f * f;
-                    ws_hb[(size_t)b * HIDDEN + n] = from_f(f * to_f(ln2_w[n]));
+                    (NORM_GLOBAL ? ws_xn[x_at<true>(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
+                        from_f(f * to_f(ln2_w[n]));
                 } else if constexpr (HB_COPY) {
                     ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
                 }
