@@ -178,7 +178,7 @@ def print_tables(doc: dict, routes_path=None) -> None:
     print(f"\n{doc['gpu']}  {doc['date']}  seed {doc['seed']}  copy BW {doc['copy_gbps']:.0f} GB/s  tests: {doc['tests']}")
     hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "
            f"{'flashinf':>8s} {'x best':>6s} {'mix us':>7s} {'x FI':>5s}")
-    print(hdr + "   stages (us): norm qkv att o norm gu down (norm: NORM_GLOBAL's step, else 0)")
+    print(hdr + "   stages (us): norm qkv att o norm gu down (norm: NORM_GLOBAL's step, else 0; the second 0 with H_STATS)")
     print("(mix: the batch's positions spread evenly over the cache, fused and FlashInfer re-timed)")
     for r in rows:
         name = r["variant"] + ("*" if r.get("heldout") else "")

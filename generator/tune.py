@@ -173,8 +173,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     RED_DB 1 where the planner took one buffer of partial sums (two were 2 % faster at batch 32 where one only added
     L1 above 60 KB); at batch >= 16 NORM_FOLD 2 where not planned and NORM_CLUSTER 2 (last, so the limit cuts them
     first; these and the NORM_FOLD flips with NORM_GLOBAL 0 where it is planned: they keep the rows in shared
-    memory); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for two grid barriers;
-    +3 % on the 1B b20 where the planner keeps the rows, session 23);
+    memory); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for one or two grid
+    barriers, H_STATS as that plan defaults it; +3 % on the 1B b20 where the planner keeps the rows, session 23);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_TMA flipped on sm_90+ (the walk's tiles by TMA tensor copies or

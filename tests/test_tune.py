@@ -298,7 +298,7 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
         render.plan(dataclasses.replace(l8b, tp=2), "90", overrides={"NORM_GLOBAL": 1})
     src = render.render(b32, render.plan(b32, "90"))
     assert src.count("if constexpr (!NORM_LOCAL) grid.sync();") == 1
-    assert src.count("if constexpr (!NORM2_LOCAL) grid.sync();") == 1 and "std::bool_constant<!NORM2_LOCAL>{})" in src
+    assert src.count("if constexpr (!NORM2_LOCAL) grid.sync();") == 1
     # with the rows in global memory every projection takes two tiles a task (<P>_TM 2: each B fragment loaded once
     # for both), its loads a step halved (the same registers); beside rows in shared memory one
     c = render.plan(b32, "90")["consts"]
@@ -916,13 +916,53 @@ def test_h_stats_matches_the_reference(tmp_path):
                         "norm_eps: 1.0e-6")
     l1b = {v.name: v for v in declared()}
     cases = [(l1b["llama3.2-1b_decode_b1_s4096_bf16"], {}), (l1b["llama3.2-1b_decode_b8_s4096_bf16"], {"NORM_FOLD": 1}),
-             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {"NORM_GLOBAL": 0}), (b65, {"O_NWG": 2}),
+             (b5, {"O_NWG": 8, "O_KSPLIT": 2}), (b16, {"NORM_GLOBAL": 0}), (b65, {"NORM_GLOBAL": 0, "O_NWG": 2}),
              # o_proj at two tiles a task beside the rows; with NORM_GLOBAL (xn and the squares from o_proj's
              # epilogue, no second norm step): one group a block, two 8-warp groups, and 2-warp groups at batch 65
              (b16, {"NORM_GLOBAL": 0, "O_TM": 2}), (b16, {"NORM_GLOBAL": 1}), (b16, {"NORM_GLOBAL": 1, "O_NWG": 8}),
              (b65, {"NORM_GLOBAL": 1, "O_NWG": 2})]
     _overrides_match_the_reference(tmp_path, [(v, {"H_STATS": 1, **ov}) for v, ov in cases], "hs", 13,
                                    {"H_STATS": 1}, repeat=True)
+
+
+def test_l2_prefetch_plans_renders_and_compiles(tmp_path):
+    """L2_PF (MB of o_proj's then gate_up's weights prefetched into L2 at attention's entry): off by default on every
+    declared variant; 0..L2_PF_MAX; refused below sm_90 (the bulk prefetch); rendered between qkv_proj and attention
+    (after qkv_proj's last task, before the barrier or flow wait that precedes attention); compiles without spills,
+    including a prefix that ends inside gate_up's weights."""
+    from generator import compile as gcompile
+    from generator.modes.decode import L2_PF_MAX
+    from generator.plan import PlanError
+    from generator.render import plan, render
+    by = {v.name: v for v in declared()}
+    assert all(plan(v, "90")["consts"]["L2_PF"] == 0 for v in declared() if v.mode == "decode")
+    v = by["llama3.2-1b_decode_b1_s4096_bf16"]
+    with pytest.raises(PlanError, match=f"L2_PF={L2_PF_MAX + 1}: must be in 0..{L2_PF_MAX}"):
+        plan(v, "90", overrides={"L2_PF": L2_PF_MAX + 1})
+    with pytest.raises(PlanError, match="L2_PF=8: the bulk prefetch into L2 needs sm_90"):
+        plan(v, "80", overrides={"L2_PF": 8})
+    p = plan(v, "90", overrides={"L2_PF": 13})
+    body = render(v, p)
+    body = body[body.index('extern "C" __global__'):]
+    assert body.index("qkv_proj(x") < body.index("attention_pre(w_o, w_gu)") < body.index("attention(pos")
+    from bench.tune import renamed
+    c = renamed(v, "l2pf")  # 13 MB: o_proj's 8 MB and part of gate_up's
+    res = gcompile.build([c], tmp_path, overrides={c.name: {"L2_PF": 13}}, replan_spills=False)
+    e = res["entries"][0]
+    assert e["status"] == "ok" and e["resources"]["spill_stores"] == 0, e
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_l2_prefetch_matches_the_reference(tmp_path):
+    """L2_PF changes where o_proj's and gate_up's weights come from, never what is computed: against the fp32 reference
+    at a prefix inside gate_up (1B b1), past the end of both (a small layer: the prefix is clamped), at batch 8."""
+    by = {v.name: v for v in declared()}
+    small = _decode_layer("pf", 2, 128, "hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, "
+                          "norm_eps: 1.0e-6")
+    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {"L2_PF": 13}), (small, {"L2_PF": 48}),
+             (by["llama3-8b_decode_b8_s4096_bf16"], {"L2_PF": 32})]
+    _overrides_match_the_reference(tmp_path, cases, "pf", 29, {}, repeat=True)
 
 
 def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
