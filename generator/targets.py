@@ -29,6 +29,11 @@ class Arch:
     unified_kb: int = 0
     carveouts_kb: tuple[int, ...] = ()
 
+    @property
+    def number(self) -> int:
+        """The compute capability as a number, 90 for sm_90 and for its arch-specific target "90a"."""
+        return int(self.sm.rstrip("a"))
+
 
 _CARVE_86 = (0, 8, 16, 32, 64, 100)
 _CARVE_80 = _CARVE_86 + (132, 164)

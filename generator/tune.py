@@ -156,7 +156,7 @@ def _half(n: int) -> int:
 
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "L2_PF")  # 0 is a setting, not a size
+                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA")  # on/off knobs: 0 is a setting, not a size
 
 
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[dict]:
@@ -216,7 +216,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
         # the walk's copy engine flipped (sm_90+; the planner takes TMA from batch 16: -1.6 ... +0.6 % at batch 8),
         # NORM_GLOBAL kept as planned (its batch rule goes with ATT_TMA)
         tries += [{"ATT_TMA": 1 - d["ATT_TMA"], **({"NORM_GLOBAL": 1} if d["NORM_GLOBAL"] else {})}] \
-            if int(get_arch(arch).sm.rstrip("a")) >= 90 else []
+            if get_arch(arch).number >= 90 else []
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
         if d["ATT_DYN"] == 2:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
@@ -293,8 +293,7 @@ def knob_dict(p: dict) -> dict:
 
 # knobs added after records were made whose default is no longer always the kernel as it was: the value a record
 # without them measured (RED_DB: two buffers of partial sums until session 16)
-KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
-                "L2_PF": 0}
+KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0}
 
 
 def knobs_differ(recorded: dict, now: dict) -> list[str]:

@@ -141,10 +141,6 @@ __device__ __forceinline__ void tensor_copy2(void* dst, const void* tmap, int c0
 __device__ __forceinline__ void mbar_inval(unsigned long long* bar) {
     asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }
-// `bytes` (a multiple of 16) at global `src` (16-byte aligned) fetched into L2, nothing waiting on it (sm_90+)
-__device__ __forceinline__ void l2_prefetch(const void* src, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
-}
 // this thread's generic shared-memory accesses ordered before later copies by the async proxy (TMA) into it
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

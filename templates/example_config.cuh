@@ -25,7 +25,6 @@ constexpr int ATT_COMBINE = 1;
 constexpr int ATT_DYN = 0;
 constexpr int ATT_PIECE_TILES = 24;
 constexpr int ATT_TMA = 0;
-constexpr int L2_PF = 0;
 constexpr int X_FRAG = 1;
 constexpr int HB_COPY = 1;
 constexpr int GEMV_PF = 0;

@@ -145,10 +145,11 @@ def test_stream_attention_covers_every_tile_once():
     attention.cuh att_stream_schedule): at full context and at random positions every 16-row tile of every
     (sequence, KV head) is walked by exactly one block, pieces are contiguous and whole tiles, a pair spans at most
     ATT_NSPLIT blocks, no block walks more than R tiles, each pair charged ATT_PIECE_TILES units (spread positions:
-    a block holds few short pairs); the planner takes it by default only where the static split
+    a block holds few short pairs); the planner takes it by default where the static split
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
-    not where one round leaves SMs idle (measured: no consistent gain; the tuner tries it there); an override of 2 is
-    taken, 3 refused."""
+    and instead of ATT_DYN 1 (from KV 8192) at STREAM_MIN_PAIRS to SMs pairs (b8 with 8 KV heads: a serving mix's
+    even split), not where one round leaves SMs idle at KV 4096 (measured: no consistent gain; the tuner tries it
+    there) nor with fewer pairs at KV 32768; an override of 2 is taken, 3 refused."""
     import random
     from generator.modes.decode import STREAM_MIN_GAIN, attention_pieces, attention_stream, static_rounds, stream_gain
     rng = random.Random(22)
@@ -158,8 +159,13 @@ def test_stream_attention_covers_every_tile_once():
     assert c["ATT_DYN"] == 2 and c["ATT_NSPLIT"] == 16 and c["ATT_COMBINE"] == 1
     assert static_rounds(c, 132) == 2 and stream_gain(c, 132, 2) >= STREAM_MIN_GAIN
     for name in ("llama3-8b_decode_b8_s4096_bf16", "ho-h3584-b24_decode_b24_s4096_bf16",
-                 "ho-l1b-b32_decode_b32_s4096_bf16", "llama3.2-1b_decode_b8_s32768_bf16"):
+                 "ho-l1b-b32_decode_b32_s4096_bf16", "llama3-8b_decode_b4_s32768_bf16",
+                 "qwen2.5-7b_decode_b8_s32768_bf16", "qwen2.5-0.5b_decode_b8_s32768_bf16"):
         assert render.plan(by_name[name], "90")["consts"]["ATT_DYN"] != 2, name
+    for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
+        c8 = render.plan(by_name[name], "90")["consts"]
+        assert c8["ATT_DYN"] == 2 and c8["ATT_NSPLIT"] >= 2, name
+        assert render.plan(by_name[name], "90", overrides={"ATT_DYN": 1})["consts"]["ATT_DYN"] == 1
     for u, grid in ((v, 132), (by_name["llama3.2-1b_decode_b4_s4096_bf16"], 132),
                     (by_name["ho-h3584-b24_decode_b24_s4096_bf16"], 100)):
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]
@@ -923,46 +929,6 @@ def test_h_stats_matches_the_reference(tmp_path):
              (b65, {"NORM_GLOBAL": 1, "O_NWG": 2})]
     _overrides_match_the_reference(tmp_path, [(v, {"H_STATS": 1, **ov}) for v, ov in cases], "hs", 13,
                                    {"H_STATS": 1}, repeat=True)
-
-
-def test_l2_prefetch_plans_renders_and_compiles(tmp_path):
-    """L2_PF (MB of o_proj's then gate_up's weights prefetched into L2 at attention's entry): off by default on every
-    declared variant; 0..L2_PF_MAX; refused below sm_90 (the bulk prefetch); rendered between qkv_proj and attention
-    (after qkv_proj's last task, before the barrier or flow wait that precedes attention); compiles without spills,
-    including a prefix that ends inside gate_up's weights."""
-    from generator import compile as gcompile
-    from generator.modes.decode import L2_PF_MAX
-    from generator.plan import PlanError
-    from generator.render import plan, render
-    by = {v.name: v for v in declared()}
-    assert all(plan(v, "90")["consts"]["L2_PF"] == 0 for v in declared() if v.mode == "decode")
-    v = by["llama3.2-1b_decode_b1_s4096_bf16"]
-    with pytest.raises(PlanError, match=f"L2_PF={L2_PF_MAX + 1}: must be in 0..{L2_PF_MAX}"):
-        plan(v, "90", overrides={"L2_PF": L2_PF_MAX + 1})
-    with pytest.raises(PlanError, match="L2_PF=8: the bulk prefetch into L2 needs sm_90"):
-        plan(v, "80", overrides={"L2_PF": 8})
-    p = plan(v, "90", overrides={"L2_PF": 13})
-    body = render(v, p)
-    body = body[body.index('extern "C" __global__'):]
-    assert body.index("qkv_proj(x") < body.index("attention_pre(w_o, w_gu)") < body.index("attention(pos")
-    from bench.tune import renamed
-    c = renamed(v, "l2pf")  # 13 MB: o_proj's 8 MB and part of gate_up's
-    res = gcompile.build([c], tmp_path, overrides={c.name: {"L2_PF": 13}}, replan_spills=False)
-    e = res["entries"][0]
-    assert e["status"] == "ok" and e["resources"]["spill_stores"] == 0, e
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-def test_l2_prefetch_matches_the_reference(tmp_path):
-    """L2_PF changes where o_proj's and gate_up's weights come from, never what is computed: against the fp32 reference
-    at a prefix inside gate_up (1B b1), past the end of both (a small layer: the prefix is clamped), at batch 8."""
-    by = {v.name: v for v in declared()}
-    small = _decode_layer("pf", 2, 128, "hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, "
-                          "norm_eps: 1.0e-6")
-    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {"L2_PF": 13}), (small, {"L2_PF": 48}),
-             (by["llama3-8b_decode_b8_s4096_bf16"], {"L2_PF": 32})]
-    _overrides_match_the_reference(tmp_path, cases, "pf", 29, {}, repeat=True)
 
 
 def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():

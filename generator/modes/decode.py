@@ -23,7 +23,7 @@ STEPS = (
                      "smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
-                      "ws_count, ws_ready, ws_attn, smem)", pre="attention_pre(w_o, w_gu)"),
+                      "ws_count, ws_ready, ws_attn, smem)"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
                    "o_pre, smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
@@ -60,12 +60,11 @@ STEPS = (
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
 # writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there;
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
-# stage, instead of cp.async by every lane; L2_PF (sm_90+): that many MB of o_proj's then gate_up's weights prefetched
-# into L2 as each block reaches attention (templates/stages/attention.cuh attention_pre)
+# stage, instead of cp.async by every lane
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "L2_PF"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -97,8 +96,6 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
-        if k == "L2_PF" and not 0 <= val <= L2_PF_MAX:
-            raise PlanError(f"{name}: plan override {k}={val}: must be in 0..{L2_PF_MAX} (MB)")
         if k == "NORM_CLUSTER" and val not in (1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
                 " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
@@ -111,8 +108,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
 FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
+STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (sequence, KV head) pairs (see plan)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
-L2_PF_MAX = 48  # L2_PF: at most this many MB prefetched (the H200's L2 is 60 MB)
 
 
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
@@ -327,15 +324,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # -1.6 ... +0.6 % at batch 8: the default from batch 16 on one GPU (sm_90, where measured; an override may take
     # it on any sm_90+), for head_dim 64 and 128 (a row of whole boxes: at 80 or 96 the second box's zeros take ring
     # bytes, 23-45 % more a tile; not measured there)
-    sm = int(arch.sm.rstrip("a"))  # "90a": planned as sm_90
+    sm = arch.number  # "90a": planned as sm_90
     att_tma = ov.get("ATT_TMA", int(sm == 90 and v.batch >= 16 and v.tp == 1 and m.head_dim % 64 == 0))
     if att_tma and sm < 90:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: TMA tensor copies need sm_90 or later (this build: "
                         f"sm_{arch.sm})")
-    l2_pf = ov.get("L2_PF", 0)
-    if l2_pf and sm < 90:
-        raise PlanError(f"{v.name}: plan override L2_PF={l2_pf}: the bulk prefetch into L2 needs sm_90 or later (this "
-                        f"build: sm_{arch.sm})")
     if att_tma and v.tp > 1:
         raise PlanError(f"{v.name}: plan override ATT_TMA=1: not with tensor parallel (the cache maps of a GPU's "
                         "shard have not run on 2 GPUs)")
@@ -377,11 +370,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
     # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
     # gains STREAM_MIN_GAIN at full context (b20 with 8 KV heads: 160 pairs on 132 SMs), room for ATT_DYN_SPLITS
-    # pieces a pair
+    # pieces a pair; and instead of ATT_DYN 1 from STREAM_MIN_PAIRS (sequence, KV head) pairs up to one a block (as
+# measured; more pairs than SMs are the model's above): with every task in one
+    # round, ATT_DYN 1's whole tasks a sequence leave the slowest block ~37 % more rows than an even share at a serving
+    # mix of positions (8 sequences spread over KV 32768), which stream-K splits evenly. Measured on the H200
+    # (bench/NOTES.md session 25), against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at
+    # mixed positions, 0 ... +0.7 % at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 %
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len), "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
-        if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN:
+        if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN \
+                or att_dyn == 1 and STREAM_MIN_PAIRS <= pairs <= sms:
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
@@ -581,7 +580,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma, "L2_PF": l2_pf,
+        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

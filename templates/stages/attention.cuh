@@ -59,27 +59,6 @@ __device__ __forceinline__ A att_addr(T* p) {
 __device__ __forceinline__ unsigned att_plus(unsigned a, int i) { return a + i * (unsigned)sizeof(T); }
 __device__ __forceinline__ T* att_plus(T* a, int i) { return a + i; }
 
-// L2_PF (the decode plan's knob, sm_90+): the first L2_PF MB of o_proj's weights, then gate_up's (their packed
-// layout is tile-major and gemv's first round takes the first tiles, so a prefix is every block's first round), fetched
-// into L2 as each block reaches attention: at small batch attention is a chain of latencies (queries, a few tiles,
-// the split combine; bench/NOTES.md session 19) that leaves HBM idle, and o_proj / gate_up then read that part from
-// L2. 16 KB chunks spread over the grid's threads in order, each thread one prefetch (no waiting on it).
-__device__ __forceinline__ void attention_pre(const T* w_o, const T* w_gu) {
-#if __CUDA_ARCH__ >= 900
-    if constexpr (L2_PF > 0) {
-        constexpr size_t CH = 16384, O = (size_t)HIDDEN * Q_DIM * sizeof(T), GU = (size_t)2 * INTER * HIDDEN * sizeof(T);
-        constexpr size_t N = ((size_t)L2_PF << 20) < O + GU ? ((size_t)L2_PF << 20) : O + GU;
-        const unsigned char* o = reinterpret_cast<const unsigned char*>(w_o);
-        const unsigned char* gu = reinterpret_cast<const unsigned char*>(w_gu);
-        for (size_t off = (blockIdx.x + (size_t)gridDim.x * threadIdx.x) * CH; off < N;
-             off += (size_t)gridDim.x * THREADS * CH) {
-            const size_t end = off + CH < N ? off + CH : N;
-            if (off < O) l2_prefetch(o + off, (unsigned)((end < O ? end : O) - off));  // (a chunk may cross into w_gu)
-            if (end > O) l2_prefetch(gu + (off > O ? off - O : 0), (unsigned)(end - (off > O ? off : O)));
-        }
-    }
-#endif
-}
 __device__ __forceinline__ unsigned pack2(float a, float b) {
     T2 h = from_f2(a, b);
     return *reinterpret_cast<unsigned*>(&h);
