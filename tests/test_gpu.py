@@ -212,7 +212,7 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
 @pytest.mark.parametrize("dyn", [1, 2])
 def test_dynamic_attention_split_at_skewed_positions(tmp_path, dyn):
     """ATT_DYN 1 (the rows per attention task chosen at run time from the positions; the default at batch 2-32 from
-    KV 8192) and 2 (stream-K: equal runs of the launch's tiles, one a block): every sequence against the fp32
+    KV 8192, below 64 (sequence, KV head) pairs) and 2 (stream-K: equal runs of the launch's tiles, one a block): every sequence against the fp32
     reference where the positions are far apart (one at the last cache row, the rest at 0 or 1; spread evenly; all but
     one refused with -1, whose outputs are NaN and whose cache rows are not written), and the split counters back at
     zero after each launch; on a declared shape (GQA 4, head_dim 64), an fp16 LayerNorm shape (head_dim 96, group 4,

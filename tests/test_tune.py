@@ -325,7 +325,7 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
 
 
 def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
-    """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, off with an ATT_C override): at full context the
+    """ATT_DYN (default at batch 2-32 from KV 8192 on one GPU, 2 from 64 pairs, off with an ATT_C override): at full context the
     split the kernel picks (decode.attention_split, the model of templates/stages/attention.cuh att_schedule) is the
     planner's ATT_C for every declared and held-out variant, as built (tuned plans included) with ATT_DYN on; at
     mixed positions it is never more rows than that, keeps every sequence within ATT_NSPLIT splits and is whole tiles
@@ -356,7 +356,8 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     # spread 4,096 ... 32,768 rows: the smallest split with one task a block (by hand: 1+1+1+2+2+2+3+3 = 15 splits
     # x 8 KV heads = 120 tasks; 12,160 rows would make 17 x 8 = 136)
     v = next(v for v in declared() if v.name == "llama3-8b_decode_b8_s32768_bf16")
-    assert attention_split([(b + 1) * 4096 for b in range(8)], render.plan(v)["consts"], 132) == 12288
+    assert attention_split([(b + 1) * 4096 for b in range(8)], render.plan(v, overrides={"ATT_DYN": 1})["consts"],
+                           132) == 12288
     assert render.plan(v, overrides={"ATT_C": 8192})["consts"]["ATT_DYN"] == 0
     for bad in (dataclasses.replace(v, tp=2), dataclasses.replace(v, batch=1)):
         assert render.plan(bad)["consts"]["ATT_DYN"] == 0
@@ -1293,12 +1294,18 @@ def test_dynamic_split_stays_off_for_caches_of_2_24_rows_and_more():
 
 def test_a_record_without_red_db_was_measured_with_two_buffers():
     """tune.knobs_differ: a knob a record lacks is not a difference, except RED_DB (KNOBS_BEFORE), whose default
-    can now be 0: a record made before it existed measured two buffers."""
+    can now be 0: a record made before it existed measured two buffers; a record's knob the planner no longer has
+    is one, unless retired at the value that built today's kernel (KNOBS_RETIRED)."""
     from generator.tune import knobs_differ
     assert knobs_differ({"GEMV_PF": 0}, {"GEMV_PF": 0, "H_STATS": 1, "RED_DB": 1}) == []
     assert knobs_differ({"GEMV_PF": 0}, {"GEMV_PF": 0, "RED_DB": 0}) == ["RED_DB"]
     assert knobs_differ({"GEMV_PF": 0, "RED_DB": 0}, {"GEMV_PF": 0, "RED_DB": 0}) == []
     assert knobs_differ({}, {"RED_DB": 0}) == []  # nothing recorded: nothing to compare
+    # a retired knob (L2_PF, session 25) at the value that built today's kernel is no difference; at another it is,
+    # and so is a removed knob that was never retired
+    assert knobs_differ({"GEMV_PF": 0, "L2_PF": 0}, {"GEMV_PF": 0, "RED_DB": 1}) == []
+    assert knobs_differ({"GEMV_PF": 0, "L2_PF": 16}, {"GEMV_PF": 0, "RED_DB": 1}) == ["L2_PF"]
+    assert knobs_differ({"OLD_KNOB": 0}, {"RED_DB": 1}) == ["OLD_KNOB"]
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])

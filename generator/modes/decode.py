@@ -370,17 +370,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
     # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
     # gains STREAM_MIN_GAIN at full context (b20 with 8 KV heads: 160 pairs on 132 SMs), room for ATT_DYN_SPLITS
-    # pieces a pair; and instead of ATT_DYN 1 from STREAM_MIN_PAIRS (sequence, KV head) pairs up to one a block (as
-# measured; more pairs than SMs are the model's above): with every task in one
-    # round, ATT_DYN 1's whole tasks a sequence leave the slowest block ~37 % more rows than an even share at a serving
-    # mix of positions (8 sequences spread over KV 32768), which stream-K splits evenly. Measured on the H200
-    # (bench/NOTES.md session 25), against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at
-    # mixed positions, 0 ... +0.7 % at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 %
+    # pieces a pair; and on sm_90 (where measured) instead of ATT_DYN 1 from STREAM_MIN_PAIRS (sequence, KV head) pairs
+    # up to one a block (more pairs than SMs are the model's above): with every task in one round, ATT_DYN 1's whole
+    # tasks a sequence leave the slowest block ~37 % more rows than an even share at a serving mix of positions (8
+    # sequences spread over KV 32768), which stream-K splits evenly. Measured on the H200 (bench/NOTES.md session 25),
+    # against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at mixed positions, 0 ... +0.7 %
+    # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading)
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len), "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
         if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN \
-                or att_dyn == 1 and STREAM_MIN_PAIRS <= pairs <= sms:
+                or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms:
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
