@@ -398,8 +398,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     tm_max = max(g["TM"] for g in gemv.values())  # the partial sums' region holds every projection's
 
+    def o_groups() -> int:  # o_proj's warp groups a block, as planned now (NORM_GLOBAL re-plans the projections)
+        return nw // gemv["o"]["NWG"]
+
     def sq_bytes(batch: int) -> int:  # H_STATS: o_proj's squares, [groups][O_TM][16][batch] fp32 (SMEM_SQ)
-        return nw // gemv["o"]["NWG"] * gemv["o"]["TM"] * 16 * batch * 4
+        return o_groups() * gemv["o"]["TM"] * 16 * batch * 4
 
     def gemv_need(batch: int, fold: int, stats: int = 0, db: int = 1, rows: bool = True) -> int:
         # the norm + projection stage's bytes: rows (not with NORM_GLOBAL), reduction tiles (per warp TM 16 x batch
@@ -431,9 +434,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if h_stats and (m.norm != "rmsnorm" or not hb_copy):
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs RMSNorm, bf16 and one GPU (this layer: {m.norm}, "
                         f"{m.dtype}, tp {v.tp})")
-    if h_stats and nw // gemv["o"]["NWG"] > 15:
+    if h_stats and o_groups() > 15:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
-                        f"{gemv['o']['NWG']}: {nw // gemv['o']['NWG']} warp groups a block, at most 15 named barriers)")
+                        f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     smem["SMEM_QS"] = 0
     smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
@@ -508,10 +511,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # (Llama-3.2-1B b32 +2.5 %). By default where RMSNorm in bf16, o_proj's groups fit the named barriers, the
         # squares and 1/rms fit beside one buffer of partial sums, on a GPU of 256 KB L1 + shared memory (as measured)
         if "H_STATS" not in ov:
-            h_stats = int(m.norm == "rmsnorm" and hb_copy and nw // gemv["o"]["NWG"] <= 15 and arch.unified_kb >= 256
+            h_stats = int(m.norm == "rmsnorm" and hb_copy and o_groups() <= 15 and arch.unified_kb >= 256
                           and gemv_need(v.batch, 0, 1, min(dbs), False) <= arch.smem_per_block)
     if h_stats and not norm_global and sq_bytes(v.batch) > v.batch * xs_ld * esize:
-        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {nw // gemv['o']['NWG']} warp groups' squares "
+        raise PlanError(f"{v.name}: plan override H_STATS=1: o_proj's {o_groups()} warp groups' squares "
                         f"({sq_bytes(v.batch)} B) exceed the rows' region ({v.batch * xs_ld * esize} B): a larger "
                         "O_NWG or O_TM 1")
 
