@@ -24,6 +24,34 @@ console = Console(width=None if sys.stdout.isatty() else 240)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 240)
 
 
+class _PipeSafe:
+    """sys.stdout / sys.stderr while a command runs: once the reader of a pipe goes away (`| head`), the stream's
+    file descriptor is pointed at /dev/null and the write is dropped instead of raising BrokenPipeError, so the
+    command finishes its work and its files (a build's report included) and exits with its own status."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def write(self, s: str) -> int:
+        try:
+            return self._stream.write(s)
+        except BrokenPipeError:
+            self._gone()
+            return len(s)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
 def fail(msg: str, code: int = 2):
     import os
     rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ \
@@ -39,8 +67,8 @@ def load_selected(variants_file: str, only=(), exclude=()) -> list:
         fail(str(exc))
     selected = gvariants.select(vs, tuple(only), tuple(exclude))
     if not selected:
-        fail(f"{variants_file}: no variant matches --only {' '.join(only) or '*'}"
-             + (f" --exclude {' '.join(exclude)}" if exclude else ""))
+        fail(f"{variants_file}: no variant matches"
+             + (f" --only {' '.join(only)}" if only else "") + (f" --exclude {' '.join(exclude)}" if exclude else ""))
     unmatched = [g for g in only if not gvariants.select(vs, (g,))]
     if unmatched:  # one of several globs matches nothing: likely a typo, said rather than silently dropped
         err_console.print(f"warning: {variants_file}: --only {' '.join(unmatched)} matches no variant", markup=False,
@@ -198,12 +226,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
                 done[0] += n
                 what = "refused:" if refused else "up to date:" if cached else "built" if ok else "failed to compile"
                 shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-                try:
-                    click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants "
-                               f"done, {time.perf_counter() - t0:.0f} s)")
-                    sys.stdout.flush()
-                except BrokenPipeError:  # stdout closed (`| head`): the build goes on, its output to /dev/null
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                # (a closed stdout, `| head`, does not stop the build: run() makes its writes no-ops)
+                click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants "
+                           f"done, {time.perf_counter() - t0:.0f} s)")
+                sys.stdout.flush()
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
                                     variants_file=variants_file, tuning_file=tfile, notify=note)
     except KeyboardInterrupt as exc:
@@ -325,7 +351,9 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared,
                                    build_cmd=cmd)
     except FileNotFoundError as exc:
-        fail(str(exc))
+        # (no variants.yaml here either: the build it suggests needs one first)
+        fail(str(exc) if declared is not None else f"{exc}; and no {variants_file} here to build from (--variants "
+             "FILE, or `megakernel from-hf MODEL_DIR --write variants.yaml`)")
     if why:
         err_console.print(f"note: {why}: module load times not measured (--no-gpu skips this check)",
                           markup=False, highlight=False, soft_wrap=True)
@@ -554,7 +582,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir)
         except Exception as exc:  # noqa: BLE001 - no tokenizer files, or no transformers
-            why = str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            why = " ".join(str(exc).split()) or type(exc).__name__  # its lines joined: one line, cut at a word
+            why = why if len(why) <= 200 else why[:200].rsplit(" ", 1)[0] + " ..."
             fail(f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model "
                  f"...), and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
@@ -639,7 +668,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
 
 def run():
     """Console-script entry: every bad input is one line on stderr and exit 2, click's own usage errors included
-    (an unknown option, `-j 0`), and a corrupt build directory too."""
+    (an unknown option, `-j 0`), and a corrupt build directory too. Output to a pipe whose reader has gone (`| head`)
+    is dropped without stopping the command (_PipeSafe)."""
+    sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     try:
         rv = main(standalone_mode=False)
     except click.UsageError as exc:

@@ -1371,9 +1371,39 @@ models:
     assert render.plan(big, overrides={"ATT_C": 128})["consts"]["ATT_NSPLIT"] == 64
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
+    """ATT_COMBINE 3 (every split's block combines a slice of the outputs once all splits have counted): 32 splits
+    of a group of 7 (Qwen2.5-7B b1 with its bias, head_dim 128; Qwen2.5-0.5B b1, head_dim 64), a group of 4 over at
+    most 3 splits at batch 2 (slices of uneven length), and more tasks than blocks (head_dim 80 at batch 3, 4 KV
+    heads, 24 splits: 288 tasks, so the kernel takes the last split's combine instead: no block may wait on a task of
+    its own later round); random_inputs puts the sequences at different positions (different split counts), and a
+    second launch on the same inputs is bit-equal (the counters were reset by the launch before)."""
+    by_name = {v.name: v for v in declared()}
+    few, = gvariants.parse("""
+matrix: {mode: [decode], batch: [2], seq_len: [384]}
+models:
+  c3few: {hidden: 512, heads: 8, kv_heads: 2, head_dim: 64, intermediate: 1024, layers: 2, norm: rmsnorm,
+          norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "c3few.yaml")
+    hd80, = gvariants.parse("""
+matrix: {mode: [decode], batch: [3], seq_len: [3000]}
+models:
+  c3hd80: {hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048, layers: 2, norm: rmsnorm,
+           norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+""", "c3hd80.yaml")
+    cases = [(by_name["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
+             (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
+             (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3, "ATT_C": 128})]
+    _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
+    p = render.plan(hd80, overrides={"ATT_COMBINE": 3, "ATT_C": 128})["consts"]
+    assert p["ATT_NSPLIT"] * p["BATCH"] * p["KV_HEADS"] > 132
+
+
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-2 is taken, 3 refused."""
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-3 is taken (3 without ATT_DYN and tensor parallel), 4 refused."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
     assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1
@@ -1385,12 +1415,16 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     assert dyn["ATT_DYN"] == 1 and dyn["ATT_COMBINE"] == 1
     v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: must be 0, 1 or 2"):
-        render.plan(v, overrides={"ATT_COMBINE": 3})
+    assert render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]["ATT_COMBINE"] == 3
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=4: must be 0, 1, 2 or 3"):
+        render.plan(v, overrides={"ATT_COMBINE": 4})
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: not with ATT_DYN=1 .*ATT_DYN=0"):
+        render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": 3})
     tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=2: not with tensor parallel"):
-        render.plan(tp2, overrides={"ATT_COMBINE": 2})
+    for c in (2, 3):
+        with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with tensor parallel"):
+            render.plan(tp2, overrides={"ATT_COMBINE": c})
 
 
 def test_candidates_that_move_the_split_keep_the_default_combine():

@@ -42,7 +42,9 @@ STEPS = (
 # in flight U and the split-K KSPLIT; the attention's walker warps, cache rows per task (-> ATT_NSPLIT), ring depth
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 2: the same release/
 # acquire, the splits spread over warps and merged in shared memory; 0: two passes through shared memory after a
-# fence by every thread); X_FRAG: attention's output and the MLP's act stored in the
+# fence by every thread; 3: every split's block combines a slice of the outputs once all splits have counted, one poll
+# and one batch of loads after the last partial instead of its whole combine: static split, one GPU, and where every
+# task is in one round, else the kernel takes 1's path); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
@@ -92,8 +94,10 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
-        if k in ("NORM_FOLD", "ATT_COMBINE", "ATT_DYN") and val not in (0, 1, 2):
+        if k in ("NORM_FOLD", "ATT_DYN") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
+        if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "NORM_CLUSTER" and val not in (1, 2):
@@ -261,9 +265,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     shapes = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
               "down": (m.hidden, m.intermediate)}
     gemv = {}
-    if ov.get("ATT_COMBINE") == 2 and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override ATT_COMBINE=2: not with tensor parallel (the split-parallel combine "
-                        "has not run on 2 GPUs)")
+    if ov.get("ATT_COMBINE", 0) >= 2 and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override ATT_COMBINE={ov['ATT_COMBINE']}: not with tensor parallel (the "
+                        "split-parallel combines have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override QKV_FLOW=1: tensor parallel keeps the qkv -> attention grid barrier "
                         "(the counters have not run on 2 GPUs)")
@@ -384,6 +388,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
+    if ov.get("ATT_COMBINE") == 3 and att_dyn:
+        raise PlanError(f"{v.name}: plan override ATT_COMBINE=3: not with ATT_DYN={att_dyn} (the combine spread over "
+                        "the splits' blocks needs every task in one round of the static split: ATT_DYN=0)")
 
     # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
     # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32

@@ -504,7 +504,61 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
         }
-        if (nsplit > 1 && ATT_COMBINE >= 1) {
+        if (nsplit > 1 && ATT_COMBINE == 3 && ntask <= (int)gridDim.x) {
+            // every split's block combines a slice of the outputs (every task in one round: no block waits on a
+            // task of its own later round). Each releases its partial and counts (one thread: fence.acq_rel + red,
+            // as below), waits until all nsplit have counted, acquires, and writes outputs [o0, o1) of the
+            // GROUP x HEAD_DIM: a lane a split, the splits' power of two lanes an output (a fixed order: the same
+            // result whichever split is last). The chain after the last partial is one poll and one batch of loads, not the last split's
+            // whole combine. The counter goes to 2 x nsplit as each block leaves its wait: the one that brings it
+            // there resets it for the next launch (every block has passed its wait by then).
+            unsigned* cnt = ws_count + b * KV_HEADS + kvh;
+            __syncthreads();
+            unsigned left = 0u;
+            if (tid == 0) {
+                asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(cnt) : "memory");
+                unsigned got;
+                while (true) {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt) : "memory");
+                    if (got >= (unsigned)nsplit) break;
+                    __nanosleep(32);
+                }
+                asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;" : "=r"(left) : "l"(cnt) : "memory");
+            }
+            __syncthreads();
+            constexpr int OUTS = GROUP * HEAD_DIM;
+            const int o0 = split * OUTS / nsplit, o1 = (split + 1) * OUTS / nsplit;
+            // SEG lanes an output (the splits' power of two, at most 32), 32 / SEG outputs a warp at once
+            const int seg = nsplit >= 32 ? 32 : 1 << (32 - __clz(nsplit - 1)), sub = lane / seg, sl = lane % seg;
+            for (int base = o0 + warp * (32 / seg); base < o1; base += NW * (32 / seg)) {
+                const int t = base + sub;
+                const bool out = t < o1;
+                const int g = (out ? t : o0) / HEAD_DIM, d = (out ? t : o0) % HEAD_DIM;
+                const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
+                float M = -INFINITY, den = 0.f, o = 0.f;
+                for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, the lane's three loads in flight)
+                    const int s = r0 + sl;
+                    const bool in = out && s < nsplit;
+                    const float ms = in ? __ldcg(pg + (size_t)s * WS + HEAD_DIM) : -INFINITY;
+                    const float ls = in ? __ldcg(pg + (size_t)s * WS + HEAD_DIM + 1) : 0.f;
+                    const float as = in ? __ldcg(pg + (size_t)s * WS + d) : 0.f;
+                    float mx = ms;
+                    for (int k = seg / 2; k > 0; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+                    const float Mn = fmaxf(M, mx), f = M == -INFINITY ? 0.f : exp2f(M - Mn);
+                    const float e = in ? exp2f(ms - Mn) : 0.f;
+                    float el = e * ls, ea = e * as;
+                    for (int k = seg / 2; k > 0; k >>= 1) {
+                        el += __shfl_xor_sync(0xffffffffu, el, k);
+                        ea += __shfl_xor_sync(0xffffffffu, ea, k);
+                    }
+                    den = fmaf(den, f, el);
+                    o = fmaf(o, f, ea);
+                    M = Mn;
+                }
+                if (out && sl == 0) ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+            }
+            if (tid == 0 && left == 2u * nsplit - 1u) *cnt = 0u;  // every block has left its wait
+        } else if (nsplit > 1 && ATT_COMBINE >= 1) {
             // the block's partial, then one thread's release (fence.acq_rel + the counter: the block barrier makes
             // every thread's stores its own, cumulativity publishes them) in place of a fence by every thread
             __syncthreads();
