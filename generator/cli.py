@@ -33,7 +33,9 @@ class _PipeSafe:
         self._stream = stream
 
     def _gone(self) -> None:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
 
     def write(self, s: str) -> int:
         try:

@@ -1376,10 +1376,10 @@ models:
 def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
     """ATT_COMBINE 3 (every split's block combines a slice of the outputs once all splits have counted): 32 splits
     of a group of 7 (Qwen2.5-7B b1 with its bias, head_dim 128; Qwen2.5-0.5B b1, head_dim 64), a group of 4 over at
-    most 3 splits at batch 2 (slices of uneven length), and more tasks than blocks (head_dim 80 at batch 3, 4 KV
-    heads, 24 splits: 288 tasks, so the kernel takes the last split's combine instead: no block may wait on a task of
-    its own later round); random_inputs puts the sequences at different positions (different split counts), and a
-    second launch on the same inputs is bit-equal (the counters were reset by the launch before)."""
+    most 3 splits at batch 2 (slices of uneven length), head_dim 80 at batch 3 (8 splits, 96 tasks: one round;
+    more tasks than SMs are refused by the planner, test_split_parallel_combine_by_default...); random_inputs puts
+    the sequences at different positions (different split counts), and a second launch on the same inputs is
+    bit-equal (the counters were reset by the launch before)."""
     by_name = {v.name: v for v in declared()}
     few, = gvariants.parse("""
 matrix: {mode: [decode], batch: [2], seq_len: [384]}
@@ -1395,15 +1395,14 @@ models:
 """, "c3hd80.yaml")
     cases = [(by_name["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
              (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
-             (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3, "ATT_C": 128})]
+             (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3})]
     _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
-    p = render.plan(hd80, overrides={"ATT_COMBINE": 3, "ATT_C": 128})["consts"]
-    assert p["ATT_NSPLIT"] * p["BATCH"] * p["KV_HEADS"] > 132
 
 
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-3 is taken (3 without ATT_DYN and tensor parallel), 4 refused."""
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-3 is taken (3 without ATT_DYN and tensor parallel, and with every
+    attention task in one round), 4 refused."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
     assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1
@@ -1420,6 +1419,10 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
         render.plan(v, overrides={"ATT_COMBINE": 4})
     with pytest.raises(render.PlanError, match="ATT_COMBINE=3: not with ATT_DYN=1 .*ATT_DYN=0"):
         render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": 3})
+    hd80 = _decode_layer("c3hd80", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048")
+    assert render.plan(hd80, overrides={"ATT_COMBINE": 3})["consts"]["ATT_NSPLIT"] == 8  # 96 tasks: one round
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: 288 attention tasks on 132 SMs .*one round"):
+        render.plan(hd80, overrides={"ATT_COMBINE": 3, "ATT_C": 128})  # (no block may wait on its own later task)
     tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
     for c in (2, 3):

@@ -391,6 +391,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("ATT_COMBINE") == 3 and att_dyn:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE=3: not with ATT_DYN={att_dyn} (the combine spread over "
                         "the splits' blocks needs every task in one round of the static split: ATT_DYN=0)")
+    if ov.get("ATT_COMBINE") == 3 and nsplit * v.batch * m.kv_heads > sms:
+        raise PlanError(f"{v.name}: plan override ATT_COMBINE=3: {nsplit * v.batch * m.kv_heads} attention tasks on "
+                        f"{sms} SMs (every split's block waits for its peers, so every task must be in one round: "
+                        "fewer splits, a larger ATT_C)")
 
     # o_proj and down_proj read X from global memory: in fragment order, one 8-byte load a lane per k-tile and 8
     # rows (padded to 8) instead of two 4-byte loads touching 8 rows each. Measured on the H200: at batch 16-32

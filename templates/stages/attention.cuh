@@ -505,13 +505,14 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
         }
         if (nsplit > 1 && ATT_COMBINE == 3 && ntask <= (int)gridDim.x) {
-            // every split's block combines a slice of the outputs (every task in one round: no block waits on a
-            // task of its own later round). Each releases its partial and counts (one thread: fence.acq_rel + red,
-            // as below), waits until all nsplit have counted, acquires, and writes outputs [o0, o1) of the
-            // GROUP x HEAD_DIM: a lane a split, the splits' power of two lanes an output (a fixed order: the same
-            // result whichever split is last). The chain after the last partial is one poll and one batch of loads, not the last split's
-            // whole combine. The counter goes to 2 x nsplit as each block leaves its wait: the one that brings it
-            // there resets it for the next launch (every block has passed its wait by then).
+            // every split's block combines a slice of the outputs (every task in one round, which the planner
+            // requires: no block may wait on a task of its own later round; a GPU with fewer SMs than planned takes
+            // ATT_COMBINE 1's path below). Each releases its partial and counts (one thread: fence.acq_rel + red, as
+            // below), waits until all nsplit have counted, acquires, and writes outputs [o0, o1) of the GROUP x
+            // HEAD_DIM: a lane a split, the splits' power of two lanes an output (a fixed order: the same result
+            // whichever split is last). The chain after the last partial is one poll and one batch of loads, not the
+            // last split's whole combine. The counter goes to 2 x nsplit as each block leaves its wait: the one that
+            // brings it there resets it for the next launch (every block has passed its wait by then).
             unsigned* cnt = ws_count + b * KV_HEADS + kvh;
             __syncthreads();
             unsigned left = 0u;
@@ -536,7 +537,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 const int g = (out ? t : o0) / HEAD_DIM, d = (out ? t : o0) % HEAD_DIM;
                 const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
                 float M = -INFINITY, den = 0.f, o = 0.f;
-                for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, the lane's three loads in flight)
+                for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, three loads in flight)
                     const int s = r0 + sl;
                     const bool in = out && s < nsplit;
                     const float ms = in ? __ldcg(pg + (size_t)s * WS + HEAD_DIM) : -INFINITY;
