@@ -1419,6 +1419,9 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
         render.plan(v, overrides={"ATT_COMBINE": 4})
     with pytest.raises(render.PlanError, match="ATT_COMBINE=3: not with ATT_DYN=1 .*ATT_DYN=0"):
         render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": 3})
+    from generator.report import path_cell  # the report names the path
+    assert path_cell(render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]) == "ATT_COMBINE=3"
+    assert path_cell(render.plan(v)["consts"]) is None
     hd80 = _decode_layer("c3hd80", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048")
     assert render.plan(hd80, overrides={"ATT_COMBINE": 3})["consts"]["ATT_NSPLIT"] == 8  # 96 tasks: one round
     with pytest.raises(render.PlanError, match="ATT_COMBINE=3: 288 attention tasks on 132 SMs .*one round"):
