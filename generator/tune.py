@@ -165,7 +165,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
 
     Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order) and QKV_FLOW flipped, ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
+    order) and QKV_FLOW flipped, ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS

@@ -43,8 +43,8 @@ STEPS = (
 # and how the last split combines (ATT_COMBINE 1: one online pass, one thread's release/acquire; 2: the same release/
 # acquire, the splits spread over warps and merged in shared memory; 0: two passes through shared memory after a
 # fence by every thread; 3: every split's block combines a slice of the outputs once all splits have counted, one poll
-# and one batch of loads after the last partial instead of its whole combine: static split, one GPU, and where every
-# task is in one round, else the kernel takes 1's path); X_FRAG: attention's output and the MLP's act stored in the
+# and one batch of loads after the last partial instead of its whole combine: static split, one GPU, every task in
+# one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
