@@ -163,7 +163,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
-    Neighbours: per projection split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
+    Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
+    re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order) and QKV_FLOW flipped, ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
@@ -192,6 +193,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     if base["mode"] == "prefill":
         tries = _prefill_tries(base, get_arch(arch).sms)
     projections = decode.PROJECTIONS if base["mode"] == "decode" else ()
+    for prefix, key in projections:  # U in the fewest steps first where the planner took full steps instead: the
+        g = base["gemv"][key]       # re-plan of a default that spills tries it first (its registers moved)
+        if "U_fewest_steps" in g and g["U_fewest_steps"] != g["U"]:
+            tries.append({f"{prefix}_U": g["U_fewest_steps"]})
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]

@@ -239,12 +239,13 @@ def test_attention_tiles_by_tma_on_sm90(tmp_path):
     assert ring(on) >= on["ATT_WARPS"] * on["ATT_STAGES"] * 2 * 2 * 16 * 64 * 2  # two boxes a row of 80 dims
     assert ring(off) >= off["ATT_WARPS"] * off["ATT_STAGES"] * 2 * 16 * 88 * 2
     # the TMA walk compiles for sm_90 (mbarriers, tensor copies, the swizzled ldmatrix addresses) without spills: a
-    # 1B-shaped layer at batch 16 and the head_dim-80 shape forced on
+    # 1B-shaped layer at batch 16 and the head_dim-80 shape forced on (with o_proj in steps of 7, 7, 6: in the full
+    # steps of 5 its planner now takes, this plan spills 128 B, a tuner candidate discarded as such)
     from generator import compile as gcompile
     from bench.tune import renamed
     l1b16 = dataclasses.replace(next(v for v in vs if v.name == "llama3.2-1b_decode_b8_s4096_bf16"), batch=16)
     c80 = renamed(hd80, "tma80")
-    res = gcompile.build([l1b16, c80], tmp_path, overrides={c80.name: {"ATT_TMA": 1}})
+    res = gcompile.build([l1b16, c80], tmp_path, overrides={c80.name: {"ATT_TMA": 1, "O_U": 7}})
     for e in res["entries"]:
         r = e["resources"]
         assert e["status"] == "ok" and r["spill_stores"] + r["spill_loads"] == 0, (e["name"], e.get("error"), r)
@@ -940,6 +941,14 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
     from generator.render import plan, render
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     assert all(plan(v, "90")["consts"][f"{p}_PRE"] == 0 for p in ("QKV", "O", "GU", "DOWN"))
+    # O_PRE by default at batch 2-8 on one GPU with the static split (bench/NOTES.md session 27); not at batch 1, 16,
+    # with ATT_DYN (KV 32768) or tensor parallel; an override wins
+    by = {v.name: v for v in declared()}
+    for name, on in (("llama3.2-1b_decode_b8_s4096_bf16", 1), ("ho-h1536-g6_decode_b2_s4096_bf16", 1),
+                     ("llama3.2-1b_decode_b8_s32768_bf16", 0), ("ho-h3072-g3_decode_b16_s4096_bf16", 0),
+                     ("llama3-70b_decode_b8_s4096_bf16_tp2", 0)):
+        assert plan(by[name], "90")["consts"]["O_PRE"] == on, name
+    assert plan(by["llama3.2-1b_decode_b8_s4096_bf16"], "90", overrides={"O_PRE": 0})["consts"]["O_PRE"] == 0
     src = render(v, plan(v, "90", overrides={"QKV_PRE": 1, "O_PRE": 1}))
     body = src[src.index('extern "C" __global__'):]
     assert body.index("qkv_proj_pre(w_qkv)") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
@@ -1195,6 +1204,25 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
     assert (c["QKV_NWG"], c["O_NWG"], c["GU_NWG"], c["DOWN_NWG"]) == (4, 4, 16, 4)
     tp = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp > 1 and v.mode == "decode")
     assert render.plan(tp)["consts"]["QKV_NWG"] == 16  # the 70B shard's qkv: 320 tiles, 4-warp groups on one GPU
+
+
+def test_full_steps_where_a_divisor_allows_them():
+    """plan.plan_gemv's U (measured on the H200, bench/NOTES.md session 27): where a warp's k-tiles split evenly over
+    the group but not into steps of U, the largest divisor of them from 4 below U (20 k-tiles a warp: 7, 7, 6 -> four
+    steps of 5; Qwen2.5-7B's down_proj, 148: 8 -> 4); none from 4 (19 a warp) or an uneven split over the warps keeps
+    the fewest steps, and so does tensor parallel (rebalance=False); the fewest-steps U is the tuner's first
+    candidate, so a spilling default's first re-plan."""
+    from generator.plan import plan_gemv
+    assert [plan_gemv(3584, 18944, 132)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 4, 8]
+    assert [plan_gemv(2560, 2560, 132)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 5, 7]
+    assert [plan_gemv(2560, 2560, 132, rebalance=False)[k] for k in ("NWG", "U")] == [16, 5]  # 10 a warp: 5, 5
+    assert plan_gemv(13824, 5120, 132, rebalance=False)["U"] == 7  # 20 a warp, tensor parallel: 7, 7, 6
+    for n, k in ((4096, 14336), (2048, 8192), (896, 4864), (1440, 3872)):  # even, even, 19, uneven
+        p = plan_gemv(n, k, 132)
+        assert p["U"] == p["U_fewest_steps"], (n, k, p)
+    v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b4_s4096_bf16")
+    assert render.plan(v, overrides={})["consts"]["DOWN_U"] == 4
+    assert gtune.candidates(v)[1] == {"DOWN_U": 8}
 
 
 def _layer(hidden, batch, norm="rmsnorm", dtype="bf16", qk_norm="false", tp=1):

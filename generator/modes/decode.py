@@ -608,6 +608,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
+    # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split):
+    # measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes, 0.0 ... +0.3 % on
+    # Llama-3-8B and Qwen2.5-7B, +0.7 ... +3.8 % on the smaller ones; at batch 1 -0.6 ... +3.6 % (not taken); with
+    # ATT_DYN (KV >= 8192) its registers made Qwen2.5-7B b4 KV 32768 spill
+    if "O_PRE" not in ov:
+        consts["O_PRE"] = int(2 <= v.batch <= 8 and v.tp == 1 and not att_dyn)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
