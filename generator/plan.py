@@ -148,12 +148,13 @@ def fewest_rounds(tasks: int, nwg: int, sms: int) -> int:
 U_EVEN_MIN = 4  # plan_gemv: the fewest 16-byte loads in flight a warp that it takes for full steps
 
 
-def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True, tm: int = 1) -> dict:
+def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalance: bool = True, tm: int = 1,
+              full_steps: bool = False) -> dict:
     """Split-K KSPLIT (given: 1 unless a plan override sets it, a divisor of k/16), warps per task NWG and k-tiles
     a step per warp U (<= umax / TM: the TM tiles of a task each take U loads) for one [n, k] projection (tasks are
     TM 16-row tiles (given), or a KSPLIT-th of one's K range), balanced for `sms` blocks of THREADS threads;
-    `rebalance`: smaller groups where that saves rounds (fewest_rounds), and U in full steps (below). Also returns
-    U_fewest_steps: U as the fewest steps would take it."""
+    `rebalance`: smaller groups where that saves rounds (fewest_rounds); `full_steps`: U in full steps (below).
+    Also returns U_fewest_steps: U as the fewest steps would take it."""
     ktiles, tiles = k // 16, n // 16
     ktiles //= ksplit
     tasks = tiles * ksplit // tm
@@ -170,11 +171,12 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalanc
     # every step full where the warps' k-tiles allow it: the largest divisor of per_warp from U_EVEN_MIN below u
     # (more, smaller steps) instead of a partial last step (registers held for loads it predicates off). Measured on
     # the H200 (bench/NOTES.md session 27): 20 k-tiles a warp in steps of 5 instead of 7, 7, 6 +6.2 % a layer
-    # (head_dim-80 MHA b1's o_proj) and +7 % (hidden-2560 b3's qkv and o_proj); down_proj at 148 k-tiles a warp
-    # (Qwen2.5-7B) U 8 -> 4 +0.1 ... +1.7 % a layer at batch 1-8 (the tuner's pick on 5 of 7 variants), at 76 +2.1 ...
-    # +2.3 %; where U 8 already divides the warp's k-tiles, U 4 changed nothing (+0.0 ... +0.1 % on four shapes)
+    # (head_dim-80 MHA b1's o_proj) and +7 % (hidden-2560 b3's qkv and o_proj), 0.0 ... +0.8 % on hidden-5120 shapes'
+    # gate_up and qkv; down_proj at 148 k-tiles a warp (Qwen2.5-7B) U 8 -> 4 +0.1 ... +1.7 % a layer at batch 1-8 (the
+    # tuner's pick on 5 of 7 variants), at 76 +2.1 ... +2.4 %; where U already divides the warp's k-tiles, smaller
+    # full steps changed nothing or lost (-0.7 ... +0.1 % on six shapes)
     fewest = u  # (the tuner's first candidate where the rule below moved U, and a spilling plan's first re-plan)
-    if rebalance and ktiles % nwg == 0 and per_warp % u:  # (one GPU: tensor parallel plans as measured before)
+    if full_steps and ktiles % nwg == 0 and per_warp % u:
         u = next((d for d in range(u - 1, U_EVEN_MIN - 1, -1) if per_warp % d == 0), u)
     balance = tasks / (math.ceil(tasks / groups) * groups)
     return {"KSPLIT": ksplit, "NWG": nwg, "U": u, "U_fewest_steps": fewest, "TM": tm, "tasks": tasks,

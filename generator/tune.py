@@ -185,7 +185,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
     0, or 1 from KV 8192). ATT_DYN 1 is never tried against a static plan: it pays at mixed positions, and the tuner
     times full context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default
-    plan's."""
+    plan's, and so does one whose ATT_DYN moves O_PRE's."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
@@ -244,10 +244,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
             continue
         try:
             p = plan(v, arch, overrides=ov)
-            if "ATT_COMBINE" not in ov and p["consts"].get("ATT_COMBINE", 0) != d.get("ATT_COMBINE", 0):
-                # another split count (or ATT_DYN off) moved the combine's default: keep the default plan's, so the
-                # candidate changes one thing (the ATT_COMBINE candidates time the other)
-                ov = {**ov, "ATT_COMBINE": d["ATT_COMBINE"]}
+            # another split count (or ATT_DYN off) moved the combine's default, or ATT_DYN moved O_PRE's: keep the
+            # default plan's, so the candidate changes one thing (the ATT_COMBINE and O_PRE candidates time the other)
+            pin = {k: d[k] for k in ("ATT_COMBINE", "O_PRE") if k in d and k not in ov and p["consts"].get(k) != d[k]}
+            if pin:
+                ov = {**ov, **pin}
                 p = plan(v, arch, overrides=ov)
         except PlanError:
             continue

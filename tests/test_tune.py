@@ -1207,22 +1207,38 @@ def test_fewest_rounds_smaller_groups_only_where_a_round_is_thin():
 
 
 def test_full_steps_where_a_divisor_allows_them():
-    """plan.plan_gemv's U (measured on the H200, bench/NOTES.md session 27): where a warp's k-tiles split evenly over
-    the group but not into steps of U, the largest divisor of them from 4 below U (20 k-tiles a warp: 7, 7, 6 -> four
-    steps of 5; Qwen2.5-7B's down_proj, 148: 8 -> 4); none from 4 (19 a warp) or an uneven split over the warps keeps
-    the fewest steps, and so does tensor parallel (rebalance=False); the fewest-steps U is the tuner's first
-    candidate, so a spilling default's first re-plan."""
+    """plan.plan_gemv's U with full_steps (the decode planner's on one GPU and sm_90; measured on the H200,
+    bench/NOTES.md session 27): where a warp's k-tiles split evenly over the group but not into steps of U, the largest
+    divisor of them from 4 below U (20 k-tiles a warp: 7, 7, 6 -> four steps of 5; Qwen2.5-7B's down_proj, 148: 8 ->
+    4); none from 4 (19 a warp) or an uneven split over the warps (317 k-tiles on 16) keeps the fewest steps, and so
+    do tensor parallel and other architectures; the fewest-steps U is the tuner's first candidate, so a spilling
+    default's first re-plan."""
     from generator.plan import plan_gemv
-    assert [plan_gemv(3584, 18944, 132)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 4, 8]
-    assert [plan_gemv(2560, 2560, 132)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 5, 7]
-    assert [plan_gemv(2560, 2560, 132, rebalance=False)[k] for k in ("NWG", "U")] == [16, 5]  # 10 a warp: 5, 5
-    assert plan_gemv(13824, 5120, 132, rebalance=False)["U"] == 7  # 20 a warp, tensor parallel: 7, 7, 6
-    for n, k in ((4096, 14336), (2048, 8192), (896, 4864), (1440, 3872)):  # even, even, 19, uneven
-        p = plan_gemv(n, k, 132)
+    assert [plan_gemv(3584, 18944, 132, full_steps=True)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 4, 8]
+    assert [plan_gemv(2560, 2560, 132, full_steps=True)[k] for k in ("NWG", "U", "U_fewest_steps")] == [8, 5, 7]
+    assert plan_gemv(2560, 2560, 132)["U"] == 7  # without full_steps: the fewest steps
+    assert plan_gemv(2048, 5072, 132)["U"] == plan_gemv(2048, 5072, 132, full_steps=True)["U"] == 7  # 317 on 16 warps
+    for n, k in ((4096, 14336), (2048, 8192), (896, 4864)):  # 8 divides, 8 divides, 19 a warp
+        p = plan_gemv(n, k, 132, full_steps=True)
         assert p["U"] == p["U_fewest_steps"], (n, k, p)
     v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b4_s4096_bf16")
     assert render.plan(v, overrides={})["consts"]["DOWN_U"] == 4
+    assert render.plan(v, "80", overrides={})["consts"]["DOWN_U"] == 8  # measured on sm_90 only
     assert gtune.candidates(v)[1] == {"DOWN_U": 8}
+    tp = next(v for v in declared() if v.name.startswith("ho-tp-h5120"))
+    assert render.plan(tp)["consts"]["GU_U"] == 7  # tensor parallel: as before (not run on 2 GPUs with it)
+
+
+def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
+    """A tuner candidate that moves ATT_DYN (an ATT_C override turns it off) keeps the default plan's O_PRE (whose
+    default depends on ATT_DYN) and ATT_COMBINE: it changes the one knob it names."""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b8_s32768_bf16")
+    d = render.plan(v)["consts"]
+    assert d["ATT_DYN"] and d["O_PRE"] == 0
+    cands = gtune.candidates(v)
+    att_c = [ov for ov in cands if "ATT_C" in ov]
+    assert att_c and all(render.plan(v, overrides=ov)["consts"]["O_PRE"] == 0 for ov in att_c)
+    assert all(ov.get("O_PRE", 0) == 0 for ov in cands if "O_PRE" not in ov or len(ov) > 1)
 
 
 def _layer(hidden, batch, norm="rmsnorm", dtype="bf16", qk_norm="false", tp=1):

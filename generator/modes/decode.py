@@ -297,8 +297,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                             f"{n // 16} tiles{q} in whole groups of {tm}")
         # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
         # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
+        # full steps (plan_gemv) on one GPU and sm_90, where measured; tensor parallel plans as before
         g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1,
-                                  tm=tm)
+                                  tm=tm, full_steps=v.tp == 1 and arch.number == 90)
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
@@ -608,12 +609,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
-    # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split):
-    # measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes, 0.0 ... +0.3 % on
-    # Llama-3-8B and Qwen2.5-7B, +0.7 ... +3.8 % on the smaller ones; at batch 1 -0.6 ... +3.6 % (not taken); with
-    # ATT_DYN (KV >= 8192) its registers made Qwen2.5-7B b4 KV 32768 spill
+    # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
+    # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
+    # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
+    # b2's 0.0); at batch 1 -0.6 ... +3.6 % (not taken); with ATT_DYN (KV >= 8192) not timed
     if "O_PRE" not in ov:
-        consts["O_PRE"] = int(2 <= v.batch <= 8 and v.tp == 1 and not att_dyn)
+        consts["O_PRE"] = int(2 <= v.batch <= 8 and v.tp == 1 and not att_dyn and sm == 90)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
