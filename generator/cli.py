@@ -17,7 +17,7 @@ from rich.table import Table
 from . import __version__, compile as gcompile, manifest as gmanifest, report as greport, toolchain
 from . import variants as gvariants
 from .render import PlanError, plan, render
-from .targets import TargetError, arch as get_arch
+from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
 
 # a pipe or CI log is not a terminal: rich would squeeze the table into 80 columns
 console = Console(width=None if sys.stdout.isatty() else 240)
@@ -348,8 +348,13 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         declared = {v.name: v for v in load_selected(variants_file)}  # stale builds flagged against these
     why = None if no_gpu else cuda_unavailable()  # torch's check first: never a bare error from a load
     try:
+        try:  # the architecture built here last, where not the default (a bare build would compile sm_90 into it)
+            built_arch = str(gmanifest.read_manifest(Path(build_dir)).get("arch") or DEFAULT_ARCH)
+        except gmanifest.ManifestError:
+            built_arch = DEFAULT_ARCH  # (build_report says what is wrong with it)
         cmd = "megakernel build" + (f" --variants {shlex.quote(variants_file)}" if variants_file != "variants.yaml"
-                                    else "") + gmanifest.build_dir_flag(build_dir)
+                                    else "") + gmanifest.build_dir_flag(build_dir) + (
+            f" --arch {built_arch}" if built_arch != DEFAULT_ARCH else "")
         rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared,
                                    build_cmd=cmd)
     except FileNotFoundError as exc:

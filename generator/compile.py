@@ -441,8 +441,14 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         for key, name in links:
             _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
         manifest = read_manifest(build_dir)
-        manifest["variants"].update(entries)
-        manifest.update(arch=arch, compiler=compiler_version(), package_version=__version__)
+        old = manifest["variants"]
+        # a variant refused (or failed) for another architecture leaves that variant's good build of its own as it
+        # was: an attempt at another --arch must not damage the build directory (its cubin is still there)
+        manifest["variants"].update({n: e for n, e in entries.items() if e["status"] == "ok" or not (
+            isinstance(old.get(n), dict) and old[n].get("status") == "ok" and old[n].get("arch") != e["arch"])})
+        if any(e["status"] == "ok" for e in entries.values()) or "arch" not in manifest:
+            manifest["arch"] = arch  # the last architecture built here (each entry records its own)
+        manifest.update(compiler=compiler_version(), package_version=__version__)
         atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     distinct = {e["key"] for e in entries.values() if e.get("key")}  # after re-planning: the objects in use
     return {"entries": list(entries.values()), "distinct": len(distinct), "warnings": warnings, "replans": replans,

@@ -627,3 +627,32 @@ def test_build_counts_refusals_survives_a_closed_stdout_and_can_skip_the_table(t
     p.stdout.close()
     assert p.wait(timeout=600) == 0 and first.startswith("refused: big_decode_b256_s64_bf16"), first
     assert (tmp_path / "b" / "report.json").is_file() and (tmp_path / "b" / "report.csv").is_file()
+
+
+def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_suggests_the_arch(tmp_path):
+    """A variant built for sm_90 and then refused for sm_86 (head_dim 128's prefill tiles over sm_86's shared memory)
+    keeps its sm_90 entry (`list`: built; the manifest's arch stays 90): an attempt at another --arch does not damage
+    the build directory; a directory built for sm_80 gets `report`'s suggested build command with `--arch 80`."""
+    vfile = tmp_path / "v.yaml"
+    vfile.write_text("models:\n  sm86:\n    {hidden: 256, heads: 4, kv_heads: 1, head_dim: 128, intermediate: 512, "
+                     "layers: 1, norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, "
+                     "qkv_bias: false, qk_norm: false, dtype: bf16,\n     matrix: [{mode: [prefill], batch: [1], "
+                     "seq_len: [64]}, {mode: [decode], batch: [1], seq_len: [64]}]}\n")
+    name = "sm86_prefill_b1_s64_bf16"
+    b = tmp_path / "b"
+    r = run_cli(["build", "--variants", vfile, "--build-dir", b, "--only", name, "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    before = json.loads((b / "manifest.json").read_text())
+    r = run_cli(["build", "--variants", vfile, "--build-dir", b, "--only", name, "--arch", "86", "--no-report"],
+                cwd=tmp_path)
+    assert r.returncode == 1 and f"refused {name}" in r.stderr and "over sm_86's limit" in r.stderr, r.stderr
+    after = json.loads((b / "manifest.json").read_text())
+    assert after["arch"] == "90" and after["variants"][name] == before["variants"][name]
+    r = run_cli(["list", "--variants", vfile, "--build-dir", b], cwd=tmp_path)
+    assert re.search(rf"{name}.*built", r.stdout), r.stdout
+    c = tmp_path / "c"
+    r = run_cli(["build", "--variants", vfile, "--build-dir", c, "--only", "sm86_decode*", "--arch", "80",
+                 "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["report", "--variants", vfile, "--build-dir", c, "--no-gpu"], cwd=tmp_path)
+    assert f"--build-dir {c} --arch 80`" in r.stderr + r.stdout, r.stderr + r.stdout
