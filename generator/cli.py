@@ -205,8 +205,21 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         fail(str(exc))
     jobs = jobs or os.cpu_count() or 1
     import signal
+    import tempfile
+
+    # the compilers' temporary files (CuPy's directory a compile, nvcc's own) in one directory of this build's,
+    # removed when it ends, interrupted too
+    scratch, tmpdir_was = tempfile.mkdtemp(prefix="megakernel-build-"), os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = scratch, scratch
 
     def terminated(signum, frame):
+        # Ctrl-C reaches the compilers through the terminal's process group; a SIGTERM to this process alone is
+        # passed on to them here as the SIGINT Ctrl-C sends, so none runs on orphaned
+        for pid in toolchain.descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:  # gone already, or not ours to signal
+                pass
         raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, terminated)  # a SIGTERM stops the build the way Ctrl-C does
 
@@ -243,8 +256,20 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         sys.stdout.flush()
         sys.stderr.flush()
         # now: a normal exit would wait for the compile a worker thread is running (and let it write its object);
-        # the build has written nothing that needs closing (every file is written whole or not at all)
+        # the build has written nothing that needs closing (every file is written whole or not at all). The
+        # compilers were interrupted (Ctrl-C, or the SIGINT above): their temporary files go once they have exited
+        deadline = time.monotonic() + 3
+        while toolchain.descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(scratch, ignore_errors=True)
         os._exit(130)
+    finally:
+        tempfile.tempdir = None
+        if tmpdir_was is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = tmpdir_was
+        shutil.rmtree(scratch, ignore_errors=True)
     for w in result.get("warnings", []) + result.get("replans", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far

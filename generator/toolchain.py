@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 INSTALL_HINT = ("install the CUDA toolkit (nvcc, CUDA 13) and put its bin/ on PATH, or set NVCC=/path/to/nvcc "
                 "(or CUDA_PATH=/path/to/cuda)")
@@ -99,3 +100,21 @@ def sass_counts(cubin: str) -> dict[str, int] | None:
     import re
     ops = re.findall(r"\b(" + "|".join(SASS_OPS) + r")\b", r.stdout)
     return {op: ops.count(op) for op in SASS_OPS}
+
+
+def descendants(pid: int) -> list[int]:
+    """The process ids of `pid`'s children, theirs, and so on, read from Linux's /proc (the compilers CuPy starts
+    for a build's worker threads); [] where /proc is absent (another OS)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)"
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+        kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

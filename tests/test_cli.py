@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -369,6 +370,44 @@ def test_an_interrupted_build_stops_and_records_nothing(tmp_path):
         "the compiler was killed (signal 9)")
     assert gcompile.compiler_killed("kernel.cu(3): error: identifier \"x\" is undefined") is None
     assert gcompile.compiler_killed("'ptxas' died due to signal 15") == "interrupted"
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, exited and awaiting its reaper, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_sigterm_stops_the_compilers_and_leaves_no_temporary_files(tmp_path):
+    """A SIGTERM to the build alone (not its process group, as Ctrl-C is): exit 130 with one line, the running
+    compiler is sent the SIGINT Ctrl-C would have sent (not left running, orphaned), and the compilers' temporary
+    files (the build's own directory under TMPDIR) are gone."""
+    import signal
+    from generator import toolchain
+    fake = tmp_path / "nvcc-slow"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then exec {toolchain.find_nvcc()} --version; fi\n"
+                    f"touch \"$TMPDIR/compiling-$$\"\necho $$ > {tmp_path}/compiler.pid\n"
+                    "sleep 60 & wait $!\n")
+    fake.chmod(0o755)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**cli_env(), "NVCC": str(fake), "TMPDIR": str(tmp)}
+    p = subprocess.Popen([sys.executable, "-m", "generator.cli", *map(str, ONE_SMALL + ["--build-dir", tmp_path / "b",
+                                                                                        "-j", "1"])],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "compiler.pid").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.2)  # (the pid written whole)
+    assert (tmp_path / "compiler.pid").exists(), p.communicate()[1]
+    pid = int((tmp_path / "compiler.pid").read_text())
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and err.startswith("error: interrupted (SIGTERM)"), err
+    assert not _alive(pid) and list(tmp.iterdir()) == [] and not (tmp_path / "b" / "manifest.json").exists()
 
 
 def test_no_nvcc_is_one_line(tmp_path):
