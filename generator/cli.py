@@ -209,19 +209,32 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
 
     # the compilers' temporary files (CuPy's directory a compile, nvcc's own) in one directory of this build's,
     # removed when it ends, interrupted too
-    scratch, tmpdir_was = tempfile.mkdtemp(prefix="megakernel-build-"), os.environ.get("TMPDIR")
+    try:
+        scratch = tempfile.mkdtemp(prefix="megakernel-build-")
+    except OSError as exc:
+        fail(f"cannot make a temporary directory for the compilers ({exc}); set TMPDIR to a writable directory")
+    tmpdir_was, tempdir_was = os.environ.get("TMPDIR"), tempfile.tempdir
     tempfile.tempdir, os.environ["TMPDIR"] = scratch, scratch
+    signalled: set[tuple[int, int]] = set()  # (pid, signal) sent
+
+    def stop_compilers(sig) -> list[int]:
+        """Send `sig` to this build's compilers (its descendant processes) not sent it yet; returns those left."""
+        left = toolchain.descendants(os.getpid())
+        for pid in left:
+            if (pid, sig) not in signalled:
+                signalled.add((pid, sig))
+                try:
+                    os.kill(pid, sig)
+                except OSError:  # gone already, or not ours to signal
+                    pass
+        return left
 
     def terminated(signum, frame):
         # Ctrl-C reaches the compilers through the terminal's process group; a SIGTERM to this process alone is
         # passed on to them here as the SIGINT Ctrl-C sends, so none runs on orphaned
-        for pid in toolchain.descendants(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGINT)
-            except OSError:  # gone already, or not ours to signal
-                pass
+        stop_compilers(signal.SIGINT)
         raise KeyboardInterrupt("SIGTERM")
-    signal.signal(signal.SIGTERM, terminated)  # a SIGTERM stops the build the way Ctrl-C does
+    sigterm_was = signal.signal(signal.SIGTERM, terminated)  # a SIGTERM stops the build the way Ctrl-C does
 
     def note(line: str) -> None:  # a phase of the build the progress count does not show (re-planning)
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -248,6 +261,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
             result = gcompile.build(vs, build_dir, jobs=jobs, arch=arch, progress=progress,
                                     variants_file=variants_file, tuning_file=tfile, notify=note)
     except KeyboardInterrupt as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C or SIGTERM: this one is already stopping
+            signal.signal(sig, signal.SIG_IGN)
         why = f" ({exc})" if str(exc) else ""
         again = shlex.join(["megakernel", *sys.argv[1:]])  # the same build: its --variants, --build-dir, --only
         err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are as "
@@ -257,14 +272,18 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         sys.stderr.flush()
         # now: a normal exit would wait for the compile a worker thread is running (and let it write its object);
         # the build has written nothing that needs closing (every file is written whole or not at all). The
-        # compilers were interrupted (Ctrl-C, or the SIGINT above): their temporary files go once they have exited
+        # compilers were interrupted (Ctrl-C, or the SIGINT above): each one a worker starts meanwhile is too, one
+        # still running after 3 s is killed, and then their temporary files go
         deadline = time.monotonic() + 3
-        while toolchain.descendants(os.getpid()) and time.monotonic() < deadline:
+        while stop_compilers(signal.SIGINT) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if stop_compilers(signal.SIGKILL):
+            time.sleep(0.1)
         shutil.rmtree(scratch, ignore_errors=True)
         os._exit(130)
     finally:
-        tempfile.tempdir = None
+        signal.signal(signal.SIGTERM, sigterm_was)
+        tempfile.tempdir = tempdir_was
         if tmpdir_was is None:
             os.environ.pop("TMPDIR", None)
         else:
@@ -308,6 +327,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
                               f"to local memory{cause}", markup=False, highlight=False, soft_wrap=True)
     if result["errors"]:
         sys.exit(1)
+    # (a variant refused for another --arch keeps its earlier build's entry, a row the report shows unflagged:
+    # --strict counts this build's refusals itself)
     if not built:
         err_console.print("error: nothing built: every selected variant was refused (above)", markup=False,
                           highlight=False)
@@ -315,9 +336,12 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     # a tuning warning (a tuned plan refused, a broken file) fails --strict too; entries naming no declared variant
     # do not (a file tuned for another variants file is normal: test_a_broken_default_tuning_file_warns_once)
     nwarn = len(result.get("warnings", []))
-    if strict and (rep["totals"]["flagged"] or nwarn):
+    kept = sum(1 for r in rep["rows"] for e in result["entries"] if e["name"] == r["name"]
+               and e["status"] == "refused" and "refused" not in r["flags"])
+    if strict and (rep["totals"]["flagged"] or nwarn or kept):
         why = [f"{rep['totals']['flagged']} flagged"] * bool(rep["totals"]["flagged"]) + \
-            [f"{nwarn} tuning warning{'s' * (nwarn > 1)}"] * bool(nwarn)
+            [f"{nwarn} tuning warning{'s' * (nwarn > 1)}"] * bool(nwarn) + \
+            [f"{kept} refused for sm_{arch}, an earlier build kept"] * bool(kept)
         err_console.print(f"--strict: exit 1 ({', '.join(why)})", markup=False, highlight=False)
         sys.exit(1)
 

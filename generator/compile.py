@@ -27,7 +27,7 @@ from . import __version__, toolchain
 from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
 from .plan import l1_bytes
 from .render import PlanError, plan, render
-from .targets import DEFAULT_ARCH, arch as get_arch
+from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
 from .variants import Variant
 
 NVCC_OPTIONS = ("-std=c++17", "-Xptxas=-v", "-lineinfo")  # line tables: compute-sanitizer and profilers name source lines
@@ -436,16 +436,24 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         pool.shutdown(wait=True)
 
     with locked(build_dir):
-        for name, src in rendered:
-            write_if_changed(build_dir / name / "kernel.cu", src)
-        for key, name in links:
-            _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
         manifest = read_manifest(build_dir)
         old = manifest["variants"]
         # a variant refused (or failed) for another architecture leaves that variant's good build of its own as it
-        # was: an attempt at another --arch must not damage the build directory (its cubin is still there)
-        manifest["variants"].update({n: e for n, e in entries.items() if e["status"] == "ok" or not (
-            isinstance(old.get(n), dict) and old[n].get("status") == "ok" and old[n].get("arch") != e["arch"])})
+        # was, entry and source: an attempt at another --arch must not damage the build directory (its cubin is
+        # still there)
+        def other_arch(entry: dict) -> bool:  # built for another architecture ("90a" plans as 90)
+            try:
+                return get_arch(str(entry.get("arch"))).number != target.number
+            except TargetError:
+                return True
+        kept = {n for n, e in entries.items() if e["status"] != "ok" and isinstance(old.get(n), dict)
+                and old[n].get("status") == "ok" and other_arch(old[n])}
+        for name, src in rendered:
+            if name not in kept:
+                write_if_changed(build_dir / name / "kernel.cu", src)
+        for key, name in links:
+            _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
+        manifest["variants"].update({n: e for n, e in entries.items() if n not in kept})
         if any(e["status"] == "ok" for e in entries.values()) or "arch" not in manifest:
             manifest["arch"] = arch  # the last architecture built here (each entry records its own)
         manifest.update(compiler=compiler_version(), package_version=__version__)

@@ -103,13 +103,16 @@ def sass_counts(cubin: str) -> dict[str, int] | None:
 
 
 def descendants(pid: int) -> list[int]:
-    """The process ids of `pid`'s children, theirs, and so on, read from Linux's /proc (the compilers CuPy starts
-    for a build's worker threads); [] where /proc is absent (another OS)."""
+    """The process ids of `pid`'s running children, theirs, and so on (zombies left out), read from Linux's /proc (the
+    compilers CuPy starts for a build's worker threads); [] where /proc is absent (another OS)."""
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").glob("[0-9]*"):
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)"
+            state, ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[:2]  # fields 3 and 4, after "(comm)"
+            ppid = int(ppid)
         except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+        if state == "Z":  # exited, awaiting its reaper: nothing left to stop
             continue
         kids.setdefault(ppid, []).append(int(d.name))
     out, todo = [], [pid]

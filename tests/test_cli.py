@@ -389,8 +389,7 @@ def test_sigterm_stops_the_compilers_and_leaves_no_temporary_files(tmp_path):
     from generator import toolchain
     fake = tmp_path / "nvcc-slow"
     fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then exec {toolchain.find_nvcc()} --version; fi\n"
-                    f"touch \"$TMPDIR/compiling-$$\"\necho $$ > {tmp_path}/compiler.pid\n"
-                    "sleep 60 & wait $!\n")
+                    f"touch \"$TMPDIR/compiling-$$\"\necho $$ > {tmp_path}/compiler.pid\nexec sleep 60\n")
     fake.chmod(0o755)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -689,6 +688,14 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
     assert after["arch"] == "90" and after["variants"][name] == before["variants"][name]
     r = run_cli(["list", "--variants", vfile, "--build-dir", b], cwd=tmp_path)
     assert re.search(rf"{name}.*built", r.stdout), r.stdout
+    assert gcompile.hashlib.sha256((b / name / "kernel.cu").read_bytes()).hexdigest() == \
+        before["variants"][name]["source_sha256"]  # its source as its cubin's, not the refused plan's
+    # a build for sm_86 of both (the decode one fits): exit 0, but --strict counts the refusal the kept row hides
+    r = run_cli(["build", "--variants", vfile, "--build-dir", b, "--arch", "86", "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0 and f"refused {name}" in r.stderr, r.stderr
+    r = run_cli(["build", "--variants", vfile, "--build-dir", b, "--arch", "86", "--no-report", "--strict"],
+                cwd=tmp_path)
+    assert r.returncode == 1 and "1 refused for sm_86, an earlier build kept" in r.stderr, r.stderr
     c = tmp_path / "c"
     r = run_cli(["build", "--variants", vfile, "--build-dir", c, "--only", "sm86_decode*", "--arch", "80",
                  "--no-report"], cwd=tmp_path)
