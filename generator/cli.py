@@ -327,8 +327,6 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
                               f"to local memory{cause}", markup=False, highlight=False, soft_wrap=True)
     if result["errors"]:
         sys.exit(1)
-    # (a variant refused for another --arch keeps its earlier build's entry, a row the report shows unflagged:
-    # --strict counts this build's refusals itself)
     if not built:
         err_console.print("error: nothing built: every selected variant was refused (above)", markup=False,
                           highlight=False)
@@ -336,8 +334,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     # a tuning warning (a tuned plan refused, a broken file) fails --strict too; entries naming no declared variant
     # do not (a file tuned for another variants file is normal: test_a_broken_default_tuning_file_warns_once)
     nwarn = len(result.get("warnings", []))
-    kept = sum(1 for r in rep["rows"] for e in result["entries"] if e["name"] == r["name"]
-               and e["status"] == "refused" and "refused" not in r["flags"])
+    # a variant refused for another --arch keeps its earlier build's entry, a row the report shows unflagged: --strict
+    # counts such refusals from this build's entries
+    refused_now = {e["name"] for e in result["entries"] if e["status"] == "refused"}
+    kept = sum(1 for r in rep["rows"] if r["name"] in refused_now and "refused" not in r["flags"])
     if strict and (rep["totals"]["flagged"] or nwarn or kept):
         why = [f"{rep['totals']['flagged']} flagged"] * bool(rep["totals"]["flagged"]) + \
             [f"{nwarn} tuning warning{'s' * (nwarn > 1)}"] * bool(nwarn) + \
