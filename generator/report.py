@@ -332,10 +332,13 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
+    mixed = len(set(arch_of.values())) > 1  # a directory built for two architectures: each row says its own
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         st = build_status(e, now.get(name), digest) if now else "built"
         stale = [st] if st.startswith("stale") else []
+        if mixed:
+            stale.append(f"sm_{arch_of[name]}")
         if e["status"] == "ok" and not (build_dir / e.get("cubin", f"{name}/kernel.cubin")).is_file():
             stale.append("cubin-missing")  # as `megakernel list` says; `megakernel build` links it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
@@ -413,6 +416,8 @@ TABLE_COLUMNS = [
 FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
     ("spills", "spills", "registers spilled to local memory (slower)"),
     ("refused", "refused", "the planner refused the variant (its reason is on stderr)"),
+    ("sm_", "sm_N", "built for that architecture (this build directory holds builds for more than one: a kernel "
+                    "loads only on its own)"),
     ("error", "error", "the build failed (its error is on stderr)"),
     ("smem>", "smem>NKB", "over the block's shared-memory limit"),
     ("no-residency", "no-residency", "no block fits an SM"),

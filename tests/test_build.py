@@ -543,25 +543,33 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
     that compiles without (warned, plan_source "default (re-planned)", its source and cubin in the build dir);
     the tuner's builds (replan_spills=False) keep the plan as given; a tuning entry that kept the default plan
     (overrides {}) is re-planned like it, one with overrides is not; where every tried candidate spills, the
-    default stays, warned. Spills are simulated: X_FRAG 1 (the tiny variants' default) "spills"."""
+    default stays, warned; so does a default that spills less than REPLAN_MIN_SPILL. Spills are simulated: X_FRAG 1
+    (the tiny variants' default) "spills" (first 8 B, then 200 B of stores and as much of loads)."""
     real = gcompile._compile_object
+    size = [8]
 
     def spilly(source, arch, obj):
         meta = real(source, arch, obj)
         if "constexpr int X_FRAG = 1;" in source:
-            meta = {**meta, "spill_stores": 8, "spill_loads": 8}
+            meta = {**meta, "spill_stores": size[0], "spill_loads": size[0]}
         return meta
 
     monkeypatch.setattr(gcompile, "_compile_object", spilly)
     v = next(v for v in gvariants.load(tiny_variants_file) if v.name == TINY_NAMES[0])
     assert grender.plan(v)["consts"]["X_FRAG"] == 1
+    said = []  # 16 B in all: under REPLAN_MIN_SPILL, built as planned and warned, nothing re-planned
+    r = gcompile.build([v], tmp_path / "s", jobs=2, notify=said.append)
+    assert not said and r["entries"][0]["plan_source"] == "default", said
+    assert r["entries"][0]["resources"]["spill_stores"] == 8
+    assert any(v.name in w and "built as planned (spills under 256 B" in w for w in r["replans"]), r["replans"]
+    size[0] = 200
     said = []  # the re-planning round is announced (the progress count is complete before it)
     r = gcompile.build([v], tmp_path / "a", jobs=2, variants_file=tiny_variants_file, notify=said.append)
     assert len(said) == 2 and "re-planning 1 variant(s)" in said[0] and v.name in said[0]
     assert said[1].startswith(f"re-planned {v.name} (1/1, ") and "X_FRAG" in said[1]  # each variant as it is done
     e = r["entries"][0]
     assert e["plan_source"] == "default (re-planned)" and e["replanned"]["overrides"].get("X_FRAG") == 0
-    assert e["replanned"]["default_spills"] == [8, 8] and e["resources"]["spill_stores"] == 0
+    assert e["replanned"]["default_spills"] == [200, 200] and e["resources"]["spill_stores"] == 0
     assert e["plan"]["consts"]["X_FRAG"] == 0
     assert any(v.name in w and "compile without spills" in w for w in r["replans"]) and not r["warnings"]
     built = json.loads((tmp_path / "a" / "manifest.json").read_text())["variants"][v.name]
@@ -570,7 +578,7 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
     assert (tmp_path / "a" / v.name / "kernel.cubin").read_bytes() == \
         (tmp_path / "a" / "objects" / e["key"] / "kernel.cubin").read_bytes()
     r = gcompile.build([v], tmp_path / "b", jobs=2, replan_spills=False)
-    assert r["entries"][0]["plan_source"] == "default" and r["entries"][0]["resources"]["spill_stores"] == 8
+    assert r["entries"][0]["plan_source"] == "default" and r["entries"][0]["resources"]["spill_stores"] == 200
     # a tuning entry that kept the default plan (overrides {}) is the default: re-planned too; one with overrides
     # is built as given
     for ov, replanned in (({}, True), ({"ATT_STAGES": 3}, False)):
@@ -585,5 +593,5 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
                         lambda v, arch="90", limit=28: [{}, {"ATT_STAGES": 3}, {"GEMV_PF": 1}, {"X_FRAG": 0}])
     r = gcompile.build([v], tmp_path / "c", jobs=2)
     assert r["entries"][0]["plan_source"] == "default", r["entries"][0].get("replanned")
-    assert r["entries"][0]["resources"]["spill_stores"] == 8
+    assert r["entries"][0]["resources"]["spill_stores"] == 200
     assert any("none of the tuner's first 2 candidates" in w for w in r["replans"])
