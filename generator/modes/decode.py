@@ -207,6 +207,10 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
 ATT_TASK_BYTES = 96 << 10
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
+# ATT_DYN 2 by default also where the static split is one round that leaves SMs idle and the model gains this much,
+# at head_dim >= 128 on sm_90 (bench/NOTES.md session 28: 68-80 pairs at KV 2048-4096, modelled 0.53-0.77, +1.3 ...
+# +16.7 % a layer on six real-model shapes, -0.5 % on one; head_dim 64 -1.6 / -2.9 %, 96 pairs (0.27-0.29) -1.2 / -3 %)
+STREAM_IDLE_GAIN = 0.45
 
 
 def static_rounds(consts: dict, grid: int) -> int:
@@ -380,12 +384,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # tasks a sequence leave the slowest block ~37 % more rows than an even share at a serving mix of positions (8
     # sequences spread over KV 32768), which stream-K splits evenly. Measured on the H200 (bench/NOTES.md session 25),
     # against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at mixed positions, 0 ... +0.7 %
-    # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading)
+    # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading);
+    # and below ATT_DYN_MIN_SEQ where one round of the static split leaves many SMs idle (STREAM_IDLE_GAIN)
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len), "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
-        if static_rounds(model, sms) >= 2 and stream_gain(model, sms, esize) >= STREAM_MIN_GAIN \
-                or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms:
+        rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
+        if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
+                or not att_dyn and sm == 90 and m.head_dim >= 128 and rounds == 1 and gain >= STREAM_IDLE_GAIN:
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
