@@ -117,7 +117,8 @@ def list_cmd(variants_file, build_dir, only):
     vs = load_selected(variants_file, only)
     built = gcompile.read_manifest(Path(build_dir))["variants"]
     digest = gmanifest.kernel_sources_digest()
-    archs = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in built.values()}  # two: each row says its own
+    # builds for two architectures in the directory: each row says its own
+    archs = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in built.values() if e.get("status") == "ok"}
     t = Table(header_style="bold")
     for h in ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "GPUs", "build"):
         t.add_column(h)
@@ -128,7 +129,7 @@ def list_cmd(variants_file, build_dir, only):
             status = "cubin missing"  # `megakernel build` writes it again
         elif status == "built" and e.get("plan_source") == "override":
             status = "built (plan override)"  # the tuner's candidates: not the plan `megakernel build` takes
-        if e and len(archs) > 1:
+        if e and e.get("status") == "ok" and len(archs) > 1:
             status += f" (sm_{str(e.get('arch', DEFAULT_ARCH)).rstrip('a')})"
         t.add_row(v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
                   str(v.batch), str(v.seq_len), str(v.tp), status)

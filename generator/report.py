@@ -332,16 +332,17 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
-    mixed = len(set(arch_of.values())) > 1  # a directory built for two architectures: each row says its own
+    # a directory holding builds for two architectures: each row names its own (not a flag: nothing is wrong)
+    mixed = len({a for n, a in arch_of.items() if entries[n]["status"] == "ok"}) > 1
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         st = build_status(e, now.get(name), digest) if now else "built"
         stale = [st] if st.startswith("stale") else []
-        if mixed:
-            stale.append(f"sm_{arch_of[name]}")
         if e["status"] == "ok" and not (build_dir / e.get("cubin", f"{name}/kernel.cubin")).is_file():
             stale.append("cubin-missing")  # as `megakernel list` says; `megakernel build` links it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
+        if mixed and e["status"] == "ok":
+            row["arch"] = f"sm_{arch_of[name]}"
         row.update(plan_fields(e))
         row.update(gpu_fields(e))
         if e["status"] == "ok":
@@ -382,7 +383,7 @@ def _num(spec):
 # (key, header, cell(row, key) -> str, keep): the terminal table's columns, every one shown with --wide. Without
 # it, columns with keep=False are left out and the rest dropped from the end of DROP_ORDER until the table fits.
 TABLE_COLUMNS = [
-    ("name", "variant", lambda r, k: r["name"], True),
+    ("name", "variant", lambda r, k: r["name"] + (f" ({r['arch']})" if r.get("arch") else ""), True),
     ("gpu_bytes", "MB per\nGPU", lambda r, k: f"{r[k] / 1e6:.0f}" + (f" ×{r['tp']}" if r.get("tp", 1) > 1 else ""),
      True),
     ("cubin_bytes", "cubin\nKB", lambda r, k: f"{r[k] / 1024:.0f}", True),
@@ -416,8 +417,6 @@ TABLE_COLUMNS = [
 FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
     ("spills", "spills", "registers spilled to local memory (slower)"),
     ("refused", "refused", "the planner refused the variant (its reason is on stderr)"),
-    ("sm_", "sm_N", "built for that architecture (this build directory holds builds for more than one: a kernel "
-                    "loads only on its own)"),
     ("error", "error", "the build failed (its error is on stderr)"),
     ("smem>", "smem>NKB", "over the block's shared-memory limit"),
     ("no-residency", "no-residency", "no block fits an SM"),
@@ -493,6 +492,9 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         if hidden:
             console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
                           highlight=False)
+    if any(r.get("arch") for r in rows):
+        console.print("(sm_N): the architecture a variant was built for; this build directory holds builds for more "
+                      "than one, and a kernel loads only on its own", highlight=False)
     shown = {f.strip() for r in rows for f in (r.get("flags") or "").split(",") if f.strip()}
     for prefix, label, what in FLAG_HELP:
         if any(f.startswith(prefix) for f in shown):

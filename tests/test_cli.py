@@ -700,10 +700,11 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
     r = run_cli(["list", "--variants", vfile, "--build-dir", b], cwd=tmp_path)
     assert re.search(rf"{name}.*built \(sm_90\)", r.stdout) and \
         re.search(r"sm86_decode_b1_s64_bf16.*built \(sm_86\)", r.stdout), r.stdout
-    r = run_cli(["report", "--variants", vfile, "--build-dir", b, "--no-gpu"], cwd=tmp_path)
+    r = run_cli(["report", "--variants", vfile, "--build-dir", b, "--no-gpu", "--strict"], cwd=tmp_path)
     rows = {x["name"]: x for x in json.loads((b / "report.json").read_text())["rows"]}
-    assert "sm_90" in rows[name]["flags"] and "sm_86" in rows["sm86_decode_b1_s64_bf16"]["flags"], rows
-    assert "sm_N" in r.stdout, r.stdout
+    assert rows[name]["arch"] == "sm_90" and rows["sm86_decode_b1_s64_bf16"]["arch"] == "sm_86", rows
+    assert "(sm_N): the architecture" in r.stdout, r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr  # two architectures are not a fault: --strict passes
     c = tmp_path / "c"
     r = run_cli(["build", "--variants", vfile, "--build-dir", c, "--only", "sm86_decode*", "--arch", "80",
                  "--no-report"], cwd=tmp_path)

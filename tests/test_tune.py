@@ -149,7 +149,7 @@ def test_stream_attention_covers_every_tile_once():
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
     and instead of ATT_DYN 1 (from KV 8192) at STREAM_MIN_PAIRS to SMs pairs (b8 with 8 KV heads: a serving mix's
     even split), and where one round of the static split leaves SMs idle at head_dim >= 128 with a modelled gain of
-    STREAM_IDLE_GAIN (a Llama-3.2-3B-like b9: 72 pairs) but not at a smaller gain (96 pairs, the held-out b24) nor at
+    STREAM_IDLE_GAIN (a Llama-3-8B-shaped b9: 72 pairs; not with an ATT_COMBINE 3 override) but not at a smaller gain (96 pairs, the held-out b24) nor at
     head_dim 64 (the 1B shape at b9), nor with fewer pairs at KV 32768; an override of 2 is taken, 3 refused."""
     import random
     from generator.modes.decode import STREAM_MIN_GAIN, attention_pieces, attention_stream, static_rounds, stream_gain
@@ -169,6 +169,8 @@ def test_stream_attention_covers_every_tile_once():
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]  # (the static split's ATT_C, stream-K's room)
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model
         assert (render.plan(u, "90")["consts"]["ATT_DYN"] == 2) == idle, model
+        # ATT_COMBINE 3 (the static split's combine) as an override keeps the static split
+        assert render.plan(u, "90", overrides={"ATT_COMBINE": 3})["consts"]["ATT_DYN"] == 0, model
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
         c8 = render.plan(by_name[name], "90")["consts"]
         assert c8["ATT_DYN"] == 2 and c8["ATT_NSPLIT"] >= 2, name
