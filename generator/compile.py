@@ -260,9 +260,10 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     "plan_source" ("default", "tuned (<file>)" or "override") and, where a tuning file was consulted, what it held
     for the variant ("tuning"), so a later change of that entry makes the build stale. `replan_spills`: a variant
     whose default plan compiles with REPLAN_MIN_SPILL bytes of register spills or more is built with the first of
-    the tuner's first REPLAN_TRIES candidates (generator.tune.candidates) that compiles without, warned, with
-    plan_source "default (re-planned)" and the entry's "replanned" {"overrides", "default_spills"}; where none does,
-    or the spills are fewer, as planned, warned (the tuner passes False: it measures plans as given), and so is one
+    the tuner's first REPLAN_TRIES candidates (generator.tune.candidates) that compiles without (where none does, the
+    one that spills least, if less than the default), warned, with plan_source "default (re-planned)" and the
+    entry's "replanned" {"overrides", "default_spills"}; where none spills less, or the spills are fewer than
+    REPLAN_MIN_SPILL, as planned, warned (the tuner passes False: it measures plans as given), and so is one
     whose tuning entry kept the default plan (overrides {}); their warnings are result["replans"]; `notify(line)` is
     told before that second round of compiles starts (the progress count is complete by then). Raises TargetError for an
     architecture the kernel cannot target.
@@ -330,7 +331,7 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         r = entry["resources"]
         spilled = f"{r['spill_stores']} B of spill stores, {r['spill_loads']} B of loads"
         cands = gtune.candidates(v, target.sm)[1:REPLAN_TRIES + 1]
-        found = None
+        found = least = None  # least: the candidate that spills least, where none compiles without
         for i in range(0, len(cands), jobs):
             batch = []
             for ov in cands[i:i + jobs]:
@@ -347,11 +348,15 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
                 if not (meta["spill_stores"] or meta["spill_loads"]):
                     found = (ov, p, src, key, meta, cached)
                     break
+                if least is None or meta["spill_stores"] + meta["spill_loads"] < least[0]:
+                    least = (meta["spill_stores"] + meta["spill_loads"], (ov, p, src, key, meta, cached))
             if found:
                 break
+        if found is None and least is not None and least[0] < r["spill_stores"] + r["spill_loads"]:
+            found = least[1]  # none compiles without: the one that spills least, if less than the default
         if found is None:
             replans.append(f"warning: {v.name}: its default plan spills ({spilled}) and none of the tuner's first "
-                           f"{REPLAN_TRIES} candidates compiles without: built as planned")
+                           f"{REPLAN_TRIES} candidates spills less: built as planned")
             return
         ov, p, src, key, meta, cached = found
         links.remove((entry["key"], v.name))
@@ -361,9 +366,13 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
         links.append((key, v.name))
         entry.update(resources=resources(p, meta, cached), plan_source="default (re-planned)",
                      replanned={"overrides": ov, "default_spills": [r["spill_stores"], r["spill_loads"]]})
+        left = meta["spill_stores"] + meta["spill_loads"]
         replans.append(f"warning: {v.name}: its default plan spills ({spilled}); built with plan overrides {ov}, "
-                       "which compile without spills (untimed: `megakernel tune` on a GPU times it against the "
-                       "default and records the fastest plan that does not spill)")
+                       + ("which compile without spills" if not left else
+                          f"the least spilling of the tuner's first {REPLAN_TRIES} candidates ({meta['spill_stores']} "
+                          f"B of spill stores, {meta['spill_loads']} B of loads; none compiles without)")
+                       + " (untimed: `megakernel tune` on a GPU times it against the default and records the fastest "
+                       "plan that does not spill)")
 
     def resources(p: dict, meta: dict, cached: bool) -> dict:
         smem = p["smem_bytes"]

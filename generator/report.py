@@ -493,8 +493,8 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
             console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
                           highlight=False)
     if any(r.get("arch") for r in rows):
-        console.print("(sm_N): the architecture a variant was built for; this build directory holds builds for more "
-                      "than one, and a kernel loads only on its own", highlight=False)
+        console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "
+                      "than one; a kernel loads only on a GPU of its architecture)", highlight=False)
     shown = {f.strip() for r in rows for f in (r.get("flags") or "").split(",") if f.strip()}
     for prefix, label, what in FLAG_HELP:
         if any(f.startswith(prefix) for f in shown):

@@ -594,4 +594,18 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
     r = gcompile.build([v], tmp_path / "c", jobs=2)
     assert r["entries"][0]["plan_source"] == "default", r["entries"][0].get("replanned")
     assert r["entries"][0]["resources"]["spill_stores"] == 200
-    assert any("none of the tuner's first 2 candidates" in w for w in r["replans"])
+    assert any("none of the tuner's first 2 candidates spills less" in w for w in r["replans"])
+    # none compiles without, one spills less than the default: that one, warned as such
+    real_spilly = gcompile._compile_object
+
+    def less(source, arch, obj):
+        meta = real_spilly(source, arch, obj)
+        if "constexpr int GEMV_PF = 1;" in source:
+            meta = {**meta, "spill_stores": 20, "spill_loads": 20}
+        return meta
+
+    monkeypatch.setattr(gcompile, "_compile_object", less)
+    r = gcompile.build([v], tmp_path / "d", jobs=2)
+    e = r["entries"][0]
+    assert e["plan_source"] == "default (re-planned)" and e["replanned"]["overrides"] == {"GEMV_PF": 1}, e
+    assert e["resources"]["spill_stores"] == 20 and any("the least spilling" in w for w in r["replans"])
