@@ -148,9 +148,10 @@ def test_stream_attention_covers_every_tile_once():
     a block holds few short pairs); the planner takes it by default where the static split
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
     and instead of ATT_DYN 1 (from KV 8192) at STREAM_MIN_PAIRS to SMs pairs (b8 with 8 KV heads: a serving mix's
-    even split), and where one round of the static split leaves SMs idle at head_dim >= 128 with a modelled gain of
-    STREAM_IDLE_GAIN (a Llama-3-8B-shaped b9: 72 pairs; not with an ATT_COMBINE 3 override) but not at a smaller gain (96 pairs, the held-out b24) nor at
-    head_dim 64 (the 1B shape at b9), nor with fewer pairs at KV 32768; an override of 2 is taken, 3 refused."""
+    even split), and where one round of the static split leaves SMs idle at head_dim 128 with a modelled gain of
+    STREAM_IDLE_GAIN (a Llama-3-8B-shaped b9: 72 pairs; not with an ATT_COMBINE 3 override) but not at a smaller
+    gain (96 pairs, the held-out b24) nor at head_dim 64 (the 1B shape at b9), nor with fewer pairs at KV 32768; an
+    override of 2 is taken, 3 refused."""
     import random
     from generator.modes.decode import STREAM_MIN_GAIN, attention_pieces, attention_stream, static_rounds, stream_gain
     rng = random.Random(22)
