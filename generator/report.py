@@ -332,8 +332,9 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
     arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
+    built_for = sorted({a for n, a in arch_of.items() if entries[n]["status"] == "ok"})
     # a directory holding builds for two architectures: each row names its own (not a flag: nothing is wrong)
-    mixed = len({a for n, a in arch_of.items() if entries[n]["status"] == "ok"}) > 1
+    mixed = len(built_for) > 1
     rows = []
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         st = build_status(e, now.get(name), digest) if now else "built"
@@ -363,8 +364,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             row["timed_plan"] = "other" if knobs_differ(timed, knob_dict(e["plan"])) else "same"
         rows.append(row)
     e2e = latest_e2e(Path(bench_dir), set(arch_of.values())) if bench_dir else None
-    report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "not_declared": not_declared,
-              "not_built": not_built, "e2e": e2e}
+    report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "archs": built_for,
+              "not_declared": not_declared, "not_built": not_built, "e2e": e2e}
     if write:
         atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
         buf = io.StringIO()
@@ -500,7 +501,9 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         if any(f.startswith(prefix) for f in shown):
             console.print(f"[yellow]{label}[/yellow]: {what}", highlight=False, markup=True)
     tot = report["totals"]
-    console.print(f"{tot['built']}/{tot['variants']} built, "
+    archs = report.get("archs") or []  # one architecture other than the default: said (two: each row says its own)
+    other = f" for sm_{archs[0]}" if len(archs) == 1 and archs[0] != DEFAULT_ARCH.rstrip("a") else ""
+    console.print(f"{tot['built']}/{tot['variants']} built{other}, "
                   f"{counted(tot['distinct_binaries'], 'distinct binary', 'distinct binaries')}, "
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"
                   + (f", {tot['load_ms']} ms to load all" if tot["load_ms"] is not None else ", load time: no GPU")

@@ -711,3 +711,4 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
     assert r.returncode == 0, r.stderr
     r = run_cli(["report", "--variants", vfile, "--build-dir", c, "--no-gpu"], cwd=tmp_path)
     assert f"--build-dir {c} --arch 80`" in r.stderr + r.stdout, r.stderr + r.stdout
+    assert "1/1 built for sm_80, " in r.stdout, r.stdout  # a directory of one other architecture names it
