@@ -609,3 +609,31 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
     e = r["entries"][0]
     assert e["plan_source"] == "default (re-planned)" and e["replanned"]["overrides"] == {"GEMV_PF": 1}, e
     assert e["resources"]["spill_stores"] == 20 and any("the least spilling" in w for w in r["replans"])
+
+
+def test_large_query_groups_keep_their_fragments_in_shared_memory_and_do_not_spill(tmp_path):
+    """ATT_QSMEM (the decode planner): the queries' B fragments live in shared memory exactly where n-tiles x
+    k-steps >= 16 (a GQA group of more than 8 at head_dim >= 128, or head_dim 256), where 2 x that many registers held
+    through attention's walk spilled 184-364 B (Mistral-Large- and Llama-3.1-405B-like groups of 12 and 16); a group
+    of 12 at head_dim 128 (batch 8, the worst of them) compiles for sm_90 with no spill."""
+    text = """
+matrix: {mode: [decode], batch: [8], seq_len: [1024]}
+models:
+  qs-g12: {hidden: 1024, heads: 24, kv_heads: 2, head_dim: 128, intermediate: 2048, layers: 2, norm: rmsnorm,
+           norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+  qs-g8: {hidden: 1024, heads: 16, kv_heads: 2, head_dim: 128, intermediate: 2048, layers: 2, norm: rmsnorm,
+          norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+  qs-g16-hd64: {hidden: 1024, heads: 32, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 2, norm: rmsnorm,
+                norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+  qs-hd256: {hidden: 1024, heads: 4, kv_heads: 2, head_dim: 256, intermediate: 2048, layers: 2, norm: rmsnorm,
+             norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+"""
+    vs = {v.model.name: v for v in gvariants.parse(text, "qs.yaml")}
+    got = {n: grender.plan(v)["consts"]["ATT_QSMEM"] for n, v in vs.items()}
+    assert got == {"qs-g12": 1, "qs-g8": 0, "qs-g16-hd64": 0, "qs-hd256": 1}
+    c = grender.plan(vs["qs-g12"])["consts"]
+    assert c["SMEM_PT"] - c["SMEM_QP"] >= 2 * (128 // 16) * 32 * 8  # [n-tiles][k-steps][32 lanes] uint2
+    r = gcompile.build([vs["qs-g12"]], tmp_path / "b", jobs=2, replan_spills=False)
+    e, = r["entries"]
+    assert e["status"] == "ok", e.get("error")
+    assert e["resources"]["spill_stores"] == 0 and e["resources"]["spill_loads"] == 0, e["resources"]

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("MEGAKERNEL_SEED", time.time_ns() % 1_000_000))
 
 # shapes a user might declare that the default file does not: layernorm + gelu, fp16, head_dim 96 (lanes per row
-# not a power of two), head_dim 256, plain multi-head attention (group 1), a large group, odd batch
+# not a power of two), head_dim 256, plain multi-head attention (group 1), large groups (12 at head_dim 128: the
+# queries' fragments in shared memory, ATT_QSMEM), odd batch
 USER_YAML = """
 matrix: {mode: [decode], batch: [3], seq_len: [300]}
 models:
@@ -36,6 +37,9 @@ models:
     {hidden: 1024, heads: 4, kv_heads: 4, head_dim: 256, intermediate: 2816, layers: 4, norm: rmsnorm,
      norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: true, dtype: bf16,
      matrix: {mode: [decode], batch: [1, 5], seq_len: [2000]}}
+  user-group12-hd128:
+    {hidden: 1024, heads: 24, kv_heads: 2, head_dim: 128, intermediate: 2048, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
   user-group8:
     {hidden: 1024, heads: 16, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 4, norm: rmsnorm,
      norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,

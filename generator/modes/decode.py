@@ -459,7 +459,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     smem["SMEM_QS"] = 0
-    smem["SMEM_PT"] = align((m.group + 1) * m.head_dim * 4)
+    # the queries' B fragments in shared memory where 2 x n-tiles x k-steps registers through the walk would spill
+    # (a group of more than 8 heads at head_dim >= 128: 228-644 B measured by ptxas; attention.cuh ATT_QSMEM)
+    att_qsmem = int(math.ceil(m.group / 8) * (m.head_dim // 16) >= 16)
+    smem["SMEM_QP"] = align((m.group + 1) * m.head_dim * 4)
+    smem["SMEM_PT"] = smem["SMEM_QP"] + (align(math.ceil(m.group / 8) * m.head_dim * 16) if att_qsmem else 0)
     # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
     smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),
                              1024 if att_tma else 16)
@@ -603,7 +607,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma,
+        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted

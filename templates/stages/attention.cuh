@@ -346,16 +346,30 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
-        unsigned qb[NT][KS][2];
+        // ATT_QSMEM (the planner's: NT x KS >= 16, a group of more than 8 heads at head_dim >= 128): the fragments
+        // once in shared memory for the block, read a step at a time, instead of 2 x NT x KS registers held
+        // through the walk (with the accumulators they spilled 228-644 B)
+        constexpr int QN = ATT_QSMEM ? 1 : NT, QK = ATT_QSMEM ? 1 : KS;
+        unsigned qb[QN][QK][2];
+        uint2* qp = reinterpret_cast<uint2*>(smem + SMEM_QP);  // ATT_QSMEM: [NT][KS][32 lanes]
+        auto q_frag = [&](int t, int kk, int ln) {
+            const int h = t * 8 + (ln >> 2);
+            const float* q = qs + h * HEAD_DIM + kk * 16 + 2 * (ln & 3);
+            return h < GROUP ? make_uint2(pack2(q[0], q[1]), pack2(q[8], q[9])) : make_uint2(0u, 0u);
+        };
+        if constexpr (ATT_QSMEM) {
+            for (int i = tid; i < NT * KS * 32; i += THREADS) qp[i] = q_frag(i / (KS * 32), i / 32 % KS, i % 32);
+            __syncthreads();
+        } else {
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
+            for (int t = 0; t < NT; ++t)
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const int h = t * 8 + gid;
-                const float* q = qs + h * HEAD_DIM + kk * 16 + 2 * tig;
-                qb[t][kk][0] = h < GROUP ? pack2(q[0], q[1]) : 0u;
-                qb[t][kk][1] = h < GROUP ? pack2(q[8], q[9]) : 0u;
-            }
+                for (int kk = 0; kk < KS; ++kk) {
+                    const uint2 f = q_frag(t, kk, lane);
+                    qb[t][kk][0] = f.x;
+                    qb[t][kk][1] = f.y;
+                }
+        }
         // out^T accumulators: m-tile mt holds dims mt*16 + gid (+8), heads t*8 + 2*tig (+1)
         float o[NT][KS][4], m[NT][2], l[NT][2];
 #pragma unroll
@@ -403,8 +417,11 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     unsigned a[4];
                     ldsm_x4(a, att_at(kt, lane & 15, kk * 16 + (lane >> 4) * 8));
 #pragma unroll
-                    for (int t = 0; t < NT; ++t)
-                        mma_bf16(sc[t], make_uint4(a[0], a[1], a[2], a[3]), qb[t][kk][0], qb[t][kk][1]);
+                    for (int t = 0; t < NT; ++t) {
+                        const uint2 f = ATT_QSMEM ? qp[(t * KS + kk) * 32 + lane]
+                                                  : make_uint2(qb[t % QN][kk % QK][0], qb[t % QN][kk % QK][1]);
+                        mma_bf16(sc[t], make_uint4(a[0], a[1], a[2], a[3]), f.x, f.y);
+                    }
                 }
                 // keys past n: -inf; then per head: tile max over the 16 keys (lanes with equal tig)
                 const bool v0 = t0 + gid < n, v1 = t0 + gid + 8 < n;
