@@ -37,9 +37,10 @@ models:
     {hidden: 1024, heads: 4, kv_heads: 4, head_dim: 256, intermediate: 2816, layers: 4, norm: rmsnorm,
      norm_eps: 1.0e-6, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: true, dtype: bf16,
      matrix: {mode: [decode], batch: [1, 5], seq_len: [2000]}}
-  user-group12-hd128:
+  user-group12-hd128:  # batch 16 at KV 8192: TMA tiles and the run-time split (a block's tasks rewrite the copy)
     {hidden: 1024, heads: 24, kv_heads: 2, head_dim: 128, intermediate: 2048, layers: 4, norm: rmsnorm,
-     norm_eps: 1.0e-5, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16}
+     norm_eps: 1.0e-5, rope_theta: 1000000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,
+     matrix: [{mode: [decode], batch: [3], seq_len: [300]}, {mode: [decode], batch: [16], seq_len: [8192]}]}
   user-group8:
     {hidden: 1024, heads: 16, kv_heads: 2, head_dim: 64, intermediate: 2048, layers: 4, norm: rmsnorm,
      norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: bf16,

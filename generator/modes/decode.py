@@ -458,24 +458,34 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
                         f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
-    smem["SMEM_QS"] = 0
-    # the queries' B fragments in shared memory where 2 x n-tiles x k-steps registers through the walk would spill
-    # (a group of more than 8 heads at head_dim >= 128: 228-644 B measured by ptxas; attention.cuh ATT_QSMEM)
+    def attention_layout(qsmem: int) -> int:  # the attention stage's offsets into smem; its bytes
+        smem["SMEM_QS"] = 0
+        smem["SMEM_QP"] = align((m.group + 1) * m.head_dim * 4)
+        smem["SMEM_PT"] = smem["SMEM_QP"] + (align(math.ceil(m.group / 8) * m.head_dim * 16) if qsmem else 0)
+        # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
+        smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),
+                                 1024 if att_tma else 16)
+        ring = att_warps * att_stages * tile
+        smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
+        # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each
+        # sequence, rows
+        smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
+        # ATT_TMA: an mbarrier a walker warp's ring stage (8-byte aligned)
+        smem["SMEM_MBAR"] = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
+        if att_tma:
+            smem["SMEM_MBAR"] = align(smem["SMEM_MBAR"], 8)
+        return smem["SMEM_MBAR"] + (8 * att_warps * att_stages if att_tma else 0)
+
+    # ATT_QSMEM: the queries' B fragments (2 x n-tiles x k-steps registers held through the walk) in shared memory
+    # where they would take 32 registers or more (n-tiles x k-steps >= 16: a GQA group of more than 8 at head_dim
+    # >= 128, more than 16 at 96-112, more than 24 at 64-80; head_dim 256). Measured on the H200 (bench/NOTES.md
+    # session 30): spills of 168-676 B gone or cut, +0.9 ... +6.9 % a layer. Not where the packed copy would not fit
+    # beside the ring (99 KB GPUs: the shapes that planned before plan as before)
     att_qsmem = int(math.ceil(m.group / 8) * (m.head_dim // 16) >= 16)
-    smem["SMEM_QP"] = align((m.group + 1) * m.head_dim * 4)
-    smem["SMEM_PT"] = smem["SMEM_QP"] + (align(math.ceil(m.group / 8) * m.head_dim * 16) if att_qsmem else 0)
-    # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
-    smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),
-                             1024 if att_tma else 16)
-    ring = att_warps * att_stages * tile
-    smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
-    # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each sequence, rows
-    smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
-    # ATT_TMA: an mbarrier a walker warp's ring stage (8-byte aligned)
-    smem["SMEM_MBAR"] = smem["SMEM_SCHED"] + (4 * (2 * v.batch + 3) if att_dyn else 0)
-    if att_tma:
-        smem["SMEM_MBAR"] = align(smem["SMEM_MBAR"], 8)
-    att_bytes = smem["SMEM_MBAR"] + (8 * att_warps * att_stages if att_tma else 0)
+    att_bytes = attention_layout(att_qsmem)
+    if att_qsmem and att_bytes > arch.smem_per_block:
+        att_qsmem = 0
+        att_bytes = attention_layout(0)
     combine = m.group * nsplit * 4            # the combine's weights [GROUP][ATT_NSPLIT] reuse the warp states
     if combine > smem["SMEM_FLAG"] - smem["SMEM_WST"]:
         raise PlanError(f"{v.name}: {nsplit} attention splits x {m.group} query heads need {combine} B for the "

@@ -346,9 +346,9 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
-        // ATT_QSMEM (the planner's: NT x KS >= 16, a group of more than 8 heads at head_dim >= 128): the fragments
-        // once in shared memory for the block, read a step at a time, instead of 2 x NT x KS registers held
-        // through the walk (with the accumulators they spilled 228-644 B)
+        // ATT_QSMEM (the planner's: NT x KS >= 16, e.g. a group of more than 8 heads at head_dim >= 128, or head_dim
+        // 256): the fragments once in shared memory for the block, read a step at a time, instead of 2 x NT x KS
+        // registers held through the walk (beside the accumulators they spilled 168-676 B)
         constexpr int QN = ATT_QSMEM ? 1 : NT, QK = ATT_QSMEM ? 1 : KS;
         unsigned qb[QN][QK][2];
         uint2* qp = reinterpret_cast<uint2*>(smem + SMEM_QP);  // ATT_QSMEM: [NT][KS][32 lanes]
