@@ -349,7 +349,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         // ATT_QSMEM (the planner's: NT x KS >= 16, e.g. a group of more than 8 heads at head_dim >= 128, or head_dim
         // 256): the fragments once in shared memory for the block, read a step at a time, instead of 2 x NT x KS
         // registers held through the walk (beside the accumulators they spilled 168-676 B)
-        constexpr int QN = ATT_QSMEM ? 1 : NT, QK = ATT_QSMEM ? 1 : KS;
+        constexpr int QN = ATT_QSMEM ? 1 : NT, QK = ATT_QSMEM ? 1 : KS;  // (1 x 1 unused registers under ATT_QSMEM)
         unsigned qb[QN][QK][2];
         uint2* qp = reinterpret_cast<uint2*>(smem + SMEM_QP);  // ATT_QSMEM: [NT][KS][32 lanes]
         auto q_frag = [&](int t, int kk, int ln) {
