@@ -613,9 +613,10 @@ def test_a_spilling_default_plan_is_replanned_spill_free_and_warned(tmp_path, ti
 
 def test_large_query_groups_keep_their_fragments_in_shared_memory_and_do_not_spill(tmp_path):
     """ATT_QSMEM (the decode planner): the queries' B fragments live in shared memory exactly where n-tiles x
-    k-steps >= 16 (a GQA group of more than 8 at head_dim >= 128, or head_dim 256), where 2 x that many registers held
-    through attention's walk spilled 184-364 B (Mistral-Large- and Llama-3.1-405B-like groups of 12 and 16); a group
-    of 12 at head_dim 128 (batch 8, the worst of them) compiles for sm_90 with no spill."""
+    k-steps >= 16 (e.g. a GQA group of more than 8 at head_dim >= 128, or head_dim 256) and the packed copy fits beside
+    the ring (else registers, as before: a 99 KB GPU), where 2 x that many registers held through attention's walk
+    spilled 184-364 B (Mistral-Large- and Llama-3.1-405B-like groups of 12 and 16); a group of 12 at head_dim 128
+    (batch 8, the worst of them) compiles for sm_90 with no spill."""
     text = """
 matrix: {mode: [decode], batch: [8], seq_len: [1024]}
 models:
