@@ -58,62 +58,20 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
 };
 
 // one step of a task: a warp's U weight loads from k-tile k0 of each of the task's TM tiles, a[m * U + u] (all in
-// flight before any use). STG (the decode plan's <P>_STG): the k-tiles below STG of a first-round task of the
-// block's first SG groups come from its staged copy stg (this group's [TM][STG][32 lanes] fragments in shared
-// memory, gemv_stage) instead.
-template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1, int STG = 0, int SG = 0>
+// flight before any use)
+template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1>
 __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane,
-                                               uint4 (&a)[U * TM], const uint4* stg = nullptr) {
+                                               uint4 (&a)[U * TM]) {
     constexpr int KT = K / 16 / KSPLIT, TILES = N / 16, TT = TILES / TM;
     const int tile = ((task % TT) * TM + TILE0) % TILES, ks = task / TT;
-    const bool staged = STG && task < (int)gridDim.x * SG;  // a first-round task of a staged group
 #pragma unroll
     for (int m = 0; m < TM; ++m) {
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kt = k0 + u * NWG;
-            a[m * U + u] = kt >= KT ? make_uint4(0u, 0u, 0u, 0u)
-                           : STG && staged && kt < STG ? stg[(m * STG + kt) * 32 + lane]
-                           : ld_weight(reinterpret_cast<const T*>(wt + (size_t)kt * 32));
-        }
-    }
-}
-
-// <P>_STG: the first STG k-tiles (each STG x 512 contiguous bytes of the packed weight) of the first-round tasks of
-// the block's first SG groups (<P>_STG_G: those with such a task on a full grid)
-// bulk-copied by one thread to stg + 16 ([group][TM][STG][32 lanes] 16-byte fragments), counted on the mbarrier at
-// stg (phase 0). Issued
-// while HBM idles (at attention's entry, for o_proj and gate_up): the GEMV's first round then starts from shared
-// memory. Nothing else writes stg in the launch (the planner puts it after every stage's shared memory).
-#ifndef STG_AT
-#define STG_AT 0  // EXPERIMENT: where the copies are issued (0: attention's entry, 1: its end)
-#endif
-template <int STG, int SG, int N, int K, int NWG, int KSPLIT, int TILE0 = 0, int TM = 1>
-__device__ __forceinline__ void gemv_stage(const T* __restrict__ W, unsigned char* stg, int at) {
-    if (STG > 0 && at == STG_AT) {
-        unsigned long long* bar = reinterpret_cast<unsigned long long*>(stg);
-        unsigned char* dst = stg + 16;
-        constexpr int KT = K / 16 / KSPLIT, TILES = N / 16, TT = TILES / TM, TASKS = TILES / TM * KSPLIT;
-        static_assert(STG <= KT && SG <= THREADS / (32 * NWG), "STG: at most a task's k-tiles, SG the groups");
-        if (threadIdx.x == 0) {
-            unsigned bytes = 0;
-            for (int g = 0; g < SG; ++g)
-                if (g * (int)gridDim.x + (int)blockIdx.x < TASKS) bytes += TM * STG * 512;
-            mbar_init(bar, 1);
-            mbar_init_fence();
-            mbar_expect_tx(bar, bytes);  // (0 bytes: the phase completes on this arrival)
-            for (int g = 0; g < SG; ++g) {
-                const int task = g * (int)gridDim.x + (int)blockIdx.x;
-                if (task >= TASKS) break;
-                const int tile = ((task % TT) * TM + TILE0) % TILES, ks = task / TT;
-#pragma unroll
-                for (int m = 0; m < TM; ++m)
-                    bulk_copy(dst + (size_t)(g * TM + m) * STG * 512,
-                              reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32,
-                              STG * 512, bar);
-            }
-        }
+        for (int u = 0; u < U; ++u)
+            a[m * U + u] = (k0 + u * NWG < KT)
+                               ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                               : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -154,13 +112,11 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 // the barrier that precedes the stage; used in place of that step's loads (PF 1/2 then prefetch as without it).
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
-// STG, SG (<P>_STG, <P>_STG_G): the first round's first STG k-tiles of SG groups from the staged copy at stg
-// (gemv_stage; waited for on its mbarrier, just before it).
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, int TM = 1, int STG = 0, int SG = 0, class Epi, class Done = NoDone>
+          int DB = 1, int TM = 1, class Epi, class Done = NoDone>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
-                                     const GemvPre<U * TM>* pre = nullptr, unsigned char* stg = nullptr) {
+                                     const GemvPre<U * TM>* pre = nullptr) {
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
@@ -170,10 +126,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     constexpr int RED = NWG * TM * 16 * BATCH;  // a buffer of the group's partial sums: [warp][TM][16][BATCH]
     float* my_red = red + group * (1 + DB) * RED;
     static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
-    const uint4* my_stg = STG ? reinterpret_cast<const uint4*>(stg + 16) + group * TM * STG * 32 : nullptr;
-    if constexpr (STG > 0) mbar_wait(reinterpret_cast<unsigned long long*>(stg), 0);
     auto load_step = [&](int task, int k0, uint4 (&a)[U * TM]) {
-        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM, STG, SG>(W, task, k0, lane, a, my_stg);
+        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight

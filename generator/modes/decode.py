@@ -23,11 +23,10 @@ STEPS = (
                      "smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
-                      "ws_count, ws_ready, ws_attn, smem)",
-         pre="o_proj_stage(w_o, smem, 0); gate_up_stage(w_gu, smem, 0)"),
+                      "ws_count, ws_ready, ws_attn, smem)"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
                    "o_pre, smem)",
-         reduce="h", pre="o_proj_stage(w_o, smem, 1); gate_up_stage(w_gu, smem, 1); const auto o_pre = o_proj_pre(w_o)"),
+         reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
@@ -67,11 +66,7 @@ STEPS = (
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "O_STG", "GU_STG"))
-# <P>_STG (o_proj, gate_up; one GPU): the first S 16-column k-tiles of each of the block's first-round tasks of that
-# projection bulk-copied into shared memory at attention's entry (HBM idles through attention's chain of latencies
-# at small batch), the GEMV reading them from there (templates/gemv.cuh gemv_stage)
-STAGED = (("O", "o"), ("GU", "gate_up"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -607,26 +602,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
-    # <P>_STG: after every stage's shared memory (the copies land while attention and o_proj use theirs), each
-    # staged projection's mbarrier (16 B) and its [group][TM][S k-tiles][32 lanes] 16-byte fragments
-    stg = {p: ov.get(f"{p}_STG", 0) for p, _ in STAGED}
-    stg_groups = {}
-    at = align(smem_bytes)
-    for p, key in STAGED:
-        g = gemv[key]
-        kt = shapes[key][1] // 16 // g["KSPLIT"]
-        if stg[p] and (v.tp > 1 or not 0 < stg[p] <= kt):
-            raise PlanError(f"{v.name}: plan override {p}_STG={stg[p]}: must be in 0..{kt} (k-tiles a task) and "
-                            f"needs one GPU")
-        smem[f"SMEM_STG_{p}"] = at
-        # the groups with a first-round task on a full grid of arch.sms blocks (a smaller grid: the rest unstaged)
-        stg_groups[p] = min(THREADS // 32 // g["NWG"], math.ceil(g["tasks"] / arch.sms)) if stg[p] else 0
-        at += (16 + stg_groups[p] * g["TM"] * stg[p] * 512) if stg[p] else 0
-    if any(stg.values()):
-        if at > arch.smem_per_block:
-            raise PlanError(f"{v.name}: plan overrides {_fmt(ov)}: the staged weights take the shared memory to "
-                            f"{at} B, over sm_{arch.sm}'s {arch.smem_per_block} B: stage fewer k-tiles")
-        smem_bytes = at
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K
     # and NORM_CLUSTER declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
     if att_tma and (norm_cluster > 1 or any(g["KSPLIT"] > 1 for g in gemv.values())) \
@@ -656,8 +631,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
-    consts.update({f"{p}_STG": stg[p] for p, _ in STAGED})
-    consts.update({f"{p}_STG_G": stg_groups[p] for p, _ in STAGED})
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like

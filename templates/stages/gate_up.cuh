@@ -6,9 +6,6 @@
 __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
     return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
 }
-__device__ __forceinline__ void gate_up_stage(const T* w_gu, unsigned char* smem, int at) {  // GU_STG: at attention's entry
-    gemv_stage<GU_STG, GU_STG_G, 2 * INTER, HIDDEN, GU_NWG, GU_KSPLIT, 0, GU_TM>(w_gu, smem + SMEM_STG_GU, at);
-}
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh), or with H_STATS o_proj's epilogue; xn holds the (H_STATS:
 // not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
@@ -28,7 +25,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     }
     gemv<2 * INTER, HIDDEN, NORM_GLOBAL ? HIDDEN : XS_LD, GU_NWG, GU_U, GU_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, 0, GU_PRE,
-         RED_DB, GU_TM, GU_STG, GU_STG_G>(w_gu, NORM_GLOBAL ? xn : xs,
+         RED_DB, GU_TM>(w_gu, NORM_GLOBAL ? xn : xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {
@@ -40,5 +37,5 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 count_overflow(a, ws_status);
                 ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        }, NoDone{}, gain, &pre, smem + SMEM_STG_GU);
+        }, NoDone{}, gain, &pre);
 }

@@ -12,9 +12,6 @@
 __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
-__device__ __forceinline__ void o_proj_stage(const T* w_o, unsigned char* smem, int at) {  // O_STG: at attention's entry
-    gemv_stage<O_STG, O_STG_G, HIDDEN, Q_DIM, O_NWG, O_KSPLIT, 0, O_TM>(w_o, smem + SMEM_STG_O, at);
-}
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
                        T* ws_xn, float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
                        const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
@@ -26,7 +23,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // barrier that precedes this stage
     if (QKV_FLOW && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM, O_STG, O_STG_G>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             // H_STATS: the group's squares [16][BATCH] for each of its O_TM tiles (the group barrier before the
@@ -56,5 +53,5 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                     ws_hsq[(size_t)(row0 / 16) * BATCH + b] = s;
                 }
             }
-        }, NoDone{}, nullptr, &pre, smem + SMEM_STG_O);
+        }, NoDone{}, nullptr, &pre);
 }
