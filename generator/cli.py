@@ -6,6 +6,7 @@ import shlex
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -408,8 +409,12 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
         cmd = "megakernel build" + (f" --variants {shlex.quote(variants_file)}" if variants_file != "variants.yaml"
                                     else "") + gmanifest.build_dir_flag(build_dir) + (
             f" --arch {built_arch}" if built_arch != DEFAULT_ARCH else "")
-        rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None, declared=declared,
-                                   build_cmd=cmd)
+        with warnings.catch_warnings(record=True) as caught:  # (report.json not written: one warning line)
+            warnings.simplefilter("always")
+            rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None,
+                                       declared=declared, build_cmd=cmd)
+        for w in caught:
+            err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     except FileNotFoundError as exc:
         # (no variants.yaml here either: the build it suggests needs one first)
         fail(str(exc) if declared is not None else f"{exc}; and no {variants_file} here to build from (--variants "
@@ -728,7 +733,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
 
 def run():
     """Console-script entry: every bad input is one line on stderr and exit 2, click's own usage errors included
-    (an unknown option, `-j 0`), and a corrupt build directory too. Output to a pipe whose reader has gone (`| head`)
+    (an unknown option, `-j 0`), a corrupt build directory, and a file-system refusal (a read-only build directory). Output to a pipe whose reader has gone (`| head`)
     is dropped without stopping the command (_PipeSafe)."""
     sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     try:
@@ -743,6 +748,10 @@ def run():
         fail("aborted", 1)
     except gcompile.ManifestError as exc:
         fail(str(exc))
+    except OSError as exc:  # the file system refused (a read-only or missing build directory): one line, no traceback
+        if exc.filename is None:
+            raise
+        fail(f"{exc.filename}: {exc.strerror or exc}")
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

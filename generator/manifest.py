@@ -141,7 +141,8 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
         raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix}")
     entry = manifest["variants"].get(name)
     if entry is None:
-        raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix}")
+        raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix} (or "
+                        f"in a file of your own, built with `--variants FILE`)")
     if entry["status"] != "ok":
         why = (entry.get("error") or "no reason recorded").splitlines()[0]
         raise LoadError(f"{name}: its build {entry['status']}: {why}")

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import re
+import warnings
 from pathlib import Path
 
 from rich import box
@@ -367,13 +368,17 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     report = {"rows": rows, "totals": totals_of(rows, loads_measured=bool(loads)), "archs": built_for,
               "not_declared": not_declared, "not_built": not_built, "e2e": e2e}
     if write:
-        atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
         buf = io.StringIO()
         cols = COLUMNS + [c for c in BENCH_COLUMNS if any(c in r for r in rows)]
         w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-        atomic_write(build_dir / "report.csv", buf.getvalue())
+        try:
+            atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
+            atomic_write(build_dir / "report.csv", buf.getvalue())
+        except OSError as exc:  # a read-only build directory (a shared or CI one) can still be read
+            warnings.warn(f"{build_dir}: report.json and report.csv not written ({exc.strerror or exc}); the "
+                          "report is shown all the same", stacklevel=2)
     return report
 
 

@@ -115,12 +115,17 @@ def shard_model(m: Model, tp: int) -> Model:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML silently keeps the last of two equal keys; a duplicate variant name must be an error."""
+    """PyYAML silently keeps the last of two equal keys; a duplicate variant name must be an error (a key that
+    overrides one merged from an anchor, `<<: *base`, is not a duplicate)."""
 
 
 def _construct_mapping(loader, node, deep=False):
+    # merge keys (`<<: *anchor`) first, as SafeLoader does; a key written here may override a merged one, so only
+    # the keys written in this mapping are checked against each other
+    own = [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]
+    loader.flatten_mapping(node)
     seen = {}
-    for key_node, _ in node.value:
+    for key_node in own:
         key = loader.construct_object(key_node, deep=deep)
         try:
             dup = key in seen

@@ -227,6 +227,23 @@ def test_report_of_a_previous_build(copy_build, tmp_path):
     assert json.loads((d / "report.json").read_text())["totals"]["load_ms"] is None
 
 
+def test_a_build_directory_the_file_system_refuses_is_one_line(copy_build, tmp_path):
+    """A build directory that cannot be made (under a regular file; a read-only mount is the same OSError) is one
+    `error:` line naming it, exit 2; `report` on a build whose report.json cannot be written (a read-only shared
+    build) still shows the report, with one warning line."""
+    (tmp_path / "file").write_text("")
+    r = run_cli(ONE_SMALL + ["--build-dir", tmp_path / "file" / "b"], cwd=tmp_path)
+    assert_bad_input(r, str(tmp_path / "file"))
+    d = copy_build(tmp_path / "build")
+    (d / "report.json").unlink()
+    (d / "report.json").mkdir()  # os.replace onto it fails as onto a read-only file system
+    r = run_cli(["report", "--no-gpu"], cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert all(name in r.stdout for name in TINY_NAMES)
+    warn = [ln for ln in r.stderr.splitlines() if "report.json and report.csv not written" in ln]
+    assert len(warn) == 1 and warn[0].startswith("warning: "), r.stderr
+
+
 def test_clean(copy_build, tmp_path):
     copy_build(tmp_path / "build")
     r = run_cli(["clean"], cwd=tmp_path)
