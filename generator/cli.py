@@ -733,8 +733,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
 
 def run():
     """Console-script entry: every bad input is one line on stderr and exit 2, click's own usage errors included
-    (an unknown option, `-j 0`), a corrupt build directory, and a file-system refusal (a read-only build directory). Output to a pipe whose reader has gone (`| head`)
-    is dropped without stopping the command (_PipeSafe)."""
+    (an unknown option, `-j 0`), a corrupt build directory, and a file-system refusal (a read-only build
+    directory). Output to a pipe whose reader has gone (`| head`) is dropped without stopping the command
+    (_PipeSafe)."""
     sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     try:
         rv = main(standalone_mode=False)

@@ -285,15 +285,11 @@ def test_duplicate_field_error_names_the_variant():
 def test_yaml_merge_keys_are_read_as_pyyaml_reads_them():
     """`<<: *base` (valid YAML; the defaults use anchors): a model may take another's fields and override some; a
     key written twice in the same mapping is still a duplicate."""
-    base = ("matrix: {mode: [decode], batch: [1], seq_len: [64]}\nmodels:\n  tiny-a: &a\n"
-            + "".join(f"    {k}: {val}\n" for k, val in (("hidden", 256), ("heads", 4), ("kv_heads", 2),
-                      ("head_dim", 64), ("intermediate", 512), ("layers", 2), ("norm", "rmsnorm"),
-                      ("norm_eps", 1.0e-5), ("rope_theta", 10000.0), ("activation", "silu"),
-                      ("qkv_bias", "false"), ("qk_norm", "false"), ("dtype", "bf16")))
-            + "  tiny-b:\n    <<: *a\n    dtype: fp16\n")
+    assert "  tiny:\n" in GOOD_TEXT and GOOD_TEXT.rstrip().endswith("dtype: bf16")  # (the models come last)
+    base = GOOD_TEXT.replace("  tiny:\n", "  tiny: &a\n") + "  tiny-b:\n    <<: *a\n    dtype: fp16\n"
     vs = {v.model.name: v for v in gvariants.parse(base, "m.yaml")}
-    assert vs["tiny-b"].model.dtype == "fp16" and vs["tiny-a"].model.dtype == "bf16"
-    assert vs["tiny-b"].model.hidden == 256
+    assert vs["tiny-b"].model.dtype == "fp16" and vs["tiny"].model.dtype == "bf16"
+    assert vs["tiny-b"].model.hidden == vs["tiny"].model.hidden  # (a field merged from the anchor)
     with pytest.raises(VariantError, match="duplicate key 'dtype'"):
         gvariants.parse(base + "    dtype: bf16\n", "m.yaml")
 
