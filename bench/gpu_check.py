@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.baselines import TorchLayer  # noqa: E402
 from bench.providers import FlashInfer  # noqa: E402
 # n_layers_for: distinct layers, one pass over the stack >= 4x the L2
-from bench.measure import check_prefill, n_layers_for  # noqa: E402
+from bench.measure import check_prefill, mixed_positions, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
@@ -94,7 +94,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
         g = graph_of(stack(layers))
         timings[label] = time_replays(g.replay, n)
     if v.batch > 1:  # a serving mix: the sequences' positions spread evenly over the cache
-        pos_mix = torch.tensor([(b + 1) * v.seq_len // v.batch - 1 for b in range(v.batch)], dtype=torch.int32)
+        pos_mix = torch.tensor(mixed_positions(v.batch, v.seq_len), dtype=torch.int32)
         pos_mix_dev = pos_mix.cuda()  # alive while the graphs that read it are replayed
         for L in fi:
             L.set_positions(pos_mix)

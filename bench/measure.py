@@ -42,6 +42,12 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # layer count, memory, time budget
 
+def mixed_positions(batch: int, seq_len: int) -> list[int]:
+    """A serving mix of decode positions: the batch's sequences spread evenly over the cache (sequence b at
+    (b + 1) * seq_len / batch rows), as bench/gpu_check.py times fused and FlashInfer layers beside full context."""
+    return [(b + 1) * seq_len // batch - 1 for b in range(batch)]
+
+
 def n_layers_for(layer_bytes: int, l2: int = L2_BYTES, minimum: int = MIN_LAYERS) -> int:
     """Distinct layers so that one pass over the stack (layer_bytes each) is at least L2_PASSES x the L2 (bytes),
     and at least `minimum`."""

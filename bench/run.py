@@ -29,12 +29,12 @@ from bench.measure import (DEFAULT_COMPILE_SUBSET, DEFAULT_REPS, DEFAULT_ROUNDS,
 from bench.providers import PROVIDERS
 from bench.results import POSITIONS_NOTE, make_row, result_stem, write_results
 from generator import variants as gvariants
-from generator.cli import pick_tuning_file, tuned_opts
+from generator.cli import console_width, pick_tuning_file, tuned_opts
 
 COMPILE_SUBSET_NOTE = "batch 1 at seq_len 4096, one variant per model: compiling is slow"
 
-console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, highlight=False)
+console = Console(width=console_width(sys.stdout, 200), highlight=False)
+err_console = Console(stderr=True, width=console_width(sys.stderr, 200), highlight=False)
 
 
 def fail(msg: str, code: int = 2):

@@ -45,12 +45,14 @@ def group_of(ov: dict) -> str:
     return "FLOW" if knob == "QKV_FLOW" else knob.split("_")[0]
 
 
-def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int) -> list[dict]:
+def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int,
+            mixed: bool = False) -> list[dict]:
     """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
-    overrides, pass, rel_err, error, us (median per layer; None where it failed)."""
+    overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context,
+    or with `mixed` at a serving mix of positions (bench.measure.mixed_positions)."""
     import torch
 
-    from bench.measure import PREFILL_CACHE, n_layers_for
+    from bench.measure import PREFILL_CACHE, mixed_positions, n_layers_for
     from bench.timing import graph_of, layer_bytes, summarize, time_samples
     from generator import reference, verify
     from generator.loader import load
@@ -80,6 +82,8 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
 
     # decode: every sequence at full context; prefill: a prompt's first chunk (start 0), as gpu_check times them
     pos_full = torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32)
+    if mixed and not prefill:
+        pos_full = torch.tensor(mixed_positions(v.batch, v.seq_len), dtype=torch.int32)
     n = n_layers_for(layer_bytes(m, v.batch, pos_full))
     pos_dev = pos_full.cuda()
     xs = torch.randn(v.batch, *((v.seq_len,) if prefill else ()), m.hidden, device="cuda").to(

@@ -20,9 +20,15 @@ from . import variants as gvariants
 from .render import PlanError, plan, render
 from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
 
-# a pipe or CI log is not a terminal: rich would squeeze the table into 80 columns
-console = Console(width=None if sys.stdout.isatty() else 240)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 240)
+
+def console_width(stream, piped: int = 240) -> int | None:
+    """A rich Console's width for `stream`: the terminal's (None: rich asks it, or reads COLUMNS where that is a
+    number), else `piped`: a pipe or CI log is not a terminal, and rich would squeeze the tables into 80 columns."""
+    return None if stream.isatty() or os.environ.get("COLUMNS", "").strip().isdigit() else piped
+
+
+console = Console(width=console_width(sys.stdout))
+err_console = Console(stderr=True, width=console_width(sys.stderr))
 
 
 class _PipeSafe:
@@ -113,16 +119,15 @@ def main():
 @variants_opt
 @build_dir_opt
 @click.option("--only", multiple=True, help="glob over variant names (repeatable)")
-def list_cmd(variants_file, build_dir, only):
+@click.option("--wide", is_flag=True, help="every column, however narrow the terminal")
+def list_cmd(variants_file, build_dir, only, wide):
     """List the declared variants and their build status."""
     vs = load_selected(variants_file, only)
     built = gcompile.read_manifest(Path(build_dir))["variants"]
     digest = gmanifest.kernel_sources_digest()
     # builds for two architectures in the directory: each row says its own
     archs = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in built.values() if e.get("status") == "ok"}
-    t = Table(header_style="bold")
-    for h in ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "GPUs", "build"):
-        t.add_column(h)
+    rows = []
     for v in vs:
         m, e = v.model, built.get(v.name)
         status = gmanifest.status(e, v, digest)
@@ -132,9 +137,24 @@ def list_cmd(variants_file, build_dir, only):
             status = "built (plan override)"  # the tuner's candidates: not the plan `megakernel build` takes
         if e and e.get("status") == "ok" and len(archs) > 1:
             status += f" (sm_{str(e.get('arch', DEFAULT_ARCH)).rstrip('a')})"
-        t.add_row(v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
-                  str(v.batch), str(v.seq_len), str(v.tp), status)
-    console.print(t)
+        rows.append((v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
+                     str(v.batch), str(v.seq_len), str(v.tp), status))
+
+    def table(cols):
+        t = Table(header_style="bold")
+        for _, head, i in cols:
+            t.add_column(head, no_wrap=True)
+        for r in rows:
+            t.add_row(*(r[i] for _, _, i in cols))
+        return t
+    cols = [(h, h, i) for i, h in enumerate(LIST_COLUMNS)]
+    greport.print_fitted(console, table, cols, LIST_DROP_ORDER, wide)
+
+
+# `list`'s columns, and those dropped first to last where the terminal is too narrow (variant and build stay: a name
+# cut to "llam…" says nothing, and the name holds the batch and seq_len)
+LIST_COLUMNS = ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "batch", "seq_len", "GPUs", "build")
+LIST_DROP_ORDER = ["inter", "head_dim", "heads/kv", "hidden", "GPUs", "mode", "batch", "seq_len"]
 
 
 @main.command("render")
@@ -576,7 +596,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off")
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True)
-@click.option("--stop", "stops", default=None, help="stop token ids, comma-separated [the config's eos_token_id]")
+@click.option("--stop", "stops", default=None, help="stop token ids, comma-separated, or `none`: every sequence "
+              "runs to --max-new-tokens [the config's eos_token_id]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
@@ -660,9 +681,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     if batch:
         seqs = [seqs[i % len(seqs)] for i in range(batch)]
     try:
-        stop_ids = None if stops is None else [int(t) for t in stops.split(",")]
+        stop_ids = (None if stops is None else [] if stops.strip().lower() == "none"
+                    else [int(t) for t in stops.split(",")])
     except ValueError:
-        fail(f"--stop: comma-separated integers (no empty item), got {stops!r}")
+        fail(f"--stop: comma-separated integers (no empty item) or none, got {stops!r}")
     chosen = list(variant_names) or None
     if dev.type == "cpu":  # the fused kernels run on CUDA only: the CPU serves the unfused layers
         if chosen:

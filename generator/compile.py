@@ -199,14 +199,25 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
         return meta, True
     # one compile per object across concurrent builds: two compiles of one source differ (-lineinfo records
     # CuPy's temporary path), so interleaved writes could pair one's cubin with the other's meta.json
-    obj.mkdir(parents=True, exist_ok=True)
-    with open(obj / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        meta = object_meta(obj)
-        cached = meta is not None
-        if not cached:
-            meta = _compile_object(source, arch, obj)
-    return meta, cached
+    while True:
+        obj.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(obj / ".lock", "w")
+        except FileNotFoundError:
+            continue  # remove_stale_temps took the empty directory between the two: make it again
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            try:
+                current = os.fstat(f.fileno()).st_ino == os.stat(obj / ".lock").st_ino
+            except FileNotFoundError:
+                current = False
+            if not current:
+                continue  # remove_stale_temps unlinked this lock while we waited for it: lock the directory anew
+            meta = object_meta(obj)
+            cached = meta is not None
+            if not cached:
+                meta = _compile_object(source, arch, obj)
+        return meta, cached
 
 
 @contextlib.contextmanager
@@ -221,8 +232,9 @@ def locked(build_dir: Path):
 
 
 def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
-    """Delete temporary files a killed build left behind (never under a final name). Only old ones: a build
-    running beside this one may be writing its own right now."""
+    """Delete temporary files a killed build left behind (never under a final name), then the object directories
+    left holding nothing but their lock (a compile interrupted before its first file). Only old ones: a build
+    running beside this one may be writing its own right now. Returns the files and directories removed."""
     removed = 0
     if Path(build_dir).is_dir():
         for p in Path(build_dir).rglob(".*.tmp"):
@@ -230,6 +242,24 @@ def remove_stale_temps(build_dir: Path, max_age_s: float = 3600.0) -> int:
                 if time.time() - p.stat().st_mtime > max_age_s:
                     p.unlink()
                     removed += 1
+        for obj in (Path(build_dir) / "objects").glob("*/"):
+            lock = obj / ".lock"
+            try:  # (every open of the lock refreshes its time: a compile waiting or running makes it fresh)
+                if {p.name for p in obj.iterdir()} != {".lock"} or time.time() - lock.stat().st_mtime <= max_age_s:
+                    continue
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:  # only under the object's own lock, never while a compile holds it (compiled_object)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if {p.name for p in obj.iterdir()} == {".lock"}:
+                    lock.unlink()
+                    obj.rmdir()
+                    removed += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
     return removed
 
 

@@ -387,7 +387,7 @@ def _num(spec):
 
 
 # (key, header, cell(row, key) -> str, keep): the terminal table's columns, every one shown with --wide. Without
-# it, columns with keep=False are left out and the rest dropped from the end of DROP_ORDER until the table fits.
+# it, columns with keep=False are left out and the rest dropped in DROP_ORDER's order until the table fits.
 TABLE_COLUMNS = [
     ("name", "variant", lambda r, k: r["name"] + (f" ({r['arch']})" if r.get("arch") else ""), True),
     ("gpu_bytes", "MB per\nGPU", lambda r, k: f"{r[k] / 1e6:.0f}" + (f" ×{r['tp']}" if r.get("tp", 1) > 1 else ""),
@@ -466,6 +466,33 @@ def _table(rows: list[dict], cols: list[tuple]) -> Table:
     return t
 
 
+def print_fitted(console: Console, make_table, cols: list[tuple], drop_order: list[str], wide: bool = False) -> None:
+    """Print `make_table(cols)` (cols: tuples keyed by their first item, headed by their second). With `wide`, every
+    column at its natural width, however wide the console; else at the console's width: the columns named in
+    `drop_order` are dropped first to last until the table fits without cutting a cell, and a line under it names
+    those not shown (`--wide` shows them)."""
+    unbounded = console.options.update_width(100_000)
+    natural = lambda t: Measurement.get(console, unbounded, t).maximum  # noqa: E731 - width with nothing cut
+    t = make_table(cols)
+    if wide:
+        saved = console._width  # print's own width= is capped at the console's: widen the console for this table
+        console.width = max(console.width, natural(t))
+        try:
+            console.print(t)
+        finally:
+            console._width = saved
+        return
+    drop, hidden = list(drop_order), []
+    while drop and natural(t) > console.width:
+        key = drop.pop(0)
+        hidden += [c[1].replace("\n", " ") for c in cols if c[0] == key]
+        cols = [c for c in cols if c[0] != key]
+        t = make_table(cols)
+    console.print(t)
+    if hidden:
+        console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)", highlight=False)
+
+
 def print_report(report: dict, console: Console | None = None, *, wide: bool = False) -> None:
     """The terminal table of a report and its footer, then the end-to-end table where the report has one. Without
     `wide`, the columns that fit the console's width (variant, fused µs, × best and flags always); with it, every
@@ -474,30 +501,9 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     rows = report["rows"]
     present = {k for r in rows for k, v in r.items() if v is not None}
     cols = [c for c in TABLE_COLUMNS if c[0] not in BENCH_KEYS or c[0] in present]
-    unbounded = console.options.update_width(100_000)
-    natural = lambda t: Measurement.get(console, unbounded, t).maximum  # noqa: E731 - width with nothing cut
-    if wide:
-        t = _table(rows, cols)
-        saved = console._width  # print's own width= is capped at the console's: widen the console for this table
-        console.width = max(console.width, natural(t))
-        try:
-            console.print(t)
-        finally:
-            console._width = saved
-    else:
-        # kept columns with a figure in some row (load ms without a GPU is all "-"), then dropped to fit the width
+    if not wide:  # the columns kept with a figure in some row (load ms without a GPU is all "-")
         cols = [c for c in cols if c[3] and (c[0] not in PLAIN_KEYS or any(r.get(c[0]) is not None for r in rows))]
-        drop, hidden = list(DROP_ORDER), []
-        t = _table(rows, cols)
-        while drop and natural(t) > console.width:
-            key = drop.pop(0)
-            hidden += [c[1].replace("\n", " ") for c in cols if c[0] == key]
-            cols = [c for c in cols if c[0] != key]
-            t = _table(rows, cols)
-        console.print(t)
-        if hidden:
-            console.print(f"not shown at this width: {', '.join(hidden)} (--wide shows every column)",
-                          highlight=False)
+    print_fitted(console, lambda cs: _table(rows, cs), cols, DROP_ORDER, wide)
     if any(r.get("arch") for r in rows):
         console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "
                       "than one; a kernel loads only on a GPU of its architecture)", highlight=False)

@@ -668,9 +668,11 @@ class Model:
         self._warned.add(ch.missing)
         mode, b, s = ch.missing
         what = f"batch {b}" if mode == "decode" else f"batch {b}, chunks of {s}"
+        # off CUDA no fused kernel runs: the hint is for the same model served on a GPU
+        where = "" if self.device.type == "cuda" else f" on a CUDA GPU (fused kernels do not run on {self.device.type})"
         warnings.warn(MissingVariantWarning(
             f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
-            f"to serve it fused, declare in variants.yaml under `models:` and `megakernel build`:\n"
+            f"to serve it fused{where}, declare in variants.yaml under `models:` and `megakernel build`:\n"
             + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=4)
 
     # -- the pieces of a step --

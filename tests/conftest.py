@@ -46,7 +46,8 @@ TINY_NAMES = ("tiny-a_decode_b1_s64_bf16", "tiny-b_decode_b1_s64_bf16", "tiny-c_
 
 def cli_env() -> dict:
     """Environment for CLI subprocesses: the repository importable even without `pip install -e .`, no colour."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE")}
+    env = {k: v for k, v in os.environ.items()  # (COLUMNS: the tables' width is each test's own choice)
+           if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "COLUMNS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["NO_COLOR"] = "1"
     return env
@@ -54,7 +55,8 @@ def cli_env() -> dict:
 
 def run_cli(args, cwd, timeout=300, **kw) -> subprocess.CompletedProcess:
     """`megakernel ARGS` as a user runs it (python -m generator.cli: the interpreter running the tests)."""
-    return subprocess.run([sys.executable, "-m", "generator.cli", *map(str, args)], cwd=str(cwd), env=cli_env(),
+    env = {**cli_env(), **kw.pop("env", {})}  # (env: variables set on top, e.g. COLUMNS)
+    return subprocess.run([sys.executable, "-m", "generator.cli", *map(str, args)], cwd=str(cwd), env=env,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 

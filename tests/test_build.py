@@ -503,6 +503,39 @@ def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path):
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert gcompile.remove_stale_temps(tmp_path / "b") == 1
     assert not old.exists() and fresh.exists()
+    # object directories an interrupted compile left holding only their lock: removed once the lock is old and free;
+    # a fresh lock (a compile waiting or running opened it) or one a compile holds is kept
+    import fcntl
+    objs = tmp_path / "b" / "objects"
+    for name, age in (("dead", 7200), ("live", 0), ("held", 7200)):
+        (objs / name).mkdir()
+        (objs / name / ".lock").write_bytes(b"")
+        os.utime(objs / name / ".lock", (time.time() - age, time.time() - age))
+    with open(objs / "held" / ".lock") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        assert gcompile.remove_stale_temps(tmp_path / "b") == 1
+    assert not (objs / "dead").exists() and (objs / "live").is_dir() and (objs / "held").is_dir()
+    assert d.is_dir()  # holds a file being written
+
+
+def test_an_object_lock_removed_while_waiting_for_it_is_taken_again(tmp_path, monkeypatch):
+    """compiled_object compiles under the lock file that is the object's own: one that remove_stale_temps unlinked
+    (with its directory) while this process waited for it no longer guards anything, so it locks the directory
+    anew rather than compile beside another process."""
+    obj = tmp_path / "b" / "objects" / "k"
+    calls = []
+    real_flock = gcompile.fcntl.flock
+
+    def flock(f, op):  # the first time: a cleanup runs while this process waits for the lock
+        real_flock(f, op)
+        if not calls:
+            calls.append("removed")
+            (obj / ".lock").unlink()
+            obj.rmdir()
+    monkeypatch.setattr(gcompile.fcntl, "flock", flock)
+    monkeypatch.setattr(gcompile, "_compile_object", lambda source, arch, o: calls.append(o.is_dir()) or {"ok": 1})
+    assert gcompile.compiled_object("src", "k", "90", tmp_path / "b") == ({"ok": 1}, False)
+    assert calls == ["removed", True] and (obj / ".lock").is_file()
 
 
 def test_report_counts_tensor_core_instructions_in_the_sass(tiny_build):

@@ -106,6 +106,12 @@ def test_list_default_variants(tmp_path):
     for name in DEFAULT_NAMES:
         assert name in r.stdout
     assert len(DEFAULT_NAMES) == 67
+    # a narrow terminal: whole names, the model's columns dropped and named; --wide keeps them all
+    r = run_cli(["list", "--variants", ROOT / "variants.yaml"], cwd=tmp_path, env={"COLUMNS": "72"})
+    assert r.returncode == 0 and all(n in r.stdout for n in DEFAULT_NAMES), r.stdout
+    assert max(map(len, r.stdout.splitlines())) <= 72 and "not shown at this width: inter, head_dim" in r.stdout
+    r = run_cli(["list", "--variants", ROOT / "variants.yaml", "--wide"], cwd=tmp_path, env={"COLUMNS": "72"})
+    assert r.returncode == 0 and "head_dim" in r.stdout and "not shown" not in r.stdout
 
 
 def build_status(table: str) -> dict[str, str]:

@@ -272,6 +272,7 @@ def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
     msgs = [str(w.message) for w in caught if issubclass(w.category, serve.MissingVariantWarning)]
     assert len(msgs) == 2 and "matrix: {mode: [decode], batch: [3], seq_len: [48]}" in msgs[1]
     assert "matrix: {mode: [prefill], batch: [3], seq_len: [4]}" in msgs[0] and "hidden: 128" in msgs[1]
+    assert all("on a CUDA GPU (fused kernels do not run on cpu)" in m for m in msgs)  # not a hint to build for the CPU
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.generate(prompts, 2)  # warned already
@@ -375,6 +376,14 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "3", "--device", "cpu", "--dtype", "fp32"],
             cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    # --stop: its first generated token as a stop token ends the sequence there; `none` runs to --max-new-tokens
+    gen = ["generate", d, "--ids", "1,2,3", "--max-new-tokens", "6", "--device", "cpu"]
+    r = cli(gen + ["--stop", "none"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    toks = r.stdout.split()  # one sequence: its token ids streamed on one line
+    assert len(toks) == 6, r.stdout
+    r = cli(gen + ["--stop", toks[0]], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.split() == toks[:1], r.stdout
     # bad values a user types: each one line, no traceback
     base = ["generate", d, "--device", "cpu", "--max-new-tokens", "2"]
     for extra, want in ((["--ids", "1,,2"], "--ids: comma-separated integers (no empty item)"),

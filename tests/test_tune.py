@@ -200,9 +200,19 @@ def test_stream_attention_covers_every_tile_once():
                 assert [x[2] for x in runs] == list(range(len(runs))), (u.name, lengths, b, runs)
                 assert {x[3] for x in runs} == {len(runs)} and len(runs) <= cu["ATT_NSPLIT"], (u.name, lengths, b)
                 assert lengths[b] == 0 or runs[-1][0] <= lengths[b] - 1 < runs[-1][1], (u.name, lengths, b)
-    # positions spread evenly over the cache: no block walks the pieces of more than 5 pairs (unweighted: 12)
+    # positions spread evenly over the cache: no block walks the pieces of more than 4 pairs (unweighted: 12; the
+    # bytes model's charge of 24 tiles: 5); the runs charge PIECE_RUN_TILES a piece (or the override), while the choice
+    # of ATT_DYN 2 keeps its bytes model: an override of the charge changes no other knob
+    from generator.modes.decode import PIECE_RUN_TILES
     spread = [(b + 1) * v.seq_len // v.batch for b in range(v.batch)]
-    assert max(len(blk) for blk in attention_pieces(spread, c, 132)) <= 5
+    assert c["ATT_PIECE_TILES"] == PIECE_RUN_TILES and max(len(blk) for blk in attention_pieces(spread, c, 132)) <= 4
+    assert max(len(blk) for blk in attention_pieces(spread, {**c, "ATT_PIECE_TILES": 24}, 132)) == 5
+    u = dataclasses.replace(by_name["llama3-8b_decode_b8_s4096_bf16"], batch=9)  # ATT_DYN 2 by its idle-SM rule
+    for ov in ({"ATT_PIECE_TILES": 1}, {"ATT_PIECE_TILES": 400}):
+        a, b = render.plan(u, "90")["consts"], render.plan(u, "90", overrides=ov)["consts"]
+        assert {k for k in a if a[k] != b[k]} == {"ATT_PIECE_TILES"} and b["ATT_PIECE_TILES"] == ov["ATT_PIECE_TILES"]
+    with pytest.raises(PlanError, match="ATT_PIECE_TILES=48: a piece's charge in ATT_DYN 2's runs"):
+        render.plan(by_name["llama3-8b_decode_b8_s4096_bf16"], overrides={"ATT_PIECE_TILES": 48})
     with pytest.raises(PlanError, match="ATT_DYN=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"ATT_DYN": 3})
     with pytest.raises(PlanError, match="ATT_DYN=2: needs batch <= 32"):

@@ -66,7 +66,7 @@ STEPS = (
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA"))
+            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -103,6 +103,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "NORM_CLUSTER" and val not in (1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
                 " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
+        if k == "ATT_PIECE_TILES" and not 0 <= val <= 1024:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 0..1024 (16-row tiles)")
         if k == "ATT_C" and val < 16:
             raise PlanError(f"{name}: plan override {k}={val}: must be a positive multiple of 16 x ATT_WARPS")
         out[k] = val
@@ -205,6 +207,15 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
 # pairs or fewer) -4.5 ... +7 % across runs, the static split's own time moving by up to 25 % from run to run there
 # (the tuner tries it: generator/tune.py); the 1B b28 (two rounds, modelled 0.12: not taken) -0.5 %
 ATT_TASK_BYTES = 96 << 10
+# ATT_DYN 2's run layout charges each piece PIECE_RUN_TILES 16-row tiles (ATT_PIECE_TILES; the choice of ATT_DYN 2
+# above keeps its bytes model): a piece's fixed chain (the ring drained and refilled, queries, the warp states, the
+# partial and its counter, the last piece's combine) costs more than ATT_TASK_BYTES of walk, and at a serving mix of
+# positions a run over many short pairs held too many pieces. Measured on the H200 (bench/NOTES.md session 32), 48
+# tiles against the bytes model's 12 (head_dim 128) or 24 (64), at spread positions: +1.5 ... +8.8 % a layer on seven
+# shapes (Llama-3.1-8B-like b12 KV 8192 +4.9, Mistral-Nemo-like b18 +6.6, Mistral-7B-like b20 +8.8, 1B-like b20 +4.4,
+# b12 KV 8192 +3.2, hidden-3072 b9 +1.5, Qwen2.5-7B-like b16 KV 32768 +0.7), at full context -0.1 ... +1.4 %; 96
+# tiles about the same, 192 worse (-3.4 % on a 1B-like shape)
+PIECE_RUN_TILES = 48
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
 # ATT_DYN 2 by default also where the static split is one round that leaves SMs idle and the model gains this much,
@@ -232,12 +243,14 @@ def piece_tiles(head_dim: int, esize: int) -> int:
 
 def stream_gain(consts: dict, grid: int, esize: int) -> float:
     """The modelled gain of ATT_DYN 2 over the static split ATT_C at full context (every sequence at SEQ_LEN rows):
-    static time / stream-K time - 1 (bytes model above; 0.25 = a quarter faster)."""
+    static time / stream-K time - 1 (bytes model above, its runs charging ATT_TASK_BYTES a piece as when the
+    thresholds were measured, whatever ATT_PIECE_TILES the kernel's runs take; 0.25 = a quarter faster)."""
     row = 2 * consts["HEAD_DIM"] * esize
     seq, att_c = consts["SEQ_LEN"], consts["ATT_C"]
     static = static_rounds(consts, grid) * (att_c * row + ATT_TASK_BYTES)
+    model = {**consts, "ATT_PIECE_TILES": piece_tiles(consts["HEAD_DIM"], esize)}
     stream = max(sum((e - s) * row + ATT_TASK_BYTES for _, _, s, e, _, _ in blk)
-                 for blk in attention_pieces([seq] * consts["BATCH"], consts, grid))
+                 for blk in attention_pieces([seq] * consts["BATCH"], model, grid))
     return static / stream - 1
 
 
@@ -387,9 +400,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at mixed positions, 0 ... +0.7 %
     # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading);
     # and below ATT_DYN_MIN_SEQ where one round of the static split leaves many SMs idle (STREAM_IDLE_GAIN)
+    # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice below models the bytes
+    att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
-                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len), "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize)}
+                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
         if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
                 or not att_dyn and sm == 90 and m.head_dim == 128 and v.seq_len >= 2048 and rounds == 1 \
@@ -397,6 +412,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
+    elif "ATT_PIECE_TILES" in ov:
+        raise PlanError(f"{v.name}: plan override ATT_PIECE_TILES={ov['ATT_PIECE_TILES']}: a piece's charge in "
+                        f"ATT_DYN 2's runs (this plan: ATT_DYN={att_dyn})")
     if ov.get("ATT_COMBINE") == 3 and att_dyn:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE=3: not with ATT_DYN={att_dyn} (the combine spread over "
                         "the splits' blocks needs every task in one round of the static split: ATT_DYN=0)")
@@ -617,7 +635,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": piece_tiles(m.head_dim, esize), "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
+        "ATT_PIECE_TILES": att_piece, "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
