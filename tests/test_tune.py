@@ -148,10 +148,10 @@ def test_stream_attention_covers_every_tile_once():
     a block holds few short pairs); the planner takes it by default where the static split
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
     and instead of ATT_DYN 1 (from KV 8192) at STREAM_MIN_PAIRS to SMs pairs (b8 with 8 KV heads: a serving mix's
-    even split), and where one round of the static split leaves SMs idle at head_dim 128 with a modelled gain of
-    STREAM_IDLE_GAIN (a Llama-3-8B-shaped b9: 72 pairs; not with an ATT_COMBINE 3 override) but not at a smaller
-    gain (96 pairs, the held-out b24) nor at head_dim 64 (the 1B shape at b9), nor with fewer pairs at KV 32768; an
-    override of 2 is taken, 3 refused."""
+    even split), and where one round of the static split leaves SMs idle with a modelled gain of STREAM_IDLE_GAIN
+    (Llama-3-8B- and 1B-shaped b9: 72 pairs, the held-out Qwen2.5-7B-like b24: 96; not with an ATT_COMBINE 3
+    override) but not at a smaller gain (the held-out SmolLM-like b3: 9 pairs, 99 tasks), nor with fewer pairs at KV
+    32768; an override of 2 is taken, 3 refused."""
     import random
     from generator.modes.decode import STREAM_MIN_GAIN, attention_pieces, attention_stream, static_rounds, stream_gain
     rng = random.Random(22)
@@ -160,12 +160,13 @@ def test_stream_attention_covers_every_tile_once():
     c = render.plan(v, "90")["consts"]
     assert c["ATT_DYN"] == 2 and c["ATT_NSPLIT"] == 16 and c["ATT_COMBINE"] == 1
     assert static_rounds(c, 132) == 2 and stream_gain(c, 132, 2) >= STREAM_MIN_GAIN
-    for name in ("llama3-8b_decode_b8_s4096_bf16", "ho-h3584-b24_decode_b24_s4096_bf16",
+    for name in ("llama3-8b_decode_b8_s4096_bf16", "ho-h576-g3_decode_b3_s4096_bf16",
                  "ho-l1b-b32_decode_b32_s4096_bf16", "llama3-8b_decode_b4_s32768_bf16",
                  "qwen2.5-7b_decode_b8_s32768_bf16", "qwen2.5-0.5b_decode_b8_s32768_bf16"):
         assert render.plan(by_name[name], "90")["consts"]["ATT_DYN"] != 2, name
+    assert render.plan(by_name["ho-h3584-b24_decode_b24_s4096_bf16"], "90")["consts"]["ATT_DYN"] == 2
     from generator.modes.decode import STREAM_IDLE_GAIN
-    for model, idle in (("llama3-8b", True), ("llama3.2-1b", False)):  # 72 pairs: 9 x 8 KV heads, KV 4096
+    for model, idle in (("llama3-8b", True), ("llama3.2-1b", True)):  # 72 pairs: 9 x 8 KV heads, KV 4096
         u = dataclasses.replace(by_name[f"{model}_decode_b8_s4096_bf16"], batch=9)
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]  # (the static split's ATT_C, stream-K's room)
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model

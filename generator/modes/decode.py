@@ -219,10 +219,11 @@ PIECE_RUN_TILES = 48
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
 # ATT_DYN 2 by default also where the static split is one round that leaves SMs idle and the model gains this much,
-# at head_dim 128 and KV >= 2048 on sm_90, where measured (bench/NOTES.md session 28: 68-80 pairs at KV 2048-4096,
-# modelled 0.53-0.77: +0.2 ... +16.7 % a layer on seven real-model shapes, -0.5 % on one, at full context; more at
-# mixed positions; head_dim 64 -1.6 / -2.9 %, 96 pairs (0.27-0.29) -1.2 / -3 %)
-STREAM_IDLE_GAIN = 0.45
+# at KV >= 2048 on sm_90, where measured (bench/NOTES.md session 28, head_dim 128, 68-80 pairs at KV 2048-4096,
+# modelled 0.53-0.77: +0.2 ... +16.7 % a layer on seven real-model shapes, -0.5 % on one, at full context; session
+# 32, with PIECE_RUN_TILES, six shapes of 72-96 pairs at head_dim 64/96/128 modelled 0.27-0.58: -2.1 ... +2.5 % at full
+# context, +3.1 ... +9.3 % at a serving mix of positions; at 0.13 (head_dim 64, 96 pairs) -2.9 / -1.0 %)
+STREAM_IDLE_GAIN = 0.25
 
 
 def static_rounds(consts: dict, grid: int) -> int:
@@ -407,7 +408,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
         if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
-                or not att_dyn and sm == 90 and m.head_dim == 128 and v.seq_len >= 2048 and rounds == 1 \
+                or not att_dyn and sm == 90 and v.seq_len >= 2048 and rounds == 1 \
                 and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") != 3:  # (3 needs the static split)
             att_dyn = 2
     if att_dyn == 2:
