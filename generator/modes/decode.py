@@ -267,6 +267,17 @@ def combine_default(outputs: int, nsplit: int) -> int:
     return 2 if -(-outputs // THREADS) * -(-nsplit // 8) >= 3 else 1
 
 
+# GEMV_PF 1 and O_PRE 1 by default at batch 1 on one sm_90 GPU, bf16 RMSNorm, where the hidden size is in this range.
+# Measured on the H200 (bench/NOTES.md session 32), both against neither, at row 191 (a served model's short context) /
+# full context: hidden 2048 (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B) +3.4 ... +6.1 % / +2.4 ... +3.7 %; elsewhere
+# mixed: hidden 896 -1.8 / -0.9, 1440 +2.0 / -1.4, 2560 +2.5 / +1.8 (head_dim-80 multi-head; but a Qwen3-4B-like
+# shape there spills 16 B with both), 3072 -0.5 ... +0.3, 3584 (Qwen2.5-7B) -2.3 / -1.6, 4096 -0.6 ... +1.3, 5120
+# -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where it
+# is off. Five more hidden-2048 shapes (TinyLlama, OLMo-1B, SmolLM2-1.7B, Qwen2.5-3B, a 1B-like KV 131072) build
+# without spills with both
+B1_PRE_HIDDEN = (2048, 2048)
+
+
 def _fmt(ov: dict) -> str:
     return " ".join(f"{k}={val}" for k, val in sorted(ov.items()))
 
@@ -629,6 +640,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"NORM_CLUSTER, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
                         f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
+    # batch 1 at hidden B1_PRE_HIDDEN: the next round's weights before each round's reduction (GEMV_PF 1) and
+    # o_proj's first step before attention's barrier (O_PRE 1), together (below)
+    b1_pre = (v.batch == 1 and v.tp == 1 and sm == 90 and m.dtype == "bf16" and m.norm == "rmsnorm"
+              and B1_PRE_HIDDEN[0] <= m.hidden <= B1_PRE_HIDDEN[1])
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
@@ -638,7 +653,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
         "ATT_PIECE_TILES": att_piece, "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", 0), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
+        "GEMV_PF": ov.get("GEMV_PF", int(b1_pre)), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
@@ -655,7 +670,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
     # b2's 0.0); at batch 1 -0.6 ... +3.6 % (not taken); with ATT_DYN (KV >= 8192) not timed
     if "O_PRE" not in ov:
-        consts["O_PRE"] = int(2 <= v.batch <= 8 and v.tp == 1 and not att_dyn and sm == 90)
+        consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn or b1_pre) and v.tp == 1 and sm == 90)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
