@@ -46,13 +46,14 @@ def group_of(ov: dict) -> str:
 
 
 def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int,
-            mixed: bool = False) -> list[dict]:
+            positions: list[int] | None = None) -> list[dict]:
     """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
-    overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context,
-    or with `mixed` at a serving mix of positions (bench.measure.mixed_positions)."""
+    overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context
+    (every sequence at row seq_len - 1), or at `positions` (one a sequence: e.g. bench.measure.mixed_positions, a
+    serving mix)."""
     import torch
 
-    from bench.measure import PREFILL_CACHE, mixed_positions, n_layers_for
+    from bench.measure import PREFILL_CACHE, n_layers_for
     from bench.timing import graph_of, layer_bytes, summarize, time_samples
     from generator import reference, verify
     from generator.loader import load
@@ -82,8 +83,10 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
 
     # decode: every sequence at full context; prefill: a prompt's first chunk (start 0), as gpu_check times them
     pos_full = torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32)
-    if mixed and not prefill:
-        pos_full = torch.tensor(mixed_positions(v.batch, v.seq_len), dtype=torch.int32)
+    if positions is not None and not prefill:
+        if len(positions) != v.batch or not all(0 <= q < v.seq_len for q in positions):
+            raise ValueError(f"positions: {v.batch} rows in [0, {v.seq_len}), got {positions}")
+        pos_full = torch.tensor(positions, dtype=torch.int32)
     n = n_layers_for(layer_bytes(m, v.batch, pos_full))
     pos_dev = pos_full.cuda()
     xs = torch.randn(v.batch, *((v.seq_len,) if prefill else ()), m.hidden, device="cuda").to(
