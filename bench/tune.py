@@ -153,7 +153,12 @@ def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None
 @click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True, help="timed replays per round")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved rounds")
 @click.option("--seed", type=int, default=None, help="default: fresh from the clock")
-def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed):
+@click.option("--positions", default="full", show_default=True,
+              help="where decode candidates are timed: full (every sequence at the cache's last row), mixed (a "
+                   "serving mix: the batch spread evenly over the cache) or a row N (every sequence at N: a short "
+                   "context); the plan that wins at full context need not win where a model is served (bench/NOTES.md "
+                   "session 32); each entry records it")
+def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed, positions):
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
     from generator import compile as gcompile, tune as gtune, variants as gvariants
     from generator.manifest import identity
@@ -169,6 +174,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         assert 0 <= si < sn
     except (ValueError, AssertionError):
         fail(f"--shard {shard}: must be I/N with 0 <= I < N")
+    row = int(positions) if positions.isdigit() else None
+    if positions not in ("full", "mixed") and row is None:
+        fail(f"--positions {positions}: full, mixed or a row number (0 or more)")
     try:
         vs = gvariants.load(variants_file)
     except gvariants.VariantError as exc:
@@ -177,7 +185,17 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
           and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
     if not vs:
         fail(f"{variants_file}: no variant of tp 1 matches --only {' '.join(only) or '*'}")
+    if row is not None and (short := [v for v in vs if v.mode == "decode" and v.seq_len <= row]):
+        fail(f"--positions {row}: past the cache of {short[0].name} (seq_len {short[0].seq_len}; rows 0 .. "
+             f"{short[0].seq_len - 1})")
     vs = vs[si::sn]
+
+    from bench.measure import mixed_positions
+
+    def at(v) -> list[int] | None:  # the decode positions a variant's candidates are timed at (None: full context)
+        if v.mode != "decode" or positions == "full":
+            return None
+        return mixed_positions(v.batch, v.seq_len) if row is None else [row] * v.batch
     import torch
     if not torch.cuda.is_available():
         fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")
@@ -219,7 +237,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             t = time.time()
             ok = [(c.name, ov) for c, ov in cands[v.name] if c.name not in bad]
             failed = [f"{ov or 'default'}: {bad[c.name]}" for c, ov in cands[v.name] if c.name in bad]
-            rows = measure(v, ok, bdir, seed, reps, rounds) if ok and cands[v.name][0][0].name not in bad else []
+            rows = (measure(v, ok, bdir, seed, reps, rounds, positions=at(v))
+                    if ok and cands[v.name][0][0].name not in bad else [])
             failed += [f"{r['overrides'] or 'default'}: {r['error']}" for r in rows if not r["pass"]]
             results[v.name] = {"rows": rows, "failed": failed, "tried": len(cands[v.name])}
             click.echo(f"{v.name}: {len(rows)} candidates timed in {time.time() - t:.0f} s; "
@@ -255,7 +274,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                 if single is not None and single is not rows[0]:
                     again.append((single["name"], single["overrides"]))
                 again.append((second[v.name][0].name, second[v.name][1]))
-                rows2 = measure(v, again, bdir, seed + 7, reps, rounds)
+                rows2 = measure(v, again, bdir, seed + 7, reps, rounds, positions=at(v))
                 results[v.name]["tried"] += 1
                 if not rows2[-1]["pass"]:
                     results[v.name]["failed"].append(f"{rows2[-1]['overrides']}: {rows2[-1].get('error')}")
@@ -279,6 +298,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                                "candidates": results[v.name]["tried"], "failed": len(results[v.name]["failed"]),
                                "identity": identity(v.params(), arch), "gpu": gpu, "date": date,
                                "knobs": gtune.knob_dict(render_plan(v, arch, overrides=w["overrides"] or None))}
+            if at(v) is not None:  # timed where it is served, not at full context: said in the entry
+                entries[v.name]["positions"] = positions if row is None else f"row {row}"
             click.echo(f"{v.name}: {w['overrides'] or 'default plan'}  {rows[0]['us']:.2f} -> {w['us']:.2f} us "
                        f"(x{rows[0]['us'] / w['us']:.3f})")
         if entries:

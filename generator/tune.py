@@ -6,7 +6,9 @@ validates the overrides and derives every dependent constant (ATT_NSPLIT, the sh
 bad or stale entry in a tuning file is ignored with a one-line warning, never an error.
 
 tuning/<gpu-slug>.json = {variant: {"overrides": {...}, "default_us", "tuned_us", "candidates": n, "failed": n,
-                                    "identity": sha256 of the variant's parameters and arch, "gpu", "date"}}
+                                    "identity": sha256 of the variant's parameters and arch, "gpu", "date",
+                                    "knobs": the measured plan's knobs, and where the decode candidates were not
+                                    timed at full context "positions": "mixed" or "row N" (`tune --positions`)}}
 
 This module imports neither torch nor bench: `bench/tune.py` compiles, verifies and times the candidates.
 """

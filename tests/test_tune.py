@@ -597,6 +597,20 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     assert "default" in rep.stdout
 
 
+def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
+    """`tune --positions` (where decode candidates are timed: full, mixed or a row) is checked on any machine: a bad
+    value or a row past a selected variant's cache is one line; a good one gets as far as the GPU."""
+    base = ["tune", "--variants", ROOT / "variants.yaml", "--only", "llama3.2-1b_decode_b1_s1024*"]
+    for val, want in (("bogus", "--positions bogus: full, mixed or a row number"),
+                      ("1024", "--positions 1024: past the cache of llama3.2-1b_decode_b1_s1024_bf16 (seq_len 1024")):
+        r = cli(base + ["--positions", val], cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: {want}") and r.stderr.count("\n") == 1, r.stderr
+    if not _cuda():
+        for val in ("mixed", "191", "full"):
+            r = cli(base + ["--positions", val], cwd=tmp_path)
+            assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
+
+
 def test_tuned_for_missing_file_is_one_line(tmp_path, tiny_variants_file, cli):
     r = cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", "no-such-gpu"],
             cwd=tmp_path)
@@ -615,17 +629,20 @@ def _cuda() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b_decode_b1_s1024_bf16", "llama3.2-1b_prefill_b1_s16_bf16"])
-def test_tune_one_small_variant(tmp_path, name):
+@pytest.mark.parametrize("name,positions", [("qwen2.5-0.5b_decode_b1_s1024_bf16", "full"),
+                                            ("llama3.2-1b_prefill_b1_s16_bf16", "full"),
+                                            ("qwen2.5-0.5b_decode_b4_s1024_bf16", "mixed")])
+def test_tune_one_small_variant(tmp_path, name, positions):
     from conftest import cli_env
     import subprocess
     import sys
     out = tmp_path / "tuning" / "gpu.json"
     r = subprocess.run([sys.executable, "-m", "generator.cli", "tune", "--only", name, "--out", out, "--limit", "6",
-                        "--build-dir", tmp_path / "cands"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-                       timeout=900)
+                        "--build-dir", tmp_path / "cands", "--positions", positions], cwd=ROOT, env=cli_env(),
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     e = json.loads(out.read_text())[name]
+    assert e.get("positions") == (None if positions == "full" else positions)  # where it was timed, recorded
     assert e["tuned_us"] <= e["default_us"] * 1.03
     v = next(v for v in declared() + prefill_declared() if v.name == name)
     ov, src, _, warn = gtune.resolve(v, "90", out)
