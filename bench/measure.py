@@ -45,7 +45,7 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 def mixed_positions(batch: int, seq_len: int) -> list[int]:
     """A serving mix of decode positions: the batch's sequences spread evenly over the cache (sequence b at
     (b + 1) * seq_len / batch rows), as bench/gpu_check.py times fused and FlashInfer layers beside full context."""
-    return [(b + 1) * seq_len // batch - 1 for b in range(batch)]
+    return [max(0, (b + 1) * seq_len // batch - 1) for b in range(batch)]
 
 
 def n_layers_for(layer_bytes: int, l2: int = L2_BYTES, minimum: int = MIN_LAYERS) -> int:

@@ -210,7 +210,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     try:
         cands = {}
         for v in vs:
-            cands[v.name] = [(renamed(v, f"c{i:02d}"), ov) for i, ov in enumerate(gtune.candidates(v, arch, limit))]
+            cands[v.name] = [(renamed(v, f"c{i:02d}"), ov)
+                             for i, ov in enumerate(gtune.candidates(v, arch, limit, positions))]
 
         def compile_all(pairs):
             t = time.time()

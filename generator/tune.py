@@ -161,7 +161,7 @@ BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "ATT_INLINE", "N
                 "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA")  # on/off knobs: 0 is a setting, not a size
 
 
-def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[dict]:
+def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions: str = "full") -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
     accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
 
@@ -185,9 +185,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
     warps where 3 stages of all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
     STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer
     where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
-    0, or 1 from KV 8192). ATT_DYN 1 is never tried against a static plan: it pays at mixed positions, and the tuner
-    times full context. A candidate whose split count moves the planner's ATT_COMBINE default keeps the default
-    plan's, and so does one whose ATT_DYN moves O_PRE's."""
+    0, or 1 from KV 8192). ATT_DYN 1 is tried against a static plan, and stream-K's piece charge (ATT_PIECE_TILES
+    halved and doubled) where it is planned, only where the candidates are not timed at full context (`positions`:
+    what `bench/tune.py --positions` times): both matter at mixed positions. A candidate whose split count moves the
+    planner's ATT_COMBINE default keeps the default plan's, and so does one whose ATT_DYN moves O_PRE's."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
@@ -227,6 +228,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32) -> list[di
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
         if d["ATT_DYN"] == 2:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
+            if positions != "full":
+                tries += [{"ATT_PIECE_TILES": t} for t in (d["ATT_PIECE_TILES"] // 2, d["ATT_PIECE_TILES"] * 2)]
+        if positions != "full" and d["ATT_DYN"] == 0 and 2 <= v.batch <= 32 and v.tp == 1:
+            tries += [{"ATT_DYN": 1}]
         elif 2 <= v.batch <= 32 and v.tp == 1 and decode.stream_gain(
                 {**d, "ATT_NSPLIT": decode.stream_room(v.seq_len)},
                 get_arch(arch).sms, decode.DTYPES[v.model.dtype].bytes) >= decode.STREAM_TRY_GAIN:
@@ -301,7 +306,9 @@ def knob_dict(p: dict) -> dict:
 
 # knobs added after records were made whose default is no longer always the kernel as it was: the value a record
 # without them measured (RED_DB: two buffers of partial sums until session 16)
-KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0}
+# (ATT_PIECE_TILES: 0 in plans without stream-K; a stream-K record without it ran the bytes model's charge: stale)
+KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
+                "ATT_PIECE_TILES": 0}
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}

@@ -225,6 +225,22 @@ def test_stream_attention_covers_every_tile_once():
         assert {k for k in a if a[k] != b[k]} == {"ATT_PIECE_TILES"} and b["ATT_PIECE_TILES"] == ov["ATT_PIECE_TILES"]
     with pytest.raises(PlanError, match="ATT_PIECE_TILES=48: a piece's charge in ATT_DYN 2's runs"):
         render.plan(by_name["llama3-8b_decode_b8_s4096_bf16"], overrides={"ATT_PIECE_TILES": 48})
+    assert render.plan(by_name["llama3-8b_decode_b8_s4096_bf16"])["consts"]["ATT_PIECE_TILES"] == 0  # unused there
+    # any charge still covers every tile once (0: no fixed cost; 1024: a run of one pair a block where it can)
+    for charge in (0, 1024):
+        cc = {**c, "ATT_PIECE_TILES": charge}
+        for lengths in ([v.seq_len] * v.batch, spread):
+            got = sorted((b, h, s) for blk in attention_pieces(lengths, cc, 132) for b, h, s, e, _, _ in blk
+                         for s in range(s, e, 16))
+            assert got == sorted((b, h, r) for b in range(v.batch) for h in range(cc["KV_HEADS"])
+                                 for r in range(0, max(16, -(-lengths[b] // 16) * 16), 16)), (charge, lengths)
+    # the tuner times the charge (halved, doubled) and ATT_DYN 1 against a static plan only off full context
+    from generator import tune as gt
+    for name, knob in (("ho-l1b-b20_decode_b20_s4096_bf16", "ATT_PIECE_TILES"),
+                       ("llama3-8b_decode_b8_s4096_bf16", "ATT_DYN")):
+        full, mixed = gt.candidates(by_name[name], "90", 64), gt.candidates(by_name[name], "90", 64, "mixed")
+        assert not any(knob in ov and ov[knob] != 2 for ov in full), name
+        assert any(knob in ov and ov[knob] != 2 for ov in mixed), name
     with pytest.raises(PlanError, match="ATT_DYN=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"ATT_DYN": 3})
     with pytest.raises(PlanError, match="ATT_DYN=2: needs batch <= 32"):

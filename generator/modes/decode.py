@@ -211,18 +211,19 @@ ATT_TASK_BYTES = 96 << 10
 # above keeps its bytes model): a piece's fixed chain (the ring drained and refilled, queries, the warp states, the
 # partial and its counter, the last piece's combine) costs more than ATT_TASK_BYTES of walk, and at a serving mix of
 # positions a run over many short pairs held too many pieces. Measured on the H200 (bench/NOTES.md session 32), 48
-# tiles against the bytes model's 12 (head_dim 128) or 24 (64), at spread positions: +1.5 ... +8.8 % a layer on seven
+# tiles against the bytes model's 12 (head_dim 128) or 24 (64), at spread positions: +0.7 ... +8.8 % a layer on seven
 # shapes (Llama-3.1-8B-like b12 KV 8192 +4.9, Mistral-Nemo-like b18 +6.6, Mistral-7B-like b20 +8.8, 1B-like b20 +4.4,
 # b12 KV 8192 +3.2, hidden-3072 b9 +1.5, Qwen2.5-7B-like b16 KV 32768 +0.7), at full context -0.1 ... +1.4 %; 96
-# tiles about the same, 192 worse (-3.4 % on a 1B-like shape)
+# tiles about the same, 192 worse (-3.4 % on a 1B-like shape). The constant is 0 in plans without ATT_DYN 2 (unused)
 PIECE_RUN_TILES = 48
 STREAM_MIN_GAIN = 0.25
 STREAM_TRY_GAIN = 0.10  # the tuner times ATT_DYN 2 from this modelled gain (generator/tune.py candidates)
 # ATT_DYN 2 by default also where the static split is one round that leaves SMs idle and the model gains this much,
 # at KV >= 2048 on sm_90, where measured (bench/NOTES.md session 28, head_dim 128, 68-80 pairs at KV 2048-4096,
 # modelled 0.53-0.77: +0.2 ... +16.7 % a layer on seven real-model shapes, -0.5 % on one, at full context; session
-# 32, with PIECE_RUN_TILES, six shapes of 72-96 pairs at head_dim 64/96/128 modelled 0.27-0.58: -2.1 ... +2.5 % at full
-# context, +3.1 ... +9.3 % at a serving mix of positions; at 0.13 (head_dim 64, 96 pairs) -2.9 / -1.0 %)
+# 32, with PIECE_RUN_TILES, five shapes of 72-96 pairs at head_dim 64/96/128 modelled 0.27-0.58: -2.1 ... +2.5 % at
+# full context, +3.1 ... +9.3 % at a serving mix of positions; at 0.13 (head_dim 64, 96 pairs) -2.9 / -1.0 %; where
+# it lowers the threshold, ATT_DYN 2 also turns O_PRE's batch 2-8 default off, as measured). Below ATT_DYN_MIN_SEQ.
 STREAM_IDLE_GAIN = 0.25
 
 
@@ -244,8 +245,9 @@ def piece_tiles(head_dim: int, esize: int) -> int:
 
 def stream_gain(consts: dict, grid: int, esize: int) -> float:
     """The modelled gain of ATT_DYN 2 over the static split ATT_C at full context (every sequence at SEQ_LEN rows):
-    static time / stream-K time - 1 (bytes model above, its runs charging ATT_TASK_BYTES a piece as when the
-    thresholds were measured, whatever ATT_PIECE_TILES the kernel's runs take; 0.25 = a quarter faster)."""
+    static time / stream-K time - 1 (bytes model above, its runs laid out with ATT_TASK_BYTES a piece whatever
+    ATT_PIECE_TILES the kernel's runs take: STREAM_MIN_GAIN and STREAM_IDLE_GAIN were fitted to measurements in this
+    model, the latter with the kernel's 48-tile charge; 0.25 = a quarter faster)."""
     row = 2 * consts["HEAD_DIM"] * esize
     seq, att_c = consts["SEQ_LEN"], consts["ATT_C"]
     static = static_rounds(consts, grid) * (att_c * row + ATT_TASK_BYTES)
@@ -271,8 +273,8 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # Measured on the H200 (bench/NOTES.md session 32), both against neither, at row 191 (a served model's short context) /
 # full context: hidden 2048 (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B) +3.4 ... +6.1 % / +2.4 ... +3.7 %; elsewhere
 # mixed: hidden 896 -1.8 / -0.9, 1440 +2.0 / -1.4, 2560 +2.5 / +1.8 (head_dim-80 multi-head; but a Qwen3-4B-like
-# shape there spills 16 B with both), 3072 -0.5 ... +0.3, 3584 (Qwen2.5-7B) -2.3 / -1.6, 4096 -0.6 ... +1.3, 5120
-# -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where it
+# shape there spills 16 B with both), 3072 -0.5 ... +0.8, 3584 (Qwen2.5-7B) -2.3 / -1.6, 4096 -0.6 ... +1.3 (Llama-3-8B
+# +1.3 / +1.1, within the spread), 5120 -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where it
 # is off. Five more hidden-2048 shapes (TinyLlama, OLMo-1B, SmolLM2-1.7B, Qwen2.5-3B, a 1B-like KV 131072) build
 # without spills with both
 B1_PRE_HIDDEN = (2048, 2048)
@@ -651,7 +653,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
-        "ATT_PIECE_TILES": att_piece, "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
+        "ATT_PIECE_TILES": att_piece if att_dyn == 2 else 0, "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
         "GEMV_PF": ov.get("GEMV_PF", int(b1_pre)), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
@@ -668,7 +670,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
-    # b2's 0.0); at batch 1 -0.6 ... +3.6 % (not taken); with ATT_DYN (KV >= 8192) not timed
+    # b2's 0.0); at batch 1 -0.6 ... +3.6 % alone, so only with GEMV_PF at hidden 2048 (B1_PRE_HIDDEN, session 32);
+    # with ATT_DYN (KV >= 8192) not timed
     if "O_PRE" not in ov:
         consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn or b1_pre) and v.tp == 1 and sm == 90)
     consts["H_STATS"] = h_stats
