@@ -274,9 +274,9 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # full context: hidden 2048 (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B) +3.4 ... +6.1 % / +2.4 ... +3.7 %; elsewhere
 # mixed: hidden 896 -1.8 / -0.9, 1440 +2.0 / -1.4, 2560 +2.5 / +1.8 (head_dim-80 multi-head; but a Qwen3-4B-like
 # shape there spills 16 B with both), 3072 -0.5 ... +0.8, 3584 (Qwen2.5-7B) -2.3 / -1.6, 4096 -0.6 ... +1.3 (Llama-3-8B
-# +1.3 / +1.1, within the spread), 5120 -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where it
-# is off. Five more hidden-2048 shapes (TinyLlama, OLMo-1B, SmolLM2-1.7B, Qwen2.5-3B, a 1B-like KV 131072) build
-# without spills with both
+# +1.3 / +1.1, within the spread), 5120 -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at
+# hidden 3072); the tuner tries each where it is off. Five more hidden-2048 shapes (TinyLlama, OLMo-1B, SmolLM2-1.7B,
+# Qwen2.5-3B, a 1B-like KV 131072) build without spills with both
 B1_PRE_HIDDEN = (2048, 2048)
 
 
@@ -414,7 +414,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at mixed positions, 0 ... +0.7 %
     # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading);
     # and below ATT_DYN_MIN_SEQ where one round of the static split leaves many SMs idle (STREAM_IDLE_GAIN)
-    # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice below models the bytes
+    # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice of ATT_DYN 2 below does not
+    # read it (stream_gain keeps the bytes model's charge)
     att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
@@ -655,7 +656,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                               if not att_dyn and v.tp == 1 else 1), "ATT_DYN": att_dyn,
         "ATT_PIECE_TILES": att_piece if att_dyn == 2 else 0, "ATT_TMA": att_tma, "ATT_QSMEM": att_qsmem,
         "X_FRAG": x_frag, "HB_COPY": hb_copy,
-        "GEMV_PF": ov.get("GEMV_PF", int(b1_pre)), "NORM_FOLD": norm_fold, "RED_DB": red_db, "NORM_CLUSTER": norm_cluster,
+        "GEMV_PF": ov.get("GEMV_PF", int(b1_pre)), "NORM_FOLD": norm_fold, "RED_DB": red_db,
+        "NORM_CLUSTER": norm_cluster,
         # qkv -> attention without a grid barrier: each attention task waits on its KV head's qkv tiles (counted
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
