@@ -23,8 +23,9 @@ from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
 
 def console_width(stream, piped: int = 240) -> int | None:
     """A rich Console's width for `stream`: the terminal's (None: rich asks it, or reads COLUMNS where that is a
-    number), else `piped`: a pipe or CI log is not a terminal, and rich would squeeze the tables into 80 columns."""
-    return None if stream.isatty() or os.environ.get("COLUMNS", "").strip().isdigit() else piped
+    positive number), else `piped`: a pipe or CI log is not a terminal, and rich would squeeze the tables into 80 columns."""
+    cols = os.environ.get("COLUMNS", "").strip()
+    return None if stream.isatty() or cols.isdigit() and int(cols) > 0 else piped
 
 
 console = Console(width=console_width(sys.stdout))

@@ -322,8 +322,9 @@ def knobs_differ(recorded: dict, now: dict) -> list[str]:
     if not recorded:
         return []
     rec = {**{k: val for k, val in KNOBS_BEFORE.items() if k in now}, **recorded}
-    return sorted(k for k in rec if now.get(k) != rec[k] and not (k not in now and k in KNOBS_RETIRED
-                                                                   and KNOBS_RETIRED[k] == rec[k]))
+    inert = {"ATT_PIECE_TILES"} if now.get("ATT_DYN") != 2 else set()  # read by stream-K's kernel only
+    return sorted(k for k in rec if now.get(k) != rec[k] and k not in inert
+                  and not (k not in now and k in KNOBS_RETIRED and KNOBS_RETIRED[k] == rec[k]))
 
 
 def combine(v: Variant, arch: str, winners: list[dict]) -> dict | None:

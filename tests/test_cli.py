@@ -112,6 +112,10 @@ def test_list_default_variants(tmp_path):
     assert max(map(len, r.stdout.splitlines())) <= 72 and "not shown at this width: inter, head_dim" in r.stdout
     r = run_cli(["list", "--variants", ROOT / "variants.yaml", "--wide"], cwd=tmp_path, env={"COLUMNS": "72"})
     assert r.returncode == 0 and "head_dim" in r.stdout and "not shown" not in r.stdout
+    # a COLUMNS that is no width (0, text) is the piped default, not a table squeezed to nothing
+    for cols in ("0", "abc"):
+        r = run_cli(["list", "--variants", ROOT / "variants.yaml"], cwd=tmp_path, env={"COLUMNS": cols})
+        assert r.returncode == 0 and all(n in r.stdout for n in DEFAULT_NAMES) and "not shown" not in r.stdout, cols
 
 
 def build_status(table: str) -> dict[str, str]:

@@ -1417,6 +1417,12 @@ def test_a_record_without_red_db_was_measured_with_two_buffers():
     assert knobs_differ({"GEMV_PF": 0, "L2_PF": 0}, {"GEMV_PF": 0, "RED_DB": 1}) == []
     assert knobs_differ({"GEMV_PF": 0, "L2_PF": 16}, {"GEMV_PF": 0, "RED_DB": 1}) == ["L2_PF"]
     assert knobs_differ({"OLD_KNOB": 0}, {"RED_DB": 1}) == ["OLD_KNOB"]
+    # stream-K's piece charge is read only by a stream-K kernel: a record of another plan at any charge is current, a
+    # stream-K record at another charge (or without one: the bytes model's) is not
+    assert knobs_differ({"ATT_DYN": 0, "ATT_PIECE_TILES": 48}, {"ATT_DYN": 0, "ATT_PIECE_TILES": 0}) == []
+    assert knobs_differ({"ATT_DYN": 2, "ATT_PIECE_TILES": 12}, {"ATT_DYN": 2, "ATT_PIECE_TILES": 48}) == \
+        ["ATT_PIECE_TILES"]
+    assert knobs_differ({"ATT_DYN": 2}, {"ATT_DYN": 2, "ATT_PIECE_TILES": 48}) == ["ATT_PIECE_TILES"]
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 3072, 4096, 8192])
