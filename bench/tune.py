@@ -160,7 +160,7 @@ def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None
                    "session 32); each entry records it")
 def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed, positions):
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
-    from generator import compile as gcompile, tune as gtune, variants as gvariants
+    from generator import compile as gcompile, report as greport, tune as gtune, variants as gvariants
     from generator.manifest import identity
     from generator.render import plan as render_plan
     from generator.targets import DEFAULT_ARCH
@@ -188,6 +188,15 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     if row is not None and (short := [v for v in vs if v.mode == "decode" and v.seq_len <= row]):
         fail(f"--positions {row}: past the cache of {short[0].name} (seq_len {short[0].seq_len}; rows 0 .. "
              f"{short[0].seq_len - 1})")
+    if positions != "full":  # prefill candidates time a whole chunk from position 0: --positions does not apply
+        pre = [v.name for v in vs if v.mode != "decode"]
+        if len(pre) == len(vs):
+            fail(f"--positions {positions}: decode variants only (a prefill candidate is timed on its whole chunk); "
+                 f"--only selects {greport.counted(len(pre), 'prefill variant')} and no decode one")
+        if pre:
+            click.echo(f"warning: --positions {positions}: decode variants only; the "
+                       f"{greport.counted(len(pre), 'prefill variant')} selected are timed on their whole chunk "
+                       "as with full", err=True)
     vs = vs[si::sn]
 
     from bench.measure import mixed_positions

@@ -657,6 +657,25 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
             dist.destroy_process_group()
 
 
+# Model.generate's and Model.from_hf's argument names -> the generate command's options, so an error names what the
+# user typed (`--stop 5000`: "--stop: integer token ids in [0, 127] ...", not "stop_tokens: ...")
+_OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "cache_len": "--cache-len",
+              "variants": "--variant", "dtype": "--dtype", "temperature": "--temperature", "top_k": "--top-k",
+              "top_p": "--top-p", "seed": "--seed", "device": "--device"}
+
+
+def _as_options(msg: str, prompt_option: str) -> str:
+    """`msg` (a ServeError's one line) with its leading argument name as the generate option that set it."""
+    name, sep, rest = msg.partition(": ")
+    if sep and name in _OPTION_OF:
+        return f"{_OPTION_OF[name]}: {rest}"
+    if sep and name == "prompts":
+        return f"{prompt_option}: {rest}"
+    if sep and name.startswith("prompts[") and name.endswith("]"):
+        return f"{prompt_option} (sequence {name[len('prompts['):-1]}): {rest}"
+    return msg
+
+
 def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
               cache_len, device, dev, no_graph, build_dir, group, echo, info, dtype=None):
     """generate_cmd's work once the device and any process group are set: echo prints tokens, info figures."""
@@ -726,7 +745,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop_tokens=stop_ids, callback=show)
     except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
-        fail(str(exc))
+        fail(_as_options(str(exc), "--ids" if tok is None else "--prompt"))
     if len(seqs) == 1:
         if tok is not None and (final := tok.decode(streamed)).startswith(shown[0]):
             echo(final[len(shown[0]):], nl=False)  # what a partial character held back

@@ -387,7 +387,9 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     # bad values a user types: each one line, no traceback
     base = ["generate", d, "--device", "cpu", "--max-new-tokens", "2"]
     for extra, want in ((["--ids", "1,,2"], "--ids: comma-separated integers (no empty item)"),
-                        (["--ids", "1", "--stop", "5000"], "stop_tokens: integer token ids in [0,"),
+                        (["--ids", "1", "--stop", "5000"], "error: --stop: integer token ids in [0,"),
+                        (["--ids", "1", "--ids", "2,99999"], "error: --ids (sequence 1): token ids must be integers"),
+                        (["--ids", "1", "--cache-len", "2", "--max-new-tokens", "5"], "error: --max-new-tokens: "),
                         (["--ids", "1", "--temperature", "inf"], "--temperature"),
                         (["--ids", "1", "--seed", str(2 ** 70)], "--seed")):
         r = cli(base + extra, cwd=tmp_path)

@@ -621,7 +621,14 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
                       ("1024", "--positions 1024: past the cache of llama3.2-1b_decode_b1_s1024_bf16 (seq_len 1024")):
         r = cli(base + ["--positions", val], cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith(f"error: {want}") and r.stderr.count("\n") == 1, r.stderr
+    # prefill candidates are timed on their whole chunk: --positions alone on them is refused, in a mix a warning
+    r = cli(["tune", "--only", "llama3.2-1b_prefill_b1_s16*", "--positions", "mixed"], cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.startswith("error: --positions mixed: decode variants only"), r.stderr
     if not _cuda():
+        r = cli(["tune", "--only", "llama3.2-1b_*_b1_s1024*", "--only", "llama3.2-1b_prefill_b1_s16*",
+                 "--positions", "mixed"], cwd=ROOT)
+        assert r.stderr.startswith("warning: --positions mixed: decode variants only; the 1 prefill variant "), r.stderr
+        assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
         for val in ("mixed", "191", "full"):
             r = cli(base + ["--positions", val], cwd=tmp_path)
             assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
