@@ -181,6 +181,24 @@ def agreement(served, ref_fp32, n_new: int) -> dict:
             "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
 
 
+def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
+    """transformers' own `hf_model` (bf16) against transformers fp32, as `agreement` measures the served model: the
+    yardstick for the served bf16 model's figures (a bf16 forward's rounding through every layer, not a kernel's)."""
+    ids = prompts(1, 32, ref_fp32.config.vocab_size, seed=5).cuda()
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = hf_model.generate(ids, **kw)[0, 32:].tolist()
+        ref_tokens = ref_fp32.generate(ids, **kw)[0, 32:].tolist()
+        seq = torch.tensor([ids[0].tolist() + got[:-1]], device="cuda")
+        ours = hf_model(input_ids=seq).logits[0, 31:].float()
+        ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
+    same = next((i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), n_new)
+    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
+            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
+            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build-dir", default="build")
@@ -231,7 +249,10 @@ def main(argv=None):
         del m
         m32 = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=256, dtype=torch.float32)
         res["agreement_unfused_fp32_vs_hf_fp32"] = agreement(m32, ref32, 32)
-        del m32, ref32
+        del m32
+        hf16 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        res["agreement_hf_bf16_vs_hf_fp32"] = agreement_hf(hf16, ref32, 32)  # the yardstick for the fused bf16 row
+        del hf16, ref32
         torch.cuda.empty_cache()
     if "unfused" not in args.skip:
         m = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=args.seq_len, max_batch=8)
@@ -273,7 +294,7 @@ def main(argv=None):
               f" x{kb['ratio']}; one layer from Python: {kb['layer_eager_call_us']} us a call "
               f"({kb['layer_call_host_us']} us host; validate=False: {kb['layer_eager_call_unchecked_us']} us, "
               f"{kb['layer_call_unchecked_host_us']} us host), kernel {kb['layer_kernel_us']} us")
-    for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32"):
+    for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32", "agreement_hf_bf16_vs_hf_fp32"):
         if res.get(k):
             print(f"{k}: {res[k]}")
     save()

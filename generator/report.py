@@ -230,7 +230,8 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
 E2E_FIGURES = [("ttft_ms_128", "TTFT 128\nms", ".2f"), ("ttft_ms_2048", "TTFT 2048\nms", ".2f"),
                ("ms_per_token_b1", "ms/token\nb1", ".3f"), ("ms_per_token_b8", "ms/token\nb8", ".3f"),
                ("ms_per_token_b1_long", "ms/token\nb1 long", ".3f")]
-E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unfused_fp32_vs_hf_fp32": "unfused fp32"}
+E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unfused_fp32_vs_hf_fp32": "unfused fp32",
+                 "agreement_hf_bf16_vs_hf_fp32": "transformers bf16"}  # the last: the yardstick for bf16's rounding
 
 
 def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
@@ -561,6 +562,7 @@ def print_e2e(e2e: dict, console: Console) -> None:
         if "error" in r:
             console.print(f"{name}: error: {r['error']}", markup=False, highlight=False)
     agree = [f"{label} {a.get('greedy_tokens_equal_before_divergence', '?')} of {a.get('of', '?')}"
+             + (f" (logits {a['logits_rel_err']:.1e})" if isinstance(a.get("logits_rel_err"), float) else "")
              for label, a in e2e.get("agreement", {}).items()]
     kb = e2e.get("kernel_bound") or {}
     line = ("greedy tokens equal to transformers fp32 before divergence: " + ", ".join(agree)) if agree else ""

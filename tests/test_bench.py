@@ -434,7 +434,8 @@ def test_report_shows_the_newest_e2e_result(tmp_path):
     con = Console(width=80, record=True, color_system=None)
     print_e2e(e2e, con)
     text = " ".join(con.export_text().split())
-    assert "fused bf16 32 of 32, unfused fp32 32 of 32" in text and "b1 long" not in text and "0.891" in text
+    assert "fused bf16 32 of 32 (logits 1.1e-02), unfused fp32 32 of 32 (logits 1.7e-06)" in text  # rel. errors
+    assert "b1 long" not in text and "0.891" in text
     assert "×" not in text
 
 
