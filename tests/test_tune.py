@@ -99,18 +99,25 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
     """GEMV_PF 1: the projections' next round of weight loads issued before this round's reduction; 2: every step's
     loads one step ahead, in steps of at most 4 loads (two register sets) (templates/gemv.cuh PF); off by default
     (each wins on some shapes and loses on others, bench/NOTES.md), tuner candidates; but 1 (with O_PRE 1) at batch 1
-    for bf16 RMSNorm shapes of hidden 2048 (decode.B1_PRE_HIDDEN: Llama-3.2-1B, Qwen3-1.7B)."""
+    for bf16 RMSNorm shapes of the measured (hidden, KV heads) (decode.B1_PRE_SHAPES: Llama-3.2-1B, Qwen3-1.7B,
+    SmolLM2-1.7B, Llama-3-8B; not TinyLlama's 4 KV heads at hidden 2048 or Llama-2-7B's 32 at 4096)."""
     by = {v.name: v for v in declared()}
     for name, on in (("llama3.2-1b_decode_b1_s4096_bf16", 1), ("qwen3-1.7b_decode_b1_s32768_bf16", 1),
+                     ("llama3-8b_decode_b1_s4096_bf16", 1), ("llama3-8b_decode_b1_s32768_bf16", 1),
                      ("qwen2.5-7b_decode_b1_s4096_bf16", 0), ("qwen2.5-0.5b_decode_b1_s4096_bf16", 0),
-                     ("ho-hd80-mha_decode_b1_s4096_bf16", 0)):
+                     ("ho-hd80-mha_decode_b1_s4096_bf16", 0), ("ho-h3072-g3_decode_b1_s4096_bf16", 0)):
         c = render.plan(by[name])["consts"]
         assert c["GEMV_PF"] == on and c["O_PRE"] == on, name
+    for name, kv_heads, on in (("llama3.2-1b_decode_b1_s4096_bf16", 32, 1), ("llama3.2-1b_decode_b1_s4096_bf16", 4, 0),
+                               ("llama3-8b_decode_b1_s4096_bf16", 32, 0), ("llama3-8b_decode_b1_s4096_bf16", 4, 0)):
+        v = by[name]
+        w = dataclasses.replace(v, model=dataclasses.replace(v.model, kv_heads=kv_heads))
+        assert render.plan(w)["consts"]["GEMV_PF"] == on, (name, kv_heads)
     assert render.plan(by["llama3.2-1b_decode_b4_s4096_bf16"])["consts"]["GEMV_PF"] == 0  # (O_PRE 1: batch 2-8)
     fp16 = dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"],
                                model=dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"].model, dtype="fp16"))
     assert render.plan(fp16)["consts"]["GEMV_PF"] == 0
-    v = by["llama3-8b_decode_b1_s4096_bf16"]
+    v = by["qwen2.5-7b_decode_b1_s4096_bf16"]
     assert render.plan(v)["consts"]["GEMV_PF"] == 0
     assert {"GEMV_PF": 1} in gtune.candidates(v) and {"GEMV_PF": 2} in gtune.candidates(v)
     src = render.render(v, render.plan(v, overrides={"GEMV_PF": 1}))
@@ -1011,11 +1018,11 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
     tensor parallel and for values other than 0/1."""
     from generator.plan import PlanError
     from generator.render import plan, render
-    v8 = next(v for v in declared() if v.name == "llama3-8b_decode_b1_s4096_bf16")
+    v8 = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b1_s4096_bf16")
     assert all(plan(v8, "90")["consts"][f"{p}_PRE"] == 0 for p in ("QKV", "O", "GU", "DOWN"))
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     # O_PRE by default at batch 2-8 on one GPU with the static split (bench/NOTES.md session 27); not at batch 1 (but
-    # with GEMV_PF at hidden 2048: test_next_rounds_weight_loads_early_is_a_tuner_knob), 16, with ATT_DYN (KV 32768)
+    # with GEMV_PF at B1_PRE_SHAPES: test_next_rounds_weight_loads_early_is_a_tuner_knob), 16, with ATT_DYN (KV 32768)
     # or tensor parallel; an override wins
     by = {v.name: v for v in declared()}
     for name, on in (("llama3.2-1b_decode_b8_s4096_bf16", 1), ("ho-h1536-g6_decode_b2_s4096_bf16", 1),

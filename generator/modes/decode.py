@@ -269,15 +269,18 @@ def combine_default(outputs: int, nsplit: int) -> int:
     return 2 if -(-outputs // THREADS) * -(-nsplit // 8) >= 3 else 1
 
 
-# GEMV_PF 1 and O_PRE 1 by default at batch 1 on one sm_90 GPU, bf16 RMSNorm, where the hidden size is in this range.
-# Measured on the H200 (bench/NOTES.md session 32), both against neither, at row 191 (a served model's short context) /
-# full context: hidden 2048 (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B) +3.4 ... +6.1 % / +2.4 ... +3.7 %; elsewhere
-# mixed: hidden 896 -1.8 / -0.9, 1440 +2.0 / -1.4, 2560 +2.5 / +1.8 (head_dim-80 multi-head; but a Qwen3-4B-like
-# shape there spills 16 B with both), 3072 -0.5 ... +0.8, 3584 (Qwen2.5-7B) -2.3 / -1.6, 4096 -0.6 ... +1.3 (Llama-3-8B
-# +1.3 / +1.1, within the spread), 5120 -1.0 ... +0.2 %. Either alone gains less (GEMV_PF alone spilled 48 B at
-# hidden 3072); the tuner tries each where it is off. Five more hidden-2048 shapes (TinyLlama, OLMo-1B, SmolLM2-1.7B,
-# Qwen2.5-3B, a 1B-like KV 131072) build without spills with both
-B1_PRE_HIDDEN = (2048, 2048)
+# GEMV_PF 1 and O_PRE 1 by default at batch 1 on one sm_90 GPU, bf16 RMSNorm, where (hidden, KV heads) is one of
+# these. Measured on the H200, both against neither, at row 191 (a served model's short context) / full context
+# (bench/NOTES.md sessions 32-33): hidden 2048 with 8 KV heads (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B,
+# InternLM2-1.8B-like) +2.4 ... +6.1 %, with 32 (SmolLM2-1.7B) +5.8 / +4.8 %; hidden 4096 with 8 KV heads
+# (Llama-3-8B KV 1024 / 4096, Mistral-7B-like KV 8192, Qwen3-8B-like, Granite-3-8B-like) +0.6 ... +2.0 %, ten of ten
+# faster. Not taken where it lost or tied: hidden 2048 with 4 KV heads (TinyLlama -1.8 / -2.2 %) or 2 (Qwen2.5-3B
+# 0.0 / -0.3), hidden 4096 with 4 (Yi-6B +0.2 / -1.65) or 32 (Llama-2-7B -0.1 / -1.2), hidden 3584 (Qwen2.5-7B -2.3 /
+# -1.6), 896 (Qwen2.5-0.5B), 3072 and 5120 (-1.0 ... +0.8); mixed at 1440 / 2560 (head_dim 80; a Qwen3-4B-like shape
+# at 2560 spills 16 B with both). What decides it is not established (the losers differ in KV heads, qkv's warp
+# groups or the MLP's width); so only the measured pairs. Either knob alone gains less (GEMV_PF alone spilled 48 B at
+# hidden 3072); the tuner tries each where it is off
+B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
 
 
 def _fmt(ov: dict) -> str:
@@ -643,10 +646,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"NORM_CLUSTER, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
                         f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
-    # batch 1 at hidden B1_PRE_HIDDEN: the next round's weights before each round's reduction (GEMV_PF 1) and
-    # o_proj's first step before attention's barrier (O_PRE 1), together (below)
+    # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES: the next round's weights before each round's reduction
+    # (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together (below)
     b1_pre = (v.batch == 1 and v.tp == 1 and sm == 90 and m.dtype == "bf16" and m.norm == "rmsnorm"
-              and B1_PRE_HIDDEN[0] <= m.hidden <= B1_PRE_HIDDEN[1])
+              and (m.hidden, m.kv_heads) in B1_PRE_SHAPES)
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
@@ -672,7 +675,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
-    # b2's 0.0); at batch 1 -0.6 ... +3.6 % alone, so only with GEMV_PF at hidden 2048 (B1_PRE_HIDDEN, session 32);
+    # b2's 0.0); at batch 1 -0.6 ... +3.6 % alone, so only with GEMV_PF at B1_PRE_SHAPES (sessions 32-33);
     # with ATT_DYN (KV >= 8192) not timed
     if "O_PRE" not in ov:
         consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn or b1_pre) and v.tp == 1 and sm == 90)
