@@ -182,16 +182,19 @@ def agreement(served, ref_fp32, n_new: int) -> dict:
 
 
 def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
-    """transformers' own `hf_model` (bf16) against transformers fp32, as `agreement` measures the served model: the
-    yardstick for the served bf16 model's figures (a bf16 forward's rounding through every layer, not a kernel's)."""
+    """transformers' own `hf_model` (bf16) against transformers fp32, measured as `agreement` measures the served
+    model: its greedy tokens and the logits of each of its steps (the prompt's, then every decode step's with its
+    KV cache: generate's output_logits) against fp32's teacher-forced on the same tokens. The yardstick for the
+    served bf16 model's figures (a bf16 forward's rounding through every layer, not a kernel's)."""
     ids = prompts(1, 32, ref_fp32.config.vocab_size, seed=5).cuda()
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        got = hf_model.generate(ids, **kw)[0, 32:].tolist()
+        out = hf_model.generate(ids, output_logits=True, return_dict_in_generate=True, **kw)
+        got = out.sequences[0, 32:].tolist()
+        ours = torch.stack([lg[0] for lg in out.logits]).float()
         ref_tokens = ref_fp32.generate(ids, **kw)[0, 32:].tolist()
         seq = torch.tensor([ids[0].tolist() + got[:-1]], device="cuda")
-        ours = hf_model(input_ids=seq).logits[0, 31:].float()
         ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
     same = next((i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), n_new)
     return {"greedy_tokens_equal_before_divergence": same, "of": n_new,

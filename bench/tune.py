@@ -190,13 +190,14 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
              f"{short[0].seq_len - 1})")
     if positions != "full":  # prefill candidates time a whole chunk from position 0: --positions does not apply
         pre = [v.name for v in vs if v.mode != "decode"]
+        chosen = "--only selects" if only else f"{variants_file} holds"
         if len(pre) == len(vs):
             fail(f"--positions {positions}: decode variants only (a prefill candidate is timed on its whole chunk); "
-                 f"--only selects {greport.counted(len(pre), 'prefill variant')} and no decode one")
+                 f"{chosen} {greport.counted(len(pre), 'prefill variant')} and no decode one")
         if pre:
-            click.echo(f"warning: --positions {positions}: decode variants only; the "
-                       f"{greport.counted(len(pre), 'prefill variant')} selected are timed on their whole chunk "
-                       "as with full", err=True)
+            click.echo(f"warning: --positions {positions}: decode variants only; prefill variants "
+                       f"({greport.counted(len(pre), 'selected')}) are timed on their whole chunk as with full",
+                       err=True)
     vs = vs[si::sn]
 
     from bench.measure import mixed_positions

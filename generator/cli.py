@@ -662,17 +662,22 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
 _OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "cache_len": "--cache-len",
               "variants": "--variant", "dtype": "--dtype", "temperature": "--temperature", "top_k": "--top-k",
               "top_p": "--top-p", "seed": "--seed", "device": "--device"}
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
-def _as_options(msg: str, prompt_option: str) -> str:
-    """`msg` (a ServeError's one line) with its leading argument name as the generate option that set it."""
+def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
+    """`msg` (a ServeError's one line) with its leading argument name as the generate option that set it, where the
+    user gave that option (`given`: the options on the command line; a name the command filled in itself, e.g. the
+    config's eos_token_id as stop_tokens or the build's variants, stays as it is), and torch dtypes as --dtype names."""
+    for torch_name, name in _DTYPE_NAMES.items():
+        msg = msg.replace(torch_name, name)
     name, sep, rest = msg.partition(": ")
-    if sep and name in _OPTION_OF:
+    if sep and _OPTION_OF.get(name) in given:
         return f"{_OPTION_OF[name]}: {rest}"
     if sep and name == "prompts":
         return f"{prompt_option}: {rest}"
     if sep and name.startswith("prompts[") and name.endswith("]"):
-        return f"{prompt_option} (sequence {name[len('prompts['):-1]}): {rest}"
+        return f"{prompt_option} (sequence {name[len('prompts['):-1]}, counting from 0): {rest}"
     return msg
 
 
@@ -745,7 +750,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop_tokens=stop_ids, callback=show)
     except (serve.ServeError, hf.HFConfigError, loader.LoadError, gvariants.VariantError) as exc:
-        fail(_as_options(str(exc), "--ids" if tok is None else "--prompt"))
+        given = {o for o, val in (("--stop", stops), ("--max-new-tokens", True), ("--cache-len", cache_len),
+                                  ("--variant", variant_names), ("--dtype", dtype), ("--temperature", True),
+                                  ("--top-k", True), ("--top-p", True), ("--seed", True), ("--device", True)) if val}
+        fail(_as_options(str(exc), "--ids" if tok is None else "--prompt", given))
     if len(seqs) == 1:
         if tok is not None and (final := tok.decode(streamed)).startswith(shown[0]):
             echo(final[len(shown[0]):], nl=False)  # what a partial character held back

@@ -238,7 +238,7 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
     """The newest `bench/e2e.py` result among bench_dir/e2e-*.json, None where there is none: {"file", "gpu",
     "checkpoint" (the model directory it measured), "variants" (the fused decode variants it served; print_report
     tables it only where the report has one of them), "providers": {name: {E2E_FIGURES key: ms, only those recorded} or {"error": str}}, "agreement": {"fused bf16" /
-    "unfused fp32": {"greedy_tokens_equal_before_divergence", "of", ...}}, "kernel_bound": {layers_us, lm_head_us
+    "unfused fp32" / "transformers bf16": {"greedy_tokens_equal_before_divergence", "of", "logits_rel_err", ...}}, "kernel_bound": {layers_us, lm_head_us
     (µs per decode step), bound_ms, ratio (measured ms/token at batch 1 over bound_ms), and one layer's call from
     Python: layer_kernel_us, layer_eager_call_us, layer_eager_call_unchecked_us (µs a call) where recorded} or None}.
     archs: only files measured on a GPU of one of these architectures (recorded arch, else by GPU name; a name no

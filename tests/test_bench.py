@@ -436,6 +436,15 @@ def test_report_shows_the_newest_e2e_result(tmp_path):
     text = " ".join(con.export_text().split())
     assert "fused bf16 32 of 32 (logits 1.1e-02), unfused fp32 32 of 32 (logits 1.7e-06)" in text  # rel. errors
     assert "b1 long" not in text and "0.891" in text
+    # transformers' own bf16 against fp32 (the yardstick, session 33); an agreement without a logits error
+    yard = _e2e_doc(agreement_hf_bf16_vs_hf_fp32={"greedy_tokens_equal_before_divergence": 30, "of": 32,
+                                                   "logits_rel_err": 0.0141},
+                    agreement_fused_bf16_vs_hf_fp32={"greedy_tokens_equal_before_divergence": 32, "of": 32})
+    (tmp_path / "e2e-h200-2026-12-10.json").write_text(json.dumps(yard))
+    con = Console(width=200, record=True, color_system=None)
+    print_e2e(latest_e2e(tmp_path, {"90"}), con)
+    text = " ".join(con.export_text().split())
+    assert "fused bf16 32 of 32, transformers bf16 30 of 32 (logits 1.4e-02)" in text, text
     assert "×" not in text
 
 

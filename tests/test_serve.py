@@ -388,12 +388,15 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     base = ["generate", d, "--device", "cpu", "--max-new-tokens", "2"]
     for extra, want in ((["--ids", "1,,2"], "--ids: comma-separated integers (no empty item)"),
                         (["--ids", "1", "--stop", "5000"], "error: --stop: integer token ids in [0,"),
-                        (["--ids", "1", "--ids", "2,99999"], "error: --ids (sequence 1): token ids must be integers"),
+                        (["--ids", "1", "--ids", "2,99999"],
+                         "error: --ids (sequence 1, counting from 0): token ids must be integers"),
+                        (["--ids", "1", "--temperature", "nan"], "error: --temperature: a finite number"),
                         (["--ids", "1", "--cache-len", "2", "--max-new-tokens", "5"], "error: --max-new-tokens: "),
                         (["--ids", "1", "--temperature", "inf"], "--temperature"),
                         (["--ids", "1", "--seed", str(2 ** 70)], "--seed")):
         r = cli(base + extra, cwd=tmp_path)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
+        assert r.stderr.count("\n") == 1, (extra, r.stderr)  # one line
 
 
 def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
@@ -545,3 +548,20 @@ def test_every_built_variant_offered_keeps_one_seq_len_with_a_warning(tmp_path):
     with pytest.raises(serve.ServeError, match=f"^variants: {pf}: a prefill chunk longer than cache_len 32"):
         serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=32,
                             variants=[n for n in names if "_s32_" in n or n == pf])
+
+
+def test_generate_errors_name_the_options_the_user_gave():
+    """cli._as_options: a ServeError's leading argument name becomes the generate option, only where the user gave
+    that option (stop tokens the command took from the config keep their name), prompts become --ids / --prompt,
+    torch dtypes the --dtype names, anything else passes through unchanged."""
+    from generator.cli import _as_options
+    assert _as_options("stop_tokens: integer token ids in [0, 9], got 12", "--ids", {"--stop"}) == \
+        "--stop: integer token ids in [0, 9], got 12"
+    assert _as_options("stop_tokens: integer token ids in [0, 9], got 12", "--ids", set()).startswith("stop_tokens: ")
+    assert _as_options("prompts: 3 sequences, but ...", "--prompt", set()) == "--prompt: 3 sequences, but ..."
+    assert _as_options("prompts[2]: a non-empty list", "--ids", set()) == \
+        "--ids (sequence 2, counting from 0): a non-empty list"
+    assert _as_options("dtype: torch.float16 but the variants are torch.bfloat16", "--ids", {"--dtype"}) == \
+        "--dtype: fp16 but the variants are bf16"
+    assert _as_options("variants: mix dtypes bf16, fp16", "--ids", set()) == "variants: mix dtypes bf16, fp16"
+    assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"

@@ -108,11 +108,18 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
                      ("ho-hd80-mha_decode_b1_s4096_bf16", 0), ("ho-h3072-g3_decode_b1_s4096_bf16", 0)):
         c = render.plan(by[name])["consts"]
         assert c["GEMV_PF"] == on and c["O_PRE"] == on, name
-    for name, kv_heads, on in (("llama3.2-1b_decode_b1_s4096_bf16", 32, 1), ("llama3.2-1b_decode_b1_s4096_bf16", 4, 0),
-                               ("llama3-8b_decode_b1_s4096_bf16", 32, 0), ("llama3-8b_decode_b1_s4096_bf16", 4, 0)):
+    # the measured (hidden, KV heads) pairs with an MLP 3-4x the hidden size (decode.B1_PRE_MLP), on one GPU
+    for name, kv_heads, inter, tp, on in (("llama3.2-1b_decode_b1_s4096_bf16", 32, 8192, 1, 1),
+                                          ("llama3.2-1b_decode_b1_s4096_bf16", 4, 8192, 1, 0),
+                                          ("llama3.2-1b_decode_b1_s4096_bf16", 8, 5632, 1, 0),    # TinyLlama's MLP
+                                          ("llama3-8b_decode_b1_s4096_bf16", 32, 14336, 1, 0),
+                                          ("llama3-8b_decode_b1_s4096_bf16", 4, 14336, 1, 0),
+                                          ("llama3-8b_decode_b1_s4096_bf16", 8, 11008, 1, 0),    # Yi / Llama-2's MLP
+                                          ("llama3-8b_decode_b1_s4096_bf16", 8, 12288, 1, 1),    # Qwen3-8B's
+                                          ("llama3-8b_decode_b1_s4096_bf16", 16, 28672, 2, 0)):  # shard (4096, 8, 14336)
         v = by[name]
-        w = dataclasses.replace(v, model=dataclasses.replace(v.model, kv_heads=kv_heads))
-        assert render.plan(w)["consts"]["GEMV_PF"] == on, (name, kv_heads)
+        w = dataclasses.replace(v, tp=tp, model=dataclasses.replace(v.model, kv_heads=kv_heads, intermediate=inter))
+        assert render.plan(w)["consts"]["GEMV_PF"] == on, (name, kv_heads, inter, tp)
     assert render.plan(by["llama3.2-1b_decode_b4_s4096_bf16"])["consts"]["GEMV_PF"] == 0  # (O_PRE 1: batch 2-8)
     fp16 = dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"],
                                model=dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"].model, dtype="fp16"))
@@ -629,12 +636,21 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
         r = cli(base + ["--positions", val], cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith(f"error: {want}") and r.stderr.count("\n") == 1, r.stderr
     # prefill candidates are timed on their whole chunk: --positions alone on them is refused, in a mix a warning
-    r = cli(["tune", "--only", "llama3.2-1b_prefill_b1_s16*", "--positions", "mixed"], cwd=ROOT)
-    assert r.returncode == 2 and r.stderr.startswith("error: --positions mixed: decode variants only"), r.stderr
+    for val in ("mixed", "5"):
+        r = cli(["tune", "--only", "llama3.2-1b_prefill_b1_s16*", "--positions", val], cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: --positions {val}: decode variants only") \
+            and "--only selects 1 prefill variant and no decode one" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    pre = tmp_path / "prefill.yaml"  # no --only: the file's variants are named
+    pre.write_text("models:\n  p:\n    {hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192, layers: 2, "
+                   "norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, "
+                   "qk_norm: false, dtype: bf16, matrix: [{mode: [prefill], batch: [1], seq_len: [64]}]}\n")
+    r = cli(["tune", "--variants", pre, "--positions", "mixed"], cwd=tmp_path)
+    assert r.returncode == 2 and f"{pre} holds" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     if not _cuda():
         r = cli(["tune", "--only", "llama3.2-1b_*_b1_s1024*", "--only", "llama3.2-1b_prefill_b1_s16*",
                  "--positions", "mixed"], cwd=ROOT)
-        assert r.stderr.startswith("warning: --positions mixed: decode variants only; the 1 prefill variant "), r.stderr
+        assert r.stderr.startswith("warning: --positions mixed: decode variants only; prefill variants (1 selected) "
+                                   "are timed"), r.stderr
         assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
         for val in ("mixed", "191", "full"):
             r = cli(base + ["--positions", val], cwd=tmp_path)

@@ -270,17 +270,18 @@ def combine_default(outputs: int, nsplit: int) -> int:
 
 
 # GEMV_PF 1 and O_PRE 1 by default at batch 1 on one sm_90 GPU, bf16 RMSNorm, where (hidden, KV heads) is one of
-# these. Measured on the H200, both against neither, at row 191 (a served model's short context) / full context
-# (bench/NOTES.md sessions 32-33): hidden 2048 with 8 KV heads (Llama-3.2-1B KV 1024 / 4096, Qwen3-1.7B,
-# InternLM2-1.8B-like) +2.4 ... +6.1 %, with 32 (SmolLM2-1.7B) +5.8 / +4.8 %; hidden 4096 with 8 KV heads
-# (Llama-3-8B KV 1024 / 4096, Mistral-7B-like KV 8192, Qwen3-8B-like, Granite-3-8B-like) +0.6 ... +2.0 %, ten of ten
-# faster. Not taken where it lost or tied: hidden 2048 with 4 KV heads (TinyLlama -1.8 / -2.2 %) or 2 (Qwen2.5-3B
-# 0.0 / -0.3), hidden 4096 with 4 (Yi-6B +0.2 / -1.65) or 32 (Llama-2-7B -0.1 / -1.2), hidden 3584 (Qwen2.5-7B -2.3 /
-# -1.6), 896 (Qwen2.5-0.5B), 3072 and 5120 (-1.0 ... +0.8); mixed at 1440 / 2560 (head_dim 80; a Qwen3-4B-like shape
-# at 2560 spills 16 B with both). What decides it is not established (the losers differ in KV heads, qkv's warp
-# groups or the MLP's width); so only the measured pairs. Either knob alone gains less (GEMV_PF alone spilled 48 B at
-# hidden 3072); the tuner tries each where it is off
+# these and the MLP is 3-4x the hidden size. Measured on the H200, both against neither (speedup), at row 191 (a served
+# model's short context) / full context (bench/NOTES.md sessions 32-33): hidden 2048 with 8 KV heads (Llama-3.2-1B KV
+# 1024 / 4096, Qwen3-1.7B, InternLM2-1.8B-like) +2.4 ... +6.1 %, with 32 (SmolLM2-1.7B) +6.1 / +5.1 %; hidden 4096 with
+# 8 KV heads (Llama-3-8B KV 1024 / 4096, Mistral-7B-like KV 8192, Qwen3-8B-like, Granite-3-8B-like) +0.6 ... +2.0 %,
+# ten of ten faster. Not taken where it lost or tied: hidden 2048 with 4 KV heads (TinyLlama -1.8 / -2.1 %) or 2
+# (Qwen2.5-3B +0.3 / 0.0), hidden 4096 with 4 (Yi-6B +0.2 / -1.65) or 32 (Llama-2-7B -0.1 / -1.2), hidden 3584
+# (Qwen2.5-7B -2.3 / -1.6), 896 (Qwen2.5-0.5B), 3072 and 5120 (-1.0 ... +0.8); mixed at 1440 / 2560 (head_dim 80; a
+# Qwen3-4B-like shape at 2560 spills 16 B with both). What decides it is not established: the losers differ in KV
+# heads and also in the MLP's width (intermediate / hidden 2.7 or 5.3, every winner's 3.0-4.0), so both are required
+# (B1_PRE_MLP). Either knob alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where off
 B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
+B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 
 
 def _fmt(ov: dict) -> str:
@@ -646,10 +647,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"NORM_CLUSTER, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
                         f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
-    # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES: the next round's weights before each round's reduction
-    # (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together (below)
+    # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES and an MLP of B1_PRE_MLP: the next round's weights before
+    # each round's reduction (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together
     b1_pre = (v.batch == 1 and v.tp == 1 and sm == 90 and m.dtype == "bf16" and m.norm == "rmsnorm"
-              and (m.hidden, m.kv_heads) in B1_PRE_SHAPES)
+              and (m.hidden, m.kv_heads) in B1_PRE_SHAPES
+              and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
