@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -468,14 +469,36 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
 @main.command("clean")
 @build_dir_opt
 def clean_cmd(build_dir):
-    """Remove the build directory."""
+    """Remove the build directory: only one that holds nothing but what a build writes (its manifest, objects/,
+    the variants' directories, report.json/.csv, its lock and temporary files); any other file in it, or a
+    manifest.json that is not a build's, refuses the whole removal in one line."""
     p = Path(build_dir)
     if not p.exists():
         return
-    if not ((p / "manifest.json").exists() or (p / "objects").exists() or not any(p.iterdir())):
-        fail(f"{build_dir}: does not look like a megakernel build directory (no manifest.json); not removing it")
+    if not p.is_dir():
+        fail(f"{build_dir}: not a directory; not removing it")
+    try:
+        variants = set(gmanifest.read_manifest(p)["variants"])
+        manifest_ok = True
+    except gmanifest.ManifestError:  # a corrupt manifest of a build (its error says to clean): the build's if objects/ is there
+        variants, manifest_ok = set(), (p / "objects").is_dir()
+    if not manifest_ok:
+        fail(f"{build_dir}: its manifest.json is not a megakernel build's and there is no objects/ directory; "
+             "not removing it")
+    foreign = sorted(e.name for e in p.iterdir() if not (
+        e.name in BUILD_FILES or e.name in variants or (e.name.startswith(".") and e.name.endswith(".tmp"))
+        or e.is_dir() and VARIANT_DIR.fullmatch(e.name)))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
+             "not write); not removing it")
     shutil.rmtree(p)
     err_console.print(f"removed {build_dir}/", highlight=False)
+
+
+# what a build writes at the top of its directory (besides the variants' directories and its temporary files)
+BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock"}
+VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
 
 
 @main.command("bench", add_help_option=False,
@@ -598,7 +621,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True)
 @click.option("--stop", "stops", default=None, help="stop token ids, comma-separated, or `none`: every sequence "
-              "runs to --max-new-tokens [the config's eos_token_id]")
+              "runs to --max-new-tokens [the checkpoint's eos_token_id: generation_config.json's, else config.json's]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
@@ -628,6 +651,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         dev = torch.device(device)
     except RuntimeError:
         fail(f"--device: not a torch device: {device!r} (cuda, cuda:N or cpu)")
+    if dev.type not in ("cuda", "cpu"):  # meta, mps, xpu ...: the model runs on CUDA (fused) or the CPU (unfused)
+        fail(f"--device {device}: the model runs on cuda, cuda:N or cpu")
     if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
     group, echo, info = None, click.echo, err_console.print
@@ -698,11 +723,17 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             fail(f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model "
                  f"...), and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
+        if empty := [i for i, sq in enumerate(seqs) if not sq]:
+            fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
+                 "give some text, or --ids")
     else:
         try:
             seqs = [[int(t) for t in s.split(",")] for s in ids]
         except ValueError:
             fail(f"--ids: comma-separated integers (no empty item), got {' '.join(ids)!r}")
+    if batch and batch < len(seqs):
+        fail(f"--batch {batch}: fewer sequences than the {len(seqs)} prompts given (--batch repeats the prompts up to "
+             "that many sequences; leave it out to run each prompt once)")
     if batch:
         seqs = [seqs[i % len(seqs)] for i in range(batch)]
     try:

@@ -269,6 +269,25 @@ def test_clean(copy_build, tmp_path):
     r = run_cli(["clean", "--build-dir", other], cwd=tmp_path)
     assert_bad_input(r, "does not look like a megakernel build directory")
     assert snapshot(other) == before
+    # a manifest.json of something else (a web app's) is not a build's: nothing removed
+    (other / "manifest.json").write_text('{"name": "my-webapp"}')
+    before = snapshot(other)
+    r = run_cli(["clean", "--build-dir", other], cwd=tmp_path)
+    assert_bad_input(r, "its manifest.json is not a megakernel build's")
+    assert snapshot(other) == before
+    # a build with a file of the user's in it: refused, naming it; the build's own temporary files are its own
+    b = tmp_path / "b2"
+    copy_build(b)
+    (b / "notes.txt").write_text("mine")
+    before = snapshot(b)
+    r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
+    assert_bad_input(r, "it holds notes.txt, which a build does not write")
+    assert snapshot(b) == before
+    (b / "notes.txt").unlink()
+    (b / ".manifest.json.123.tmp").write_text("")
+    (b / "manifest.json").write_text("{corrupt")  # a corrupt manifest (its error says to clean): still the build's
+    r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
+    assert r.returncode == 0 and not b.exists(), r.stderr
 
 
 # ---------------------------------------------------------------- entry point, README, CI

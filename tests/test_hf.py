@@ -330,6 +330,12 @@ def test_write_inserts_inside_models_when_other_keys_follow(tmp_path):
     text = vfile.read_text()
     assert text.index("qwen3-1.7b:") < text.index("# the matrix") < text.index("matrix:")
     assert "\n    qwen3-1.7b:\n      " in text  # the file's own indentation
+    # a file with Windows line endings keeps them, every line
+    crlf = tmp_path / "crlf.yaml"
+    crlf.write_bytes((ROOT / "variants.yaml").read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
+    hf.append_entry(crlf, hf.variant_entry_yaml(write_config(tmp_path, "Mistral-7B-Instruct-v0.3", MISTRAL_7B_V0_3)))
+    raw = crlf.read_bytes()
+    assert b"mistral-7b-instruct-v0.3:" in raw and raw.count(b"\n") == raw.count(b"\r\n") > 100
 
 
 def test_write_refuses_what_would_not_parse(tmp_path):

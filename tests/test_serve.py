@@ -370,6 +370,13 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 2 and "no config.json" in r.stderr and r.stderr.count("\n") == 1
     r = cli(["generate", d, "--ids", "1", "--device", "tpu"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
+    # a torch device the model does not run on; fewer sequences than prompts (no prompt dropped without a word)
+    r = cli(["generate", d, "--ids", "1", "--device", "meta", "--cache-len", "16"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == "error: --device meta: the model runs on cuda, cuda:N or cpu\n", r.stderr
+    r = cli(["generate", d, "--ids", "1,2", "--ids", "3", "--ids", "4", "--batch", "2", "--device", "cpu"],
+            cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --batch 2: fewer sequences than the 3 prompts") \
+        and r.stderr.count("\n") == 1, r.stderr
     r = cli(["generate", d, "--ids", "1", "--device", "cpu", "--variant", "x_decode_b1_s64_bf16"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --variant")
     # fp32 on the CPU (an fp32 checkpoint as transformers runs it)
@@ -565,3 +572,28 @@ def test_generate_errors_name_the_options_the_user_gave():
         "--dtype: fp16 but the variants are bf16"
     assert _as_options("variants: mix dtypes bf16, fp16", "--ids", set()) == "variants: mix dtypes bf16, fp16"
     assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"
+
+
+def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
+    """The default stop tokens: generation_config.json's eos_token_id where it sets one (an instruct model's
+    end-of-turn ids often live only there; transformers' generate reads that file first), else config.json's; a
+    value that is not integer token ids is one ServeError naming its file, before any weight is read."""
+    import json
+    import shutil
+    _, d = tiny
+    c = tmp_path / "ck"
+    shutil.copytree(d, c)
+    cfg = json.loads((c / "config.json").read_text())
+    assert serve.eos_token_ids(c, cfg) == ([cfg["eos_token_id"]] if cfg.get("eos_token_id") is not None else [])
+    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert serve.eos_token_ids(c, cfg) == [7, 9]
+    assert cpu_model(c).eos == (7, 9)
+    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": None, "bos_token_id": 1}))
+    assert serve.eos_token_ids(c, {**cfg, "eos_token_id": 5}) == [5]          # the file sets none: config's
+    for bad in ("2", 2.0, [1, "x"], True):
+        (c / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'generation_config.json'}: eos_token_id: ")):
+            cpu_model(c)
+    (c / "generation_config.json").unlink()
+    with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'config.json'}: eos_token_id: ")):
+        serve.eos_token_ids(c, {**cfg, "eos_token_id": "2"})

@@ -1155,6 +1155,14 @@ def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_varia
                 cwd=tmp_path)
     assert r.returncode == 2 and "is not a tuning file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
+    # any existing file is read as one (a GPU's name is never a path), whatever its suffix
+    other = tmp_path / "mk.py"
+    other.write_text("print('hello')\n")
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", other],
+                cwd=tmp_path)
+    assert r.returncode == 2 and f"{other} is not a tuning file" in r.stderr.replace("\n", " "), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+    assert gtune.tuning_file("NVIDIA H200") == gtune.tuning_dir() / "nvidia-h200.json"
 
 
 def test_strict_build_fails_on_a_refused_tuned_plan_and_names_unknown_entries(tmp_path, tiny_variants_file):

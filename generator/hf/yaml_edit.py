@@ -72,7 +72,7 @@ NEW_FILE = ("# variants started by `megakernel from-hf --write`: every model bel
             "models:\n")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
     try:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
@@ -82,7 +82,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     except OSError as exc:
         raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", newline=newline) as f:  # the file's own line endings (CRLF kept)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -168,6 +168,10 @@ def append_entry(variants_file, text: str) -> None:
         if "matrix:" in text:
             raise
         raise HFConfigError(f"{exc}; give the entry its own matrix (from-hf --seq-len N)") from None
-    _atomic_write_text(path, new)
+    try:
+        crlf = b"\r\n" in path.read_bytes()
+    except FileNotFoundError:
+        crlf = False
+    _atomic_write_text(path, new, "\r\n" if crlf else "\n")
 
 
