@@ -687,15 +687,19 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
 _OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "cache_len": "--cache-len",
               "variants": "--variant", "dtype": "--dtype", "temperature": "--temperature", "top_k": "--top-k",
               "top_p": "--top-p", "seed": "--seed", "device": "--device"}
-_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+_CLI_WORDS = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
+                # serve.check_fits's advice, in the command's terms
+                "lower max_batch or cache_len (or max_new_tokens), or load fewer variants / unfused=False":
+                    "fewer sequences, a lower --cache-len or --max-new-tokens, or fewer variants (--variant)"}
 
 
 def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     """`msg` (a ServeError's one line) with its leading argument name as the generate option that set it, where the
     user gave that option (`given`: the options on the command line; a name the command filled in itself, e.g. the
-    config's eos_token_id as stop_tokens or the build's variants, stays as it is), and torch dtypes as --dtype names."""
-    for torch_name, name in _DTYPE_NAMES.items():
-        msg = msg.replace(torch_name, name)
+    config's eos_token_id as stop_tokens or the build's variants, stays as it is), torch dtypes as --dtype names and
+    the memory check's advice in options."""
+    for api_words, cli_words in _CLI_WORDS.items():
+        msg = msg.replace(api_words, cli_words)
     name, sep, rest = msg.partition(": ")
     if sep and _OPTION_OF.get(name) in given:
         return f"{_OPTION_OF[name]}: {rest}"

@@ -572,6 +572,9 @@ def test_generate_errors_name_the_options_the_user_gave():
         "--dtype: fp16 but the variants are bf16"
     assert _as_options("variants: mix dtypes bf16, fp16", "--ids", set()) == "variants: mix dtypes bf16, fp16"
     assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"
+    assert _as_options("model: needs 9 GiB ...: lower max_batch or cache_len (or max_new_tokens), or load fewer "
+                       "variants / unfused=False", "--ids", set()).endswith(
+        ": fewer sequences, a lower --cache-len or --max-new-tokens, or fewer variants (--variant)")
 
 
 def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):

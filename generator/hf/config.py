@@ -248,8 +248,8 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
     if window is None or seq_len <= window.size or (layer is not None and layer not in window.layers):
         return
     raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} "
-                        f"({window.source if n_layers is None else window.describe(n_layers)}): sliding-window attention is not supported (the kernel "
-                        f"attends to the whole cache; seq_len <= {window.size} is exact)")
+                        f"({window.source if n_layers is None else window.describe(n_layers)}): sliding-window attention is not supported (every layer, "
+                        f"fused or unfused, attends to the whole cache; seq_len <= {window.size} is exact)")
 
 
 def _refuse_unsupported(cfg_path, cfg, model_type):
