@@ -1,6 +1,7 @@
 """`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -381,8 +382,8 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
         fail("--tuned-for and --no-tuned exclude each other")
     if no_tuned:
         return None
-    if tuned_for:
-        path = gtune.tuning_file(tuned_for)
+    if tuned_for:  # a path (a "/" in it, or an existing file: a GPU's name is neither) as is, else a GPU's file
+        path = Path(tuned_for) if "/" in tuned_for or Path(tuned_for).is_file() else gtune.tuning_file(tuned_for)
         if not path.is_file():
             have = sorted(p.stem for p in gtune.tuning_dir().glob("*.json")) if gtune.tuning_dir().is_dir() else []
             fail(f"--tuned-for {tuned_for}: no tuning file {gtune.display(path)} (have: {', '.join(have) or 'none'};"
@@ -470,24 +471,35 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
 @build_dir_opt
 def clean_cmd(build_dir):
     """Remove the build directory: only one that holds nothing but what a build writes (its manifest, objects/,
-    the variants' directories, report.json/.csv, its lock and temporary files); any other file in it, or a
-    manifest.json that is not a build's, refuses the whole removal in one line."""
+    the variants' directories, report.json/.csv, its lock and temporary files); any other entry, a manifest.json
+    that is not a build's, a symbolic link, or the directory this command runs in (or one above it) refuses the
+    whole removal in one line. What a build's own subdirectories hold (objects/, a variant's) goes with them."""
+    if not str(build_dir).strip():
+        fail("--build-dir: empty (give the build directory to remove)")
     p = Path(build_dir)
+    if p.is_symlink():
+        fail(f"{build_dir}: a symbolic link (to {os.readlink(p)}); not removing it (clean the directory it points to, "
+             "or remove the link)")
     if not p.exists():
         return
     if not p.is_dir():
         fail(f"{build_dir}: not a directory; not removing it")
+    here = Path.cwd().resolve()
+    if here == p.resolve() or p.resolve() in here.parents:
+        fail(f"{build_dir}: this command runs inside it ({here}); cd out of it first")
     try:
-        variants = set(gmanifest.read_manifest(p)["variants"])
-        manifest_ok = True
-    except gmanifest.ManifestError:  # a corrupt manifest of a build (its error says to clean): the build's if objects/ is there
-        variants, manifest_ok = set(), (p / "objects").is_dir()
-    if not manifest_ok:
-        fail(f"{build_dir}: its manifest.json is not a megakernel build's and there is no objects/ directory; "
-             "not removing it")
+        doc = json.loads((p / "manifest.json").read_text())
+    except FileNotFoundError:
+        doc = {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        doc = None  # unreadable or corrupt: a build's (its own error says to clean) only with objects/ beside it
+    if doc is None and not (p / "objects").is_dir() or doc is not None and doc != {} and not (
+            isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
+        fail(f"{build_dir}: its manifest.json is not a megakernel build's; not removing it")
+    variants = set(doc["variants"]) if doc else set()
     foreign = sorted(e.name for e in p.iterdir() if not (
-        e.name in BUILD_FILES or e.name in variants or (e.name.startswith(".") and e.name.endswith(".tmp"))
-        or e.is_dir() and VARIANT_DIR.fullmatch(e.name)))
+        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
+        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
@@ -499,6 +511,7 @@ def clean_cmd(build_dir):
 # what a build writes at the top of its directory (besides the variants' directories and its temporary files)
 BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock"}
 VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
+BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
 
 
 @main.command("bench", add_help_option=False,
@@ -621,7 +634,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True)
 @click.option("--stop", "stops", default=None, help="stop token ids, comma-separated, or `none`: every sequence "
-              "runs to --max-new-tokens [the checkpoint's eos_token_id: generation_config.json's, else config.json's]")
+              "runs to --max-new-tokens [the checkpoint's eos_token_id as transformers reads it: generation_config.json's where there is one, else config.json's]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
@@ -690,7 +703,7 @@ _OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "ca
 _CLI_WORDS = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                 # serve.check_fits's advice, in the command's terms
                 "lower max_batch or cache_len (or max_new_tokens), or load fewer variants / unfused=False":
-                    "fewer sequences, a lower --cache-len or --max-new-tokens, or fewer variants (--variant)"}
+                    "fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"}
 
 
 def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:

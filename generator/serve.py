@@ -388,30 +388,28 @@ def _same_shape(a: ModelShape, b: ModelShape) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _COMPARED)
 
 
-def eos_token_ids(model_dir: Path, cfg: dict) -> list[int]:
-    """The checkpoint's end-of-sequence token ids, as transformers' generate reads them: generation_config.json's
-    eos_token_id where that file sets one (an instruct model's end-of-turn ids are often only there), else
-    config.json's; an int or a list, [] where neither sets one. Raises ServeError (one line, naming the file) where
-    the value is not integer token ids (a string "2", a float)."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if name == "config.json":
-            doc = cfg
-        else:
-            try:
-                doc = json.loads(path.read_text())
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError, UnicodeDecodeError) as exc:
-                raise ServeError(f"{path}: not readable JSON ({str(exc).splitlines()[0]})") from None
-        eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
-        if eos is None:
-            continue
-        ids = [eos] if not isinstance(eos, list) else eos
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ServeError(f"{path}: eos_token_id: integer token ids (an int or a list), got {eos!r}")
-        return ids
-    return []
+def eos_token_ids(model_dir: Path, cfg: dict, cfg_path: Path | None = None) -> list[int]:
+    """The checkpoint's end-of-sequence token ids, as transformers' generate reads them (GenerationConfig): where
+    the directory holds generation_config.json, that file's eos_token_id alone (an instruct model's end-of-turn ids
+    are often only there; a file that sets none means none, as transformers reads it), else config.json's (`cfg`,
+    read from `cfg_path`); an int or a list, [] where none is set. Raises ServeError (one line, naming the file)
+    where the value is not integer token ids (a string "2", a float) or generation_config.json is not a JSON object."""
+    gen = Path(model_dir) / "generation_config.json"
+    try:
+        doc, path = json.loads(gen.read_text()), gen
+    except FileNotFoundError:
+        doc, path = cfg, Path(cfg_path or Path(model_dir) / "config.json")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ServeError(f"{gen}: not readable JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise ServeError(f"{path}: top level must be a JSON object, got {type(doc).__name__}")
+    eos = doc.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ServeError(f"{path}: eos_token_id: integer token ids (an int or a list), got {eos!r}")
+    return ids
 
 
 class Model:
@@ -492,7 +490,7 @@ class Model:
         from .hf.yaml_edit import variant_entry_yaml
 
         ck = _Checkpoint(path)
-        eos = eos_token_ids(ck.dir, ck.cfg)  # a bad one refused before any weight is read
+        eos = eos_token_ids(ck.dir, ck.cfg, ck.cfg_path)  # a bad one refused before any weight is read
         layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # the whole checkpoint, before any load
         head = hfm._head_names(ck)
         hfm.warn_unused(ck, layer_names, head)
@@ -1048,9 +1046,9 @@ class Model:
         of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
         (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0: greedy; > 0:
         sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses seed + 7919 b).
-        stop_tokens: a sequence ends after producing one (default: the checkpoint's eos_token_id, generation_config.json's
-        where it sets one, as transformers reads it, else config.json's). callback(seq, token) is called for every
-        token as it arrives (stream() is the iterator form). Returns a Generation. ServeError
+        stop_tokens: a sequence ends after producing one (default: the checkpoint's eos_token_id as transformers reads
+        it: generation_config.json's where the directory holds one, else config.json's). callback(seq, token) is
+        called for every token as it arrives (stream() is the iterator form). Returns a Generation. ServeError
         (one line) for a bad argument or when the longest prompt + max_new_tokens - 1 exceeds cache_len."""
         res: list = []
         for b, t in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

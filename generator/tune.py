@@ -38,9 +38,8 @@ def tuning_dir() -> Path:
 
 
 def tuning_file(gpu: str, directory: Path | None = None) -> Path:
-    """The tuning file of `gpu` (a device name or its slug; a path, i.e. ending in .json, holding a "/" or naming an
-    existing file, is taken as is: a GPU's name has no "/")."""
-    if gpu.endswith(".json") or os.sep in gpu or "/" in gpu or Path(gpu).is_file():
+    """The tuning file of `gpu` (a device name or its slug; a path ending in .json is taken as is)."""
+    if gpu.endswith(".json"):
         return Path(gpu)
     return Path(directory or tuning_dir()) / f"{gpu_slug(gpu)}.json"
 

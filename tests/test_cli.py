@@ -284,7 +284,27 @@ def test_clean(copy_build, tmp_path):
     assert_bad_input(r, "it holds notes.txt, which a build does not write")
     assert snapshot(b) == before
     (b / "notes.txt").unlink()
-    (b / ".manifest.json.123.tmp").write_text("")
+    # a user's hidden directory that merely looks temporary, a manifest of another tool's that has "variants" and
+    # names the user's directory: not the build's
+    (b / ".tmp").mkdir()
+    r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
+    assert_bad_input(r, "it holds .tmp, which a build does not write")
+    (b / ".tmp").rmdir()
+    real = (b / "manifest.json").read_text()
+    (b / "manifest.json").write_text('{"variants": {"src": 1}}')
+    (b / "src").mkdir()
+    r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
+    assert_bad_input(r, "its manifest.json is not a megakernel build's")
+    (b / "src").rmdir()
+    (b / "manifest.json").write_text(real)
+    # a symbolic link to the build, the directory the command runs in, an empty --build-dir: refused, one line
+    (tmp_path / "link").symlink_to(b)
+    assert_bad_input(run_cli(["clean", "--build-dir", tmp_path / "link"], cwd=tmp_path), "a symbolic link")
+    assert_bad_input(run_cli(["clean", "--build-dir", "."], cwd=b), "this command runs inside it")
+    assert_bad_input(run_cli(["clean", "--build-dir", ".."], cwd=b / "objects"), "this command runs inside it")
+    assert_bad_input(run_cli(["clean", "--build-dir", ""], cwd=tmp_path), "--build-dir: empty")
+    assert (b / "manifest.json").exists() and (tmp_path / "link").is_symlink()
+    (b / ".manifest.json.123.tmp").write_text("")  # the build's own temporary file
     (b / "manifest.json").write_text("{corrupt")  # a corrupt manifest (its error says to clean): still the build's
     r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
     assert r.returncode == 0 and not b.exists(), r.stderr

@@ -572,31 +572,39 @@ def test_generate_errors_name_the_options_the_user_gave():
         "--dtype: fp16 but the variants are bf16"
     assert _as_options("variants: mix dtypes bf16, fp16", "--ids", set()) == "variants: mix dtypes bf16, fp16"
     assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"
-    assert _as_options("model: needs 9 GiB ...: lower max_batch or cache_len (or max_new_tokens), or load fewer "
-                       "variants / unfused=False", "--ids", set()).endswith(
-        ": fewer sequences, a lower --cache-len or --max-new-tokens, or fewer variants (--variant)")
+    with pytest.raises(serve.ServeError) as exc:  # the memory check's own words, in the command's options
+        serve.check_fits({"kv_caches": 9 << 30, "total": 9 << 30}, 1 << 30, 80 << 30, "model")
+    assert _as_options(str(exc.value), "--ids", set()).endswith(
+        ": fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"), str(exc.value)
 
 
 def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
-    """The default stop tokens: generation_config.json's eos_token_id where it sets one (an instruct model's
-    end-of-turn ids often live only there; transformers' generate reads that file first), else config.json's; a
-    value that is not integer token ids is one ServeError naming its file, before any weight is read."""
+    """The default stop tokens, as transformers' generate reads them: where the directory holds
+    generation_config.json, that file's eos_token_id alone (an instruct model's end-of-turn ids often live only there;
+    a file that sets none means none), else config.json's; a value that is not integer token ids is one ServeError
+    naming its file, before any weight is read."""
     import json
     import shutil
     _, d = tiny
     c = tmp_path / "ck"
     shutil.copytree(d, c)
+    (c / "generation_config.json").unlink(missing_ok=True)
     cfg = json.loads((c / "config.json").read_text())
-    assert serve.eos_token_ids(c, cfg) == ([cfg["eos_token_id"]] if cfg.get("eos_token_id") is not None else [])
+    assert serve.eos_token_ids(c, {**cfg, "eos_token_id": [5, 6]}) == [5, 6]
+    assert serve.eos_token_ids(c, {**cfg, "eos_token_id": None}) == []
     (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     assert serve.eos_token_ids(c, cfg) == [7, 9]
     assert cpu_model(c).eos == (7, 9)
-    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": None, "bos_token_id": 1}))
-    assert serve.eos_token_ids(c, {**cfg, "eos_token_id": 5}) == [5]          # the file sets none: config's
+    for gen in ({"eos_token_id": None}, {"bos_token_id": 1}):  # the file sets none: none (not config.json's)
+        (c / "generation_config.json").write_text(json.dumps(gen))
+        assert serve.eos_token_ids(c, {**cfg, "eos_token_id": 5}) == []
     for bad in ("2", 2.0, [1, "x"], True):
         (c / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
         with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'generation_config.json'}: eos_token_id: ")):
             cpu_model(c)
+    (c / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(serve.ServeError, match="top level must be a JSON object"):
+        serve.eos_token_ids(c, cfg)
     (c / "generation_config.json").unlink()
     with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'config.json'}: eos_token_id: ")):
         serve.eos_token_ids(c, {**cfg, "eos_token_id": "2"})
