@@ -211,4 +211,4 @@ def test_cli_generate_under_torchrun_runs_tensor_parallel_over_gloo(tiny_ckpt, t
                          cwd=tmp_path, env=env, timeout=300)
     assert bad.returncode != 0
     for r in (0, 1):
-        assert f"error: [rank {r}] max_new_tokens: the longest prompt (4 tokens) + 6 new tokens" in bad.stderr
+        assert f"error: [rank {r}] --max-new-tokens: the longest prompt (4 tokens) + 6 new tokens" in bad.stderr
