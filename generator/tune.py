@@ -230,12 +230,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
             if positions != "full":
                 tries += [{"ATT_PIECE_TILES": t} for t in (d["ATT_PIECE_TILES"] // 2, d["ATT_PIECE_TILES"] * 2)]
-        if positions != "full" and d["ATT_DYN"] == 0 and 2 <= v.batch <= 32 and v.tp == 1:
-            tries += [{"ATT_DYN": 1}]
         elif 2 <= v.batch <= 32 and v.tp == 1 and decode.stream_gain(
                 {**d, "ATT_NSPLIT": decode.stream_room(v.seq_len)},
                 get_arch(arch).sms, decode.DTYPES[v.model.dtype].bytes) >= decode.STREAM_TRY_GAIN:
             tries += [{"ATT_DYN": 2}]
+        if positions != "full" and d["ATT_DYN"] == 0 and 2 <= v.batch <= 32 and v.tp == 1:
+            tries += [{"ATT_DYN": 1}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []

@@ -1636,3 +1636,15 @@ def test_cache_tensor_maps_are_the_kernels_boxes(monkeypatch):
     with pytest.raises(LoadError, match="^x_decode_b3: cuTensorMapEncodeTiled refused k_cache") as ei:
         loader._cache_maps("x_decode_b3", k, v, "cpu")
     assert "\n" not in str(ei.value)
+
+
+def test_candidates_off_full_context_add_to_the_full_context_ones():
+    """Off full context (`tune --positions`) the candidates gain ATT_DYN 1 against a static plan and stream-K's
+    piece charge halved / doubled where stream-K is planned; they lose none of the full-context ones (stream-K
+    where its model gains STREAM_TRY_GAIN over a static plan: the TinyLlama-like b24)."""
+    by = {v.name: v for v in declared()}
+    v = by["ho-tinyllama-b24_decode_b24_s2048_bf16"]
+    full, mixed = gtune.candidates(v, "90", 40, "full"), gtune.candidates(v, "90", 40, "mixed")
+    assert {"ATT_DYN": 2} in full and {"ATT_DYN": 2} in mixed and {"ATT_DYN": 1} in mixed
+    assert {"ATT_DYN": 1} not in full
+    assert all(c in mixed for c in full)
