@@ -164,42 +164,42 @@ def bench_hf(model, args) -> dict:
     return out
 
 
+def _against_fp32(tokens: list[int], logits: torch.Tensor, ids: torch.Tensor, ref_fp32, n_new: int) -> dict:
+    """A model's greedy `tokens` (n_new) and its step `logits` [n_new, vocab] after the prompt `ids` [1, 32] against
+    transformers fp32: tokens equal before the first divergence, logits rel. error and argmax agreement, fp32
+    teacher-forced on those tokens."""
+    with torch.no_grad():
+        ref_tokens = ref_fp32.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
+                                       min_new_tokens=n_new, do_sample=False, pad_token_id=0)[0, 32:].tolist()
+        seq = torch.tensor([ids[0].tolist() + tokens[:-1]], device="cuda")
+        ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
+    ours = logits.float()
+    same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), n_new)
+    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
+            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
+            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+
+
 def agreement(served, ref_fp32, n_new: int) -> dict:
     """Greedy tokens of `served` against transformers fp32 (tokens equal before the first divergence, of n_new)
     and logits rel. error, teacher-forced on our tokens."""
     ids = prompts(1, 32, served.vocab, seed=5)
     got = served.generate(ids.tolist(), n_new, stop_tokens=[], output_logits=True)
-    with torch.no_grad():
-        ref_tokens = ref_fp32.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
-                                       min_new_tokens=n_new, do_sample=False, pad_token_id=0)[0, 32:].tolist()
-        seq = torch.tensor([ids[0].tolist() + got.tokens[0][:-1]], device="cuda")
-        ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
-    ours = torch.stack([lg[0] for lg in got.logits]).float()
-    same = next((i for i, (a, b) in enumerate(zip(got.tokens[0], ref_tokens)) if a != b), n_new)
-    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
-            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
-            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+    return _against_fp32(got.tokens[0], torch.stack([lg[0] for lg in got.logits]), ids, ref_fp32, n_new)
 
 
 def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
     """transformers' own `hf_model` (bf16) against transformers fp32, measured as `agreement` measures the served
     model: its greedy tokens and the logits of each of its steps (the prompt's, then every decode step's with its
-    KV cache: generate's output_logits) against fp32's teacher-forced on the same tokens. The yardstick for the
-    served bf16 model's figures (a bf16 forward's rounding through every layer, not a kernel's)."""
-    ids = prompts(1, 32, ref_fp32.config.vocab_size, seed=5).cuda()
-    mask = torch.ones_like(ids)
-    kw = dict(attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+    KV cache: generate's output_logits). The yardstick for the served bf16 model's figures (a bf16 forward's
+    rounding through every layer, not a kernel's)."""
+    ids = prompts(1, 32, ref_fp32.config.vocab_size, seed=5)
     with torch.no_grad():
-        out = hf_model.generate(ids, output_logits=True, return_dict_in_generate=True, **kw)
-        got = out.sequences[0, 32:].tolist()
-        ours = torch.stack([lg[0] for lg in out.logits]).float()
-        ref_tokens = ref_fp32.generate(ids, **kw)[0, 32:].tolist()
-        seq = torch.tensor([ids[0].tolist() + got[:-1]], device="cuda")
-        ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
-    same = next((i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), n_new)
-    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
-            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
-            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+        out = hf_model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
+                                min_new_tokens=n_new, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+    return _against_fp32(out.sequences[0, 32:].tolist(), torch.stack([lg[0] for lg in out.logits]), ids, ref_fp32,
+                         n_new)
 
 
 def main(argv=None):

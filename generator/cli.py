@@ -700,10 +700,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
 _OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "cache_len": "--cache-len",
               "variants": "--variant", "dtype": "--dtype", "temperature": "--temperature", "top_k": "--top-k",
               "top_p": "--top-p", "seed": "--seed", "device": "--device"}
-_CLI_WORDS = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
-                # serve.check_fits's advice, in the command's terms
-                "lower max_batch or cache_len (or max_new_tokens), or load fewer variants / unfused=False":
-                    "fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"}
+_DTYPE_WORDS = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+_FITS_ADVICE = "fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"
 
 
 def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
@@ -711,7 +709,8 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     user gave that option (`given`: the options on the command line; a name the command filled in itself, e.g. the
     config's eos_token_id as stop_tokens or the build's variants, stays as it is), torch dtypes as --dtype names and
     the memory check's advice in options."""
-    for api_words, cli_words in _CLI_WORDS.items():
+    from .serve import FITS_ADVICE  # (serve is loaded by then: its errors are what this rewrites)
+    for api_words, cli_words in {**_DTYPE_WORDS, FITS_ADVICE: _FITS_ADVICE}.items():
         msg = msg.replace(api_words, cli_words)
     name, sep, rest = msg.partition(": ")
     if sep and _OPTION_OF.get(name) in given:

@@ -324,13 +324,16 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
     return out
 
 
+# check_fits's advice (the generate command words it in its options: cli._as_options)
+FITS_ADVICE = "lower max_batch or cache_len (or max_new_tokens), or load fewer variants / unfused=False"
+
+
 def check_fits(plan: dict[str, int], free: int, total: int, what: str, where: str = "on the GPU") -> None:
     """ServeError (one line) when plan["total"] bytes exceed `free` bytes of the device."""
     if plan["total"] > free:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.items() if k != "total" and v)
         raise ServeError(f"{what}: needs {plan['total'] / GiB:.2f} GiB {where} ({parts} GiB) but only "
-                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: lower max_batch or cache_len (or "
-                         "max_new_tokens), or load fewer variants / unfused=False")
+                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: {FITS_ADVICE}")
 
 
 def host_memory() -> tuple[int, int] | None:
