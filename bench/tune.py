@@ -196,7 +196,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                  f"{chosen} {greport.counted(len(pre), 'prefill variant')} and no decode one")
         if pre:
             click.echo(f"warning: --positions {positions}: decode variants only; prefill variants "
-                       f"({greport.counted(len(pre), 'selected')}) are timed on their whole chunk as with full",
+                       f"({len(pre)} selected) are timed on their whole chunk as with full",
                        err=True)
     vs = vs[si::sn]
 

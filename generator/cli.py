@@ -496,6 +496,12 @@ def clean_cmd(build_dir):
     if doc is None and not (p / "objects").is_dir() or doc is not None and doc != {} and not (
             isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
         fail(f"{build_dir}: its manifest.json is not a megakernel build's; not removing it")
+    if doc == {} and not all(e.name in (".lock", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
+                             for e in p.iterdir()) or (p / "objects").is_dir() and not all(
+            e.is_dir() and OBJECT_DIR.fullmatch(e.name) for e in (p / "objects").iterdir()):
+        # no manifest: only the objects/ a served model's head compiled (generate) is a build's without one
+        fail(f"{build_dir}: does not look like a megakernel build directory (no manifest.json, or objects/ holding "
+             "what a build does not write); not removing it")
     variants = set(doc["variants"]) if doc else set()
     foreign = sorted(e.name for e in p.iterdir() if not (
         e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
@@ -505,13 +511,14 @@ def clean_cmd(build_dir):
         fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
              "not write); not removing it")
     shutil.rmtree(p)
-    err_console.print(f"removed {build_dir}/", highlight=False)
+    err_console.print(f"removed {p}/", highlight=False)
 
 
 # what a build writes at the top of its directory (besides the variants' directories and its temporary files)
 BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock"}
 VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
 BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
+OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)
 
 
 @main.command("bench", add_help_option=False,

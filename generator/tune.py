@@ -77,6 +77,8 @@ def _load_tuning(path: Path) -> tuple[dict | None, str | None]:
         text = Path(path).read_text()
     except OSError as exc:
         return None, f"unreadable ({exc.strerror})"
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text (byte {exc.start})"
     if not text.strip():
         return None, "an empty file"
     try:

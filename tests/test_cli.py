@@ -275,6 +275,17 @@ def test_clean(copy_build, tmp_path):
     r = run_cli(["clean", "--build-dir", other], cwd=tmp_path)
     assert_bad_input(r, "its manifest.json is not a megakernel build's")
     assert snapshot(other) == before
+    # no manifest: a directory holding what only looks like a build's (reports, objects/ with a user's file, a
+    # directory named like a variant) is not one
+    for i, (rel, body) in enumerate((("report.csv", "my,data"), ("objects/thesis.tex", "mine"),
+                                     ("photos_decode_b1_s2_x/a.jpg", "jpg"))):
+        mine = tmp_path / f"mydata{i}"
+        (mine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mine / rel).write_text(body)
+        before = snapshot(mine)
+        assert_bad_input(run_cli(["clean", "--build-dir", mine], cwd=tmp_path),
+                         "does not look like a megakernel build directory")
+        assert snapshot(mine) == before
     # a build with a file of the user's in it: refused, naming it; the build's own temporary files are its own
     b = tmp_path / "b2"
     copy_build(b)

@@ -346,6 +346,10 @@ def test_write_refuses_what_would_not_parse(tmp_path):
     with pytest.raises(gvariants.VariantError):
         hf.append_entry(vfile, hf.variant_entry_yaml(d))
     assert vfile.read_text() == original
+    vfile.write_bytes(b"models:\n  a: {hidden: \xff}\n")  # not UTF-8: one line, untouched
+    r = run_cli("from-hf", d, "--write", vfile)
+    assert r.returncode == 2 and "not UTF-8 text" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert vfile.read_bytes() == b"models:\n  a: {hidden: \xff}\n"
     r = run_cli("from-hf", d, "--write", tmp_path / "no-such-dir" / "v.yaml")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "no-such-dir").exists()

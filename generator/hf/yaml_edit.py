@@ -111,6 +111,8 @@ def append_entry(variants_file, text: str) -> None:
         old = ""
     except OSError as exc:
         raise HFConfigError(f"{path}: cannot read variants file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise HFConfigError(f"{path}: cannot read variants file: not UTF-8 text (byte {exc.start})") from None
     if not old.strip():
         old = NEW_FILE  # a new (or empty) variants file: a default matrix, then the entry
     # `models: {}` (an empty flow mapping) becomes a block the entry goes under
