@@ -388,7 +388,7 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
             have = sorted(p.stem for p in gtune.tuning_dir().glob("*.json")) if gtune.tuning_dir().is_dir() else []
             fail(f"--tuned-for {tuned_for}: no tuning file {gtune.display(path)} (have: {', '.join(have) or 'none'};"
                  " `megakernel tune` on that GPU writes it)")
-        if (problem := gtune.tuning_problem(path)) is not None:  # asked for by name: a broken file is an error
+        if (problem := gtune.tuning_problem(path, entries=True)) is not None:  # asked for by name: an error
             fail(f"--tuned-for {tuned_for}: {gtune.display(path)} is not a tuning file (a JSON object of entries): "
                  f"{problem}")
         return path
@@ -510,6 +510,10 @@ def clean_cmd(build_dir):
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
              "not write); not removing it")
+    from . import compile as gcompile
+    if (held := gcompile.busy(p)) is not None:
+        fail(f"{build_dir}: a build is using it ({held.relative_to(p)} is locked); not removing it (try again when "
+             "the build ends)")
     shutil.rmtree(p)
     err_console.print(f"removed {p}/", highlight=False)
 
@@ -644,8 +648,9 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
               "runs to --max-new-tokens [the checkpoint's eos_token_id as transformers reads it: generation_config.json's where there is one, else config.json's]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
-@click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence (needed when no "
-              "decode variant is used)")
+@click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence [the decode "
+              "variants' seq_len where one is used (a different value is an error), else the longest prompt + "
+              "--max-new-tokens]")
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="weights and caches [the fused variants', else the config's bf16/fp16; fp32 only without fused "
@@ -769,7 +774,6 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         if chosen:
             fail("--variant: fused variants run on CUDA; --device cpu serves the unfused layers (drop --variant)")
         chosen = []
-        cache_len = cache_len or max(len(s) for s in seqs) + max_new_tokens
     try:
         trained = hf.read_config(model_dir)[1].get("max_position_embeddings")
         longest = max(len(s) for s in seqs) + max_new_tokens
@@ -785,7 +789,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             import torch
             torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
             model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen, device=device,
-                                        cache_len=cache_len, max_batch=len(seqs), group=group, dtype=torch_dtype)
+                                        cache_len=cache_len, max_batch=len(seqs), group=group, dtype=torch_dtype,
+                                        default_cache_len=max(len(s) for s in seqs) + max_new_tokens)
             model.use_graphs = model.use_graphs and not no_graph
 
             streamed, shown = [], [""]  # one sequence: its text so far, printed as it grows
@@ -821,8 +826,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
     info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
-         f"{out.ttft_s * 1e3:.1f} ms, decode {out.tokens_per_s:,.1f} tokens/s "
-         f"({'CUDA graph' if model.use_graphs else 'eager'})", highlight=False)
+         f"{out.ttft_s * 1e3:.1f} ms, " + (f"decode {out.tokens_per_s:,.1f} tokens/s "
+         f"({'CUDA graph' if model.use_graphs else 'eager'})" if out.tokens_per_s > 0 else
+         "no decode step (every sequence ended at its first token)"), highlight=False)
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"

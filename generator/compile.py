@@ -220,6 +220,24 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
         return meta, cached
 
 
+def busy(build_dir: Path) -> Path | None:
+    """The first lock under `build_dir` that another process holds (the build's own .lock while it merges the
+    manifest, an object's objects/KEY/.lock while it compiles), or None: `megakernel clean` refuses a directory a
+    build is using. Each lock is tried without waiting (flock, non-blocking) and released at once."""
+    for lock in [build_dir / ".lock", *sorted(build_dir.glob("objects/*/.lock"))]:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue  # gone, or not ours to open: nothing a build holds here
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return lock
+        finally:
+            os.close(fd)  # (closing releases the lock)
+    return None
+
+
 @contextlib.contextmanager
 def locked(build_dir: Path):
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -446,6 +446,9 @@ class Model:
         self.entry_yaml = entry_yaml
         self.checkpoint_bytes = checkpoint_bytes
         self.eos = tuple(eos)
+        if far := [t for t in self.eos if t >= self.vocab]:  # (transformers keeps them too: they stop nothing)
+            warnings.warn(f"eos_token_id {', '.join(map(str, far))}: past the vocabulary ({self.vocab} tokens), never "
+                          "generated: no sequence stops on it", stacklevel=2)
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
@@ -467,7 +470,8 @@ class Model:
     @classmethod
     def from_hf(cls, path, *, build_dir="build", variants: Iterable[str] | None = None, device="cuda",
                 max_batch: int | None = None, cache_len: int | None = None, dtype: torch.dtype | None = None,
-                unfused: bool = True, gpu_name: str | None = None, routes_dir=None, group=None) -> "Model":
+                unfused: bool = True, gpu_name: str | None = None, routes_dir=None, group=None,
+                default_cache_len: int | None = None) -> "Model":
         """Load a checkpoint directory (safetensors + config.json) for serving.
 
         variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
@@ -475,7 +479,8 @@ class Model:
         fine: everything runs unfused; where their decode variants have several seq_lens, those of cache_len, else
         of the longest, with a warning naming the others). Decode variants must share one seq_len, the cache length
         (ServeError where `variants` names several);
-        cache_len (rows per sequence) is needed only when no decode variant is used. max_batch: sequences the caches
+        cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
+        given, stands in for it then: generate's longest prompt + new tokens). max_batch: sequences the caches
         hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
         variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
         second copy of the weights: then every call must have a fused variant. The planned memory is checked before
@@ -550,7 +555,7 @@ class Model:
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
-        cache_len = seq if seq is not None else cache_len
+        cache_len = seq if seq is not None else cache_len if cache_len is not None else default_cache_len
         if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 2:
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
                              f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")

@@ -66,9 +66,15 @@ def parse_tuning(path: Path) -> dict | None:
     return _load_tuning(path)[0]
 
 
-def tuning_problem(path: Path) -> str | None:
-    """Why `path` is not a tuning file, in a few words (the JSON error's line and column), or None where it is."""
-    return _load_tuning(path)[1]
+def tuning_problem(path: Path, entries: bool = False) -> str | None:
+    """Why `path` is not a tuning file, in a few words (the JSON error's line and column), or None where it is.
+    entries: also where the object has entries but none holds an "overrides" object (some other JSON file, e.g. a
+    checkpoint's config.json)."""
+    doc, problem = _load_tuning(path)
+    if problem is None and entries and doc and not any(isinstance(e, dict) and isinstance(e.get("overrides"), dict)
+                                                       for e in doc.values()):
+        return f"none of its {len(doc)} keys is an entry with an \"overrides\" object"
+    return problem
 
 
 def _load_tuning(path: Path) -> tuple[dict | None, str | None]:

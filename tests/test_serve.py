@@ -360,6 +360,9 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # one new token: no decode step ran, so no decode rate (it read "0.0 tokens/s")
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "1", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0 and "no decode step" in r.stderr and "tokens/s" not in r.stderr, r.stderr
     # past the positions the model was trained on (max_position_embeddings 256): generated as asked, and said
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "254", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "257 positions" in r.stderr and "max_position_embeddings 256" in r.stderr, r.stderr
@@ -608,3 +611,7 @@ def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
     (c / "generation_config.json").unlink()
     with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'config.json'}: eos_token_id: ")):
         serve.eos_token_ids(c, {**cfg, "eos_token_id": "2"})
+    # an id past the vocabulary (kept, as transformers keeps it: it can never be generated) is said in a warning
+    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 100000]}))
+    with pytest.warns(UserWarning, match=r"eos_token_id 100000: past the vocabulary \(\d+ tokens\)"):
+        assert cpu_model(c).eos == (7, 100000)

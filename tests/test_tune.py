@@ -1161,6 +1161,11 @@ def test_a_broken_tuning_file_asked_for_by_name_is_an_error(tmp_path, tiny_varia
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", other],
                 cwd=tmp_path)
     assert r.returncode == 2 and f"{other} is not a tuning file" in r.stderr.replace("\n", " "), r.stderr
+    other.write_text(json.dumps({"hidden_size": 64, "model_type": "llama"}))  # JSON, but a config.json's
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", other],
+                cwd=tmp_path)
+    assert r.returncode == 2 and 'none of its 2 keys is an entry with an "overrides" object' in r.stderr.replace(
+        "\n", " ") and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists(), r.stderr
     other.write_bytes(b"{\xff}")  # not UTF-8: the same one line
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", other],
                 cwd=tmp_path)
