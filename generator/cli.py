@@ -1,6 +1,7 @@
 """`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -473,7 +474,8 @@ def clean_cmd(build_dir):
     """Remove the build directory: only one that holds nothing but what a build writes (its manifest, objects/,
     the variants' directories, report.json/.csv, its lock and temporary files); any other entry, a manifest.json
     that is not a build's, a symbolic link, or the directory this command runs in (or one above it) refuses the
-    whole removal in one line. What a build's own subdirectories hold (objects/, a variant's) goes with them."""
+    whole removal in one line, and so does a build still using it (its shared lock on .busy, or a compile's lock).
+    What a build's own subdirectories hold (objects/, a variant's) goes with them."""
     if not str(build_dir).strip():
         fail("--build-dir: empty (give the build directory to remove)")
     p = Path(build_dir)
@@ -496,7 +498,7 @@ def clean_cmd(build_dir):
     if doc is None and not (p / "objects").is_dir() or doc is not None and doc != {} and not (
             isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
         fail(f"{build_dir}: its manifest.json is not a megakernel build's; not removing it")
-    if doc == {} and not all(e.name in (".lock", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
+    if doc == {} and not all(e.name in (".lock", ".busy", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
                              for e in p.iterdir()) or (p / "objects").is_dir() and not all(
             e.is_dir() and OBJECT_DIR.fullmatch(e.name) for e in (p / "objects").iterdir()):
         # no manifest: only the objects/ a served model's head compiled (generate) is a build's without one
@@ -511,15 +513,26 @@ def clean_cmd(build_dir):
         fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
              "not write); not removing it")
     from . import compile as gcompile
-    if (held := gcompile.busy(p)) is not None:
-        fail(f"{build_dir}: a build is using it ({held.relative_to(p)} is locked); not removing it (try again when "
-             "the build ends)")
-    shutil.rmtree(p)
+    import fcntl
+    with contextlib.ExitStack() as stack:  # a build's shared lock on .busy, else any lock a compile holds: refused
+        try:
+            f = stack.enter_context(open(p / gcompile.BUSY, "rb"))
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held through the removal
+            held = None
+        except FileNotFoundError:
+            held = None  # (a build of an earlier version: no .busy)
+        except OSError:
+            held = p / gcompile.BUSY
+        held = held or gcompile.busy(p)
+        if held is not None:
+            fail(f"{build_dir}: a build is using it ({held.relative_to(p)} is locked); not removing it (try again "
+                 "when the build ends)")
+        shutil.rmtree(p)
     err_console.print(f"removed {p}/", highlight=False)
 
 
 # what a build writes at the top of its directory (besides the variants' directories and its temporary files)
-BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock"}
+BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock", ".busy"}
 VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
 BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
 OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -220,13 +221,33 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
         return meta, cached
 
 
+BUSY = ".busy"  # a build holds a shared lock on BUILD_DIR/.busy from start to end (in_use); clean takes it exclusive
+
+
+@contextlib.contextmanager
+def in_use(build_dir: Path):
+    """Held by `build` for its whole run: a shared flock on build_dir/.busy (several builds may share a directory),
+    so that `megakernel clean` (an exclusive lock, not waited for) never removes a directory a build is writing.
+    Creates the directory; where it did not exist and the build left nothing in it, removes it again."""
+    fresh = not build_dir.exists()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(build_dir / BUSY, "a") as f:  # ("a": an existing file is not rewritten)
+            fcntl.flock(f, fcntl.LOCK_SH)
+            yield
+    finally:
+        if fresh and {e.name for e in build_dir.iterdir()} <= {BUSY}:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
 def busy(build_dir: Path) -> Path | None:
     """The first lock under `build_dir` that another process holds (the build's own .lock while it merges the
     manifest, an object's objects/KEY/.lock while it compiles), or None: `megakernel clean` refuses a directory a
-    build is using. Each lock is tried without waiting (flock, non-blocking) and released at once."""
+    build is using. Each lock is tried without waiting (flock, non-blocking; read-only: a lock file of another user
+    is still tested) and released at once."""
     for lock in [build_dir / ".lock", *sorted(build_dir.glob("objects/*/.lock"))]:
         try:
-            fd = os.open(lock, os.O_RDWR)
+            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             continue  # gone, or not ours to open: nothing a build holds here
         try:
@@ -288,10 +309,7 @@ REPLAN_TRIES = 12  # candidates compiled for a default plan that spills (a spill
 REPLAN_MIN_SPILL = 256
 
 
-def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
-          arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None,
-          tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None,
-          replan_spills: bool = True, notify=None) -> dict:
+def build(variants: list[Variant], build_dir: str | Path = "build", **kw) -> dict:
     """Render and compile every variant for sm_`arch`; returns {"entries": [...], "errors": [...], "distinct": n}.
 
     Over-budget variants are refused before compiling (entry status "refused"); compile errors are collected per
@@ -314,8 +332,18 @@ def build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int
     REPLAN_MIN_SPILL, as planned, warned (the tuner passes False: it measures plans as given), and so is one
     whose tuning entry kept the default plan (overrides {}); their warnings are result["replans"]; `notify(line)` is
     told before that second round of compiles starts (the progress count is complete by then). Raises TargetError for an
-    architecture the kernel cannot target.
+    architecture the kernel cannot target. Keywords: jobs, arch, progress, variants_file, tuning_file, overrides,
+    replan_spills, notify (those of _build). The directory is held in use (in_use) for the whole build.
     """
+    with in_use(Path(build_dir)):
+        return _build(variants, build_dir, **kw)
+
+
+def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: int | None = None,
+           arch: str = DEFAULT_ARCH, progress=None, variants_file: str | Path | None = None,
+           tuning_file: str | Path | None = None, overrides: dict[str, dict] | None = None,
+           replan_spills: bool = True, notify=None) -> dict:
+    """build's work (its docstring), under in_use."""
     from . import tune as gtune
     build_dir = Path(build_dir)
     target = get_arch(arch)

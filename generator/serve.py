@@ -446,9 +446,6 @@ class Model:
         self.entry_yaml = entry_yaml
         self.checkpoint_bytes = checkpoint_bytes
         self.eos = tuple(eos)
-        if far := [t for t in self.eos if t >= self.vocab]:  # (transformers keeps them too: they stop nothing)
-            warnings.warn(f"eos_token_id {', '.join(map(str, far))}: past the vocabulary ({self.vocab} tokens), never "
-                          "generated: no sequence stops on it", stacklevel=2)
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
@@ -480,7 +477,8 @@ class Model:
         of the longest, with a warning naming the others). Decode variants must share one seq_len, the cache length
         (ServeError where `variants` names several);
         cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
-        given, stands in for it then: generate's longest prompt + new tokens). max_batch: sequences the caches
+        given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
+        prompt + new tokens). max_batch: sequences the caches
         hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
         variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
         second copy of the weights: then every call must have a fused variant. The planned memory is checked before
@@ -555,7 +553,9 @@ class Model:
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
-        cache_len = seq if seq is not None else cache_len if cache_len is not None else default_cache_len
+        if seq is None and cache_len is None and default_cache_len is not None:  # room for every prefill chunk too
+            cache_len = max([default_cache_len] + [v.seq_len for v in vs if v.mode == "prefill"])
+        cache_len = seq if seq is not None else cache_len
         if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 2:
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
                              f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")
@@ -962,6 +962,11 @@ class Model:
             if not ok:
                 raise ServeError(f"{nm}: {rule}, got {val!r}")
         stops = set(self.eos if stop_tokens is None else stop_tokens)
+        far = [t for t in self.eos if t >= self.vocab] if stop_tokens is None else []
+        if far and "eos" not in self._warned:  # (kept, as transformers keeps them: they stop nothing)
+            self._warned.add("eos")
+            warnings.warn(f"eos_token_id {', '.join(map(str, far))}: past the vocabulary ({self.vocab} tokens), never "
+                          "generated: no sequence stops on it", stacklevel=3)
         for t in stops:  # the config's eos ids as given (one past the vocabulary is never produced: harmless)
             if not _int(t) or (stop_tokens is not None and not 0 <= t < self.vocab):
                 raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")

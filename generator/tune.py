@@ -73,7 +73,8 @@ def tuning_problem(path: Path, entries: bool = False) -> str | None:
     doc, problem = _load_tuning(path)
     if problem is None and entries and doc and not any(isinstance(e, dict) and isinstance(e.get("overrides"), dict)
                                                        for e in doc.values()):
-        return f"none of its {len(doc)} keys is an entry with an \"overrides\" object"
+        keys = "its one key is not" if len(doc) == 1 else f"none of its {len(doc)} keys is"
+        return f"{keys} an entry with an \"overrides\" object"
     return problem
 
 

@@ -315,15 +315,19 @@ def test_clean(copy_build, tmp_path):
     assert_bad_input(run_cli(["clean", "--build-dir", ".."], cwd=b / "objects"), "this command runs inside it")
     assert_bad_input(run_cli(["clean", "--build-dir", ""], cwd=tmp_path), "--build-dir: empty")
     assert (b / "manifest.json").exists() and (tmp_path / "link").is_symlink()
-    # a build using it (an object's lock held, as a compile holds it): refused, nothing removed
+    # a build using it (its shared lock on .busy, held for the whole build; or an object's lock, as a compile holds
+    # it, or the manifest's): refused, nothing removed
     import fcntl
-    lock = next(b.glob("objects/*")) / ".lock"
-    with open(lock, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        before = snapshot(b)
-        assert_bad_input(run_cli(["clean", "--build-dir", b], cwd=tmp_path), "a build is using it")
-        assert snapshot(b) == before
-    lock.unlink()
+    for lock, how in ((b / ".busy", fcntl.LOCK_SH), (next(b.glob("objects/*")) / ".lock", fcntl.LOCK_EX),
+                      (b / ".lock", fcntl.LOCK_EX)):
+        existed = lock.exists()
+        with open(lock, "a") as f:
+            fcntl.flock(f, how)
+            before = snapshot(b)
+            assert_bad_input(run_cli(["clean", "--build-dir", b], cwd=tmp_path), "a build is using it")
+            assert snapshot(b) == before
+        if not existed:
+            lock.unlink()
     (b / ".manifest.json.123.tmp").write_text("")  # the build's own temporary file
     (b / "manifest.json").write_text("{corrupt")  # a corrupt manifest (its error says to clean): still the build's
     r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)

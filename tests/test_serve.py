@@ -336,6 +336,16 @@ def test_bad_configurations_are_one_line_errors(tiny):
             serve.Model.from_hf(d, build_dir=d / "none", variants=[], cache_len=48)
 
 
+def test_the_cache_length_defaults_where_no_decode_variant_fixes_it(tiny):
+    """default_cache_len (generate's longest prompt + new tokens) stands in for cache_len where no decode variant
+    fixes it; a cache_len given wins."""
+    _, d = tiny
+    assert cpu_model(d, variants=[], cache_len=None, default_cache_len=10).cache_len == 10
+    assert cpu_model(d, variants=[], cache_len=20, default_cache_len=10).cache_len == 20
+    with pytest.raises(serve.ServeError, match="no decode variant fixes the cache length"):
+        cpu_model(d, variants=[], cache_len=None)
+
+
 def test_memory_report_on_the_cpu(tiny):
     _, d = tiny
     model = cpu_model(d)
@@ -611,7 +621,16 @@ def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
     (c / "generation_config.json").unlink()
     with pytest.raises(serve.ServeError, match=re.escape(f"{c / 'config.json'}: eos_token_id: ")):
         serve.eos_token_ids(c, {**cfg, "eos_token_id": "2"})
-    # an id past the vocabulary (kept, as transformers keeps it: it can never be generated) is said in a warning
+    # an id past the vocabulary (kept, as transformers keeps it: it can never be generated) is said in a warning,
+    # once, where the checkpoint's stop tokens are used (not with stop tokens of the caller's)
+    import warnings
     (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 100000]}))
-    with pytest.warns(UserWarning, match=r"eos_token_id 100000: past the vocabulary \(\d+ tokens\)"):
-        assert cpu_model(c).eos == (7, 100000)
+    model = cpu_model(c)
+    assert model.eos == (7, 100000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate([[1, 2]], 2, stop_tokens=[])
+        model.generate([[1, 2]], 2)
+        model.generate([[1, 2]], 2)
+    far = [w for w in caught if "past the vocabulary" in str(w.message)]
+    assert len(far) == 1 and re.search(r"eos_token_id 100000: past the vocabulary \(\d+ tokens\)", str(far[0].message))
