@@ -1,7 +1,6 @@
 """`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -513,21 +512,12 @@ def clean_cmd(build_dir):
         fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
              "not write); not removing it")
     from . import compile as gcompile
-    import fcntl
-    with contextlib.ExitStack() as stack:  # a build's shared lock on .busy, else any lock a compile holds: refused
-        try:
-            f = stack.enter_context(open(p / gcompile.BUSY, "rb"))
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held through the removal
-            held = None
-        except FileNotFoundError:
-            held = None  # (a build of an earlier version: no .busy)
-        except OSError:
-            held = p / gcompile.BUSY
-        held = held or gcompile.busy(p)
-        if held is not None:
-            fail(f"{build_dir}: a build is using it ({held.relative_to(p)} is locked); not removing it (try again "
-                 "when the build ends)")
-        shutil.rmtree(p)
+    try:
+        with gcompile.claimed(p):
+            shutil.rmtree(p)
+    except gcompile.InUse as exc:
+        fail(f"{build_dir}: a build is using it ({exc.path.relative_to(p)} is locked); not removing it (try again "
+             "when the build ends)")
     err_console.print(f"removed {p}/", highlight=False)
 
 

@@ -240,6 +240,34 @@ def in_use(build_dir: Path):
             shutil.rmtree(build_dir, ignore_errors=True)
 
 
+class InUse(RuntimeError):
+    """claimed: a build is using the directory; .path is the lock another process holds."""
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is locked")
+        self.path = path
+
+
+@contextlib.contextmanager
+def claimed(build_dir: Path):
+    """The directory held for its removal (`megakernel clean`): .busy's lock taken exclusive and kept (a build that
+    starts meanwhile waits on it), after checking that no build holds it shared and no compile holds its own lock.
+    Raises InUse without waiting. A directory without .busy (a build of an earlier version) is checked by its
+    other locks only."""
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(open(build_dir / BUSY, "rb"))
+        except FileNotFoundError:
+            f = None
+        if f is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise InUse(build_dir / BUSY) from None
+        if (held := busy(build_dir)) is not None:
+            raise InUse(held)
+        yield
+
+
 def busy(build_dir: Path) -> Path | None:
     """The first lock under `build_dir` that another process holds (the build's own .lock while it merges the
     manifest, an object's objects/KEY/.lock while it compiles), or None: `megakernel clean` refuses a directory a
