@@ -22,6 +22,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -213,7 +214,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON file [$OUT/e2e.json, else bench/results/e2e.json]")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("error: bench/e2e.py needs a CUDA GPU")
+        print("error: bench/e2e.py needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     import transformers as T
 
     from generator import serve

@@ -221,6 +221,10 @@ def print_tables(doc: dict, routes_path=None) -> None:
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
 @click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
 def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths):
+    if not torch.cuda.is_available():  # said before minutes of building
+        click.echo("error: bench/gpu_check.py verifies and times the variants on a CUDA GPU, and none is visible "
+                   "(on this machine: `megakernel build` and `megakernel report`)", err=True)
+        sys.exit(2)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seed = seed if seed is not None else int(time.time()) % 100000

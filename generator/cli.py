@@ -180,7 +180,8 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = {v.name: v for v in load_selected(variants_file)}
     if name not in vs:
-        fail(f"{variants_file}: no variant named '{name}' (see `megakernel list`)")
+        flag = f" --variants {shlex.quote(str(variants_file))}" if Path(variants_file).name != "variants.yaml" else ""
+        fail(f"{variants_file}: no variant named '{name}' (see `megakernel list{flag}`)")
     v = vs[name]
     ov, source, _, warning = gtune.resolve(v, arch, tfile)
     knobs = " ".join(f"{k}={val}" for k, val in sorted(ov.items()))  # as the report's plan column writes them
@@ -839,7 +840,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                       f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}",
          markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
-    per = f" (per GPU, tensor parallel over {group.size()})" if group is not None else ""
+    unit = "GPU" if model.device.type == "cuda" else "process"
+    per = f" (per {unit}, tensor parallel over {group.size()})" if group is not None else ""
     info(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
          markup=False, highlight=False, soft_wrap=True)
 

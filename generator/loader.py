@@ -36,6 +36,9 @@ def check_weights(weights: dict, m: Model, dtype: torch.dtype, device: torch.dev
     """Raise ValueError naming the first tensor of `weights` that is extra, missing, or of the wrong shape
     (interface.weight_shapes), dtype or device."""
     expected = weight_shapes(m)
+    if not isinstance(weights, dict):
+        raise ValueError(f"weights: a dict of the layer's tensors by name ({', '.join(expected)}), or None with "
+                         f"packed= another layer's .packed; got {type(weights).__name__}")
     for name in weights:
         if name not in expected:
             raise ValueError(f"weight '{name}': not a tensor of this layer (expected: {', '.join(expected)})")
@@ -461,12 +464,19 @@ class FusedDecoderLayer:
             raise ValueError(f"x: dtype {x.dtype}, expected {self.dtype}")
         if x.device != self.device:
             raise ValueError(f"x: on {x.device}, expected {self.device}")
-        if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (B,):
-            raise ValueError(f"pos: shape {tuple(getattr(pos, 'shape', ()))}, expected ({B},)")
+        pn = self._pos_name
+        if not isinstance(pos, torch.Tensor):
+            raise ValueError(f"{pn}: an int32 tensor of shape ({B},), got {type(pos).__name__}")
+        if tuple(pos.shape) != (B,):
+            raise ValueError(f"{pn}: shape {tuple(pos.shape)}, expected ({B},)")
         if pos.dtype != torch.int32:
-            raise ValueError(f"pos: dtype {pos.dtype}, expected torch.int32")
+            raise ValueError(f"{pn}: dtype {pos.dtype}, expected torch.int32")
         if pos.device.type == "cuda" and pos.device != self.device:
-            raise ValueError(f"pos: on {pos.device}, expected {self.device} or the CPU")
+            raise ValueError(f"{pn}: on {pos.device}, expected {self.device} or the CPU")
+
+    @property
+    def _pos_name(self) -> str:  # the positions' argument as the caller named it
+        return "pos" if self.mode == "decode" else "start_pos"
 
     def check_positions(self, pos: torch.Tensor) -> None:
         """ValueError unless every sequence's new rows pos[b] .. pos[b] + chunk - 1 lie in the cache."""
@@ -474,7 +484,8 @@ class FusedDecoderLayer:
         if lo < 0 or hi + self.chunk > self.cache_len:
             last = self.cache_len - self.chunk
             what = "values" if self.mode == "decode" else f"start positions (+ chunk {self.chunk})"
-            raise ValueError(f"pos: {what} must be in [0, {last}] (cache of {self.cache_len} rows), got {lo}..{hi}")
+            raise ValueError(f"{self._pos_name}: {what} must be in [0, {last}] (cache of {self.cache_len} rows), "
+                             f"got {lo}..{hi}")
 
     def _positions(self, pos: torch.Tensor, validate: bool) -> torch.Tensor:
         """pos on the device, checked: a CPU tensor on the host (copied through its own pinned block, which torch's
@@ -484,8 +495,8 @@ class FusedDecoderLayer:
         sequence's output into NaN and leaves its cache alone)."""
         if pos.device.type == "cpu":
             if torch.cuda.is_current_stream_capturing():
-                raise ValueError("pos: a CPU tensor cannot be captured in a CUDA graph (the graph would replay the "
-                                 "value it had at capture); pass pos as a tensor on the GPU")
+                raise ValueError(f"{self._pos_name}: a CPU tensor cannot be captured in a CUDA graph (the graph would "
+                                 "replay the value it had at capture); pass it as a tensor on the GPU")
             self.check_positions(pos)
             return pos.pin_memory().to(self.device, non_blocking=True)
         if validate and not torch.cuda.is_current_stream_capturing():

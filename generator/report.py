@@ -174,6 +174,52 @@ def natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def _bench_figures(doc: dict, arch: str | None) -> list[tuple[str, dict]]:
+    """(variant, figures) of one results file's passing fused rows (latest_bench); [] where it was measured on
+    another architecture. TypeError/ValueError where the file's rows are not the shape those tools write."""
+    measured_on = str(doc.get("arch") or "") or gpu_arch(str(doc.get("gpu", "")))  # recorded, else by name
+    if arch is not None and measured_on is not None and measured_on != str(arch).rstrip("a"):
+        return []
+    for key in ("rows", "prefill"):
+        if not isinstance(doc.get(key, []), list):
+            raise TypeError(f'its "{key}" is {type(doc[key]).__name__}, not a list of rows')
+    rows = doc.get("rows", []) + doc.get("prefill", [])  # prefill: megakernel bench's prefill rows
+    out = []
+    for row in rows:
+        if not isinstance(row, dict):
+            raise TypeError(f"a row is {type(row).__name__}, not an object")
+        name = row.get("variant")
+        # a row that failed its run's check against the reference is not a figure to show
+        failed = row.get("error") or row.get("status", "ok") != "ok" or row.get("pass") is False
+        if not name or failed or row.get("provider", "fused") != "fused":
+            continue
+        if "provider" in row:  # megakernel bench
+            fig = {"fused_us": row.get("us_median"), "pct_bw": row.get("pct_bw"),
+                   "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
+                   "speedup_eager": row.get("speedup_vs_eager"), "speedup_compile": row.get("speedup_vs_compile"),
+                   "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline")}
+        elif "tp" in row and "us" in row:  # bench/tp_check.py: a tensor-parallel decode variant
+            fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"), "speedup_best": row.get("speedup"),
+                   "best_baseline": row.get("best_baseline")}
+        elif row.get("mode") == "prefill":  # gpu_check, prefill
+            fig = {"fused_us": row.get("us"), "tflops": row.get("tflops"), "speedup_best": row.get("speedup"),
+                   "best_baseline": "unfused", "route": row.get("route")}
+        elif "us" in row:  # gpu_check, decode
+            fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"),
+                   "speedup_torch_graph": row.get("speedup"), "speedup_best": row.get("speedup_vs_best"),
+                   "best_baseline": row.get("best_baseline")}
+        else:
+            continue
+        bad = [k for k, x in fig.items() if k not in ("best_baseline", "route") and x is not None
+               and (isinstance(x, bool) or not isinstance(x, (int, float)))]
+        if bad:
+            raise ValueError(f"{name}: {bad[0]} {fig[bad[0]]!r} is not a number")
+        if isinstance(row.get("knobs"), dict):  # the plan it timed (newer files)
+            fig["timed_knobs"] = row["knobs"]
+        out.append((str(name), fig))
+    return out
+
+
 def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     """Per variant: the fused kernel's newest measured figures in bench/results/*.json, from `megakernel bench`
     files (every provider's row; its prefill rows, under "prefill", as gpu_check's), `bench/gpu_check.py` files
@@ -184,42 +230,21 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
     recorded time, then its name (deterministic in a fresh clone, where mtimes are the checkout's). Rows that
     errored or failed their run's check against the reference (`pass: false`) are skipped."""
     found: dict[str, tuple] = {}
-    for p in bench_dir.glob("*.json"):
+    for p in sorted(bench_dir.glob("*.json")):
         try:
             doc = json.loads(p.read_text())
-        except ValueError:
+        except (OSError, ValueError) as exc:
+            warnings.warn(f"{p}: not read ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}): skipped")
             continue
         if not isinstance(doc, dict):
             continue
-        measured_on = str(doc.get("arch") or "") or gpu_arch(str(doc.get("gpu", "")))  # recorded, else by name
-        if arch is not None and measured_on is not None and measured_on != str(arch).rstrip("a"):
+        try:
+            figs = _bench_figures(doc, arch)
+        except (TypeError, ValueError, AttributeError) as exc:  # a file of another shape: said, not a traceback
+            warnings.warn(f"{p}: not a results file this report reads ({exc}): skipped")
             continue
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
-        for row in doc.get("rows", []) + doc.get("prefill", []):  # prefill: megakernel bench's prefill rows
-            name = row.get("variant")
-            # a row that failed its run's check against the reference is not a figure to show
-            failed = row.get("error") or row.get("status", "ok") != "ok" or row.get("pass") is False
-            if not name or failed or row.get("provider", "fused") != "fused":
-                continue
-            if "provider" in row:  # megakernel bench
-                fig = {"fused_us": row.get("us_median"), "pct_bw": row.get("pct_bw"),
-                       "speedup_torch_graph": row.get("speedup_vs_torch_graph"),
-                       "speedup_eager": row.get("speedup_vs_eager"), "speedup_compile": row.get("speedup_vs_compile"),
-                       "speedup_best": row.get("speedup_vs_best"), "best_baseline": row.get("best_baseline")}
-            elif "tp" in row and "us" in row:  # bench/tp_check.py: a tensor-parallel decode variant
-                fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"), "speedup_best": row.get("speedup"),
-                       "best_baseline": row.get("best_baseline")}
-            elif row.get("mode") == "prefill":  # gpu_check, prefill
-                fig = {"fused_us": row.get("us"), "tflops": row.get("tflops"), "speedup_best": row.get("speedup"),
-                       "best_baseline": "unfused", "route": row.get("route")}
-            elif "us" in row:  # gpu_check, decode
-                fig = {"fused_us": row.get("us"), "pct_bw": row.get("pct_bw"),
-                       "speedup_torch_graph": row.get("speedup"), "speedup_best": row.get("speedup_vs_best"),
-                       "best_baseline": row.get("best_baseline")}
-            else:
-                continue
-            if isinstance(row.get("knobs"), dict):  # the plan it timed (newer files)
-                fig["timed_knobs"] = row["knobs"]
+        for name, fig in figs:
             if name not in found or when > found[name][0]:
                 found[name] = (when, {**fig, "bench_file": p.name})
     return {name: fig for name, (_, fig) in found.items()}

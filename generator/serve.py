@@ -217,6 +217,25 @@ def common_seq_len(variants: Iterable[Variant]) -> int | None:
     return next(iter(lens), None)
 
 
+def keep_one_seq_len(vs: list[Variant], cache_len: int | None) -> tuple[list[Variant], list[str], int | None]:
+    """Of every built variant offered to a model (a default build declares several KV lengths, and one KV cache per
+    layer serves one seq_len): (kept, the decode variants' names left out, the seq_len kept) -- the decode variants
+    of cache_len's seq_len where one has it, else of the longest; every prefill variant is kept."""
+    lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
+    if len(lens) < 2:
+        return vs, [], lens[0] if lens else None
+    keep = cache_len if cache_len in lens else lens[-1]
+    return ([v for v in vs if v.mode != "decode" or v.seq_len == keep],
+            [v.name for v in vs if v.mode == "decode" and v.seq_len != keep], keep)
+
+
+def drop_long_prefill(vs: list[Variant], cache_len: int) -> tuple[list[Variant], list[str]]:
+    """(vs without the prefill variants whose chunk is longer than cache_len rows, their names): such a chunk can
+    never run (the loader refuses it)."""
+    long = [v.name for v in vs if v.mode == "prefill" and v.seq_len > cache_len]
+    return [v for v in vs if v.name not in long], long
+
+
 def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) -> None:
     """ServeError unless every sequence's prompt and new tokens fit the cache: the last token fed is at position
     len + max_new_tokens - 2, the longest prompt's last row must be < cache_len."""
@@ -449,6 +468,7 @@ class Model:
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
+        self._active = False  # a generate()/stream() is under way: they share the caches and buffers
         self._counters: dict[tuple, dict] = {}
         self._graphs: dict[tuple, tuple] = {}
         self._bufs: dict[tuple, dict] = {}
@@ -501,20 +521,27 @@ class Model:
         head = hfm._head_names(ck)
         hfm.warn_unused(ck, layer_names, head)
         shape = ck.model
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type not in ("cuda", "cpu"):
+            raise ServeError(f"device: 'cuda', 'cuda:N' or 'cpu', got {device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
                              "device='cpu' with variants=[] serves the unfused layers on the CPU")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
-        entries = manifest.read_manifest(Path(build_dir))["variants"] if variants is None or variants else {}
+        # (off CUDA no fused kernel runs: every built variant offered means none, as `generate --device cpu` does)
+        offered = variants is None and dev.type == "cuda"
+        entries = manifest.read_manifest(Path(build_dir))["variants"] if offered or variants else {}
         tp = 1 if group is None else torch.distributed.get_world_size(group)
         try:
             local = shard_model(shape, tp)  # what each GPU holds of a layer
         except ValueError as exc:
             raise ServeError(f"group: {exc}") from None
         if variants is None:
-            chosen = sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
+            chosen = [] if not offered else sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
                             and manifest.variant_from_entry(e).tp == tp)
         else:
             if isinstance(variants, str):
@@ -528,13 +555,8 @@ class Model:
                 raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
                                  f"({'no process group' if group is None else 'the process group'})")
             vs.append(v)
-        lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
-        if variants is None and len(lens) > 1:
-            # every built variant was offered (a default build declares several KV lengths): one KV cache per layer
-            # serves one seq_len, so keep the decode variants of cache_len's, else of the longest, and say which
-            keep = cache_len if cache_len in lens else lens[-1]
-            dropped = [v.name for v in vs if v.mode == "decode" and v.seq_len != keep]
-            vs = [v for v in vs if v.mode != "decode" or v.seq_len == keep]
+        if variants is None and (kept := keep_one_seq_len(vs, cache_len))[1]:
+            vs, dropped, keep = kept
             warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
                           f"{', '.join(dropped)} (pass variants=[...] or cache_len to choose)", stacklevel=2)
         dts = {v.model.dtype for v in vs}
@@ -555,19 +577,22 @@ class Model:
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
         if seq is None and cache_len is None and default_cache_len is not None:  # room for every prefill chunk too
             cache_len = max([default_cache_len] + [v.seq_len for v in vs if v.mode == "prefill"])
+        given = cache_len is not None
         cache_len = seq if seq is not None else cache_len
         if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 2:
+            if given:
+                raise ServeError(f"cache_len: rows per sequence, an integer >= 2, got {cache_len!r}")
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
                              f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")
         check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers)
         # a prefill chunk longer than the cache can never run (the loader refuses it): named ones are an error, of
         # every built variant offered they are left out, said in one warning
-        long = [v.name for v in vs if v.mode == "prefill" and v.seq_len > cache_len]
+        kept, long = drop_long_prefill(vs, cache_len)
         if long and variants is not None:
             raise ServeError(f"variants: {', '.join(long)}: a prefill chunk longer than cache_len {cache_len} (rows "
                              "per sequence) cannot run")
         if long:
-            vs = [v for v in vs if v.name not in long]
+            vs = kept
             warnings.warn(f"prefill variants with chunks longer than cache_len {cache_len} not used: "
                           f"{', '.join(long)}", stacklevel=2)
         batches = [v.batch for v in vs]
@@ -690,7 +715,7 @@ class Model:
         out["checkpoint_bytes"] = self.checkpoint_bytes
         return out
 
-    def _warn_missing(self, ch: Choice) -> None:
+    def _warn_missing(self, ch: Choice, depth: int = 0) -> None:
         """MissingVariantWarning, once per shape, where a declared variant would serve `ch` fused; not for a
         tensor-parallel prompt (prefill variants are one-GPU)."""
         if ch.missing is None or ch.missing in self._warned:
@@ -705,7 +730,7 @@ class Model:
         warnings.warn(MissingVariantWarning(
             f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
             f"to serve it fused{where}, declare in variants.yaml under `models:` and `megakernel build`:\n"
-            + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=4)
+            + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=5 + depth)
 
     # -- the pieces of a step --
     @property
@@ -716,6 +741,8 @@ class Model:
 
     @fused_head.setter
     def fused_head(self, on: bool) -> None:
+        if on and self.device.type != "cuda":
+            raise ServeError(f"fused_head: the fused head runs on a CUDA GPU; this model is on {self.device}")
         if bool(on) != self._fused_head_on:
             self._graphs.clear()
         self._fused_head_on = bool(on)
@@ -921,6 +948,8 @@ class Model:
 
     # -- generate --
     def _check_prompts(self, prompts) -> list[list[int]]:
+        if type(prompts).__module__ == "numpy" and hasattr(prompts, "ndim"):  # a numpy array: as a tensor
+            prompts = torch.as_tensor(prompts) if prompts.ndim == 2 else prompts.tolist()
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or prompts.dtype.is_floating_point:
                 raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] or a list of token-id lists, got "
@@ -943,12 +972,26 @@ class Model:
                              "(Model.from_hf(max_batch=...))")
         return out
 
-    @torch.no_grad()
     def stream(self, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | None = None,
-               output_logits: bool = False, _result: list | None = None) -> Iterator[tuple[int, int]]:
+               top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | int | None = None,
+               output_logits: bool = False, _result: list | None = None, _depth: int = 0) -> Iterator[tuple[int, int]]:
         """generate() as an iterator of (sequence index, token id), in order as they are produced (a step's tokens
-        are read while the next step runs on the GPU). Arguments as generate()."""
+        are read while the next step runs on the GPU). Arguments as generate(). One generation at a time per model
+        (they share its KV caches): a second stream() or generate() started before this one is exhausted or closed
+        raises ServeError."""
+        if self._active:
+            raise ServeError("another generate() or stream() is under way on this model (they share its KV caches): "
+                             "exhaust or close() that stream first")
+        self._active = True
+        try:
+            yield from self._stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
+                                    output_logits, _result, _depth)
+        finally:
+            self._active = False
+
+    @torch.no_grad()
+    def _stream(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits, _result,
+                _depth):
         prompts = self._check_prompts(prompts)
         B = len(prompts)
         lens = [len(p) for p in prompts]
@@ -961,12 +1004,21 @@ class Model:
         for nm, val, rule, ok in rules:
             if not ok:
                 raise ServeError(f"{nm}: {rule}, got {val!r}")
+        top_k = min(int(top_k), self.vocab)  # (transformers' TopKLogitsWarper clamps it the same way)
+        if temperature == 0 and (top_k or top_p < 1) and "greedy" not in self._warned:
+            self._warned.add("greedy")  # as transformers warns where do_sample is off
+            warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "
+                          "temperature > 0 to sample)", stacklevel=4 + _depth)
+        if _int(stop_tokens):
+            stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it
+        elif stop_tokens is not None and not isinstance(stop_tokens, Iterable):
+            raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {stop_tokens!r}")
         stops = set(self.eos if stop_tokens is None else stop_tokens)
         far = [t for t in self.eos if t >= self.vocab] if stop_tokens is None else []
         if far and "eos" not in self._warned:  # (kept, as transformers keeps them: they stop nothing)
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: past the vocabulary ({self.vocab} tokens), never "
-                          "generated: no sequence stops on it", stacklevel=3)
+                          "generated: no sequence stops on it", stacklevel=4 + _depth)
         for t in stops:  # the config's eos ids as given (one past the vocabulary is never produced: harmless)
             if not _int(t) or (stop_tokens is not None and not 0 <= t < self.vocab):
                 raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")
@@ -980,9 +1032,9 @@ class Model:
                                             costs=self.route_costs)
         pieces = self._plans[key]
         for pc in pieces:
-            self._warn_missing(pc.choice)
+            self._warn_missing(pc.choice, _depth)
         if max_new_tokens > 1:
-            self._warn_missing(dch)
+            self._warn_missing(dch, _depth)
         dev = self.device
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
         bufs = self._buffers(dch)
@@ -1051,7 +1103,7 @@ class Model:
                 prefill_pieces=pieces, logits=all_logits))
 
     def generate(self, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | None = None,
+                 top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | int | None = None,
                  callback: Callable[[int, int], None] | None = None, output_logits: bool = False) -> Generation:
         """Generate up to max_new_tokens tokens for each prompt.
 
@@ -1059,13 +1111,17 @@ class Model:
         of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
         (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0: greedy; > 0:
         sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses seed + 7919 b).
-        stop_tokens: a sequence ends after producing one (default: the checkpoint's eos_token_id as transformers reads
+        stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as transformers reads
         it: generation_config.json's where the directory holds one, else config.json's). callback(seq, token) is
         called for every token as it arrives (stream() is the iterator form). Returns a Generation. ServeError
-        (one line) for a bad argument or when the longest prompt + max_new_tokens - 1 exceeds cache_len."""
+        (one line) for a bad argument, when the longest prompt + max_new_tokens - 1 exceeds cache_len, or when
+        another generate()/stream() is under way on the model (a callback may not start one)."""
+        if callback is not None and not callable(callback):
+            raise ServeError(f"callback: a function callback(seq, token), got {callback!r:.60}")
         res: list = []
         for b, t in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop_tokens=stop_tokens, output_logits=output_logits, _result=res):
+                                seed=seed, stop_tokens=stop_tokens, output_logits=output_logits, _result=res,
+                                _depth=1):
             if callback is not None:
                 callback(b, t)
         return res[0]

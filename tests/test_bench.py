@@ -969,3 +969,37 @@ def test_record_checked_starts_from_the_committed_routes_and_rows_show_the_recor
     assert set(got) == {name, "other"}  # the file to commit holds every route
     (seed / "nvidia-h200.json").write_text('{"routes": {"x": null, "y": 5}}')  # malformed entries: ignored
     assert routes.read_routes(NAME_GPU, seed) == {}
+
+
+def test_report_skips_a_results_file_of_another_shape_with_one_warning(tmp_path):
+    """A results file whose rows are not a list of rows, a figure that is not a number, or JSON that does not parse:
+    each is skipped with one warning naming the file (they were tracebacks in `megakernel report`); a good file
+    beside them is still read."""
+    import warnings
+
+    from generator import report as greport
+    good = {"gpu": "NVIDIA H200", "date": "2026-12-01", "rows": [
+        {"variant": "m_decode_b1_s64_bf16", "us": 10.0, "pct_bw": 50.0, "speedup": 2.0, "pass": True}]}
+    (tmp_path / "gpu_check-a.json").write_text(json.dumps(good))
+    (tmp_path / "gpu_check-b.json").write_text(json.dumps({"rows": "x"}))
+    (tmp_path / "gpu_check-c.json").write_text(json.dumps({"gpu": "NVIDIA H200", "rows": [
+        {"variant": "m_decode_b1_s64_bf16", "us": "fast", "pass": True}]}))
+    (tmp_path / "gpu_check-d.json").write_text("{bad")
+    (tmp_path / "gpu_check-e.json").write_text(json.dumps({"rows": [3]}))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        figs = greport.latest_bench(tmp_path, "90")
+    assert figs["m_decode_b1_s64_bf16"]["fused_us"] == 10.0
+    said = sorted(str(w.message) for w in rec)
+    assert len(said) == 4 and all("\n" not in m and m.endswith("skipped") for m in said), said
+    assert [m.split(":")[0] for m in said] == [str(tmp_path / f"gpu_check-{c}.json") for c in "bcde"]
+    assert "'fast' is not a number" in said[1] and '"rows" is str' in said[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--build-dir", str(tmp_path / "b")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: bench/gpu_check.py verifies") \
+        and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b-heldout").exists()

@@ -362,3 +362,30 @@ def test_tensors_the_config_does_not_use_are_warned(tmp_path, monkeypatch):
     msg = str(caught[0].message)
     last = cfg["num_hidden_layers"] - 1
     assert "\n" not in msg and "model.foo" in msg and f"model.layers.{last}." in msg and "not read" in msg
+
+
+def test_the_layers_input_errors_name_the_argument_as_typed():
+    """A prefill layer's positions are `start_pos` in its errors (it said `pos`), a position that is no tensor says
+    what it must be (it said `shape ()`), and weights=None without packed= is one ValueError (a TypeError)."""
+    import torch
+
+    from generator import loader
+    from generator.variants import Model, Variant
+    m = Model(name="t", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=1, norm="rmsnorm",
+              norm_eps=1e-5, rope_theta=1e4, activation="silu", qkv_bias=False, qk_norm=False, dtype="bf16")
+    for mode, chunk, name in (("decode", 1, "pos"), ("prefill", 16, "start_pos")):
+        layer = object.__new__(loader.FusedDecoderLayer)  # its checks only: no GPU, no kernel
+        layer.variant, layer.model, layer.mode = Variant(m, mode, 2, 16 if mode == "prefill" else 64), m, mode
+        layer.dtype, layer.device, layer.cache_len = torch.bfloat16, torch.device("cpu"), 64
+        x = torch.zeros((2, 64) if mode == "decode" else (2, 16, 64), dtype=torch.bfloat16)
+        for pos, match in (([0, 1], rf"^{name}: an int32 tensor of shape \(2,\), got list$"),
+                           (3, rf"^{name}: an int32 tensor of shape \(2,\), got int$"),
+                           (torch.zeros(3, dtype=torch.int32), rf"^{name}: shape \(3,\), expected \(2,\)$"),
+                           (torch.zeros(2), rf"^{name}: dtype torch.float32, expected torch.int32$")):
+            with pytest.raises(ValueError, match=match):
+                layer.check_inputs(x, pos)
+        last = 64 - chunk
+        with pytest.raises(ValueError, match=rf"^{name}: .* must be in \[0, {last}\]"):
+            layer.check_positions(torch.tensor([0, last + 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^weights: a dict of the layer's tensors by name .* got NoneType$"):
+        loader.check_weights(None, m, torch.bfloat16, torch.device("cpu"))

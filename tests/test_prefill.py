@@ -248,7 +248,7 @@ def test_prefill_bad_inputs(builds):
     for bad, pat in ((x[:, :-1], "^x: shape"), (x.float(), "^x: dtype"), (x[:, 0], "^x: shape")):
         with pytest.raises(ValueError, match=pat):
             layer.prefill(bad, ok)
-    with pytest.raises(ValueError, match=r"^pos: start positions \(\+ chunk 40\) must be in \[0, 88\]"):
+    with pytest.raises(ValueError, match=r"^start_pos: start positions \(\+ chunk 40\) must be in \[0, 88\]"):
         layer.prefill(x, torch.full((v.batch,), 89, dtype=torch.int32))
     with pytest.raises(ValueError, match="prefill variant: call layer.prefill"):
         layer(x[:, 0], ok)

@@ -320,6 +320,54 @@ def test_bad_requests_are_one_line_errors(tiny, kwargs, match):
     assert "\n" not in str(exc.value)
 
 
+def test_one_generation_at_a_time_and_lenient_arguments(tiny):
+    """Two streams interleaved on one model (or a generate from a callback) would share its KV caches: the second
+    is refused in one line and the first goes on unharmed; an int stop token, a numpy prompt and a top_k past the
+    vocabulary are taken as transformers takes them; a callback that is no function, a fused head on the CPU and a
+    device that is neither cuda nor cpu are one-line errors before anything runs; top_k/top_p at temperature 0
+    warn once (they have no effect), pointing at the caller's line."""
+    import numpy as np
+    _, d = tiny
+    model = cpu_model(d)
+    ref = model.generate([[5, 6, 7]], 6, stop_tokens=[]).tokens[0]
+    s1 = model.stream([[5, 6, 7]], 6, stop_tokens=[])
+    first = [next(s1)[1]]
+    with pytest.raises(ServeError, match="^another generate\\(\\) or stream\\(\\) is under way"):
+        next(model.stream([[8, 9]], 6, stop_tokens=[]))
+    with pytest.raises(ServeError, match="under way"):
+        model.generate([[8, 9]], 2)
+    assert first + [t for _, t in s1] == ref  # the first stream, unharmed
+    with pytest.raises(ServeError, match="under way"):
+        model.generate([[5, 6, 7]], 3, callback=lambda b, t: model.generate([[8, 9]], 2))
+    s2 = model.stream([[5, 6, 7]], 6, stop_tokens=[])
+    next(s2)
+    s2.close()  # a closed stream frees the model
+    assert model.generate([[5, 6, 7]], 6, stop_tokens=[]).tokens[0] == ref
+    stop = ref[1]
+    assert model.generate([[5, 6, 7]], 6, stop_tokens=stop).tokens[0] == ref[:ref.index(stop) + 1]
+    assert model.generate(np.array([[5, 6, 7]]), 6, stop_tokens=[]).tokens[0] == ref
+    assert model.generate(np.array([5, 6, 7]), 6, stop_tokens=[]).tokens[0] == ref
+    big = model.generate([[5, 6, 7]], 4, temperature=1.0, top_k=10**30, seed=3).tokens
+    assert big == model.generate([[5, 6, 7]], 4, temperature=1.0, top_k=0, seed=3).tokens
+    for kw, match in (({"callback": 5}, "^callback: a function"), ({"stop_tokens": 2.5}, "^stop_tokens: integer")):
+        with pytest.raises(ServeError, match=match):
+            model.generate([[5, 6, 7]], 3, **kw)
+    with pytest.raises(ServeError, match="^fused_head: the fused head runs on a CUDA GPU"):
+        model.fused_head = True
+    model.fused_head = False  # (off is fine anywhere)
+    for dev in ("gpu", "meta", 3.5):
+        with pytest.raises(ServeError, match="^device: 'cuda', 'cuda:N' or 'cpu', got"):
+            serve.Model.from_hf(d, variants=[], cache_len=48, device=dev)
+    with pytest.raises(ServeError, match="^cache_len: rows per sequence, an integer >= 2, got 1$"):
+        cpu_model(d, variants=[], cache_len=1)
+    with pytest.warns(UserWarning, match="temperature 0 decodes greedily") as rec:
+        model.generate([[5, 6, 7]], 2, top_k=5)
+    assert [w.filename for w in rec if "greedily" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # once a model
+        model.generate([[5, 6, 7]], 2, top_p=0.5)
+
+
 def test_bad_configurations_are_one_line_errors(tiny):
     _, d = tiny
     with pytest.raises(ServeError, match="cache_len"):
@@ -539,9 +587,12 @@ def test_gpu_fallback_numerics_equal_the_reference(built):
 
 def test_every_built_variant_offered_keeps_one_seq_len_with_a_warning(tmp_path):
     """A default build declares several KV lengths; from_hf with no `variants` keeps the decode variants of
-    cache_len (else of the longest) and names the others in one warning; naming both is still a ServeError. A prefill
-    chunk longer than the chosen cache is left out with a warning (named: a ServeError), not loaded."""
+    cache_len (else of the longest) and names the others in one warning (serve.keep_one_seq_len); naming both is
+    still a ServeError. A prefill chunk longer than the chosen cache is left out with a warning
+    (serve.drop_long_prefill; named: a ServeError), not loaded. On the CPU no built variant is offered (they run on
+    CUDA): the model serves unfused, as `generate --device cpu` does."""
     from conftest import run_cli
+    from generator import manifest
     d = tmp_path / "tiny-llama"
     make_llama(d, seed=4)
     vfile = tmp_path / "variants.yaml"
@@ -550,19 +601,22 @@ def test_every_built_variant_offered_keeps_one_seq_len_with_a_warning(tmp_path):
     assert run_cli(["from-hf", d, "--write", vfile], cwd=tmp_path).returncode == 0
     r = run_cli(["build", "--variants", vfile, "--build-dir", tmp_path / "build"], cwd=tmp_path, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    names = sorted(e for e in json.loads((tmp_path / "build" / "manifest.json").read_text())["variants"])
+    entries = manifest.read_manifest(tmp_path / "build")["variants"]
+    names = sorted(entries)
     assert len(names) == 3
     pf = next(n for n in names if "_prefill_" in n)
-    for kw, keep, other in (({}, 64, 32), ({"cache_len": 32}, 32, 64)):
-        # on the CPU the fused variants are then refused (they run on CUDA): the choice comes first
-        with pytest.warns(UserWarning, match=f"decode variants of seq_len {keep} used") as rec, \
-                pytest.raises(serve.ServeError, match="fused variants run on CUDA"):
-            serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", **kw)
-        msg = next(str(w.message) for w in rec if "decode variants" in str(w.message))
-        assert f"_s{other}_" in msg.split("not used")[1] and f"_s{keep}_" not in msg.split("not used")[1]
-        dropped = [str(w.message) for w in rec if "prefill variants" in str(w.message)]
-        assert (dropped == [f"prefill variants with chunks longer than cache_len 32 not used: {pf}"] if keep == 32
-                else dropped == []), dropped
+    vs = [manifest.variant_from_entry(entries[n]) for n in names]
+    for cache_len, keep, other in ((None, 64, 32), (32, 32, 64), (100, 64, 32)):
+        kept, dropped, k = serve.keep_one_seq_len(vs, cache_len)
+        assert k == keep and [v.name for v in kept if v.mode == "decode"] == [n for n in names if f"_s{keep}_" in n]
+        assert dropped == [n for n in names if f"_s{other}_" in n] and pf in [v.name for v in kept]
+        left, long = serve.drop_long_prefill(kept, keep)
+        assert long == ([pf] if keep == 32 else []) and (pf in [v.name for v in left]) == (keep != 32)
+    assert serve.keep_one_seq_len(vs[:1] + vs[2:], None)[1] == []  # one seq_len: nothing left out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing offered on the CPU: no choice to warn about
+        m = serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=64)
+    assert m.fused == {} and m.unfused is not None
     with pytest.raises(serve.ServeError, match="mix seq_len"):
         serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", variants=names)
     with pytest.raises(serve.ServeError, match=f"^variants: {pf}: a prefill chunk longer than cache_len 32"):
