@@ -160,6 +160,11 @@ LIST_COLUMNS = ("variant", "mode", "hidden", "heads/kv", "head_dim", "inter", "b
 LIST_DROP_ORDER = ["inter", "head_dim", "heads/kv", "hidden", "GPUs", "mode", "batch", "seq_len"]
 
 
+def variants_flag(variants_file) -> str:
+    """` --variants FILE` (shell-quoted) for a command this one suggests, where the user's file is not the default."""
+    return f" --variants {shlex.quote(str(variants_file))}" if str(variants_file) != "variants.yaml" else ""
+
+
 @main.command("render")
 @click.argument("name")
 @variants_opt
@@ -180,8 +185,7 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = {v.name: v for v in load_selected(variants_file)}
     if name not in vs:
-        flag = f" --variants {shlex.quote(str(variants_file))}" if Path(variants_file).name != "variants.yaml" else ""
-        fail(f"{variants_file}: no variant named '{name}' (see `megakernel list{flag}`)")
+        fail(f"{variants_file}: no variant named '{name}' (see `megakernel list{variants_flag(variants_file)}`)")
     v = vs[name]
     ov, source, _, warning = gtune.resolve(v, arch, tfile)
     knobs = " ".join(f"{k}={val}" for k, val in sorted(ov.items()))  # as the report's plan column writes them
@@ -430,15 +434,14 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
             built_arch = str(gmanifest.read_manifest(Path(build_dir)).get("arch") or DEFAULT_ARCH)
         except gmanifest.ManifestError:
             built_arch = DEFAULT_ARCH  # (build_report says what is wrong with it)
-        cmd = "megakernel build" + (f" --variants {shlex.quote(variants_file)}" if variants_file != "variants.yaml"
-                                    else "") + gmanifest.build_dir_flag(build_dir) + (
+        cmd = "megakernel build" + variants_flag(variants_file) + gmanifest.build_dir_flag(build_dir) + (
             f" --arch {built_arch}" if built_arch != DEFAULT_ARCH else "")
         with warnings.catch_warnings(record=True) as caught:  # (report.json not written: one warning line)
             warnings.simplefilter("always")
             rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None,
                                        declared=declared, build_cmd=cmd)
-        for w in caught:
-            err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
+        for msg in dict.fromkeys(str(w.message) for w in caught):  # (a results file is read once per architecture)
+            err_console.print(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
     except FileNotFoundError as exc:
         # (no variants.yaml here either: the build it suggests needs one first)
         fail(str(exc) if declared is not None else f"{exc}; and no {variants_file} here to build from (--variants "
@@ -459,7 +462,7 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
                               markup=False, highlight=False, soft_wrap=True)
     if rep.get("not_built"):  # (after an --only build most are: the first few named, `list` shows all)
         nb = rep["not_built"]
-        listing = "megakernel list" + (f" --variants {variants_file}" if Path(variants_file).name != "variants.yaml" else "")
+        listing = "megakernel list" + variants_flag(variants_file)
         names = ", ".join(nb) if len(nb) <= 8 else f"{len(nb)} variants ({', '.join(nb[:5])}, ...; `{listing}` names them)"
         err_console.print(f"declared in {variants_file}, not built: {names} (run `{cmd}`)",
                           markup=False, highlight=False, soft_wrap=True)

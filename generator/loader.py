@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+from collections.abc import Mapping
 import os
 import time
 import warnings
@@ -36,7 +37,7 @@ def check_weights(weights: dict, m: Model, dtype: torch.dtype, device: torch.dev
     """Raise ValueError naming the first tensor of `weights` that is extra, missing, or of the wrong shape
     (interface.weight_shapes), dtype or device."""
     expected = weight_shapes(m)
-    if not isinstance(weights, dict):
+    if not isinstance(weights, Mapping):
         raise ValueError(f"weights: a dict of the layer's tensors by name ({', '.join(expected)}), or None with "
                          f"packed= another layer's .packed; got {type(weights).__name__}")
     for name in weights:

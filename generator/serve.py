@@ -23,6 +23,7 @@ import json
 import math
 import numbers
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -468,7 +469,7 @@ class Model:
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
-        self._active = False  # a generate()/stream() is under way: they share the caches and buffers
+        self._busy = threading.Lock()  # held by the generate()/stream() under way: they share caches and buffers
         self._counters: dict[tuple, dict] = {}
         self._graphs: dict[tuple, tuple] = {}
         self._bufs: dict[tuple, dict] = {}
@@ -494,7 +495,8 @@ class Model:
         variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
         layer: LoadError / HFConfigError); None: every variant of build_dir's manifest that computes it (none is
         fine: everything runs unfused; where their decode variants have several seq_lens, those of cache_len, else
-        of the longest, with a warning naming the others). Decode variants must share one seq_len, the cache length
+        of the longest, with a warning naming the others; on the CPU none: fused kernels run on CUDA). Decode
+        variants must share one seq_len, the cache length
         (ServeError where `variants` names several);
         cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
         given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
@@ -529,7 +531,7 @@ class Model:
             raise ServeError(f"device: 'cuda', 'cuda:N' or 'cpu', got {device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
-                             "device='cpu' with variants=[] serves the unfused layers on the CPU")
+                             "device='cpu' serves the unfused layers on the CPU")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
         # (off CUDA no fused kernel runs: every built variant offered means none, as `generate --device cpu` does)
@@ -541,8 +543,9 @@ class Model:
         except ValueError as exc:
             raise ServeError(f"group: {exc}") from None
         if variants is None:
-            chosen = [] if not offered else sorted(n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
-                            and manifest.variant_from_entry(e).tp == tp)
+            chosen = [] if not offered else sorted(
+                n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
+                and manifest.variant_from_entry(e).tp == tp)
         else:
             if isinstance(variants, str):
                 raise ServeError("variants: a list of variant names, got a single string")
@@ -572,6 +575,8 @@ class Model:
             dtype = reference.TORCH_DTYPES[shape.dtype]
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ServeError(f"dtype: bf16, fp16 or fp32, got {dtype}")
+        if not vs and dtype == torch.float16:  # (fused fp16 variants warned in _check_variant)
+            hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
@@ -948,8 +953,8 @@ class Model:
 
     # -- generate --
     def _check_prompts(self, prompts) -> list[list[int]]:
-        if type(prompts).__module__ == "numpy" and hasattr(prompts, "ndim"):  # a numpy array: as a tensor
-            prompts = torch.as_tensor(prompts) if prompts.ndim == 2 else prompts.tolist()
+        if type(prompts).__module__ == "numpy" and hasattr(prompts, "ndim"):  # a numpy array: as a list
+            prompts = prompts.tolist()
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or prompts.dtype.is_floating_point:
                 raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] or a list of token-id lists, got "
@@ -961,6 +966,8 @@ class Model:
             prompts = [list(prompts)]  # one sequence given as a flat list
         out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor) or type(p).__module__ == "numpy":  # one sequence's ids as an array
+                p = p.tolist()
             if not isinstance(p, (list, tuple)) or not p:
                 raise ServeError(f"prompts[{i}]: a non-empty list of token ids, got {p!r:.60}")
             for t in p:
@@ -979,19 +986,24 @@ class Model:
         are read while the next step runs on the GPU). Arguments as generate(). One generation at a time per model
         (they share its KV caches): a second stream() or generate() started before this one is exhausted or closed
         raises ServeError."""
-        if self._active:
+        if not self._busy.acquire(blocking=False):
             raise ServeError("another generate() or stream() is under way on this model (they share its KV caches): "
                              "exhaust or close() that stream first")
-        self._active = True
+        held = [True]
+
+        def release():  # this stream's hold only, once: at its last GPU work (before its last tokens) or its end
+            if held[0]:
+                held[0] = False
+                self._busy.release()
         try:
             yield from self._stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-                                    output_logits, _result, _depth)
+                                    output_logits, _result, _depth, release)
         finally:
-            self._active = False
+            release()
 
     @torch.no_grad()
     def _stream(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits, _result,
-                _depth):
+                _depth, release):
         prompts = self._check_prompts(prompts)
         B = len(prompts)
         lens = [len(p) for p in prompts]
@@ -1009,6 +1021,8 @@ class Model:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
             warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "
                           "temperature > 0 to sample)", stacklevel=4 + _depth)
+        if isinstance(stop_tokens, torch.Tensor) or type(stop_tokens).__module__ == "numpy":
+            stop_tokens = stop_tokens.tolist()
         if _int(stop_tokens):
             stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it
         elif stop_tokens is not None and not isinstance(stop_tokens, Iterable):
@@ -1067,9 +1081,11 @@ class Model:
                     new[b].append(row[b])
                     done[b] = row[b] in stops
                     yield b, row[b]
+        n = max_new_tokens - 1
+        if n == 0 or all(t in stops for t in first_host):  # no decode step follows: the model is free
+            release()
         yield from deliver(first_host)
         t1 = time.perf_counter()
-        n = max_new_tokens - 1
         pinned = dev.type == "cuda"
         host = torch.empty(max(n, 1), V, dtype=torch.long, pin_memory=pinned)
         events = []
@@ -1093,6 +1109,7 @@ class Model:
                 yield from deliver(host[i - 1].tolist())
         if steps:  # the last step's tokens (nothing new where every sequence had stopped)
             sync()
+            release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
             yield from deliver(host[steps - 1].tolist())
         decode_s = time.perf_counter() - t1
         gen_tokens = sum(len(x) for x in new) - B
@@ -1107,13 +1124,14 @@ class Model:
                  callback: Callable[[int, int], None] | None = None, output_logits: bool = False) -> Generation:
         """Generate up to max_new_tokens tokens for each prompt.
 
-        prompts: a list of token-id lists of any lengths (or one flat list, or a 2-d int tensor), at most max_batch
-        of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
+        prompts: a list of token-id lists of any lengths (or one flat list, or a 2-d int tensor or numpy array), at
+        most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
         (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0: greedy; > 0:
         sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses seed + 7919 b).
-        stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as transformers reads
-        it: generation_config.json's where the directory holds one, else config.json's). callback(seq, token) is
-        called for every token as it arrives (stream() is the iterator form). Returns a Generation. ServeError
+        stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as
+        transformers reads it: generation_config.json's where the directory holds one, else config.json's).
+        callback(seq, token) is called for every token as it arrives (stream() is the iterator form; the model is
+        free for the next generation once the last token is produced). Returns a Generation. ServeError
         (one line) for a bad argument, when the longest prompt + max_new_tokens - 1 exceeds cache_len, or when
         another generate()/stream() is under way on the model (a callback may not start one)."""
         if callback is not None and not callable(callback):

@@ -389,3 +389,6 @@ def test_the_layers_input_errors_name_the_argument_as_typed():
             layer.check_positions(torch.tensor([0, last + 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="^weights: a dict of the layer's tensors by name .* got NoneType$"):
         loader.check_weights(None, m, torch.bfloat16, torch.device("cpu"))
+    import types  # any mapping is a dict of weights
+    with pytest.raises(ValueError, match="^weight '.*': missing$"):
+        loader.check_weights(types.MappingProxyType({}), m, torch.bfloat16, torch.device("cpu"))

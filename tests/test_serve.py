@@ -343,10 +343,21 @@ def test_one_generation_at_a_time_and_lenient_arguments(tiny):
     next(s2)
     s2.close()  # a closed stream frees the model
     assert model.generate([[5, 6, 7]], 6, stop_tokens=[]).tokens[0] == ref
+    s3 = model.stream([[5, 6, 7]], 6, stop_tokens=[])
+    assert [next(s3)[1] for _ in range(6)] == ref  # exactly its tokens taken: s3 is paused, but done with the model
+    assert model.generate([[5, 6, 7]], 6, stop_tokens=[]).tokens[0] == ref
+    s4 = model.stream([[5, 6, 7]], 1, stop_tokens=[])
+    assert next(s4)[1] == ref[0]  # one token: no decode step follows
+    assert model.generate([[5, 6, 7]], 2, stop_tokens=[]).tokens[0] == ref[:2]
+    del s3, s4
     stop = ref[1]
     assert model.generate([[5, 6, 7]], 6, stop_tokens=stop).tokens[0] == ref[:ref.index(stop) + 1]
     assert model.generate(np.array([[5, 6, 7]]), 6, stop_tokens=[]).tokens[0] == ref
     assert model.generate(np.array([5, 6, 7]), 6, stop_tokens=[]).tokens[0] == ref
+    assert model.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], 6, stop_tokens=torch.tensor(stop)).tokens[0] \
+        == ref[:ref.index(stop) + 1]
+    with pytest.raises(ServeError, match=r"^prompts\[0\]: token ids must be integers"):
+        model.generate(np.array([[5, "x"]], dtype=object), 2)
     big = model.generate([[5, 6, 7]], 4, temperature=1.0, top_k=10**30, seed=3).tokens
     assert big == model.generate([[5, 6, 7]], 4, temperature=1.0, top_k=0, seed=3).tokens
     for kw, match in (({"callback": 5}, "^callback: a function"), ({"stop_tokens": 2.5}, "^stop_tokens: integer")):
@@ -360,9 +371,18 @@ def test_one_generation_at_a_time_and_lenient_arguments(tiny):
             serve.Model.from_hf(d, variants=[], cache_len=48, device=dev)
     with pytest.raises(ServeError, match="^cache_len: rows per sequence, an integer >= 2, got 1$"):
         cpu_model(d, variants=[], cache_len=1)
+    from generator.hf import HFPrecisionWarning
+    with pytest.warns(HFPrecisionWarning, match="the unfused layers run in fp16") as rec:  # as an fp16 variant warns
+        cpu_model(d, variants=[], dtype=torch.float16)
+    assert [w.filename for w in rec if w.category is HFPrecisionWarning] == [__file__]
     with pytest.warns(UserWarning, match="temperature 0 decodes greedily") as rec:
         model.generate([[5, 6, 7]], 2, top_k=5)
     assert [w.filename for w in rec if "greedily" in str(w.message)] == [__file__]
+    fresh = cpu_model(d)  # its warnings not yet given: each points at the line that asked, through stream() too
+    with pytest.warns(UserWarning) as rec:
+        list(fresh.stream([[5, 6, 7], [8]], 2, top_p=0.5))
+    said = {type(w.message).__name__ if "greedily" not in str(w.message) else "greedy": w.filename for w in rec}
+    assert said == {"MissingVariantWarning": __file__, "greedy": __file__}, said
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # once a model
         model.generate([[5, 6, 7]], 2, top_p=0.5)
@@ -585,10 +605,10 @@ def test_gpu_fallback_numerics_equal_the_reference(built):
     assert any(r["path"] == "unfused" for r in fused.stats()) and any(r["path"] == "fused" for r in fused.stats())
 
 
-def test_every_built_variant_offered_keeps_one_seq_len_with_a_warning(tmp_path):
+def test_every_built_variant_offered_keeps_one_seq_len(tmp_path):
     """A default build declares several KV lengths; from_hf with no `variants` keeps the decode variants of
-    cache_len (else of the longest) and names the others in one warning (serve.keep_one_seq_len); naming both is
-    still a ServeError. A prefill chunk longer than the chosen cache is left out with a warning
+    cache_len (else of the longest) and, on a GPU, names the others in one warning (serve.keep_one_seq_len); naming
+    both is still a ServeError. A prefill chunk longer than the chosen cache is left out with a warning
     (serve.drop_long_prefill; named: a ServeError), not loaded. On the CPU no built variant is offered (they run on
     CUDA): the model serves unfused, as `generate --device cpu` does."""
     from conftest import run_cli

@@ -54,11 +54,13 @@ def _check_variant_fits(ck: _Checkpoint, v) -> None:
                                 f"gives {field}={b!r}")
 
 
-def _warn_fp16(ck: _Checkpoint, v, tensor: str) -> None:
+def _warn_fp16(ck: _Checkpoint, v, tensor: str, stacklevel: int = 3) -> None:
     """HFPrecisionWarning (one line) when a bf16 or fp32 model (config dtype/torch_dtype, else the stored dtype of
-    `tensor`) is cast to an fp16 variant: its intermediates may exceed fp16's 65,504 and become inf."""
-    if v.model.dtype != "fp16":
+    `tensor`) is cast to an fp16 variant (v None: the unfused layers run in fp16, generator.serve): its
+    intermediates may exceed fp16's 65,504 and become inf."""
+    if v is not None and v.model.dtype != "fp16":
         return
+    target = f"variant '{v.name}' is fp16" if v is not None else "the unfused layers run in fp16 (dtype=float16)"
     field = "dtype" if ck.cfg.get("dtype") is not None else "torch_dtype"
     raw = str(ck.cfg.get(field)).removeprefix("torch.")
     if raw in ("bfloat16", "float32"):
@@ -69,8 +71,9 @@ def _warn_fp16(ck: _Checkpoint, v, tensor: str) -> None:
             return
         src, what = ck.where(tensor), f"tensor '{tensor}' is stored as {stored}"
     warnings.warn(HFPrecisionWarning(
-        f"{src}: {what} but variant '{v.name}' is fp16: fp16 overflows to inf above 65504 where bf16 does not, so "
-        "activations of a bf16/fp32-trained model may overflow (a bf16 variant is safe)"), stacklevel=3)
+        f"{src}: {what} but {target}: fp16 overflows to inf above 65504 where bf16 does not, so activations of a "
+        f"bf16/fp32-trained model may overflow ({'a bf16 variant' if v is not None else 'bf16'} is safe)"),
+        stacklevel=stacklevel)
 
 
 def _check_variant(ck: _Checkpoint, v, layers, *, tensor_parallel: bool = False) -> None:
