@@ -485,7 +485,8 @@ def clean_cmd(build_dir):
     if p.is_symlink():
         fail(f"{build_dir}: a symbolic link (to {os.readlink(p)}); not removing it (clean the directory it points to, "
              "or remove the link)")
-    if not p.exists():
+    if not p.exists():  # (a typo would otherwise look like a clean that worked)
+        click.echo(f"nothing to remove: {build_dir} does not exist", err=True)
         return
     if not p.is_dir():
         fail(f"{build_dir}: not a directory; not removing it")
@@ -728,8 +729,9 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     user gave that option (`given`: the options on the command line; a name the command filled in itself, e.g. the
     config's eos_token_id as stop_tokens or the build's variants, stays as it is), torch dtypes as --dtype names and
     the memory check's advice in options."""
-    from .serve import FITS_ADVICE  # (serve is loaded by then: its errors are what this rewrites)
-    for api_words, cli_words in {**_DTYPE_WORDS, FITS_ADVICE: _FITS_ADVICE}.items():
+    from .serve import FITS_ADVICE, LARGER_CACHE  # (serve is loaded by then: its errors are what this rewrites)
+    for api_words, cli_words in {**_DTYPE_WORDS, FITS_ADVICE: _FITS_ADVICE,
+                                 LARGER_CACHE: "a larger --cache-len, or decode variants of a longer seq_len"}.items():
         msg = msg.replace(api_words, cli_words)
     name, sep, rest = msg.partition(": ")
     if sep and _OPTION_OF.get(name) in given:

@@ -237,6 +237,9 @@ def drop_long_prefill(vs: list[Variant], cache_len: int) -> tuple[list[Variant],
     return [v for v in vs if v.name not in long], long
 
 
+LARGER_CACHE = "a larger cache_len / seq_len"  # check_length's advice (the CLI says it in its options)
+
+
 def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) -> None:
     """ServeError unless every sequence's prompt and new tokens fit the cache: the last token fed is at position
     len + max_new_tokens - 2, the longest prompt's last row must be < cache_len."""
@@ -246,12 +249,12 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
     longest = f"{max(prompt_lens)} token{'s' * (max(prompt_lens) != 1)}"
     if max(prompt_lens) > cache_len:
         raise ServeError(f"prompts: the longest prompt ({longest}) is over the cache capacity "
-                         f"{cache_len} rows by itself (a larger cache_len / seq_len, or a shorter prompt)")
+                         f"{cache_len} rows by itself ({LARGER_CACHE}, or a shorter prompt)")
     if need > cache_len:
         raise ServeError(f"max_new_tokens: the longest prompt ({longest}) + {max_new_tokens} new "
-                         f"token{'s' * (max_new_tokens != 1)} need {need} cache rows (every token but the last new one is cached), over the "
-                         f"cache capacity {cache_len} (at most "
-                         f"{cache_len - max(prompt_lens) + 1} new tokens; or a larger cache_len / seq_len)")
+                         f"token{'s' * (max_new_tokens != 1)} need {need} cache rows (every token but the last new "
+                         f"one is cached), over the cache capacity {cache_len} (at most "
+                         f"{cache_len - max(prompt_lens) + 1} new tokens; or {LARGER_CACHE})")
 
 
 def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1) -> str:

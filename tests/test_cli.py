@@ -259,8 +259,8 @@ def test_clean(copy_build, tmp_path):
     r = run_cli(["clean"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "build").exists()
-    r = run_cli(["clean"], cwd=tmp_path)  # nothing to clean
-    assert r.returncode == 0, r.stderr
+    r = run_cli(["clean"], cwd=tmp_path)  # nothing to clean: said, not an error
+    assert r.returncode == 0 and r.stderr.strip() == "nothing to remove: build does not exist", r.stderr
     # a directory that is not a build is not removed
     other = tmp_path / "precious"
     other.mkdir()
