@@ -658,7 +658,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
               "variant that fits the model]")
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence [the decode "
               "variants' seq_len where one is used (a different value is an error), else the longest prompt + "
-              "--max-new-tokens]")
+              "--max-new-tokens - 1]")
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="weights and caches [the fused variants', else the config's bf16/fp16; fp32 only without fused "
@@ -799,7 +799,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
             model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen, device=device,
                                         cache_len=cache_len, max_batch=len(seqs), group=group, dtype=torch_dtype,
-                                        default_cache_len=max(len(s) for s in seqs) + max_new_tokens)
+                                        # (the last new token is never fed back: Model.generate's need)
+                                        default_cache_len=max(2, max(len(s) for s in seqs) + max_new_tokens - 1))
             model.use_graphs = model.use_graphs and not no_graph
 
             streamed, shown = [], [""]  # one sequence: its text so far, printed as it grows

@@ -382,9 +382,10 @@ def checkpoint_bytes(files: Iterable[Path]) -> int:
 class Generation:
     """What generate() returns. tokens: the new tokens of each sequence (stop token included, nothing after it);
     sequences: prompt + new tokens; ttft_s: seconds from the call to the first tokens (prefill); decode_s: seconds
-    of the decode loop; tokens_per_s: new tokens of live sequences per second of decode; paths: the Choice of the
-    decode step and of each prefill piece; logits: per step [B, vocab] float32 (output_logits=True; step 0 is the
-    prefill's)."""
+    of the decode loop; tokens_per_s: new tokens of live sequences per second of decode; decode_choice,
+    prefill_pieces: the Choice of the decode step and the Piece of each prompt piece; logits: per new token of the
+    longest sequence a [B, vocab] float32 (output_logits=True; the first is the prefill's; a stopped sequence's rows
+    after its stop token are what its padding computed, not tokens)."""
     tokens: list[list[int]]
     sequences: list[list[int]]
     ttft_s: float
@@ -687,7 +688,11 @@ class Model:
         """Which path would serve each layer for a request of `batch` sequences and a `prompt_len` prompt:
         {"decode": Choice, "prefill": [Piece], "head": head_path(batch),
         "layers": [{"layer": i, "decode": path/variant, "prefill": ...}]}.
-        Every layer has the same shape, so every layer takes the same path."""
+        Every layer has the same shape, so every layer takes the same path. ServeError for a batch outside
+        [1, max_batch] or a prompt outside [1, cache_len] tokens (generate would refuse them)."""
+        self._check_batch(batch)
+        if not _int(prompt_len) or not 1 <= prompt_len <= self.cache_len:
+            raise ServeError(f"prompt_len: tokens in [1, {self.cache_len}] (cache_len), got {prompt_len!r}")
         d = decode_choice(batch, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         p = prefill_plan(prompt_len, batch, self.prefill_variants, self.routes, max_unfused=self.max_unfused_chunk,
                          decode=d, unfused=self.unfused is not None, costs=self.route_costs)
@@ -755,8 +760,14 @@ class Model:
             self._graphs.clear()
         self._fused_head_on = bool(on)
 
+    def _check_batch(self, batch) -> None:
+        if not _int(batch) or not 1 <= batch <= self.max_batch:
+            raise ServeError(f"batch: sequences in [1, {self.max_batch}] (max_batch), got {batch!r}")
+
     def head_path(self, batch: int) -> str:
-        """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)"."""
+        """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)". ServeError
+        for a batch outside [1, max_batch]."""
+        self._check_batch(batch)
         why = self._head_why or self._head_unsupported(batch)
         return "fused" if why is None else f"torch ({why})"
 
@@ -1078,7 +1089,10 @@ class Model:
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
 
-        def deliver(row):
+        def deliver(row, count=False):  # count: a decode step's row (stats: its live sequences' tokens are real)
+            live = B - sum(done)
+            if count:
+                self._count("decode", dch, live)
             for b in range(B):
                 if not done[b]:
                     new[b].append(row[b])
@@ -1098,7 +1112,6 @@ class Model:
                 break
             self._step(dch, bufs, sampled)
             steps += 1
-            self._count("decode", dch, B)
             host[i].copy_(bufs["tok"], non_blocking=pinned)
             if output_logits:
                 all_logits.append(bufs["logits"][:B].clone())
@@ -1109,13 +1122,15 @@ class Model:
             if i >= 1:  # the previous step's tokens, read while this one runs
                 if pinned:
                     events[i - 1].synchronize()
-                yield from deliver(host[i - 1].tolist())
+                yield from deliver(host[i - 1].tolist(), count=True)
         if steps:  # the last step's tokens (nothing new where every sequence had stopped)
             sync()
             release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
-            yield from deliver(host[steps - 1].tolist())
+            yield from deliver(host[steps - 1].tolist(), count=True)
         decode_s = time.perf_counter() - t1
         gen_tokens = sum(len(x) for x in new) - B
+        if all_logits is not None:  # (the step after the last stop ran before the host saw that stop: not a token)
+            del all_logits[max(len(x) for x in new):]
         if _result is not None:
             _result.append(Generation(
                 tokens=new, sequences=[p + x for p, x in zip(prompts, new)], ttft_s=ttft, decode_s=decode_s,

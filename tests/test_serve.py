@@ -388,6 +388,32 @@ def test_one_generation_at_a_time_and_lenient_arguments(tiny):
         model.generate([[5, 6, 7]], 2, top_p=0.5)
 
 
+def test_stats_and_logits_stop_with_the_sequences(tiny):
+    """Sequences that stop early: stats count their later rows as padding (not real tokens), the step that ran
+    after the last stop (the host reads each step's tokens while the next runs) adds no token and no logits entry
+    (one entry per new token of the longest sequence, as transformers' output_logits); paths()/head_path() refuse
+    what generate would."""
+    _, d = tiny
+    model = cpu_model(d)
+    ref = model.generate([[5, 6, 7], [8, 9]], 8, stop_tokens=[]).tokens
+    stop = ref[0][2]
+    model.reset_stats()
+    g = model.generate([[5, 6, 7], [8, 9]], 8, stop_tokens=stop, output_logits=True)
+    assert g.tokens[0] == ref[0][:ref[0].index(stop) + 1]
+    assert len(g.logits) == max(len(t) for t in g.tokens)
+    dec = [r for r in model.stats() if r["mode"] == "decode"]
+    real = sum(len(t) for t in g.tokens) - 2  # the first tokens come from the prefill
+    assert sum(r["tokens"] for r in dec) == real, dec
+    assert sum(r["tokens"] + r["padded_tokens"] for r in dec) == sum(r["calls"] for r in dec) * g.decode_choice.batch
+    assert sum(r["calls"] for r in dec) in (max(len(t) for t in g.tokens) - 1, max(len(t) for t in g.tokens))
+    for bad, match in (({"batch": 5}, r"^batch: sequences in \[1, 4\]"), ({"batch": 2.5}, "^batch"),
+                       ({"prompt_len": 49}, r"^prompt_len: tokens in \[1, 48\]"), ({"prompt_len": 0}, "^prompt_len")):
+        with pytest.raises(ServeError, match=match):
+            model.paths(**bad)
+    with pytest.raises(ServeError, match="^batch"):
+        model.head_path(0)
+
+
 def test_bad_configurations_are_one_line_errors(tiny):
     _, d = tiny
     with pytest.raises(ServeError, match="cache_len"):

@@ -44,7 +44,8 @@ class Window:
         if len(self.layers) == n_layers:
             return f"{self.source}, every layer"
         lo, hi = self.layers[0], self.layers[-1]
-        span = f"layers {lo}-{hi}" if hi - lo + 1 == len(self.layers) else f"{len(self.layers)} layers"
+        span = (f"layer {lo}" if lo == hi else f"layers {lo}-{hi}" if hi - lo + 1 == len(self.layers)
+                else f"{len(self.layers)} layers")
         return f"{self.source}, {span}"
 
 
