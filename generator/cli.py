@@ -79,6 +79,10 @@ def load_selected(variants_file: str, only=(), exclude=()) -> list:
         fail(str(exc))
     selected = gvariants.select(vs, tuple(only), tuple(exclude))
     if not selected:
+        kept = gvariants.select(vs, tuple(only), ()) if exclude else []
+        if kept:  # --only (or every variant) matched: --exclude took them all
+            fail(f"{variants_file}: --exclude {' '.join(exclude)} leaves no variant (it excludes all "
+                 f"{len(kept)}{' that --only ' + ' '.join(only) + ' selects' if only else ''})")
         fail(f"{variants_file}: no variant matches"
              + (f" --only {' '.join(only)}" if only else "") + (f" --exclude {' '.join(exclude)}" if exclude else ""))
     unmatched = [g for g in only if not gvariants.select(vs, (g,))]
@@ -116,6 +120,10 @@ def tuned_opts(f):
 @click.version_option(__version__, "-V", "--version", prog_name="megakernel", message="%(prog)s %(version)s")
 def main():
     """Fused decoder-layer kernel generator: one CUDA kernel per layer shape, built ahead of time."""
+    tdir = os.environ.get("MEGAKERNEL_TUNING_DIR")
+    if tdir and not Path(tdir).is_dir():  # every tuned plan would be dropped unseen (generator.tune.tuning_dir)
+        err_console.print(f"warning: MEGAKERNEL_TUNING_DIR={tdir}: not a directory; no tuning file is read (default "
+                          "plans)", markup=False, highlight=False, soft_wrap=True)
 
 
 @main.command("list")
@@ -134,8 +142,8 @@ def list_cmd(variants_file, build_dir, only, wide):
     for v in vs:
         m, e = v.model, built.get(v.name)
         status = gmanifest.status(e, v, digest)
-        if status == "built" and not (Path(build_dir) / e["cubin"]).is_file():
-            status = "cubin missing"  # `megakernel build` writes it again
+        if status == "built" and (bad := gmanifest.cubin_problem(e, build_dir)):
+            status = f"cubin {bad}"  # `megakernel build` writes it again
         elif status == "built" and e.get("plan_source") == "override":
             status = "built (plan override)"  # the tuner's candidates: not the plan `megakernel build` takes
         if e and e.get("status") == "ok" and len(archs) > 1:

@@ -36,7 +36,7 @@ class AllReduce:
     its AllReduces in the same order. Raises ValueError for an unknown method."""
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device, method: str = "auto"):
-        method = os.environ.get("MEGAKERNEL_ALLREDUCE", method) if method == "auto" else method
+        method = (os.environ.get("MEGAKERNEL_ALLREDUCE") or method) if method == "auto" else method  # ("": unset)
         if method not in METHODS:
             raise ValueError(f"allreduce: one of {', '.join(METHODS)}, got {method!r}")
         self.group, self.buffer = group, None

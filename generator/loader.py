@@ -33,6 +33,19 @@ _LAYERS: "weakref.WeakValueDictionary[int, FusedDecoderLayer]" = weakref.WeakVal
 _IDS = itertools.count(1)
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable: unset or empty is `default`; 1/on/true/yes and 0/off/false/no (any case);
+    anything else is a LoadError naming it (a typo must not silently keep the default)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise LoadError(f"{name}: 0/off/false/no or 1/on/true/yes, got {os.environ[name]!r}")
+
+
 def check_weights(weights: dict, m: Model, dtype: torch.dtype, device: torch.device) -> None:
     """Raise ValueError naming the first tensor of `weights` that is extra, missing, or of the wrong shape
     (interface.weight_shapes), dtype or device."""
@@ -325,7 +338,7 @@ class FusedDecoderLayer:
         # between) launch without: not measured there
         cc = torch.cuda.get_device_capability(self.device)
         self.pdl = (cc >= (9, 0) and self.mode == "decode" and self.tp == 1
-                    and os.environ.get("MEGAKERNEL_PDL", "1") != "0")
+                    and env_flag("MEGAKERNEL_PDL", True))
         if self.pdl:
             self._attrs = (_LaunchAttr * 2)()
             for a, aid in zip(self._attrs, (_ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)):

@@ -109,6 +109,16 @@ def status(entry: dict | None, v: Variant | None = None, digest: str | None = No
     return "built"
 
 
+def cubin_problem(entry: dict, build_dir: str | Path) -> str | None:
+    """"missing" or "damaged" (its size is not the one compiled: a cheap check, `build` compares the hash) for a
+    built entry's cubin; None where it is there whole."""
+    p = Path(build_dir) / entry.get("cubin", f"{entry.get('name')}/kernel.cubin")
+    if not p.is_file():
+        return "missing"
+    want = (entry.get("resources") or {}).get("cubin_bytes")
+    return "damaged" if isinstance(want, int) and p.stat().st_size != want else None
+
+
 def tuning_changed(entry: dict) -> bool:
     """Whether the tuning file the build consulted (entry["tuning"]: its path and what it held for the variant)
     holds something else for it now (a new, changed or removed entry: a build now would plan differently)."""

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
-from .manifest import build_dir_flag, kernel_sources_digest, status as build_status, variant_from_entry
+from .manifest import build_dir_flag, cubin_problem, kernel_sources_digest, status as build_status, variant_from_entry
 from .plan import L1_ENOUGH
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 from .tune import knob_dict, knobs_differ
@@ -366,8 +366,8 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     for name, e in sorted(entries.items(), key=lambda kv: natural_key(kv[0])):
         st = build_status(e, now.get(name), digest) if now else "built"
         stale = [st] if st.startswith("stale") else []
-        if e["status"] == "ok" and not (build_dir / e.get("cubin", f"{name}/kernel.cubin")).is_file():
-            stale.append("cubin-missing")  # as `megakernel list` says; `megakernel build` links it again
+        if e["status"] == "ok" and (bad := cubin_problem(e, build_dir)):
+            stale.append(f"cubin-{bad}")  # as `megakernel list` says; `megakernel build` writes it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
         if mixed and e["status"] == "ok":
             row["arch"] = f"sm_{arch_of[name]}"
@@ -460,6 +460,7 @@ FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
                                                "build's warning says why)"),
     ("stale", "stale (...)", "the build no longer matches the declaration or the templates: rebuild"),
     ("cubin-missing", "cubin-missing", "the manifest names a cubin that is not there: rebuild"),
+    ("cubin-damaged", "cubin-damaged", "the cubin is not the size that was compiled: rebuild"),
 ]
 # a table column whose cell is its row's value (or "-"): left out where no row has one
 PLAIN_KEYS = {"gpu_bytes", "cubin_bytes", "ptx_bytes", "registers", "stack_frame", "smem_total", "smem_pct", "l1_bytes",

@@ -627,8 +627,11 @@ class Model:
         gpu = gpu_name or (torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available()
                            else "cpu")
         routes, why = {}, {}
-        for v in vs:
-            routes[v.name], why[v.name] = groutes.route(v.name, gpu, routes_dir)
+        try:
+            for v in vs:
+                routes[v.name], why[v.name] = groutes.route(v.name, gpu, routes_dir)
+        except ValueError as exc:  # MEGAKERNEL_ROUTE set to no path
+            raise ServeError(str(exc)) from None
         # the measured times plan a prompt's pieces (not where MEGAKERNEL_ROUTE forces one path)
         costs = {} if os.environ.get("MEGAKERNEL_ROUTE") else groutes.read_routes(gpu, routes_dir)
         # load: one packed copy per layer, one cache pair per layer, shared by every variant

@@ -87,7 +87,9 @@ def test_only_matching_nothing(workdir):
     r = run_cli(["build", "--only", "nothing*"], cwd=workdir)
     assert_bad_input(r, "no variant matches", "nothing*")
     r = run_cli(["build", "--exclude", "*"], cwd=workdir)
-    assert "--only" not in assert_bad_input(r, "no variant matches --exclude *")  # (no --only was given)
+    assert "--only" not in assert_bad_input(r, "--exclude * leaves no variant (it excludes all")  # (no --only given)
+    r = run_cli(["build", "--only", "*b1*", "--exclude", "*"], cwd=workdir)
+    assert_bad_input(r, "--exclude * leaves no variant (it excludes all", "that --only *b1* selects")
     r = run_cli(["list", "--only", "nothing*"], cwd=workdir)
     assert_bad_input(r, "no variant matches")
     assert snapshot(workdir / "build") == before
@@ -802,3 +804,40 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
     r = run_cli(["report", "--variants", vfile, "--build-dir", c, "--no-gpu"], cwd=tmp_path)
     assert f"--build-dir {c} --arch 80`" in r.stderr + r.stdout, r.stderr + r.stdout
     assert "1/1 built for sm_80, " in r.stdout, r.stdout  # a directory of one other architecture names it
+
+
+def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_build, tmp_path):
+    """A cubin cut short (not the size compiled) is `cubin damaged` in `list` and flagged `cubin-damaged` in
+    `report` (both said `built`); MEGAKERNEL_TUNING_DIR naming no directory is one warning (every tuned plan was
+    dropped unseen); an on/off variable with a value that is neither is one error naming it."""
+    b = copy_build(tmp_path / "build")
+    doc = json.loads((b / "manifest.json").read_text())
+    name, e = next((n, e) for n, e in sorted(doc["variants"].items()) if e["status"] == "ok")
+    cubin = b / e["cubin"]
+    data = cubin.read_bytes()
+    cubin.unlink()  # (a hard link into objects/: a fresh file, so only this variant's cubin is cut)
+    cubin.write_bytes(data[:1000])
+    r = run_cli(["list", "--variants", tiny_build["variants"], "--build-dir", b, "--wide"], cwd=tmp_path)
+    assert r.returncode == 0 and "cubin damaged" in next(ln for ln in r.stdout.splitlines() if name in ln), r.stdout
+    r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", b, "--no-gpu", "--wide"],
+                cwd=tmp_path)
+    assert "cubin-damaged" in next(ln for ln in r.stdout.splitlines() if name in ln), r.stdout
+    r = run_cli_env(["list", "--variants", tiny_build["variants"], "--build-dir", b], tmp_path,
+                    MEGAKERNEL_TUNING_DIR=str(tmp_path / "nope"))
+    assert r.stderr.startswith(f"warning: MEGAKERNEL_TUNING_DIR={tmp_path / 'nope'}: not a directory") \
+        and r.stderr.count("\n") == 1, r.stderr
+    import os
+
+    from generator import loader
+    for raw, want in (("", True), ("off", False), ("0", False), ("No", False), ("1", True), ("yes", True)):
+        os.environ["MEGAKERNEL_TEST_FLAG"] = raw
+        try:
+            assert loader.env_flag("MEGAKERNEL_TEST_FLAG", True) is want, raw
+        finally:
+            del os.environ["MEGAKERNEL_TEST_FLAG"]
+    os.environ["MEGAKERNEL_TEST_FLAG"] = "maybe"
+    try:
+        with pytest.raises(loader.LoadError, match="^MEGAKERNEL_TEST_FLAG: 0/off/false/no or 1/on/true/yes, got "):
+            loader.env_flag("MEGAKERNEL_TEST_FLAG", True)
+    finally:
+        del os.environ["MEGAKERNEL_TEST_FLAG"]

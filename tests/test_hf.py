@@ -316,6 +316,22 @@ def test_write_appends_and_still_parses(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".variants.yaml")]  # no temp file left
 
 
+def test_write_through_a_symbolic_link_keeps_the_link(tmp_path):
+    """A variants file linked in from elsewhere (a config repository): its target gets the entry, the link stays
+    (the atomic replace turned the link into a regular file, leaving the real file without the entry)."""
+    real = tmp_path / "repo" / "variants.yaml"
+    real.parent.mkdir()
+    shutil.copy(ROOT / "variants.yaml", real)
+    link = tmp_path / "variants.yaml"
+    link.symlink_to(real)
+    d = write_config(tmp_path, "Mistral-7B-Instruct-v0.3", MISTRAL_7B_V0_3)
+    r = run_cli("from-hf", d, "--write", link)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert "mistral-7b-instruct-v0.3" in {v.model.name for v in gvariants.load(real)}
+    assert not [p for p in real.parent.iterdir() if p.name.startswith(".variants.yaml")]
+
+
 def test_write_inserts_inside_models_when_other_keys_follow(tmp_path):
     vfile = tmp_path / "v.yaml"
     vfile.write_text("# header\nmodels:\n    a:\n        hidden: 512\n        heads: 8\n        kv_heads: 8\n"

@@ -73,6 +73,7 @@ NEW_FILE = ("# variants started by `megakernel from-hf --write`: every model bel
 
 
 def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
+    path = Path(os.path.realpath(path))  # a symbolic link stays one: its target gets the text
     try:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
