@@ -1,6 +1,7 @@
 """`megakernel` command line: a thin shell over the library. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -215,8 +216,15 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         fail(str(exc))
     if knobs_only:
         click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)
-    else:
-        click.echo(render(v, p), nl=False)
+        return
+    src = render(v, p)
+    if built.get("source_sha256") not in (None, hashlib.sha256(src.encode()).hexdigest()) \
+            and built.get("plan_source") != "default (re-planned)" and str(built.get("arch", arch)) == str(arch):
+        used = (built.get("tuning") or {}).get("file")  # e.g. a build made with --tuned-for FILE
+        err_console.print(f"note: {Path(build_dir) / name / 'kernel.cu'} was compiled from another plan"
+                          + (f" (tuning file {used})" if used else "") + ": printed here is the plan a build now takes",
+                          markup=False, highlight=False, soft_wrap=True)
+    click.echo(src, nl=False)
 
 
 @main.command("build")

@@ -841,3 +841,22 @@ def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_buil
             loader.env_flag("MEGAKERNEL_TEST_FLAG", True)
     finally:
         del os.environ["MEGAKERNEL_TEST_FLAG"]
+
+
+def test_render_says_when_the_build_compiled_another_plan(copy_build, tiny_build, tmp_path):
+    """A build made with --tuned-for FILE compiled another plan than a plain `render` prints: a note says which
+    file, and where the compiled source is; with the same --tuned-for no such note."""
+    b = copy_build(tmp_path / "build")
+    name = next(n for n, e in sorted(json.loads((b / "manifest.json").read_text())["variants"].items())
+                if e["status"] == "ok" and "_decode_" in n)
+    tfile = tmp_path / "t.json"
+    tfile.write_text(json.dumps({name: {"overrides": {"GU_NWG": 4}}}))
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", b, "--only", name, "--tuned-for",
+                 tfile, "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b], cwd=tmp_path)
+    assert r.returncode == 0 and f"note: {b / name / 'kernel.cu'} was compiled from another plan (tuning file " \
+        f"{tfile})" in r.stderr, r.stderr
+    r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b, "--tuned-for", tfile],
+                cwd=tmp_path)
+    assert r.returncode == 0 and "another plan" not in r.stderr and r.stdout == (b / name / "kernel.cu").read_text()
