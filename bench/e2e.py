@@ -246,7 +246,8 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001
             res["kernel_bound"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         res["served_prefill_pieces"] = {L: [(pc.start, pc.length, pc.choice.variant or "unfused")
-                                            for pc in m.paths(1, L)["prefill"]] for L in (128, 2048)}
+                                            for pc in m.paths(1, min(L, m.cache_len))["prefill"]]
+                                        for L in (128, 2048)}
         save()
         res["agreement_fused_bf16_vs_hf_fp32"] = None
         ref32 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()

@@ -121,10 +121,6 @@ def tuned_opts(f):
 @click.version_option(__version__, "-V", "--version", prog_name="megakernel", message="%(prog)s %(version)s")
 def main():
     """Fused decoder-layer kernel generator: one CUDA kernel per layer shape, built ahead of time."""
-    tdir = os.environ.get("MEGAKERNEL_TUNING_DIR")
-    if tdir and not Path(tdir).is_dir():  # every tuned plan would be dropped unseen (generator.tune.tuning_dir)
-        err_console.print(f"warning: MEGAKERNEL_TUNING_DIR={tdir}: not a directory; no tuning file is read (default "
-                          "plans)", markup=False, highlight=False, soft_wrap=True)
 
 
 @main.command("list")
@@ -204,7 +200,8 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         built = gmanifest.read_manifest(Path(build_dir))["variants"].get(name) or {}
     except (OSError, ValueError):
         built = {}
-    if source == "default" and built.get("plan_source") == "default (re-planned)":
+    replanned = source == "default" and built.get("plan_source") == "default (re-planned)"
+    if replanned:
         rp = " ".join(f"{k}={val}" for k, val in sorted((built.get("replanned") or {}).get("overrides", {}).items()))
         tuned.append(f"note: `megakernel build` re-planned this variant (its default plan spilled): it compiled "
                      f"{Path(build_dir) / name / 'kernel.cu'} ({rp}), not the default plan printed here")
@@ -218,8 +215,10 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)
         return
     src = render(v, p)
-    if built.get("source_sha256") not in (None, hashlib.sha256(src.encode()).hexdigest()) \
-            and built.get("plan_source") != "default (re-planned)" and str(built.get("arch", arch)) == str(arch):
+    # a current build of it (not stale: `list` says that) whose source is not this one: compiled from another plan
+    if not replanned and built.get("status") == "ok" and str(built.get("arch", arch)) == str(arch) \
+            and gmanifest.status(built, v, gmanifest.kernel_sources_digest()) == "built" \
+            and built.get("source_sha256") != hashlib.sha256(src.encode()).hexdigest():
         used = (built.get("tuning") or {}).get("file")  # e.g. a build made with --tuned-for FILE
         err_console.print(f"note: {Path(build_dir) / name / 'kernel.cu'} was compiled from another plan"
                           + (f" (tuning file {used})" if used else "") + ": printed here is the plan a build now takes",
@@ -414,6 +413,10 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
                  f"{problem}")
         return path
     path = gtune.default_tuning_file()
+    tdir = os.environ.get("MEGAKERNEL_TUNING_DIR")
+    if tdir and not Path(tdir).is_dir():  # every tuned plan would be dropped unseen (generator.tune.tuning_dir)
+        err_console.print(f"warning: MEGAKERNEL_TUNING_DIR={tdir}: not a directory; no tuning file is read (default "
+                          "plans)", markup=False, highlight=False, soft_wrap=True)
     if path is None and gtune.tuning_dir().is_dir() and len(list(gtune.tuning_dir().glob("*.json"))) > 1:
         err_console.print(f"note: several tuning files in {gtune.display(gtune.tuning_dir())}: default plans used "
                           "(--tuned-for GPU picks one)", markup=False, highlight=False, soft_wrap=True)
@@ -801,10 +804,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         chosen = []
     try:
         trained = hf.read_config(model_dir)[1].get("max_position_embeddings")
-        longest = max(len(s) for s in seqs) + max_new_tokens
+        longest = max(len(s) for s in seqs) + max_new_tokens - 1  # (the last new token is never fed back)
         if isinstance(trained, int) and longest > trained:  # generated as asked, but past what the model learned
-            err_console.print(f"warning: {model_dir}: up to {longest} positions (prompt + --max-new-tokens), longer "
-                              f"than max_position_embeddings {trained}: positions past it were never trained",
+            err_console.print(f"warning: {model_dir}: up to {longest} positions (prompt + --max-new-tokens - 1), "
+                              f"longer than max_position_embeddings {trained}: positions past it were never trained",
                               markup=False, highlight=False, soft_wrap=True)
     except hf.HFConfigError:
         pass  # Model.from_hf below says what is wrong with the directory

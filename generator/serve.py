@@ -769,8 +769,9 @@ class Model:
 
     def head_path(self, batch: int) -> str:
         """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)". ServeError
-        for a batch outside [1, max_batch]."""
-        self._check_batch(batch)
+        for a batch that is not a positive integer."""
+        if not _int(batch) or batch < 1:
+            raise ServeError(f"batch: rows, a positive integer, got {batch!r}")
         why = self._head_why or self._head_unsupported(batch)
         return "fused" if why is None else f"torch ({why})"
 
@@ -1092,10 +1093,13 @@ class Model:
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
 
+        counted = [0]  # decode steps counted in the stats (each when its row is delivered)
+
         def deliver(row, count=False):  # count: a decode step's row (stats: its live sequences' tokens are real)
             live = B - sum(done)
             if count:
                 self._count("decode", dch, live)
+                counted[0] += 1
             for b in range(B):
                 if not done[b]:
                     new[b].append(row[b])
@@ -1110,26 +1114,30 @@ class Model:
         host = torch.empty(max(n, 1), V, dtype=torch.long, pin_memory=pinned)
         events = []
         steps = 0
-        for i in range(n):
-            if all(done):
-                break
-            self._step(dch, bufs, sampled)
-            steps += 1
-            host[i].copy_(bufs["tok"], non_blocking=pinned)
-            if output_logits:
-                all_logits.append(bufs["logits"][:B].clone())
-            if pinned:
-                ev = torch.cuda.Event()
-                ev.record()
-                events.append(ev)
-            if i >= 1:  # the previous step's tokens, read while this one runs
+        try:
+            for i in range(n):
+                if all(done):
+                    break
+                self._step(dch, bufs, sampled)
+                steps += 1
+                host[i].copy_(bufs["tok"], non_blocking=pinned)
+                if output_logits:
+                    all_logits.append(bufs["logits"][:B].clone())
                 if pinned:
-                    events[i - 1].synchronize()
-                yield from deliver(host[i - 1].tolist(), count=True)
-        if steps:  # the last step's tokens (nothing new where every sequence had stopped)
-            sync()
-            release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
-            yield from deliver(host[steps - 1].tolist(), count=True)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    events.append(ev)
+                if i >= 1:  # the previous step's tokens, read while this one runs
+                    if pinned:
+                        events[i - 1].synchronize()
+                    yield from deliver(host[i - 1].tolist(), count=True)
+            if steps:  # the last step's tokens (nothing new where every sequence had stopped)
+                sync()
+                release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
+                yield from deliver(host[steps - 1].tolist(), count=True)
+        finally:  # a stream closed (or a callback raising) with a launched step undelivered: counted all the same
+            for _ in range(steps - counted[0]):
+                self._count("decode", dch, B - sum(done))
         decode_s = time.perf_counter() - t1
         gen_tokens = sum(len(x) for x in new) - B
         if all_logits is not None:  # (the step after the last stop ran before the host saw that stop: not a token)
@@ -1146,9 +1154,10 @@ class Model:
         """Generate up to max_new_tokens tokens for each prompt.
 
         prompts: a list of token-id lists of any lengths (or one flat list, or a 2-d int tensor or numpy array), at
-        most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused prefill variants
-        (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0: greedy; > 0:
-        sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses seed + 7919 b).
+        most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused
+        prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0:
+        greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
+        seed + 7919 b).
         stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as
         transformers reads it: generation_config.json's where the directory holds one, else config.json's).
         callback(seq, token) is called for every token as it arrives (stream() is the iterator form; the model is

@@ -808,8 +808,9 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
 
 def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_build, tmp_path):
     """A cubin cut short (not the size compiled) is `cubin damaged` in `list` and flagged `cubin-damaged` in
-    `report` (both said `built`); MEGAKERNEL_TUNING_DIR naming no directory is one warning (every tuned plan was
-    dropped unseen); an on/off variable with a value that is neither is one error naming it."""
+    `report` (both said `built`); MEGAKERNEL_TUNING_DIR naming no directory is one warning where a tuning file is
+    picked (every tuned plan was dropped unseen), none elsewhere; an on/off variable with a value that is neither
+    is one error naming it."""
     b = copy_build(tmp_path / "build")
     doc = json.loads((b / "manifest.json").read_text())
     name, e = next((n, e) for n, e in sorted(doc["variants"].items()) if e["status"] == "ok")
@@ -822,10 +823,13 @@ def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_buil
     r = run_cli(["report", "--variants", tiny_build["variants"], "--build-dir", b, "--no-gpu", "--wide"],
                 cwd=tmp_path)
     assert "cubin-damaged" in next(ln for ln in r.stdout.splitlines() if name in ln), r.stdout
-    r = run_cli_env(["list", "--variants", tiny_build["variants"], "--build-dir", b], tmp_path,
+    r = run_cli_env(["render", name, "--variants", tiny_build["variants"], "--build-dir", b], tmp_path,
                     MEGAKERNEL_TUNING_DIR=str(tmp_path / "nope"))
     assert r.stderr.startswith(f"warning: MEGAKERNEL_TUNING_DIR={tmp_path / 'nope'}: not a directory") \
         and r.stderr.count("\n") == 1, r.stderr
+    r = run_cli_env(["list", "--variants", tiny_build["variants"], "--build-dir", b], tmp_path,
+                    MEGAKERNEL_TUNING_DIR=str(tmp_path / "nope"))
+    assert r.returncode == 0 and "MEGAKERNEL_TUNING_DIR" not in r.stderr, r.stderr
     import os
 
     from generator import loader

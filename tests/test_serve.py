@@ -406,6 +406,19 @@ def test_stats_and_logits_stop_with_the_sequences(tiny):
     assert sum(r["tokens"] for r in dec) == real, dec
     assert sum(r["tokens"] + r["padded_tokens"] for r in dec) == sum(r["calls"] for r in dec) * g.decode_choice.batch
     assert sum(r["calls"] for r in dec) in (max(len(t) for t in g.tokens) - 1, max(len(t) for t in g.tokens))
+    launched = []  # a stream closed early: every launched step is a call, none lost
+    step = model._step
+    model._step = lambda *a, **k: (launched.append(1), step(*a, **k))[1]
+    for take in (1, 2, 4):
+        model.reset_stats()
+        s = model.stream([[5, 6, 7], [8, 9]], 8, stop_tokens=[])
+        for _ in range(take):
+            next(s)
+        s.close()
+        dec = [r for r in model.stats() if r["mode"] == "decode"]
+        assert sum(r["calls"] for r in dec) == len(launched) and sum(r["tokens"] for r in dec) <= 2 * len(launched)
+        launched.clear()
+    del model._step
     for bad, match in (({"batch": 5}, r"^batch: sequences in \[1, 4\]"), ({"batch": 2.5}, "^batch"),
                        ({"prompt_len": 49}, r"^prompt_len: tokens in \[1, 48\]"), ({"prompt_len": 0}, "^prompt_len")):
         with pytest.raises(ServeError, match=match):
@@ -468,7 +481,7 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "1", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "no decode step" in r.stderr and "tokens/s" not in r.stderr, r.stderr
     # past the positions the model was trained on (max_position_embeddings 256): generated as asked, and said
-    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "254", "--device", "cpu"], cwd=tmp_path)
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "255", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "257 positions" in r.stderr and "max_position_embeddings 256" in r.stderr, r.stderr
     r = cli(["generate", tmp_path / "nonexist", "--ids", "1"], cwd=tmp_path)  # the path first, on any machine
     assert r.returncode == 2 and "no such file or directory" in r.stderr and r.stderr.count("\n") == 1

@@ -73,13 +73,13 @@ NEW_FILE = ("# variants started by `megakernel from-hf --write`: every model bel
 
 
 def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
-    path = Path(os.path.realpath(path))  # a symbolic link stays one: its target gets the text
+    real = Path(os.path.realpath(path))  # a symbolic link stays one: its target gets the text (messages: `path`)
     try:
-        mode = path.stat().st_mode & 0o7777
+        mode = real.stat().st_mode & 0o7777
     except FileNotFoundError:
         mode = 0o644
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
     except OSError as exc:
         raise HFConfigError(f"{path}: cannot write variants file: {exc.strerror}") from None
     try:
@@ -88,7 +88,7 @@ def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, real)
     except BaseException as exc:
         try:
             os.unlink(tmp)
