@@ -134,7 +134,7 @@ def list_cmd(variants_file, build_dir, only, wide):
     built = gcompile.read_manifest(Path(build_dir))["variants"]
     digest = gmanifest.kernel_sources_digest()
     # builds for two architectures in the directory: each row says its own
-    archs = {str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for e in built.values() if e.get("status") == "ok"}
+    archs = {str(e.get("arch", DEFAULT_ARCH)) for e in built.values() if e.get("status") == "ok"}  # (100 != 100a)
     rows = []
     for v in vs:
         m, e = v.model, built.get(v.name)
@@ -144,7 +144,7 @@ def list_cmd(variants_file, build_dir, only, wide):
         elif status == "built" and e.get("plan_source") == "override":
             status = "built (plan override)"  # the tuner's candidates: not the plan `megakernel build` takes
         if e and e.get("status") == "ok" and len(archs) > 1:
-            status += f" (sm_{str(e.get('arch', DEFAULT_ARCH)).rstrip('a')})"
+            status += f" (sm_{e.get('arch', DEFAULT_ARCH)})"
         rows.append((v.name, v.mode, str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.head_dim), str(m.intermediate),
                      str(v.batch), str(v.seq_len), str(v.tp), status))
 

@@ -357,9 +357,11 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
                                     f"(run `{build_cmd}`, or pass the variants file it was built from: "
                                     "--variants)")
     loads = measure_load_times({"variants": entries}, build_dir) if gpu else {}
-    arch_of = {n: str(e.get("arch", DEFAULT_ARCH)).rstrip("a") for n, e in entries.items()}
+    # figures by the GPU's architecture (sm_90 builds run as sm_90a); labels by what was built (100 and 100a differ)
+    label_of = {n: str(e.get("arch", DEFAULT_ARCH)) for n, e in entries.items()}
+    arch_of = {n: a.rstrip("a") for n, a in label_of.items()}
     by_arch = {a: latest_bench(Path(bench_dir), a) for a in set(arch_of.values())} if bench_dir else {}
-    built_for = sorted({a for n, a in arch_of.items() if entries[n]["status"] == "ok"})
+    built_for = sorted({a for n, a in label_of.items() if entries[n]["status"] == "ok"})
     # a directory holding builds for two architectures: each row names its own (not a flag: nothing is wrong)
     mixed = len(built_for) > 1
     rows = []
@@ -370,7 +372,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             stale.append(f"cubin-{bad}")  # as `megakernel list` says; `megakernel build` writes it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
         if mixed and e["status"] == "ok":
-            row["arch"] = f"sm_{arch_of[name]}"
+            row["arch"] = f"sm_{label_of[name]}"
         row.update(plan_fields(e))
         row.update(gpu_fields(e))
         if e["status"] == "ok":
@@ -540,7 +542,7 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
             console.print(f"[yellow]{label}[/yellow]: {what}", highlight=False, markup=True)
     tot = report["totals"]
     archs = report.get("archs") or []  # one architecture other than the default: said (two: each row says its own)
-    other = f" for sm_{archs[0]}" if len(archs) == 1 and archs[0] != DEFAULT_ARCH.rstrip("a") else ""
+    other = f" for sm_{archs[0]}" if len(archs) == 1 and archs[0] != DEFAULT_ARCH else ""
     console.print(f"{tot['built']}/{tot['variants']} built{other}, "
                   f"{counted(tot['distinct_binaries'], 'distinct binary', 'distinct binaries')}, "
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"

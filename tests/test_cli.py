@@ -804,6 +804,12 @@ def test_a_build_refused_for_another_arch_leaves_the_good_build_and_report_sugge
     r = run_cli(["report", "--variants", vfile, "--build-dir", c, "--no-gpu"], cwd=tmp_path)
     assert f"--build-dir {c} --arch 80`" in r.stderr + r.stdout, r.stderr + r.stdout
     assert "1/1 built for sm_80, " in r.stdout, r.stdout  # a directory of one other architecture names it
+    # sm_100 and sm_100a are different objects: each labelled as built (it said sm_100 for both)
+    r = run_cli(["build", "--variants", vfile, "--build-dir", c, "--only", "sm86_prefill*", "--arch", "100a",
+                 "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["list", "--variants", vfile, "--build-dir", c], cwd=tmp_path)
+    assert re.search(r"sm86_prefill_b1_s64_bf16.*built \(sm_100a\)", r.stdout), r.stdout
 
 
 def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_build, tmp_path):
