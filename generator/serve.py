@@ -411,6 +411,11 @@ def _int(v) -> bool:  # an integer (numpy's too), not a bool
 SEED_MAX = 2 ** 62  # seeds in [0, SEED_MAX): seed + 7919 x sequence must fit int64
 
 
+def _listed(x):
+    """A torch tensor or numpy array as its Python value (.tolist()); anything else as it is."""
+    return x.tolist() if isinstance(x, torch.Tensor) or type(x).__module__ == "numpy" and hasattr(x, "tolist") else x
+
+
 def _same_shape(a: ModelShape, b: ModelShape) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _COMPARED)
 
@@ -693,7 +698,8 @@ class Model:
         "layers": [{"layer": i, "decode": path/variant, "prefill": ...}]}.
         Every layer has the same shape, so every layer takes the same path. ServeError for a batch outside
         [1, max_batch] or a prompt outside [1, cache_len] tokens (generate would refuse them)."""
-        self._check_batch(batch)
+        if not _int(batch) or not 1 <= batch <= self.max_batch:
+            raise ServeError(f"batch: sequences in [1, {self.max_batch}] (max_batch), got {batch!r}")
         if not _int(prompt_len) or not 1 <= prompt_len <= self.cache_len:
             raise ServeError(f"prompt_len: tokens in [1, {self.cache_len}] (cache_len), got {prompt_len!r}")
         d = decode_choice(batch, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
@@ -762,10 +768,6 @@ class Model:
         if bool(on) != self._fused_head_on:
             self._graphs.clear()
         self._fused_head_on = bool(on)
-
-    def _check_batch(self, batch) -> None:
-        if not _int(batch) or not 1 <= batch <= self.max_batch:
-            raise ServeError(f"batch: sequences in [1, {self.max_batch}] (max_batch), got {batch!r}")
 
     def head_path(self, batch: int) -> str:
         """Which head serves `batch` rows: "fused" (generator.lm_head: one kernel) or "torch (<why>)". ServeError
@@ -971,8 +973,8 @@ class Model:
 
     # -- generate --
     def _check_prompts(self, prompts) -> list[list[int]]:
-        if type(prompts).__module__ == "numpy" and hasattr(prompts, "ndim"):  # a numpy array: as a list
-            prompts = prompts.tolist()
+        if not isinstance(prompts, torch.Tensor):  # (a tensor is checked as one below)
+            prompts = _listed(prompts)  # a numpy array: as a list
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or prompts.dtype.is_floating_point:
                 raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] or a list of token-id lists, got "
@@ -984,8 +986,7 @@ class Model:
             prompts = [list(prompts)]  # one sequence given as a flat list
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, torch.Tensor) or type(p).__module__ == "numpy":  # one sequence's ids as an array
-                p = p.tolist()
+            p = _listed(p)  # one sequence's ids as an array
             if not isinstance(p, (list, tuple)) or not p:
                 raise ServeError(f"prompts[{i}]: a non-empty list of token ids, got {p!r:.60}")
             for t in p:
@@ -1039,8 +1040,7 @@ class Model:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
             warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "
                           "temperature > 0 to sample)", stacklevel=4 + _depth)
-        if isinstance(stop_tokens, torch.Tensor) or type(stop_tokens).__module__ == "numpy":
-            stop_tokens = stop_tokens.tolist()
+        stop_tokens = _listed(stop_tokens)
         if _int(stop_tokens):
             stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it
         elif stop_tokens is not None and not isinstance(stop_tokens, Iterable):
