@@ -211,9 +211,6 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         p = plan(v, arch, overrides=ov or None)
     except PlanError as exc:
         fail(str(exc))
-    if knobs_only:
-        click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)
-        return
     src = render(v, p)
     # a current build of it (not stale: `list` says that) whose source is not this one: compiled from another plan
     if not replanned and built.get("status") == "ok" and str(built.get("arch", arch)) == str(arch) \
@@ -223,6 +220,9 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         err_console.print(f"note: {Path(build_dir) / name / 'kernel.cu'} was compiled from another plan"
                           + (f" (tuning file {used})" if used else "") + ": printed here is the plan a build now takes",
                           markup=False, highlight=False, soft_wrap=True)
+    if knobs_only:
+        click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)
+        return
     click.echo(src, nl=False)
 
 

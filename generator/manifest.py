@@ -49,8 +49,11 @@ def read_manifest(build_dir: Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
-        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); run "
-                            f"`megakernel clean{build_dir_flag(build_dir)}` and build again")
+        # (clean removes a directory with a corrupt manifest only beside a build's objects/: else it is not
+        # known to be a build's, and the file is the user's to remove)
+        fix = (f"run `megakernel clean{build_dir_flag(build_dir)}` and build again"
+               if (Path(build_dir) / "objects").is_dir() else "remove it and build again")
+        raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); {fix}")
     return doc
 
 

@@ -424,7 +424,8 @@ def eos_token_ids(model_dir: Path, cfg: dict, cfg_path: Path | None = None) -> l
     """The checkpoint's end-of-sequence token ids, as transformers' generate reads them (GenerationConfig): where
     the directory holds generation_config.json, that file's eos_token_id alone (an instruct model's end-of-turn ids
     are often only there; a file that sets none means none, as transformers reads it), else config.json's (`cfg`,
-    read from `cfg_path`); an int or a list, [] where none is set. Raises ServeError (one line, naming the file)
+    read from `cfg_path`); an int or a list, [] where none is set (an id outside [0, vocab), e.g. -1, is kept as
+    transformers keeps it: it is never generated). Raises ServeError (one line, naming the file)
     where the value is not integer token ids (a string "2", a float) or generation_config.json is not a JSON object."""
     gen = Path(model_dir) / "generation_config.json"
     try:
@@ -439,7 +440,8 @@ def eos_token_ids(model_dir: Path, cfg: dict, cfg_path: Path | None = None) -> l
     if eos is None:
         return []
     ids = [eos] if not isinstance(eos, list) else eos
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):  # (a negative one is kept, as past
+        # the vocabulary: transformers takes it, and it stops nothing)
         raise ServeError(f"{path}: eos_token_id: integer token ids (an int or a list), got {eos!r}")
     return ids
 
@@ -1045,15 +1047,16 @@ class Model:
             stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it
         elif stop_tokens is not None and not isinstance(stop_tokens, Iterable):
             raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {stop_tokens!r}")
-        stops = set(self.eos if stop_tokens is None else stop_tokens)
-        far = [t for t in self.eos if t >= self.vocab] if stop_tokens is None else []
-        if far and "eos" not in self._warned:  # (kept, as transformers keeps them: they stop nothing)
-            self._warned.add("eos")
-            warnings.warn(f"eos_token_id {', '.join(map(str, far))}: past the vocabulary ({self.vocab} tokens), never "
-                          "generated: no sequence stops on it", stacklevel=4 + _depth)
-        for t in stops:  # the config's eos ids as given (one past the vocabulary is never produced: harmless)
+        stops = list(self.eos if stop_tokens is None else stop_tokens)
+        for t in stops:  # (before the set: a nested list is unhashable)
             if not _int(t) or (stop_tokens is not None and not 0 <= t < self.vocab):
                 raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")
+        stops = set(stops)
+        far = [t for t in self.eos if not 0 <= t < self.vocab] if stop_tokens is None else []
+        if far and "eos" not in self._warned:  # (kept, as transformers keeps them: they stop nothing)
+            self._warned.add("eos")
+            warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
+                          "never generated: no sequence stops on it", stacklevel=4 + _depth)
         sampled = temperature > 0
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)

@@ -370,16 +370,26 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert (ROOT / ".ci" / "run").stat().st_mode & 0o111
 
 
+@pytest.mark.parametrize("objects", [True, False])
 @pytest.mark.parametrize("cmd", [["list"], ["report", "--no-gpu"], ["build", "--only", "qwen2.5-0.5b_decode_b1_s1024_bf16"]])
-def test_corrupt_manifest_is_one_line_exit_2(cmd, tmp_path):
+def test_corrupt_manifest_is_one_line_exit_2(cmd, objects, tmp_path):
+    """The line's advice works: `clean` where it removes the directory (a build's objects/ beside the manifest),
+    else removing the file by hand (clean refuses a directory not known to be a build's)."""
     d = tmp_path / "b"
     d.mkdir()
     (d / "manifest.json").write_text("{not json")
+    if objects:
+        (d / "objects").mkdir()
     r = run_cli(cmd + ["--build-dir", str(d)], cwd=ROOT)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
-    assert f"`megakernel clean --build-dir {d}`" in lines[0]  # a bare `clean` would remove ./build instead
+    if objects:
+        assert f"`megakernel clean --build-dir {d}`" in lines[0]  # a bare `clean` would remove ./build instead
+        assert run_cli(["clean", "--build-dir", str(d)], cwd=ROOT).returncode == 0 and not d.exists()
+    else:
+        assert lines[0].endswith("corrupt manifest (not the JSON a build writes); remove it and build again")
+        assert run_cli(["clean", "--build-dir", str(d)], cwd=ROOT).returncode == 2  # (what clean says)
 
 
 @pytest.mark.parametrize("args", [["build", "-j", "0"], ["build", "--nope"], ["nosuchcmd"], ["render"]])
@@ -867,6 +877,9 @@ def test_render_says_when_the_build_compiled_another_plan(copy_build, tiny_build
     r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b], cwd=tmp_path)
     assert r.returncode == 0 and f"note: {b / name / 'kernel.cu'} was compiled from another plan (tuning file " \
         f"{tfile})" in r.stderr, r.stderr
+    # --knobs prints the plan's knobs: the same note (the built plan is not these knobs)
+    r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b, "--knobs"], cwd=tmp_path)
+    assert r.returncode == 0 and "was compiled from another plan" in r.stderr and "GU_NWG " in r.stdout, r.stderr
     r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b, "--tuned-for", tfile],
                 cwd=tmp_path)
     assert r.returncode == 0 and "another plan" not in r.stderr and r.stdout == (b / name / "kernel.cu").read_text()

@@ -534,7 +534,10 @@ def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
     assert model.generate([list(np.array([1, 2, 3]))], 3).tokens == a
     for kw, want in (({"seed": 2 ** 70, "temperature": 1.0}, "seed: an integer in [0, 2**62)"),
                      ({"temperature": float("inf")}, "temperature: a finite number"),
-                     ({"stop_tokens": [10 ** 6]}, "stop_tokens: integer token ids in [0,")):
+                     ({"stop_tokens": [10 ** 6]}, "stop_tokens: integer token ids in [0,"),
+                     # nested (a 2-d list or tensor): the same line, not an unhashable-type TypeError
+                     ({"stop_tokens": [[5]]}, "stop_tokens: integer token ids in [0,"),
+                     ({"stop_tokens": torch.tensor([[5]])}, "stop_tokens: integer token ids in [0,")):
         with pytest.raises(serve.ServeError, match=re.escape(want)):
             model.generate([[1, 2, 3]], 3, **kw)
 
@@ -737,13 +740,14 @@ def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
     # an id past the vocabulary (kept, as transformers keeps it: it can never be generated) is said in a warning,
     # once, where the checkpoint's stop tokens are used (not with stop tokens of the caller's)
     import warnings
-    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 100000]}))
+    (c / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 100000, -1]}))
     model = cpu_model(c)
-    assert model.eos == (7, 100000)
+    assert model.eos == (7, 100000, -1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.generate([[1, 2]], 2, stop_tokens=[])
         model.generate([[1, 2]], 2)
         model.generate([[1, 2]], 2)
-    far = [w for w in caught if "past the vocabulary" in str(w.message)]
-    assert len(far) == 1 and re.search(r"eos_token_id 100000: past the vocabulary \(\d+ tokens\)", str(far[0].message))
+    far = [w for w in caught if "outside the vocabulary" in str(w.message)]
+    assert len(far) == 1 and re.search(r"eos_token_id 100000, -1: outside the vocabulary \(\d+ tokens\)",
+                                       str(far[0].message))
