@@ -518,7 +518,7 @@ def clean_cmd(build_dir):
         doc = {}
     except (OSError, ValueError, UnicodeDecodeError):
         doc = None  # unreadable or corrupt: a build's (its own error says to clean) only with objects/ beside it
-    if doc is None and not (p / "objects").is_dir() or doc is not None and doc != {} and not (
+    if doc is None and not gmanifest.corrupt_is_a_build(p) or doc is not None and doc != {} and not (
             isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
         fail(f"{build_dir}: its manifest.json is not a megakernel build's; not removing it")
     if doc == {} and not all(e.name in (".lock", ".busy", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)

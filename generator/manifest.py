@@ -39,6 +39,12 @@ def build_dir_flag(build_dir) -> str:
     return "" if Path(build_dir) == Path("build") else f" --build-dir {shlex.quote(str(build_dir))}"
 
 
+def corrupt_is_a_build(build_dir: Path) -> bool:
+    """Whether a directory whose manifest is corrupt is still known to be a build's (a build's objects/ beside it):
+    `clean` removes only such a one; elsewhere the file is the user's to remove."""
+    return (Path(build_dir) / "objects").is_dir()
+
+
 def read_manifest(build_dir: Path) -> dict:
     """The manifest's JSON ({"variants": {}} where there is none). Raises ManifestError when unreadable."""
     path = Path(build_dir) / MANIFEST
@@ -49,10 +55,8 @@ def read_manifest(build_dir: Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
-        # (clean removes a directory with a corrupt manifest only beside a build's objects/: else it is not
-        # known to be a build's, and the file is the user's to remove)
         fix = (f"run `megakernel clean{build_dir_flag(build_dir)}` and build again"
-               if (Path(build_dir) / "objects").is_dir() else "remove it and build again")
+               if corrupt_is_a_build(build_dir) else "remove it and build again")
         raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); {fix}")
     return doc
 

@@ -440,8 +440,8 @@ def eos_token_ids(model_dir: Path, cfg: dict, cfg_path: Path | None = None) -> l
     if eos is None:
         return []
     ids = [eos] if not isinstance(eos, list) else eos
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):  # (a negative one is kept, as past
-        # the vocabulary: transformers takes it, and it stops nothing)
+    # (a negative id is kept, as one past the vocabulary: transformers takes it, and it stops nothing)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ServeError(f"{path}: eos_token_id: integer token ids (an int or a list), got {eos!r}")
     return ids
 
