@@ -512,29 +512,9 @@ def clean_cmd(build_dir):
     here = Path.cwd().resolve()
     if here == p.resolve() or p.resolve() in here.parents:
         fail(f"{build_dir}: this command runs inside it ({here}); cd out of it first")
-    try:
-        doc = json.loads((p / "manifest.json").read_text())
-    except FileNotFoundError:
-        doc = {}
-    except (OSError, ValueError, UnicodeDecodeError):
-        doc = None  # unreadable or corrupt: a build's (its own error says to clean) only with objects/ beside it
-    if doc is None and not gmanifest.corrupt_is_a_build(p) or doc is not None and doc != {} and not (
-            isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
-        fail(f"{build_dir}: its manifest.json is not a megakernel build's; not removing it")
-    if doc == {} and not all(e.name in (".lock", ".busy", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
-                             for e in p.iterdir()) or (p / "objects").is_dir() and not all(
-            e.is_dir() and OBJECT_DIR.fullmatch(e.name) for e in (p / "objects").iterdir()):
-        # no manifest: only the objects/ a served model's head compiled (generate) is a build's without one
-        fail(f"{build_dir}: does not look like a megakernel build directory (no manifest.json, or objects/ holding "
-             "what a build does not write); not removing it")
-    variants = set(doc["variants"]) if doc else set()
-    foreign = sorted(e.name for e in p.iterdir() if not (
-        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
-        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        fail(f"{build_dir}: does not look like a megakernel build directory (it holds {shown}, which a build does "
-             "not write); not removing it")
+    why = gmanifest.not_a_build(p)
+    if why:
+        fail(f"{build_dir}: {why}; not removing it")
     from . import compile as gcompile
     try:
         with gcompile.claimed(p):
@@ -545,11 +525,6 @@ def clean_cmd(build_dir):
     err_console.print(f"removed {p}/", highlight=False)
 
 
-# what a build writes at the top of its directory (besides the variants' directories and its temporary files)
-BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock", ".busy"}
-VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
-BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
-OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)
 
 
 @main.command("bench", add_help_option=False,

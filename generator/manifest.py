@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -39,10 +40,41 @@ def build_dir_flag(build_dir) -> str:
     return "" if Path(build_dir) == Path("build") else f" --build-dir {shlex.quote(str(build_dir))}"
 
 
-def corrupt_is_a_build(build_dir: Path) -> bool:
-    """Whether a directory whose manifest is corrupt is still known to be a build's (a build's objects/ beside it):
-    `clean` removes only such a one; elsewhere the file is the user's to remove."""
-    return (Path(build_dir) / "objects").is_dir()
+# what a build writes at the top of its directory (besides the variants' directories and its temporary files)
+BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock", ".busy"}
+VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
+BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
+OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)
+
+
+def not_a_build(build_dir: Path) -> str | None:
+    """Why `megakernel clean` would not remove the directory (it holds something a build does not write, or a
+    manifest.json that is not a build's), or None where everything in it is a build's. A corrupt manifest counts as
+    a build's only beside a build's objects/; no manifest, only with the objects/ a served model's head compiled."""
+    p = Path(build_dir)
+    try:
+        doc = json.loads((p / MANIFEST).read_text())
+    except FileNotFoundError:
+        doc = {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        doc = None  # unreadable or corrupt: a build's only with objects/ beside it
+    if doc is None and not (p / "objects").is_dir() or doc is not None and doc != {} and not (
+            isinstance(doc, dict) and isinstance(doc.get("variants"), dict) and "package_version" in doc):
+        return "its manifest.json is not a megakernel build's"
+    if (p / "objects").is_dir() and not all(e.is_dir() and OBJECT_DIR.fullmatch(e.name)
+                                            for e in (p / "objects").iterdir()):
+        return "does not look like a megakernel build directory (objects/ holds what a build does not write)"
+    if doc == {} and not all(e.name in (".lock", ".busy", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
+                             for e in p.iterdir()):
+        return "does not look like a megakernel build directory (no manifest.json, and more than a head's objects/)"
+    variants = set(doc["variants"]) if doc else set()
+    foreign = sorted(e.name for e in p.iterdir() if not (
+        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
+        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return f"does not look like a megakernel build directory (it holds {shown}, which a build does not write)"
+    return None
 
 
 def read_manifest(build_dir: Path) -> dict:
@@ -56,7 +88,7 @@ def read_manifest(build_dir: Path) -> dict:
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
         fix = (f"run `megakernel clean{build_dir_flag(build_dir)}` and build again"
-               if corrupt_is_a_build(build_dir) else "remove it and build again")
+               if not not_a_build(build_dir) else "remove it and build again")  # (the advice that works)
         raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); {fix}")
     return doc
 

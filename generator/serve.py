@@ -1049,6 +1049,9 @@ class Model:
             raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {stop_tokens!r}")
         stops = list(self.eos if stop_tokens is None else stop_tokens)
         for t in stops:  # (before the set: a nested list is unhashable)
+            if isinstance(t, (list, tuple)):  # the whole value: its inner list alone reads as a valid one
+                raise ServeError(f"stop_tokens: one flat list of integer token ids in [0, {self.vocab - 1}], got "
+                                 f"{stop_tokens!r:.60}")
             if not _int(t) or (stop_tokens is not None and not 0 <= t < self.vocab):
                 raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {t!r}")
         stops = set(stops)

@@ -370,7 +370,7 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert (ROOT / ".ci" / "run").stat().st_mode & 0o111
 
 
-@pytest.mark.parametrize("objects", [True, False])
+@pytest.mark.parametrize("objects", [True, False, "foreign"])
 @pytest.mark.parametrize("cmd", [["list"], ["report", "--no-gpu"], ["build", "--only", "qwen2.5-0.5b_decode_b1_s1024_bf16"]])
 def test_corrupt_manifest_is_one_line_exit_2(cmd, objects, tmp_path):
     """The line's advice works: `clean` where it removes the directory (a build's objects/ beside the manifest),
@@ -380,11 +380,13 @@ def test_corrupt_manifest_is_one_line_exit_2(cmd, objects, tmp_path):
     (d / "manifest.json").write_text("{not json")
     if objects:
         (d / "objects").mkdir()
+    if objects == "foreign":  # beside a build's objects/, a file a build does not write: clean refuses it
+        (d / "mine.txt").write_text("x")
     r = run_cli(cmd + ["--build-dir", str(d)], cwd=ROOT)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
-    if objects:
+    if objects is True:
         assert f"`megakernel clean --build-dir {d}`" in lines[0]  # a bare `clean` would remove ./build instead
         assert run_cli(["clean", "--build-dir", str(d)], cwd=ROOT).returncode == 0 and not d.exists()
     else:

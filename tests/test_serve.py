@@ -536,8 +536,8 @@ def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
                      ({"temperature": float("inf")}, "temperature: a finite number"),
                      ({"stop_tokens": [10 ** 6]}, "stop_tokens: integer token ids in [0,"),
                      # nested (a 2-d list or tensor): the same line, not an unhashable-type TypeError
-                     ({"stop_tokens": [[5]]}, "stop_tokens: integer token ids in [0,"),
-                     ({"stop_tokens": torch.tensor([[5]])}, "stop_tokens: integer token ids in [0,")):
+                     ({"stop_tokens": [[5]]}, "stop_tokens: one flat list of integer token ids in [0, "),
+                     ({"stop_tokens": torch.tensor([[5]])}, "], got [[5]]")):
         with pytest.raises(serve.ServeError, match=re.escape(want)):
             model.generate([[1, 2, 3]], 3, **kw)
 
