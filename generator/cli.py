@@ -625,7 +625,14 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
                               else f"appended to {write_file}", highlight=False)
             if matrix is None:  # the file's matrix applies: its variants of this entry
                 entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
-                warn_refused([v for v in gvariants.load(write_file) if v.model.name == entry])
+                mine = [v for v in gvariants.load(write_file) if v.model.name == entry]
+                warn_refused(mine)
+                trained = hf.read_config(path)[1].get("max_position_embeddings")
+                longest = max((v.seq_len for v in mine if v.mode == "decode"), default=0)
+                if isinstance(trained, int) and longest > trained and ("# " + hf.WARNING_MARK) not in text:
+                    err_console.print(f"warning: seq_len {longest} (the matrix of {write_file}) is longer than "
+                                      f"max_position_embeddings {trained}: positions past it were never trained",
+                                      markup=False, highlight=False, soft_wrap=True)
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:

@@ -51,8 +51,9 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
            "attention split partials: acc[head_dim], max, sum"),
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
-    Buffer("ready", "unsigned", lambda c: (c["KV_HEADS"],),
-           "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's; o_proj zeroes them)"),
+    Buffer("ready", "unsigned", lambda c: (c["KV_HEADS"] + c.get("ACT_CHUNKS", 0) * c.get("ACT_STRIDE", 1),),
+           "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
+           "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them"),
     Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"])),
            "attention output (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),

@@ -66,7 +66,8 @@ def not_a_build(build_dir: Path) -> str | None:
         return "does not look like a megakernel build directory (objects/ holds what a build does not write)"
     if doc == {} and not all(e.name in (".lock", ".busy", "objects") or e.is_file() and BUILD_TEMP.fullmatch(e.name)
                              for e in p.iterdir()):
-        return "does not look like a megakernel build directory (no manifest.json, and more than a head's objects/)"
+        return ("does not look like a megakernel build directory (no build's manifest.json, and files a build does "
+                "not write)")
     variants = set(doc["variants"]) if doc else set()
     foreign = sorted(e.name for e in p.iterdir() if not (
         e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
@@ -189,6 +190,11 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     if not (build_dir / MANIFEST).exists():
         raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix}")
     entry = manifest["variants"].get(name)
+    if entry is not None:  # the same inputs as the build that made it: its variants file and tuning file
+        vf, tf = entry.get("variants_file"), (entry.get("tuning") or {}).get("file")
+        fix = (f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'"
+               + (f" --variants {shlex.quote(str(vf))}" if vf and Path(vf) != Path("variants.yaml").resolve() else "")
+               + (f" --tuned-for {shlex.quote(str(tf))}" if tf and Path(tf).parent != Path("tuning") else "") + "`")
     if entry is None:
         raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix} (or "
                         f"in a file of your own, built with `--variants FILE`)")

@@ -53,6 +53,10 @@ struct SplitTile {
 };
 
 struct NoDone {  // gemv's `done` where no later step waits on single tiles (a grid barrier follows the projection)
+    static constexpr bool active = false, defer = false;
+    __device__ void operator()(int) const {}
+};
+struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a grid barrier precedes it)
     static constexpr bool active = false;
     __device__ void operator()(int) const {}
 };
@@ -110,13 +114,15 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 // shared memory, or NORM_FOLD 2 the norm's weight in global memory).
 // pre (PRE, the decode plan's <P>_PRE): this group's first step of its first-round task, loaded by gemv_pre before
 // the barrier that precedes the stage; used in place of that step's loads (PF 1/2 then prefetch as without it).
+// wait(chunk) (Wait::active, KSPLIT 1): called by every lane of a warp before its step's mma read X's k-tiles
+// [chunk x NWG x U, (chunk + 1) x NWG x U), after that step's weight loads are issued; it returns once they are written.
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, int TM = 1, class Epi, class Done = NoDone>
+          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
-                                     const GemvPre<U * TM>* pre = nullptr) {
+                                     const GemvPre<U * TM>* pre = nullptr, Wait wait = {}) {
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
@@ -125,7 +131,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     constexpr int RED = NWG * TM * 16 * BATCH;  // a buffer of the group's partial sums: [warp][TM][16][BATCH]
     float* my_red = red + group * (1 + DB) * RED;
-    static_assert(KSPLIT == 1 || !Done::active, "per-tile completion is for unsplit projections");
+    static_assert(KSPLIT == 1 || (!Done::active && !Wait::active), "per-tile completion is for unsplit projections");
     auto load_step = [&](int task, int k0, uint4 (&a)[U * TM]) {
         gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
     };
@@ -135,6 +141,16 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // register sets (pf and nx, U x TM loads each): every step's loads are issued one step ahead, so the next step's
     // weights fly while this step's mma run, and across rounds as with PF 1.
     uint4 pf[U * TM];
+    // Done::defer without PF: a round's release (its fence and done) is made by its first thread after the next
+    // round's first weight loads are issued, so the fence's wait does not hold those loads back (the group's
+    // epilogue stores were ordered before it by the block barrier after the epilogue)
+    constexpr bool DEFER = Done::defer && PF == 0;
+    int pending = -1;  // DEFER: the first tile whose release is due (first thread of the group only)
+    auto release = [&](int t) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#pragma unroll
+        for (int m = 0; m < TM; ++m) done(t + m);
+    };
     // one task (split ks of a tile, or TM tiles): this warp's share of its K range for 16 x TM rows on the tensor
     // cores, its partial sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its
     // first step is in pf
@@ -148,6 +164,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             for (int t = 0; t < NTILE; ++t) c[m][t][0] = c[m][t][1] = c[m][t][2] = c[m][t][3] = 0.f;
         // the mma of one step's k-tiles k0, k0 + NWG, ... with its weights a (each B fragment for the TM tiles)
         auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
+            if constexpr (Wait::active)
+                if (k0 < KT) wait(k0 / (NWG * U));
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
@@ -201,6 +219,11 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 } else {
                     load_step(task, k0, a);
                 }
+                if constexpr (DEFER)
+                    if (k0 == warp && pending >= 0) {
+                        release(pending);
+                        pending = -1;
+                    }
                 mma_step(a, k0);
             }
             if (PF && next >= 0) load_step(next, warp, pf);
@@ -243,9 +266,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             if constexpr (Done::active) {
                 __syncthreads();  // the group's epilogue stores are all made: its first thread releases them
                 if (active && gt == 0) {
-                    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#pragma unroll
-                    for (int m = 0; m < TM; ++m) done(tile + m);
+                    if constexpr (DEFER) pending = tile;
+                    else release(tile);
                 }
             }
         } else {
@@ -267,4 +289,6 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             }
         }
     }
+    if constexpr (DEFER)
+        if (pending >= 0) release(pending);  // the last round's: no loads follow
 }

@@ -314,6 +314,13 @@ def test_write_appends_and_still_parses(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "mistral-b" in {v.model.name for v in gvariants.load(vfile)}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".variants.yaml")]  # no temp file left
+    assert "never trained" not in r.stderr  # (the file's longest seq_len 32768 is within 32768)
+    # a model trained on fewer positions than the file's matrix gives it: said once, as with its own matrix
+    short = write_config(tmp_path, "short", {**MISTRAL_7B_V0_3, "max_position_embeddings": 2048})
+    r = run_cli("from-hf", short, "--write", vfile, "--name", "mistral-short")
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stderr.splitlines() if "never trained" in ln]
+    assert len(warn) == 1 and warn[0].startswith("warning: seq_len 32768") and "max_position_embeddings 2048" in warn[0]
 
 
 def test_write_through_a_symbolic_link_keeps_the_link(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -325,3 +326,15 @@ def test_random_inputs_fail_a_norm_that_shares_one_rows_statistics(m, monkeypatc
     monkeypatch.setattr(reference, "norm", row0_stats_norm)
     bad = reference.decoder_layer(x, pos, W, layer.k_cache.clone(), layer.v_cache.clone(), m)
     assert verify.rel_err(bad, good) > 5 * verify.REL_TOL["bf16"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA device")
+def test_random_weights_on_a_missing_cuda_device_is_one_line():
+    """random_weights(device="cuda") where torch sees no GPU: one ValueError line (torch's own error is a
+    multi-line RuntimeError about ATen_cuda), saying to use the CPU."""
+    from generator.reference import random_weights
+    from generator.variants import load
+    m = load(Path(__file__).resolve().parent.parent / "variants.yaml")[0].model
+    with pytest.raises(ValueError, match=r"random_weights\(device='cuda'\): no CUDA device here") as err:
+        random_weights(m, device="cuda")
+    assert "\n" not in str(err.value)

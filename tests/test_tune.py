@@ -165,6 +165,39 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_down_flow_replaces_one_barrier():
+    """DOWN_FLOW (a tuner knob, off by default): the gate_up -> down_proj grid barrier is compiled out; act is counted
+    in ACT_CHUNKS chunks of one down_proj step's k-tiles (NWG x U), each on a 128-byte line of its own in the ready
+    buffer past the KV heads' counters; every gate_up tile counts in exactly one chunk and each chunk's count is
+    what its waiters need (the C mapping of templates/stages/gate_up.cuh ActReady and down_proj.cuh ActWait,
+    mirrored here); split gate_up or down_proj and tensor parallel are refused in one line."""
+    from generator.interface import WORKSPACE
+    v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b1_s4096_bf16")
+    off, on = render.plan(v), render.plan(v, overrides={"DOWN_FLOW": 1})
+    assert off["consts"]["DOWN_FLOW"] == 0 and off["consts"]["ACT_CHUNKS"] == 0
+    assert on["grid_syncs"] == off["grid_syncs"] - 1
+    assert "constexpr int DOWN_FLOW = 1;" in render.render(v, on)
+    c = on["consts"]
+    kt, step = c["INTER"] // 16, c["DOWN_NWG"] * c["DOWN_U"]
+    assert c["ACT_CHUNKS"] == -(-kt // step) > 32  # (Qwen2.5-7B b1: more chunks than one poll's 32 lanes)
+    counts = [0] * c["ACT_CHUNKS"]
+    for tile in range(2 * c["INTER"] // 16):  # gate_up tile t writes act columns 8t .. 8t + 7: k-tile t // 2
+        counts[tile // (2 * step)] += 1
+    assert counts == [2 * min(step, kt - ch * step) for ch in range(c["ACT_CHUNKS"])]
+    ready = next(b for b in WORKSPACE if b.name == "ready")
+    assert ready.shape({**c, "ROWS": 1}) == (c["KV_HEADS"] + c["ACT_CHUNKS"] * c["ACT_STRIDE"],)
+    assert ready.shape({**off["consts"], "ROWS": 1}) == (c["KV_HEADS"],)
+    with pytest.raises(PlanError, match="DOWN_FLOW=1 and DOWN_KSPLIT=2: the flow needs"):
+        render.plan(v, overrides={"DOWN_FLOW": 1, "DOWN_KSPLIT": 2})
+    with pytest.raises(PlanError, match="DOWN_FLOW=1 and GU_KSPLIT=2"):
+        render.plan(v, overrides={"DOWN_FLOW": 1, "GU_KSPLIT": 2})
+    with pytest.raises(PlanError, match="DOWN_FLOW=1: tensor parallel keeps"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 1})
+    with pytest.raises(PlanError, match="DOWN_FLOW=2: must be 0 or 1"):
+        render.plan(v, overrides={"DOWN_FLOW": 2})
+    assert {"DOWN_FLOW": 1} in gtune.candidates(v)
+
+
 def test_stream_attention_covers_every_tile_once():
     """ATT_DYN 2 (stream-K attention, decode.attention_stream / attention_pieces, the model of templates/stages/
     attention.cuh att_stream_schedule): at full context and at random positions every 16-row tile of every
@@ -611,8 +644,11 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 4},
                                                                "identity": identity(v.params(), "90")}}))
     assert gmanifest.status(e, v, gmanifest.kernel_sources_digest()) == "stale (tuning)"
-    with pytest.raises(gmanifest.LoadError, match="stale"):
+    with pytest.raises(gmanifest.LoadError, match="stale") as err:
         gmanifest.find_entry(v.name, b, v)
+    # the advice rebuilds from the same inputs: this variants file and this tuning file (outside tuning/)
+    assert f"--variants {Path(tiny_variants_file).resolve()}" in str(err.value)
+    assert f"--tuned-for {(tdir / 'nvidia-h200.json').resolve()}`" in str(err.value)
 
     # a bad entry: one warning line, the default plan
     (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 5}}}))
@@ -833,6 +869,55 @@ def test_norm_fold_matches_the_reference(tmp_path):
     cases += [(b32, {"NORM_FOLD": 2}), (b5, {"NORM_FOLD": 2, "GEMV_PF": 2}),  # the gain read from global memory
               (b16, {"NORM_FOLD": 2, "H_STATS": 1})]
     _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_down_flow_matches_the_reference(tmp_path):
+    """DOWN_FLOW (per-chunk counters of act instead of the gate_up -> down_proj grid barrier): Llama-3.2-1B b1
+    (GEMV_PF 1, 4 chunks), Qwen2.5-7B b1 (37 chunks: more than one poll's 32), a batch-5 shape with GEMV_PF 2 (the
+    pipelined loop's two calls a step) and two gate_up groups a block, against the fp32 reference at two seeds; then
+    three launches back to back (no host work between: each may overlap the previous one's tail) against the
+    reference step by step, each chunk's counter then holding the last launch's whole count (o_proj zeroes them at
+    a launch's start)."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    named = {v.name: v for v in declared()}
+    b5, = _qwen15_like("df", [5])
+    cases = [(named["llama3.2-1b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1}),
+             (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1}),
+             (b5, {"DOWN_FLOW": 1, "GEMV_PF": 2, "GU_NWG": 8})]
+    _overrides_match_the_reference(tmp_path, cases, "df", 11, {}, repeat=True)
+    for i, (v, ov) in enumerate(cases):
+        c = renamed(v, f"df{i}")  # built above
+        W = reference.random_weights(v.model, seed=12, device="cuda")
+        layer = load(c.name, W, build_dir=tmp_path)
+        x, _ = verify.random_inputs(layer, 12)
+        pos = torch.randint(0, v.seq_len - 3, (v.batch,), generator=torch.Generator().manual_seed(12),
+                            dtype=torch.int32)
+        kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+        poss = [(pos + s).cuda() for s in range(3)]
+        torch.cuda.synchronize()
+        outs, xi = [], x
+        for p in poss:
+            xi = layer(xi, p, validate=False)
+            outs.append(xi)
+        torch.cuda.synchronize()
+        xi = x
+        for step, (p, out) in enumerate(zip(poss, outs)):
+            ref = reference.decoder_layer(xi, p, W, kc, vc, v.model)
+            assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"{v.name} step {step}"
+            xi = out
+        ready = layer.buffer("ready")
+        kvh = layer.plan["consts"]["KV_HEADS"]
+        # the chunks' counters (every ACT_STRIDE-th word past the KV heads'; o_proj zeroed them at the last launch's
+        # start, so they hold this launch's counts) and the heads' (zeroed only by the next launch: QKV_FLOW)
+        assert int(ready[kvh::layer.plan["consts"]["ACT_STRIDE"]].sum()) == 2 * v.model.intermediate // 16
+        del layer
+        torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

@@ -32,8 +32,10 @@ STEPS = (
          flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu)"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
-                    "gu_pre, smem)"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, down_pre, smem)",
+                    "ws_ready, gu_pre, smem)",
+         flow="DOWN_FLOW"),
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, down_pre, "
+                      "smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
 
@@ -51,6 +53,8 @@ STEPS = (
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh), the
 # gain kept in shared memory (1) or read from global memory (2);
+# DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
+# waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
@@ -66,7 +70,7 @@ STEPS = (
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES"))
+            "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -94,7 +98,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
-        if k in ("NORM_FOLD", "ATT_DYN") and val not in (0, 1, 2):
+        if k in ("NORM_FOLD", "ATT_DYN", "DOWN_FLOW") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
@@ -111,6 +115,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
     return out
 
 
+ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte line each)
 FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
@@ -310,6 +315,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
+    if ov.get("DOWN_FLOW") and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: tensor parallel keeps the gate_up -> down_proj grid "
+                        "barrier (the counters have not run on 2 GPUs)")
+    if ov.get("DOWN_FLOW") and (ks := [k for k in ("GU_KSPLIT", "DOWN_KSPLIT") if ov.get(k, 1) > 1]):
+        raise PlanError(f"{v.name}: plan overrides DOWN_FLOW=1 and {ks[0]}={ov[ks[0]]}: the flow needs gate_up and "
+                        "down_proj unsplit (a tile's last split writes it; down_proj's splits would share ws_count)")
     if v.tp > 1 and (pre := [k for k in ov if k.endswith("_PRE") and ov[k]]):
         raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (weights loaded before the "
                         "wait for the all-reduced input have not run on 2 GPUs)")
@@ -639,12 +650,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
-    # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K
-    # and NORM_CLUSTER declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
-    if att_tma and (norm_cluster > 1 or any(g["KSPLIT"] > 1 for g in gemv.values())) \
+    # gate_up -> down_proj without a grid barrier: act counted in chunks of one down_proj step's k-tiles (NWG x U: a
+    # warp's step reads k-tiles of one chunk), each chunk's counter on a 128-byte line of its own (ACT_STRIDE words:
+    # one L2 slice does not take every block's polls) past the KV heads' in ws_ready
+    down_flow = ov.get("DOWN_FLOW", 0)
+    if down_flow and (ks := [p for p, k in (("GU", "gate_up"), ("DOWN", "down")) if gemv[k]["KSPLIT"] > 1]):
+        raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: needs gate_up and down_proj unsplit (this plan "
+                        f"splits {ks[0]}_KSPLIT={gemv['gate_up' if ks[0] == 'GU' else 'down']['KSPLIT']})")
+    act_chunks = -(-(m.intermediate // 16) // (gemv["down"]["NWG"] * gemv["down"]["U"])) if down_flow else 0
+    # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
+    # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
+    if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
             and smem_bytes > arch.smem_per_block - 1024:
-        raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K or "
-                        f"NORM_CLUSTER, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
+        raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K, "
+                        f"NORM_CLUSTER or DOWN_FLOW, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
                         f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
     # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES and an MLP of B1_PRE_MLP: the next round's weights before
@@ -668,6 +687,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
         # barrier until it runs on 2 GPUs.
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
+        "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
         **smem,
     }

@@ -1,13 +1,62 @@
 // ---- stage: down_proj ---- down projection plus the second residual: out = h + act @ Wd^T. With tensor parallel
 // each GPU writes its MLP columns' partial product (rank 0 adding h), all-reduced by the runtime after the launch.
 #pragma once
+// (gate_up.cuh: DOWN_FLOW's counters and act_known)
 #include "../gemv.cuh"
+#include "gate_up.cuh"
 __device__ __forceinline__ GemvPre<DOWN_U * DOWN_TM> down_proj_pre(const T* w_down) {  // DOWN_PRE: before gate_up's barrier
     return gemv_pre<DOWN_PRE, HIDDEN, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, 0, DOWN_TM>(w_down);
 }
+// DOWN_FLOW: no grid barrier precedes this stage; a warp waits for the gate_up tiles of its step's act chunk
+// (gate_up.cuh ActReady). One warp a block polls the counters (the block's warp 0: it reads every chunk), 32 chunks
+// a poll from the one needed (lane i: chunk + i), and publishes how many in a row it saw complete in the block's
+// act_known (release); the other warps wait on act_known in shared memory (acquire), so the L2 sees one poller a
+// block, as with QKV_FLOW. `seen`: what this warp already knows, so a chunk costs a poll or a shared load once.
+struct ActWait {
+    const unsigned* ready;
+    mutable int seen = 0;  // chunks [0, seen) known complete to this warp
+    static constexpr bool active = DOWN_FLOW != 0;
+    __device__ void operator()(int chunk) const {
+        if constexpr (active) {
+            if (chunk < seen) return;
+            constexpr int CHUNK_KT = DOWN_NWG * DOWN_U, KT = INTER / 16;  // act k-tiles a chunk, in all
+            const unsigned known_at = (unsigned)__cvta_generic_to_shared(&act_known);
+            unsigned known;
+            if (threadIdx.x >= 32) {  // every lane acquires the poller's release itself
+                while (true) {
+                    asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(known) : "r"(known_at)
+                                 : "memory");
+                    if ((unsigned)chunk < known) break;
+                    __nanosleep(32);
+                }
+                seen = (int)known;
+                return;
+            }
+            const int lane = threadIdx.x, c = chunk + lane;
+            while (true) {
+                bool complete = true;
+                if (c < ACT_CHUNKS) {
+                    unsigned got;
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got)
+                                 : "l"(ready + KV_HEADS + c * ACT_STRIDE) : "memory");
+                    complete = got >= 2u * (unsigned)min(CHUNK_KT, KT - c * CHUNK_KT);  // its gate_up tiles
+                }
+                const unsigned open = __ballot_sync(0xffffffffu, !complete);
+                if (!(open & 1u)) {
+                    seen = chunk + (open ? __ffs(open) - 1 : 32);
+                    break;
+                }
+                __nanosleep(64);
+            }
+            __syncwarp();  // every lane's acquire before lane 0's release and every lane's loads of act
+            if (lane == 0)
+                asm volatile("red.release.cta.shared::cta.max.u32 [%0], %1;" :: "r"(known_at), "r"(seen) : "memory");
+        }
+    }
+};
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
-                          int tp_rank, float* ws_split, unsigned* ws_count, const GemvPre<DOWN_U * DOWN_TM>& pre,
-                          unsigned char* smem) {
+                          int tp_rank, float* ws_split, unsigned* ws_count, const unsigned* ws_ready,
+                          const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB, DOWN_TM>(w_down, ws_act,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
@@ -18,5 +67,5 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                 count_overflow(o, ws_status);
                 out[(size_t)b * HIDDEN + n] = from_f(o);
             }
-        }, NoDone{}, nullptr, &pre);
+        }, NoDone{}, nullptr, &pre, ActWait{ws_ready});
 }

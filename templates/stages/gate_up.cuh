@@ -6,12 +6,28 @@
 __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
     return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
 }
+// DOWN_FLOW: no grid barrier follows; each finished 16-row tile (8 columns of act) counts in its chunk's counter,
+// ws_ready[KV_HEADS + chunk x ACT_STRIDE], a chunk being the act k-tiles of one down_proj step (DOWN_NWG x DOWN_U),
+// and a down_proj warp waits for its step's chunk (down_proj.cuh); o_proj zeroes the counters for the launch.
+constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk (the last may have fewer)
+__shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
+struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is written (released by gemv's fence)
+    unsigned* ready;
+    static constexpr bool active = DOWN_FLOW != 0, defer = DOWN_FLOW == 2;  // (2: gemv's DEFER)
+    __device__ void operator()(int tile) const {
+        if constexpr (active)
+            asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;"
+                         :: "l"(ready + KV_HEADS + tile / ACT_CHUNK_TILES * ACT_STRIDE) : "memory");
+    }
+};
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh), or with H_STATS o_proj's epilogue; xn holds the (H_STATS:
 // not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
                         const T* xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
-                        unsigned* ws_count, const GemvPre<GU_U * GU_TM>& pre, unsigned char* smem) {
+                        unsigned* ws_count, unsigned* ws_ready, const GemvPre<GU_U * GU_TM>& pre,
+                        unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
+    if (DOWN_FLOW && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: in ws_hb
     const T* gain = NORM_FOLD == 2 && !H_STATS ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
@@ -37,5 +53,5 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 count_overflow(a, ws_status);
                 ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        }, NoDone{}, gain, &pre);
+        }, ActReady{ws_ready}, gain, &pre);
 }

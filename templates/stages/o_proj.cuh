@@ -20,9 +20,11 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                                (NORM_GLOBAL || THREADS / (O_NWG * 32) * O_TM * 16 * BATCH * 4 <= SMEM_RED)),
                   "H_STATS: the T copy of h, at most 15 warp groups (named barriers), their squares before SMEM_RED");
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
-    // barrier that precedes this stage
-    if (QKV_FLOW && blockIdx.x == 0)
-        for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
+    // barrier that precedes this stage; DOWN_FLOW's for this launch's gate_up (the last launch's down_proj is done
+    // waiting on them: this launch's wait orders that, and gate_up's first count comes after o_proj's barrier)
+    if ((QKV_FLOW || DOWN_FLOW) && blockIdx.x == 0)
+        for (int h = threadIdx.x; h < KV_HEADS + ACT_CHUNKS; h += THREADS)
+            if (h >= KV_HEADS || QKV_FLOW) ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {

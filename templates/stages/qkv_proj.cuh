@@ -14,7 +14,7 @@ __device__ __forceinline__ int qkv_tile_head(int tile) {  // the KV head whose q
 }
 struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (released by gemv's fence)
     unsigned* ready;
-    static constexpr bool active = true;
+    static constexpr bool active = true, defer = false;
     __device__ void operator()(int tile) const {
         asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(ready + qkv_tile_head(tile)) : "memory");
     }
