@@ -177,7 +177,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
-    order), QKV_FLOW and DOWN_FLOW flipped, ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
+    order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
+    default's re-plan tries the counters' registers first), ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
@@ -209,6 +210,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         g = base["gemv"][key]       # re-plan of a default that spills tries it first (its registers moved)
         if "U_fewest_steps" in g and g["U_fewest_steps"] != g["U"]:
             tries.append({f"{prefix}_U": g["U_fewest_steps"]})
+    if base["mode"] == "decode" and d["DOWN_FLOW"] and v.tp == 1:  # (the re-plan of a spilling default: the
+        tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
@@ -218,7 +221,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
-                  {"DOWN_FLOW": 1 - d["DOWN_FLOW"]},
+                  *([{"DOWN_FLOW": 1}] if not d["DOWN_FLOW"] else []),
                   *({"ATT_COMBINE": c} for c in (1, 2, 3) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]

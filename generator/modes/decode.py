@@ -97,8 +97,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "QKV_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
-        if k in ("NORM_FOLD", "ATT_DYN", "DOWN_FLOW") and val not in (0, 1, 2):
+        on_off = ("X_FRAG", "QKV_FLOW", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        if k in ("NORM_FOLD", "ATT_DYN") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
@@ -116,6 +116,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
 
 
 ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte line each)
+DOWN_FLOW_MIN_ROUNDS = 5  # DOWN_FLOW by default from this many rounds of gate_up's tasks (see plan)
 FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
@@ -653,7 +654,18 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # gate_up -> down_proj without a grid barrier: act counted in chunks of one down_proj step's k-tiles (NWG x U: a
     # warp's step reads k-tiles of one chunk), each chunk's counter on a 128-byte line of its own (ACT_STRIDE words:
     # one L2 slice does not take every block's polls) past the KV heads' in ws_ready
-    down_flow = ov.get("DOWN_FLOW", 0)
+    # By default (sm_90, one GPU, batch <= 8) where gate_up takes DOWN_FLOW_MIN_ROUNDS rounds or more of tasks and
+    # down_proj one 16-warp group a block: measured on the H200 (bench/NOTES.md session 37) +1.3 ... +2.8 % a layer
+    # on the 8 such shapes timed (Llama-3.2-1B b1/b8, Llama-3-8B b1/b4/b8, Qwen3-1.7B b1, hidden 1536 b2, Qwen3-8B
+    # b2), and -5 ... +1 % where gate_up is under a round or two of its tasks share a chunk's counter in one moment
+    # (Qwen2.5-0.5B, hidden 576/1792), down_proj runs 8-warp groups (small chunks: hidden 2560 -4 %, Qwen2.5-7B 0 %)
+    # or the batch is 16-32 (-0.3 ... -2.6 %): there the chunks complete together, and the counters cost what the
+    # barrier did
+    gu, dn = gemv["gate_up"], gemv["down"]
+    gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
+    down_flow = ov.get("DOWN_FLOW", int(
+        sm == 90 and v.tp == 1 and v.batch <= 8 and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
+        and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1 and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     if down_flow and (ks := [p for p, k in (("GU", "gate_up"), ("DOWN", "down")) if gemv[k]["KSPLIT"] > 1]):
         raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: needs gate_up and down_proj unsplit (this plan "
                         f"splits {ks[0]}_KSPLIT={gemv['gate_up' if ks[0] == 'GU' else 'down']['KSPLIT']})")

@@ -13,7 +13,7 @@ constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk
 __shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
 struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is written (released by gemv's fence)
     unsigned* ready;
-    static constexpr bool active = DOWN_FLOW != 0, defer = DOWN_FLOW == 2;  // (2: gemv's DEFER)
+    static constexpr bool active = DOWN_FLOW != 0, defer = true;  // (gemv's DEFER: the release after the next loads)
     __device__ void operator()(int tile) const {
         if constexpr (active)
             asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;"
