@@ -211,7 +211,8 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
             ref = reference.decoder_layer(xi, p, W, kc, vc, v.model)
             assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"seed {SEED} {v.name} step {step}"
             xi = out
-        assert bool(layer.buffer("ready").eq(0).all()), layer.buffer("ready")
+        heads = layer.buffer("ready")[:v.model.kv_heads]  # (DOWN_FLOW's counters follow: zeroed at a launch's start)
+        assert bool(heads.eq(0).all()), heads
 
 
 @pytest.mark.parametrize("dyn", [1, 2])
