@@ -217,7 +217,14 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
             meta = object_meta(obj)
             cached = meta is not None
             if not cached:
-                meta = _compile_object(source, arch, obj)
+                try:
+                    meta = _compile_object(source, arch, obj)
+                except BaseException:  # interrupted or failed before its first file: no empty directory left
+                    with contextlib.suppress(OSError):  # (under the lock: a waiter re-locks, as after the sweep)
+                        if {p.name for p in obj.iterdir()} == {".lock"}:
+                            (obj / ".lock").unlink()
+                            obj.rmdir()
+                    raise
         return meta, cached
 
 

@@ -461,12 +461,13 @@ def _dying_nvcc(tmp_path, signal: int):
 
 def test_an_interrupted_build_stops_and_records_nothing(tmp_path):
     """A compiler killed by SIGINT (Ctrl-C reaches nvcc too) stops the build: one line, exit 130, no manifest, no
-    cubin; a compiler that crashed (signal 11) is a compile error of its variant, recorded, exit 1."""
+    cubin, no object directory; a compiler that crashed (signal 11) is a compile error of its variant, recorded, exit 1."""
     d = tmp_path / "b"
     r = run_cli_env(ONE_SMALL + ["--build-dir", d, "-j", "1"], tmp_path, NVCC=_dying_nvcc(tmp_path, 2))
     assert r.returncode == 130, r.stderr
     assert r.stderr.startswith("error: interrupted") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (d / "manifest.json").exists() and not list(d.glob("*/kernel.cubin"))
+    assert not list(d.glob("objects/*")), list(d.glob("objects/*/*"))  # the compile's object directory went too
     r = run_cli_env(ONE_SMALL + ["--build-dir", d], tmp_path, NVCC=_dying_nvcc(tmp_path, 11))
     assert r.returncode == 1 and "the compiler crashed (signal 11)" in r.stderr, r.stderr
     assert json.loads((d / "manifest.json").read_text())["variants"]
@@ -511,6 +512,7 @@ def test_sigterm_stops_the_compilers_and_leaves_no_temporary_files(tmp_path):
     _, err = p.communicate(timeout=30)
     assert p.returncode == 130 and err.startswith("error: interrupted (SIGTERM)"), err
     assert not _alive(pid) and list(tmp.iterdir()) == [] and not (tmp_path / "b" / "manifest.json").exists()
+    assert not list((tmp_path / "b").glob("objects/*"))  # nor an object directory holding only its lock
 
 
 def test_no_nvcc_is_one_line(tmp_path):
