@@ -115,3 +115,28 @@ def copy_build(tiny_build, tmp_path):
         shutil.copytree(tiny_build["dir"], dst, symlinks=True)
         return dst
     return make
+
+
+def steps_track_the_reference(layer, weights, v, seed: int, steps: int = 3) -> None:
+    """`steps` decode steps of `layer` (variant `v`, HF-named `weights` on the GPU) launched back to back, no host work
+    between (each launch may overlap the previous one's tail), from random positions (`seed`); then each step's output
+    against the fp32 reference from the previous step's output and the caches as they were."""
+    import torch
+
+    from generator import reference, verify
+    x, _ = verify.random_inputs(layer, seed)
+    pos = torch.randint(0, v.seq_len - steps, (v.batch,), generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.int32)
+    kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
+    poss = [(pos + s).cuda() for s in range(steps)]
+    torch.cuda.synchronize()
+    outs, xi = [], x
+    for p in poss:
+        xi = layer(xi, p, validate=False)
+        outs.append(xi)
+    torch.cuda.synchronize()
+    xi = x
+    for step, (p, out) in enumerate(zip(poss, outs)):
+        ref = reference.decoder_layer(xi, p, weights, kc, vc, v.model)
+        assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"seed {seed} {v.name} step {step}"
+        xi = out

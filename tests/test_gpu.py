@@ -18,6 +18,8 @@ import torch
 from generator import compile as gcompile, reference, variants as gvariants, verify
 from generator.loader import load
 
+from conftest import steps_track_the_reference
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -195,22 +197,7 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
         assert res["entries"][0]["plan"]["consts"]["QKV_FLOW"] == 1
         W = reference.random_weights(v.model, seed=SEED + 9, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
-        x, pos = verify.random_inputs(layer, SEED + 9)
-        pos = torch.randint(0, v.seq_len - 3, (v.batch,), generator=torch.Generator().manual_seed(SEED),
-                            dtype=torch.int32)
-        kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
-        poss = [(pos + s).cuda() for s in range(3)]
-        torch.cuda.synchronize()
-        outs, xi = [], x
-        for p in poss:
-            xi = layer(xi, p, validate=False)
-            outs.append(xi)
-        torch.cuda.synchronize()
-        xi = x
-        for step, (p, out) in enumerate(zip(poss, outs)):
-            ref = reference.decoder_layer(xi, p, W, kc, vc, v.model)
-            assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"seed {SEED} {v.name} step {step}"
-            xi = out
+        steps_track_the_reference(layer, W, v, SEED)
         heads = layer.buffer("ready")[:v.model.kv_heads]  # (DOWN_FLOW's counters follow: zeroed at a launch's start)
         assert bool(heads.eq(0).all()), heads
 

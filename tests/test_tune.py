@@ -14,7 +14,7 @@ from generator.manifest import identity
 from generator.modes.decode import KNOBS
 from generator.plan import PlanError
 
-from conftest import ROOT, TINY_NAMES, run_cli
+from conftest import ROOT, TINY_NAMES, run_cli, steps_track_the_reference
 
 TINY = TINY_NAMES[0]  # tiny-a_decode_b1_s64_bf16
 
@@ -885,7 +885,7 @@ def test_down_flow_matches_the_reference(tmp_path):
     import torch
 
     from bench.tune import renamed
-    from generator import compile as gcompile, reference, verify
+    from generator import reference
     from generator.loader import load
     named = {v.name: v for v in declared()}
     b5, = _qwen15_like("df", [5])
@@ -893,30 +893,15 @@ def test_down_flow_matches_the_reference(tmp_path):
              (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1}),
              (b5, {"DOWN_FLOW": 1, "GEMV_PF": 2, "GU_NWG": 8})]
     _overrides_match_the_reference(tmp_path, cases, "df", 11, {}, repeat=True)
-    for i, (v, ov) in enumerate(cases):
+    for i, (v, _) in enumerate(cases):
         c = renamed(v, f"df{i}")  # built above
         W = reference.random_weights(v.model, seed=12, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
-        x, _ = verify.random_inputs(layer, 12)
-        pos = torch.randint(0, v.seq_len - 3, (v.batch,), generator=torch.Generator().manual_seed(12),
-                            dtype=torch.int32)
-        kc, vc = layer.k_cache.clone(), layer.v_cache.clone()
-        poss = [(pos + s).cuda() for s in range(3)]
-        torch.cuda.synchronize()
-        outs, xi = [], x
-        for p in poss:
-            xi = layer(xi, p, validate=False)
-            outs.append(xi)
-        torch.cuda.synchronize()
-        xi = x
-        for step, (p, out) in enumerate(zip(poss, outs)):
-            ref = reference.decoder_layer(xi, p, W, kc, vc, v.model)
-            assert verify.rel_err(out, ref) <= verify.REL_TOL[v.model.dtype], f"{v.name} step {step}"
-            xi = out
+        steps_track_the_reference(layer, W, v, 12)
         ready = layer.buffer("ready")
         kvh = layer.plan["consts"]["KV_HEADS"]
-        # the chunks' counters (every ACT_STRIDE-th word past the KV heads'; o_proj zeroed them at the last launch's
-        # start, so they hold this launch's counts) and the heads' (zeroed only by the next launch: QKV_FLOW)
+        # the chunks' counters (every ACT_STRIDE-th word past the KV heads'): o_proj zeroed them at the last launch's
+        # start, so they hold that launch's counts
         assert int(ready[kvh::layer.plan["consts"]["ACT_STRIDE"]].sum()) == 2 * v.model.intermediate // 16
         del layer
         torch.cuda.synchronize()
