@@ -264,9 +264,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             continue
         try:
             p = plan(v, arch, overrides=ov)
-            # another split count (or ATT_DYN off) moved the combine's default, or ATT_DYN moved O_PRE's: keep the
-            # default plan's, so the candidate changes one thing (the ATT_COMBINE and O_PRE candidates time the other)
-            pin = {k: d[k] for k in ("ATT_COMBINE", "O_PRE") if k in d and k not in ov and p["consts"].get(k) != d[k]}
+            # another split count (or ATT_DYN off) moved the combine's default, ATT_DYN moved O_PRE's, or a projection's
+            # NWG / U moved DOWN_FLOW's: keep the default plan's, so the candidate changes one thing (the ATT_COMBINE,
+            # O_PRE and DOWN_FLOW candidates time the other; a split gate_up / down_proj takes the barrier: not pinned)
+            split = any(k.endswith("_KSPLIT") and val > 1 for k, val in ov.items())
+            pin = {k: d[k] for k in ("ATT_COMBINE", "O_PRE", "DOWN_FLOW") if k in d and k not in ov
+                   and p["consts"].get(k) != d[k] and not (k == "DOWN_FLOW" and split)}
             if pin:
                 ov = {**ov, **pin}
                 p = plan(v, arch, overrides=ov)

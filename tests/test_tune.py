@@ -166,7 +166,8 @@ def test_qkv_flow_replaces_one_barrier():
 
 
 def test_down_flow_replaces_one_barrier():
-    """DOWN_FLOW (a tuner knob, off by default): the gate_up -> down_proj grid barrier is compiled out; act is counted
+    """DOWN_FLOW (a tuner knob; by default where gate_up takes >= 5 rounds, not on Qwen2.5-7B's 8-warp down_proj
+    groups): the gate_up -> down_proj grid barrier is compiled out; act is counted
     in ACT_CHUNKS chunks of one down_proj step's k-tiles (NWG x U), each on a 128-byte line of its own in the ready
     buffer past the KV heads' counters; every gate_up tile counts in exactly one chunk and each chunk's count is
     what its waiters need (the C mapping of templates/stages/gate_up.cuh ActReady and down_proj.cuh ActWait,

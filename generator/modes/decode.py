@@ -666,12 +666,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # barrier
     gu, dn = gemv["gate_up"], gemv["down"]
     gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
+    # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     down_flow = ov.get("DOWN_FLOW", int(
         sm == 90 and v.tp == 1 and v.batch <= 8 and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
-        and (m.intermediate // 16) % (dn["NWG"] * dn["U"]) == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1 and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
-    if down_flow and (ks := [p for p, k in (("GU", "gate_up"), ("DOWN", "down")) if gemv[k]["KSPLIT"] > 1]):
-        raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: needs gate_up and down_proj unsplit (this plan "
-                        f"splits {ks[0]}_KSPLIT={gemv['gate_up' if ks[0] == 'GU' else 'down']['KSPLIT']})")
+        and (m.intermediate // 16) % (dn["NWG"] * dn["U"]) == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
+        and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-(m.intermediate // 16) // (gemv["down"]["NWG"] * gemv["down"]["U"])) if down_flow else 0
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
