@@ -197,6 +197,11 @@ def test_down_flow_replaces_one_barrier():
     with pytest.raises(PlanError, match="DOWN_FLOW=2: must be 0 or 1"):
         render.plan(v, overrides={"DOWN_FLOW": 2})
     assert {"DOWN_FLOW": 1} in gtune.candidates(v)
+    # where the default takes it (Llama-3.2-1B b1), a candidate whose NWG would move the rule's choice keeps it
+    one = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    cands = gtune.candidates(one)
+    assert render.plan(one)["consts"]["DOWN_FLOW"] == 1 and cands[1] == {"DOWN_FLOW": 0}
+    assert {"GU_NWG": 8, "DOWN_FLOW": 1} in cands and {"GU_NWG": 8} not in cands
 
 
 def test_stream_attention_covers_every_tile_once():
