@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import shutil
 import sys
 import tempfile
@@ -174,6 +175,18 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         assert 0 <= si < sn
     except (ValueError, AssertionError):
         fail(f"--shard {shard}: must be I/N with 0 <= I < N")
+    if out is not None:  # where the winners go, checked now: not after an hour of timing
+        if not out.strip():
+            fail("--out: an empty path (leave it out for tuning/<gpu>.json)")
+        op = Path(out)
+        if op.exists() and not op.is_file():
+            fail(f"--out {out}: not a regular file (a directory or a device): name a tuning file (.json)")
+        if op.is_file() and (why := gtune.tuning_problem(op, entries=True)) and why != "an empty file":
+            fail(f"--out {out}: not a tuning file ({why}): name a new file or a tuning file")
+        if not op.parent.resolve().is_dir() or not os.access(op.parent.resolve(), os.W_OK):
+            fail(f"--out {out}: its folder {op.parent} does not exist or is not writable")
+    if build_dir is not None and Path(build_dir).exists() and not Path(build_dir).is_dir():
+        fail(f"--build-dir {build_dir}: exists and is not a directory")
     row = int(positions) if positions.isdigit() else None
     if positions not in ("full", "mixed") and row is None:
         fail(f"--positions {positions}: full, mixed or a row number (0 or more)")
@@ -198,6 +211,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             click.echo(f"warning: --positions {positions}: decode variants only; prefill variants "
                        f"({len(pre)} selected) are timed on their whole chunk as with full",
                        err=True)
+    if not vs[si::sn]:
+        fail(f"--shard {shard}: selects none of the {greport.counted(len(vs), 'variant')} (shard I of N takes every "
+             "N-th from the I-th)")
     vs = vs[si::sn]
 
     from bench.measure import mixed_positions

@@ -374,9 +374,12 @@ def _locked(directory: Path):
 
 
 def record(path: Path, rows: dict[str, dict]) -> Path:
-    """Merge {variant: entry} into the tuning file under a lock (several tuner shards may write one file)."""
+    """Merge {variant: entry} into the tuning file under a lock (several tuner shards may write one file). Raises
+    ValueError where `path` exists and is no regular file (a directory, a device: never replaced)."""
     from .compile import atomic_write
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: not a regular file: tuning entries are not written there")
     with _locked(path.parent):
         doc = read_tuning(path)
         doc.update(rows)

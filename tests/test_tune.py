@@ -699,6 +699,34 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
             assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
 
 
+def test_tune_out_build_dir_and_shard_are_checked_before_the_gpu(tmp_path, cli):
+    """Where `tune` writes and builds, and its shard, are checked before any timing (the winners were lost, or a file
+    replaced, after the whole sweep): --out a directory, a device, an empty path, a file that is no tuning file, a
+    folder that does not exist; --build-dir a file; a shard that selects nothing. Each one `error:` line, exit 2,
+    nothing written; a new file in a writable folder and a tuning file get as far as the GPU."""
+    from generator import tune as gtune
+    base = ["tune", "--variants", ROOT / "variants.yaml", "--only", "llama3.2-1b_decode_b1_s1024*"]
+    notjson = tmp_path / "config.json"
+    notjson.write_text('{"hidden_size": 2048}')
+    cases = [(["--out", tmp_path], "not a regular file"), (["--out", "/dev/null"], "not a regular file"),
+             (["--out", ""], "--out: an empty path"), (["--out", ROOT / "variants.yaml"], "not a tuning file"),
+             (["--out", notjson], "not a tuning file"), (["--out", tmp_path / "no" / "t.json"], "does not exist"),
+             (["--build-dir", ROOT / "README.md"], "exists and is not a directory"),
+             (["--shard", "1/2"], "--shard 1/2: selects none of the 1 variant")]
+    for extra, want in cases:
+        r = cli(base + extra, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and want in r.stderr \
+            and r.stderr.count("\n") == 1, (extra, r.stderr)
+    assert notjson.read_text() == '{"hidden_size": 2048}' and Path("/dev/null").is_char_device()
+    with pytest.raises(ValueError, match="not a regular file"):
+        gtune.record(tmp_path, {})
+    if not _cuda():
+        for out in (tmp_path / "new.json", ROOT / "tuning" / "nvidia-h200.json"):
+            r = cli(base + ["--out", out], cwd=tmp_path)
+            assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
+        assert not (tmp_path / "new.json").exists()
+
+
 def test_tuned_for_missing_file_is_one_line(tmp_path, tiny_variants_file, cli):
     r = cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--tuned-for", "no-such-gpu"],
             cwd=tmp_path)
