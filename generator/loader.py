@@ -223,7 +223,10 @@ class FusedDecoderLayer:
                 isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < chunk):
             raise ValueError(f"cache_len: a prefill variant of {chunk}-token chunks needs a cache of at least {chunk} "
                              f"rows per sequence (an int), got {cache_len!r}")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):  # torch's multi-line list of device types
+            raise ValueError(f"device: the fused layer runs on CUDA ('cuda' or 'cuda:N'), got {device!r}") from None
         if self.device.type != "cuda":
             raise ValueError(f"device: the fused layer runs on CUDA, got {self.device}")
         if not torch.cuda.is_available():

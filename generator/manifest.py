@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -87,7 +88,12 @@ def read_manifest(build_dir: Path) -> dict:
         return {"variants": {}}
     except (ValueError, UnicodeDecodeError):
         doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict):
+    def entry_ok(e) -> bool:  # what readers take as given of an entry (a hand-edited one: corrupt, not a traceback)
+        return isinstance(e, dict) and isinstance(e.get("status"), str) and isinstance(e.get("resources") or {}, dict) \
+            and (e["status"] != "ok" or all(isinstance(e.get(k), t) for k, t in
+                                            (("cubin", str), ("object", str), ("resources", dict))))
+    if not isinstance(doc, dict) or not isinstance(doc.get("variants"), dict) \
+            or not all(entry_ok(e) for e in doc["variants"].values()):
         fix = (f"run `megakernel clean{build_dir_flag(build_dir)}` and build again"
                if not not_a_build(build_dir) else "remove it and build again")  # (the advice that works)
         raise ManifestError(f"{path}: corrupt manifest (not the JSON a build writes); {fix}")
@@ -181,8 +187,12 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     given, else the variants file the build recorded, where it exists; and against the kernel sources, where they
     exist) and intact. Raises LoadError naming the build command."""
     from . import variants as gvariants
+    if not isinstance(build_dir, (str, os.PathLike)):
+        raise LoadError(f"{name}: build_dir={build_dir!r}: a directory path (str or Path)")
     build_dir = Path(build_dir)
     fix = f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'`"
+    if build_dir.exists() and not build_dir.is_dir():
+        raise LoadError(f"{name}: build_dir {build_dir} is not a directory (a build directory holds manifest.json)")
     try:
         manifest = read_manifest(build_dir)
     except ManifestError:

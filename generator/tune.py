@@ -132,6 +132,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     why = None
     if not isinstance(e, dict) or not isinstance(e.get("overrides"), dict):
         why = "malformed entry (no \"overrides\" object)"
+    elif e.get("knobs") is not None and not isinstance(e["knobs"], dict):
+        why = "malformed entry (its \"knobs\", what was measured, is not an object: fix it or delete it)"
     elif e.get("identity") not in (None, identity(v.params(), str(arch))):
         tuned_on = gpu_arch(str(e.get("gpu", "")))
         if tuned_on and tuned_on != arch and e["identity"] == identity(v.params(), tuned_on):

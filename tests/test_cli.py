@@ -394,6 +394,21 @@ def test_corrupt_manifest_is_one_line_exit_2(cmd, objects, tmp_path):
         assert run_cli(["clean", "--build-dir", str(d)], cwd=ROOT).returncode == 2  # (what clean says)
 
 
+@pytest.mark.parametrize("entry", [None, "x", {"status": "ok", "resources": "x", "cubin": "a", "object": "o"},
+                                   {"status": "ok", "resources": {}, "object": "o"}, {"resources": {}}])
+def test_a_hand_damaged_manifest_entry_is_the_corrupt_manifest_line(entry, tmp_path):
+    """An entry a hand edit broke (null, a string, resources not an object, an ok entry without its cubin, no status)
+    is the corrupt-manifest line in `report` and `list`, not a traceback from deep inside the reader."""
+    d = tmp_path / "b"
+    (d / "objects").mkdir(parents=True)
+    name = "qwen2.5-0.5b_decode_b1_s1024_bf16"
+    (d / "manifest.json").write_text(json.dumps({"package_version": "0", "variants": {name: entry}}))
+    for cmd in (["report", "--no-gpu"], ["list"]):
+        r = run_cli(cmd + ["--build-dir", str(d)], cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "corrupt manifest" in lines[0], (cmd, r.stderr[-500:])
+
+
 @pytest.mark.parametrize("args", [["build", "-j", "0"], ["build", "--nope"], ["nosuchcmd"], ["render"]])
 def test_click_usage_errors_are_one_line(args):
     r = run_cli(args, cwd=ROOT)

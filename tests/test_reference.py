@@ -246,6 +246,13 @@ def test_load_refuses_a_cpu_device(tiny_build):
     W = reference.random_weights(m, seed=0)
     with pytest.raises(ValueError, match="CUDA"):
         loader.load(TINY_NAMES[0], W, build_dir=tiny_build["dir"], device="cpu")
+    # no device torch knows, a build_dir that is a file or no path: one line each, not torch's / pathlib's errors
+    with pytest.raises(ValueError, match=r"device: the fused layer runs on CUDA \('cuda' or 'cuda:N'\), got 'tpu'"):
+        loader.load(TINY_NAMES[0], W, build_dir=tiny_build["dir"], device="tpu")
+    with pytest.raises(LoadError, match="is not a directory"):
+        loader.load(TINY_NAMES[0], W, build_dir=tiny_build["dir"] / "manifest.json")
+    with pytest.raises(LoadError, match=r"build_dir=None: a directory path"):
+        loader.load(TINY_NAMES[0], W, build_dir=None)
 
 
 def _weights(m):

@@ -553,7 +553,8 @@ def test_resolve_falls_back_with_one_line_warning(tmp_path, tiny_variants_file):
     assert warn is None
     for bad, why in [({**good, "overrides": {"QKV_NWG": 3}}, "refused by the planner"),
                      ({**good, "identity": "0" * 64}, "other parameters"),
-                     ({"overrides": 5}, "malformed"), ("junk", "malformed")]:
+                     ({"overrides": 5}, "malformed"), ("junk", "malformed"),
+                     ({**good, "knobs": "x"}, "its \"knobs\", what was measured, is not an object")]:
         f.write_text(json.dumps({v.name: bad}))
         ov, src, fig, warn = gtune.resolve(v, "90", f)
         assert (ov, src, fig) == ({}, "default", None)
