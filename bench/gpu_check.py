@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import HELP, run_click  # noqa: E402
 from bench.baselines import TorchLayer  # noqa: E402
 from bench.providers import FlashInfer  # noqa: E402
 # n_layers_for: distinct layers, one pass over the stack >= 4x the L2
@@ -216,7 +217,7 @@ def print_tables(doc: dict, routes_path=None) -> None:
         print(f"flashinfer: {why}")
 
 
-@click.command()
+@click.command(context_settings=HELP)
 @check_options
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
 @click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
@@ -313,4 +314,4 @@ def _tp_check(tp, variants_file, heldout_file, only, build_dir, out, seed) -> bo
 
 
 if __name__ == "__main__":
-    main()
+    run_click(main)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import HELP, run_click  # noqa: E402
 from bench.measure import n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import reference, variants as gvariants, verify  # noqa: E402
@@ -140,7 +141,7 @@ def check_tp(v, build_dir: str, seed: int, bw: float, ar: dict) -> dict:
     return row
 
 
-@click.command()
+@click.command(context_settings=HELP)
 @check_options
 def main(variants_file, heldout_file, only, build_dir, out, seed):
     """Verify and time the tensor-parallel variants, one process per GPU:
@@ -216,4 +217,4 @@ def main(variants_file, heldout_file, only, build_dir, out, seed):
 
 
 if __name__ == "__main__":
-    main()
+    run_click(main)

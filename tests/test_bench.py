@@ -1003,3 +1003,16 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: bench/gpu_check.py verifies") \
         and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "b").exists() and not (tmp_path / "b-heldout").exists()
+
+
+@pytest.mark.parametrize("argv", [["bench/gpu_check.py", "--bogus"], ["bench/tp_check.py", "--bogus"],
+                                  ["-m", "bench.e2e", "--bogus"], ["-m", "bench.e2e", "--reps", "x"],
+                                  ["-m", "bench.e2e", "stray"]])
+def test_bench_scripts_usage_errors_are_one_line(argv):
+    """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
+    and argparse's own are usage blocks); -h is help, as in `megakernel`."""
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    if argv[0].endswith("gpu_check.py"):
+        h = subprocess.run([sys.executable, argv[0], "-h"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert h.returncode == 0 and "--no-tests" in h.stdout, h.stderr
