@@ -183,8 +183,10 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             fail(f"--out {out}: not a regular file (a directory or a device): name a tuning file (.json)")
         if op.is_file() and (why := gtune.tuning_problem(op, entries=True)) and why != "an empty file":
             fail(f"--out {out}: not a tuning file ({why}): name a new file or a tuning file")
-        if not op.parent.resolve().is_dir() or not os.access(op.parent.resolve(), os.W_OK):
-            fail(f"--out {out}: its folder {op.parent} does not exist or is not writable")
+        # (folders that do not exist yet are made when the winners are written: the nearest one that does counts)
+        near = next(q for q in (op.resolve().parent, *op.resolve().parent.parents) if q.exists())
+        if not near.is_dir() or not os.access(near, os.W_OK):
+            fail(f"--out {out}: {near} is not a writable folder")
     if build_dir is not None and Path(build_dir).exists() and not Path(build_dir).is_dir():
         fail(f"--build-dir {build_dir}: exists and is not a directory")
     row = int(positions) if positions.isdigit() else None
@@ -211,9 +213,10 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             click.echo(f"warning: --positions {positions}: decode variants only; prefill variants "
                        f"({len(pre)} selected) are timed on their whole chunk as with full",
                        err=True)
-    if not vs[si::sn]:
-        fail(f"--shard {shard}: selects none of the {greport.counted(len(vs), 'variant')} (shard I of N takes every "
-             "N-th from the I-th)")
+    if not vs[si::sn]:  # (a launcher's shard past the selection: nothing to do, not a failure)
+        click.echo(f"note: --shard {shard}: selects none of the {greport.counted(len(vs), 'variant')} (shard I of N "
+                   "takes every N-th from the I-th): nothing to tune", err=True)
+        sys.exit(0)
     vs = vs[si::sn]
 
     from bench.measure import mixed_positions

@@ -182,6 +182,16 @@ def tuning_changed(entry: dict) -> bool:
     return now != t.get("overrides")
 
 
+def rebuild_advice(build_dir: Path, name: str, entry: dict) -> str:
+    """"run `megakernel build ...`" that rebuilds variant `name` from the inputs its manifest `entry` records: its
+    variants file (where not ./variants.yaml) and its tuning file (always, as an absolute path: which file a bare
+    build picks depends on what tuning/ holds and on the directory it runs in)."""
+    vf, tf = entry.get("variants_file"), (entry.get("tuning") or {}).get("file")
+    return (f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'"
+            + (f" --variants {shlex.quote(str(vf))}" if vf and Path(vf) != Path("variants.yaml").resolve() else "")
+            + (f" --tuned-for {shlex.quote(str(tf if Path(tf).is_absolute() else ROOT / tf))}" if tf else "") + "`")
+
+
 def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tuple[dict, Path]:
     """The manifest entry and cubin path of variant `name`, checked: present, built, current (against `v` if
     given, else the variants file the build recorded, where it exists; and against the kernel sources, where they
@@ -200,11 +210,8 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     if not (build_dir / MANIFEST).exists():
         raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix}")
     entry = manifest["variants"].get(name)
-    if entry is not None:  # the same inputs as the build that made it: its variants file and tuning file
-        vf, tf = entry.get("variants_file"), (entry.get("tuning") or {}).get("file")
-        fix = (f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'"
-               + (f" --variants {shlex.quote(str(vf))}" if vf and Path(vf) != Path("variants.yaml").resolve() else "")
-               + (f" --tuned-for {shlex.quote(str(tf))}" if tf and Path(tf).parent != Path("tuning") else "") + "`")
+    if entry is not None:
+        fix = rebuild_advice(build_dir, name, entry)
     if entry is None:
         raise LoadError(f"{name}: not in {build_dir}/manifest.json: declare it in variants.yaml and {fix} (or "
                         f"in a file of your own, built with `--variants FILE`)")

@@ -20,7 +20,7 @@ TORCH_DTYPES = {name: torch_dtype(name) for name in DTYPES}
 def random_weights(m: Model, *, seed: int = 0, device="cpu", dtype=None) -> dict[str, torch.Tensor]:
     """Random weights scaled like a trained layer's (unit-variance activations), drawn on `device`. Raises
     ValueError (one line) for a CUDA device where torch sees none."""
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"random_weights(device={str(device)!r}): no CUDA device here (torch.cuda.is_available() is "
                          "False): use device='cpu'")
     g = torch.Generator(device=device).manual_seed(seed)

@@ -376,10 +376,11 @@ def _locked(directory: Path):
 
 
 def record(path: Path, rows: dict[str, dict]) -> Path:
-    """Merge {variant: entry} into the tuning file under a lock (several tuner shards may write one file). Raises
-    ValueError where `path` exists and is no regular file (a directory, a device: never replaced)."""
+    """Merge {variant: entry} into the tuning file under a lock (several tuner shards may write one file); through a
+    symbolic link, into its target. Raises ValueError where `path` exists and is no regular file (a directory, a
+    device: never replaced)."""
     from .compile import atomic_write
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through a symbolic link: its target gets the entries, the link stays
     if path.exists() and not path.is_file():
         raise ValueError(f"{path}: not a regular file: tuning entries are not written there")
     with _locked(path.parent):

@@ -345,3 +345,18 @@ def test_random_weights_on_a_missing_cuda_device_is_one_line():
     with pytest.raises(ValueError, match=r"random_weights\(device='cuda'\): no CUDA device here") as err:
         random_weights(m, device="cuda")
     assert "\n" not in str(err.value)
+
+
+def test_rebuild_advice_names_the_inputs_the_build_used(tmp_path):
+    """The stale / corrupt build's advice rebuilds from the recorded inputs: the tuning file always, as an absolute
+    path (one under tuning/ too: a bare build picks by what tuning/ holds), the variants file where it is not
+    ./variants.yaml; a default build's advice is the bare command."""
+    from generator.manifest import ROOT as PKG, rebuild_advice
+    name = "m_decode_b1_s1024_bf16"
+    e = {"variants_file": str(tmp_path / "mine.yaml"), "tuning": {"file": "tuning/nvidia-h200.json"}}
+    assert rebuild_advice(tmp_path / "b", name, e) == (
+        f"run `megakernel build --build-dir {tmp_path / 'b'} --only '{name}' --variants {tmp_path / 'mine.yaml'} "
+        f"--tuned-for {PKG / 'tuning' / 'nvidia-h200.json'}`")
+    e = {"variants_file": str(Path("variants.yaml").resolve()), "tuning": None}
+    assert rebuild_advice(Path("build"), name, e) == f"run `megakernel build --only '{name}'`"
+    assert set(reference.random_weights(RMS, device=None)) == set(reference.random_weights(RMS))  # None: the CPU

@@ -701,31 +701,40 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
 
 
 def test_tune_out_build_dir_and_shard_are_checked_before_the_gpu(tmp_path, cli):
-    """Where `tune` writes and builds, and its shard, are checked before any timing (the winners were lost, or a file
-    replaced, after the whole sweep): --out a directory, a device, an empty path, a file that is no tuning file, a
-    folder that does not exist; --build-dir a file; a shard that selects nothing. Each one `error:` line, exit 2,
-    nothing written; a new file in a writable folder and a tuning file get as far as the GPU."""
+    """Where `tune` writes and builds are checked before any timing (the winners were lost, or a file replaced, after
+    the whole sweep): --out a directory, a device, an empty path, a file that is no tuning file, under a file;
+    --build-dir a file. Each one `error:` line, exit 2, nothing written; a new file (its folders made when written)
+    and a tuning file get as far as the GPU; a shard that selects nothing is a note and exit 0; record() writes
+    through a symbolic link into its target."""
     from generator import tune as gtune
     base = ["tune", "--variants", ROOT / "variants.yaml", "--only", "llama3.2-1b_decode_b1_s1024*"]
     notjson = tmp_path / "config.json"
     notjson.write_text('{"hidden_size": 2048}')
     cases = [(["--out", tmp_path], "not a regular file"), (["--out", "/dev/null"], "not a regular file"),
              (["--out", ""], "--out: an empty path"), (["--out", ROOT / "variants.yaml"], "not a tuning file"),
-             (["--out", notjson], "not a tuning file"), (["--out", tmp_path / "no" / "t.json"], "does not exist"),
-             (["--build-dir", ROOT / "README.md"], "exists and is not a directory"),
-             (["--shard", "1/2"], "--shard 1/2: selects none of the 1 variant")]
+             (["--out", notjson], "not a tuning file"),
+             (["--out", ROOT / "README.md" / "t.json"], "README.md is not a writable folder"),
+             (["--build-dir", ROOT / "README.md"], "exists and is not a directory")]
     for extra, want in cases:
         r = cli(base + extra, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and want in r.stderr \
             and r.stderr.count("\n") == 1, (extra, r.stderr)
     assert notjson.read_text() == '{"hidden_size": 2048}' and Path("/dev/null").is_char_device()
+    # a launcher's shard past the selection: a note, nothing to do, exit 0
+    r = cli(base + ["--shard", "1/2"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr.startswith("note: --shard 1/2: selects none of the 1 variant"), r.stderr
     with pytest.raises(ValueError, match="not a regular file"):
         gtune.record(tmp_path, {})
-    if not _cuda():
-        for out in (tmp_path / "new.json", ROOT / "tuning" / "nvidia-h200.json"):
+    target, link = tmp_path / "target.json", tmp_path / "link.json"  # through a link: the target gets the entries
+    target.write_text("{}")
+    link.symlink_to(target)
+    gtune.record(link, {"x": {"overrides": {}}})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"x": {"overrides": {}}}
+    if not _cuda():  # a new file (in folders made when it is written), a tuning file: as far as the GPU
+        for out in (tmp_path / "new" / "t.json", ROOT / "tuning" / "nvidia-h200.json"):
             r = cli(base + ["--out", out], cwd=tmp_path)
             assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
-        assert not (tmp_path / "new.json").exists()
+        assert not (tmp_path / "new").exists()
 
 
 def test_tuned_for_missing_file_is_one_line(tmp_path, tiny_variants_file, cli):
