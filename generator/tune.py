@@ -212,7 +212,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         g = base["gemv"][key]       # re-plan of a default that spills tries it first (its registers moved)
         if "U_fewest_steps" in g and g["U_fewest_steps"] != g["U"]:
             tries.append({f"{prefix}_U": g["U_fewest_steps"]})
-    if base["mode"] == "decode" and d["DOWN_FLOW"] and v.tp == 1:  # (the re-plan of a spilling default: the
+    if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],

@@ -655,8 +655,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # warp's step reads k-tiles of one chunk), each chunk's counter on a 128-byte line of its own (ACT_STRIDE words:
     # one L2 slice does not take every block's polls) past the KV heads' in ws_ready
     # By default (sm_90, one GPU, batch <= 8) where gate_up takes DOWN_FLOW_MIN_ROUNDS rounds or more of tasks and
-    # down_proj one 16-warp group a block: measured on the H200 (bench/NOTES.md session 37) +1.3 ... +2.8 % a layer
-    # on the 8 such shapes timed (Llama-3.2-1B b1/b8, Llama-3-8B b1/b4/b8, Qwen3-1.7B b1, hidden 1536 b2, Qwen3-8B
+    # down_proj one 16-warp group a block: measured on the H200 (bench/NOTES.md session 37) +0.4 ... +3.5 % a layer
+    # (row 191 / full context) on the 8 such shapes timed (Llama-3.2-1B b1/b8, Llama-3-8B b1/b4/b8, Qwen3-1.7B b1, hidden 1536 b2, Qwen3-8B
     # b2; then on 7 held-out shapes it picked: Mistral-7B b2/b6, Qwen2.5-1.5B b1, SmolLM2-1.7B b4, InternLM2-1.8B b8
     # +0.4 ... +2.7 %), and -5 ... +1 % where gate_up is under a round (Qwen2.5-0.5B, hidden 576: the chunks complete
     # together, and the counters cost what the barrier did), down_proj runs 8-warp groups (small chunks: hidden 2560
@@ -666,19 +666,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # barrier
     gu, dn = gemv["gate_up"], gemv["down"]
     gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
+    down_kt, down_step = m.intermediate // 16, dn["NWG"] * dn["U"]  # down_proj's k-tiles; a chunk's (one step's)
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     down_flow = ov.get("DOWN_FLOW", int(
         sm == 90 and v.tp == 1 and v.batch <= 8 and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
-        and (m.intermediate // 16) % (dn["NWG"] * dn["U"]) == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
+        and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
-    act_chunks = -(-(m.intermediate // 16) // (gemv["down"]["NWG"] * gemv["down"]["U"])) if down_flow else 0
+    act_chunks = -(-down_kt // down_step) if down_flow else 0
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
             and smem_bytes > arch.smem_per_block - 1024:
         raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K, "
-                        f"NORM_CLUSTER or DOWN_FLOW, 1 KB more for the static shared memory padded to the swizzle's 1024-byte "
-                        f"alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
+                        f"NORM_CLUSTER or DOWN_FLOW, 1 KB more for the static shared memory padded to the swizzle's "
+                        f"1024-byte alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
     # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES and an MLP of B1_PRE_MLP: the next round's weights before
     # each round's reduction (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together
