@@ -180,7 +180,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
-    default's re-plan tries the counters' registers first), ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
+    default's re-plan tries the counters' registers first), ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
@@ -226,6 +226,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
                   *([{"DOWN_FLOW": 1}] if not d["DOWN_FLOW"] else []),
                   *({"ATT_COMBINE": c} for c in (1, 2, 3) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
+                  *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:

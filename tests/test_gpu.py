@@ -309,16 +309,21 @@ def test_bad_inputs_raise_before_launch(build_dir):
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer(tool, build_dir):
-    v = USER[0]  # small, odd batch, non-power-of-two lanes, layernorm: the most index arithmetic
+@pytest.mark.parametrize("which", [0, 1])
+def test_compute_sanitizer(tool, which, build_dir):
+    # USER[0]: small, odd batch, non-power-of-two lanes, layernorm: the most index arithmetic; USER[1]: batch 1, RMSNorm
+    # (NORM_FOLD 3: the gain's copies started before the launch's wait and o_proj's barrier, read without a barrier)
+    v = USER[which]
     script = (f"import torch; from generator import reference, verify; from generator.loader import load; "
               f"from generator.variants import parse; import tests.test_gpu as t; "
-              f"v = t.USER[0]; W = reference.random_weights(v.model, seed=1, device='cuda'); "
+              f"v = t.USER[{which}]; W = reference.random_weights(v.model, seed=1, device='cuda'); "
               f"L = load(v.name, W, build_dir={str(build_dir[v.name])!r}); x, pos = verify.random_inputs(L, 1); "
               f"r = verify.check_step(L, x, pos); print('rel_err', r['rel_err'])")
     r = subprocess.run(["compute-sanitizer", f"--tool={tool}", sys.executable, "-c", script],
                        capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT), MEGAKERNEL_ONLY="none-such"))
+                       # (tests/ too, as pytest puts it on the path: test_gpu imports conftest's helpers)
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))),
+                                MEGAKERNEL_ONLY="none-such"))
     out = r.stdout + r.stderr
     summary = "ERROR SUMMARY: 0 errors" if tool == "memcheck" else "RACECHECK SUMMARY: 0 hazards"
     assert summary in out, out[-3000:]

@@ -898,7 +898,8 @@ models:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_norm_fold_matches_the_reference(tmp_path):
-    """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues): Llama-3.2-1B b1
+    """NORM_FOLD (the norms' gain in qkv_proj's and gate_up's B fragments, 1/rms in their epilogues; 3: the gain
+    applied to the rows by the norm, cases below): Llama-3.2-1B b1
     and b8; a held-out-like shape at batch 16 with split-K gate_up (the fold's epilogue through the split partials)
     and the qkv grid barrier (QKV_FLOW 0), at batch 32 with split-K qkv and GEMV_PF 1, and at batch 5 (a partial
     n-tile) with GEMV_PF 2; NORM_FOLD 2 (the gain read from global memory) at batch 32 and 5, and at batch 16 with
@@ -912,6 +913,12 @@ def test_norm_fold_matches_the_reference(tmp_path):
     cases = [(v, {"NORM_FOLD": 1, **ov}) for v, ov in cases]
     cases += [(b32, {"NORM_FOLD": 2}), (b5, {"NORM_FOLD": 2, "GEMV_PF": 2}),  # the gain read from global memory
               (b16, {"NORM_FOLD": 2, "H_STATS": 1})]
+    # NORM_FOLD 3 (the gain applied to the rows in the norm's sums pass): batch 1 (its default: each thread reads the
+    # gain chunks it copied) with H_STATS, batch 5 (rows of several warps: other threads' chunks) with split-K gate_up,
+    # batch 16 with the rows multicast over a cluster (NORM_CLUSTER 2)
+    b1 = next(v for v in declared() if v.name == "qwen3-1.7b_decode_b1_s4096_bf16")  # (q/k norm)
+    cases += [(b1, {}), (b1, {"H_STATS": 1}), (b5, {"NORM_FOLD": 3, "GU_KSPLIT": 2}),
+              (b16, {"NORM_FOLD": 3, "NORM_CLUSTER": 2, "NORM_GLOBAL": 0})]
     _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
 
 
@@ -1195,13 +1202,16 @@ models:
       norm_eps: 1.0e-5, rope_theta: 10000.0, activation: silu, qkv_bias: false, qk_norm: false, dtype: fp16}
 """, "x.yaml")
     for v in vs:
-        with pytest.raises(PlanError, match="NORM_FOLD=1: needs RMSNorm in bf16"):
-            plan(v, "90", overrides={"NORM_FOLD": 1})
+        for f in (1, 3):
+            with pytest.raises(PlanError, match=f"NORM_FOLD={f}: needs RMSNorm in bf16"):
+                plan(v, "90", overrides={"NORM_FOLD": f})
     p = plan(vs[1], "90")
     assert p["consts"]["NORM_FOLD"] == 0 and p["consts"]["SMEM_GS"] == 0
     tp = next(v for v in declared() if v.tp > 1)
-    with pytest.raises(PlanError, match="NORM_FOLD=1: not with tensor parallel"):
-        plan(tp, "90", overrides={"NORM_FOLD": 1})
+    for f in (1, 3):
+        with pytest.raises(PlanError, match=f"NORM_FOLD={f}: not with tensor parallel"):
+            plan(tp, "90", overrides={"NORM_FOLD": f})
+    assert plan(tp, "90")["consts"]["NORM_FOLD"] == 0
     # the gain and 1/rms after the GEMV's partial sums, inside the block's budget
     v = next(v for v in declared() if v.name == "llama3-8b_decode_b8_s4096_bf16")
     off, on = plan(v, "90", overrides={"NORM_FOLD": 0}), plan(v, "90", overrides={"NORM_FOLD": 1})
@@ -1220,6 +1230,29 @@ models:
         assert c2["SMEM_RS"] == one["consts"]["SMEM_GS"], ov  # where fold 1 keeps its gain
         assert off["smem_bytes"] <= two["smem_bytes"] <= one["smem_bytes"], ov
         assert two["smem_bytes"] >= c2["SMEM_RS"] + v.batch * 4, ov
+
+
+def test_gain_rows_fold_is_the_batch_1_default():
+    """NORM_FOLD 3 (the norm multiplies the raw rows by the gain in its sums pass, the gain's copy started before the
+    barrier or launch wait that precedes it; 1/rms in the projections' epilogues) is planned by default at batch 1
+    only (sm_90, one GPU, RMSNorm in bf16: where measured), with the gain's room in shared memory as fold 1 keeps it;
+    the tuner tries it at batch 2 and 0 where it is planned; the rendered kernel starts the gain's copies in the
+    pre-steps."""
+    from generator import tune
+    from generator.render import plan, render
+    named = {v.name: v for v in declared()}
+    b1, b4 = named["llama3.2-1b_decode_b1_s4096_bf16"], named["llama3.2-1b_decode_b4_s4096_bf16"]
+    c = plan(b1, "90")["consts"]
+    assert c["NORM_FOLD"] == 3 and c["SMEM_GS"] > 0 and c["SMEM_RS"] >= c["SMEM_GS"] + 2048 * 2
+    assert plan(b4, "90")["consts"]["NORM_FOLD"] == 0
+    assert plan(b1, "100")["consts"]["NORM_FOLD"] == 0  # not measured on sm_100
+    one = plan(b1, "90", overrides={"NORM_FOLD": 1})["consts"]
+    assert (c["SMEM_GS"], c["SMEM_RS"]) == (one["SMEM_GS"], one["SMEM_RS"])
+    assert {"NORM_FOLD": 0} in tune.candidates(b1, "90") and {"NORM_FOLD": 3} not in tune.candidates(b1, "90")
+    b2 = next(v for v in _qwen15_like("g3", [2]))
+    assert plan(b2, "90")["consts"]["NORM_FOLD"] == 0 and {"NORM_FOLD": 3} in tune.candidates(b2, "90")
+    src = render(b1, plan(b1, "90"))
+    assert "qkv_proj_pre(w_qkv, ln1_w, smem)" in src and "gate_up_pre(w_gu, ln2_w, smem)" in src
 
 
 def test_a_broken_default_tuning_file_warns_once(tmp_path, tiny_variants_file):

@@ -18,7 +18,7 @@ STEPS = (
     # NORM_GLOBAL: each norm a step of its own, its rows to global memory and a grid barrier; else (NORM_LOCAL) every
     # block normalises the rows into its own shared memory inside the projection's stage: the step is empty
     Step("norm", "norm(x, ln1_w, ln1_b, ws_xn, smem)", flow="NORM_LOCAL",
-         pre="const auto qkv_pre = qkv_proj_pre(w_qkv)"),
+         pre="const auto qkv_pre = qkv_proj_pre(w_qkv, ln1_w, smem)"),
     Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, "
                      "smem)",
          flow="QKV_FLOW"),
@@ -30,7 +30,7 @@ STEPS = (
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
-         pre="const auto gu_pre = gate_up_pre(w_gu)"),
+         pre="const auto gu_pre = gate_up_pre(w_gu, ln2_w, smem)"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
                     "ws_ready, gu_pre, smem)",
          flow="DOWN_FLOW"),
@@ -52,7 +52,9 @@ STEPS = (
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh), the
-# gain kept in shared memory (1) or read from global memory (2);
+# gain kept in shared memory (1) or read from global memory (2); 3: the norm multiplies the raw rows by the gain in its
+# sums pass (the gain's copy started before the barrier or launch wait that precedes the norm), the projections scale
+# their sums by 1/rms: the gain's first read (HBM) and the scale pass's block barrier off the chain (batch 1);
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
@@ -98,7 +100,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "QKV_FLOW", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
-        if k in ("NORM_FOLD", "ATT_DYN") and val not in (0, 1, 2):
+        if k in ("NORM_FOLD", "ATT_DYN") and val not in ((0, 1, 2, 3) if k == "NORM_FOLD" else (0, 1, 2)):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
@@ -117,7 +119,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
 
 ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte line each)
 DOWN_FLOW_MIN_ROUNDS = 5  # DOWN_FLOW by default from this many rounds of gate_up's tasks (see plan)
-FOLD_RANK = {1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
+FOLD_RANK = {3: 3, 1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (sequence, KV head) pairs (see plan)
@@ -481,7 +483,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         if stats and not rows:  # H_STATS with NORM_GLOBAL: o_proj's squares after the partial sums (else in the rows)
             need = align(need) + sq_bytes(batch)
         # NORM_FOLD: the gain (hidden x T) and each row's 1/rms (batch x fp32) stay for the projection; H_STATS: 1/rms
-        if fold == 1:
+        if fold in (1, 3):
             return align(need) + align(m.hidden * esize) + batch * 4
         return align(need) + batch * 4 if stats or fold == 2 else need
 
@@ -490,6 +492,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # >= L1_ENOUGH of L1 (-1.8 % at batch 4); not with q/k norm (Qwen3-1.7B spills 8 B with it)
         return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and not m.qk_norm and 8 <= batch <= 32 \
             and gemv_need(batch, 1, 0, 0) <= arch.smem_per_block
+
+    def gain_rows_ok() -> bool:  # NORM_FOLD 3 by default: where measured (sm_90, one GPU, RMSNorm in bf16, batch 1)
+        # measured on the H200 (bench/NOTES.md session 38, 14 batch-1 shapes at full context and row 191): +0.9 %
+        # (median; -0.2 ... +4.0 %, 26 of 28 timings faster); batch 2: -0.4 ... +1.4 %, batch 3-8: -0.3 ... -1.5 %
+        return m.norm == "rmsnorm" and m.dtype == "bf16" and v.tp == 1 and hb_copy and v.batch == 1 \
+            and arch.number == 90 and gemv_need(v.batch, 3, 0, 0) <= arch.smem_per_block
 
     h_stats = ov.get("H_STATS", 0)  # (the default with NORM_GLOBAL: below)
     # NORM_CLUSTER 2 (a tuner knob, off by default): the kernel in clusters of 2 blocks, each norm's rows bulk-copied
@@ -554,7 +562,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # (Llama-3-8B from batch 26, hidden 5120 from 21: refused before), and where no plan with them there leaves
     # L1_ENOUGH of L1. Measured on the H200 (bench/NOTES.md session 23): a Mistral-Nemo-like b18 (28 KB of L1 with its
     # 184 KB of rows) 316 -> 281 us; with 60-124 KB left, -2.2 ... +3 % (the tuner tries it from batch 8)
-    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0, 2] if fold_ok(v.batch) else [0]
+    folds = [ov["NORM_FOLD"]] if "NORM_FOLD" in ov else [1, 0, 2] if fold_ok(v.batch) else [3, 0] if gain_rows_ok() \
+        else [0]
     dbs = [ov["RED_DB"]] if "RED_DB" in ov else [1, 0] if v.tp == 1 else [1]
     local_l1 = max([l1_bytes(arch, max(att_bytes, need)) for f in folds for d in dbs
                     if (need := gemv_need(v.batch, f, h_stats, d)) <= arch.smem_per_block] or [0])
@@ -607,10 +616,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         return (need <= arch.smem_per_block, min(l1, L1_ENOUGH), FOLD_RANK[c[0]] if l1 >= L1_ENOUGH else 0, c[1],
                 int(c[0] == 1), l1)
     norm_fold, red_db = max(((f, d) for f in folds for d in dbs), key=pick)
-    smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold == 1 else 0
+    smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold in (1, 3) else 0
     # H_STATS: o_proj's squares in the rows' region (idle in its stage), with NORM_GLOBAL after the partial sums
     smem["SMEM_SQ"] = align(gemv_need(v.batch, 0, 0, red_db, False)) if h_stats and norm_global else 0
-    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold == 1
+    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold in (1, 3)
                        else smem["SMEM_SQ"] + align(sq_bytes(v.batch)) if h_stats and norm_global
                        else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats or norm_fold == 2 else 0)
     gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db, not norm_global)

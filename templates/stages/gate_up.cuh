@@ -3,7 +3,8 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
-__device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu) {  // GU_PRE: before o_proj's grid barrier
+__device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, const T* ln_w, unsigned char* smem) {
+    if constexpr (!NORM_GLOBAL && !H_STATS) norm_gain_pre(ln_w, smem);  // (NORM_FOLD 3) before o_proj's barrier, as GU_PRE
     return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
 }
 // DOWN_FLOW: no grid barrier follows; each finished 16-row tile (8 columns of act) counts in its chunk's counter,
@@ -29,8 +30,10 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
     if (DOWN_FLOW && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    T* gs = NORM_FOLD == 1 && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // H_STATS: in ws_hb
-    const T* gain = NORM_FOLD == 2 && !H_STATS ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
+    T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)
+                                                          : nullptr;  // H_STATS: in ws_hb
+    // NORM_FOLD 2: read from global memory (L1); 3: none (the norm applied it to the rows)
+    const T* gain = NORM_FOLD == 2 && !H_STATS ? ln_w : NORM_FOLD == 1 ? gs : nullptr;
     float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
     if constexpr (NORM_GLOBAL && H_STATS) {  // o_proj wrote xn (times the gain) and the sums of squares
         rows_rms(ws_hsq, rs, reinterpret_cast<float*>(smem + SMEM_RED));

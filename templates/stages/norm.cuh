@@ -84,6 +84,16 @@ __device__ void rows_rms(const float* hsq, float* rs, float* scratch) {
     }
     __syncthreads();
 }
+// NORM_FOLD 3: the gain's copy into gs (SMEM_GS) started before the barrier (or the launch's wait) that precedes
+// the norm, as the projections' <P>_PRE weights are: the gain does not depend on the rows, and its first read comes
+// from HBM while the rows come from L2; one cp.async group, waited for by the norm's sums pass
+__device__ __forceinline__ void norm_gain_pre(const T* __restrict__ w, unsigned char* smem) {
+    if constexpr (NORM_FOLD == 3) {
+        T* gs = reinterpret_cast<T*>(smem + SMEM_GS);
+        for (int i = threadIdx.x; i < HIDDEN / 8; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
+        cp_async_commit();
+    }
+}
 template <bool STATS = false, class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
                      T* gs, float* rs, const float* hsq = nullptr) {
@@ -106,7 +116,8 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
     // each, the sums of the first row running while the next arrives (a thread waits only for its own copies).
     constexpr int R = (BATCH + RB - 1) / RB, CS = 32 * WPR, NJ = (NCH + CS - 1) / CS;
     const int b0 = warp / WPR, c0 = part * 32 + lane;
-    if constexpr (NORM_FOLD == 1)
+    constexpr bool GAIN_ROWS = NORM_FOLD == 3;  // the sums pass multiplies the rows by the gain (gs) in place
+    if constexpr (NORM_FOLD == 1)  // (NORM_FOLD 3: norm_gain_pre copied it before the wait)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
         norm_rows_multicast(src, dst);  // every row, for the whole block
@@ -139,10 +150,15 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         }
         if constexpr (NORM_FOLD == 1) cp_async_commit();
     }
+    if constexpr (GAIN_ROWS) {  // the gain's chunks (norm_gain_pre) before the sums pass reads them: one row at a
+        cp_async_wait<0>();     // time (RB 1), a thread reads only the chunks it copied; else other threads' too
+        if constexpr (RB > 1) __syncthreads();
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int b = b0 + r * RB;
-        if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER == 1) cp_async_wait_le(R - 1 - r);  // row r is in
+        if constexpr (GAIN_ROWS) {
+        } else if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER == 1) cp_async_wait_le(R - 1 - r);  // row r is in
         else if (NORM_FOLD == 1 && r == 0) cp_async_wait<0>();
         if (b < BATCH) {  // (the whole warp or none: b depends on the warp)
             float s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};  // two chains: the FMAs of two chunks overlap
@@ -151,11 +167,19 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
                 const int c = c0 + j * CS;
                 if (c < NCH) {
                     float f[8];
-                    unpack8(*reinterpret_cast<const uint4*>(dst + (size_t)b * XS_LD + c * 8), f);
+                    uint4* px = reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + c * 8);
+                    unpack8(*px, f);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) {
                         if constexpr (NORM_LAYERNORM) s1[j & 1] += f[i];
                         s2[j & 1] = fmaf(f[i], f[i], s2[j & 1]);
+                    }
+                    if constexpr (GAIN_ROWS) {  // T(x * gain), as the B fragments' product of NORM_FOLD 1 rounds it
+                        float g[8];
+                        unpack8(*reinterpret_cast<const uint4*>(gs + c * 8), g);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) f[i] *= g[i];
+                        *px = pack8(f);
                     }
                 }
             }

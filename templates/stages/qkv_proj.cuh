@@ -20,7 +20,8 @@ struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (re
     }
 };
 constexpr int QKV_TILE0 = QKV_FLOW ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v tiles first
-__device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv) {  // QKV_PRE: before the launch's wait
+__device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv, const T* ln_w, unsigned char* smem) {
+    if constexpr (!NORM_GLOBAL) norm_gain_pre(ln_w, smem);  // (NORM_FOLD 3) before the launch's wait, as QKV_PRE
     return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0, QKV_TM>(w_qkv);
 }
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
@@ -28,8 +29,9 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
                          float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
                          const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
-    T* gs = NORM_FOLD == 1 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the norm's copy of the gain
-    const T* gain = NORM_FOLD == 2 ? ln_w : gs;  // NORM_FOLD 2: read from global memory (L1)
+    T* gs = NORM_FOLD == 1 || NORM_FOLD == 3 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the gain's copy
+    // the gain the B fragments take: NORM_FOLD 2 from global memory (L1); 3: none (the norm applied it to the rows)
+    const T* gain = NORM_FOLD == 2 ? ln_w : NORM_FOLD == 1 ? gs : nullptr;
     const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
     if constexpr (!NORM_GLOBAL)
         norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
