@@ -172,9 +172,15 @@ BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "AT
                 "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA")  # on/off knobs: 0 is a setting, not a size
 
 
+ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
+ATT_KEEP = 5
+
+
 def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions: str = "full") -> list[dict]:
     """The plans the tuner times for `v`: {} (the default plan) first, then single-knob neighbours of it, each
-    accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all.
+    accepted by the planner, no two alike (by the knob values they plan), at most `limit` in all: the first ones in
+    the order below, except that up to ATT_KEEP of the attention walk's neighbours (ATT_WALK_KNOBS) are kept in place
+    of the last others where the limit would cut them.
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
@@ -258,9 +264,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{**local, "NORM_CLUSTER": 2}] if v.batch >= 16 else []
         tries += [{"NORM_GLOBAL": 1 - d["NORM_GLOBAL"]}] if v.batch >= 8 else []
     out, seen, stage3 = [{}], {knob_values(base)}, False
-    for ov in tries:
-        if len(out) >= limit:
-            break
+    for ov in tries:  # (every try planned: the limit is applied below)
         if "ATT_STAGES" in ov and stage3:
             continue
         if any(val < 1 for k, val in ov.items() if k not in BINARY_KNOBS):  # their 0 is a choice
@@ -286,6 +290,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         seen.add(key)
         out.append(ov)
         stage3 = stage3 or "ATT_STAGES" in ov
+    if len(out) > limit:  # the first `limit`, but the attention walk's neighbours kept (up to ATT_KEEP of them): a
+        # small model's many split-K and per-projection candidates would otherwise push them all past the limit
+        att = [i for i, ov in enumerate(out) if any(k in ATT_WALK_KNOBS for k in ov)][:min(ATT_KEEP, limit // 4)]
+        rest = [i for i in range(len(out)) if i not in att][:limit - len(att)]
+        out = [out[i] for i in sorted(rest + att)]
     return out
 
 

@@ -1171,7 +1171,7 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
     assert plan(by["llama3.2-1b_decode_b8_s4096_bf16"], "90", overrides={"O_PRE": 0})["consts"]["O_PRE"] == 0
     src = render(v, plan(v, "90", overrides={"QKV_PRE": 1, "O_PRE": 1}))
     body = src[src.index('extern "C" __global__'):]
-    assert body.index("qkv_proj_pre(w_qkv)") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
+    assert body.index("qkv_proj_pre(w_qkv") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
     assert body.index("attention(pos") < body.index("o_proj_pre(w_o)") < body.index("grid.sync()", body.index(
         "o_proj_pre")) < body.index("o_proj(ws_attn")
     with pytest.raises(PlanError, match="O_PRE=2: must be 0 or 1"):
@@ -1547,8 +1547,8 @@ def test_norm_fold_default_where_it_was_measured_to_win_and_fits():
     p, one = plan(_layer(3584, 24), "90", overrides=local), plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 1})
     assert p["consts"]["NORM_FOLD"] == 2 and p["consts"]["SMEM_GS"] == 0
     assert l1_bytes(get_arch("90"), one["smem_bytes"]) < L1_ENOUGH <= l1_bytes(get_arch("90"), p["smem_bytes"])
-    with pytest.raises(PlanError, match="NORM_FOLD=3: must be 0, 1 or 2"):
-        plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 3})
+    with pytest.raises(PlanError, match="NORM_FOLD=4: must be 0, 1, 2 or 3"):
+        plan(_layer(3584, 24), "90", overrides={"NORM_FOLD": 4})
     p = plan(_layer(3072, 14), "86")  # planned (the unfolded rows fit), unfolded
     assert p["consts"]["NORM_FOLD"] == 0
     with pytest.raises(PlanError, match="NORM_FOLD=1 keeps the gain"):

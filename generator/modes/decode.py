@@ -100,7 +100,9 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "QKV_FLOW", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
-        if k in ("NORM_FOLD", "ATT_DYN") and val not in ((0, 1, 2, 3) if k == "NORM_FOLD" else (0, 1, 2)):
+        if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
+        if k == "ATT_DYN" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
