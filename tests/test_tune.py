@@ -1252,7 +1252,11 @@ def test_gain_rows_fold_is_the_batch_1_default():
     b2 = next(v for v in _qwen15_like("g3", [2]))
     assert plan(b2, "90")["consts"]["NORM_FOLD"] == 0 and {"NORM_FOLD": 3} in tune.candidates(b2, "90")
     src = render(b1, plan(b1, "90"))
-    assert "qkv_proj_pre(w_qkv, ln1_w, smem)" in src and "gate_up_pre(w_gu, ln2_w, smem)" in src
+    body = src[src.index('extern "C" __global__'):]
+    # the first norm's gain copy before the launch's wait; the second's after o_proj, before the barrier it waits at
+    assert body.index("qkv_proj_pre(w_qkv, ln1_w, smem)") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
+    o = body.index("o_proj(ws_attn")
+    assert o < body.index("gate_up_pre(w_gu, ln2_w, smem)") < body.index("grid.sync()", o) < body.index("gate_up(ws_h")
 
 
 def test_a_broken_default_tuning_file_warns_once(tmp_path, tiny_variants_file):

@@ -628,7 +628,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     def rows_advice() -> str:  # why the norm + projection stage does not fit (only computed for a refusal)
         if norm_fold and gemv_need(v.batch, 0, h_stats, red_db) <= arch.smem_per_block:
-            kept = "the gain and each row's 1/rms" if norm_fold == 1 else "each row's 1/rms"
+            kept = "the gain and each row's 1/rms" if norm_fold in (1, 3) else "each row's 1/rms"
             return (f"NORM_FOLD={norm_fold} keeps {kept} beside the rows: "
                     f"{gemv_bytes - gemv_need(v.batch, 0, h_stats, red_db)} B more; without it the stage fits")
         if h_stats and gemv_need(v.batch, 0, 0, red_db) <= arch.smem_per_block:

@@ -11,7 +11,8 @@
 // Qwen2.5-7B-like b24 -1.7 %, b1 equal; bench/NOTES.md session 17). NORM_FOLD: no scale pass; dst keeps the raw
 // rows, gs gets the gain (HIDDEN T) and rs each row's 1/rms (BATCH floats): the projection multiplies its B
 // fragments by the gain and its sums by 1/rms; NORM_FOLD 2: the same, the projection reading the gain from global
-// memory (L1) instead, so the block needs HIDDEN x T less shared memory (gs is not written)
+// memory (L1) instead, so the block needs HIDDEN x T less shared memory (gs is not written); NORM_FOLD 3: gs was
+// copied by norm_gain_pre, and the sums pass leaves T(x x gain) in dst (the projection scales by 1/rms only)
 // (session 9's ablation: the scale pass was the norm's largest part at batch 16, ~4 us a norm at hidden 5120).
 // STATS (the decode plan's H_STATS, the second norm): src is h already multiplied by the gain (o_proj's epilogue)
 // and hsq holds each row's sum of squares of h in HIDDEN/16 parts: dst gets src's rows as they are and rs each row's
@@ -152,6 +153,9 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
     }
     if constexpr (GAIN_ROWS) {  // the gain's chunks (norm_gain_pre) before the sums pass reads them: one row at a
         cp_async_wait<0>();     // time (RB 1), a thread reads only the chunks it copied; else other threads' too
+        // (RB 1: c0 = tid and CS = THREADS, norm_gain_pre's own stride, so chunk c is thread c % THREADS's copy)
+        static_assert(RB > 1 || (WPR == NW && CS == THREADS), "NORM_FOLD 3 at one row: the sums pass's chunks are "
+                      "the ones this thread copied (no block barrier after the wait)");
         if constexpr (RB > 1) __syncthreads();
     }
 #pragma unroll
