@@ -846,11 +846,37 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
                       f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}",
          markup=False, highlight=False, soft_wrap=True)
+    import torch
+    try:  # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg_dtype = str(cfg.get("dtype") if cfg.get("dtype") is not None else cfg.get("torch_dtype"))
+    except (OSError, ValueError, AttributeError):
+        cfg_dtype = ""
+    if dtype is None and cfg_dtype.removeprefix("torch.") == "float32" and model.dtype != torch.float32:
+        info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the fused kernels' "
+             "dtype); --dtype fp32 runs it as transformers does (unfused)", markup=False, highlight=False,
+             soft_wrap=True)
+    if temperature == 0 and (asked := sampling_asked(model_dir)):
+        info(f"note: generation_config.json asks for sampling ({asked}); this run is greedy: pass --temperature "
+             "(and --top-k / --top-p) to sample", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
     unit = "GPU" if model.device.type == "cuda" else "process"
     per = f" (per {unit}, tensor parallel over {group.size()})" if group is not None else ""
     info(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
          markup=False, highlight=False, soft_wrap=True)
+
+
+def sampling_asked(model_dir) -> str:
+    """What a checkpoint's generation_config.json asks of sampling, where it sets do_sample true ("do_sample,
+    temperature 0.6, top_p 0.9"), else "" (no file, no JSON object, or greedy): transformers' generate() samples with
+    those by default, `megakernel generate` only when told (--temperature)."""
+    try:
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(gen, dict) or gen.get("do_sample") is not True:
+        return ""
+    return ", ".join(["do_sample"] + [f"{k} {gen[k]}" for k in ("temperature", "top_k", "top_p") if k in gen])
 
 
 def run():

@@ -208,7 +208,8 @@ def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tu
     except ManifestError:
         raise LoadError(f"{name}: {build_dir}/manifest.json is corrupt: {fix}") from None
     if not (build_dir / MANIFEST).exists():
-        raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix}")
+        raise LoadError(f"{name}: no build in {build_dir}/ (no manifest.json): {fix} (with `--variants FILE` where "
+                        "it is declared in a file of your own)")
     entry = manifest["variants"].get(name)
     if entry is not None:
         fix = rebuild_advice(build_dir, name, entry)

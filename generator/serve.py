@@ -512,8 +512,9 @@ class Model:
         cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
         given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
         prompt + new tokens). max_batch: sequences the caches
-        hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches (default: the
-        variants', else the config's bf16/fp16; torch.float32 only without fused variants). unfused=False keeps no
+        hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches, a torch dtype or
+        'bf16' / 'fp16' / 'fp32' (default: the variants', else the config's bf16/fp16; torch.float32 only without
+        fused variants). unfused=False keeps no
         second copy of the weights: then every call must have a fused variant. The planned memory is checked before
         any tensor is read (ServeError, one line): against torch.cuda.mem_get_info on a GPU, the machine's available
         memory on the CPU (host_memory). gpu_name and
@@ -528,6 +529,12 @@ class Model:
         from .hf.config import check_window
         from .hf.yaml_edit import variant_entry_yaml
 
+        if isinstance(dtype, str):  # the names variants.yaml and `--dtype` use, and torch's
+            names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+            if dtype.removeprefix("torch.") not in names:
+                raise ServeError(f"dtype: 'bf16', 'fp16', 'fp32' or a torch dtype (torch.bfloat16, ...), got {dtype!r}")
+            dtype = names[dtype.removeprefix("torch.")]
         ck = _Checkpoint(path)
         eos = eos_token_ids(ck.dir, ck.cfg, ck.cfg_path)  # a bad one refused before any weight is read
         layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # the whole checkpoint, before any load
@@ -585,7 +592,8 @@ class Model:
         elif dtype is None:
             dtype = reference.TORCH_DTYPES[shape.dtype]
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ServeError(f"dtype: bf16, fp16 or fp32, got {dtype}")
+            raise ServeError(f"dtype: torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32'), "
+                             f"got {dtype}")
         if not vs and dtype == torch.float16:  # (fused fp16 variants warned in _check_variant)
             hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
         seq = common_seq_len(vs)

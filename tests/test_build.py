@@ -333,6 +333,9 @@ def test_compile_error_names_the_variant(copy_build, tiny_build, monkeypatch):
     from generator.loader import LoadError, find_entry
     with pytest.raises(LoadError, match="error"):
         find_entry(TINY_NAMES[2], d)
+    # no build at all: the advice names the build command, and --variants for a file of one's own
+    with pytest.raises(LoadError, match=r"no build in .*megakernel build --build-dir .* --only .* `--variants FILE`"):
+        find_entry(TINY_NAMES[2], d / "none")
     # fixed source: the good object is still there
     monkeypatch.setattr(gcompile, "render", real_render)
     result = gcompile.build(vs, d, jobs=2)

@@ -245,6 +245,18 @@ def cpu_model(d, **kw):
     return serve.Model.from_hf(d, **kw)
 
 
+def test_dtype_by_name(tiny):
+    """dtype as variants.yaml and `--dtype` name it ('bf16', 'fp32'), or torch's ('float32'), or a torch dtype; any
+    other is one ServeError naming what is taken."""
+    _, d = tiny
+    assert cpu_model(d, dtype="fp32").dtype == torch.float32
+    assert cpu_model(d, dtype="bfloat16").dtype == torch.bfloat16
+    for bad in ("int8", "float64", torch.int32):
+        with pytest.raises(serve.ServeError, match=r"^dtype: .*'bf16'") as info:
+            cpu_model(d, dtype=bad)
+        assert "\n" not in str(info.value)
+
+
 def test_a_cache_over_cpu_memory_is_refused_in_one_line(tiny):
     """--device cpu plans its memory as a GPU model does: a cache that would not fit is one ServeError, before any
     tensor is allocated (it was the allocator's traceback)."""
@@ -477,6 +489,23 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # the float32 checkpoint ran in bf16 (the kernels' dtype): said, with the option that runs it as transformers
+    assert "note: config.json's dtype float32 ran as bfloat16" in r.stderr and "--dtype fp32" in r.stderr, r.stderr
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
+            cwd=tmp_path)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+    # generation_config.json asking for sampling: this greedy run says so (transformers' generate() would sample)
+    import shutil
+    ds = tmp_path / "sampling"
+    shutil.copytree(d, ds)
+    (ds / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.9}')
+    r = cli(["generate", ds, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
+            cwd=tmp_path)
+    assert r.returncode == 0 and "generation_config.json asks for sampling (do_sample, temperature 0.6, top_p 0.9)" \
+        in r.stderr, r.stderr
+    r = cli(["generate", ds, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32",
+             "--temperature", "0.6", "--seed", "1"], cwd=tmp_path)
+    assert r.returncode == 0 and "asks for sampling" not in r.stderr, r.stderr
     # one new token: no decode step ran, so no decode rate (it read "0.0 tokens/s")
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "1", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "no decode step" in r.stderr and "tokens/s" not in r.stderr, r.stderr
