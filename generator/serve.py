@@ -33,7 +33,7 @@ import torch
 
 from . import lm_head, reference
 from .unfused import UnfusedLayer
-from .variants import Model as ModelShape, Variant, shard_model
+from .variants import Model as ModelShape, Variant, shard_model, tile_problem
 
 GiB = 1 << 30
 
@@ -535,7 +535,9 @@ class Model:
             if dtype.removeprefix("torch.") not in names:
                 raise ServeError(f"dtype: 'bf16', 'fp16', 'fp32' or a torch dtype (torch.bfloat16, ...), got {dtype!r}")
             dtype = names[dtype.removeprefix("torch.")]
-        ck = _Checkpoint(path)
+        # (a shape the fused kernels cannot compute, variants.tile_problem, is served by the unfused layers)
+        ck = _Checkpoint(path, kernel=False)
+        no_kernel = tile_problem(ck.model)
         eos = eos_token_ids(ck.dir, ck.cfg, ck.cfg_path)  # a bad one refused before any weight is read
         layer_names = [ck.check_layer(i) for i in range(ck.model.layers)]  # the whole checkpoint, before any load
         head = hfm._head_names(ck)
@@ -568,6 +570,9 @@ class Model:
             if isinstance(variants, str):
                 raise ServeError("variants: a list of variant names, got a single string")
             chosen = list(variants)
+            if chosen and no_kernel:
+                raise ServeError(f"variants: no fused kernel computes this checkpoint's layers ({ck.cfg_path}: "
+                                 f"{no_kernel}); variants=[] serves them unfused")
         vs = []
         for name in chosen:
             v = hfm._built_variant(name, build_dir)
@@ -673,9 +678,12 @@ class Model:
             del W
         embed, norm_w, lm_head = hfm._read_head(ck, head, dtype, dev)
         try:
-            entry = variant_entry_yaml(ck.cfg_path, name=vs[0].model.name if vs else None)
+            entry = None if no_kernel else variant_entry_yaml(ck.cfg_path, name=vs[0].model.name if vs else None)
         except Exception:  # noqa: BLE001 - the hint is best effort; the model itself loaded
             entry = f"  # `megakernel from-hf {ck.dir}` prints this model's entry\n"
+        if no_kernel:  # (said once, here: no variant can be declared for it)
+            warnings.warn(MissingVariantWarning(f"{ck.cfg_path}: no fused kernel computes this shape ({no_kernel}): "
+                                                "every layer runs the unfused PyTorch layer"), stacklevel=2)
         return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
@@ -750,8 +758,8 @@ class Model:
     def _warn_missing(self, ch: Choice, depth: int = 0) -> None:
         """MissingVariantWarning, once per shape, where a declared variant would serve `ch` fused; not for a
         tensor-parallel prompt (prefill variants are one-GPU)."""
-        if ch.missing is None or ch.missing in self._warned:
-            return
+        if ch.missing is None or ch.missing in self._warned or self.entry_yaml is None:
+            return  # (entry_yaml None: a shape no variant can serve, said once by from_hf)
         if self.tp > 1 and ch.missing[0] == "prefill":
             return
         self._warned.add(ch.missing)

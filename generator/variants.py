@@ -219,8 +219,22 @@ def _parse_rope_scaling(where, raw):
     return tuple(sorted(raw.items()))
 
 
-def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
-    """Validate one model entry; returns the Model and its own matrix override (or None)."""
+def tile_problem(m) -> str | None:
+    """Why the fused kernels cannot compute a layer of shape `m` (a Model, or a model entry's fields: the tensor
+    cores' 16-wide tiles, attention's head_dim bound), None where they can. The unfused PyTorch layer has no such
+    limit: generator.serve runs such a checkpoint unfused (parse_model(kernel=False))."""
+    get = m.get if isinstance(m, dict) else lambda k: getattr(m, k)
+    if get("head_dim") % 16 or get("head_dim") > 256:
+        return f"field 'head_dim' must be a multiple of 16 and at most 256, got {get('head_dim')}"
+    if get("hidden") % 16 or get("intermediate") % 16:
+        bad = "hidden" if get("hidden") % 16 else "intermediate"
+        return f"field '{bad}' must be a multiple of 16 (tensor-core tiles), got {get(bad)}"
+    return None
+
+
+def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model, dict | None]:
+    """Validate one model entry; returns the Model and its own matrix override (or None). kernel=False: without
+    the fused kernels' own limits (tile_problem), for a checkpoint served by the unfused layers only."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise VariantError(f"{where}: variant name {name!r} must be lower-case letters, digits, '.', '_' or '-'")
     if not isinstance(raw, dict):
@@ -252,12 +266,8 @@ def parse_model(where: str, name: str, raw) -> tuple[Model, dict | None]:
     if raw["heads"] % raw["kv_heads"]:
         raise VariantError(f"{where}: field 'heads' ({raw['heads']}) must be divisible by kv_heads "
                            f"({raw['kv_heads']})")
-    if raw["head_dim"] % 16 or raw["head_dim"] > 256:
-        raise VariantError(f"{where}: field 'head_dim' must be a multiple of 16 and at most 256, "
-                           f"got {raw['head_dim']}")
-    if raw["hidden"] % 16 or raw["intermediate"] % 16:
-        bad = "hidden" if raw["hidden"] % 16 else "intermediate"
-        raise VariantError(f"{where}: field '{bad}' must be a multiple of 16 (tensor-core tiles), got {raw[bad]}")
+    if kernel and (why := tile_problem(raw)):
+        raise VariantError(f"{where}: {why}")
     for key, allowed in (("dtype", DTYPES), ("norm", NORMS), ("activation", ACTIVATIONS)):
         if raw[key] not in allowed:
             raise VariantError(f"{where}: field '{key}' must be one of {', '.join(allowed)}, got {raw[key]!r}")

@@ -245,6 +245,30 @@ def cpu_model(d, **kw):
     return serve.Model.from_hf(d, **kw)
 
 
+def test_a_shape_no_kernel_computes_is_served_unfused(tmp_path):
+    """A checkpoint whose shape the fused kernels cannot compute (head_dim 12, hidden 72, intermediate 100: not the
+    tensor cores' multiples of 16) is served by the unfused layers, as transformers runs it (greedy tokens equal),
+    said once in a MissingVariantWarning that names the field; naming variants for it is one ServeError; the
+    variants.yaml path (from-hf) still refuses it."""
+    d = tmp_path / "odd"
+    hfm = make_llama(d, hidden_size=72, intermediate_size=100, num_attention_heads=6, num_key_value_heads=2,
+                     head_dim=12)
+    want = hfm.generate(torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = cpu_model(d)
+        got = model.generate([[1, 2, 3, 4, 5]], 8).tokens[0]
+    assert got == want
+    said = [str(w.message) for w in caught if issubclass(w.category, serve.MissingVariantWarning)]
+    assert len(said) == 1 and "no fused kernel computes this shape (field 'head_dim' must be a multiple of 16" \
+        in said[0], said
+    with pytest.raises(serve.ServeError, match=r"^variants: no fused kernel computes .*variants=\[\] serves them"):
+        cpu_model(d, variants=["odd_decode_b1_s48_bf16"])
+    from generator import hf, variants as gvariants
+    with pytest.raises(gvariants.VariantError, match="field 'head_dim' must be a multiple of 16"):
+        hf.model_from_hf(d)
+
+
 def test_dtype_by_name(tiny):
     """dtype as variants.yaml and `--dtype` name it ('bf16', 'fp32'), or torch's ('float32'), or a torch dtype; any
     other is one ServeError naming what is taken."""

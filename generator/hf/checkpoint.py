@@ -40,11 +40,11 @@ class _Checkpoint:
     """A model directory: its mapped config (`mapped`, `model`) and where each tensor lives (`files`: tensor name ->
     file). Every error is an HFConfigError / HFCheckpointError naming the file; no tensor is read until get()."""
 
-    def __init__(self, path):
-        self.mapped = map_config(path)
+    def __init__(self, path, kernel: bool = True):
+        self.mapped = map_config(path, kernel=kernel)  # (kernel=False: a shape only the unfused layers compute)
         self.cfg_path, self.cfg = self.mapped.cfg_path, self.mapped.cfg
         self.dir = self.cfg_path.parent
-        self.model = self.mapped.model()
+        self.model = self.mapped.model(kernel)
         self.index_path = weights_file(self.cfg_path, self.cfg)
         self.files: dict[str, Path] = {}
         if self.index_path.name.endswith(".index.json"):

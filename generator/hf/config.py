@@ -57,9 +57,10 @@ class Mapped(NamedTuple):
     cfg: dict             # the raw config.json
     window: Window | None
 
-    def model(self) -> gvariants.Model:
-        """The validated Model (what Variant(model, "decode", batch, seq_len) needs)."""
-        return gvariants.parse_model(f"{self.cfg_path}: variant '{self.name}'", self.name, self.fields)[0]
+    def model(self, kernel: bool = True) -> gvariants.Model:
+        """The validated Model (what Variant(model, "decode", batch, seq_len) needs; kernel=False: without the
+        fused kernels' own limits, variants.tile_problem)."""
+        return gvariants.parse_model(f"{self.cfg_path}: variant '{self.name}'", self.name, self.fields, kernel)[0]
 
 
 def config_path(path) -> Path:
@@ -271,9 +272,10 @@ def _refuse_unsupported(cfg_path, cfg, model_type):
         raise HFConfigError(f"{cfg_path}: field 'mlp_bias' is true: MLP biases are not supported")
 
 
-def map_config(path, name=None) -> Mapped:
-    """A model directory or config.json -> Mapped (validated with variants.yaml's own rules). HFConfigError (or
-    VariantError for a shape variants.yaml refuses), one line naming the file and the field."""
+def map_config(path, name=None, kernel: bool = True) -> Mapped:
+    """A model directory or config.json -> Mapped (validated with variants.yaml's own rules; kernel=False: without
+    the fused kernels' own limits, variants.tile_problem). HFConfigError (or VariantError for a shape variants.yaml
+    refuses), one line naming the file and the field."""
     cfg_path, cfg = read_config(path)
     model_type = cfg.get("model_type")
     if model_type is None:
@@ -340,7 +342,7 @@ def map_config(path, name=None) -> Mapped:
         name = default_name(cfg_path, model_type)
     # the same rules as variants.yaml (divisibility, head_dim, name, ...); the message names the config file
     try:
-        gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields)
+        gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields, kernel)
     except gvariants.VariantError as exc:
         if derived and "'head_dim'" in str(exc):  # a field the config does not have: say where it came from
             raise HFConfigError(f"{exc} (head_dim {head_dim} = hidden_size {hidden} // num_attention_heads "
