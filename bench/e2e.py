@@ -28,6 +28,10 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from this tree
+    sys.path.insert(0, str(ROOT))
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
                 rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)

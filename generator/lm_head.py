@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,21 @@ from .targets import DTYPES
 MAX_BATCH = 8
 WARPS = 8  # templates/lm_head.cu: WARPS
 ROWS_PER_WARP = {1: 2, MAX_BATCH: 16}  # rows of W a warp takes at a time, by kernel_rows (LMH_R; the mma tile)
+
+
+class Advance(NamedTuple):
+    """The served decode step's advance, done by the head's last block after the greedy choice (generator.serve:
+    a step then ends in this launch): hist[step][b] = next[b], pos[b] += 1, x_next[b] = embed[next[b]], then
+    step += 1. hist [>= steps, B] int64 (the generation's tokens, a row a step: the host copies row i on another
+    stream while later steps run, and nothing writes it again), step [1] int64 (the row this step writes), pos [B]
+    int32 (the step's positions), embed [vocab, hidden] and x_next [B, hidden] (the next step's input: not the
+    head's x) in the model's dtype, all contiguous on the head's device. The head does not check step against
+    hist's rows: the caller sizes hist."""
+    hist: torch.Tensor
+    step: torch.Tensor
+    pos: torch.Tensor
+    embed: torch.Tensor
+    x_next: torch.Tensor
 
 
 def kernel_rows(batch: int) -> int:
@@ -114,18 +130,26 @@ class LMHead:
         self.grid = max(1, min(sms * occ, -(-V // (WARPS * ROWS_PER_WARP[self.maxb]))))
         self.part = torch.empty(self.grid * self.maxb, dtype=torch.int64, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernel leaves it at 0
-        # the driver's kernelParams, built once (x, logits, next filled in per call)
+        # the driver's kernelParams, built once (x, logits, next, rows and the advance's pointers filled in per call)
         vals = [ctypes.c_uint64(0), ctypes.c_uint64(gain.data_ptr()), ctypes.c_uint64(weight.data_ptr()),
                 ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(self.part.data_ptr()),
-                ctypes.c_uint64(self.counter.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(1), ctypes.c_float(eps)]
+                ctypes.c_uint64(self.counter.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(1), ctypes.c_float(eps),
+                *(ctypes.c_uint64(0) for _ in Advance._fields)]
         self._vals = vals
         self._params = (ctypes.c_void_p * len(vals))(*map(ctypes.addressof, vals))
+        # programmatic dependent launch on sm_90+ (unless MEGAKERNEL_PDL=0), as the fused layers launch: a decode
+        # step's head is scheduled while its last layer runs (the kernel waits for it before reading x)
+        from .loader import env_flag, pdl_config
+        self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
+        self._config = pdl_config(self.grid, WARPS * 32, 0, cooperative=False) if self.pdl else None
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor | None = None,
-                 next_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 next_tokens: torch.Tensor | None = None, advance: Advance | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, hidden], 1 <= B <= maxb (the last layer's output, the model's dtype) -> (logits [B, vocab]
-        float32, next [B] int64), written into the given tensors where given. On torch's current stream;
-        capturable in a CUDA graph. Raises ValueError on a wrong shape, dtype or device."""
+        float32, next [B] int64), written into the given tensors where given; with `advance`, also the served decode
+        step's advance (Advance). On torch's current stream; capturable in a CUDA graph. Raises ValueError on a
+        wrong shape, dtype or device."""
         B, V = x.shape[0] if x.dim() == 2 else -1, self.vocab
         if not 1 <= B <= self.maxb or x.shape[1] != self.hidden or x.dtype != self.weight.dtype or \
                 x.device != self.device or not x.is_contiguous():
@@ -137,16 +161,35 @@ class LMHead:
                 next_tokens.shape != (B,) or next_tokens.dtype != torch.int64 or \
                 logits.device != self.device or next_tokens.device != self.device:
             raise ValueError(f"LMHead: logits [{B}, {V}] float32 and next [{B}] int64 on {self.device}")
-        self.launch(x, logits, next_tokens)
+        if advance is not None:
+            hist, step, pos, embed, x_next = advance
+            if hist.dim() != 2 or hist.shape[1] != B or hist.dtype != torch.int64 or step.shape != (1,) or \
+                    step.dtype != torch.int64 or pos.shape != (B,) or pos.dtype != torch.int32 or \
+                    embed.dim() != 2 or embed.shape[0] < V or embed.shape[1] != self.hidden or \
+                    embed.dtype != x.dtype or x_next.shape != x.shape or x_next.dtype != x.dtype or \
+                    not all(t.is_contiguous() and t.device == self.device for t in advance) or \
+                    x_next.data_ptr() == x.data_ptr():
+                raise ValueError(f"LMHead: advance (hist [steps, {B}] int64, step [1] int64, pos [{B}] int32, embed "
+                                 f"[>= {V}, {self.hidden}] and x_next [{B}, {self.hidden}] of x's dtype, not x) "
+                                 f"contiguous on {self.device}")
+        self.launch(x, logits, next_tokens, advance)
         return logits, next_tokens
 
-    def launch(self, x: torch.Tensor, logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def launch(self, x: torch.Tensor, logits: torch.Tensor, next_tokens: torch.Tensor,
+               advance: Advance | None = None) -> None:
         """As __call__ with no checks."""
         nb = x.shape[0]
         self._vals[0].value, self._vals[3].value, self._vals[4].value = \
             x.data_ptr(), logits.data_ptr(), next_tokens.data_ptr()
         self._vals[8].value = nb
+        for v, t in zip(self._vals[10:], advance or (None,) * len(Advance._fields)):
+            v.value = 0 if t is None else t.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):  # the module's context: the weight's device, whichever is current
-            self._driver.launchKernel(self._fn.ptr, self.grid, 1, 1, WARPS * 32, 1, 1,
-                                      nb * self.pitch, stream, ctypes.addressof(self._params), 0)
+            if self._config is not None:
+                from .loader import launch_pdl
+                self._config.sharedMemBytes = nb * self.pitch
+                launch_pdl(self._config, stream, self._fn.ptr, ctypes.addressof(self._params))
+            else:
+                self._driver.launchKernel(self._fn.ptr, self.grid, 1, 1, WARPS * 32, 1, 1,
+                                          nb * self.pitch, stream, ctypes.addressof(self._params), 0)

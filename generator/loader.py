@@ -119,6 +119,34 @@ def _launch_kernel_ex():
     return fn, err
 
 
+def pdl_config(grid: int, threads: int, smem: int, *, cooperative: bool) -> _LaunchConfig:
+    """A cuLaunchKernelEx configuration of `grid` blocks x `threads` threads with `smem` bytes of dynamic shared
+    memory, launched with programmatic dependent launch (the kernel's griddepcontrol.wait orders it after the
+    previous launch in the stream) and, where `cooperative`, as a cooperative launch (grid-wide barriers). Its
+    stream is set per launch (launch_pdl)."""
+    ids = ((_ATTR_COOPERATIVE,) if cooperative else ()) + (_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION,)
+    attrs = (_LaunchAttr * len(ids))()
+    for a, aid in zip(attrs, ids):
+        a.id, a.value.i = aid, 1
+    cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, attrs, len(ids))
+    cfg.keep = attrs  # (the struct points into the array: it lives as long as the config)
+    return cfg
+
+
+def launch_pdl(config: _LaunchConfig, stream: int, fn_ptr: int, params_addr: int) -> None:
+    """cuLaunchKernelEx of the kernel `fn_ptr` (a CUfunction) with the driver's argument array at `params_addr`
+    on `stream` (a CUstream handle), configured by pdl_config. Raises RuntimeError with the driver's message where it
+    refuses the launch."""
+    launch_ex, err_str = _launch_kernel_ex()
+    config.hStream = stream
+    rc = launch_ex(ctypes.byref(config), fn_ptr, params_addr, None)
+    if rc:
+        msg = ctypes.c_char_p()
+        err_str(rc, ctypes.byref(msg))
+        raise RuntimeError(f"{(msg.value or b'unknown error').decode()} (CUresult {rc}, cuLaunchKernelEx with "
+                           "programmatic dependent launch; MEGAKERNEL_PDL=0 launches without)")
+
+
 def _encode_tiled(name: str, what: str, maps: list, device) -> torch.Tensor:
     """cuTensorMapEncodeTiled (CUDA driver API) of each (label, tensor, sizes, strides, box, swizzle) in `maps`:
     16-bit elements, sizes and box innermost first, strides in bytes of the dims above the innermost, zeros past
@@ -343,11 +371,7 @@ class FusedDecoderLayer:
         self.pdl = (cc >= (9, 0) and self.mode == "decode" and self.tp == 1
                     and env_flag("MEGAKERNEL_PDL", True))
         if self.pdl:
-            self._attrs = (_LaunchAttr * 2)()
-            for a, aid in zip(self._attrs, (_ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)):
-                a.id, a.value.i = aid, 1
-            self._config = _LaunchConfig(self.grid, 1, 1, self.plan["threads"], 1, 1, self.plan["smem_bytes"], None,
-                                         self._attrs, 2)
+            self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
         # the launch's argument list, written once from interface.ARGS; x, pos and out are filled in per call
         fixed = {a.name: self.packed.get(a.name) for a in ARGS if a.role == "weight"}
         fixed.update({a.name: self.workspace.data_ptr() + self._buffers[a.name[3:]]["offset"]
@@ -575,15 +599,7 @@ class FusedDecoderLayer:
                 vals[i].value = live[name].data_ptr()
             try:
                 if self.pdl:
-                    launch_ex, err_str = _launch_kernel_ex()
-                    self._config.hStream = stream
-                    rc = launch_ex(ctypes.byref(self._config), fn.ptr, ctypes.addressof(params), None)
-                    if rc:
-                        msg = ctypes.c_char_p()
-                        err_str(rc, ctypes.byref(msg))
-                        raise RuntimeError(f"{(msg.value or b'unknown error').decode()} (CUresult {rc}, "
-                                           "cuLaunchKernelEx with programmatic dependent launch; MEGAKERNEL_PDL=0 "
-                                           "launches without)")
+                    launch_pdl(self._config, stream, fn.ptr, ctypes.addressof(params))
                 else:
                     self._driver.launchCooperativeKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
                                                         self.plan["smem_bytes"], stream, ctypes.addressof(params))

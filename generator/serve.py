@@ -11,9 +11,11 @@ prefill chunk lengths (largest first, per the measured route of generator.routes
 unfused. Every path shares one copy of each layer's packed weights and one KV cache per layer
 ([max_batch, kv_heads, cache_len, head_dim]; a variant of batch b uses the first b sequences).
 
-The whole decode step (embedding, every layer, final norm, lm_head, next-token choice, feeding the token back and
-advancing the positions) is one CUDA graph per (path, batch, greedy/sampled), replayed with no host work; every
-check happens before. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
+The whole decode step (every layer, final norm, lm_head, next-token choice, the token into the generation's history,
+the positions advanced and the next step's embedding rows) is one CUDA graph per (path, batch, greedy/sampled),
+replayed with no host work; every check happens before. A greedy step on the fused head ends in the head's launch
+(lm_head.Advance: no launches after it), and the host copies each step's tokens from the history on a side stream,
+so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
 so a seed gives the same tokens with or without graphs, at any padding, on any path that gives the same logits.
 """
 from __future__ import annotations
@@ -859,33 +861,45 @@ class Model:
         if key not in self._bufs:
             B, dev = ch.batch, self.device
             self._bufs[key] = {
-                "tok": torch.zeros(B, dtype=torch.long, device=dev), "pos": torch.zeros(B, dtype=torch.int32,
-                                                                                        device=dev),
+                # the generation's tokens, a row a decode step (step: the row the next step writes; a generation
+                # has fewer steps than cache rows): the host copies each row on a side stream, never in the step's way
+                "hist": torch.zeros(self.cache_len, B, dtype=torch.long, device=dev),
+                "step": torch.zeros(1, dtype=torch.long, device=dev),
+                "pos": torch.zeros(B, dtype=torch.int32, device=dev),
                 "temp": torch.zeros(B, device=dev), "topk": torch.zeros(B, dtype=torch.long, device=dev),
                 "topp": torch.ones(B, device=dev), "seed": torch.zeros(B, dtype=torch.long, device=dev),
                 "out": torch.zeros(B, dtype=torch.long, device=dev),
-                "logits": torch.zeros(B, self.vocab, device=dev)}
+                "logits": torch.zeros(B, self.vocab, device=dev),
+                "x": torch.zeros(B, self.shape.hidden, dtype=self.dtype, device=dev)}  # embed[tok]: a step's input
         return self._bufs[key]
 
-    def _compute(self, ch: Choice, bufs: dict, sampled: bool) -> None:
-        """tok, pos -> logits, out (the next tokens); writes cache row pos of every sequence (idempotent)."""
-        x = self._layers_decode(self.embed[bufs["tok"]], bufs["pos"], ch)
+    def _compute(self, ch: Choice, bufs: dict, sampled: bool, advance: bool = True) -> None:
+        """x (the step's tokens' embeddings), pos -> logits, out (the next tokens); writes cache row pos of every
+        sequence (idempotent); with `advance` then hist[step] = out, step += 1, pos += 1, x = embed[out]: the next
+        step's inputs. A greedy step on the fused head advances in the head's own launch (lm_head.Advance), else
+        torch does."""
+        x = self._layers_decode(bufs["x"], bufs["pos"], ch)
+        head = None if sampled or not advance else self._fused_head(x.shape[0])
+        if head is not None:
+            head(x.contiguous(), bufs["logits"], bufs["out"],
+                 lm_head.Advance(bufs["hist"], bufs["step"], bufs["pos"], self.embed, bufs["x"]))
+            return
         logits, _ = self._logits(x, bufs["logits"], bufs["out"])
         if sampled:
             bufs["out"].copy_(sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
                                             bufs["pos"].long() + 1))
-
-    @staticmethod
-    def _advance(bufs: dict) -> None:
-        bufs["tok"].copy_(bufs["out"])
-        bufs["pos"].add_(1)
+        if advance:
+            bufs["hist"].index_copy_(0, bufs["step"], bufs["out"][None])
+            bufs["step"].add_(1)
+            bufs["pos"].add_(1)
+            torch.index_select(self.embed, 0, bufs["out"], out=bufs["x"])
 
     def _step(self, ch: Choice, bufs: dict, sampled: bool) -> None:
         """One decode step from the static buffers: replay of the captured graph (captured at the first call of
-        this (path, batch, sampled), after one eager warm-up step that computes the same values), or eagerly."""
+        this (path, batch, sampled), after one eager warm-up step that computes the same values and does not
+        advance), or eagerly."""
         if not (self.use_graphs and self.device.type == "cuda"):
             self._compute(ch, bufs, sampled)
-            self._advance(bufs)
             return
         key = (ch.path, ch.variant, ch.batch, sampled)
         g = self._graphs.get(key)
@@ -893,13 +907,12 @@ class Model:
             before = torch.cuda.memory_reserved(self.device)
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                self._compute(ch, bufs, sampled)  # warm-up: the same step (it rewrites the same cache rows)
+            with torch.cuda.stream(s):  # warm-up: the same step (it rewrites the same cache rows)
+                self._compute(ch, bufs, sampled, advance=False)
             torch.cuda.current_stream(self.device).wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 self._compute(ch, bufs, sampled)
-                self._advance(bufs)
             self._graphs[key] = g
             self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         g.replay()
@@ -1107,8 +1120,9 @@ class Model:
             first = sample_tokens(logits, bufs["temp"][:B], bufs["topk"][:B], bufs["topp"][:B], bufs["seed"][:B],
                                   lens_t)
         all_logits = [logits.clone()] if output_logits else None
-        bufs["tok"].copy_(torch.cat([first, first.new_zeros(pad)]))
+        torch.index_select(self.embed, 0, torch.cat([first, first.new_zeros(pad)]), out=bufs["x"])
         bufs["pos"].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32))
+        bufs["step"].zero_()
         first_host = first.tolist()
         sync()
         ttft = time.perf_counter() - t0
@@ -1134,6 +1148,7 @@ class Model:
         t1 = time.perf_counter()
         pinned = dev.type == "cuda"
         host = torch.empty(max(n, 1), V, dtype=torch.long, pin_memory=pinned)
+        side = torch.cuda.Stream(dev) if pinned else None  # the tokens' copies: off the steps' stream
         events = []
         steps = 0
         try:
@@ -1142,13 +1157,17 @@ class Model:
                     break
                 self._step(dch, bufs, sampled)
                 steps += 1
-                host[i].copy_(bufs["tok"], non_blocking=pinned)
                 if output_logits:
                     all_logits.append(bufs["logits"][:B].clone())
-                if pinned:
-                    ev = torch.cuda.Event()
-                    ev.record()
+                if pinned:  # step i's row once step i is done; the next steps run meanwhile (they write other rows)
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(side):
+                        host[i].copy_(bufs["hist"][i], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record()
                     events.append(ev)
+                else:
+                    host[i].copy_(bufs["hist"][i])
                 if i >= 1:  # the previous step's tokens, read while this one runs
                     if pinned:
                         events[i - 1].synchronize()

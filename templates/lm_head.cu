@@ -55,15 +55,25 @@ __device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k)
 // x [nb][HIDDEN] T, gain [HIDDEN] T, W [V][HIDDEN] T -> logits [nb][V] fp32, next [nb] int64 (nb <= MAXB).
 // part [gridDim.x][MAXB] (scratch), counter: 0 before the first launch; the grid's last block resets it, so a
 // CUDA graph replays the launch as is.
+// The served step's advance where hist is not null (generator.serve: a greedy decode step ends here instead of in
+// more launches): hist[*step][b] = next[b] (the generation's tokens, [steps][nb], which the host copies on another
+// stream), pos[b] += 1, x_next[b] = embed[next[b]] (embed [>= V][HIDDEN] T; x_next is the next step's input, not
+// x), then *step += 1.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) lm_head(
     const T* __restrict__ x, const T* __restrict__ gain, const T* __restrict__ W, float* __restrict__ logits,
     long long* __restrict__ next, unsigned long long* __restrict__ part, unsigned* __restrict__ counter, int V,
-    int nb, float eps) {
+    int nb, float eps, long long* __restrict__ hist, long long* __restrict__ step, int* __restrict__ pos,
+    const T* __restrict__ embed, T* __restrict__ x_next) {
     extern __shared__ __align__(16) unsigned char smem[];  // the normed rows, [nb][HP] T
     T* h = reinterpret_cast<T*>(smem);
     __shared__ unsigned long long best[WARPS][MAXB];
     __shared__ bool last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#if __CUDA_ARCH__ >= 900
+    // programmatic dependent launch (generator.lm_head launches with it on sm_90+): this launch was scheduled while
+    // the last layer ran; wait until it has finished and its writes (x) are visible (a no-op without PDL)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 
     // the norm, in every block (nb x HIDDEN x 2 bytes from L2): a warp a row
     for (int b = warp; b < nb; b += WARPS) {
@@ -196,14 +206,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) lm_head(
     __syncthreads();
     if (!last) return;
     __threadfence();
+    const long long st = hist != nullptr ? *step : 0;  // (every thread reads it before thread 0's increment below)
     for (int b = warp; b < nb; b += WARPS) {
         unsigned long long k = 0ull;
         for (int g = lane; g < (int)gridDim.x; g += 32) {
             const unsigned long long t = __ldcg(part + (size_t)g * MAXB + b);
             k = t > k ? t : k;
         }
-        k = warp_max_key(k);
-        if (lane == 0) next[b] = (long long)(0xFFFFFFFFu - (unsigned)(k & 0xFFFFFFFFull));
+        k = warp_max_key(k);  // (every lane's)
+        const int t = (int)(0xFFFFFFFFu - (unsigned)(k & 0xFFFFFFFFull));
+        if (lane == 0) next[b] = t;
+        if (hist != nullptr) {
+            if (lane == 0) {
+                hist[st * nb + b] = t;
+                pos[b] += 1;
+            }
+#pragma unroll 1  // (unrolled, it spilled 8 B at hidden 2048, one row)
+            for (int c = lane; c < CH; c += 32)
+                *reinterpret_cast<uint4*>(x_next + (size_t)b * HIDDEN + c * 8) =
+                    *reinterpret_cast<const uint4*>(embed + (size_t)t * HIDDEN + c * 8);
+        }
+    }
+    if (hist != nullptr) {
+        __syncthreads();
+        if (threadIdx.x == 0) *step = st + 1;
     }
     if (threadIdx.x == 0) *counter = 0u;
 }

@@ -110,6 +110,24 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(lg, want_l) and torch.equal(nx, want_n)
+    # the served step's advance (lm_head.Advance), replayed in a graph as generator.serve does: each replay chooses
+    # from the same x, so every history row written is that token, step and pos count the replays and x_next is the
+    # token's embedding row
+    embed = torch.randn(vocab + 3, hidden, device="cuda", generator=g).to(dtype)  # (more rows than the head's)
+    hist = torch.full((4, batch), -1, dtype=torch.int64, device="cuda")
+    step = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = torch.arange(batch, dtype=torch.int32, device="cuda") * 7
+    x_next = torch.full((batch, hidden), float("nan"), device="cuda").to(dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head(x, lg, nx, lm_head.Advance(hist, step, pos, embed, x_next))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(nx, want_n) and step.item() == 3
+    assert torch.equal(hist[:3], want_n.repeat(3, 1)) and (hist[3] == -1).all(), "rows 0-2 written, row 3 not"
+    assert pos.tolist() == [7 * b + 3 for b in range(batch)]
+    assert torch.equal(x_next, embed[want_n]), "x_next is the chosen tokens' embedding rows"
 
 
 @gpu
@@ -125,6 +143,16 @@ def test_gpu_head_refuses_bad_inputs_in_one_line(tmp_path):
             head(x)
     with pytest.raises(ValueError, match="bf16/fp16 only"):
         lm_head.LMHead(gain.float(), W.float(), 1e-6, 1, build_dir=tmp_path)
+    x = torch.randn(1, 64, device="cuda").to(torch.bfloat16)
+    hist, step = torch.zeros(8, 1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+    embed, x_next = torch.randn(100, 64, device="cuda").to(torch.bfloat16), torch.empty_like(x)
+    for adv in (lm_head.Advance(hist, step, pos.long(), embed, x_next), lm_head.Advance(hist, step, pos, embed[:99],
+                x_next), lm_head.Advance(hist, step, pos, embed.float(), x_next),
+                lm_head.Advance(hist, step, pos, embed, x), lm_head.Advance(hist[0], step, pos, embed, x_next),
+                lm_head.Advance(hist, step.int(), pos, embed, x_next)):
+        with pytest.raises(ValueError, match=r"^LMHead: advance \(hist \[steps, 1\] int64"):
+            head(x, advance=adv)
 
 
 def test_editing_the_head_leaves_layer_builds_current(tmp_path):
