@@ -96,8 +96,8 @@ class LMHead:
             raise ValueError(f"LMHead: gain [{H}] and weight [vocab, {H}] of one dtype on one CUDA device, got "
                              f"{tuple(gain.shape)} {gain.dtype} {gain.device} and {tuple(weight.shape)} "
                              f"{weight.dtype} {weight.device}")
-        if not weight.is_contiguous() or not gain.is_contiguous():
-            raise ValueError("LMHead: gain and weight must be contiguous")
+        if not weight.is_contiguous() or not gain.is_contiguous() or weight.data_ptr() % 16 or gain.data_ptr() % 16:
+            raise ValueError("LMHead: gain and weight must be contiguous and 16-byte aligned (the kernel's loads)")
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -137,8 +137,9 @@ class LMHead:
                 *(ctypes.c_uint64(0) for _ in Advance._fields)]
         self._vals = vals
         self._params = (ctypes.c_void_p * len(vals))(*map(ctypes.addressof, vals))
-        # programmatic dependent launch on sm_90+ (unless MEGAKERNEL_PDL=0), as the fused layers launch: a decode
-        # step's head is scheduled while its last layer runs (the kernel waits for it before reading x)
+        # programmatic dependent launch on sm_90+ (unless MEGAKERNEL_PDL=0): a decode step's head is scheduled while
+        # its last layer runs. Safe after any launch (tensor parallel's all-reduce too): the kernel's first
+        # instruction waits for the previous launch to finish and its writes to be visible
         from .loader import env_flag, pdl_config
         self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
         self._config = pdl_config(self.grid, WARPS * 32, 0, cooperative=False) if self.pdl else None
@@ -152,9 +153,10 @@ class LMHead:
         wrong shape, dtype or device."""
         B, V = x.shape[0] if x.dim() == 2 else -1, self.vocab
         if not 1 <= B <= self.maxb or x.shape[1] != self.hidden or x.dtype != self.weight.dtype or \
-                x.device != self.device or not x.is_contiguous():
+                x.device != self.device or not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError(f"LMHead: x must be contiguous [1..{self.maxb}, {self.hidden}] {self.weight.dtype} "
-                             f"on {self.device}, got {tuple(x.shape)} {x.dtype} {x.device}")
+                             f"on {self.device} (16-byte aligned: the kernel's loads), got {tuple(x.shape)} {x.dtype} "
+                             f"{x.device}")
         logits = torch.empty(B, V, dtype=torch.float32, device=self.device) if logits is None else logits
         next_tokens = torch.empty(B, dtype=torch.int64, device=self.device) if next_tokens is None else next_tokens
         if logits.shape != (B, V) or logits.dtype != torch.float32 or not logits.is_contiguous() or \
@@ -168,10 +170,10 @@ class LMHead:
                     embed.dim() != 2 or embed.shape[0] < V or embed.shape[1] != self.hidden or \
                     embed.dtype != x.dtype or x_next.shape != x.shape or x_next.dtype != x.dtype or \
                     not all(t.is_contiguous() and t.device == self.device for t in advance) or \
-                    x_next.data_ptr() == x.data_ptr():
+                    embed.data_ptr() % 16 or x_next.data_ptr() % 16 or x_next.data_ptr() == x.data_ptr():
                 raise ValueError(f"LMHead: advance (hist [steps, {B}] int64, step [1] int64, pos [{B}] int32, embed "
-                                 f"[>= {V}, {self.hidden}] and x_next [{B}, {self.hidden}] of x's dtype, not x) "
-                                 f"contiguous on {self.device}")
+                                 f"[>= {V}, {self.hidden}] and x_next [{B}, {self.hidden}] of x's dtype, not x, "
+                                 f"16-byte aligned) contiguous on {self.device}")
         self.launch(x, logits, next_tokens, advance)
         return logits, next_tokens
 

@@ -11,11 +11,11 @@ prefill chunk lengths (largest first, per the measured route of generator.routes
 unfused. Every path shares one copy of each layer's packed weights and one KV cache per layer
 ([max_batch, kv_heads, cache_len, head_dim]; a variant of batch b uses the first b sequences).
 
-The whole decode step (every layer, final norm, lm_head, next-token choice, the token into the generation's history,
-the positions advanced and the next step's embedding rows) is one CUDA graph per (path, batch, greedy/sampled),
-replayed with no host work; every check happens before. A greedy step on the fused head ends in the head's launch
-(lm_head.Advance: no launches after it), and the host copies each step's tokens from the history on a side stream,
-so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
+The whole decode step (every layer, final norm, lm_head, next-token choice, the token into the generation's
+history, the positions advanced and the next step's embedding rows) is one CUDA graph per (path, batch,
+greedy/sampled), replayed with no host work; every check happens before. A greedy step on the fused head ends in
+the head's launch (lm_head.Advance: no launches after it), and the host copies each step's tokens from the history
+on a side stream, so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
 so a seed gives the same tokens with or without graphs, at any padding, on any path that gives the same logits.
 """
 from __future__ import annotations
@@ -333,8 +333,7 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
     """Bytes the model will hold on the GPU, before anything is loaded: weights (fused packed, unfused merged),
     embedding + lm_head, KV caches (2 x layers x [max_batch, kv_heads, cache_len, head_dim]), the fused layers'
     workspaces (workspace_bytes: sum over the variants of one layer's; every layer of a variant shares one), and a
-    margin for loading (one layer's
-    weights twice), logits and graphs."""
+    margin for loading (one layer's weights twice), the decode steps' buffers (logits, token history) and graphs."""
     per_layer = layer_weight_bytes(m, elt)
     out = {
         "weights_fused": per_layer * m.layers if fused else 0,
@@ -343,7 +342,7 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
         "kv_caches": 2 * m.layers * max_batch * m.kv_heads * cache_len * m.head_dim * elt,
         "workspaces": workspace_bytes,
         # loading reads a whole layer (tp shards of m) before keeping its shard
-        "margin": (tp + 1) * per_layer + 8 * max_batch * vocab * 4 + 64 * (1 << 20),
+        "margin": (tp + 1) * per_layer + 8 * max_batch * (vocab * 4 + cache_len * 8) + 64 * (1 << 20),
     }
     out["total"] = sum(out.values())
     return out
@@ -732,9 +731,9 @@ class Model:
 
     def memory(self) -> dict[str, int]:
         """Bytes held on the model's device: weights_fused (one packed copy per layer), weights_unfused, embed_lm_head,
-        kv_caches, workspaces (one per variant, shared by its layers), graphs (pool growth measured around each
-        capture), total; and
-        checkpoint_bytes (the safetensors files on disk) for comparison."""
+        kv_caches, workspaces (one per variant, shared by its layers), step_buffers (each decode path's inputs,
+        logits and token history: [cache_len, batch] int64), graphs (pool growth measured around each capture),
+        total; and checkpoint_bytes (the safetensors files on disk) for comparison."""
         def nbytes(t):
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         seen, storages, fused_w, ws = set(), set(), 0, 0
@@ -752,7 +751,8 @@ class Model:
         out = {"weights_fused": fused_w, "weights_unfused": sum(u.weight_bytes for u in self.unfused or []),
                "embed_lm_head": head, "kv_caches": sum(nbytes(k) + nbytes(v) for k, v in zip(self.k_caches,
                                                                                             self.v_caches)),
-               "workspaces": ws, "graphs": self._graph_bytes}
+               "workspaces": ws, "step_buffers": sum(nbytes(t) for b in self._bufs.values() for t in b.values()),
+               "graphs": self._graph_bytes}
         out["total"] = sum(out.values())
         out["checkpoint_bytes"] = self.checkpoint_bytes
         return out
@@ -787,6 +787,7 @@ class Model:
             raise ServeError(f"fused_head: the fused head runs on a CUDA GPU; this model is on {self.device}")
         if bool(on) != self._fused_head_on:
             self._graphs.clear()
+            self._prefill_pool = None  # (a pool whose graphs are gone is not captured into again)
         self._fused_head_on = bool(on)
 
     def head_path(self, batch: int) -> str:
