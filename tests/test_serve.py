@@ -170,6 +170,25 @@ def test_sampling_greedy_topk1_and_reproducible():
     assert all(int(s[i]) in top3[i].tolist() for i in range(16))
 
 
+def test_sampling_shortcuts_draw_the_same_tokens():
+    """candidates (torch.topk of the largest logits, for top_k > 0) and nucleus=False (top_p 1, top_k off: nothing
+    ranked) draw the tokens the full sort draws, for the same seeds (random logits: no ties), rows of different
+    top_k included."""
+    B, V = 64, 1000
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(3)) * 3
+    t, seed, step = torch.full((B,), 0.7), torch.arange(B) * 13, torch.arange(B) + 5
+    for k, p in ((50, 0.9), (50, 1.0), (1, 1.0), (7, 0.5)):
+        ks = torch.full((B,), k) if k > 1 else torch.ones(B, dtype=torch.long)
+        ks[::3] = max(1, k // 2)  # (some rows keep fewer than the candidates)
+        pp = torch.full((B,), p)
+        full = serve.sample_tokens(logits, t, ks, pp, seed, step)
+        assert torch.equal(serve.sample_tokens(logits, t, ks, pp, seed, step, candidates=k), full), (k, p)
+    off = torch.zeros(B, dtype=torch.long)
+    full = serve.sample_tokens(logits, t, off, torch.ones(B), seed, step)
+    assert torch.equal(serve.sample_tokens(logits, t, off, torch.ones(B), seed, step, nucleus=False), full)
+    assert len(set(full.tolist())) > 20  # (draws, not the argmax)
+
+
 def test_sampling_follows_the_distribution():
     N = 20000
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].expand(N, 4).contiguous()
@@ -182,6 +201,14 @@ def test_sampling_follows_the_distribution():
     freq = torch.bincount(_sample(logits, 0.5, seed=3, step=torch.arange(N)), minlength=4).float() / N
     want = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
     assert torch.allclose(freq, want / want.sum(), atol=0.015), freq
+    # the same through the shortcuts: top-2 by candidates, and no ranking at all
+    s = serve.sample_tokens(logits, torch.ones(N), torch.full((N,), 2), torch.ones(N), torch.full((N,), 4),
+                            torch.arange(N), candidates=2)
+    assert torch.allclose(torch.bincount(s, minlength=4).float() / N, torch.tensor([0.625, 0.375, 0, 0]), atol=0.015)
+    s = serve.sample_tokens(logits, torch.ones(N), torch.zeros(N, dtype=torch.long), torch.ones(N),
+                            torch.full((N,), 5), torch.arange(N), nucleus=False)
+    assert torch.allclose(torch.bincount(s, minlength=4).float() / N, torch.tensor([0.5, 0.3, 0.15, 0.05]),
+                          atol=0.015)
 
 
 # ------------------------------------------------------------------------------------------------------------
