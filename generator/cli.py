@@ -839,7 +839,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
          f"{out.ttft_s * 1e3:.1f} ms, " + (f"decode {out.tokens_per_s:,.1f} tokens/s "
          f"({'CUDA graph' if model.use_graphs else 'eager'})" if out.tokens_per_s > 0 else
-         "no decode step (every sequence ended at its first token)"), highlight=False)
+         ("no decode step (--max-new-tokens 1)" if max_new_tokens == 1 else
+          "no decode step (every sequence ended at its first token)")), highlight=False)
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"

@@ -286,7 +286,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
     """u [B, vocab] float32 in (0, 1), a function of (seed[b], step[b], token id) only. seed, step: int64 [B];
     vocab: the token ids 0 .. vocab - 1, or int64 [B, n] token ids (u [B, n]: the same values at those ids)."""
-    h = _mix32(_mix32(seed & _M32) ^ (step & _M32))
+    # (the seed's high 32 bits mixed in: mix32(0) is 0, so seeds below 2^32 keep their streams)
+    h = _mix32(_mix32((seed & _M32) ^ _mix32(seed >> 32)) ^ (step & _M32))
     idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :] if isinstance(vocab, int) else vocab
     x = _mix32((h[:, None] + idx * 0x9E3779B1) & _M32)
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
@@ -300,10 +301,12 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     the token will take). As transformers' warpers in order (temperature, top-k, top-p: the smallest set of tokens
     whose probability reaches top_p, at least one), then an exact draw by the Gumbel-max trick with noise from
     uniform_noise: no host sync, no RNG state, capturable in a CUDA graph.
-    What the caller knows of every row, for speed (the same draw; ties at a cut are broken in either way, as a
-    sort's are): `candidates` > 0 where every row's top_k is in 1 .. candidates: only the `candidates` largest
-    logits are ranked (torch.topk, not a sort of the vocabulary: ~0.3 ms of a 128 K vocabulary's step on the H200);
-    `nucleus` False where every row's top_p is 1 and top_k is off: nothing is ranked."""
+    Top-k keeps every token tied with the k-th largest logit, as transformers' TopKLogitsWarper does (bf16 logits
+    tie often). What the caller knows of every row, for speed (the same draw): `candidates` > 0 where every row's
+    top_k is in 1 .. candidates: only the `candidates` largest logits are ranked (torch.topk, not a sort of
+    the vocabulary: ~0.3 ms of a 128 K vocabulary's step on the H200; tokens tied with the k-th logit past them
+    are left out, so give room: Model.generate ranks at least 2 x top_k and 128); `nucleus` False where every
+    row's top_p is 1 and top_k is off: nothing is ranked."""
     greedy = logits.argmax(-1)
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     if not nucleus and candidates <= 0:
@@ -313,8 +316,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         scaled, order = scaled.topk(min(candidates, logits.shape[-1]), dim=-1)  # (sorted, largest first)
     else:
         scaled, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(scaled.shape[-1], device=logits.device)[None, :]
-    in_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    kth = scaled.gather(-1, (top_k.clamp(1, scaled.shape[-1]) - 1)[:, None])  # each row's k-th largest
+    in_k = (top_k[:, None] <= 0) | (scaled >= kth)
     scaled = scaled.masked_fill(~in_k, float("-inf"))
     probs = scaled.softmax(-1)
     keep = in_k & ((probs.cumsum(-1) - probs) < top_p[:, None])
@@ -1102,8 +1105,10 @@ class Model:
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
-        # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each
-        sampled = (top_k, top_p < 1) if temperature > 0 else None
+        # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each.
+        # The candidates leave room for ties at the k-th logit, in powers of two (few graphs for many top_k values)
+        cands = 0 if top_k <= 0 else min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length()))
+        sampled = (cands, top_p < 1) if temperature > 0 else None
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         key = (max(lens), B)

@@ -189,6 +189,28 @@ def test_sampling_shortcuts_draw_the_same_tokens():
     assert len(set(full.tolist())) > 20  # (draws, not the argmax)
 
 
+def test_top_k_keeps_the_ties_at_the_kth_logit():
+    """As transformers' TopKLogitsWarper: every token tied with the k-th largest logit stays in (bf16 logits tie
+    often), on the full sort's path and the candidates' (which rank a few more than k)."""
+    N = 20000
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]]).expand(N, 5).contiguous()
+    want = torch.tensor([math.e, 1, 1, 1, 0]) / (math.e + 3)
+    for kw in ({}, {"candidates": 4}, {"candidates": 5}):
+        s = serve.sample_tokens(logits, torch.ones(N), torch.full((N,), 2), torch.ones(N), torch.full((N,), 9),
+                                torch.arange(N), **kw)
+        assert torch.allclose(torch.bincount(s, minlength=5).float() / N, want, atol=0.015), kw
+
+
+def test_seeds_past_32_bits_draw_other_tokens():
+    """A seed's high 32 bits count (seed and seed + 2^32 differ); seeds below 2^32 keep their streams."""
+    step = torch.arange(8)
+    lo = serve.uniform_noise(torch.full((8,), 5), step, 100)
+    assert not torch.equal(lo, serve.uniform_noise(torch.full((8,), 5 + 2 ** 32), step, 100))
+    h = serve._mix32(serve._mix32(torch.full((8,), 5)) ^ step)  # the stream before the high bits were mixed in
+    x = serve._mix32((h[:, None] + torch.arange(100)[None, :] * 0x9E3779B1) & serve._M32)
+    assert torch.equal(lo, ((x >> 8).float() + 0.5) * (1.0 / (1 << 24)))
+
+
 def test_sampling_follows_the_distribution():
     N = 20000
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].expand(N, 4).contiguous()
