@@ -784,8 +784,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         if chosen:
             fail("--variant: fused variants run on CUDA; --device cpu serves the unfused layers (drop --variant)")
         chosen = []
+    cfg = {}
     try:
-        trained = hf.read_config(model_dir)[1].get("max_position_embeddings")
+        cfg = hf.read_config(model_dir)[1]
+        cfg = cfg if isinstance(cfg, dict) else {}  # (Model.from_hf below refuses it in one line)
+        trained = cfg.get("max_position_embeddings")
         longest = max(len(s) for s in seqs) + max_new_tokens - 1  # (the last new token is never fed back)
         if isinstance(trained, int) and longest > trained:  # generated as asked, but past what the model learned
             err_console.print(f"warning: {model_dir}: up to {longest} positions (prompt + --max-new-tokens - 1), "
@@ -796,10 +799,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
-            import torch
-            torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
             model = serve.Model.from_hf(model_dir, build_dir=build_dir, variants=chosen, device=device,
-                                        cache_len=cache_len, max_batch=len(seqs), group=group, dtype=torch_dtype,
+                                        cache_len=cache_len, max_batch=len(seqs), group=group, dtype=dtype,
                                         # (the last new token is never fed back: Model.generate's need)
                                         default_cache_len=max(2, max(len(s) for s in seqs) + max_new_tokens - 1))
             model.use_graphs = model.use_graphs and not no_graph
@@ -848,11 +849,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                       f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}",
          markup=False, highlight=False, soft_wrap=True)
     import torch
-    try:  # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        cfg_dtype = str(cfg.get("dtype") if cfg.get("dtype") is not None else cfg.get("torch_dtype"))
-    except (OSError, ValueError, AttributeError):
-        cfg_dtype = ""
+    # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
+    cfg_dtype = str(cfg.get("dtype") if cfg.get("dtype") is not None else cfg.get("torch_dtype"))
     if dtype is None and cfg_dtype.removeprefix("torch.") == "float32" and model.dtype != torch.float32:
         info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the fused kernels' "
              "dtype); --dtype fp32 runs it as transformers does (unfused)", markup=False, highlight=False,

@@ -15,8 +15,9 @@ The whole decode step (every layer, final norm, lm_head, next-token choice, the 
 history, the positions advanced and the next step's embedding rows) is one CUDA graph per (path, batch,
 greedy/sampled), replayed with no host work; every check happens before. A greedy step on the fused head ends in
 the head's launch (lm_head.Advance: no launches after it), and the host copies each step's tokens from the history
-on a side stream, so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise),
-so a seed gives the same tokens with or without graphs, at any padding, on any path that gives the same logits.
+on a side stream, so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position
+and token id turned into Gumbel noise), so a seed gives the same tokens with or without graphs, at any padding, on
+any path that gives the same logits.
 """
 from __future__ import annotations
 
@@ -546,8 +547,8 @@ class Model:
         from .hf.yaml_edit import variant_entry_yaml
 
         if isinstance(dtype, str):  # the names variants.yaml and `--dtype` use, and torch's
-            names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+            names = {**reference.TORCH_DTYPES, "fp32": torch.float32}
+            names.update({str(t).removeprefix("torch."): t for t in names.values()})
             if dtype.removeprefix("torch.") not in names:
                 raise ServeError(f"dtype: 'bf16', 'fp16', 'fp32' or a torch dtype (torch.bfloat16, ...), got {dtype!r}")
             dtype = names[dtype.removeprefix("torch.")]

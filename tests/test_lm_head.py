@@ -72,26 +72,26 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
         nxt = torch.full((nb,), -1, dtype=torch.int64, device="cuda")
         head(x, logits, nxt)
         torch.cuda.synchronize()
-        assert not logits.isnan().any(), "a logit was not written"
+        assert not logits.isnan().any(), f"seed {seed}: a logit was not written"
         ref = reference(x, gain, W, 1e-5)
         err = ((logits.double() - ref).norm() / ref.norm()).item()
         assert err <= 4e-3, f"seed {seed}: relative error {err:.2e}"  # the logits' rounding to bf16/fp16
-        assert torch.equal(logits, logits.to(dtype).float()), "logits rounded to the model dtype"
+        assert torch.equal(logits, logits.to(dtype).float()), f"seed {seed}: logits rounded to the model dtype"
         # within one rounding of the exact sum: a wrong row, column or k chunk is far outside it
         bad = (logits.double() - ref).abs() > ref.abs() * 2 ** -7 + 1e-4 * ref.abs().max()  # fp32 sums' error
         assert not bad.any(), f"seed {seed}: {bad.sum().item()} logits off, first at {bad.nonzero()[0].tolist()}"
-        assert torch.equal(nxt, logits.argmax(-1)), "next is the first index of the largest logit"
-        assert head.counter.item() == 0  # left for the next launch (a graph replays it as is)
+        assert torch.equal(nxt, logits.argmax(-1)), f"seed {seed}: next is the first index of the largest logit"
+        assert head.counter.item() == 0, f"seed {seed}"  # left for the next launch (a graph replays it as is)
     # a tie on the largest logit: W's rows 5 and vocab-1 are equal, and x = row 5 makes it the largest by far
     x = W[5:6].clone().repeat(batch, 1)
     _, nxt = head(x)
-    assert nxt.tolist() == [5] * x.shape[0]
+    assert nxt.tolist() == [5] * x.shape[0], f"seed {seed}: {nxt.tolist()}"
     # every logit negative (the argmax key's other branch): -|W| rows against a positive x and gain
     Wn = -W.abs()
     neg = lm_head.LMHead(gain.abs(), Wn, 1e-5, batch, build_dir=Path(tmp_path))
     x = torch.rand(batch, hidden, device="cuda", generator=g).to(dtype) + 0.1
     lg, nx = neg(x)
-    assert (lg < 0).all() and torch.equal(nx, lg.argmax(-1))
+    assert (lg < 0).all() and torch.equal(nx, lg.argmax(-1)), f"seed {seed}"
     # a CUDA graph replays it with the same results
     x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
     want_l, want_n = head(x)
@@ -109,7 +109,7 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
         nx.fill_(-1)
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(lg, want_l) and torch.equal(nx, want_n)
+    assert torch.equal(lg, want_l) and torch.equal(nx, want_n), f"seed {seed}: graph replay"
     # the served step's advance (lm_head.Advance), replayed in a graph as generator.serve does: each replay chooses
     # from the same x, so every history row written is that token, step and pos count the replays and x_next is the
     # token's embedding row
@@ -124,10 +124,11 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(nx, want_n) and step.item() == 3
-    assert torch.equal(hist[:3], want_n.repeat(3, 1)) and (hist[3] == -1).all(), "rows 0-2 written, row 3 not"
-    assert pos.tolist() == [7 * b + 3 for b in range(batch)]
-    assert torch.equal(x_next, embed[want_n]), "x_next is the chosen tokens' embedding rows"
+    assert torch.equal(nx, want_n) and step.item() == 3, f"seed {seed}: advance {nx.tolist()} {want_n.tolist()}"
+    assert torch.equal(hist[:3], want_n.repeat(3, 1)) and (hist[3] == -1).all(), \
+        f"seed {seed}: rows 0-2 written, row 3 not"
+    assert pos.tolist() == [7 * b + 3 for b in range(batch)], f"seed {seed}: {pos.tolist()}"
+    assert torch.equal(x_next, embed[want_n]), f"seed {seed}: x_next is the chosen tokens' embedding rows"
 
 
 @gpu
