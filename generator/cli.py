@@ -852,8 +852,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
     cfg_dtype = str(cfg.get("dtype") if cfg.get("dtype") is not None else cfg.get("torch_dtype"))
     if dtype is None and cfg_dtype.removeprefix("torch.") == "float32" and model.dtype != torch.float32:
-        info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the fused kernels' "
-             "dtype); --dtype fp32 runs it as transformers does (unfused)", markup=False, highlight=False,
+        info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the default "
+             "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it as transformers does "
+             "(unfused)", markup=False, highlight=False,
              soft_wrap=True)
     if temperature == 0 and (asked := sampling_asked(model_dir)):
         info(f"note: generation_config.json asks for sampling ({asked}); this run is greedy: pass --temperature "
