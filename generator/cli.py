@@ -846,7 +846,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
     info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
-                      f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}",
+                      f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}"
+         + (f"; sampled draw: decode {model.draw_path(temperature, top_k, top_p)}" if temperature > 0 else ""),
          markup=False, highlight=False, soft_wrap=True)
     import torch
     # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)

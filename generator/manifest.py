@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # what decides a kernel's source besides its parameters
 KERNEL_SOURCES = ("templates", "generator/render.py", "generator/plan.py", "generator/interface.py",
                   "generator/targets.py", "generator/modes")
-# not a layer's: the served model's head (generator.lm_head), whose objects are keyed by their own source
-NOT_KERNEL_SOURCES = ("templates/lm_head.cu",)
+# not a layer's: the served model's head and draw (generator.lm_head, generator.sampler), whose objects are keyed
+# by their own source
+NOT_KERNEL_SOURCES = ("templates/lm_head.cu", "templates/sample.cu")
 
 
 class ManifestError(ValueError):

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from . import lm_head, reference
+from . import lm_head, reference, sampler
 from .unfused import UnfusedLayer
 from .variants import Model as ModelShape, Variant, shard_model, tile_problem
 
@@ -511,6 +511,8 @@ class Model:
         self._fused_head_on = self.device.type == "cuda" and build_dir is not None
         self._heads: dict[int, lm_head.LMHead] = {}  # by kernel_rows: 1, MAX_BATCH
         self._head_why: str | None = None
+        self._sampler: sampler.Sampler | None = None  # a sampled step's draw in one kernel (with the fused head)
+        self._sampler_why: str | None = None
 
     # -- construction --
     @classmethod
@@ -836,6 +838,43 @@ class Model:
                 return None
         return self._heads[rows]
 
+    def draw_path(self, temperature: float, top_k: int, top_p: float) -> str:
+        """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
+        "fused" (generator.sampler: one kernel after torch.topk, or one kernel where top-k is off and top-p 1) or
+        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches)."""
+        if temperature <= 0:
+            return "greedy"
+        why = self._sampler_unsupported(self._draw_shape(top_k, top_p))
+        return "fused" if why is None else f"torch ({why})"
+
+    def _draw_shape(self, top_k: int, top_p: float) -> tuple[int, bool]:
+        """sample_tokens' static arguments (candidates, nucleus) for a generation's top_k and top_p: the candidates
+        leave room for ties at the k-th logit, in powers of two (few graphs for many top_k values)."""
+        cands = 0 if top_k <= 0 else min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length()))
+        return cands, top_p < 1
+
+    def _sampler_unsupported(self, sampled: tuple[int, bool]) -> str | None:
+        if not self.fused_head:
+            return "fused_head off" if self.device.type == "cuda" else f"on {self.device.type}"
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return f"dtype {str(self.dtype).removeprefix('torch.')}"
+        return self._sampler_why or sampler.supported(*sampled)
+
+    def _fused_sampler(self, sampled: tuple[int, bool]) -> sampler.Sampler | None:
+        """The draw's kernels (compiled into build_dir at their first use), or None: sample_tokens. A sampler that
+        cannot be built warns once and is not tried again."""
+        if self._sampler_unsupported(sampled) is not None:
+            return None
+        if self._sampler is None:
+            try:
+                self._sampler = sampler.Sampler(self.shape.hidden, self.dtype, self.device, build_dir=self.build_dir)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves torch's draw, said once
+                last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+                self._sampler_why = f"the fused draw failed: {last}"
+                warnings.warn(f"{self._sampler_why}; drawing with torch", stacklevel=3)
+                return None
+        return self._sampler
+
     def _logits(self, x: torch.Tensor, logits: torch.Tensor | None = None,
                 nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, hidden] -> (logits [B, vocab] float32, greedy next tokens [B] int64), into the given tensors where
@@ -902,6 +941,13 @@ class Model:
                  lm_head.Advance(bufs["hist"], bufs["step"], bufs["pos"], self.embed, bufs["x"]))
             return
         logits, _ = self._logits(x, bufs["logits"], bufs["out"])
+        draw = self._fused_sampler(sampled) if sampled else None
+        if draw is not None:  # the draw and the advance in one launch (after torch.topk)
+            draw(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"], bufs["pos"], bufs["out"],
+                 candidates=sampled[0], nucleus=sampled[1],
+                 advance=lm_head.Advance(bufs["hist"], bufs["step"], bufs["pos"], self.embed, bufs["x"])
+                 if advance else None)
+            return
         if sampled:
             bufs["out"].copy_(sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
                                             bufs["pos"].long() + 1, candidates=sampled[0], nucleus=sampled[1]))
@@ -1106,10 +1152,8 @@ class Model:
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
-        # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each.
-        # The candidates leave room for ties at the k-th logit, in powers of two (few graphs for many top_k values)
-        cands = 0 if top_k <= 0 else min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length()))
-        sampled = (cands, top_p < 1) if temperature > 0 else None
+        # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each
+        sampled = self._draw_shape(top_k, top_p) if temperature > 0 else None
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         key = (max(lens), B)

@@ -50,6 +50,23 @@ def reference(x, gain, W, eps):
     return h.double() @ W.double().T
 
 
+def rounding_slack(x, gain, W, eps):
+    """[B, vocab] fp64: how far a logit may move where the kernel's x * rsqrt(...) rounds to the model dtype the
+    other way than torch's. The two 1/rms differ by a few fp32 ulps (their sums' order), so an element within 2^-18
+    of a rounding midpoint may round to its other neighbour, and h_k = gain_k * that (rounded again) moves by up to
+    two of its ulps: |h_k' - h_k| |W[v, k]| (every element of x with that mantissa moves with it). Measured on the
+    H200: such flips put up to 275 logits of a row past the test's one-rounding bound, ~1 run in 100."""
+    xf = x.float()
+    xr = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).double()
+    t = xr.to(x.dtype).double()
+    mant = {torch.bfloat16: 7, torch.float16: 10}[x.dtype]
+    ulp = torch.ldexp(torch.ones_like(t), torch.frexp(t)[1] - 1 - mant)
+    near = ((xr - t).abs() - ulp / 2).abs() <= xr.abs() * 2.0 ** -18
+    other = (t + torch.where(xr > t, ulp, -ulp)).to(x.dtype)  # the other neighbour (exact in the dtype)
+    moved = ((gain * other).double() - (gain * t.to(x.dtype)).double()).abs() * near
+    return moved @ W.double().abs().T
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("hidden,vocab,dtype,batch", [(2048, 32000 + 13, torch.bfloat16, 1),
@@ -78,7 +95,8 @@ def test_gpu_head_equals_the_reference(tmp_path, hidden, vocab, dtype, batch):
         assert err <= 4e-3, f"seed {seed}: relative error {err:.2e}"  # the logits' rounding to bf16/fp16
         assert torch.equal(logits, logits.to(dtype).float()), f"seed {seed}: logits rounded to the model dtype"
         # within one rounding of the exact sum: a wrong row, column or k chunk is far outside it
-        bad = (logits.double() - ref).abs() > ref.abs() * 2 ** -7 + 1e-4 * ref.abs().max()  # fp32 sums' error
+        bad = (logits.double() - ref).abs() > ref.abs() * 2 ** -7 + 1e-4 * ref.abs().max() + \
+            rounding_slack(x, gain, W, 1e-5)  # fp32 sums' error, and h's rounding at a midpoint
         assert not bad.any(), f"seed {seed}: {bad.sum().item()} logits off, first at {bad.nonzero()[0].tolist()}"
         assert torch.equal(nxt, logits.argmax(-1)), f"seed {seed}: next is the first index of the largest logit"
         assert head.counter.item() == 0, f"seed {seed}"  # left for the next launch (a graph replays it as is)
@@ -169,7 +187,8 @@ def test_editing_the_head_leaves_layer_builds_current(tmp_path):
         else:
             shutil.copy(src, dst)
     before = gmanifest.kernel_sources_digest(tmp_path)
-    (tmp_path / "templates" / "lm_head.cu").write_text("// edited\n")
-    assert gmanifest.kernel_sources_digest(tmp_path) == before
+    for name in ("lm_head.cu", "sample.cu"):  # (the draw's kernels: generator.sampler)
+        (tmp_path / "templates" / name).write_text("// edited\n")
+        assert gmanifest.kernel_sources_digest(tmp_path) == before
     (tmp_path / "templates" / "common.cuh").write_text("// edited\n")
     assert gmanifest.kernel_sources_digest(tmp_path) != before

@@ -739,6 +739,31 @@ def test_gpu_sampled_runs_reproducible_with_a_seed(built):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_k=10, top_p=0.9), dict(temperature=1.2),
+                                dict(temperature=0.7, top_k=3)])
+def test_gpu_fused_draw_is_sample_tokens(built, kw):
+    """A sampled generation's decode steps draw with the fused sampler (generator.sampler; top-p alone: torch's);
+    every token is what serve.sample_tokens draws from that step's logits (seed + 7919 b, the position it takes)."""
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    assert model.draw_path(**{"top_k": 0, "top_p": 1.0, **kw}) == "fused"
+    assert model.draw_path(0.7, 0, 0.9).startswith("torch (top-p without top-k")
+    out = model.generate(PROMPTS, 12, seed=5, output_logits=True, stop_tokens=[], **kw)
+    k, p = kw.get("top_k", 0), kw.get("top_p", 1.0)
+    B = len(PROMPTS)
+    differ = 0
+    for i, lg in enumerate(out.logits):
+        lg = lg[:B].float()
+        want = serve.sample_tokens(lg, torch.full((B,), kw["temperature"], device=lg.device),
+                                   torch.full((B,), k, device=lg.device), torch.full((B,), p, device=lg.device),
+                                   torch.tensor([5 + 7919 * b for b in range(B)], device=lg.device),
+                                   torch.tensor([len(q) + i for q in PROMPTS], device=lg.device))
+        differ += sum(int(want[b]) != out.tokens[b][i] for b in range(B))
+    assert differ <= 1, f"{differ} of {B * len(out.logits)} tokens differ from sample_tokens' draw"
+
+
+@gpu
+@needs_cuda
 def test_gpu_fallback_numerics_equal_the_reference(built):
     hfm, d, build = built
     test_unfused_decode_and_prefill_equal_the_reference(torch.bfloat16, 1e-2, device="cuda")

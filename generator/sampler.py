@@ -1,0 +1,152 @@
+"""The served model's sampled draw after the head, in one launch (templates/sample.cu): serve.sample_tokens' tokens.
+
+serve.sample_tokens (the reference, and the path where this one does not serve) is ~30 torch launches a step: the
+temperature, torch.topk, the mask, the softmax, the cumulative sum, the noise's hash over int64 tensors, the Gumbel
+scores and two argmaxes — ~180 µs of a Llama-3.2-1B step on the H200 at batch 1 (bench/NOTES.md session 39), where
+the greedy step's whole head takes ~130. Here: torch.topk of the raw logits (top-k; its ~45 µs of radix-select
+launches stay), then one kernel that divides, masks, normalises, cuts, draws and advances the decode step as the
+fused head's greedy step does (lm_head.Advance); with top-k off and top-p 1, one kernel over the whole vocabulary
+and nothing ranked. Top-p without top-k sorts the vocabulary: torch's path (supported() says so).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .lm_head import Advance
+from .targets import DTYPES
+
+THREADS = 256  # templates/sample.cu: THREADS
+GUMBEL_IDS_PER_BLOCK = 4096  # sample_gumbel: ids a block takes (16 a thread: ~32 blocks a 128 K vocabulary's row)
+
+
+def supported(candidates: int, nucleus: bool) -> str | None:
+    """None where Sampler serves a draw of this shape (serve.sample_tokens' static arguments), else why not."""
+    if candidates <= 0 and nucleus:
+        return "top-p without top-k ranks the whole vocabulary (torch's sort)"
+    return None
+
+
+def source(hidden: int, dtype: str) -> str:
+    """The kernels' whole CUDA source for embedding rows of `hidden` (a multiple of 8) elements of `dtype`."""
+    from .render import TEMPLATES, _inline
+    dt = DTYPES[dtype]
+    cfg = (f"#define MEGAKERNEL_CONFIG 1\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+           f"constexpr int HIDDEN = {hidden};\ntypedef {dt.ctype} T;\ntypedef {dt.ctype2} T2;\n"
+           f"constexpr float T_MAX = {dt.max_finite!r}f;\n#define DTYPE_BF16 {1 if dtype == 'bf16' else 0}\n"
+           f"#define MMA_AB \"{dt.mma}\"\n")  # (common.cuh's helpers need the whole dtype config)
+    return _inline(cfg + (TEMPLATES / "sample.cu").read_text(), TEMPLATES, set())
+
+
+class Sampler:
+    """next = serve.sample_tokens(logits, temp, topk, topp, seed, pos + 1, candidates=, nucleus=) for rows whose
+    temperature is > 0 (rows at 0 keep `next`, the head's greedy tokens), in one kernel after torch.topk (or in one
+    kernel, top-k off and top-p 1), and the served decode step's advance where given (lm_head.Advance).
+
+    hidden, dtype: the embedding rows' (the advance's x_next = embed[next]); device: a CUDA device. Compiled at
+    construction into build_dir's object cache, as lm_head.LMHead is. The same draw as sample_tokens: the same noise
+    (serve.uniform_noise's hash), fp32 arithmetic in its order but for the softmax's sum and the cumulative sum (a
+    token at the top-p cut within an fp32 rounding of it may be kept by one and not the other). One launch at a time
+    (its counters are shared). Raises ValueError (shapes, dtypes) and CompileError.
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device | str, *,
+                 build_dir: str | Path = "build", arch: str | None = None):
+        if hidden % 8:
+            raise ValueError(f"Sampler: hidden {hidden} is not a multiple of 8")
+        names = [n for n, d in DTYPES.items() if getattr(torch, d.torch) == dtype]
+        if not names:
+            raise ValueError(f"Sampler: dtype {dtype} (bf16/fp16/fp32)")
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        from . import compile as gcompile
+        from .loader import env_flag, pdl_config
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"Sampler: a CUDA device, got {self.device}")
+        if self.device.index is None:  # (tensors name their device's index: "cuda" is the current one)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.hidden, self.dtype = hidden, dtype
+        arch = arch or "%d%d" % torch.cuda.get_device_capability(self.device)
+        src = source(hidden, names[0])
+        key = gcompile.cache_key(src, arch)
+        self.meta, _ = gcompile.compiled_object(src, key, arch, Path(build_dir))
+        with cupy.cuda.Device(self.device.index):
+            self._module = cupy.RawModule(path=str(Path(build_dir) / "objects" / key / "kernel.cubin"))
+            self._fns = {n: self._module.get_function(n).kernel for n in ("sample_candidates", "sample_gumbel")}
+        self._driver = driver
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernels leave it at 0
+        self.rowmax = torch.zeros(0, dtype=torch.int64, device=self.device)  # sample_gumbel's, grown per batch
+        self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
+        self._pdl_config = pdl_config
+
+    def __call__(self, logits: torch.Tensor, temp: torch.Tensor, topk: torch.Tensor, topp: torch.Tensor,
+                 seed: torch.Tensor, pos: torch.Tensor, next_tokens: torch.Tensor, *, candidates: int,
+                 nucleus: bool, advance: Advance | None = None) -> torch.Tensor:
+        """logits [B, vocab] float32; temp, topp [B] float32; topk, seed [B] int64 (seeds in [0, 2^62)); pos [B]
+        int32 (the step's positions: the noise's step is pos + 1, the position the token takes); next_tokens [B]
+        int64, in: the greedy tokens, out: the draw (returned). candidates > 0: every row's top_k is in
+        1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in every row.
+        On torch's current stream; capturable in a CUDA graph. Raises ValueError where supported() refuses the
+        draw's shape or a tensor is not as above."""
+        why = supported(candidates, nucleus)
+        if why:
+            raise ValueError(f"Sampler: {why}")
+        B, V = logits.shape if logits.dim() == 2 else (-1, -1)
+        ok = B >= 1 and logits.dtype == torch.float32 and logits.is_contiguous() and all(
+            t.shape == (B,) and t.device == logits.device == self.device and t.is_contiguous() for t in
+            (temp, topk, topp, seed, pos, next_tokens)) and temp.dtype == topp.dtype == torch.float32 and \
+            topk.dtype == seed.dtype == next_tokens.dtype == torch.int64 and pos.dtype == torch.int32
+        if not ok:
+            raise ValueError(f"Sampler: logits [B, vocab] float32, temp/top_p [B] float32, top_k/seed/next [B] int64 "
+                             f"and pos [B] int32, contiguous on {self.device}; got logits {tuple(logits.shape)} "
+                             f"{logits.dtype} {logits.device}")
+        if advance is not None:
+            hist, step, apos, embed, x_next = advance
+            if apos.data_ptr() != pos.data_ptr() or hist.dim() != 2 or hist.shape[1] != B or \
+                    hist.dtype != torch.int64 or step.shape != (1,) or step.dtype != torch.int64 or \
+                    embed.dim() != 2 or embed.shape[0] < V or embed.shape[1] != self.hidden or \
+                    embed.dtype != self.dtype or x_next.shape != (B, self.hidden) or x_next.dtype != self.dtype or \
+                    not all(t.is_contiguous() and t.device == self.device for t in advance) or \
+                    embed.data_ptr() % 16 or x_next.data_ptr() % 16:
+                raise ValueError(f"Sampler: advance (hist [steps, {B}] int64, step [1] int64, pos: the draw's pos, "
+                                 f"embed [>= {V}, {self.hidden}] and x_next [{B}, {self.hidden}] {self.dtype}, "
+                                 f"16-byte aligned) contiguous on {self.device}")
+        adv = [0] * 5 if advance is None else [t.data_ptr() for t in advance]
+        # (hist, step, pos, embed, x_next) as the kernels take them
+        tail = [ctypes.c_uint64(adv[0]), ctypes.c_uint64(adv[1]), ctypes.c_uint64(pos.data_ptr()),
+                ctypes.c_uint64(adv[3]), ctypes.c_uint64(adv[4])]
+        if candidates > 0:
+            C = min(candidates, V)
+            vals, ids = logits.topk(C, dim=-1)  # (sorted, largest first)
+            args = [ctypes.c_uint64(vals.data_ptr()), ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(C),
+                    ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(topk.data_ptr()),
+                    ctypes.c_uint64(topp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
+                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B),
+                    ctypes.c_uint64(self.counter.data_ptr()), *tail]
+            self._launch("sample_candidates", B, args)  # (vals, ids: freed after it on this stream, as torch's are)
+        else:
+            if self.rowmax.numel() < B:
+                self.rowmax = torch.zeros(B, dtype=torch.int64, device=self.device)
+            G = max(1, -(-V // GUMBEL_IDS_PER_BLOCK))
+            args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G),
+                    ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
+                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B),
+                    ctypes.c_uint64(self.rowmax.data_ptr()), ctypes.c_uint64(self.counter.data_ptr()), *tail]
+            self._launch("sample_gumbel", G * B, args)
+        return next_tokens
+
+    def _launch(self, name: str, grid: int, args: list) -> None:
+        params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        fn = self._fns[name]
+        with torch.cuda.device(self.device):
+            if self.pdl:  # the kernels wait (griddepcontrol.wait) before their first load
+                from .loader import launch_pdl
+                launch_pdl(self._pdl_config(grid, THREADS, 0, cooperative=False), stream, fn.ptr,
+                           ctypes.addressof(params))
+            else:
+                self._driver.launchKernel(fn.ptr, grid, 1, 1, THREADS, 1, 1, 0, stream, ctypes.addressof(params), 0)

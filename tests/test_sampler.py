@@ -1,0 +1,134 @@
+"""The served model's sampled draw as one kernel (generator.sampler): it compiles without spills (CPU: nvcc), and on
+a GPU it draws serve.sample_tokens' tokens (the reference: transformers' warpers, the Gumbel-max draw) for every
+draw shape it serves, keeps the greedy token of temperature-0 rows, advances the step as the fused head does, and
+replays in a CUDA graph."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator import compile as gcompile, lm_head, sampler, serve
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("hidden,dtype", [(2048, "bf16"), (896, "fp16"), (8192, "bf16")])
+def test_sampler_compiles_without_spills(tmp_path, hidden, dtype):
+    src = sampler.source(hidden, dtype)
+    meta, _ = gcompile.compiled_object(src, gcompile.cache_key(src, "90"), "90", tmp_path)
+    assert meta["spill_stores"] == 0 and meta["spill_loads"] == 0, meta
+    assert f"constexpr int HIDDEN = {hidden};" in src
+
+
+def test_which_draws_are_served():
+    assert sampler.supported(128, True) is None  # top-k (and top-p): torch.topk, then the kernel
+    assert sampler.supported(0, False) is None  # temperature only: the kernel over the vocabulary
+    assert "top-p without top-k" in sampler.supported(0, True)
+
+
+def _inputs(B, V, seed, *, ties=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(B, V, device="cuda", generator=g) * 3
+    if ties:  # bf16 logits tie often (the k-th logit's ties are kept, as transformers keeps them)
+        logits = logits.bfloat16().float()
+    temp = 0.3 + torch.rand(B, device="cuda", generator=g) * 1.2
+    temp[1] = 0.0  # a greedy row keeps the head's token
+    s = torch.randint(0, 2 ** 62, (B,), device="cuda", generator=g)
+    pos = torch.randint(0, 4000, (B,), device="cuda", generator=g, dtype=torch.int32)
+    return logits, temp, s, pos
+
+
+# (top_k, top_p, candidates, nucleus): the draw shapes generate() asks for
+SHAPES = [(50, 0.9, 128, True), (1, 1.0, 128, False), (200, 0.5, 512, True), (50, 1.0, 128, False),
+          (0, 1.0, 0, False)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("k,p,cands,nucleus", SHAPES)
+def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, ties):
+    B, V = 6, 50000 + 17
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    differ = 0
+    for trial in range(30):
+        logits, temp, s, pos = _inputs(B, V, 1000 * trial + 7, ties=ties)
+        topk, topp = torch.full((B,), k, device="cuda"), torch.full((B,), p, device="cuda")
+        greedy = logits.argmax(-1)
+        want = serve.sample_tokens(logits, temp, topk, topp, s, pos.long() + 1, candidates=cands, nucleus=nucleus)
+        nxt = greedy.clone()
+        got = draw(logits, temp, topk, topp, s, pos, nxt, candidates=cands, nucleus=nucleus)
+        torch.cuda.synchronize()
+        assert got.data_ptr() == nxt.data_ptr() and got[1] == greedy[1], (trial, got.tolist(), greedy.tolist())
+        # the same draw; the softmax's sum and the cumulative sum run in another order than torch's, so a token
+        # within an fp32 rounding of the top-p cut may go either way (none in 180 draws seen; a wrong mask, scale,
+        # noise or index differs in most)
+        differ += int((got != want).sum())
+        assert draw.counter.item() == 0
+    assert differ <= (1 if nucleus else 0), f"{differ} of {30 * B} draws differ from sample_tokens'"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cands,nucleus", [(128, True), (0, False)])
+def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
+    """With lm_head.Advance: hist[step] = the draw, pos += 1, x_next = embed[draw], step += 1 — as the fused head's
+    greedy step does; a CUDA graph's replays chain steps (each draws from the new positions)."""
+    B, V, H = 3, 30011, 256
+    draw = sampler.Sampler(H, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    logits, temp, s, pos0 = _inputs(B, V, 5)
+    topk, topp = torch.full((B,), 40, device="cuda"), torch.full((B,), 0.8 if nucleus else 1.0, device="cuda")
+    embed = torch.randn(V + 5, H, device="cuda").bfloat16()
+    hist = torch.full((6, B), -1, dtype=torch.int64, device="cuda")
+    step = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = pos0.clone()
+    x_next = torch.full((B, H), float("nan"), device="cuda").bfloat16()
+    greedy = logits.argmax(-1)
+    nxt = greedy.clone()
+    adv = lm_head.Advance(hist, step, pos, embed, x_next)
+    kw = dict(candidates=cands, nucleus=nucleus)
+
+    def expected(i):  # step i's draw (its positions pos0 + i) from the reference
+        return serve.sample_tokens(logits, temp, topk, topp, s, pos0.long() + i + 1, **kw)
+
+    draw(logits, temp, topk, topp, s, pos, nxt, advance=adv, **kw)
+    torch.cuda.synchronize()
+    want = expected(0)
+    want[1] = greedy[1]
+    assert torch.equal(nxt, want) and torch.equal(hist[0], want) and hist[1:].eq(-1).all()
+    assert step.item() == 1 and torch.equal(pos, pos0 + 1) and torch.equal(x_next, embed[want])
+    # captured, then replayed: each replay is the next step (nxt is the head's greedy input again: reset it first)
+    s_ = torch.cuda.Stream()
+    s_.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s_):
+        with torch.cuda.graph(graph, stream=s_):
+            nxt.copy_(greedy)
+            draw(logits, temp, topk, topp, s, pos, nxt, advance=adv, **kw)
+    torch.cuda.current_stream().wait_stream(s_)
+    for i in range(1, 5):
+        graph.replay()
+        torch.cuda.synchronize()
+        want = expected(i)
+        want[1] = greedy[1]
+        assert torch.equal(hist[i], want), (i, hist[i].tolist(), want.tolist())
+        assert step.item() == i + 1 and torch.equal(pos, pos0 + i + 1) and torch.equal(x_next, embed[want])
+    assert draw.counter.item() == 0 and (draw.rowmax == 0).all()
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampler_refuses_bad_inputs(tmp_path):
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    logits, temp, s, pos = _inputs(2, 1000, 1)
+    k, p, nxt = torch.full((2,), 5, device="cuda"), torch.ones(2, device="cuda"), torch.zeros(2, dtype=torch.long,
+                                                                                              device="cuda")
+    with pytest.raises(ValueError, match="top-p without top-k"):
+        draw(logits, temp, k, p, s, pos, nxt, candidates=0, nucleus=True)
+    with pytest.raises(ValueError, match="pos \\[B\\] int32"):
+        draw(logits, temp, k, p, s, pos.long(), nxt, candidates=128, nucleus=False)
+    with pytest.raises(ValueError, match="Sampler: hidden 60"):
+        sampler.Sampler(60, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
