@@ -2,11 +2,11 @@
 
 serve.sample_tokens (the reference, and the path where this one does not serve) is ~30 torch launches a step: the
 temperature, torch.topk, the mask, the softmax, the cumulative sum, the noise's hash over int64 tensors, the Gumbel
-scores and two argmaxes — ~180 µs of a Llama-3.2-1B step on the H200 at batch 1 (bench/NOTES.md session 39), where
-the greedy step's whole head takes ~130. Here: torch.topk of the raw logits (top-k; its ~45 µs of radix-select
-launches stay), then one kernel that divides, masks, normalises, cuts, draws and advances the decode step as the
-fused head's greedy step does (lm_head.Advance); with top-k off and top-p 1, one kernel over the whole vocabulary
-and nothing ranked. Top-p without top-k sorts the vocabulary: torch's path (supported() says so).
+scores and two argmaxes — ~190 µs of a Llama-3.2-1B step on the H200 at batch 1 (bench/NOTES.md session 40), where
+the greedy step's whole head takes ~130. Here one kernel draws and advances the decode step as the fused head's
+greedy step does (lm_head.Advance): with top-k (and top-p) its blocks select the row's top-k logits by radix select
+(no torch.topk: its ~45 µs of launches), sort them and draw; with top-k off and top-p 1, nothing is ranked. Top-p
+without top-k sorts the vocabulary: torch's path (supported() says so).
 """
 from __future__ import annotations
 
@@ -19,13 +19,20 @@ from .lm_head import Advance
 from .targets import DTYPES
 
 THREADS = 256  # templates/sample.cu: THREADS
-GUMBEL_IDS_PER_BLOCK = 4096  # sample_gumbel: ids a block takes (16 a thread: ~32 blocks a 128 K vocabulary's row)
+IDS_PER_BLOCK = 4096  # logits a block takes (templates/sample.cu: SLICE; ~32 blocks a 128 K vocabulary's row)
+MAX_CANDIDATES = 4096  # sample_topk's kept logits sorted in shared memory (8 bytes each): top_k up to 2,048
+MAX_VOCAB = 128 * IDS_PER_BLOCK  # sample_topk's slices' counts of a row in shared memory (templates: MAX_SLICES)
 
 
-def supported(candidates: int, nucleus: bool) -> str | None:
-    """None where Sampler serves a draw of this shape (serve.sample_tokens' static arguments), else why not."""
+def supported(candidates: int, nucleus: bool, vocab: int) -> str | None:
+    """None where Sampler serves a draw of this shape (serve.sample_tokens' static arguments) over `vocab`
+    logits, else why not."""
     if candidates <= 0 and nucleus:
         return "top-p without top-k ranks the whole vocabulary (torch's sort)"
+    if candidates > MAX_CANDIDATES:
+        return f"{candidates} candidates (top-k up to {MAX_CANDIDATES // 2}: torch.topk)"
+    if candidates > 0 and vocab > MAX_VOCAB:
+        return f"vocabulary {vocab} > {MAX_VOCAB}"
     return None
 
 
@@ -42,8 +49,10 @@ def source(hidden: int, dtype: str) -> str:
 
 class Sampler:
     """next = serve.sample_tokens(logits, temp, topk, topp, seed, pos + 1, candidates=, nucleus=) for rows whose
-    temperature is > 0 (rows at 0 keep `next`, the head's greedy tokens), in one kernel after torch.topk (or in one
-    kernel, top-k off and top-p 1), and the served decode step's advance where given (lm_head.Advance).
+    temperature is > 0 (rows at 0 keep `next`, the head's greedy tokens), in one kernel, and the served decode step's
+    advance where given (lm_head.Advance). Top-k keeps the logits >= the row's k-th largest (ties included), at most
+    the candidates' count rounded up to a power of two (sample_tokens keeps `candidates`: they differ only where more
+    logits tie at the k-th than that).
 
     hidden, dtype: the embedding rows' (the advance's x_next = embed[next]); device: a CUDA device. Compiled at
     construction into build_dir's object cache, as lm_head.LMHead is. The same draw as sample_tokens: the same noise
@@ -76,10 +85,17 @@ class Sampler:
         self.meta, _ = gcompile.compiled_object(src, key, arch, Path(build_dir))
         with cupy.cuda.Device(self.device.index):
             self._module = cupy.RawModule(path=str(Path(build_dir) / "objects" / key / "kernel.cubin"))
-            self._fns = {n: self._module.get_function(n).kernel for n in ("sample_candidates", "sample_gumbel")}
+            fns = {n: self._module.get_function(n) for n in ("sample_topk", "sample_gumbel")}
+            fns["sample_topk"].max_dynamic_shared_size_bytes = MAX_CANDIDATES * 8
+            self._fns = {n: f.kernel for n, f in fns.items()}
         self._driver = driver
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernels leave it at 0
-        self.rowmax = torch.zeros(0, dtype=torch.int64, device=self.device)  # sample_gumbel's, grown per batch
+        # per-row scratch, grown with the batch: sample_gumbel's row maxima and sample_topk's rows' arrivals (both
+        # left at 0); sample_topk's slices' candidates and their counts
+        self.rowmax = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.rowdone = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._cand = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._cnt = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
         self._pdl_config = pdl_config
 
@@ -92,10 +108,10 @@ class Sampler:
         1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in every row.
         On torch's current stream; capturable in a CUDA graph. Raises ValueError where supported() refuses the
         draw's shape or a tensor is not as above."""
-        why = supported(candidates, nucleus)
+        B, V = logits.shape if logits.dim() == 2 else (-1, -1)
+        why = supported(candidates, nucleus, V)
         if why:
             raise ValueError(f"Sampler: {why}")
-        B, V = logits.shape if logits.dim() == 2 else (-1, -1)
         ok = B >= 1 and logits.dtype == torch.float32 and logits.is_contiguous() and all(
             t.shape == (B,) and t.device == logits.device == self.device and t.is_contiguous() for t in
             (temp, topk, topp, seed, pos, next_tokens)) and temp.dtype == topp.dtype == torch.float32 and \
@@ -119,19 +135,23 @@ class Sampler:
         # (hist, step, pos, embed, x_next) as the kernels take them
         tail = [ctypes.c_uint64(adv[0]), ctypes.c_uint64(adv[1]), ctypes.c_uint64(pos.data_ptr()),
                 ctypes.c_uint64(adv[3]), ctypes.c_uint64(adv[4])]
+        G = max(1, -(-V // IDS_PER_BLOCK))
+        if self.rowmax.numel() < B:
+            self.rowmax = torch.zeros(B, dtype=torch.int64, device=self.device)
+            self.rowdone = torch.zeros(B, dtype=torch.int32, device=self.device)
         if candidates > 0:
-            C = min(candidates, V)
-            vals, ids = logits.topk(C, dim=-1)  # (sorted, largest first)
-            args = [ctypes.c_uint64(vals.data_ptr()), ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(C),
+            C = 1 << (min(candidates, V) - 1).bit_length()  # (a power of two: the kernel's sort)
+            if self._cand.numel() < B * G * C:
+                self._cand = torch.empty(B * G * C, dtype=torch.int64, device=self.device)
+                self._cnt = torch.empty(B * G, dtype=torch.int32, device=self.device)
+            args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G), ctypes.c_int32(C),
                     ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(topk.data_ptr()),
                     ctypes.c_uint64(topp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
-                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B),
+                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B), ctypes.c_uint64(self._cand.data_ptr()),
+                    ctypes.c_uint64(self._cnt.data_ptr()), ctypes.c_uint64(self.rowdone.data_ptr()),
                     ctypes.c_uint64(self.counter.data_ptr()), *tail]
-            self._launch("sample_candidates", B, args)  # (vals, ids: freed after it on this stream, as torch's are)
+            self._launch("sample_topk", G * B, args, smem=C * 8)
         else:
-            if self.rowmax.numel() < B:
-                self.rowmax = torch.zeros(B, dtype=torch.int64, device=self.device)
-            G = max(1, -(-V // GUMBEL_IDS_PER_BLOCK))
             args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G),
                     ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
                     ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B),
@@ -139,14 +159,15 @@ class Sampler:
             self._launch("sample_gumbel", G * B, args)
         return next_tokens
 
-    def _launch(self, name: str, grid: int, args: list) -> None:
+    def _launch(self, name: str, grid: int, args: list, smem: int = 0) -> None:
         params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
         stream = torch.cuda.current_stream(self.device).cuda_stream
         fn = self._fns[name]
         with torch.cuda.device(self.device):
             if self.pdl:  # the kernels wait (griddepcontrol.wait) before their first load
                 from .loader import launch_pdl
-                launch_pdl(self._pdl_config(grid, THREADS, 0, cooperative=False), stream, fn.ptr,
+                launch_pdl(self._pdl_config(grid, THREADS, smem, cooperative=False), stream, fn.ptr,
                            ctypes.addressof(params))
             else:
-                self._driver.launchKernel(fn.ptr, grid, 1, 1, THREADS, 1, 1, 0, stream, ctypes.addressof(params), 0)
+                self._driver.launchKernel(fn.ptr, grid, 1, 1, THREADS, 1, 1, smem, stream, ctypes.addressof(params),
+                                          0)

@@ -858,7 +858,7 @@ class Model:
             return "fused_head off" if self.device.type == "cuda" else f"on {self.device.type}"
         if self.dtype not in (torch.bfloat16, torch.float16):
             return f"dtype {str(self.dtype).removeprefix('torch.')}"
-        return self._sampler_why or sampler.supported(*sampled)
+        return self._sampler_why or sampler.supported(*sampled, self.vocab)
 
     def _fused_sampler(self, sampled: tuple[int, bool]) -> sampler.Sampler | None:
         """The draw's kernels (compiled into build_dir at their first use), or None: sample_tokens. A sampler that

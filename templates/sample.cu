@@ -5,9 +5,10 @@
 //   transformers' TopKLogitsWarper); p = softmax over those; top-p keeps the smallest prefix of the descending
 //   order whose exclusive cumulative sum stays below top_p (the first always); then the Gumbel-max draw:
 //   argmax over kept i of s_i - log(-log(u(seed, step, id_i))), u = serve.uniform_noise's hash, first index on ties.
-// Two kernels: sample_candidates (top-k / top-p over the row's C largest logits, sorted: torch.topk's output; a
-// block a row) and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks a row, the row's
-// maximum by a 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
+// Two kernels: sample_topk (top-k, and top-p: G blocks a row each keep their slice's logits >= the slice's k-th
+// largest, the row's last block selects the row's k-th among them by radix select, sorts the kept ones and draws)
+// and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks a row, the row's maximum by a
+// 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
 // Config (generator.sampler prepends it): HIDDEN, T.
 #include "common.cuh"
 
@@ -70,8 +71,8 @@ __device__ float block_sum(float v, float* red) {
 }
 
 // row b's token t: next[b] = t and, where hist is not null, hist[st][b] = t, pos[b] += 1, x_next[b] = embed[t]
-// (every thread of the block copies). Then the grid's last block to arrive sets *step = st + 1 and resets counter.
-// st: *step as this block read it before its arrival.
+// (every thread of the block copies). arrive: the last of `blocks` blocks to arrive sets *step = st + 1 and resets
+// counter (st: *step as this block read it before its arrival).
 __device__ void finish_row(int b, long long t, int nb, long long* next, long long* hist, long long st, int* pos,
                            const T* embed, T* x_next) {
     if (threadIdx.x == 0) {
@@ -86,58 +87,190 @@ __device__ void finish_row(int b, long long t, int nb, long long* next, long lon
             *reinterpret_cast<uint4*>(x_next + (size_t)b * HIDDEN + c * 8) =
                 *reinterpret_cast<const uint4*>(embed + (size_t)t * HIDDEN + c * 8);
 }
-__device__ void arrive(unsigned* counter, long long* step, long long st) {
+__device__ void arrive(unsigned* counter, int blocks, long long* step, long long st) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(counter, 1u) == gridDim.x - 1) {
+        if (atomicAdd(counter, 1u) == (unsigned)blocks - 1) {
             if (step != nullptr) *step = st + 1;
             *counter = 0u;
         }
     }
 }
 
-// vals [nb][C] fp32: each row's C largest logits, descending (torch.topk of the raw logits: dividing by t > 0
-// keeps their order), ids [nb][C] int64 their token ids; temp, topp [nb] fp32, topk, seed [nb] int64, pos [nb]
-// int32 (the noise's step is pos + 1, the position the token takes); next [nb] int64: in, the greedy tokens; out,
-// the draw. Grid: nb blocks. Needs top_k <= C where top-k is on (generator.sampler's caller sizes C).
-extern "C" __global__ void __launch_bounds__(THREADS) sample_candidates(
-    const float* __restrict__ vals, const long long* __restrict__ ids, int C, const float* __restrict__ temp,
+// A logit's 32-bit key whose unsigned order is the float's (radix select); key_float inverts it.
+__device__ __forceinline__ unsigned float_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// The k-th largest (1 <= k <= n) of the keys get(0 .. n-1) (uint32), by the block's threads together: a radix
+// select, 8 bits a pass from the top; hist: 256 counters in shared memory. Every thread returns it.
+template <typename Get>
+__device__ unsigned kth_largest(Get get, int n, int k, unsigned* hist, unsigned* pick) {
+    unsigned prefix = 0u, mask = 0u;
+    int remaining = k;  // the rank, among keys matching prefix under mask, of the one sought
+#pragma unroll 1
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += THREADS) {
+            const unsigned key = get(i);
+            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {  // the digit where the count from the top reaches `remaining`: a lane 8 bins
+            const int lane = threadIdx.x;
+            unsigned c[8], tot = 0u;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                c[j] = hist[255 - 8 * lane - j];
+                tot += c[j];
+            }
+            unsigned incl = tot;  // the bins above this lane's, and its own
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned t = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += t;
+            }
+            unsigned above = incl - tot;
+            if ((int)above < remaining && remaining <= (int)incl) {
+                for (int j = 0; j < 8; ++j) {
+                    if (remaining <= (int)(above + c[j])) {
+                        pick[0] = 255u - 8u * lane - j;
+                        pick[1] = above;
+                        break;
+                    }
+                    above += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= pick[0] << shift;
+        mask |= 255u << shift;
+        remaining -= (int)pick[1];
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// Bitonic sort of a[0 .. n) descending (n a power of two), the block's threads together.
+__device__ void sort_desc(unsigned long long* a, int n) {
+    for (int size = 2; size <= n; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < n / 2; i += THREADS) {
+                const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const unsigned long long x = a[lo], y = a[hi];
+                if ((x < y) == desc) {
+                    a[lo] = y;
+                    a[hi] = x;
+                }
+            }
+            __syncthreads();
+        }
+}
+
+constexpr int SLICE = THREADS * 16;  // logits a block of sample_topk takes (generator.sampler: IDS_PER_BLOCK)
+constexpr int MAX_SLICES = 128;      // of a row (generator.sampler: MAX_VOCAB = MAX_SLICES x SLICE)
+
+// logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0): top-k (every logit >= the
+// row's k-th largest, at most C of them: ties past C are left out, as torch.topk(C) leaves them) and top-p, then
+// the Gumbel-max draw. Grid: G x nb blocks (blockIdx.x = b * G + g), block g a slice of SLICE logits: its own
+// logits >= its k-th largest (a superset of the row's: a slice's k-th largest is at most the row's) go to
+// cand[b][g][0 .. C) as (key << 32 | ~id), their count to cnt[b][g]; the row's last block (rowdone[b]) selects the
+// row's k-th from them, sorts the kept ones in shared memory (dynamic: C rounded up to a power of two, 8 bytes
+// each) and draws. C: a power of two (generator.sampler: at most MAX_CANDIDATES); topk[b] <= 0 takes C. Counters
+// rowdone [nb], counter: 0 before the first launch, left at 0.
+extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
+    const float* __restrict__ logits, int V, int G, int C, const float* __restrict__ temp,
     const long long* __restrict__ topk, const float* __restrict__ topp, const long long* __restrict__ seed,
-    long long* __restrict__ next, int nb, unsigned* __restrict__ counter, long long* __restrict__ hist,
+    long long* __restrict__ next, int nb, unsigned long long* __restrict__ cand, int* __restrict__ cnt,
+    unsigned* __restrict__ rowdone, unsigned* __restrict__ counter, long long* __restrict__ hist,
     long long* __restrict__ step, int* __restrict__ pos, const T* __restrict__ embed, T* __restrict__ x_next) {
+    extern __shared__ __align__(16) unsigned long long kept[];  // the row's last block: the kept logits, sorted
+    __shared__ unsigned keys[SLICE];
+    __shared__ unsigned hist256[256], pick[2];
+    __shared__ int nkept, scnt[MAX_SLICES];
     __shared__ float fred[WARPS];
     __shared__ unsigned long long kred[WARPS];
     __shared__ float scan[THREADS];
+    __shared__ bool last;
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // programmatic dependent launch: the head's logits first
 #endif
-    const int b = blockIdx.x;
-    const float* v = vals + (size_t)b * C;
-    const long long st = hist != nullptr ? *step : 0;
-    const int p0 = pos[b];  // (read by every thread before finish_row's increment, after a block barrier below)
+    const int b = blockIdx.x / G, g = blockIdx.x % G;
     const float t = temp[b];
-    long long tok = 0;
+    const long long k0 = topk[b];
+    const int k = (int)(k0 < 1 || k0 > C ? C : k0);
+    unsigned long long* mine = cand + ((size_t)b * G + g) * C;
+    if (t > 0.f) {  // this slice's logits >= its k-th largest (every one where it has no more than k)
+        const int lo = g * SLICE, n = min(SLICE, V - lo);
+        const float* row = logits + (size_t)b * V + lo;
+        for (int i = threadIdx.x; i < n; i += THREADS) keys[i] = float_key(__ldg(row + i));
+        if (threadIdx.x == 0) nkept = 0;
+        __syncthreads();
+        const unsigned kth = n > k ? kth_largest([&](int i) { return keys[i]; }, n, k, hist256, pick) : 0u;
+        for (int i = threadIdx.x; i < n; i += THREADS)
+            if (keys[i] >= kth) {
+                const int at = atomicAdd(&nkept, 1);
+                if (at < C) mine[at] = ((unsigned long long)keys[i] << 32) | (0xFFFFFFFFu - (unsigned)(lo + i));
+            }
+        __syncthreads();
+        if (threadIdx.x == 0) cnt[b * G + g] = min(nkept, C);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(rowdone + b, 1u) == (unsigned)G - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // the row's last block: the row's k-th largest among the slices' candidates, the kept ones sorted, the draw
+    const long long st = hist != nullptr ? *step : 0;
+    const int p0 = pos[b];
+    long long tok;
     if (t > 0.f) {
+        const unsigned long long* rc = cand + (size_t)b * G * C;
+        for (int q = threadIdx.x; q < G; q += THREADS) scnt[q] = __ldcg(cnt + b * G + q);
+        __syncthreads();
+        int total = 0;
+        for (int q = 0; q < G; ++q) total += scnt[q];
+        // candidate i of the row: slice q = i / C at slot i % C, counted where i % C < cnt[q]
+        auto key_at = [&](int i) -> unsigned {
+            return (i % C) < scnt[i / C] ? (unsigned)(__ldcg(rc + i) >> 32) : 0u;
+        };
+        const unsigned kth = kth_largest(key_at, G * C, min(k, total), hist256, pick);
+        for (int i = threadIdx.x; i < C; i += THREADS) kept[i] = 0ull;
+        if (threadIdx.x == 0) nkept = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < G * C; i += THREADS)
+            if ((i % C) < scnt[i / C]) {
+                const unsigned long long e = __ldcg(rc + i);
+                if ((unsigned)(e >> 32) >= kth) {
+                    const int at = atomicAdd(&nkept, 1);
+                    if (at < C) kept[at] = e;
+                }
+            }
+        __syncthreads();
+        const int nk = min(nkept, C);
+        int np = 1;
+        while (np < nk) np <<= 1;
+        sort_desc(kept, np);  // (logit, then lowest id) descending: the zeros past nk last
+        // the draw over kept[0 .. nk): every one is in the top k (ties included)
         const float tt = fmaxf(t, 1e-6f);
-        const long long k = topk[b];
-        const float m = v[0] / tt;
-        const float kth = v[(k < 1 ? 1 : (k > C ? C : k)) - 1] / tt;
-        // each thread a contiguous run of E candidates: the scan is then a run's sum, a block scan, a re-walk
-        const int E = (C + THREADS - 1) / THREADS, i0 = threadIdx.x * E, i1 = min(C, i0 + E);
+        const float m = key_float((unsigned)(kept[0] >> 32)) / tt;
+        const int E = (nk + THREADS - 1) / THREADS, i0 = threadIdx.x * E, i1 = min(nk, i0 + E);
         float z = 0.f;
-        for (int i = i0; i < i1; ++i) {
-            const float s = v[i] / tt;
-            if (k <= 0 || s >= kth) z += expf(s - m);
-        }
+        for (int i = i0; i < i1; ++i) z += expf(key_float((unsigned)(kept[i] >> 32)) / tt - m);
         const float Z = block_sum(z, fred);
         float run = 0.f;
-        for (int i = i0; i < i1; ++i) {
-            const float s = v[i] / tt;
-            if (k <= 0 || s >= kth) run += expf(s - m) / Z;
-        }
-        // exclusive scan of the runs' sums (Hillis-Steele over the block: C is small)
-        scan[threadIdx.x] = run;
+        for (int i = i0; i < i1; ++i) run += expf(key_float((unsigned)(kept[i] >> 32)) / tt - m) / Z;
+        scan[threadIdx.x] = run;  // exclusive scan of the runs' sums (Hillis-Steele: nk is small)
         __syncthreads();
         for (int o = 1; o < THREADS; o <<= 1) {
             const float a = threadIdx.x >= o ? scan[threadIdx.x - o] : 0.f;
@@ -150,23 +283,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_candidates(
         const unsigned long long h = noise_hash(seed[b], (long long)p0 + 1);
         unsigned long long best = 0ull;
         for (int i = i0; i < i1; ++i) {
-            const float s = v[i] / tt;
-            const bool in_k = k <= 0 || s >= kth;
-            const float p = in_k ? expf(s - m) / Z : 0.f;
+            const float s = key_float((unsigned)(kept[i] >> 32)) / tt;
+            const float p = expf(s - m) / Z;
             cum += p;  // inclusive, as probs.cumsum(-1); kept where cumsum - p < top_p
-            if (i == 0 || (in_k && cum - p < p_top)) {
-                const unsigned long long key = argmax_key(s + gumbel(h, ids[(size_t)b * C + i]), (unsigned)i);
+            if (i == 0 || cum - p < p_top) {
+                const unsigned id = 0xFFFFFFFFu - (unsigned)kept[i];
+                const unsigned long long key = argmax_key(s + gumbel(h, id), (unsigned)i);
                 best = key > best ? key : best;
             }
         }
         best = block_max_key(best, kred);
-        tok = ids[(size_t)b * C + key_index(best)];
+        tok = 0xFFFFFFFFu - (unsigned)kept[key_index(best)];
     } else {
         tok = next[b];
     }
     __syncthreads();  // (every thread has read pos[b] and next[b])
     finish_row(b, tok, nb, next, hist, st, pos, embed, x_next);
-    arrive(counter, hist != nullptr ? step : nullptr, st);
+    if (threadIdx.x == 0) rowdone[b] = 0u;
+    arrive(counter, nb, hist != nullptr ? step : nullptr, st);
 }
 
 // logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0), by the Gumbel-max draw over

@@ -24,9 +24,15 @@ def test_sampler_compiles_without_spills(tmp_path, hidden, dtype):
 
 
 def test_which_draws_are_served():
-    assert sampler.supported(128, True) is None  # top-k (and top-p): torch.topk, then the kernel
-    assert sampler.supported(0, False) is None  # temperature only: the kernel over the vocabulary
-    assert "top-p without top-k" in sampler.supported(0, True)
+    V = 128256
+    assert sampler.supported(128, True, V) is None  # top-k (and top-p): the kernel's own selection
+    assert sampler.supported(0, False, V) is None  # temperature only: the kernel over the vocabulary
+    assert "top-p without top-k" in sampler.supported(0, True, V)
+    assert sampler.supported(sampler.MAX_CANDIDATES, True, V) is None
+    assert "torch.topk" in sampler.supported(2 * sampler.MAX_CANDIDATES, False, V)
+    assert sampler.supported(128, True, sampler.MAX_VOCAB) is None
+    assert "vocabulary" in sampler.supported(128, True, sampler.MAX_VOCAB + 1)
+    assert sampler.supported(0, False, 4 * sampler.MAX_VOCAB) is None
 
 
 def _inputs(B, V, seed, *, ties=False):
@@ -48,10 +54,12 @@ SHAPES = [(50, 0.9, 128, True), (1, 1.0, 128, False), (200, 0.5, 512, True), (50
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("ties,V", [(False, 50000 + 17), (True, 50000 + 17), (False, 300)])
 @pytest.mark.parametrize("k,p,cands,nucleus", SHAPES)
-def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, ties):
-    B, V = 6, 50000 + 17
+def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, ties, V):
+    """V 50,017: 13 slices of 4,096 logits, the last short; V 300: one slice, fewer logits than candidates."""
+    B = 6
+    cands = min(cands, V)
     draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
     differ = 0
     for trial in range(30):
@@ -67,7 +75,7 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
         # within an fp32 rounding of the top-p cut may go either way (none in 180 draws seen; a wrong mask, scale,
         # noise or index differs in most)
         differ += int((got != want).sum())
-        assert draw.counter.item() == 0
+        assert draw.counter.item() == 0 and (draw.rowdone == 0).all() and (draw.rowmax == 0).all()
     assert differ <= (1 if nucleus else 0), f"{differ} of {30 * B} draws differ from sample_tokens'"
 
 
@@ -116,7 +124,7 @@ def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
         want[1] = greedy[1]
         assert torch.equal(hist[i], want), (i, hist[i].tolist(), want.tolist())
         assert step.item() == i + 1 and torch.equal(pos, pos0 + i + 1) and torch.equal(x_next, embed[want])
-    assert draw.counter.item() == 0 and (draw.rowmax == 0).all()
+    assert draw.counter.item() == 0 and (draw.rowmax == 0).all() and (draw.rowdone == 0).all()
 
 
 @gpu
