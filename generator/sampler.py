@@ -30,7 +30,7 @@ def supported(candidates: int, nucleus: bool, vocab: int) -> str | None:
     if candidates <= 0 and nucleus:
         return "top-p without top-k ranks the whole vocabulary (torch's sort)"
     if candidates > MAX_CANDIDATES:
-        return f"{candidates} candidates (top-k up to {MAX_CANDIDATES // 2}: torch.topk)"
+        return f"{candidates} candidates: top-k above {MAX_CANDIDATES // 2}"
     if candidates > 0 and vocab > MAX_VOCAB:
         return f"vocabulary {vocab} > {MAX_VOCAB}"
     return None
@@ -67,7 +67,7 @@ class Sampler:
             raise ValueError(f"Sampler: hidden {hidden} is not a multiple of 8")
         names = [n for n, d in DTYPES.items() if getattr(torch, d.torch) == dtype]
         if not names:
-            raise ValueError(f"Sampler: dtype {dtype} (bf16/fp16/fp32)")
+            raise ValueError(f"Sampler: dtype {dtype} (bf16/fp16: the embedding rows' copy)")
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -90,12 +90,7 @@ class Sampler:
             self._fns = {n: f.kernel for n, f in fns.items()}
         self._driver = driver
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernels leave it at 0
-        # per-row scratch, grown with the batch: sample_gumbel's row maxima and sample_topk's rows' arrivals (both
-        # left at 0); sample_topk's slices' candidates and their counts
-        self.rowmax = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.rowdone = torch.zeros(0, dtype=torch.int32, device=self.device)
-        self._cand = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._cnt = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._scratch: dict[tuple, dict[str, torch.Tensor]] = {}  # by (rows, slices, candidates): see scratch()
         self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
         self._pdl_config = pdl_config
 
@@ -106,9 +101,13 @@ class Sampler:
         int32 (the step's positions: the noise's step is pos + 1, the position the token takes); next_tokens [B]
         int64, in: the greedy tokens, out: the draw (returned). candidates > 0: every row's top_k is in
         1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in every row.
-        On torch's current stream; capturable in a CUDA graph. Raises ValueError where supported() refuses the
-        draw's shape or a tensor is not as above."""
+        On torch's current stream; capturable in a CUDA graph once the draw shape (rows, candidates) has run outside
+        one (its scratch is made then: scratch()). Raises ValueError where supported() refuses the draw's shape or a
+        tensor is not as above."""
         B, V = logits.shape if logits.dim() == 2 else (-1, -1)
+        if not isinstance(candidates, int) or candidates < 0 or V < 1:
+            raise ValueError(f"Sampler: candidates a count >= 0 and logits [B, vocab >= 1], got {candidates!r} and "
+                             f"{tuple(logits.shape)}")
         why = supported(candidates, nucleus, V)
         if why:
             raise ValueError(f"Sampler: {why}")
@@ -136,28 +135,49 @@ class Sampler:
         tail = [ctypes.c_uint64(adv[0]), ctypes.c_uint64(adv[1]), ctypes.c_uint64(pos.data_ptr()),
                 ctypes.c_uint64(adv[3]), ctypes.c_uint64(adv[4])]
         G = max(1, -(-V // IDS_PER_BLOCK))
-        if self.rowmax.numel() < B:
-            self.rowmax = torch.zeros(B, dtype=torch.int64, device=self.device)
-            self.rowdone = torch.zeros(B, dtype=torch.int32, device=self.device)
         if candidates > 0:
             C = 1 << (min(candidates, V) - 1).bit_length()  # (a power of two: the kernel's sort)
-            if self._cand.numel() < B * G * C:
-                self._cand = torch.empty(B * G * C, dtype=torch.int64, device=self.device)
-                self._cnt = torch.empty(B * G, dtype=torch.int32, device=self.device)
+            sc = self.scratch(B, G, C)
             args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G), ctypes.c_int32(C),
                     ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(topk.data_ptr()),
                     ctypes.c_uint64(topp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
-                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B), ctypes.c_uint64(self._cand.data_ptr()),
-                    ctypes.c_uint64(self._cnt.data_ptr()), ctypes.c_uint64(self.rowdone.data_ptr()),
+                    ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B), ctypes.c_uint64(sc["cand"].data_ptr()),
+                    ctypes.c_uint64(sc["cnt"].data_ptr()), ctypes.c_uint64(sc["rowdone"].data_ptr()),
                     ctypes.c_uint64(self.counter.data_ptr()), *tail]
             self._launch("sample_topk", G * B, args, smem=C * 8)
         else:
+            sc = self.scratch(B, G, 0)
             args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G),
                     ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
                     ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B),
-                    ctypes.c_uint64(self.rowmax.data_ptr()), ctypes.c_uint64(self.counter.data_ptr()), *tail]
+                    ctypes.c_uint64(sc["rowmax"].data_ptr()), ctypes.c_uint64(self.counter.data_ptr()), *tail]
             self._launch("sample_gumbel", G * B, args)
         return next_tokens
+
+    def scratch(self, rows: int, slices: int, candidates: int) -> dict[str, torch.Tensor]:
+        """The kernels' scratch for a draw shape, made at its first draw and kept (a CUDA graph captured with it
+        keeps its addresses; nothing is freed or grown under it): rowmax [rows] int64 (sample_gumbel's row maxima),
+        rowdone [rows] int32 (sample_topk's slices' arrivals), both left at 0 by the kernels; cand [rows x slices x
+        candidates] int64 and cnt [rows x slices] int32 (sample_topk's slices' kept logits and their counts).
+        Raises RuntimeError where a new one would be made during a CUDA graph's capture (draw once before it)."""
+        key = (rows, slices, candidates)
+        if key not in self._scratch:
+            with torch.cuda.device(self.device):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:
+                raise RuntimeError(f"Sampler: a draw of {rows} rows and {candidates} candidates captured before it "
+                                   "ran once: draw it once outside the capture (its scratch is made then)")
+            z = dict(dtype=torch.int32, device=self.device)
+            self._scratch[key] = {"rowmax": torch.zeros(rows, dtype=torch.int64, device=self.device),
+                                  "rowdone": torch.zeros(rows, **z),
+                                  "cand": torch.empty(rows * slices * max(candidates, 1), dtype=torch.int64,
+                                                      device=self.device),
+                                  "cnt": torch.zeros(rows * slices, **z)}
+        return self._scratch[key]
+
+    def scratch_bytes(self) -> int:
+        """Bytes of every draw shape's scratch made so far (scratch())."""
+        return sum(t.numel() * t.element_size() for sc in self._scratch.values() for t in sc.values()) + 4
 
     def _launch(self, name: str, grid: int, args: list, smem: int = 0) -> None:
         params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))

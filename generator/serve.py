@@ -291,7 +291,8 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int | torch.Ten
     h = _mix32(_mix32((seed & _M32) ^ _mix32(seed >> 32)) ^ (step & _M32))
     idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :] if isinstance(vocab, int) else vocab
     x = _mix32((h[:, None] + idx * 0x9E3779B1) & _M32)
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # (x >> 8) + 0.5 rounds in fp32: its largest value would make u 1 (Gumbel noise +inf): the float below 1 instead
+    return (((x >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max_(1.0 - 2.0 ** -24)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -750,7 +751,8 @@ class Model:
     def memory(self) -> dict[str, int]:
         """Bytes held on the model's device: weights_fused (one packed copy per layer), weights_unfused, embed_lm_head,
         kv_caches, workspaces (one per variant, shared by its layers), step_buffers (each decode path's inputs,
-        logits and token history: [cache_len, batch] int64), graphs (pool growth measured around each capture),
+        logits and token history: [cache_len, batch] int64; the fused draw's scratch), graphs (pool growth measured
+        around each capture),
         total; and checkpoint_bytes (the safetensors files on disk) for comparison."""
         def nbytes(t):
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
@@ -769,7 +771,8 @@ class Model:
         out = {"weights_fused": fused_w, "weights_unfused": sum(u.weight_bytes for u in self.unfused or []),
                "embed_lm_head": head, "kv_caches": sum(nbytes(k) + nbytes(v) for k, v in zip(self.k_caches,
                                                                                             self.v_caches)),
-               "workspaces": ws, "step_buffers": sum(nbytes(t) for b in self._bufs.values() for t in b.values()),
+               "workspaces": ws, "step_buffers": sum(nbytes(t) for b in self._bufs.values() for t in b.values()) +
+               (self._sampler.scratch_bytes() if self._sampler is not None else 0),
                "graphs": self._graph_bytes}
         out["total"] = sum(out.values())
         out["checkpoint_bytes"] = self.checkpoint_bytes
@@ -840,7 +843,7 @@ class Model:
 
     def draw_path(self, temperature: float, top_k: int, top_p: float) -> str:
         """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
-        "fused" (generator.sampler: one kernel after torch.topk, or one kernel where top-k is off and top-p 1) or
+        "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
         "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches)."""
         if temperature <= 0:
             return "greedy"
@@ -942,7 +945,7 @@ class Model:
             return
         logits, _ = self._logits(x, bufs["logits"], bufs["out"])
         draw = self._fused_sampler(sampled) if sampled else None
-        if draw is not None:  # the draw and the advance in one launch (after torch.topk)
+        if draw is not None:  # the draw and the advance in one launch
             draw(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"], bufs["pos"], bufs["out"],
                  candidates=sampled[0], nucleus=sampled[1],
                  advance=lm_head.Advance(bufs["hist"], bufs["step"], bufs["pos"], self.embed, bufs["x"])

@@ -29,10 +29,11 @@ __device__ __forceinline__ unsigned long long noise_hash(long long seed, long lo
     const unsigned long long s = (unsigned long long)seed;
     return mix32(mix32((s & 0xFFFFFFFFull) ^ mix32(s >> 32)) ^ ((unsigned long long)step & 0xFFFFFFFFull));
 }
-// -log(-log(u)) for token id, u = ((x >> 8) + 0.5) / 2^24 as serve.uniform_noise (exact in fp32); logf, as torch's log
+// -log(-log(u)) for token id, u = min(fp32((x >> 8) + 0.5) / 2^24, 1 - 2^-24) as serve.uniform_noise computes it
+// (the same roundings; the top value would round to 1); logf, as torch's log
 __device__ __forceinline__ float gumbel(unsigned long long h, long long id) {
     const unsigned long long x = mix32((h + (unsigned long long)id * 0x9E3779B1ull) & 0xFFFFFFFFull);
-    const float u = ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    const float u = fminf(((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f), 0.99999994f);
     return -logf(-logf(u));
 }
 // a float and its index as one 64-bit key whose unsigned order is (value, then lowest index): argmax by max
@@ -107,8 +108,9 @@ __device__ __forceinline__ float key_float(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
-// The k-th largest (1 <= k <= n) of the keys get(0 .. n-1) (uint32), by the block's threads together: a radix
-// select, 8 bits a pass from the top; hist: 256 counters in shared memory. Every thread returns it.
+// The k-th largest of the keys get(0 .. n-1) (uint32; 0: absent, and 1 <= k <= the present ones), by the block's
+// threads together: a radix select, 8 bits a pass from the top; hist: 256 counters in shared memory. Every thread
+// returns it.
 template <typename Get>
 __device__ unsigned kth_largest(Get get, int n, int k, unsigned* hist, unsigned* pick) {
     unsigned prefix = 0u, mask = 0u;
@@ -119,7 +121,7 @@ __device__ unsigned kth_largest(Get get, int n, int k, unsigned* hist, unsigned*
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += THREADS) {
             const unsigned key = get(i);
-            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1u);
+            if (key != 0u && (key & mask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1u);
         }
         __syncthreads();
         if (threadIdx.x < 32) {  // the digit where the count from the top reaches `remaining`: a lane 8 bins
@@ -174,11 +176,44 @@ __device__ void sort_desc(unsigned long long* a, int n) {
         }
 }
 
+// Of the entries get(0 .. n-1) (key << 32 | ~id; 0: absent), those whose key is >= kth, into out[0 .. count) in any
+// order: all of them where they fit in C, else every key > kth (fewer than C: kth is a k-th largest, k <= C) and the
+// lowest ids of key == kth up to C (a radix select over their ~ids: the same set every run). Returns the count
+// (every thread). cnt3: 3 ints of shared memory.
+template <typename Get>
+__device__ int keep_top(Get get, int n, unsigned kth, int C, unsigned long long* out, unsigned* hist,
+                        unsigned* pick, int* cnt3) {
+    if (threadIdx.x < 3) cnt3[threadIdx.x] = 0;
+    __syncthreads();
+    int gt = 0, eq = 0;
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const unsigned long long e = get(i);
+        const unsigned key = (unsigned)(e >> 32);
+        gt += e != 0ull && key > kth;
+        eq += e != 0ull && key == kth;
+    }
+    atomicAdd(cnt3, gt);
+    atomicAdd(cnt3 + 1, eq);
+    __syncthreads();
+    const int GT = cnt3[0], EQ = cnt3[1];
+    const unsigned idk = GT + EQ <= C ? 0u : kth_largest([&](int i) {
+        const unsigned long long e = get(i);
+        return e != 0ull && (unsigned)(e >> 32) == kth ? (unsigned)e : 0u;
+    }, n, C - GT, hist, pick);
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const unsigned long long e = get(i);
+        const unsigned key = (unsigned)(e >> 32);
+        if (e != 0ull && (key > kth || (key == kth && (unsigned)e >= idk))) out[atomicAdd(cnt3 + 2, 1)] = e;
+    }
+    __syncthreads();
+    return cnt3[2];
+}
+
 constexpr int SLICE = THREADS * 16;  // logits a block of sample_topk takes (generator.sampler: IDS_PER_BLOCK)
 constexpr int MAX_SLICES = 128;      // of a row (generator.sampler: MAX_VOCAB = MAX_SLICES x SLICE)
 
 // logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0): top-k (every logit >= the
-// row's k-th largest, at most C of them: ties past C are left out, as torch.topk(C) leaves them) and top-p, then
+// row's k-th largest; where more than C, those above it and the lowest ids tied with it: keep_top) and top-p, then
 // the Gumbel-max draw. Grid: G x nb blocks (blockIdx.x = b * G + g), block g a slice of SLICE logits: its own
 // logits >= its k-th largest (a superset of the row's: a slice's k-th largest is at most the row's) go to
 // cand[b][g][0 .. C) as (key << 32 | ~id), their count to cnt[b][g]; the row's last block (rowdone[b]) selects the
@@ -194,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     extern __shared__ __align__(16) unsigned long long kept[];  // the row's last block: the kept logits, sorted
     __shared__ unsigned keys[SLICE];
     __shared__ unsigned hist256[256], pick[2];
-    __shared__ int nkept, scnt[MAX_SLICES];
+    __shared__ int cnt3[3], scnt[MAX_SLICES];
     __shared__ float fred[WARPS];
     __shared__ unsigned long long kred[WARPS];
     __shared__ float scan[THREADS];
@@ -211,16 +246,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
         const int lo = g * SLICE, n = min(SLICE, V - lo);
         const float* row = logits + (size_t)b * V + lo;
         for (int i = threadIdx.x; i < n; i += THREADS) keys[i] = float_key(__ldg(row + i));
-        if (threadIdx.x == 0) nkept = 0;
         __syncthreads();
         const unsigned kth = n > k ? kth_largest([&](int i) { return keys[i]; }, n, k, hist256, pick) : 0u;
-        for (int i = threadIdx.x; i < n; i += THREADS)
-            if (keys[i] >= kth) {
-                const int at = atomicAdd(&nkept, 1);
-                if (at < C) mine[at] = ((unsigned long long)keys[i] << 32) | (0xFFFFFFFFu - (unsigned)(lo + i));
-            }
-        __syncthreads();
-        if (threadIdx.x == 0) cnt[b * G + g] = min(nkept, C);
+        const int kept_n = keep_top([&](int i) {
+            return ((unsigned long long)keys[i] << 32) | (0xFFFFFFFFu - (unsigned)(lo + i));
+        }, n, kth, C, mine, hist256, pick, cnt3);
+        if (threadIdx.x == 0) cnt[b * G + g] = kept_n;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -240,24 +271,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
         __syncthreads();
         int total = 0;
         for (int q = 0; q < G; ++q) total += scnt[q];
-        // candidate i of the row: slice q = i / C at slot i % C, counted where i % C < cnt[q]
-        auto key_at = [&](int i) -> unsigned {
-            return (i % C) < scnt[i / C] ? (unsigned)(__ldcg(rc + i) >> 32) : 0u;
+        // candidate i of the row: slice i >> lc at slot i & (C - 1), present where that slot < the slice's count
+        const int lc = __ffs(C) - 1;
+        auto entry = [&](int i) -> unsigned long long {
+            return (i & (C - 1)) < scnt[i >> lc] ? __ldcg(rc + i) : 0ull;
         };
-        const unsigned kth = kth_largest(key_at, G * C, min(k, total), hist256, pick);
+        const unsigned kth = kth_largest([&](int i) { return (unsigned)(entry(i) >> 32); }, G * C, min(k, total),
+                                         hist256, pick);
         for (int i = threadIdx.x; i < C; i += THREADS) kept[i] = 0ull;
-        if (threadIdx.x == 0) nkept = 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < G * C; i += THREADS)
-            if ((i % C) < scnt[i / C]) {
-                const unsigned long long e = __ldcg(rc + i);
-                if ((unsigned)(e >> 32) >= kth) {
-                    const int at = atomicAdd(&nkept, 1);
-                    if (at < C) kept[at] = e;
-                }
-            }
-        __syncthreads();
-        const int nk = min(nkept, C);
+        const int nk = keep_top(entry, G * C, kth, C, kept, hist256, pick, cnt3);
         int np = 1;
         while (np < nk) np <<= 1;
         sort_desc(kept, np);  // (logit, then lowest id) descending: the zeros past nk last

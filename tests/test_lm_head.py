@@ -60,7 +60,9 @@ def rounding_slack(x, gain, W, eps):
     xr = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).double()
     t = xr.to(x.dtype).double()
     mant = {torch.bfloat16: 7, torch.float16: 10}[x.dtype]
-    ulp = torch.ldexp(torch.ones_like(t), torch.frexp(t)[1] - 1 - mant)
+    mt, et = torch.frexp(t)
+    ulp = torch.ldexp(torch.ones_like(t), et - 1 - mant)
+    ulp = torch.where((mt.abs() == 0.5) & (xr.abs() < t.abs()), ulp / 2, ulp)  # below a power of two: half as wide
     near = ((xr - t).abs() - ulp / 2).abs() <= xr.abs() * 2.0 ** -18
     other = (t + torch.where(xr > t, ulp, -ulp)).to(x.dtype)  # the other neighbour (exact in the dtype)
     moved = ((gain * other).double() - (gain * t.to(x.dtype)).double()).abs() * near

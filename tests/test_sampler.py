@@ -29,7 +29,7 @@ def test_which_draws_are_served():
     assert sampler.supported(0, False, V) is None  # temperature only: the kernel over the vocabulary
     assert "top-p without top-k" in sampler.supported(0, True, V)
     assert sampler.supported(sampler.MAX_CANDIDATES, True, V) is None
-    assert "torch.topk" in sampler.supported(2 * sampler.MAX_CANDIDATES, False, V)
+    assert "top-k above 2048" in sampler.supported(2 * sampler.MAX_CANDIDATES, False, V)
     assert sampler.supported(128, True, sampler.MAX_VOCAB) is None
     assert "vocabulary" in sampler.supported(128, True, sampler.MAX_VOCAB + 1)
     assert sampler.supported(0, False, 4 * sampler.MAX_VOCAB) is None
@@ -47,24 +47,33 @@ def _inputs(B, V, seed, *, ties=False):
     return logits, temp, s, pos
 
 
+def left_clean(draw):
+    """The kernels leave their counters at 0 (a graph replays them as captured)."""
+    return draw.counter.item() == 0 and all(int(sc["rowmax"].abs().sum()) == 0 and int(sc["rowdone"].abs().sum()) == 0
+                                            for sc in draw._scratch.values())
+
+
 # (top_k, top_p, candidates, nucleus): the draw shapes generate() asks for
 SHAPES = [(50, 0.9, 128, True), (1, 1.0, 128, False), (200, 0.5, 512, True), (50, 1.0, 128, False),
-          (0, 1.0, 0, False)]
+          (0, 1.0, 0, False), (2000, 0.95, 4096, True)]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("ties,V", [(False, 50000 + 17), (True, 50000 + 17), (False, 300)])
+@pytest.mark.parametrize("ties,V", [(False, 50000 + 17), (True, 50000 + 17), (False, 300), (False, 3 * 4096 + 100)])
 @pytest.mark.parametrize("k,p,cands,nucleus", SHAPES)
 def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, ties, V):
-    """V 50,017: 13 slices of 4,096 logits, the last short; V 300: one slice, fewer logits than candidates."""
+    """V 50,017: 13 slices of 4,096 logits, the last short; V 300: one slice, fewer logits than candidates;
+    V 12,388: a last slice of 100 logits (fewer than some top-k). Rows' top-k and top-p differ."""
     B = 6
     cands = min(cands, V)
     draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
     differ = 0
     for trial in range(30):
         logits, temp, s, pos = _inputs(B, V, 1000 * trial + 7, ties=ties)
-        topk, topp = torch.full((B,), k, device="cuda"), torch.full((B,), p, device="cuda")
+        rows = torch.arange(B, device="cuda")
+        topk = (k - rows % 3).clamp_min(1) if k > 0 else torch.zeros(B, dtype=torch.long, device="cuda")
+        topp = torch.full((B,), p, device="cuda") if p == 1.0 else p - 0.1 * (rows % 2)
         greedy = logits.argmax(-1)
         want = serve.sample_tokens(logits, temp, topk, topp, s, pos.long() + 1, candidates=cands, nucleus=nucleus)
         nxt = greedy.clone()
@@ -75,8 +84,38 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
         # within an fp32 rounding of the top-p cut may go either way (none in 180 draws seen; a wrong mask, scale,
         # noise or index differs in most)
         differ += int((got != want).sum())
-        assert draw.counter.item() == 0 and (draw.rowdone == 0).all() and (draw.rowmax == 0).all()
+        assert left_clean(draw)
     assert differ <= (1 if nucleus else 0), f"{differ} of {30 * B} draws differ from sample_tokens'"
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampler_keeps_the_lowest_ids_of_too_many_ties(tmp_path):
+    """Where more logits tie at the k-th than the candidates hold, every larger logit is kept and the lowest ids of
+    the tied ones (the same set every run; torch.topk(C) keeps some C of them): 3,000 logits tie (top-k 50 of 128
+    candidates), so the draw is one of ids 0..127; ten larger logits in another slice are always kept."""
+    V, B = 3 * 4096, 4
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    logits = torch.full((B, V), -5.0, device="cuda")
+    logits[:, :3000] = 2.0
+    temp = torch.ones(B, device="cuda")
+    topk, topp = torch.full((B,), 50, device="cuda"), torch.ones(B, device="cuda")
+    seen = set()
+    for seed in range(40):
+        s = torch.full((B,), 1000 * seed, device="cuda") + torch.arange(B, device="cuda")  # (160 distinct seeds)
+        pos = torch.full((B,), 7, dtype=torch.int32, device="cuda")
+        a = draw(logits, temp, topk, topp, s, pos, torch.zeros(B, dtype=torch.long, device="cuda"), candidates=128,
+                 nucleus=False).clone()
+        b = draw(logits, temp, topk, topp, s, pos, torch.zeros(B, dtype=torch.long, device="cuda"), candidates=128,
+                 nucleus=False)
+        assert torch.equal(a, b) and (a < 128).all(), a.tolist()
+        seen.update(a.tolist())
+    assert len(seen) > 60, len(seen)  # drawn over the 128 (~91 distinct of 160 uniform draws), not a few
+    logits[:, 5000:5010] = 20.0  # ten larger logits past the ties (another slice): always kept
+    a = draw(logits, temp, topk, topp, s, pos, torch.zeros(B, dtype=torch.long, device="cuda"), candidates=128,
+             nucleus=False)
+    assert ((a >= 5000) & (a < 5010)).all(), a.tolist()  # (each e^18 times a tied one's probability)
+    assert left_clean(draw)
 
 
 @gpu
@@ -90,7 +129,7 @@ def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
     logits, temp, s, pos0 = _inputs(B, V, 5)
     topk, topp = torch.full((B,), 40, device="cuda"), torch.full((B,), 0.8 if nucleus else 1.0, device="cuda")
     embed = torch.randn(V + 5, H, device="cuda").bfloat16()
-    hist = torch.full((6, B), -1, dtype=torch.int64, device="cuda")
+    hist = torch.full((7, B), -1, dtype=torch.int64, device="cuda")
     step = torch.zeros(1, dtype=torch.int64, device="cuda")
     pos = pos0.clone()
     x_next = torch.full((B, H), float("nan"), device="cuda").bfloat16()
@@ -124,7 +163,19 @@ def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
         want[1] = greedy[1]
         assert torch.equal(hist[i], want), (i, hist[i].tolist(), want.tolist())
         assert step.item() == i + 1 and torch.equal(pos, pos0 + i + 1) and torch.equal(x_next, embed[want])
-    assert draw.counter.item() == 0 and (draw.rowmax == 0).all() and (draw.rowdone == 0).all()
+    assert left_clean(draw)
+    # another draw shape (more rows, other candidates) made its own scratch: the captured graph's is still its own
+    for B2, c2 in ((8, 512), (8, 0)):
+        lg2, t2, s2, p2 = _inputs(B2, V, 9)
+        draw(lg2, t2, torch.full((B2,), 100, device="cuda"), torch.full((B2,), 0.9, device="cuda"), s2, p2,
+             lg2.argmax(-1), candidates=c2, nucleus=c2 > 0)
+    junk = [torch.full((n,), -1, dtype=dt, device="cuda") for n in (B, B * 8 * 128, 8 * 16)  # (freed blocks'
+            for dt in (torch.int32, torch.int64)]  # sizes: a scratch freed under the graph would be overwritten)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = expected(5)
+    want[1] = greedy[1]
+    assert torch.equal(hist[5], want) and step.item() == 6 and left_clean(draw) and junk
 
 
 @gpu

@@ -750,6 +750,7 @@ def test_gpu_fused_draw_is_sample_tokens(built, kw):
     assert model.draw_path(0.7, 0, 0.9).startswith("torch (top-p without top-k")
     out = model.generate(PROMPTS, 12, seed=5, output_logits=True, stop_tokens=[], **kw)
     k, p = kw.get("top_k", 0), kw.get("top_p", 1.0)
+    assert model._sampler is not None and model.draw_path(kw["temperature"], k, p) == "fused"  # (built, not warned)
     B = len(PROMPTS)
     differ = 0
     for i, lg in enumerate(out.logits):
