@@ -24,7 +24,7 @@ KERNEL_SOURCES = ("templates", "generator/render.py", "generator/plan.py", "gene
                   "generator/targets.py", "generator/modes")
 # not a layer's: the served model's head and draw (generator.lm_head, generator.sampler), whose objects are keyed
 # by their own source
-NOT_KERNEL_SOURCES = ("templates/lm_head.cu", "templates/sample.cu")
+NOT_KERNEL_SOURCES = ("templates/lm_head.cu", "templates/sample.cu", "templates/argmax.cuh")
 
 
 class ManifestError(ValueError):

@@ -8,6 +8,7 @@
 // tensor cores, 16 rows of W a warp (FMAs would bound it: measured 0.5-0.66x torch's head at 8 rows).
 // Config (generator.lm_head prepends it): HIDDEN, MAXB, T, T2, DTYPE_BF16, T_MAX, MMA_AB.
 #include "common.cuh"
+#include "argmax.cuh"
 
 #ifndef LMH_R  // rows a warp takes at a time (measured on the H200: bench/NOTES.md session 18)
 #define LMH_R 2
@@ -34,22 +35,6 @@ __device__ __forceinline__ uint4 ld_stream(const T* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
         : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
     return u;
-}
-
-// An fp32 logit and its row as one 64-bit key whose unsigned order is (value, then lowest row): the block and
-// grid maxima are then integer max operations, and ties go to the first index as torch.argmax's do.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
-    unsigned u = __float_as_uint(v);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return ((unsigned long long)u << 32) | (0xFFFFFFFFu - (unsigned)row);
-}
-__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long t = __shfl_xor_sync(0xffffffffu, k, o);
-        k = t > k ? t : k;
-    }
-    return k;
 }
 
 // x [nb][HIDDEN] T, gain [HIDDEN] T, W [V][HIDDEN] T -> logits [nb][V] fp32, next [nb] int64 (nb <= MAXB).

@@ -11,6 +11,7 @@
 // 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
 // Config (generator.sampler prepends it): HIDDEN, T.
 #include "common.cuh"
+#include "argmax.cuh"
 
 constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int CH = HIDDEN / 8;  // 16-byte chunks of an embedding row
@@ -35,22 +36,6 @@ __device__ __forceinline__ float gumbel(unsigned long long h, long long id) {
     const unsigned long long x = mix32((h + (unsigned long long)id * 0x9E3779B1ull) & 0xFFFFFFFFull);
     const float u = fminf(((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f), 0.99999994f);
     return -logf(-logf(u));
-}
-// a float and its index as one 64-bit key whose unsigned order is (value, then lowest index): argmax by max
-__device__ __forceinline__ unsigned long long argmax_key(float v, unsigned i) {
-    unsigned u = __float_as_uint(v);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return ((unsigned long long)u << 32) | (0xFFFFFFFFu - i);
-}
-__device__ __forceinline__ unsigned key_index(unsigned long long k) { return 0xFFFFFFFFu - (unsigned)k; }
-
-__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long t = __shfl_xor_sync(0xffffffffu, k, o);
-        k = t > k ? t : k;
-    }
-    return k;
 }
 __device__ unsigned long long block_max_key(unsigned long long k, unsigned long long* red) {
     k = warp_max_key(k);
@@ -97,15 +82,6 @@ __device__ void arrive(unsigned* counter, int blocks, long long* step, long long
             *counter = 0u;
         }
     }
-}
-
-// A logit's 32-bit key whose unsigned order is the float's (radix select); key_float inverts it.
-__device__ __forceinline__ unsigned float_key(float v) {
-    const unsigned u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float key_float(unsigned k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
 // The k-th largest of the keys get(0 .. n-1) (uint32; 0: absent, and 1 <= k <= the present ones), by the block's

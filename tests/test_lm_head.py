@@ -189,7 +189,7 @@ def test_editing_the_head_leaves_layer_builds_current(tmp_path):
         else:
             shutil.copy(src, dst)
     before = gmanifest.kernel_sources_digest(tmp_path)
-    for name in ("lm_head.cu", "sample.cu"):  # (the draw's kernels: generator.sampler)
+    for name in ("lm_head.cu", "sample.cu", "argmax.cuh"):  # (the draw's kernels, their shared argmax)
         (tmp_path / "templates" / name).write_text("// edited\n")
         assert gmanifest.kernel_sources_digest(tmp_path) == before
     (tmp_path / "templates" / "common.cuh").write_text("// edited\n")
