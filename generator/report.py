@@ -251,11 +251,13 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
 
 
 # bench/e2e.py's figures per provider (key, header, format), all ms: time to first token of a 128- and a 2048-token
-# prompt, ms per output token at batch 1 and 8, at batch 1 near the end of the cache and sampled (newer runs only)
+# prompt, ms per output token at batch 1 and 8, at batch 1 near the end of the cache and sampled (temperature 0.8,
+# top-k 50, top-p 0.9; and top-p 0.9 alone at temperature 0.6, Llama-3's generation config) (newer runs only)
 E2E_FIGURES = [("ttft_ms_128", "TTFT 128\nms", ".2f"), ("ttft_ms_2048", "TTFT 2048\nms", ".2f"),
                ("ms_per_token_b1", "ms/token\nb1", ".3f"), ("ms_per_token_b8", "ms/token\nb8", ".3f"),
                ("ms_per_token_b1_long", "ms/token\nb1 long", ".3f"),
-               ("ms_per_token_b1_sampled", "ms/token\nb1 sampled", ".3f")]
+               ("ms_per_token_b1_sampled", "ms/token\nb1 sampled", ".3f"),
+               ("ms_per_token_b1_sampled_topp", "ms/token\nb1 top-p", ".3f")]
 E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unfused_fp32_vs_hf_fp32": "unfused fp32",
                  "agreement_hf_bf16_vs_hf_fp32": "transformers bf16"}  # the last: the yardstick for bf16's rounding
 
