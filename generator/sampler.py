@@ -56,9 +56,14 @@ class Sampler:
 
     hidden, dtype: the embedding rows' (the advance's x_next = embed[next]); device: a CUDA device. Compiled at
     construction into build_dir's object cache, as lm_head.LMHead is. The same draw as sample_tokens: the same noise
-    (serve.uniform_noise's hash), fp32 arithmetic in its order but for the softmax's sum and the cumulative sum (a
-    token at the top-p cut within an fp32 rounding of it may be kept by one and not the other). One launch at a time
-    (its counters are shared). Raises ValueError (shapes, dtypes) and CompileError.
+    (serve.uniform_noise's hash), fp32 arithmetic in its order but for the softmax's sum and the cumulative sum. Where
+    the two may keep different tokens (a helper's emulation, 12,000 random draws: 28 differed, all the third): a
+    token within an fp32 rounding of the top-p cut; more logits tied at the k-th than the candidates hold (the kernel
+    keeps the lowest ids, torch.topk some); logits tied at the top-p cut (the kernel ranks the lowest id first,
+    torch.topk in no set order); and, never for logits rounded from bf16/fp16 as the heads return them, two fp32
+    logits one ulp apart that divide by the temperature to one value, or -0 against +0 at the k-th (the kernel ranks
+    the raw logits' bits, sample_tokens the divided values). One launch at a time (its counters are shared). Raises
+    ValueError (shapes, dtypes) and CompileError.
     """
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device | str, *,

@@ -2,7 +2,8 @@
 // sample_tokens computes with ~30 torch launches, the same tokens, then the decode step's advance.
 // Per row b (temperature t[b] > 0; a row with t <= 0 keeps next[b], the head's greedy token):
 //   s = logit / max(t, 1e-6) (fp32, as torch divides); top-k keeps every s >= the k-th largest (ties included, as
-//   transformers' TopKLogitsWarper); p = softmax over those; top-p keeps the smallest prefix of the descending
+//   transformers' TopKLogitsWarper; ranked by the raw logits, the same order for logits rounded from bf16/fp16, as
+//   the heads return them: generator.sampler.Sampler says where else they differ); p = softmax over those; top-p keeps the smallest prefix of the descending
 //   order whose exclusive cumulative sum stays below top_p (the first always); then the Gumbel-max draw:
 //   argmax over kept i of s_i - log(-log(u(seed, step, id_i))), u = serve.uniform_noise's hash, first index on ties.
 // Two kernels: sample_topk (top-k, and top-p: G blocks a row each keep their slice's logits >= the slice's k-th

@@ -81,11 +81,12 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
         torch.cuda.synchronize()
         assert got.data_ptr() == nxt.data_ptr() and got[1] == greedy[1], (trial, got.tolist(), greedy.tolist())
         # the same draw; the softmax's sum and the cumulative sum run in another order than torch's, so a token
-        # within an fp32 rounding of the top-p cut may go either way (none in 180 draws seen; a wrong mask, scale,
+        # within an fp32 rounding of the top-p cut may go either way, and bf16 logits tied at the cut are ranked by id
+        # here, in torch.topk's order there (a CPU emulation: 28 of 12,000 draws, all such ties; a wrong mask, scale,
         # noise or index differs in most)
         differ += int((got != want).sum())
         assert left_clean(draw)
-    assert differ <= (1 if nucleus else 0), f"{differ} of {30 * B} draws differ from sample_tokens'"
+    assert differ <= (0 if not nucleus else 4 if ties else 1), f"{differ} of {30 * B} draws differ from sample_tokens'"
 
 
 @gpu
