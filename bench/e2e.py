@@ -93,8 +93,8 @@ def bench_served(model, args) -> dict:
         out[f"ms_per_token_b{B}"] = 1e3 * statistics.median(r.decode_s / (args.new_tokens - 1) for r in runs)
         out[f"decode_path_b{B}"] = runs[0].decode_choice.variant or "unfused"
     # sampled decoding as users run it, in the step's graph: temperature, top-k and top-p (the fused draw where the
-    # model has it: draw_path), and Llama-3's generation_config.json (temperature 0.6, top-p 0.9, no top-k: a sort of
-    # the vocabulary, torch's draw)
+    # model has it: draw_path), and top-p with top-k off (a sort of the vocabulary: torch's draw; transformers'
+    # generate() would add its default top-k 50 to Llama-3's generation_config.json, a server with top-k off not)
     p = prompts(1, 128, model.vocab).tolist()
     for key, kw in (("sampled", dict(temperature=0.8, top_k=50, top_p=0.9)),
                     ("sampled_topp", dict(temperature=0.6, top_p=0.9))):

@@ -847,7 +847,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
     info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
                       f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}"
-         + (f"; sampled draw: decode {model.draw_path(temperature, top_k, top_p)}" if temperature > 0 else ""),
+         + (f"; sampled draw: decode {model.draw_path(temperature, top_k, top_p)}"
+            if temperature > 0 and out.tokens_per_s > 0 else ""),
          markup=False, highlight=False, soft_wrap=True)
     import torch
     # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
@@ -858,8 +859,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
              "(unfused)", markup=False, highlight=False,
              soft_wrap=True)
     if temperature == 0 and (asked := sampling_asked(model_dir)):
-        info(f"note: generation_config.json asks for sampling ({asked}); this run is greedy: pass --temperature "
-             "(and --top-k / --top-p) to sample", markup=False, highlight=False, soft_wrap=True)
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (a.split(" ") for a in asked.split(", ")))
+        info(f"note: generation_config.json asks for sampling ({asked}, as transformers' generate() fills it); this "
+             f"run is greedy: pass {opts} to sample as it does", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
     unit = "GPU" if model.device.type == "cuda" else "process"
     per = f" (per {unit}, tensor parallel over {group.size()})" if group is not None else ""
@@ -868,16 +870,24 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
 
 
 def sampling_asked(model_dir) -> str:
-    """What a checkpoint's generation_config.json asks of sampling, where it sets do_sample true ("do_sample,
-    temperature 0.6, top_p 0.9"), else "" (no file, no JSON object, or greedy): transformers' generate() samples with
-    those by default, `megakernel generate` only when told (--temperature)."""
+    """What a checkpoint's generation_config.json asks of sampling, where it sets do_sample true, as transformers'
+    generate() runs it: read by transformers' GenerationConfig, the fields it leaves unset filled with generate()'s
+    defaults (Llama-3's file: "temperature 0.6, top_k 50, top_p 0.9": its top_k is transformers' default), else ""
+    (no file, one transformers refuses, or greedy). `megakernel generate` samples only when told (--temperature)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ""
     try:
-        gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    except (OSError, ValueError):
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(str(model_dir))
+    except Exception:  # noqa: BLE001 - any file transformers would not read: nothing asked
         return ""
-    if not isinstance(gen, dict) or gen.get("do_sample") is not True:
+    if gen.do_sample is not True:
         return ""
-    return ", ".join(["do_sample"] + [f"{k} {gen[k]}" for k in ("temperature", "top_k", "top_p") if k in gen])
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()  # (transformers >= 5)
+    fields = {k: getattr(gen, k, None) if getattr(gen, k, None) is not None else defaults.get(k)
+              for k in ("temperature", "top_k", "top_p")}
+    return ", ".join(f"{k} {v:g}" for k, v in fields.items() if v is not None)
 
 
 def run():

@@ -252,12 +252,12 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
 
 # bench/e2e.py's figures per provider (key, header, format), all ms: time to first token of a 128- and a 2048-token
 # prompt, ms per output token at batch 1 and 8, at batch 1 near the end of the cache and sampled (temperature 0.8,
-# top-k 50, top-p 0.9; and top-p 0.9 alone at temperature 0.6, Llama-3's generation config) (newer runs only)
+# top-k 50, top-p 0.9; and top-p 0.9 with top-k off at temperature 0.6) (newer runs only)
 E2E_FIGURES = [("ttft_ms_128", "TTFT 128\nms", ".2f"), ("ttft_ms_2048", "TTFT 2048\nms", ".2f"),
                ("ms_per_token_b1", "ms/token\nb1", ".3f"), ("ms_per_token_b8", "ms/token\nb8", ".3f"),
                ("ms_per_token_b1_long", "ms/token\nb1 long", ".3f"),
                ("ms_per_token_b1_sampled", "ms/token\nb1 sampled", ".3f"),
-               ("ms_per_token_b1_sampled_topp", "ms/token\nb1 top-p", ".3f")]
+               ("ms_per_token_b1_sampled_topp", "ms/token\nb1 top-p only", ".3f")]
 E2E_AGREEMENT = {"agreement_fused_bf16_vs_hf_fp32": "fused bf16", "agreement_unfused_fp32_vs_hf_fp32": "unfused fp32",
                  "agreement_hf_bf16_vs_hf_fp32": "transformers bf16"}  # the last: the yardstick for bf16's rounding
 
@@ -295,7 +295,8 @@ def latest_e2e(bench_dir: Path, archs=None) -> dict | None:
         if not isinstance(r, dict) or "error" in r:
             providers[name] = {"error": str(r.get("error") if isinstance(r, dict) else r)}
         else:
-            providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES if r.get(k) is not None}
+            providers[name] = {k: r[k] for k, _, _ in E2E_FIGURES  # (numbers only: a hand-edited "nan" is left out)
+                               if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)}
     agreement = {label: doc[k] for k, label in E2E_AGREEMENT.items() if isinstance(doc.get(k), dict)}
     kb = doc.get("kernel_bound") if isinstance(doc.get("kernel_bound"), dict) else {}
     fused = [r.get(k) for r in doc["providers"].values() if isinstance(r, dict)
@@ -578,17 +579,24 @@ def print_e2e(e2e: dict, console: Console) -> None:
     figs = [f for f in E2E_FIGURES if any(f[0] in r for r in provs.values())]
     # the benchmark's own checkpoint, whatever model the variants file declares: say which one was measured
     ck = f", checkpoint {Path(str(e2e['checkpoint'])).name}" if e2e.get("checkpoint") else ""
-    t = Table(title=f"end to end (bench/e2e.py{ck})", caption=f"{e2e['file']}" + (f", {e2e['gpu']}" if e2e.get("gpu")
-              else ""), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    t.add_column("provider", justify="left", min_width=12)
-    for _, head, _ in figs:
-        t.add_column(head, justify="right", no_wrap=True)
-    for name, r in provs.items():
-        if "error" in r:
-            t.add_row(name, *["[red]error[/red]"] + ["-"] * (len(figs) - 1))
-        else:
-            t.add_row(name, *["-" if r.get(k) is None else format(r[k], spec) for k, _, spec in figs])
-    console.print(t)
+    # a terminal too narrow for every figure column gets the columns over several tables (never a cut number):
+    # ~11 characters a figure, ~16 for the provider column (it wraps)
+    per = max(1, (console.width - 16) // 11)
+    parts = [figs[i:i + per] for i in range(0, len(figs), per)] or [[]]
+    caption = f"{e2e['file']}" + (f", {e2e['gpu']}" if e2e.get("gpu") else "")
+    for i, part in enumerate(parts):
+        t = Table(title=f"end to end (bench/e2e.py{ck})" if i == 0 else None,
+                  caption=caption if i == len(parts) - 1 else None, header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=(0, 1))
+        t.add_column("provider", justify="left", min_width=12)
+        for _, head, _ in part:
+            t.add_column(head, justify="right", no_wrap=True)
+        for name, r in provs.items():
+            if "error" in r:
+                t.add_row(name, *(["[red]error[/red]"] + ["-"] * (len(part) - 1))[:len(part)])
+            else:
+                t.add_row(name, *["-" if r.get(k) is None else format(r[k], spec) for k, _, spec in part])
+        console.print(t)
     for name, r in provs.items():
         if "error" in r:
             console.print(f"{name}: error: {r['error']}", markup=False, highlight=False)

@@ -28,9 +28,9 @@ def supported(candidates: int, nucleus: bool, vocab: int) -> str | None:
     """None where Sampler serves a draw of this shape (serve.sample_tokens' static arguments) over `vocab`
     logits, else why not."""
     if candidates <= 0 and nucleus:
-        return "top-p without top-k ranks the whole vocabulary (torch's sort)"
+        return "top-p without top-k: a sort of the whole vocabulary"
     if candidates > MAX_CANDIDATES:
-        return f"{candidates} candidates: top-k above {MAX_CANDIDATES // 2}"
+        return f"top-k above {MAX_CANDIDATES // 2}: {candidates} candidates"
     if candidates > 0 and vocab > MAX_VOCAB:
         return f"vocabulary {vocab} > {MAX_VOCAB}"
     return None

@@ -844,17 +844,34 @@ class Model:
     def draw_path(self, temperature: float, top_k: int, top_p: float) -> str:
         """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
         "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
-        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches)."""
-        if temperature <= 0:
+        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). ServeError where generate would
+        refuse the settings."""
+        top_k = self._check_sampling(temperature, top_k, top_p)
+        if temperature == 0:
             return "greedy"
         why = self._sampler_unsupported(self._draw_shape(top_k, top_p))
         return "fused" if why is None else f"torch ({why})"
 
+    def _check_sampling(self, temperature, top_k, top_p, seed=0) -> int:
+        """ServeError (one line) for sampling settings generate refuses; -> top_k clamped to the vocabulary, as
+        transformers' TopKLogitsWarper clamps it."""
+        rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)",
+                  _num(temperature) and temperature >= 0),
+                 ("top_k", top_k, "an integer >= 0 (0: off)", _int(top_k) and top_k >= 0),
+                 ("top_p", top_p, "a number in (0, 1] (1: off)", _num(top_p) and 0 < top_p <= 1),
+                 ("seed", seed, "an integer in [0, 2**62)", _int(seed) and 0 <= seed < SEED_MAX))
+        for nm, val, rule, ok in rules:
+            if not ok:
+                raise ServeError(f"{nm}: {rule}, got {val!r}")
+        return min(int(top_k), self.vocab)
+
     def _draw_shape(self, top_k: int, top_p: float) -> tuple[int, bool]:
-        """sample_tokens' static arguments (candidates, nucleus) for a generation's top_k and top_p: the candidates
-        leave room for ties at the k-th logit, in powers of two (few graphs for many top_k values)."""
-        cands = 0 if top_k <= 0 else min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length()))
-        return cands, top_p < 1
+        """sample_tokens' static arguments (candidates, nucleus) for a generation's top_k (clamped to the
+        vocabulary) and top_p: the candidates leave room for ties at the k-th logit, in powers of two (few graphs
+        for many top_k values); a top-k of the whole vocabulary keeps every token: off."""
+        if top_k <= 0 or top_k >= self.vocab:
+            return 0, top_p < 1
+        return min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length())), top_p < 1
 
     def _sampler_unsupported(self, sampled: tuple[int, bool]) -> str | None:
         if not self.fused_head:
@@ -1124,15 +1141,7 @@ class Model:
         B = len(prompts)
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
-        rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)",
-                  _num(temperature) and temperature >= 0),
-                 ("top_k", top_k, "an integer >= 0 (0: off)", _int(top_k) and top_k >= 0),
-                 ("top_p", top_p, "a number in (0, 1] (1: off)", _num(top_p) and 0 < top_p <= 1),
-                 ("seed", seed, "an integer in [0, 2**62)", _int(seed) and 0 <= seed < SEED_MAX))
-        for nm, val, rule, ok in rules:
-            if not ok:
-                raise ServeError(f"{nm}: {rule}, got {val!r}")
-        top_k = min(int(top_k), self.vocab)  # (transformers' TopKLogitsWarper clamps it the same way)
+        top_k = self._check_sampling(temperature, top_k, top_p, seed)
         if temperature == 0 and (top_k or top_p < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
             warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "

@@ -446,6 +446,21 @@ def test_report_shows_the_newest_e2e_result(tmp_path):
     text = " ".join(con.export_text().split())
     assert "fused bf16 32 of 32, transformers bf16 30 of 32 (logits 1.4e-02)" in text, text
     assert "×" not in text
+    # every figure column (the sampled ones too) at a narrow terminal: a cut figure ends in "…", never a shorter
+    # number; a figure that is no number (hand-edited) is left out, not a traceback
+    full = _e2e_doc()
+    full["providers"]["served (fused, graph)"].update(ms_per_token_b1_long=0.827, ms_per_token_b1_sampled=0.821,
+                                                      ms_per_token_b1_sampled_topp="nan")
+    (tmp_path / "e2e-h200-2026-12-11.json").write_text(json.dumps(full))
+    e2e = latest_e2e(tmp_path, {"90"})
+    assert "ms_per_token_b1_sampled_topp" not in e2e["providers"]["served (fused, graph)"]
+    for width in (60, 80, 90, 200):  # (narrow: the columns over several tables, every figure whole)
+        con = Console(width=width, record=True, color_system=None)
+        print_e2e(e2e, con)
+        text = con.export_text()
+        assert all(len(line) <= width for line in text.splitlines()), (width, text)
+        for must in ("0.821", "0.827", "b1 sampled", "e2e-h200-2026-12-11.json"):
+            assert must in text, (width, must, text)
 
 
 def test_report_json_carries_the_e2e_section(copy_build, tmp_path):

@@ -29,7 +29,7 @@ def test_which_draws_are_served():
     assert sampler.supported(0, False, V) is None  # temperature only: the kernel over the vocabulary
     assert "top-p without top-k" in sampler.supported(0, True, V)
     assert sampler.supported(sampler.MAX_CANDIDATES, True, V) is None
-    assert "top-k above 2048" in sampler.supported(2 * sampler.MAX_CANDIDATES, False, V)
+    assert sampler.supported(2 * sampler.MAX_CANDIDATES, False, V).startswith("top-k above 2048")
     assert sampler.supported(128, True, sampler.MAX_VOCAB) is None
     assert "vocabulary" in sampler.supported(128, True, sampler.MAX_VOCAB + 1)
     assert sampler.supported(0, False, 4 * sampler.MAX_VOCAB) is None

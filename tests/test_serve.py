@@ -510,6 +510,15 @@ def test_stats_and_logits_stop_with_the_sequences(tiny):
             model.paths(**bad)
     with pytest.raises(ServeError, match="^batch"):
         model.head_path(0)
+    # which draw a sampled step takes, and generate's refusals for the settings
+    assert model.draw_path(0, 5, 0.9) == "greedy" and model.draw_path(0.7, 5, 0.9) == "torch (on cpu)"
+    for bad, match in (((-1, 0, 1.0), "^temperature"), ((float("nan"), 0, 1.0), "^temperature"),
+                       ((0.7, 5.5, 1.0), "^top_k"), ((0.7, -1, 1.0), "^top_k"), ((0.7, 5, 0.0), "^top_p")):
+        with pytest.raises(ServeError, match=match):
+            model.draw_path(*bad)
+    assert model._draw_shape(model.vocab, 1.0) == (0, False)  # all of the vocabulary: off
+    V = model.vocab
+    assert model._draw_shape(2, 0.9) == (min(V, 128), True) and model._draw_shape(V - 1, 1.0) == (V, False)
 
 
 def test_bad_configurations_are_one_line_errors(tiny):
@@ -574,14 +583,23 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     (ds / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.9}')
     r = cli(["generate", ds, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
             cwd=tmp_path)
-    assert r.returncode == 0 and "generation_config.json asks for sampling (do_sample, temperature 0.6, top_p 0.9)" \
-        in r.stderr, r.stderr
+    # (its top_k is transformers' default, 50: generate() fills what the file leaves unset)
+    assert r.returncode == 0 and "generation_config.json asks for sampling (temperature 0.6, top_k 50, top_p 0.9, " \
+        "as transformers' generate() fills it)" in r.stderr and "--temperature 0.6 --top-k 50 --top-p 0.9" in \
+        r.stderr, r.stderr
     r = cli(["generate", ds, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32",
              "--temperature", "0.6", "--seed", "1"], cwd=tmp_path)
+    assert r.returncode == 0 and "asks for sampling" not in r.stderr and "sampled draw: decode torch (on cpu)" in \
+        r.stderr, r.stderr
+    (ds / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')  # greedy: nothing said
+    r = cli(["generate", ds, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
+            cwd=tmp_path)
     assert r.returncode == 0 and "asks for sampling" not in r.stderr, r.stderr
     # one new token: no decode step ran, so no decode rate (it read "0.0 tokens/s")
-    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "1", "--device", "cpu"], cwd=tmp_path)
+    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "1", "--device", "cpu", "--temperature", "0.5"],
+            cwd=tmp_path)
     assert r.returncode == 0 and "no decode step" in r.stderr and "tokens/s" not in r.stderr, r.stderr
+    assert "sampled draw" not in r.stderr, r.stderr  # (no decode step drew)
     # past the positions the model was trained on (max_position_embeddings 256): generated as asked, and said
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "255", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and "257 positions" in r.stderr and "max_position_embeddings 256" in r.stderr, r.stderr
@@ -747,7 +765,8 @@ def test_gpu_fused_draw_is_sample_tokens(built, kw):
     _, d, build = built
     model = serve.Model.from_hf(d, build_dir=build)
     assert model.draw_path(**{"top_k": 0, "top_p": 1.0, **kw}) == "fused"
-    assert model.draw_path(0.7, 0, 0.9).startswith("torch (top-p without top-k")
+    assert model.draw_path(0.7, 0, 0.9) == "torch (top-p without top-k: a sort of the whole vocabulary)"
+    assert model.draw_path(0.7, 10 ** 9, 1.0) == "fused"  # (a top-k of the whole vocabulary is off)
     out = model.generate(PROMPTS, 12, seed=5, output_logits=True, stop_tokens=[], **kw)
     k, p = kw.get("top_k", 0), kw.get("top_p", 1.0)
     assert model._sampler is not None and model.draw_path(kw["temperature"], k, p) == "fused"  # (built, not warned)
