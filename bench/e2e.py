@@ -4,7 +4,8 @@ static cache + torch.compile (as its docs recommend: cache_implementation="stati
 the forward itself).
 
 Measured: time to first token for prompts of 128 and 2048 tokens (batch 1), ms per output token at batch 1 and 8
-(128-token prompts) and at batch 1 near the end of the cache (served model), the bound a decode step is held to
+(128-token prompts), sampled at batch 1, and at batch 1 near the end of the cache (served model), a sampled step's
+draw alone (torch's sample_tokens against the fused draw, µs, bench_draw), the bound a decode step is held to
 (the batch-1 fused layers back to back in one graph + the LM head, and one layer's call from Python against its
 kernel), and agreement with transformers in fp32 on the same checkpoint (greedy tokens until the first
 divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint is built offline: a
@@ -114,6 +115,45 @@ def bench_long(model, args) -> float:
     model.generate(p, args.new_tokens, stop_tokens=[])
     runs = [model.generate(p, args.new_tokens, stop_tokens=[]) for _ in range(args.reps)]
     return 1e3 * statistics.median(r.decode_s / (args.new_tokens - 1) for r in runs)
+
+
+# the draw shapes timed alone (top_k, top_p): the served step's sampled figures, top-k alone, temperature alone
+DRAWS = {"top-k 50, top-p 0.9": (50, 0.9), "top-k 50": (50, 1.0), "temperature only": (0, 1.0),
+         "top-p 0.9 only": (0, 0.9)}
+
+
+def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
+    """A sampled step's draw alone, in a CUDA graph, on random logits [B, vocab] fp32: serve.sample_tokens (torch)
+    against the model's fused draw (generator.sampler) where draw_path says it serves; µs {"b<B> <draw>": {"torch",
+    "fused", "path", "same_tokens"}}. same_tokens: the two drew the same tokens on those logits (the fused draw's
+    documented exceptions aside: a token at the top-p cut within an fp32 rounding, or tied with it)."""
+    from bench.timing import graph_of, time_replays
+    from generator import serve
+    out = {}
+    for B in batches:
+        g = torch.Generator(device=model.device).manual_seed(B)
+        logits = (torch.randn(B, model.vocab, device=model.device, generator=g) * 3).bfloat16().float()
+        temp = torch.full((B,), temperature, device=model.device)
+        seed = torch.arange(B, device=model.device) * 7919 + 1
+        pos = torch.arange(B, dtype=torch.int32, device=model.device) + 9
+        nxt = logits.argmax(-1)
+        for name, (k, p) in DRAWS.items():
+            tk, tp = torch.full((B,), k, device=model.device), torch.full((B,), p, device=model.device)
+            cands, nucleus = model._draw_shape(min(k, model.vocab), p)
+            path = model.draw_path(temperature, k, p)
+            row = {"path": path}
+            want = serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1, candidates=cands, nucleus=nucleus)
+            gr = graph_of(lambda: nxt.copy_(serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1,
+                                                                candidates=cands, nucleus=nucleus)))
+            row["torch"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
+            draw = model._fused_sampler((cands, nucleus)) if path == "fused" else None
+            if draw is not None:
+                got = draw(logits, temp, tk, tp, seed, pos, logits.argmax(-1), candidates=cands, nucleus=nucleus)
+                row["same_tokens"] = bool(torch.equal(got, want))
+                gr = graph_of(lambda: draw(logits, temp, tk, tp, seed, pos, nxt, candidates=cands, nucleus=nucleus))
+                row["fused"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
+            out[f"b{B} {name}"] = row
+    return out
 
 
 def kernel_bound(model, pos: int = 192) -> dict:
@@ -264,6 +304,10 @@ def main(argv=None):
             res["kernel_bound"]["ratio"] = round(served["ms_per_token_b1"] / res["kernel_bound"]["bound_ms"], 3)
         except Exception as exc:  # noqa: BLE001
             res["kernel_bound"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        try:
+            res["draw_us"] = bench_draw(m)
+        except Exception as exc:  # noqa: BLE001
+            res["draw_us"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         res["served_prefill_pieces"] = {L: [(pc.start, pc.length, pc.choice.variant or "unfused")
                                             for pc in m.paths(1, min(L, m.cache_len))["prefill"]]
                                         for L in (128, 2048)}
@@ -323,6 +367,8 @@ def main(argv=None):
     for k in ("agreement_fused_bf16_vs_hf_fp32", "agreement_unfused_fp32_vs_hf_fp32", "agreement_hf_bf16_vs_hf_fp32"):
         if res.get(k):
             print(f"{k}: {res[k]}")
+    for name, row in (res.get("draw_us") or {}).items():  # the draw alone, µs
+        print(f"draw {name}: {row}")
     save()
     print(f"wrote {out}")
 
