@@ -350,7 +350,8 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
     """Bytes the model will hold on the GPU, before anything is loaded: weights (fused packed, unfused merged),
     embedding + lm_head, KV caches (2 x layers x [max_batch, kv_heads, cache_len, head_dim]), the fused layers'
     workspaces (workspace_bytes: sum over the variants of one layer's; every layer of a variant shares one), and a
-    margin for loading (one layer's weights twice), the decode steps' buffers (logits, token history) and graphs."""
+    margin for loading (one layer's weights twice), the decode steps' buffers (logits, token history, the fused
+    draw's scratch: at most 8 bytes a logit a row, sampler.Sampler.scratch) and graphs."""
     per_layer = layer_weight_bytes(m, elt)
     out = {
         "weights_fused": per_layer * m.layers if fused else 0,
