@@ -845,34 +845,58 @@ class Model:
     def draw_path(self, temperature: float, top_k: int, top_p: float) -> str:
         """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
         "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
-        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). ServeError where generate would
-        refuse the settings."""
-        top_k = self._check_sampling(temperature, top_k, top_p)
-        if temperature == 0:
+        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). Settings as generate() takes them
+        (one value, or one per sequence); ServeError where generate would refuse them."""
+        n = next((len(v) for v in (temperature, top_k, top_p) if isinstance(v, (list, tuple))), 1)
+        temps, ks, ps, _ = self._check_sampling(n, temperature, top_k, top_p)
+        sampled = self._draw_shape(temps, ks, ps)
+        if sampled is None:
             return "greedy"
-        why = self._sampler_unsupported(self._draw_shape(top_k, top_p))
+        why = self._sampler_unsupported(sampled)
         return "fused" if why is None else f"torch ({why})"
 
-    def _check_sampling(self, temperature, top_k, top_p, seed=0) -> int:
-        """ServeError (one line) for sampling settings generate refuses; -> top_k clamped to the vocabulary, as
-        transformers' TopKLogitsWarper clamps it."""
-        rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)",
-                  _num(temperature) and temperature >= 0),
-                 ("top_k", top_k, "an integer >= 0 (0: off)", _int(top_k) and top_k >= 0),
-                 ("top_p", top_p, "a number in (0, 1] (1: off)", _num(top_p) and 0 < top_p <= 1),
-                 ("seed", seed, "an integer in [0, 2**62)", _int(seed) and 0 <= seed < SEED_MAX))
+    def _check_sampling(self, rows: int, temperature, top_k, top_p, seed=0) -> tuple[list, list, list, list]:
+        """generate()'s sampling settings for `rows` sequences -> per sequence (temperature, top_k, top_p, seed):
+        each setting one value for all (the seed: seed + 7919 b for sequence b) or a list of one per sequence;
+        top_k clamped to the vocabulary (as transformers' TopKLogitsWarper clamps it), a top-k of the whole
+        vocabulary is off (0). ServeError (one line) for settings generate refuses."""
+        rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)", lambda v: _num(v) and v >= 0),
+                 ("top_k", top_k, "an integer >= 0 (0: off)", lambda v: _int(v) and v >= 0),
+                 ("top_p", top_p, "a number in (0, 1] (1: off)", lambda v: _num(v) and 0 < v <= 1),
+                 ("seed", seed, "an integer in [0, 2**62)", lambda v: _int(v) and 0 <= v < SEED_MAX))
+        out = []
         for nm, val, rule, ok in rules:
-            if not ok:
-                raise ServeError(f"{nm}: {rule}, got {val!r}")
-        return min(int(top_k), self.vocab)
+            vals = list(val) if isinstance(val, (list, tuple)) else None
+            if vals is not None and len(vals) != rows:
+                raise ServeError(f"{nm}: {rule}, or a list of one per sequence ({rows}), got {len(vals)} values")
+            for v in vals if vals is not None else [val]:
+                if not ok(v):
+                    raise ServeError(f"{nm}: {rule}" + (", or a list of one per sequence" if vals is not None else "")
+                                     + f", got {v!r}")
+            if vals is None:
+                vals = [int(val) + 7919 * b for b in range(rows)] if nm == "seed" else [val] * rows
+            out.append(vals)
+        temps, ks, ps, seeds = out
+        ks = [0 if int(k) >= self.vocab else int(k) for k in ks]
+        return [float(t) for t in temps], ks, [float(p) for p in ps], [int(x) for x in seeds]
 
-    def _draw_shape(self, top_k: int, top_p: float) -> tuple[int, bool]:
-        """sample_tokens' static arguments (candidates, nucleus) for a generation's top_k (clamped to the
-        vocabulary) and top_p: the candidates leave room for ties at the k-th logit, in powers of two (few graphs
-        for many top_k values); a top-k of the whole vocabulary keeps every token: off."""
-        if top_k <= 0 or top_k >= self.vocab:
-            return 0, top_p < 1
-        return min(self.vocab, max(128, 1 << (2 * top_k - 1).bit_length())), top_p < 1
+    def _draw_shape(self, temps: list, ks: list, ps: list) -> tuple[int, bool] | None:
+        """sample_tokens' static arguments (candidates, nucleus) for a generation's per-sequence settings (top_k
+        clamped, off as 0), None where every sequence is greedy. Over the sampled sequences: all with top-k on, the
+        candidates leave room for ties at the largest k-th logit, in powers of two (few graphs for many top_k
+        values); all with top-k off, none are ranked (nucleus: some top_p < 1); some of each, the whole vocabulary
+        is sorted (each row's own top-k)."""
+        rows = [b for b, t in enumerate(temps) if t > 0]
+        if not rows:
+            return None
+        on = [ks[b] > 0 for b in rows]
+        nucleus = any(ps[b] < 1 for b in rows)
+        if not any(on):
+            return 0, nucleus
+        if not all(on):
+            return 0, True
+        top = max(ks[b] for b in rows)
+        return min(self.vocab, max(128, 1 << (2 * top - 1).bit_length())), nucleus
 
     def _sampler_unsupported(self, sampled: tuple[int, bool]) -> str | None:
         if not self.fused_head:
@@ -1142,8 +1166,8 @@ class Model:
         B = len(prompts)
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
-        top_k = self._check_sampling(temperature, top_k, top_p, seed)
-        if temperature == 0 and (top_k or top_p < 1) and "greedy" not in self._warned:
+        temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
+        if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
             warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "
                           "temperature > 0 to sample)", stacklevel=4 + _depth)
@@ -1166,7 +1190,7 @@ class Model:
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
         # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each
-        sampled = self._draw_shape(top_k, top_p) if temperature > 0 else None
+        sampled = self._draw_shape(temps, ks, ps)
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
         key = (max(lens), B)
@@ -1184,10 +1208,10 @@ class Model:
         bufs = self._buffers(dch)
         V = dch.batch
         pad = V - B
-        bufs["temp"].copy_(torch.tensor([float(temperature)] * V))
-        bufs["topk"].copy_(torch.tensor([int(top_k)] * V))
-        bufs["topp"].copy_(torch.tensor([float(top_p)] * V))
-        bufs["seed"].copy_(torch.tensor([int(seed) + 7919 * b for b in range(B)] + [0] * pad))
+        bufs["temp"].copy_(torch.tensor(temps + [0.0] * pad))  # (padding: greedy)
+        bufs["topk"].copy_(torch.tensor(ks + [0] * pad))
+        bufs["topp"].copy_(torch.tensor(ps + [1.0] * pad))
+        bufs["seed"].copy_(torch.tensor(seeds + [0] * pad))
         T = max(lens)
         tok = torch.tensor([p + [0] * (T - len(p)) for p in prompts], dtype=torch.long).to(dev)
         last = self._prefill(tok, lens, pieces)
@@ -1275,7 +1299,9 @@ class Model:
         most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused
         prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0:
         greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
-        seed + 7919 b).
+        seed + 7919 b). Each of temperature, top_k, top_p and seed may also be a list of one value per sequence
+        (a server's requests: sequence b then uses seed[b]); a batch whose sequences mix top-k on and off sorts the
+        vocabulary (Model.draw_path says which draw runs).
         stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as
         transformers reads it: generation_config.json's where the directory holds one, else config.json's).
         callback(seq, token) is called for every token as it arrives (stream() is the iterator form; the model is

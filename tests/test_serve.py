@@ -385,6 +385,22 @@ def test_stream_stop_tokens_and_sampling(tiny):
     b = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     c = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=8).tokens
     assert a == b and a != c
+    # settings per sequence (a server's requests): each sequence draws as it would alone with its own settings
+    # (its own seed), greedy rows included, whatever the draw shape the batch needs
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    for temps, ks, ps in (([0.9, 0.0, 1.3], [20, 0, 5], [0.95, 1.0, 1.0]),  # top-k on in every sampled row
+                          ([0.9, 0.7, 1.3], [20, 0, 5], [0.95, 0.8, 1.0])):  # top-k on and off: the sort
+        per = model.generate(prompts, 8, temperature=temps, top_k=ks, top_p=ps, seed=[7, 8, 9])
+        for i, pr in enumerate(prompts):
+            one = model.generate([pr], 8, temperature=temps[i], top_k=ks[i], top_p=ps[i], seed=[7, 8, 9][i])
+            assert per.tokens[i] == one.tokens[0], (temps, i)
+    assert model.generate(prompts, 8, temperature=0.9, seed=7).tokens == \
+        model.generate(prompts, 8, temperature=[0.9] * 3, seed=[7, 7 + 7919, 7 + 2 * 7919]).tokens
+    for kw, match in (({"temperature": [0.9, 0.5]}, r"^temperature: .*one per sequence \(3\), got 2 values"),
+                      ({"top_k": [1, 2, -1], "temperature": 0.5}, r"^top_k: .*one per sequence, got -1"),
+                      ({"seed": [1, 2, 2 ** 62], "temperature": 0.5}, r"^seed: an integer in \[0, 2\*\*62\)")):
+        with pytest.raises(ServeError, match=match):
+            model.generate(prompts, 2, **kw)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -516,9 +532,16 @@ def test_stats_and_logits_stop_with_the_sequences(tiny):
                        ((0.7, 5.5, 1.0), "^top_k"), ((0.7, -1, 1.0), "^top_k"), ((0.7, 5, 0.0), "^top_p")):
         with pytest.raises(ServeError, match=match):
             model.draw_path(*bad)
-    assert model._draw_shape(model.vocab, 1.0) == (0, False)  # all of the vocabulary: off
     V = model.vocab
-    assert model._draw_shape(2, 0.9) == (min(V, 128), True) and model._draw_shape(V - 1, 1.0) == (V, False)
+    assert model._check_sampling(2, 0.5, V, 1.0)[1] == [0, 0]  # a top-k of the whole vocabulary: off
+    assert model._draw_shape([1.0], [2], [0.9]) == (min(V, 128), True)
+    assert model._draw_shape([1.0], [V - 1], [1.0]) == (V, False) and model._draw_shape([0.0], [5], [0.5]) is None
+    # per sequence: the sampled rows decide; top-k on and off mixed sorts the vocabulary (each row's own top-k)
+    assert model._draw_shape([0.0, 1.0], [0, 3], [1.0, 1.0]) == (min(V, 128), False)
+    assert model._draw_shape([0.7, 1.0], [0, 3], [1.0, 1.0]) == (0, True)
+    assert model._draw_shape([0.7, 1.0], [0, 0], [1.0, 0.9]) == (0, True)
+    assert model.draw_path([0.0, 0.0], 5, 1.0) == "greedy" and model.draw_path([0.0, 0.5], [0, 3], 1.0) == \
+        "torch (on cpu)"
 
 
 def test_bad_configurations_are_one_line_errors(tiny):
