@@ -139,7 +139,7 @@ def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
         nxt = logits.argmax(-1)
         for name, (k, p) in DRAWS.items():
             tk, tp = torch.full((B,), k, device=model.device), torch.full((B,), p, device=model.device)
-            cands, nucleus = model._draw_shape([temperature], [0 if k >= model.vocab else k], [p])
+            cands, nucleus = model._draw_shape(*model._check_sampling(1, temperature, k, p)[:3])
             path = model.draw_path(temperature, k, p)
             row = {"path": path}
             want = serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1, candidates=cands, nucleus=nucleus)

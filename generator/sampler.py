@@ -104,8 +104,9 @@ class Sampler:
                  nucleus: bool, advance: Advance | None = None) -> torch.Tensor:
         """logits [B, vocab] float32; temp, topp [B] float32; topk, seed [B] int64 (seeds in [0, 2^62)); pos [B]
         int32 (the step's positions: the noise's step is pos + 1, the position the token takes); next_tokens [B]
-        int64, in: the greedy tokens, out: the draw (returned). candidates > 0: every row's top_k is in
-        1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in every row.
+        int64, in: the greedy tokens, out: the draw (returned). candidates > 0: every sampled row's (temperature
+        > 0) top_k is in 1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in
+        every sampled row. A row's top_p 1 is off (no cut), as sample_tokens'.
         On torch's current stream; capturable in a CUDA graph once the draw shape (rows, candidates) has run outside
         one (its scratch is made then: scratch()). Raises ValueError where supported() refuses the draw's shape or a
         tensor is not as above."""

@@ -295,6 +295,14 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int | torch.Ten
     return (((x >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max_(1.0 - 2.0 ** -24)
 
 
+def nucleus_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p's mask over probabilities probs [B, n] float32 sorted descending per row (top_p [B] float32): the
+    smallest prefix whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it (a token is kept
+    where the probability before it is below top_p); top_p >= 1 keeps every token (transformers applies no
+    warper: an fp32 cumulative sum can reach 1 before the row's end)."""
+    return ((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, step: torch.Tensor, *, candidates: int = 0, nucleus: bool = True
                   ) -> torch.Tensor:
@@ -305,7 +313,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     uniform_noise: no host sync, no RNG state, capturable in a CUDA graph.
     Top-k keeps every token tied with the k-th largest logit, as transformers' TopKLogitsWarper does (bf16 logits
     tie often). What the caller knows of every row, for speed (the same draw): `candidates` > 0 where every row's
-    top_k is in 1 .. candidates: only the `candidates` largest logits are ranked (torch.topk, not a sort of
+    top_k with temperature > 0 is in 1 .. candidates: only the `candidates` largest logits are ranked (torch.topk, not a sort of
     the vocabulary: ~0.3 ms of a 128 K vocabulary's step on the H200; tokens tied with the k-th logit past them
     are left out, so give room: Model.generate ranks at least 2 x top_k and 128); `nucleus` False where every
     row's top_p is 1 and top_k is off: nothing is ranked."""
@@ -322,7 +330,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     in_k = (top_k[:, None] <= 0) | (scaled >= kth)
     scaled = scaled.masked_fill(~in_k, float("-inf"))
     probs = scaled.softmax(-1)
-    keep = in_k & ((probs.cumsum(-1) - probs) < top_p[:, None])
+    keep = in_k & nucleus_keep(probs, top_p)
     keep[:, 0] = True
     g = -torch.log(-torch.log(uniform_noise(seed, step, order)))
     score = torch.where(keep, scaled + g, torch.full_like(scaled, float("-inf")))
@@ -847,7 +855,10 @@ class Model:
         "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
         "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). Settings as generate() takes them
         (one value, or one per sequence); ServeError where generate would refuse them."""
+        temperature, top_k, top_p = _listed(temperature), _listed(top_k), _listed(top_p)
         n = next((len(v) for v in (temperature, top_k, top_p) if isinstance(v, (list, tuple))), 1)
+        if n < 1:
+            raise ServeError("draw_path: one value, or a list of one per sequence (at least one)")
         temps, ks, ps, _ = self._check_sampling(n, temperature, top_k, top_p)
         sampled = self._draw_shape(temps, ks, ps)
         if sampled is None:
@@ -857,15 +868,17 @@ class Model:
 
     def _check_sampling(self, rows: int, temperature, top_k, top_p, seed=0) -> tuple[list, list, list, list]:
         """generate()'s sampling settings for `rows` sequences -> per sequence (temperature, top_k, top_p, seed):
-        each setting one value for all (the seed: seed + 7919 b for sequence b) or a list of one per sequence;
-        top_k clamped to the vocabulary (as transformers' TopKLogitsWarper clamps it), a top-k of the whole
-        vocabulary is off (0). ServeError (one line) for settings generate refuses."""
+        each setting one value for all (the seed: seed + 7919 b for sequence b) or a list (tuple, tensor, array)
+        of one per sequence; a top_k of the whole vocabulary or more is off (0: transformers' TopKLogitsWarper
+        clamps it to the vocabulary, which keeps every token). ServeError (one line) for settings generate
+        refuses."""
         rules = (("temperature", temperature, "a finite number >= 0 (0: greedy)", lambda v: _num(v) and v >= 0),
                  ("top_k", top_k, "an integer >= 0 (0: off)", lambda v: _int(v) and v >= 0),
                  ("top_p", top_p, "a number in (0, 1] (1: off)", lambda v: _num(v) and 0 < v <= 1),
                  ("seed", seed, "an integer in [0, 2**62)", lambda v: _int(v) and 0 <= v < SEED_MAX))
         out = []
         for nm, val, rule, ok in rules:
+            val = _listed(val)  # (a tensor or array: its values)
             vals = list(val) if isinstance(val, (list, tuple)) else None
             if vals is not None and len(vals) != rows:
                 raise ServeError(f"{nm}: {rule}, or a list of one per sequence ({rows}), got {len(vals)} values")
@@ -1300,8 +1313,10 @@ class Model:
         prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0:
         greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
         seed + 7919 b). Each of temperature, top_k, top_p and seed may also be a list of one value per sequence
-        (a server's requests: sequence b then uses seed[b]); a batch whose sequences mix top-k on and off sorts the
-        vocabulary (Model.draw_path says which draw runs).
+        (a server's requests: sequence b then uses seed[b] and draws as it would alone, but where more logits tie
+        at its k-th than the batch's candidates hold, or within an fp32 rounding of its top-p cut, since the batch
+        decides the draw's shape); a batch whose sequences mix top-k on and off sorts the vocabulary
+        (Model.draw_path says which draw runs).
         stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as
         transformers reads it: generation_config.json's where the directory holds one, else config.json's).
         callback(seq, token) is called for every token as it arrives (stream() is the iterator form; the model is

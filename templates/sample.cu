@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
             const float s = key_float((unsigned)(kept[i] >> 32)) / tt;
             const float p = expf(s - m) / Z;
             cum += p;  // inclusive, as probs.cumsum(-1); kept where cumsum - p < top_p
-            if (i == 0 || cum - p < p_top) {
+            if (i == 0 || p_top >= 1.f || cum - p < p_top) {  // (top_p 1: off, as transformers applies none)
                 const unsigned id = 0xFFFFFFFFu - (unsigned)kept[i];
                 const unsigned long long key = argmax_key(s + gumbel(h, id), (unsigned)i);
                 best = key > best ? key : best;

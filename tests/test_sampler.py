@@ -74,6 +74,10 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
         rows = torch.arange(B, device="cuda")
         topk = (k - rows % 3).clamp_min(1) if k > 0 else torch.zeros(B, dtype=torch.long, device="cuda")
         topp = torch.full((B,), p, device="cuda") if p == 1.0 else p - 0.1 * (rows % 2)
+        if p < 1.0:
+            topp[4] = 1.0  # a row with top-p off in a top-p batch: no cut (an fp32 sum can reach 1 early)
+        if k > 0:
+            topk[1] = 0  # the greedy row's top-k need not be in 1..candidates
         greedy = logits.argmax(-1)
         want = serve.sample_tokens(logits, temp, topk, topp, s, pos.long() + 1, candidates=cands, nucleus=nucleus)
         nxt = greedy.clone()

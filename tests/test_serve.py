@@ -8,6 +8,7 @@ import math
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -385,6 +386,11 @@ def test_stream_stop_tokens_and_sampling(tiny):
     b = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     c = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=8).tokens
     assert a == b and a != c
+    # top-p's mask: the prefix reaching top_p; top_p 1 keeps all, also where the fp32 cumulative sum reaches 1 early
+    probs = torch.tensor([[0.6, 0.4000001, 1e-7, 1e-7], [0.5, 0.3, 0.15, 0.05]])
+    keep = serve.nucleus_keep(probs, torch.tensor([1.0, 0.8]))
+    assert keep.tolist() == [[True] * 4, [True, True, False, False]]
+    assert serve.nucleus_keep(probs, torch.tensor([0.9999999, 0.95]))[0].tolist() == [True, True, False, False]
     # settings per sequence (a server's requests): each sequence draws as it would alone with its own settings
     # (its own seed), greedy rows included, whatever the draw shape the batch needs
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -395,7 +401,8 @@ def test_stream_stop_tokens_and_sampling(tiny):
             one = model.generate([pr], 8, temperature=temps[i], top_k=ks[i], top_p=ps[i], seed=[7, 8, 9][i])
             assert per.tokens[i] == one.tokens[0], (temps, i)
     assert model.generate(prompts, 8, temperature=0.9, seed=7).tokens == \
-        model.generate(prompts, 8, temperature=[0.9] * 3, seed=[7, 7 + 7919, 7 + 2 * 7919]).tokens
+        model.generate(prompts, 8, temperature=[0.9] * 3, seed=[7, 7 + 7919, 7 + 2 * 7919]).tokens == \
+        model.generate(prompts, 8, temperature=np.full(3, 0.9), seed=torch.tensor([7, 7 + 7919, 7 + 2 * 7919])).tokens
     for kw, match in (({"temperature": [0.9, 0.5]}, r"^temperature: .*one per sequence \(3\), got 2 values"),
                       ({"top_k": [1, 2, -1], "temperature": 0.5}, r"^top_k: .*one per sequence, got -1"),
                       ({"seed": [1, 2, 2 ** 62], "temperature": 0.5}, r"^seed: an integer in \[0, 2\*\*62\)")):
