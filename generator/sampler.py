@@ -98,6 +98,7 @@ class Sampler:
         self._scratch: dict[tuple, dict[str, torch.Tensor]] = {}  # by (rows, slices, candidates): see scratch()
         self.pdl = torch.cuda.get_device_capability(self.device) >= (9, 0) and env_flag("MEGAKERNEL_PDL", True)
         self._pdl_config = pdl_config
+        self._configs: dict[tuple[int, int], object] = {}  # PDL launch configurations by (grid, smem), made once
 
     def __call__(self, logits: torch.Tensor, temp: torch.Tensor, topk: torch.Tensor, topp: torch.Tensor,
                  seed: torch.Tensor, pos: torch.Tensor, next_tokens: torch.Tensor, *, candidates: int,
@@ -192,8 +193,10 @@ class Sampler:
         with torch.cuda.device(self.device):
             if self.pdl:  # the kernels wait (griddepcontrol.wait) before their first load
                 from .loader import launch_pdl
-                launch_pdl(self._pdl_config(grid, THREADS, smem, cooperative=False), stream, fn.ptr,
-                           ctypes.addressof(params))
+                cfg = self._configs.get((grid, smem))
+                if cfg is None:
+                    cfg = self._configs[grid, smem] = self._pdl_config(grid, THREADS, smem, cooperative=False)
+                launch_pdl(cfg, stream, fn.ptr, ctypes.addressof(params))
             else:
                 self._driver.launchKernel(fn.ptr, grid, 1, 1, THREADS, 1, 1, smem, stream, ctypes.addressof(params),
                                           0)

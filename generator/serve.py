@@ -312,11 +312,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     whose probability reaches top_p, at least one), then an exact draw by the Gumbel-max trick with noise from
     uniform_noise: no host sync, no RNG state, capturable in a CUDA graph.
     Top-k keeps every token tied with the k-th largest logit, as transformers' TopKLogitsWarper does (bf16 logits
-    tie often). What the caller knows of every row, for speed (the same draw): `candidates` > 0 where every row's
-    top_k with temperature > 0 is in 1 .. candidates: only the `candidates` largest logits are ranked (torch.topk, not a sort of
-    the vocabulary: ~0.3 ms of a 128 K vocabulary's step on the H200; tokens tied with the k-th logit past them
-    are left out, so give room: Model.generate ranks at least 2 x top_k and 128); `nucleus` False where every
-    row's top_p is 1 and top_k is off: nothing is ranked."""
+    tie often). What the caller knows of every row, for speed (the same draw): `candidates` > 0 where every
+    sampled row's (temperature > 0) top_k is in 1 .. candidates: only the `candidates` largest logits are ranked
+    (torch.topk, not a sort of the vocabulary: ~0.3 ms of a 128 K vocabulary's step on the H200; tokens tied with
+    the k-th logit past them are left out, so give room: Model.generate ranks at least 2 x top_k and 128);
+    `nucleus` False where every sampled row's top_p is 1 and top_k is off: nothing is ranked."""
     greedy = logits.argmax(-1)
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     if not nucleus and candidates <= 0:
@@ -828,10 +828,14 @@ class Model:
         why = self._head_why or self._head_unsupported(batch)
         return "fused" if why is None else f"torch ({why})"
 
-    def _head_unsupported(self, batch: int) -> str | None:
+    def _fused_off(self) -> str | None:
+        """Why no fused head or draw runs on this model (fused_head off, or not on a GPU), else None."""
         if not self.fused_head:
             return "fused_head off" if self.device.type == "cuda" else f"on {self.device.type}"
-        return lm_head.supported(batch, self.shape.hidden, self.shape.norm, self.dtype)
+        return None
+
+    def _head_unsupported(self, batch: int) -> str | None:
+        return self._fused_off() or lm_head.supported(batch, self.shape.hidden, self.shape.norm, self.dtype)
 
     def _fused_head(self, batch: int) -> lm_head.LMHead | None:
         """The head's kernel for `batch` rows (compiled into build_dir at its first use), or None: torch's head.
@@ -912,8 +916,8 @@ class Model:
         return min(self.vocab, max(128, 1 << (2 * top - 1).bit_length())), nucleus
 
     def _sampler_unsupported(self, sampled: tuple[int, bool]) -> str | None:
-        if not self.fused_head:
-            return "fused_head off" if self.device.type == "cuda" else f"on {self.device.type}"
+        if self._fused_off():
+            return self._fused_off()
         if self.dtype not in (torch.bfloat16, torch.float16):
             return f"dtype {str(self.dtype).removeprefix('torch.')}"
         return self._sampler_why or sampler.supported(*sampled, self.vocab)
