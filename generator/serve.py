@@ -854,11 +854,12 @@ class Model:
                 return None
         return self._heads[rows]
 
-    def draw_path(self, temperature: float, top_k: int, top_p: float) -> str:
+    def draw_path(self, temperature, top_k=0, top_p=1.0) -> str:
         """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
         "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
-        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). Settings as generate() takes them
-        (one value, or one per sequence); ServeError where generate would refuse them."""
+        "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). Settings as generate() takes them,
+        with its defaults (each one value, or a list, tensor or array of one per sequence); ServeError where
+        generate would refuse them."""
         temperature, top_k, top_p = _listed(temperature), _listed(top_k), _listed(top_p)
         n = next((len(v) for v in (temperature, top_k, top_p) if isinstance(v, (list, tuple))), 1)
         if n < 1:
@@ -885,7 +886,8 @@ class Model:
             val = _listed(val)  # (a tensor or array: its values)
             vals = list(val) if isinstance(val, (list, tuple)) else None
             if vals is not None and len(vals) != rows:
-                raise ServeError(f"{nm}: {rule}, or a list of one per sequence ({rows}), got {len(vals)} values")
+                raise ServeError(f"{nm}: {rule}, or a list of one per sequence ({rows}), got "
+                                 f"{len(vals)} value{'' if len(vals) == 1 else 's'}")
             for v in vals if vals is not None else [val]:
                 if not ok(v):
                     raise ServeError(f"{nm}: {rule}" + (", or a list of one per sequence" if vals is not None else "")
@@ -1186,8 +1188,10 @@ class Model:
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
         if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
-            warnings.warn(f"temperature 0 decodes greedily: top_k {top_k} / top_p {top_p} have no effect (set a "
-                          "temperature > 0 to sample)", stacklevel=4 + _depth)
+            given = " / ".join(f"{nm} {v}" for nm, v, on in (("top_k", top_k, any(ks)), ("top_p", top_p, min(ps) < 1))
+                               if on)  # (only the settings not off)
+            warnings.warn(f"temperature 0 decodes greedily: {given} {'has' if '/' not in given else 'have'} no effect "
+                          "(set a temperature > 0 to sample)", stacklevel=4 + _depth)
         stop_tokens = _listed(stop_tokens)
         if _int(stop_tokens):
             stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it

@@ -483,8 +483,8 @@ def test_one_generation_at_a_time_and_lenient_arguments(tiny):
     with pytest.warns(HFPrecisionWarning, match="the unfused layers run in fp16") as rec:  # as an fp16 variant warns
         cpu_model(d, variants=[], dtype=torch.float16)
     assert [w.filename for w in rec if w.category is HFPrecisionWarning] == [__file__]
-    with pytest.warns(UserWarning, match="temperature 0 decodes greedily") as rec:
-        model.generate([[5, 6, 7]], 2, top_k=5)
+    with pytest.warns(UserWarning, match="temperature 0 decodes greedily: top_k 5 has no effect") as rec:
+        model.generate([[5, 6, 7]], 2, top_k=5)  # (only the settings given: top_p 1 is off)
     assert [w.filename for w in rec if "greedily" in str(w.message)] == [__file__]
     fresh = cpu_model(d)  # its warnings not yet given: each points at the line that asked, through stream() too
     with pytest.warns(UserWarning) as rec:
@@ -535,6 +535,7 @@ def test_stats_and_logits_stop_with_the_sequences(tiny):
         model.head_path(0)
     # which draw a sampled step takes, and generate's refusals for the settings
     assert model.draw_path(0, 5, 0.9) == "greedy" and model.draw_path(0.7, 5, 0.9) == "torch (on cpu)"
+    assert model.draw_path(0.0) == "greedy" and model.draw_path([0.0, 0.0], top_k=[5, 0]) == "greedy"
     for bad, match in (((-1, 0, 1.0), "^temperature"), ((float("nan"), 0, 1.0), "^temperature"),
                        ((0.7, 5.5, 1.0), "^top_k"), ((0.7, -1, 1.0), "^top_k"), ((0.7, 5, 0.0), "^top_p")):
         with pytest.raises(ServeError, match=match):
