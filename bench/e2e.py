@@ -117,9 +117,11 @@ def bench_long(model, args) -> float:
     return 1e3 * statistics.median(r.decode_s / (args.new_tokens - 1) for r in runs)
 
 
-# the draw shapes timed alone (top_k, top_p): the served step's sampled figures, top-k alone, temperature alone
+# the draw shapes timed alone (top_k, top_p): the served step's sampled figures, top-k alone, temperature alone, and
+# top-p alone (on bench_draw's random logits the 256 largest hold ~0.8 of a row's probability: top-p 0.5's cut lies
+# among them, 0.9's is found over the whole row: the fused draw's two paths)
 DRAWS = {"top-k 50, top-p 0.9": (50, 0.9), "top-k 50": (50, 1.0), "temperature only": (0, 1.0),
-         "top-p 0.9 only": (0, 0.9)}
+         "top-p 0.5 only": (0, 0.5), "top-p 0.9 only": (0, 0.9)}
 
 
 def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
@@ -139,18 +141,18 @@ def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
         nxt = logits.argmax(-1)
         for name, (k, p) in DRAWS.items():
             tk, tp = torch.full((B,), k, device=model.device), torch.full((B,), p, device=model.device)
-            cands, nucleus = model._draw_shape(*model._check_sampling(1, temperature, k, p)[:3])
+            cands, nucleus, room = model._draw_shape(*model._check_sampling(1, temperature, k, p)[:3])
             path = model.draw_path(temperature, k, p)
             row = {"path": path}
             want = serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1, candidates=cands, nucleus=nucleus)
             gr = graph_of(lambda: nxt.copy_(serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1,
                                                                 candidates=cands, nucleus=nucleus)))
             row["torch"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
-            draw = model._fused_sampler((cands, nucleus)) if path == "fused" else None
+            draw = model._fused_sampler(serve.Draw(cands, nucleus, room)) if path == "fused" else None
             if draw is not None:
-                got = draw(logits, temp, tk, tp, seed, pos, logits.argmax(-1), candidates=cands, nucleus=nucleus)
+                got = draw(logits, temp, tk, tp, seed, pos, logits.argmax(-1), candidates=room, nucleus=nucleus)
                 row["same_tokens"] = bool(torch.equal(got, want))
-                gr = graph_of(lambda: draw(logits, temp, tk, tp, seed, pos, nxt, candidates=cands, nucleus=nucleus))
+                gr = graph_of(lambda: draw(logits, temp, tk, tp, seed, pos, nxt, candidates=room, nucleus=nucleus))
                 row["fused"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
             out[f"b{B} {name}"] = row
     return out

@@ -5,8 +5,10 @@ temperature, torch.topk, the mask, the softmax, the cumulative sum, the noise's 
 scores and two argmaxes — ~190 µs of a Llama-3.2-1B step on the H200 at batch 1 (bench/NOTES.md session 40), where
 the greedy step's whole head takes ~130. Here one kernel draws and advances the decode step as the fused head's
 greedy step does (lm_head.Advance): with top-k (and top-p) its blocks select the row's top-k logits by radix select
-(no torch.topk: its ~45 µs of launches), sort them and draw; with top-k off and top-p 1, nothing is ranked. Top-p
-without top-k sorts the vocabulary: torch's path (supported() says so).
+(no torch.topk: its ~45 µs of launches), sort them and draw; top-p without top-k ranks the NUCLEUS_CANDIDATES largest
+(sample_tokens sorts the whole vocabulary: ~0.27 ms of a 128 K vocabulary's step) and, in a row where they hold less
+than top_p of the probability, finds the cut over the whole row instead; with top-k off and top-p 1, nothing is
+ranked.
 """
 from __future__ import annotations
 
@@ -22,13 +24,17 @@ THREADS = 256  # templates/sample.cu: THREADS
 IDS_PER_BLOCK = 4096  # logits a block takes (templates/sample.cu: SLICE; ~32 blocks a 128 K vocabulary's row)
 MAX_CANDIDATES = 4096  # sample_topk's kept logits sorted in shared memory (8 bytes each): top_k up to 2,048
 MAX_VOCAB = 128 * IDS_PER_BLOCK  # sample_topk's slices' counts of a row in shared memory (templates: MAX_SLICES)
+# the logits a row with top-k off and top-p < 1 ranks: its cut lies among them where they hold top_p or more of the
+# row's probability (a trained model's nucleus at top-p 0.9 is far smaller), else the row's last block finds it over
+# the whole row (exact either way; bench/NOTES.md session 41 times both)
+NUCLEUS_CANDIDATES = 256
 
 
 def supported(candidates: int, nucleus: bool, vocab: int) -> str | None:
-    """None where Sampler serves a draw of this shape (serve.sample_tokens' static arguments) over `vocab`
+    """None where Sampler serves a draw of this shape (Sampler.__call__'s candidates and nucleus) over `vocab`
     logits, else why not."""
     if candidates <= 0 and nucleus:
-        return "top-p without top-k: a sort of the whole vocabulary"
+        return "top-p without candidates to rank (NUCLEUS_CANDIDATES)"
     if candidates > MAX_CANDIDATES:
         return f"top-k above {MAX_CANDIDATES // 2}: {candidates} candidates"
     if candidates > 0 and vocab > MAX_VOCAB:
@@ -48,22 +54,23 @@ def source(hidden: int, dtype: str) -> str:
 
 
 class Sampler:
-    """next = serve.sample_tokens(logits, temp, topk, topp, seed, pos + 1, candidates=, nucleus=) for rows whose
-    temperature is > 0 (rows at 0 keep `next`, the head's greedy tokens), in one kernel, and the served decode step's
-    advance where given (lm_head.Advance). Top-k keeps the logits >= the row's k-th largest (ties included), at most
-    the candidates' count rounded up to a power of two (sample_tokens keeps `candidates`: they differ only where more
-    logits tie at the k-th than that).
+    """next = serve.sample_tokens(logits, temp, topk, topp, seed, pos + 1) for rows whose temperature is > 0 (rows at
+    0 keep `next`, the head's greedy tokens), in one kernel, and the served decode step's advance where given
+    (lm_head.Advance). Top-k keeps the logits >= the row's k-th largest (ties included), at most the candidates'
+    count rounded up to a power of two (they differ only where more logits tie at the k-th than that); a row with
+    top-k off and top-p < 1 is exact whatever its candidates (its cut is found over the whole row where they hold
+    less than top_p).
 
     hidden, dtype: the embedding rows' (the advance's x_next = embed[next]); device: a CUDA device. Compiled at
     construction into build_dir's object cache, as lm_head.LMHead is. The same draw as sample_tokens: the same noise
     (serve.uniform_noise's hash), fp32 arithmetic in its order but for the softmax's sum and the cumulative sum. Where
     the two may keep different tokens (a helper's emulation, 12,000 random draws: 28 differed, all the third): a
-    token within an fp32 rounding of the top-p cut; more logits tied at the k-th than the candidates hold (the kernel
-    keeps the lowest ids, torch.topk some); logits tied at the top-p cut (the kernel ranks the lowest id first,
-    torch.topk in no set order); and, never for logits rounded from bf16/fp16 as the heads return them, two fp32
-    logits one ulp apart that divide by the temperature to one value, or -0 against +0 at the k-th (the kernel ranks
-    the raw logits' bits, sample_tokens the divided values). One launch at a time (its counters are shared). Raises
-    ValueError (shapes, dtypes) and CompileError.
+    token within an fp32 rounding of the top-p cut (the whole row's cut sums probabilities in fixed point, 2^-40
+    units, where torch's cumulative sum rounds in fp32); more logits tied at the k-th than the candidates hold (the
+    kernel keeps the lowest ids, torch.topk some); logits tied at the top-p cut (the kernel ranks the lowest id first,
+    torch's sort in no set order); and -0 against +0 (the kernel ranks their bits). Both rank the logits divided by
+    the temperature. One launch at a time (its counters are shared). Raises ValueError (shapes, dtypes) and
+    CompileError.
     """
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device | str, *,
@@ -91,7 +98,7 @@ class Sampler:
         with cupy.cuda.Device(self.device.index):
             self._module = cupy.RawModule(path=str(Path(build_dir) / "objects" / key / "kernel.cubin"))
             fns = {n: self._module.get_function(n) for n in ("sample_topk", "sample_gumbel")}
-            fns["sample_topk"].max_dynamic_shared_size_bytes = MAX_CANDIDATES * 8
+            fns["sample_topk"].max_dynamic_shared_size_bytes = max(MAX_CANDIDATES * 8, THREADS * 16 * 8)
             self._fns = {n: f.kernel for n, f in fns.items()}
         self._driver = driver
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the kernels leave it at 0
@@ -105,9 +112,10 @@ class Sampler:
                  nucleus: bool, advance: Advance | None = None) -> torch.Tensor:
         """logits [B, vocab] float32; temp, topp [B] float32; topk, seed [B] int64 (seeds in [0, 2^62)); pos [B]
         int32 (the step's positions: the noise's step is pos + 1, the position the token takes); next_tokens [B]
-        int64, in: the greedy tokens, out: the draw (returned). candidates > 0: every sampled row's (temperature
-        > 0) top_k is in 1..candidates (sample_tokens'); candidates 0 with nucleus False: top-k off and top-p 1 in
-        every sampled row. A row's top_p 1 is off (no cut), as sample_tokens'.
+        int64, in: the greedy tokens, out: the draw (returned). candidates > 0: the logits a row ranks (rounded up to
+        a power of two), every sampled row's (temperature > 0) top_k in 1..candidates or off (<= 0: top-p over the
+        whole vocabulary); candidates 0 with nucleus False: top-k off and top-p 1 in every sampled row (nothing
+        ranked). A row's top_p 1 is off (no cut), as sample_tokens'.
         On torch's current stream; capturable in a CUDA graph once the draw shape (rows, candidates) has run outside
         one (its scratch is made then: scratch()). Raises ValueError where supported() refuses the draw's shape or a
         tensor is not as above."""
@@ -149,9 +157,11 @@ class Sampler:
                     ctypes.c_uint64(temp.data_ptr()), ctypes.c_uint64(topk.data_ptr()),
                     ctypes.c_uint64(topp.data_ptr()), ctypes.c_uint64(seed.data_ptr()),
                     ctypes.c_uint64(next_tokens.data_ptr()), ctypes.c_int32(B), ctypes.c_uint64(sc["cand"].data_ptr()),
-                    ctypes.c_uint64(sc["cnt"].data_ptr()), ctypes.c_uint64(sc["rowdone"].data_ptr()),
+                    ctypes.c_uint64(sc["cnt"].data_ptr()), ctypes.c_uint64(sc["zs"].data_ptr()),
+                    ctypes.c_uint64(sc["rowdone"].data_ptr()),
                     ctypes.c_uint64(self.counter.data_ptr()), *tail]
-            self._launch("sample_topk", G * B, args, smem=C * 8)
+            # (dynamic shared memory: the kept logits sorted, C x 8 bytes, or a whole row's cut: THREADS x 16 x 8)
+            self._launch("sample_topk", G * B, args, smem=max(C * 8, THREADS * 16 * 8))
         else:
             sc = self.scratch(B, G, 0)
             args = [ctypes.c_uint64(logits.data_ptr()), ctypes.c_int32(V), ctypes.c_int32(G),
@@ -165,7 +175,8 @@ class Sampler:
         """The kernels' scratch for a draw shape, made at its first draw and kept (a CUDA graph captured with it
         keeps its addresses; nothing is freed or grown under it): rowmax [rows] int64 (sample_gumbel's row maxima),
         rowdone [rows] int32 (sample_topk's slices' arrivals), both left at 0 by the kernels; cand [rows x slices x
-        candidates] int64 and cnt [rows x slices] int32 (sample_topk's slices' kept logits and their counts).
+        candidates] int64, cnt [rows x slices] int32 and zs [rows x slices] float32 pairs (sample_topk's slices'
+        kept logits, their counts, and a top-k-off row's slices' maxima and sums of exp).
         Raises RuntimeError where a new one would be made during a CUDA graph's capture (draw once before it)."""
         key = (rows, slices, candidates)
         if key not in self._scratch:
@@ -179,7 +190,8 @@ class Sampler:
                                   "rowdone": torch.zeros(rows, **z),
                                   "cand": torch.empty(rows * slices * max(candidates, 1), dtype=torch.int64,
                                                       device=self.device),
-                                  "cnt": torch.zeros(rows * slices, **z)}
+                                  "cnt": torch.zeros(rows * slices, **z),
+                                  "zs": torch.zeros(rows * slices * 2, device=self.device)}
         return self._scratch[key]
 
     def scratch_bytes(self) -> int:

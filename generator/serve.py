@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -404,6 +404,15 @@ def checkpoint_bytes(files: Iterable[Path]) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------------------------
+
+class Draw(NamedTuple):
+    """A sampled generation's draw shape, fixed for the generation (a decode graph each): sample_tokens' static
+    arguments `candidates` and `nucleus`, and `room`, the logits a row of the fused draw ranks (sampler.Sampler's
+    candidates; 0: none ranked)."""
+    candidates: int
+    nucleus: bool
+    room: int
+
 
 @dataclasses.dataclass
 class Generation:
@@ -856,7 +865,8 @@ class Model:
 
     def draw_path(self, temperature, top_k=0, top_p=1.0) -> str:
         """Which code draws a decode step's tokens for these settings (generate's): "greedy" (the head's argmax),
-        "fused" (generator.sampler: one kernel, its own top-k selection or, top-k off and top-p 1, none) or
+        "fused" (generator.sampler: one kernel, its own ranking of the largest logits, or none at top-k off and
+        top-p 1) or
         "torch (<why>)" (serve.sample_tokens: the same draw in ~30 launches). Settings as generate() takes them,
         with its defaults (each one value, or a list, tensor or array of one per sequence); ServeError where
         generate would refuse them."""
@@ -899,32 +909,34 @@ class Model:
         ks = [0 if int(k) >= self.vocab else int(k) for k in ks]
         return [float(t) for t in temps], ks, [float(p) for p in ps], [int(x) for x in seeds]
 
-    def _draw_shape(self, temps: list, ks: list, ps: list) -> tuple[int, bool] | None:
-        """sample_tokens' static arguments (candidates, nucleus) for a generation's per-sequence settings (top_k
-        clamped, off as 0), None where every sequence is greedy. Over the sampled sequences: all with top-k on, the
-        candidates leave room for ties at the largest k-th logit, in powers of two (few graphs for many top_k
-        values); all with top-k off, none are ranked (nucleus: some top_p < 1); some of each, the whole vocabulary
-        is sorted (each row's own top-k)."""
+    def _draw_shape(self, temps: list, ks: list, ps: list) -> Draw | None:
+        """The draw's shape (Draw) for a generation's per-sequence settings (top_k clamped, off as 0), None where
+        every sequence is greedy. Over the sampled sequences: all with top-k on, the candidates leave room for ties
+        at the largest k-th logit, in powers of two (few graphs for many top_k values); all with top-k off, none are
+        ranked (nucleus: some top_p < 1; sample_tokens then sorts the vocabulary, the fused draw ranks
+        sampler.NUCLEUS_CANDIDATES); some of each, sample_tokens sorts the whole vocabulary (each row its own top-k),
+        the fused draw ranks as many as the top-k rows need, and at least NUCLEUS_CANDIDATES."""
         rows = [b for b, t in enumerate(temps) if t > 0]
         if not rows:
             return None
         on = [ks[b] > 0 for b in rows]
         nucleus = any(ps[b] < 1 for b in rows)
+        top = max((ks[b] for b in rows if ks[b] > 0), default=0)
+        cands = min(self.vocab, max(128, 1 << (2 * top - 1).bit_length())) if top else 0
         if not any(on):
-            return 0, nucleus
+            return Draw(0, nucleus, sampler.NUCLEUS_CANDIDATES if nucleus else 0)
         if not all(on):
-            return 0, True
-        top = max(ks[b] for b in rows)
-        return min(self.vocab, max(128, 1 << (2 * top - 1).bit_length())), nucleus
+            return Draw(0, True, max(cands, sampler.NUCLEUS_CANDIDATES))
+        return Draw(cands, nucleus, cands)
 
-    def _sampler_unsupported(self, sampled: tuple[int, bool]) -> str | None:
+    def _sampler_unsupported(self, sampled: Draw) -> str | None:
         if self._fused_off():
             return self._fused_off()
         if self.dtype not in (torch.bfloat16, torch.float16):
             return f"dtype {str(self.dtype).removeprefix('torch.')}"
-        return self._sampler_why or sampler.supported(*sampled, self.vocab)
+        return self._sampler_why or sampler.supported(sampled.room, sampled.nucleus, self.vocab)
 
-    def _fused_sampler(self, sampled: tuple[int, bool]) -> sampler.Sampler | None:
+    def _fused_sampler(self, sampled: Draw) -> sampler.Sampler | None:
         """The draw's kernels (compiled into build_dir at their first use), or None: sample_tokens. A sampler that
         cannot be built warns once and is not tried again."""
         if self._sampler_unsupported(sampled) is not None:
@@ -993,7 +1005,7 @@ class Model:
                 "x": torch.zeros(B, self.shape.hidden, dtype=self.dtype, device=dev)}  # embed[tok]: a step's input
         return self._bufs[key]
 
-    def _compute(self, ch: Choice, bufs: dict, sampled: tuple[int, bool] | None, advance: bool = True) -> None:
+    def _compute(self, ch: Choice, bufs: dict, sampled: Draw | None, advance: bool = True) -> None:
         """x (the step's tokens' embeddings), pos -> logits, out (the next tokens); writes cache row pos of every
         sequence (idempotent); with `advance` then hist[step] = out, step += 1, pos += 1, x = embed[out]: the next
         step's inputs. A greedy step on the fused head advances in the head's own launch (lm_head.Advance), else
@@ -1008,20 +1020,21 @@ class Model:
         draw = self._fused_sampler(sampled) if sampled else None
         if draw is not None:  # the draw and the advance in one launch
             draw(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"], bufs["pos"], bufs["out"],
-                 candidates=sampled[0], nucleus=sampled[1],
+                 candidates=sampled.room, nucleus=sampled.nucleus,
                  advance=lm_head.Advance(bufs["hist"], bufs["step"], bufs["pos"], self.embed, bufs["x"])
                  if advance else None)
             return
         if sampled:
             bufs["out"].copy_(sample_tokens(logits, bufs["temp"], bufs["topk"], bufs["topp"], bufs["seed"],
-                                            bufs["pos"].long() + 1, candidates=sampled[0], nucleus=sampled[1]))
+                                            bufs["pos"].long() + 1, candidates=sampled.candidates,
+                                            nucleus=sampled.nucleus))
         if advance:
             bufs["hist"].index_copy_(0, bufs["step"], bufs["out"][None])
             bufs["step"].add_(1)
             bufs["pos"].add_(1)
             torch.index_select(self.embed, 0, bufs["out"], out=bufs["x"])
 
-    def _step(self, ch: Choice, bufs: dict, sampled: tuple[int, bool] | None) -> None:
+    def _step(self, ch: Choice, bufs: dict, sampled: Draw | None) -> None:
         """One decode step from the static buffers: replay of the captured graph (captured at the first call of
         this (path, batch, sampled), after one eager warm-up step that computes the same values and does not
         advance), or eagerly."""
@@ -1210,7 +1223,7 @@ class Model:
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
-        # the draw's shape, fixed for the generation (sample_tokens' candidates, nucleus; None: greedy): a graph each
+        # the draw's shape, fixed for the generation (Draw; None: greedy): a graph each
         sampled = self._draw_shape(temps, ks, ps)
         t0 = time.perf_counter()  # the time to first token counts the planning too
         dch = decode_choice(B, self.decode_variants, self.routes, self.cache_len, self.unfused is not None)
@@ -1240,7 +1253,7 @@ class Model:
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         if sampled:
             first = sample_tokens(logits, bufs["temp"][:B], bufs["topk"][:B], bufs["topp"][:B], bufs["seed"][:B],
-                                  lens_t, candidates=sampled[0], nucleus=sampled[1])
+                                  lens_t, candidates=sampled.candidates, nucleus=sampled.nucleus)
         all_logits = [logits.clone()] if output_logits else None
         torch.index_select(self.embed, 0, torch.cat([first, first.new_zeros(pad)]), out=bufs["x"])
         bufs["pos"].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32))

@@ -1,15 +1,17 @@
 // The served model's sampled draw in one launch after the head (generator.sampler): what generator.serve's
 // sample_tokens computes with ~30 torch launches, the same tokens, then the decode step's advance.
 // Per row b (temperature t[b] > 0; a row with t <= 0 keeps next[b], the head's greedy token):
-//   s = logit / max(t, 1e-6) (fp32, as torch divides); top-k keeps every s >= the k-th largest (ties included, as
-//   transformers' TopKLogitsWarper; ranked by the raw logits, the same order for logits rounded from bf16/fp16, as
-//   the heads return them: generator.sampler.Sampler says where else they differ); p = softmax over those; top-p keeps the smallest prefix of the descending
-//   order whose exclusive cumulative sum stays below top_p (the first always); then the Gumbel-max draw:
-//   argmax over kept i of s_i - log(-log(u(seed, step, id_i))), u = serve.uniform_noise's hash, first index on ties.
-// Two kernels: sample_topk (top-k, and top-p: G blocks a row each keep their slice's logits >= the slice's k-th
-// largest, the row's last block selects the row's k-th among them by radix select, sorts the kept ones and draws)
-// and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks a row, the row's maximum by a
-// 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
+//   s = logit / max(t, 1e-6) (fp32, as torch divides; every ranking below is of s, as sample_tokens ranks it); top-k
+//   (top_k[b] > 0) keeps every s >= the k-th largest (ties included, as transformers' TopKLogitsWarper); p = softmax
+//   over those (top-k off: over the whole row); top-p keeps the smallest prefix of the descending order whose
+//   exclusive cumulative sum stays below top_p (the first always); then the Gumbel-max draw: argmax over kept i of
+//   s_i - log(-log(u(seed, step, id_i))), u = serve.uniform_noise's hash, first index on ties.
+// Two kernels: sample_topk (top-k and/or top-p: G blocks a row each keep their slice's s >= the slice's k-th
+// largest, the row's last block selects the row's k-th among them by radix select, sorts the kept ones and draws;
+// top-k off, the C largest are ranked and where they hold less than top_p of the row's probability, the row's last
+// block finds the cut by a radix select by probability over the whole row instead: exact either way) and
+// sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks a row, the row's maximum by a 64-bit
+// atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
 // Config (generator.sampler prepends it): HIDDEN, T.
 #include "common.cuh"
 #include "argmax.cuh"
@@ -85,21 +87,42 @@ __device__ void arrive(unsigned* counter, int blocks, long long* step, long long
     }
 }
 
-// The k-th largest of the keys get(0 .. n-1) (uint32; 0: absent, and 1 <= k <= the present ones), by the block's
-// threads together: a radix select, 8 bits a pass from the top; hist: 256 counters in shared memory. Every thread
-// returns it.
-template <typename Get>
-__device__ unsigned kth_largest(Get get, int n, int k, unsigned* hist, unsigned* pick) {
+// f(i, load(i)) for this thread's i of [0, n) (i = threadIdx.x + j x THREADS), U loads issued before any f: one
+// block walking a row from L2 is bound by the loads it has in flight (load: the load alone, unconditional at a
+// clamped index, so that nothing waits on one before the next is issued; f does the arithmetic)
+template <int U, typename Load, typename F>
+__device__ __forceinline__ void for_each(Load load, int n, F f) {
+    using R = decltype(load(0));
+#pragma unroll 1
+    for (int i0 = threadIdx.x; i0 < n; i0 += U * THREADS) {
+        R v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = load(min(i0 + u * THREADS, n - 1));
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i0 + u * THREADS < n) f(i0 + u * THREADS, v[u]);
+    }
+}
+struct KeyIs {  // kth_largest's key of a loaded value: the value itself
+    template <typename R>
+    __device__ __forceinline__ unsigned operator()(int, R r) const { return r; }
+};
+
+// The k-th largest of the keys key(i, get(i)), i in 0 .. n-1 (uint32; 0: absent, and 1 <= k <= the present ones), by
+// the block's threads together: a radix select, 8 bits a pass from the top; hist: 256 counters in shared memory.
+// Every thread returns it.
+template <typename Get, typename Key = KeyIs>
+__device__ unsigned kth_largest(Get get, int n, int k, unsigned* hist, unsigned* pick, Key keyf = {}) {
     unsigned prefix = 0u, mask = 0u;
     int remaining = k;  // the rank, among keys matching prefix under mask, of the one sought
 #pragma unroll 1
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += THREADS) {
-            const unsigned key = get(i);
+        for_each<8>(get, n, [&](int i, auto r) {
+            const unsigned key = keyf(i, r);
             if (key != 0u && (key & mask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1u);
-        }
+        });
         __syncthreads();
         if (threadIdx.x < 32) {  // the digit where the count from the top reaches `remaining`: a lane 8 bins
             const int lane = threadIdx.x;
@@ -163,12 +186,11 @@ __device__ int keep_top(Get get, int n, unsigned kth, int C, unsigned long long*
     if (threadIdx.x < 3) cnt3[threadIdx.x] = 0;
     __syncthreads();
     int gt = 0, eq = 0;
-    for (int i = threadIdx.x; i < n; i += THREADS) {
-        const unsigned long long e = get(i);
+    for_each<8>(get, n, [&](int, unsigned long long e) {
         const unsigned key = (unsigned)(e >> 32);
         gt += e != 0ull && key > kth;
         eq += e != 0ull && key == kth;
-    }
+    });
     atomicAdd(cnt3, gt);
     atomicAdd(cnt3 + 1, eq);
     __syncthreads();
@@ -177,34 +199,112 @@ __device__ int keep_top(Get get, int n, unsigned kth, int C, unsigned long long*
         const unsigned long long e = get(i);
         return e != 0ull && (unsigned)(e >> 32) == kth ? (unsigned)e : 0u;
     }, n, C - GT, hist, pick);
-    for (int i = threadIdx.x; i < n; i += THREADS) {
-        const unsigned long long e = get(i);
+    for_each<8>(get, n, [&](int, unsigned long long e) {
         const unsigned key = (unsigned)(e >> 32);
         if (e != 0ull && (key > kth || (key == kth && (unsigned)e >= idk))) out[atomicAdd(cnt3 + 2, 1)] = e;
-    }
+    });
     __syncthreads();
     return cnt3[2];
 }
 
 constexpr int SLICE = THREADS * 16;  // logits a block of sample_topk takes (generator.sampler: IDS_PER_BLOCK)
 constexpr int MAX_SLICES = 128;      // of a row (generator.sampler: MAX_VOCAB = MAX_SLICES x SLICE)
+constexpr float Q_ONE = 1099511627776.f;  // 2^40: probabilities in fixed point for the cut's search (exact sums)
 
-// logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0): top-k (every logit >= the
-// row's k-th largest; where more than C, those above it and the lowest ids tied with it: keep_top) and top-p, then
-// the Gumbel-max draw. Grid: G x nb blocks (blockIdx.x = b * G + g), block g a slice of SLICE logits: its own
-// logits >= its k-th largest (a superset of the row's: a slice's k-th largest is at most the row's) go to
+// A probability exp(s - M) / Z as an integer of 2^-40 units: sums of them are the same in any order, so the cut
+// found from them is the same every run (the tokens a probability below 2^-40 are 0)
+__device__ __forceinline__ unsigned long long qmass(unsigned key, float M, float Z) {
+    return (unsigned long long)(expf(key_float(key) - M) / Z * Q_ONE);
+}
+
+// Top-p's cut over a whole row when the ranked candidates hold less than top_p of its probability (rare: a flat
+// distribution): the key tau of the last token kept (the descending order by s, then lowest id), by a radix select
+// by probability, 4 bits a pass: tau such that the probability above it is below top_p and with it reaches top_p;
+// ties at tau are kept lowest id first while the probability before them stays below top_p (idk: the last kept's
+// ~id; 0: all of them). row: the V logits, divided by tt as the draw divides them. Each thread sums its tokens'
+// probabilities into its own 16 bins (ph: 16 x THREADS of shared memory; no atomics: a flat row's keys share their
+// top bits, and atomics on one bin serialise), integer sums in any order: the same cut every run. hq: 17 sums of
+// shared memory.
+__device__ __forceinline__ uint2 nucleus_cut(const float* row, float tt, int V, float M, float Z, float p_top,
+                                             unsigned long long* ph, unsigned long long* hq, unsigned* hist,
+                                             unsigned* pick) {  // (tau, idk)
+    auto load = [&](int i) { return __ldcg(row + i); };
+    const unsigned long long P = (unsigned long long)((double)p_top * (double)Q_ONE);
+    unsigned prefix = 0u, mask = 0u;
+    unsigned long long above = 0ull, q_at = 0ull;  // the probability of the keys above prefix's range
+#pragma unroll 1
+    for (int shift = 28; shift >= 0; shift -= 4) {
+        unsigned long long* mine = ph + threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) mine[j * THREADS] = 0ull;
+        for_each<16>(load, V, [&](int, float v) {
+            const unsigned key = float_key(v / tt);
+            if (key != 0u && (key & mask) == prefix) mine[((key >> shift) & 15u) * THREADS] += qmass(key, M, Z);
+        });
+        __syncthreads();
+        for (int j = threadIdx.x / 32; j < 16; j += WARPS) {  // each bin's sum over the threads
+            unsigned long long v = 0ull;
+            for (int t = threadIdx.x % 32; t < THREADS; t += 32) v += ph[j * THREADS + t];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (threadIdx.x % 32 == 0) hq[j] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the digit from the top where the probability reaches P
+            unsigned long long run = above;
+            int d = -1;
+            for (int j = 15; j >= 0 && d < 0; --j) {
+                if (run + hq[j] >= P) d = j;
+                else run += hq[j];
+            }
+            pick[0] = (unsigned)d;  // (-1 only in the first pass: fixed point's truncation below P; keep all)
+            hq[16] = run;           // the probability above digit d
+        }
+        __syncthreads();
+        const int d = (int)pick[0];
+        if (d < 0) return make_uint2(0u, 0u);  // every token
+        prefix |= (unsigned)d << shift;
+        mask |= 15u << shift;
+        above = hq[16];
+        q_at = hq[d];
+        __syncthreads();
+    }
+    const unsigned tau = prefix;
+    unsigned idk = 0u;
+    // ties at tau, each q (> 0: the bin reached P from below); kept while the probability before one stays below P
+    const unsigned long long q = qmass(tau, M, Z);
+    if (q > 0ull && q_at > q && above < P) {
+        // the tied tokens it takes to reach P, ceil((P - above) / q), and their count q_at / q: in double, exact
+        // here (operands below 2^41, and a quotient's fraction at least 1/q; no 64-bit division's call)
+        const double need = ceil((double)(P - above) / (double)q);
+        if (need < (double)q_at / (double)q)
+            idk = kth_largest(load, V, (int)need, hist, pick, [&](int i, float v) {
+                return float_key(v / tt) == tau ? 0xFFFFFFFFu - (unsigned)i : 0u;
+            });
+    }
+    return make_uint2(tau, idk);
+}
+
+// logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0): top-k (top_k[b] > 0: every
+// s >= the row's k-th largest; where more than C, those above it and the lowest ids tied with it: keep_top) and
+// top-p, then the Gumbel-max draw. Grid: G x nb blocks (blockIdx.x = b * G + g), block g a slice of SLICE logits:
+// its own s >= its k-th largest (a superset of the row's: a slice's k-th largest is at most the row's) go to
 // cand[b][g][0 .. C) as (key << 32 | ~id), their count to cnt[b][g]; the row's last block (rowdone[b]) selects the
 // row's k-th from them, sorts the kept ones in shared memory (dynamic: C rounded up to a power of two, 8 bytes
-// each) and draws. C: a power of two (generator.sampler: at most MAX_CANDIDATES); topk[b] <= 0 takes C. Counters
-// rowdone [nb], counter: 0 before the first launch, left at 0.
+// each) and draws. C: a power of two (generator.sampler: at most MAX_CANDIDATES). top_k[b] <= 0 (off): k = C, and
+// the slices also write their maximum s and sum of exp(s - max) to zs[b][g] (the row's softmax denominator); where
+// the C ranked hold top_p or more of the row's probability the cut lies among them, else (or top_p 1) the cut comes
+// from the whole row (nucleus_cut) and the draw is over the whole row. Counters rowdone [nb], counter: 0 before the
+// first launch, left at 0.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     const float* __restrict__ logits, int V, int G, int C, const float* __restrict__ temp,
     const long long* __restrict__ topk, const float* __restrict__ topp, const long long* __restrict__ seed,
     long long* __restrict__ next, int nb, unsigned long long* __restrict__ cand, int* __restrict__ cnt,
-    unsigned* __restrict__ rowdone, unsigned* __restrict__ counter, long long* __restrict__ hist,
-    long long* __restrict__ step, int* __restrict__ pos, const T* __restrict__ embed, T* __restrict__ x_next) {
+    float2* __restrict__ zs, unsigned* __restrict__ rowdone, unsigned* __restrict__ counter,
+    long long* __restrict__ hist, long long* __restrict__ step, int* __restrict__ pos, const T* __restrict__ embed,
+    T* __restrict__ x_next) {
     extern __shared__ __align__(16) unsigned long long kept[];  // the row's last block: the kept logits, sorted
-    __shared__ unsigned keys[SLICE];
+    __shared__ __align__(8) unsigned keys[SLICE];  // (the last block's whole-row cut: its sums and counts)
     __shared__ unsigned hist256[256], pick[2];
     __shared__ int cnt3[3], scnt[MAX_SLICES];
     __shared__ float fred[WARPS];
@@ -215,15 +315,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     asm volatile("griddepcontrol.wait;" ::: "memory");  // programmatic dependent launch: the head's logits first
 #endif
     const int b = blockIdx.x / G, g = blockIdx.x % G;
-    const float t = temp[b];
+    const float t = temp[b], tt = fmaxf(t, 1e-6f);
     const long long k0 = topk[b];
-    const int k = (int)(k0 < 1 || k0 > C ? C : k0);
+    const bool full = k0 < 1;  // top-k off: top-p's probabilities over the whole row
+    const int k = (int)(full || k0 > C ? C : k0);
     unsigned long long* mine = cand + ((size_t)b * G + g) * C;
-    if (t > 0.f) {  // this slice's logits >= its k-th largest (every one where it has no more than k)
+    if (t > 0.f) {  // this slice's s >= its k-th largest (every one where it has no more than k)
         const int lo = g * SLICE, n = min(SLICE, V - lo);
         const float* row = logits + (size_t)b * V + lo;
-        for (int i = threadIdx.x; i < n; i += THREADS) keys[i] = float_key(__ldg(row + i));
+        for_each<16>([&](int i) { return __ldg(row + i); }, n, [&](int i, float v) { keys[i] = float_key(v / tt); });
         __syncthreads();
+        if (full) {  // the slice's maximum and sum of exp(s - maximum)
+            unsigned long long mk = 0ull;
+            for (int i = threadIdx.x; i < n; i += THREADS) mk = keys[i] > mk ? keys[i] : mk;
+            const float m = key_float((unsigned)block_max_key(mk, kred));
+            float z = 0.f;
+            if (m != -INFINITY)
+                for (int i = threadIdx.x; i < n; i += THREADS) z += expf(key_float(keys[i]) - m);
+            z = block_sum(z, fred);
+            if (threadIdx.x == 0) zs[b * G + g] = make_float2(m, z);
+        }
         const unsigned kth = n > k ? kth_largest([&](int i) { return keys[i]; }, n, k, hist256, pick) : 0u;
         const int kept_n = keep_top([&](int i) {
             return ((unsigned long long)keys[i] << 32) | (0xFFFFFFFFu - (unsigned)(lo + i));
@@ -250,8 +361,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
         for (int q = 0; q < G; ++q) total += scnt[q];
         // candidate i of the row: slice i >> lc at slot i & (C - 1), present where that slot < the slice's count
         const int lc = __ffs(C) - 1;
-        auto entry = [&](int i) -> unsigned long long {
-            return (i & (C - 1)) < scnt[i >> lc] ? __ldcg(rc + i) : 0ull;
+        auto entry = [&](int i) -> unsigned long long {  // (the load unconditional: for_each's loads in flight)
+            const unsigned long long e = __ldcg(rc + i);
+            return (i & (C - 1)) < scnt[i >> lc] ? e : 0ull;
         };
         const unsigned kth = kth_largest([&](int i) { return (unsigned)(entry(i) >> 32); }, G * C, min(k, total),
                                          hist256, pick);
@@ -259,16 +371,35 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
         const int nk = keep_top(entry, G * C, kth, C, kept, hist256, pick, cnt3);
         int np = 1;
         while (np < nk) np <<= 1;
-        sort_desc(kept, np);  // (logit, then lowest id) descending: the zeros past nk last
-        // the draw over kept[0 .. nk): every one is in the top k (ties included)
-        const float tt = fmaxf(t, 1e-6f);
-        const float m = key_float((unsigned)(kept[0] >> 32)) / tt;
+        sort_desc(kept, np);  // (s, then lowest id) descending: the zeros past nk last
+        // the draw over kept[0 .. nk): every one is in the top k (ties included); top-k off: the softmax's maximum
+        // and denominator are the row's (its slices', in slice order: the same every run)
+        const float m = key_float((unsigned)(kept[0] >> 32));
         const int E = (nk + THREADS - 1) / THREADS, i0 = threadIdx.x * E, i1 = min(nk, i0 + E);
-        float z = 0.f;
-        for (int i = i0; i < i1; ++i) z += expf(key_float((unsigned)(kept[i] >> 32)) / tt - m);
-        const float Z = block_sum(z, fred);
+        float Z;
+        if (full) {  // (the slices' pairs loaded together into the idle keys, then combined in slice order)
+            float2* sz = reinterpret_cast<float2*>(keys);
+            for (int q = threadIdx.x; q < G; q += THREADS) sz[q] = __ldcg(zs + b * G + q);
+            __syncthreads();
+            float M = -INFINITY, zf = 0.f;
+            for (int q = 0; q < G; ++q) {
+                const float2 v = sz[q];
+                if (v.y <= 0.f) continue;
+                if (v.x > M) {
+                    zf = zf * expf(M - v.x) + v.y;
+                    M = v.x;
+                } else {
+                    zf += v.y * expf(v.x - M);
+                }
+            }
+            Z = zf * expf(M - m);  // (M is m: the row's maximum is ranked)
+        } else {
+            float z = 0.f;
+            for (int i = i0; i < i1; ++i) z += expf(key_float((unsigned)(kept[i] >> 32)) - m);
+            Z = block_sum(z, fred);
+        }
         float run = 0.f;
-        for (int i = i0; i < i1; ++i) run += expf(key_float((unsigned)(kept[i] >> 32)) / tt - m) / Z;
+        for (int i = i0; i < i1; ++i) run += expf(key_float((unsigned)(kept[i] >> 32)) - m) / Z;
         scan[threadIdx.x] = run;  // exclusive scan of the runs' sums (Hillis-Steele: nk is small)
         __syncthreads();
         for (int o = 1; o < THREADS; o <<= 1) {
@@ -281,18 +412,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
         const float p_top = topp[b];
         const unsigned long long h = noise_hash(seed[b], (long long)p0 + 1);
         unsigned long long best = 0ull;
-        for (int i = i0; i < i1; ++i) {
-            const float s = key_float((unsigned)(kept[i] >> 32)) / tt;
-            const float p = expf(s - m) / Z;
-            cum += p;  // inclusive, as probs.cumsum(-1); kept where cumsum - p < top_p
-            if (i == 0 || p_top >= 1.f || cum - p < p_top) {  // (top_p 1: off, as transformers applies none)
-                const unsigned id = 0xFFFFFFFFu - (unsigned)kept[i];
-                const unsigned long long key = argmax_key(s + gumbel(h, id), (unsigned)i);
-                best = key > best ? key : best;
+        // top-k off, and the ranked hold less than top_p (or top_p 1: every token): the cut is past them
+        const bool whole = full && nk < V && (p_top >= 1.f || scan[THREADS - 1] < p_top);
+        if (!whole) {
+            for (int i = i0; i < i1; ++i) {
+                const float s = key_float((unsigned)(kept[i] >> 32));
+                const float p = expf(s - m) / Z;
+                cum += p;  // inclusive, as probs.cumsum(-1); kept where cumsum - p < top_p
+                if (i == 0 || p_top >= 1.f || cum - p < p_top) {  // (top_p 1: off, as transformers applies none)
+                    const unsigned id = 0xFFFFFFFFu - (unsigned)kept[i];
+                    const unsigned long long key = argmax_key(s + gumbel(h, id), (unsigned)i);
+                    best = key > best ? key : best;
+                }
             }
+            best = block_max_key(best, kred);
+            tok = 0xFFFFFFFFu - (unsigned)kept[key_index(best)];
+        } else {
+            const float* row = logits + (size_t)b * V;
+            // (the sort's room, idle now: THREADS x 16 sums; the slice's keys: 17 more); top_p 1: every token
+            const uint2 cut = p_top < 1.f ? nucleus_cut(row, tt, V, m, Z, p_top, kept,
+                                                        reinterpret_cast<unsigned long long*>(keys), hist256, pick)
+                                          : make_uint2(0u, 0u);
+            const unsigned tau = cut.x, idk = cut.y;
+            for_each<16>([&](int i) { return __ldcg(row + i); }, V, [&](int i, float v) {
+                const unsigned key = float_key(v / tt);
+                if (key != 0u && (key > tau || (key == tau && 0xFFFFFFFFu - (unsigned)i >= idk))) {
+                    const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, i), (unsigned)i);
+                    best = sk > best ? sk : best;
+                }
+            });
+            best = block_max_key(best, kred);
+            tok = key_index(best);
         }
-        best = block_max_key(best, kred);
-        tok = 0xFFFFFFFFu - (unsigned)kept[key_index(best)];
     } else {
         tok = next[b];
     }

@@ -4,6 +4,7 @@ draw shape it serves, keeps the greedy token of temperature-0 rows, advances the
 replays in a CUDA graph."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ def test_which_draws_are_served():
     V = 128256
     assert sampler.supported(128, True, V) is None  # top-k (and top-p): the kernel's own selection
     assert sampler.supported(0, False, V) is None  # temperature only: the kernel over the vocabulary
-    assert "top-p without top-k" in sampler.supported(0, True, V)
+    assert "top-p without candidates" in sampler.supported(0, True, V)  # (the caller ranks NUCLEUS_CANDIDATES)
+    assert sampler.supported(sampler.NUCLEUS_CANDIDATES, True, V) is None  # top-p without top-k
     assert sampler.supported(sampler.MAX_CANDIDATES, True, V) is None
     assert sampler.supported(2 * sampler.MAX_CANDIDATES, False, V).startswith("top-k above 2048")
     assert sampler.supported(128, True, sampler.MAX_VOCAB) is None
@@ -53,26 +55,34 @@ def left_clean(draw):
                                             for sc in draw._scratch.values())
 
 
-# (top_k, top_p, candidates, nucleus): the draw shapes generate() asks for
-SHAPES = [(50, 0.9, 128, True), (1, 1.0, 128, False), (200, 0.5, 512, True), (50, 1.0, 128, False),
-          (0, 1.0, 0, False), (2000, 0.95, 4096, True)]
+# (top_k, top_p, candidates, nucleus, room): the draw shapes generate() asks for (serve.Draw); top_k < 0: top-k
+# -top_k in rows 0, 3, 5 and off in the others (a mixed batch)
+NC = sampler.NUCLEUS_CANDIDATES
+SHAPES = [(50, 0.9, 128, True, 128), (1, 1.0, 128, False, 128), (200, 0.5, 512, True, 512),
+          (50, 1.0, 128, False, 128), (0, 1.0, 0, False, 0), (2000, 0.95, 4096, True, 4096),
+          (0, 0.9, 0, True, NC), (0, 0.5, 0, True, NC), (-50, 0.9, 0, True, NC), (-1000, 1.0, 0, True, 2048)]
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("ties,V", [(False, 50000 + 17), (True, 50000 + 17), (False, 300), (False, 3 * 4096 + 100)])
-@pytest.mark.parametrize("k,p,cands,nucleus", SHAPES)
-def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, ties, V):
+@pytest.mark.parametrize("k,p,cands,nucleus,room", SHAPES)
+def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, room, ties, V):
     """V 50,017: 13 slices of 4,096 logits, the last short; V 300: one slice, fewer logits than candidates;
-    V 12,388: a last slice of 100 logits (fewer than some top-k). Rows' top-k and top-p differ."""
+    V 12,388: a last slice of 100 logits (fewer than some top-k). Rows' top-k and top-p differ. Top-k off with
+    top-p: temperatures 0.3-1.5 on these logits put the cut among the 256 ranked in some rows and past them in
+    others (the whole row's cut, counted: both paths must run); a top-p-1 row with top-k off draws over the whole
+    row."""
     B = 6
-    cands = min(cands, V)
+    cands, room = min(cands, V), min(room, V)
     draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
-    differ = 0
+    differ, past = 0, 0
     for trial in range(30):
         logits, temp, s, pos = _inputs(B, V, 1000 * trial + 7, ties=ties)
         rows = torch.arange(B, device="cuda")
-        topk = (k - rows % 3).clamp_min(1) if k > 0 else torch.zeros(B, dtype=torch.long, device="cuda")
+        topk = (abs(k) - rows % 3).clamp_min(1) if k else torch.zeros(B, dtype=torch.long, device="cuda")
+        if k < 0:
+            topk[torch.tensor([1, 2, 4], device="cuda")] = 0
         topp = torch.full((B,), p, device="cuda") if p == 1.0 else p - 0.1 * (rows % 2)
         if p < 1.0:
             topp[4] = 1.0  # a row with top-p off in a top-p batch: no cut (an fp32 sum can reach 1 early)
@@ -80,8 +90,11 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
             topk[1] = 0  # the greedy row's top-k need not be in 1..candidates
         greedy = logits.argmax(-1)
         want = serve.sample_tokens(logits, temp, topk, topp, s, pos.long() + 1, candidates=cands, nucleus=nucleus)
+        if nucleus and room != cands:  # rows whose cut lies past the ranked: the whole row's search ran
+            probs = (logits / temp[:, None]).softmax(-1).topk(room, dim=-1).values.sum(-1)
+            past += int(((topk <= 0) & (temp > 0) & (probs < topp)).sum())
         nxt = greedy.clone()
-        got = draw(logits, temp, topk, topp, s, pos, nxt, candidates=cands, nucleus=nucleus)
+        got = draw(logits, temp, topk, topp, s, pos, nxt, candidates=room, nucleus=nucleus)
         torch.cuda.synchronize()
         assert got.data_ptr() == nxt.data_ptr() and got[1] == greedy[1], (trial, got.tolist(), greedy.tolist())
         # the same draw; the softmax's sum and the cumulative sum run in another order than torch's, so a token
@@ -91,6 +104,8 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
         differ += int((got != want).sum())
         assert left_clean(draw)
     assert differ <= (0 if not nucleus else 4 if ties else 1), f"{differ} of {30 * B} draws differ from sample_tokens'"
+    if nucleus and room != cands and V > room and p < 1.0:
+        assert past > 0, "no row's cut lay past the ranked logits: the whole row's search did not run"
 
 
 @gpu
@@ -120,6 +135,34 @@ def test_gpu_sampler_keeps_the_lowest_ids_of_too_many_ties(tmp_path):
     a = draw(logits, temp, topk, topp, s, pos, torch.zeros(B, dtype=torch.long, device="cuda"), candidates=128,
              nucleus=False)
     assert ((a >= 5000) & (a < 5010)).all(), a.tolist()  # (each e^18 times a tied one's probability)
+    assert left_clean(draw)
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampler_cuts_a_flat_row_among_its_ties_by_id(tmp_path):
+    """Top-p without top-k where the ranked logits hold far less than top_p (the whole row's cut): id 5 at logit 5,
+    20,000 ids tied at 0, the rest at -30. At top-p 0.5 the cut lies among the ties: id 5 (p 0.0074) and the
+    lowest ~9,930 tied ids (p 4.96e-5 each) are kept, by the kernel's rule (lowest id first; torch's sort keeps
+    some such set), and every draw over 300 seeds falls among them, spread up to the cut."""
+    V, lo, n = 50000, 10000, 20000
+    logits = torch.full((1, V), -30.0, device="cuda")
+    logits[0, lo:lo + n] = 0.0
+    logits[0, 5] = 5.0
+    z = math.exp(5.0) + n + (V - n - 1) * math.exp(-30.0)
+    need = math.ceil((0.5 - math.exp(5.0) / z) * z)  # the tied ids it takes to reach 0.5
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    one = dict(device="cuda")
+    temp, topk, topp = torch.ones(1, **one), torch.zeros(1, dtype=torch.long, **one), torch.full((1,), 0.5, **one)
+    got = []
+    for sd in range(300):
+        nxt = torch.zeros(1, dtype=torch.long, **one)
+        draw(logits, temp, topk, topp, torch.tensor([sd], **one), torch.tensor([7], dtype=torch.int32, **one), nxt,
+             candidates=sampler.NUCLEUS_CANDIDATES, nucleus=True)
+        got.append(int(nxt))
+    tied = [t for t in got if t != 5]
+    assert all(lo <= t < lo + need + 1 for t in tied), (need, min(tied), max(tied))
+    assert max(tied) > lo + 0.9 * need and min(tied) < lo + 0.1 * need, (need, min(tied), max(tied))
     assert left_clean(draw)
 
 
@@ -190,7 +233,7 @@ def test_gpu_sampler_refuses_bad_inputs(tmp_path):
     logits, temp, s, pos = _inputs(2, 1000, 1)
     k, p, nxt = torch.full((2,), 5, device="cuda"), torch.ones(2, device="cuda"), torch.zeros(2, dtype=torch.long,
                                                                                               device="cuda")
-    with pytest.raises(ValueError, match="top-p without top-k"):
+    with pytest.raises(ValueError, match="top-p without candidates"):
         draw(logits, temp, k, p, s, pos, nxt, candidates=0, nucleus=True)
     with pytest.raises(ValueError, match="pos \\[B\\] int32"):
         draw(logits, temp, k, p, s, pos.long(), nxt, candidates=128, nucleus=False)

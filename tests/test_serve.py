@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator import reference, serve
+from generator import reference, sampler, serve
 from generator.serve import Choice, ServeError, decode_choice, prefill_plan
 from generator.unfused import UnfusedLayer
 from generator.variants import Model as Shape, Variant
@@ -542,12 +542,16 @@ def test_stats_and_logits_stop_with_the_sequences(tiny):
             model.draw_path(*bad)
     V = model.vocab
     assert model._check_sampling(2, 0.5, V, 1.0)[1] == [0, 0]  # a top-k of the whole vocabulary: off
-    assert model._draw_shape([1.0], [2], [0.9]) == (min(V, 128), True)
-    assert model._draw_shape([1.0], [V - 1], [1.0]) == (V, False) and model._draw_shape([0.0], [5], [0.5]) is None
-    # per sequence: the sampled rows decide; top-k on and off mixed sorts the vocabulary (each row's own top-k)
-    assert model._draw_shape([0.0, 1.0], [0, 3], [1.0, 1.0]) == (min(V, 128), False)
-    assert model._draw_shape([0.7, 1.0], [0, 3], [1.0, 1.0]) == (0, True)
-    assert model._draw_shape([0.7, 1.0], [0, 0], [1.0, 0.9]) == (0, True)
+    NC = sampler.NUCLEUS_CANDIDATES
+    assert model._draw_shape([1.0], [2], [0.9]) == (min(V, 128), True, min(V, 128))
+    assert model._draw_shape([1.0], [V - 1], [1.0]) == (V, False, V) and model._draw_shape([0.0], [5], [0.5]) is None
+    assert model._draw_shape([1.0], [0], [1.0]) == (0, False, 0)  # temperature only: nothing ranked
+    # per sequence: the sampled rows decide; top-k on and off mixed sorts the vocabulary in torch (each row's own
+    # top-k) and ranks at least NUCLEUS_CANDIDATES in the fused draw (as many as the top-k rows need)
+    assert model._draw_shape([0.0, 1.0], [0, 3], [1.0, 1.0]) == (min(V, 128), False, min(V, 128))
+    assert model._draw_shape([0.7, 1.0], [0, 3], [1.0, 1.0]) == (0, True, NC)
+    assert model._draw_shape([0.7, 1.0], [0, V - 1], [1.0, 1.0]) == (0, True, max(V, NC))
+    assert model._draw_shape([0.7, 1.0], [0, 0], [1.0, 0.9]) == (0, True, NC)
     assert model.draw_path([0.0, 0.0], 5, 1.0) == "greedy" and model.draw_path([0.0, 0.5], [0, 3], 1.0) == \
         "torch (on cpu)"
 
@@ -789,14 +793,14 @@ def test_gpu_sampled_runs_reproducible_with_a_seed(built):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("kw", [dict(temperature=0.8, top_k=10, top_p=0.9), dict(temperature=1.2),
-                                dict(temperature=0.7, top_k=3)])
+                                dict(temperature=0.7, top_k=3), dict(temperature=0.9, top_p=0.8)])
 def test_gpu_fused_draw_is_sample_tokens(built, kw):
-    """A sampled generation's decode steps draw with the fused sampler (generator.sampler; top-p alone: torch's);
+    """A sampled generation's decode steps draw with the fused sampler (generator.sampler, top-p alone included);
     every token is what serve.sample_tokens draws from that step's logits (seed + 7919 b, the position it takes)."""
     _, d, build = built
     model = serve.Model.from_hf(d, build_dir=build)
     assert model.draw_path(**{"top_k": 0, "top_p": 1.0, **kw}) == "fused"
-    assert model.draw_path(0.7, 0, 0.9) == "torch (top-p without top-k: a sort of the whole vocabulary)"
+    assert model.draw_path(0.7, 0, 0.9) == "fused"  # (top-p without top-k: the kernel's own ranking)
     assert model.draw_path(0.7, 10 ** 9, 1.0) == "fused"  # (a top-k of the whole vocabulary is off)
     out = model.generate(PROMPTS, 12, seed=5, output_logits=True, stop_tokens=[], **kw)
     k, p = kw.get("top_k", 0), kw.get("top_p", 1.0)
