@@ -26,7 +26,7 @@ MAX_CANDIDATES = 4096  # sample_topk's kept logits sorted in shared memory (8 by
 MAX_VOCAB = 128 * IDS_PER_BLOCK  # sample_topk's slices' counts of a row in shared memory (templates: MAX_SLICES)
 # the logits a row with top-k off and top-p < 1 ranks: its cut lies among them where they hold top_p or more of the
 # row's probability (a trained model's nucleus at top-p 0.9 is far smaller), else the row's last block finds it over
-# the whole row (exact either way; bench/NOTES.md session 41 times both)
+# the whole row (the same cut either way, to the probabilities' fp32 rounding; bench/NOTES.md session 41 times both)
 NUCLEUS_CANDIDATES = 256
 
 
@@ -58,8 +58,8 @@ class Sampler:
     0 keep `next`, the head's greedy tokens), in one kernel, and the served decode step's advance where given
     (lm_head.Advance). Top-k keeps the logits >= the row's k-th largest (ties included), at most the candidates'
     count rounded up to a power of two (they differ only where more logits tie at the k-th than that); a row with
-    top-k off and top-p < 1 is exact whatever its candidates (its cut is found over the whole row where they hold
-    less than top_p).
+    top-k off and top-p < 1 keeps sample_tokens' set whatever its candidates (its cut is found over the whole row
+    where they hold less than top_p).
 
     hidden, dtype: the embedding rows' (the advance's x_next = embed[next]); device: a CUDA device. Compiled at
     construction into build_dir's object cache, as lm_head.LMHead is. The same draw as sample_tokens: the same noise

@@ -9,9 +9,10 @@
 // Two kernels: sample_topk (top-k and/or top-p: G blocks a row each keep their slice's s >= the slice's k-th
 // largest, the row's last block selects the row's k-th among them by radix select, sorts the kept ones and draws;
 // top-k off, the C largest are ranked and where they hold less than top_p of the row's probability, the row's last
-// block finds the cut by a radix select by probability over the whole row instead: exact either way) and
-// sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks a row, the row's maximum by a 64-bit
-// atomicMax). The last block of either does the advance (lm_head.cu's, the same fields).
+// block finds the cut by a radix select by probability over the whole row instead: the same cut either way, to
+// the probabilities' fp32 rounding) and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks
+// a row, the row's maximum by a 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same
+// fields).
 // Config (generator.sampler prepends it): HIDDEN, T.
 #include "common.cuh"
 #include "argmax.cuh"
@@ -209,7 +210,7 @@ __device__ int keep_top(Get get, int n, unsigned kth, int C, unsigned long long*
 
 constexpr int SLICE = THREADS * 16;  // logits a block of sample_topk takes (generator.sampler: IDS_PER_BLOCK)
 constexpr int MAX_SLICES = 128;      // of a row (generator.sampler: MAX_VOCAB = MAX_SLICES x SLICE)
-constexpr float Q_ONE = 1099511627776.f;  // 2^40: probabilities in fixed point for the cut's search (exact sums)
+constexpr float Q_ONE = 1099511627776.f;  // 2^40: the cut's probabilities in fixed point (sums exact to 2^-40 a token)
 
 // A probability exp(s - M) / Z as an integer of 2^-40 units: sums of them are the same in any order, so the cut
 // found from them is the same every run (the tokens a probability below 2^-40 are 0)
