@@ -4,9 +4,11 @@ carried by data words), one block an SM x 512 threads as the fused layer runs, w
 block before it; and µs a hop of a ping-pong between two blocks: data + fence + flag, or the flag in the data's own
 8-byte word (NCCL's LL protocol). Per barrier = (time of 1,010 - time of 10) / 1,000, median of 7 launches.
 
-    python bench/barrier_bench.py        # prints a line each, writes barrier_bench.json to $OUT (else .)"""
-import json, os, sys
-import cupy as cp
+    python bench/barrier_bench.py [--out FILE]   # a line each; the JSON to FILE [$OUT/barrier_bench.json, else .]"""
+import argparse
+import json
+import os
+import sys
 
 SRC = r'''
 #include <cooperative_groups.h>
@@ -83,43 +85,74 @@ extern "C" __global__ void pingpong(int mode, int iters, unsigned long long* wor
 }
 '''
 
-def main():
+def main(argv=None):
+    class Parser(argparse.ArgumentParser):  # a usage error is one `error:` line, exit 2 (as bench/e2e.py's)
+        def error(self, message):
+            sys.stderr.write(f"error: {message}\n")
+            sys.exit(2)
+    ap = Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="JSON file [$OUT/barrier_bench.json, else ./barrier_bench.json]")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    try:
+        gpus = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        gpus = 0
+    if not gpus:
+        print("error: bench/barrier_bench.py launches kernels: no CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     bar = cp.RawKernel(SRC, "bar", options=("-std=c++17",), backend="nvcc", enable_cooperative_groups=True)
     pp = cp.RawKernel(SRC, "pingpong", options=("-std=c++17",), backend="nvcc")
     nsm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    ctr = cp.zeros(32 * 256, dtype=cp.uint32); data = cp.zeros(nsm * 4096, dtype=cp.uint64); sink = cp.zeros(4, dtype=cp.float32)
-    flag = cp.zeros(32, dtype=cp.uint32); word = cp.zeros(16, dtype=cp.uint64)
+    ctr = cp.zeros(32 * 256, dtype=cp.uint32)
+    data = cp.zeros(nsm * 4096, dtype=cp.uint64)
+    sink = cp.zeros(4, dtype=cp.float32)
+    flag = cp.zeros(32, dtype=cp.uint32)
+    word = cp.zeros(16, dtype=cp.uint64)
+
     def time_bar(mode, iters, words):
         ts = []
-        for r in range(7):
-            ctr.fill(0); data.fill(0)
+        for _ in range(7):
+            ctr.fill(0)
+            data.fill(0)
             s, e = cp.cuda.Event(), cp.cuda.Event()
             s.record()
             bar((nsm,), (512,), (cp.int32(mode), cp.int32(iters), cp.int32(words), ctr, data, sink))
-            e.record(); e.synchronize(); ts.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-        ts.sort(); return ts[len(ts) // 2]
+            e.record()
+            e.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
+        ts.sort()
+        return ts[len(ts) // 2]
     res = {}
-    names = {0: "cg grid.sync", 1: "1 counter", 2: "8 counters", 3: "flags relaxed (LL floor)", 4: "flags release/acquire", 5: "LL data words"}
+    names = {0: "cg grid.sync", 1: "1 counter", 2: "8 counters", 3: "flags relaxed (LL floor)",
+             4: "flags release/acquire", 5: "LL data words"}
     for words in (8, 512):
         for mode in range(6):
-            t0 = time_bar(mode, 10, words); t1 = time_bar(mode, 1010, words)
-            us = (t1 - t0) / 1000
+            us = (time_bar(mode, 1010, words) - time_bar(mode, 10, words)) / 1000
             res[f"{names[mode]} words={words}"] = us
             print(f"{names[mode]:28s} words/block {words:4d}: {us:.3f} us/barrier", flush=True)
     for mode, nm in ((0, "pingpong LL"), (1, "pingpong data+fence+flag")):
         ts = []
         for n in (10, 2010):
             tt = []
-            for r in range(5):
-                word.fill(0); flag.fill(0)
-                s, e = cp.cuda.Event(), cp.cuda.Event(); s.record()
+            for _ in range(5):
+                word.fill(0)
+                flag.fill(0)
+                s, e = cp.cuda.Event(), cp.cuda.Event()
+                s.record()
                 pp((nsm,), (32,), (cp.int32(mode), cp.int32(n), word, flag, data, sink))
-                e.record(); e.synchronize(); tt.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-            tt.sort(); ts.append(tt[2])
+                e.record()
+                e.synchronize()
+                tt.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
+            tt.sort()
+            ts.append(tt[2])
         hop = (ts[1] - ts[0]) / (2 * 2000)
-        res[nm] = hop; print(f"{nm:28s}: {hop:.3f} us/hop", flush=True)
-    out = os.environ.get("OUT", ".")
-    json.dump(res, open(os.path.join(out, "barrier_bench.json"), "w"), indent=1)
+        res[nm] = hop
+        print(f"{nm:28s}: {hop:.3f} us/hop", flush=True)
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "barrier_bench.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

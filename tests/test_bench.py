@@ -865,6 +865,13 @@ def test_ncu_layer_script_refuses_without_a_gpu_in_one_line():
     assert h.returncode == 0 and "--launch-skip" not in h.stdout and "--pos" in h.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU refusal")
+def test_barrier_bench_refuses_without_a_gpu_in_one_line():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "barrier_bench.py")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: bench/barrier_bench.py launches kernels: no CUDA GPU"
+
+
 def test_prefill_rows_print_and_the_report_reads_them(tmp_path):
     """megakernel bench's prefill rows (bench.measure.check_prefill's, under the results file's "prefill" key): the
     table prints them, a failed one with its error, and the report takes the passing one's figures and route."""
@@ -1022,7 +1029,7 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
 
 @pytest.mark.parametrize("argv", [["bench/gpu_check.py", "--bogus"], ["bench/tp_check.py", "--bogus"],
                                   ["-m", "bench.e2e", "--bogus"], ["-m", "bench.e2e", "--reps", "x"],
-                                  ["-m", "bench.e2e", "stray"]])
+                                  ["-m", "bench.e2e", "stray"], ["bench/barrier_bench.py", "--bogus"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
