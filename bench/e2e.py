@@ -118,8 +118,9 @@ def bench_long(model, args) -> float:
 
 
 # the draw shapes timed alone (top_k, top_p): the served step's sampled figures, top-k alone, temperature alone, and
-# top-p alone (on bench_draw's random logits the 256 largest hold ~0.8 of a row's probability: top-p 0.5's cut lies
-# among them, 0.9's is found over the whole row: the fused draw's two paths)
+# top-p alone (on bench_draw's random logits a row's 256 largest hold ~0.8 of its probability on average: top-p 0.5's
+# cut lies among them, 0.9's mostly past them, found over the whole row: the fused draw's two paths; each entry
+# records its rows past the ranked)
 DRAWS = {"top-k 50, top-p 0.9": (50, 0.9), "top-k 50": (50, 1.0), "temperature only": (0, 1.0),
          "top-p 0.5 only": (0, 0.5), "top-p 0.9 only": (0, 0.9)}
 
@@ -127,8 +128,10 @@ DRAWS = {"top-k 50, top-p 0.9": (50, 0.9), "top-k 50": (50, 1.0), "temperature o
 def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
     """A sampled step's draw alone, in a CUDA graph, on random logits [B, vocab] fp32: serve.sample_tokens (torch)
     against the model's fused draw (generator.sampler) where draw_path says it serves; µs {"b<B> <draw>": {"torch",
-    "fused", "path", "same_tokens"}}. same_tokens: the two drew the same tokens on those logits (the fused draw's
-    documented exceptions aside: a token at the top-p cut within an fp32 rounding, or tied with it)."""
+    "fused", "path", "same_tokens", "rows_past_ranked"}}. same_tokens: the two drew the same tokens on those logits
+    (the fused draw's documented exceptions aside: a token at the top-p cut within an fp32 rounding, or tied with it);
+    rows_past_ranked (top-k off, top-p < 1): rows whose `room` largest hold less than top_p of their probability,
+    whose cut the fused draw finds over the whole row (its slow path)."""
     from bench.timing import graph_of, time_replays
     from generator import serve
     out = {}
@@ -144,6 +147,9 @@ def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
             cands, nucleus, room = model._draw_shape(*model._check_sampling(1, temperature, k, p)[:3])
             path = model.draw_path(temperature, k, p)
             row = {"path": path}
+            if k == 0 and p < 1 and room:
+                mass = (logits / temp[:, None]).softmax(-1).topk(min(room, model.vocab), dim=-1).values.sum(-1)
+                row["rows_past_ranked"] = int((mass < tp).sum())
             want = serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1, candidates=cands, nucleus=nucleus)
             gr = graph_of(lambda: nxt.copy_(serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1,
                                                                 candidates=cands, nucleus=nucleus)))

@@ -866,10 +866,14 @@ def test_ncu_layer_script_refuses_without_a_gpu_in_one_line():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU refusal")
-def test_barrier_bench_refuses_without_a_gpu_in_one_line():
+def test_barrier_and_draw_benches_refuse_without_a_gpu_in_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "barrier_bench.py")], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "error: bench/barrier_bench.py launches kernels: no CUDA GPU"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "draw_bench.py")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: bench/draw_bench.py launches kernels: no CUDA GPU "
+                                                      "visible to torch")
 
 
 def test_prefill_rows_print_and_the_report_reads_them(tmp_path):
@@ -1029,7 +1033,8 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
 
 @pytest.mark.parametrize("argv", [["bench/gpu_check.py", "--bogus"], ["bench/tp_check.py", "--bogus"],
                                   ["-m", "bench.e2e", "--bogus"], ["-m", "bench.e2e", "--reps", "x"],
-                                  ["-m", "bench.e2e", "stray"], ["bench/barrier_bench.py", "--bogus"]])
+                                  ["-m", "bench.e2e", "stray"], ["bench/barrier_bench.py", "--bogus"],
+                                  ["bench/draw_bench.py", "--bogus"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
