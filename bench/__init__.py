@@ -1,6 +1,7 @@
 """The benchmark and device-check scripts (README.md, Benchmarks: which does what)."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 HELP = {"help_option_names": ["-h", "--help"]}  # click's context settings: -h as megakernel's commands take it
@@ -19,3 +20,12 @@ def run_click(command) -> None:
         click.echo("error: aborted", err=True)
         sys.exit(1)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """argparse for the scripts that take no click: a usage error is one `error:` line and exit 2, as `megakernel`'s
+    commands give it (argparse's own is a usage block)."""
+
+    def error(self, message):
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)

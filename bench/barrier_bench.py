@@ -5,10 +5,14 @@ block before it; and µs a hop of a ping-pong between two blocks: data + fence +
 8-byte word (NCCL's LL protocol). Per barrier = (time of 1,010 - time of 10) / 1,000, median of 7 launches.
 
     python bench/barrier_bench.py [--out FILE]   # a line each; the JSON to FILE [$OUT/barrier_bench.json, else .]"""
-import argparse
 import json
 import os
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ from this tree
+    sys.path.insert(0, str(ROOT))
 
 SRC = r'''
 #include <cooperative_groups.h>
@@ -86,11 +90,8 @@ extern "C" __global__ void pingpong(int mode, int iters, unsigned long long* wor
 '''
 
 def main(argv=None):
-    class Parser(argparse.ArgumentParser):  # a usage error is one `error:` line, exit 2 (as bench/e2e.py's)
-        def error(self, message):
-            sys.stderr.write(f"error: {message}\n")
-            sys.exit(2)
-    ap = Parser(description=__doc__.split("\n\n")[0])
+    from bench import ScriptParser
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON file [$OUT/barrier_bench.json, else ./barrier_bench.json]")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -110,19 +111,22 @@ def main(argv=None):
     flag = cp.zeros(32, dtype=cp.uint32)
     word = cp.zeros(16, dtype=cp.uint64)
 
-    def time_bar(mode, iters, words):
+    def median_us(launch, reset, reps):  # one launch's µs, median of reps (the counters reset before each)
         ts = []
-        for _ in range(7):
-            ctr.fill(0)
-            data.fill(0)
+        for _ in range(reps):
+            reset()
             s, e = cp.cuda.Event(), cp.cuda.Event()
             s.record()
-            bar((nsm,), (512,), (cp.int32(mode), cp.int32(iters), cp.int32(words), ctr, data, sink))
+            launch()
             e.record()
             e.synchronize()
             ts.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-        ts.sort()
-        return ts[len(ts) // 2]
+        return sorted(ts)[reps // 2]
+
+    def time_bar(mode, iters, words):
+        return median_us(lambda: bar((nsm,), (512,), (cp.int32(mode), cp.int32(iters), cp.int32(words), ctr, data,
+                                                      sink)),
+                         lambda: (ctr.fill(0), data.fill(0)), 7)
     res = {}
     names = {0: "cg grid.sync", 1: "1 counter", 2: "8 counters", 3: "flags relaxed (LL floor)",
              4: "flags release/acquire", 5: "LL data words"}
@@ -132,20 +136,8 @@ def main(argv=None):
             res[f"{names[mode]} words={words}"] = us
             print(f"{names[mode]:28s} words/block {words:4d}: {us:.3f} us/barrier", flush=True)
     for mode, nm in ((0, "pingpong LL"), (1, "pingpong data+fence+flag")):
-        ts = []
-        for n in (10, 2010):
-            tt = []
-            for _ in range(5):
-                word.fill(0)
-                flag.fill(0)
-                s, e = cp.cuda.Event(), cp.cuda.Event()
-                s.record()
-                pp((nsm,), (32,), (cp.int32(mode), cp.int32(n), word, flag, data, sink))
-                e.record()
-                e.synchronize()
-                tt.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-            tt.sort()
-            ts.append(tt[2])
+        ts = [median_us(lambda: pp((nsm,), (32,), (cp.int32(mode), cp.int32(n), word, flag, data, sink)),
+                        lambda: (word.fill(0), flag.fill(0)), 5) for n in (10, 2010)]
         hop = (ts[1] - ts[0]) / (2 * 2000)
         res[nm] = hop
         print(f"{nm:28s}: {hop:.3f} us/hop", flush=True)

@@ -8,7 +8,6 @@ x 1: flat), a 128,256-token vocabulary, batch 1 and 8.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,11 +21,8 @@ V = 128256
 
 
 def main(argv=None):
-    class Parser(argparse.ArgumentParser):  # a usage error is one `error:` line, exit 2 (as bench/e2e.py's)
-        def error(self, message):
-            sys.stderr.write(f"error: {message}\n")
-            sys.exit(2)
-    ap = Parser(description=__doc__.split("\n\n")[0])
+    from bench import ScriptParser
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build-dir", default="build", help="where the draw's kernels are compiled (its object cache)")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/draw_bench.json, else ./draw_bench.json]")
     args = ap.parse_args(argv)

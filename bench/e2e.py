@@ -18,7 +18,6 @@ Prints a table and writes the JSON.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -267,11 +266,8 @@ def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
 
 
 def main(argv=None):
-    class Parser(argparse.ArgumentParser):  # a usage error is one `error:` line, exit 2 (argparse's is a block)
-        def error(self, message):
-            sys.stderr.write(f"error: {message}\n")
-            sys.exit(2)
-    ap = Parser(description=__doc__.split("\n\n")[0])
+    from bench import ScriptParser
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build-dir", default="build")
     ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b", help="checkpoint directory (made if absent)")
     ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len")
