@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     long long* __restrict__ hist, long long* __restrict__ step, int* __restrict__ pos, const T* __restrict__ embed,
     T* __restrict__ x_next) {
     extern __shared__ __align__(16) unsigned long long kept[];  // the row's last block: the kept logits, sorted
-    __shared__ __align__(8) unsigned keys[SLICE];  // (the last block's whole-row cut: its sums and counts)
+    __shared__ __align__(8) unsigned keys[SLICE];  // (the last block: the slices' pairs, then the cut's 17 sums)
     __shared__ unsigned hist256[256], pick[2];
     __shared__ int cnt3[3], scnt[MAX_SLICES];
     __shared__ float fred[WARPS];
