@@ -53,9 +53,11 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
     Buffer("ready", "unsigned", lambda c: (c["KV_HEADS"] + c.get("ACT_CHUNKS", 0) * c.get("ACT_STRIDE", 1),),
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
-           "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them"),
-    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"])),
-           "attention output (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
+           "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
+           "gate_up)"),
+    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL")))),
+           "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "
+           "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
@@ -75,6 +77,8 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
     Buffer("hsq", "float", lambda c: (c.get("HSQ_TILES", 0), c["ROWS"]),
            "decode H_STATS: per 16-row o_proj tile and row, the sum of squares of h (the second norm's statistics)"),
+    Buffer("epoch", "unsigned", lambda c: (1,),
+           "decode ATT_LL: launches so far (gate_up advances it); attention's output words carry (this + 1) mod 2^16"),
 )
 
 ARGS: tuple[Arg, ...] = (
@@ -252,6 +256,13 @@ def from_frag(raw, rows: int, k: int):
     ntile = (rows + 7) // 8
     idx = ((((c >> 4) * ntile + (b >> 3)) * 32 + (b & 7) * 4 + ((c & 7) >> 1)) << 2) + ((c >> 3) & 1) * 2 + (c & 1)
     return raw.reshape(-1)[idx]
+
+
+def from_ll(raw, rows: int, k: int):
+    """Attention's output as decode ATT_LL writes it (templates/gemv.cuh ll_store: a 32-bit word at each of
+    from_frag's indices, the value in its low half and the launch's epoch in its high half) -> row-major [rows, k].
+    raw: the flat buffer viewed as the 16-bit dtype (little-endian: a word's value comes first)."""
+    return from_frag(raw.reshape(-1)[0::2], rows, k)
 
 
 def from_tiles(raw, rows: int, k: int, xrows: int):

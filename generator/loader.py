@@ -21,7 +21,8 @@ import torch
 
 from .collectives import AllReduce
 from .host import inv_freq
-from .interface import (ARGS, CLOCK_SLOTS, KV_TENSOR_MAPS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_tiles, pack_weights,
+from .interface import (ARGS, CLOCK_SLOTS, KV_TENSOR_MAPS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_ll,
+                        from_tiles, pack_weights,
                         packed_shapes, shard_weights, unpack_weights, weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
@@ -437,6 +438,8 @@ class FusedDecoderLayer:
         dt = {"T": self.dtype, "float": torch.float32, "unsigned": torch.int32, "long long": torch.int64}[b["ctype"]]
         raw = self.workspace[b["offset"]:b["offset"] + b["bytes"]].view(dt)
         consts = self.plan["consts"]
+        if name == "attn" and consts.get("ATT_LL"):
+            return from_ll(raw, self.plan["rows"], consts["Q_DIM"])
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):
             return from_frag(raw, self.plan["rows"], b["shape"][1])
         if name in ("attn", "act", "xn") and self.mode == "prefill" and consts.get("GEMM_WGMMA"):

@@ -37,8 +37,9 @@ class Step:
     `then` is what separates it from the next step: "grid" (a grid-wide barrier) or "none".
     `reduce` names what holds this step's partial sum when the layer is split over tp > 1 GPUs (a workspace buffer
     or the output): the kernel ends after this step and the runtime all-reduces it before the next launch.
-    `flow` names a plan constant that, where it is 1, drops the step's grid barrier: the next step waits on per-tile
-    counters for the parts it reads (decode's QKV_FLOW), or needs nothing from other blocks (NORM_LOCAL: the norm
+    `flow` names a plan constant that, where it is non-zero, drops the step's grid barrier: the next step waits on
+    per-tile counters for the parts it reads (decode's QKV_FLOW), polls the words it reads until they carry the
+    launch's epoch (decode's ATT_LL), or needs nothing from other blocks (NORM_LOCAL: the norm
     step is empty, each block normalising its own copy inside the projection's stage).
     `pre` is a C statement run before the barrier that precedes the step (before the launch's wait for the previous
     launch where the step comes first): work that does not depend on the previous step (loading its first weights)."""

@@ -25,6 +25,33 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
         return (size_t)b * ld + k;
 }
 
+// ATT_LL (decode): attention's output handed to o_proj with no grid barrier between them, as NCCL's LL protocol
+// hands data over: each element is a 32-bit word, its T bits in the low half and the launch's epoch in the high
+// half, written by one relaxed store; o_proj's lanes poll the words themselves (a 32-bit access is single-copy
+// atomic, a vector load's elements each: a word with this launch's epoch holds this launch's value), so the writer
+// makes no fence and sets no flag. The words sit at x_at<true>'s indices (twice its bytes). The epoch is the launch
+// count mod 2^16 (ws_epoch, advanced by gate_up's block 0 after o_proj's grid barrier, when every block has read
+// it); every word is rewritten each launch, so a stale one carries the last launch's epoch (or 0 before the first).
+__device__ __forceinline__ unsigned ll_epoch(const unsigned* ws_epoch) {  // this launch's epoch, in the high half
+    unsigned e;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(ws_epoch) : "memory");
+    return ((e + 1u) & 0xffffu) << 16;
+}
+__device__ __forceinline__ void ll_store(T* buf, size_t i, T v, unsigned epoch) {
+    const unsigned w = (unsigned)*reinterpret_cast<const unsigned short*>(&v) | epoch;
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(reinterpret_cast<unsigned*>(buf) + i), "r"(w));
+}
+// the lane's four words of a k-tile and n-tile (the B fragment's two pairs), from L2 (relaxed, gpu scope)
+__device__ __forceinline__ uint4 ll_load4(const T* buf, size_t lane_at) {
+    uint4 u;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(reinterpret_cast<const uint4*>(buf) + lane_at));
+    return u;
+}
+__device__ __forceinline__ bool ll_ready(const uint4& u, unsigned epoch) {
+    return ((u.x ^ epoch) | (u.y ^ epoch) | (u.z ^ epoch) | (u.w ^ epoch)) < 0x10000u;
+}
+
 template <int NWG, int TM = 1>
 struct Tile {  // one of the task's TM 16 x BATCH results (buf at its first), summed over the group's warps
     const float* buf;
@@ -101,7 +128,8 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 }
 
 // W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with
-// XF in fragment order (x_at).
+// XF in fragment order (x_at); XF 2: ATT_LL's words, polled until they carry the epoch ll_e (ll_load4); 3: the same,
+// 64 ns between polls.
 // epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
 // Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
 // on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
@@ -118,11 +146,12 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 // [chunk x NWG x U, (chunk + 1) x NWG x U), after that step's weight loads are issued; it returns once they are written.
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
-template <int N, int K, int LDX, int NWG, int U, int KSPLIT, bool XF = false, int PF = 0, int TILE0 = 0, int PRE = 0,
+template <int N, int K, int LDX, int NWG, int U, int KSPLIT, int XF = 0, int PF = 0, int TILE0 = 0, int PRE = 0,
           int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
-                                     const GemvPre<U * TM>* pre = nullptr, Wait wait = {}) {
+                                     const GemvPre<U * TM>* pre = nullptr, Wait wait = {},
+                                     unsigned ll_e = 0u) {
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
@@ -166,6 +195,26 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
             if constexpr (Wait::active)
                 if (k0 < KT) wait(k0 / (NWG * U));
+            // XF >= 2: the step's words all loaded, then each polled until it carries the epoch (rows past BATCH are
+            // never written: zeros); the step's weights are already in flight
+            uint4 xl[XF >= 2 ? U : 1][NTILE];
+            if constexpr (XF >= 2) {
+                auto at = [&](int u, int t) { return ((size_t)(ks * KT + k0 + u * NWG) * NTILE + t) * 32 + lane; };
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int t = 0; t < NTILE; ++t)
+                        xl[u][t] = k0 + u * NWG < KT && t * 8 + gid < BATCH ? ll_load4(X, at(u, t))
+                                                                             : make_uint4(ll_e, ll_e, ll_e, ll_e);
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int t = 0; t < NTILE; ++t)
+                        while (!ll_ready(xl[u][t], ll_e)) {
+                            if constexpr (XF == 3) __nanosleep(64);
+                            xl[u][t] = ll_load4(X, at(u, t));
+                        }
+            }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kt = k0 + u * NWG;
@@ -180,7 +229,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                     for (int t = 0; t < NTILE; ++t) {
                         const int b = t * 8 + gid;
                         unsigned b0 = 0u, b1 = 0u;
-                        if constexpr (XF) {
+                        if constexpr (XF >= 2) {
+                            b0 = __byte_perm(xl[u][t].x, xl[u][t].y, 0x5410);  // the low halves: T pairs
+                            b1 = __byte_perm(xl[u][t].z, xl[u][t].w, 0x5410);
+                        } else if constexpr (XF) {
                             const uint2 v = *reinterpret_cast<const uint2*>(
                                 X + (((size_t)(ks * KT + kt) * NTILE + t) * 32 + lane) * 4);
                             b0 = v.x;

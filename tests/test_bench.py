@@ -1034,7 +1034,9 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
 @pytest.mark.parametrize("argv", [["bench/gpu_check.py", "--bogus"], ["bench/tp_check.py", "--bogus"],
                                   ["-m", "bench.e2e", "--bogus"], ["-m", "bench.e2e", "--reps", "x"],
                                   ["-m", "bench.e2e", "stray"], ["bench/barrier_bench.py", "--bogus"],
-                                  ["bench/draw_bench.py", "--bogus"]])
+                                  ["bench/draw_bench.py", "--bogus"], ["bench/ab.py"],
+                                  ["bench/ab.py", "--case", "x", "{bad"], ["bench/ab.py", "--case", "x", "[1]"],
+                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "full,last"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
@@ -1043,3 +1045,24 @@ def test_bench_scripts_usage_errors_are_one_line(argv):
     if argv[0].endswith("gpu_check.py"):
         h = subprocess.run([sys.executable, argv[0], "-h"], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert h.returncode == 0 and "--no-tests" in h.stdout, h.stderr
+
+
+def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_variants_file):
+    """bench/ab.py: an undeclared variant, a refused plan and a row past the cache are one `error:` line before
+    anything is built; --compile-only builds the default and each override set and prints their resources."""
+    from conftest import cli_env
+    ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
+    one = "llama3.2-1b_decode_b1_s4096_bf16"
+    for extra, want in [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no decode variant"),
+                        (["--case", one, '{"ATT_LL": 3}'], "must be 0, 1 or 2"),
+                        (["--case", one, '{"ATT_LL": 1}', "--rows", "4096"], "error: --rows 4096: past")]:
+        r = subprocess.run([*ab, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=cli_env())
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert want in r.stderr, r.stderr
+        assert not (tmp_path / "b").exists()
+    r = subprocess.run([*ab, "--variants", str(tiny_variants_file), "--case", "tiny-a_decode_b1_s64_bf16",
+                        '{"QKV_FLOW": 0}', "--rows", "full", "--compile-only"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=600, env=cli_env())
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(": ok, " in x and "spills 0 / 0 B" in x for x in lines), r.stdout

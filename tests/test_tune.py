@@ -204,6 +204,50 @@ def test_down_flow_replaces_one_barrier():
     assert {"GU_NWG": 8, "DOWN_FLOW": 1} in cands and {"GU_NWG": 8} not in cands
 
 
+def test_att_ll_drops_attentions_barrier(tmp_path):
+    """ATT_LL (override only: not measured yet): the attention -> o_proj grid barrier is compiled out, attention's
+    output takes 32-bit words (twice the buffer) and an epoch word exists; refused in one line with tensor parallel,
+    without X_FRAG, with NORM_GLOBAL and above batch 8; the words decode as the kernel lays them out (interface.from_ll
+    against templates/gemv.cuh x_at and ll_store, mirrored here); Llama-3.2-1B b1 compiles without spills."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import compile as gcompile
+    from generator.interface import from_ll
+    named = {v.name: v for v in declared()}
+    v = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    off, on = render.plan(v), render.plan(v, overrides={"ATT_LL": 1})
+    assert off["consts"]["ATT_LL"] == 0 and on["consts"]["ATT_LL"] == 1
+    assert on["grid_syncs"] == off["grid_syncs"] - 1
+    src = render.render(v, on)
+    assert "constexpr int ATT_LL = 1;" in src and "if constexpr (!ATT_LL) grid.sync();" in src
+    ws_on, ws_off = on["workspace"]["buffers"], off["workspace"]["buffers"]
+    assert ws_on["attn"]["bytes"] == 2 * ws_off["attn"]["bytes"] and ws_on["epoch"]["bytes"] == 4
+    with pytest.raises(PlanError, match="ATT_LL=1: needs one GPU, X_FRAG 1, no NORM_GLOBAL and batch <= 8"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"ATT_LL": 1})
+    with pytest.raises(PlanError, match=r"ATT_LL=1: needs .* \(this plan: tp 1, X_FRAG 0"):
+        render.plan(v, overrides={"ATT_LL": 1, "X_FRAG": 0})
+    with pytest.raises(PlanError, match="NORM_GLOBAL 1, batch 16"):
+        render.plan(dataclasses.replace(v, batch=16), overrides={"ATT_LL": 1})
+    with pytest.raises(PlanError, match="ATT_LL=3: must be 0, 1 or 2"):
+        render.plan(v, overrides={"ATT_LL": 3})
+    # the words: value bits in the low half, epoch in the high, at x_at<true>(b, k) of a [k/16][ntile][32][4] layout
+    rows, k, epoch = 5, 64, 0xBEEF
+    vals = torch.randn(rows, k).to(torch.bfloat16)
+    words = torch.zeros(k // 16 * 32 * 4, dtype=torch.int64)
+    for b in range(rows):
+        for c in range(k):
+            at = ((((c >> 4) * 1 + (b >> 3)) * 32 + (b & 7) * 4 + ((c & 7) >> 1)) << 2) + ((c >> 3) & 1) * 2 + (c & 1)
+            words[at] = (int(vals[b, c].view(torch.int16)) & 0xFFFF) | (epoch << 16)
+    raw = words.to(torch.int64).apply_(lambda w: w - (1 << 32) if w >= 1 << 31 else w).to(torch.int32)
+    assert torch.equal(from_ll(raw.view(torch.bfloat16), rows, k), vals)
+    c = renamed(v, "ll")
+    res = gcompile.build([c], tmp_path, overrides={c.name: {"ATT_LL": 1}}, replan_spills=False)
+    e, = res["entries"]
+    r = e["resources"]
+    assert e["status"] == "ok" and r["spill_stores"] == r["spill_loads"] == 0, e
+
+
 def test_stream_attention_covers_every_tile_once():
     """ATT_DYN 2 (stream-K attention, decode.attention_stream / attention_pieces, the model of templates/stages/
     attention.cuh att_stream_schedule): at full context and at random positions every 16-row tile of every
@@ -955,6 +999,65 @@ def test_down_flow_matches_the_reference(tmp_path):
         # start, so they hold that launch's counts
         assert int(ready[kvh::layer.plan["consts"]["ACT_STRIDE"]].sum()) == 2 * v.model.intermediate // 16
         del layer
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_att_ll_matches_the_reference(tmp_path):
+    """ATT_LL (attention's output as epoch-carrying words o_proj polls, no grid barrier between them), 1 (a tight
+    poll) and 2 (64 ns between polls): Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; and with ATT_COMBINE 3, ATT_TMA), b8 and
+    b8 at KV 32768 (stream-K attention), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a batch-5 Qwen2.5-1.5B-like (qkv bias, a
+    partial n-tile) against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back
+    (the epoch advancing with no host work between) track the reference; then six launches, each bit-equal to the
+    default plan's on the same inputs and caches, one with a refused position (its row NaN in both: no launch waits
+    for a word nobody writes) and 300 graph replays before a last checked step."""
+    import torch
+
+    from bench.timing import graph_of
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    named = {v.name: v for v in declared()}
+    b5, = _qwen15_like("ll", [5])
+    l1 = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    cases = [(l1, {"ATT_LL": 1}), (l1, {"ATT_LL": 2}), (l1, {"ATT_LL": 1, "ATT_COMBINE": 3}),
+             (l1, {"ATT_LL": 1, "ATT_TMA": 1}), (named["llama3.2-1b_decode_b8_s4096_bf16"], {"ATT_LL": 1}),
+             (named["llama3.2-1b_decode_b8_s32768_bf16"], {"ATT_LL": 1}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_LL": 1}), (b5, {"ATT_LL": 1})]
+    _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
+    for i, (v, ov) in enumerate(cases):
+        c, d = renamed(v, f"ll{i}"), renamed(v, f"lld{i}")  # (built above), and the default plan's
+        res = gcompile.build([d], tmp_path, overrides={d.name: {k: x for k, x in ov.items() if k != "ATT_LL"}})
+        assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+        W = reference.random_weights(v.model, seed=20, device="cuda")
+        layer = load(c.name, W, build_dir=tmp_path)
+        steps_track_the_reference(layer, W, v, 20)
+        base = load(d.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache))
+        g = torch.Generator(device="cuda").manual_seed(21)
+        for trial in range(6):
+            x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
+            pos = torch.randint(0, v.seq_len, (v.batch,), device="cuda", generator=g, dtype=torch.int32)
+            if trial == 1:
+                pos.fill_(191)  # (a short context: attention's few busy blocks, o_proj's polls waiting longest)
+            if trial == 4:
+                pos[-1] = -1
+            want = base(x, pos, validate=False)
+            got = layer(x, pos, validate=False)
+            torch.cuda.synchronize()
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
+                (c.name, ov, trial)
+            assert got[-1].isnan().all() == (trial == 4), (c.name, trial)
+        xg = x.clone()
+        pg = torch.full_like(pos, v.seq_len - 1)
+        graph = graph_of(lambda: layer(xg, pg, validate=False))
+        for _ in range(300):
+            graph.replay()
+        torch.cuda.synchronize()
+        x, pos = verify.random_inputs(layer, 22)
+        r = verify.check_step(layer, x, pos, weights=W)
+        assert verify.passed(r, v.model.dtype), (c.name, ov, r["rel_err"], r["first_bad_stage"])
+        del layer, base
         torch.cuda.synchronize()
 
 

@@ -23,16 +23,17 @@ STEPS = (
                      "smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
-                      "ws_count, ws_ready, ws_attn, smem)"),
+                      "ws_count, ws_ready, ws_attn, ws_epoch, smem)",
+         flow="ATT_LL"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
-                   "o_pre, smem)",
+                   "ws_epoch, o_pre, smem)",
          reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu, ln2_w, smem)"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
-                    "ws_ready, gu_pre, smem)",
+                    "ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, down_pre, "
                       "smem)",
@@ -68,11 +69,14 @@ STEPS = (
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
 # writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there;
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
-# stage, instead of cp.async by every lane
+# stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8): no grid barrier
+# between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
+# o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, 64 ns between polls)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
-            "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES"))
+            "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
+            "ATT_LL"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -103,6 +107,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
+        if k == "ATT_LL" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
@@ -684,6 +690,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-down_kt // down_step) if down_flow else 0
+    att_ll = ov.get("ATT_LL", 0)
+    if att_ll and (v.tp > 1 or not x_frag or norm_global or v.batch > 8):
+        raise PlanError(f"{v.name}: plan override ATT_LL={att_ll}: needs one GPU, X_FRAG 1, no NORM_GLOBAL and batch "
+                        f"<= 8 (this plan: tp {v.tp}, X_FRAG {x_frag}, NORM_GLOBAL {norm_global}, batch {v.batch})")
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
@@ -715,6 +725,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
+        "ATT_LL": att_ll,
         **smem,
     }
     for prefix, key in PROJECTIONS:

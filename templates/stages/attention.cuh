@@ -170,10 +170,18 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
     }
 }
 
+// attention's output element (b, k), normalised: T in X_FRAG's or row-major order, or with ATT_LL o_proj's word
+// (templates/gemv.cuh ll_store; ll_e: this launch's epoch)
+__device__ __forceinline__ void att_out(T* ws_attn, int b, int k, float v, unsigned ll_e) {
+    if constexpr (ATT_LL) ll_store(ws_attn, x_at<true>(b, k, Q_DIM), from_f(v), ll_e);
+    else ws_attn[x_at<X_FRAG>(b, k, Q_DIM)] = from_f(v);
+}
+
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
                           T* v_cache, const unsigned char* kv_tmaps, float* ws_part, unsigned* ws_count,
-                          const unsigned* ws_ready, T* ws_attn, unsigned char* smem) {
+                          const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, unsigned char* smem) {
+    const unsigned ll_e = ATT_LL ? ll_epoch(ws_epoch) : 0u;
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
@@ -263,8 +271,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         if (p < 0 || p >= SEQ_LEN) {                  // the loader checks positions; this guards graph replays
             if (split == 0)
                 for (int t = tid; t < GROUP * HEAD_DIM; t += THREADS)
-                    ws_attn[x_at<X_FRAG>(b, kvh * GROUP * HEAD_DIM + t, Q_DIM)] =
-                        from_f(__int_as_float(0x7fc00000));
+                    att_out(ws_attn, b, kvh * GROUP * HEAD_DIM + t, __int_as_float(0x7fc00000), ll_e);
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
         if (row0 > p) continue;                       // the same for the whole block
@@ -516,7 +523,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
             if (nsplit == 1) {
                 if (d < HEAD_DIM)
-                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+                    att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
             } else {
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
@@ -573,7 +580,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     o = fmaf(o, f, ea);
                     M = Mn;
                 }
-                if (out && sl == 0) ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+                if (out && sl == 0) att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
             }
             if (tid == 0 && left == 2u * nsplit - 1u) *cnt = 0u;  // every block has left its wait
         } else if (nsplit > 1 && ATT_COMBINE >= 1) {
@@ -657,7 +664,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                         o = fmaf(e, sg[w * WS + d], o);
                         den = fmaf(e, sg[w * WS + HEAD_DIM + 1], den);
                     }
-                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+                    att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
                 }
             } else if (*flag) {  // last split: one online pass over the splits per output (max, sum and acc loaded
                                  // together, in split order: the same result whichever split is last)
@@ -674,7 +681,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                         den = fmaf(den, f, e * ls);
                         M = Mn;
                     }
-                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o / den);
+                    att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
                 }
             }
         } else if (nsplit > 1) {
@@ -711,7 +718,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     float o = 0.f;
 #pragma unroll 8
                     for (int s = 0; s < nsplit; ++s) o = fmaf(ew[g * ATT_NSPLIT + s], __ldcg(pg + s * WS), o);
-                    ws_attn[x_at<X_FRAG>(b, (kvh * GROUP + g) * HEAD_DIM + d, Q_DIM)] = from_f(o);
+                    att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o, ll_e);
                 }
             }
         }

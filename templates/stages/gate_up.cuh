@@ -25,9 +25,17 @@ struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is writt
 // not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
                         const T* xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
-                        unsigned* ws_count, unsigned* ws_ready, const GemvPre<GU_U * GU_TM>& pre,
+                        unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
+    // ATT_LL: o_proj's grid barrier is the first behind every attention task and every block's reads of the epoch:
+    // QKV_FLOW's counters back to zero and the epoch advanced, both for the next launch (which reads them after its
+    // wait for this one)
+    if (ATT_LL && blockIdx.x == 0) {
+        if constexpr (QKV_FLOW)
+            for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
+        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(ws_epoch) += 1u;
+    }
     if (DOWN_FLOW && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)

@@ -14,18 +14,24 @@ __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_
 }
 __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
                        T* ws_xn, float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                       const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
+                       const unsigned* ws_epoch, const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
                                (NORM_GLOBAL || THREADS / (O_NWG * 32) * O_TM * 16 * BATCH * 4 <= SMEM_RED)),
                   "H_STATS: the T copy of h, at most 15 warp groups (named barriers), their squares before SMEM_RED");
+    // ATT_LL: no grid barrier before this stage (the gemv polls attention's words): the block's own attention
+    // tasks are done with the shared memory the partial sums reuse
+    if constexpr (ATT_LL) __syncthreads();
     // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
-    // barrier that precedes this stage; DOWN_FLOW's for this launch's gate_up (the last launch's down_proj is done
-    // waiting on them: this launch's wait orders that, and gate_up's first count comes after o_proj's barrier)
-    if ((QKV_FLOW || DOWN_FLOW) && blockIdx.x == 0)
+    // barrier that precedes this stage (ATT_LL: none; gate_up zeroes them); DOWN_FLOW's for this launch's gate_up
+    // (the last launch's down_proj is done waiting on them: this launch's wait orders that, and gate_up's first count
+    // comes after o_proj's barrier)
+    constexpr bool QKV_RESET = QKV_FLOW && !ATT_LL;
+    if ((QKV_RESET || DOWN_FLOW) && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS + ACT_CHUNKS; h += THREADS)
-            if (h >= KV_HEADS || QKV_FLOW) ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
+            if (h >= KV_HEADS || QKV_RESET) ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
+    const unsigned ll_e = ATT_LL ? ll_epoch(ws_epoch) : 0u;
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, ATT_LL ? 1 + ATT_LL : X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             // H_STATS: the group's squares [16][BATCH] for each of its O_TM tiles (the group barrier before the
@@ -55,5 +61,5 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                     ws_hsq[(size_t)(row0 / 16) * BATCH + b] = s;
                 }
             }
-        }, NoDone{}, nullptr, &pre);
+        }, NoDone{}, nullptr, &pre, NoWait{}, ll_e);
 }

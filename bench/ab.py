@@ -1,0 +1,117 @@
+"""A/B of plan overrides on a GPU: each case's variant built with its default plan and with each override set, every
+plan checked against the fp32 reference (a wrong one is never timed), then timed as the tuner times candidates
+(bench/tune.py measure: a stack of distinct layers in a CUDA graph, the plans interleaved over rounds) at full
+context and at each row given (every sequence at that position: a served model's short context). Prints a line a
+(case, position) and writes every row (variant, where, overrides, µs a layer, % against the default, rel_err).
+
+    python bench/ab.py --case NAME '{"KNOB": 1}' [--case NAME '{...}' ...] [--variants FILE ...]
+                       [--rows full,191] [--build-dir DIR] [--out FILE] [--compile-only]
+
+NAME: a decode variant declared in variants.yaml, bench/heldout.yaml or a --variants file; a case may repeat NAME
+to time several override sets against one default. --compile-only: build and print registers and spills (no GPU).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from this tree
+    sys.path.insert(0, str(ROOT))
+
+
+def parse(argv=None):
+    """The arguments, checked: (args, cases {variant: [overrides, ...]}, rows ["full" | int]). Exits 2 with one
+    `error:` line on a bad one."""
+    from bench import ScriptParser
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", nargs=2, action="append", metavar=("NAME", "JSON"), required=True,
+                    help="a decode variant and a JSON object of plan overrides (repeatable)")
+    ap.add_argument("--variants", action="append", default=[], help="more variants files (repeatable)")
+    ap.add_argument("--rows", default="full,191", help="where to time: full and/or row numbers, comma-separated")
+    ap.add_argument("--build-dir", default="build-ab", help="where the plans are built")
+    ap.add_argument("--out", default=None, help="JSON file [$OUT/ab.json, else ./ab.json]")
+    ap.add_argument("--compile-only", action="store_true", help="build and print resources; no GPU")
+    args = ap.parse_args(argv)
+    cases: dict[str, list[dict]] = {}
+    for name, text in args.case:
+        try:
+            ov = json.loads(text)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--case {name} {text!r}: not JSON ({exc.msg})")
+        if not isinstance(ov, dict) or not ov or not all(isinstance(k, str) and type(v) is int for k, v in ov.items()):
+            ap.error(f"--case {name} {text!r}: must be a non-empty JSON object of knob: integer")
+        cases.setdefault(name, []).append(ov)
+    rows = []
+    for r in args.rows.split(","):
+        if r != "full" and not r.isdigit():
+            ap.error(f"--rows {args.rows}: each must be 'full' or a row number (0 or more)")
+        rows.append(r if r == "full" else int(r))
+    return args, cases, rows
+
+
+def main(argv=None):
+    args, cases, rows = parse(argv)
+    from bench.tune import renamed
+    from generator import compile as gcompile, variants as gvariants
+    from generator.plan import PlanError
+    from generator.render import plan as render_plan
+    files = [ROOT / "variants.yaml", ROOT / "bench" / "heldout.yaml", *map(Path, args.variants)]
+    declared = {}
+    for f in files:
+        try:
+            declared.update({v.name: v for v in gvariants.load(f)})
+        except gvariants.VariantError as exc:
+            sys.exit(f"error: {exc}")
+    plans = []  # (variant, [(built variant, overrides)]): the default first
+    for name, ovs in cases.items():
+        v = declared.get(name)
+        if v is None or v.mode != "decode":
+            sys.exit(f"error: --case {name}: no decode variant of that name in {', '.join(map(str, files))}")
+        if v.tp > 1:
+            sys.exit(f"error: --case {name}: tensor parallel (tp {v.tp}): the tuner's timing runs one GPU")
+        for r in rows:
+            if r != "full" and r >= v.seq_len:
+                sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
+        for ov in ovs:
+            try:
+                render_plan(v, overrides=ov)
+            except PlanError as exc:
+                sys.exit(f"error: {exc}")
+        plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate([{}, *ovs])]))
+    pairs = [p for _, ps in plans for p in ps]
+    res = gcompile.build([c for c, _ in pairs], args.build_dir, jobs=os.cpu_count(),
+                         overrides={c.name: ov for c, ov in pairs}, replan_spills=False)
+    for e in res["entries"]:
+        r = e.get("resources") or {}
+        print(f"{e['name']}: {e['status']}, {r.get('registers')} registers, spills {r.get('spill_stores')} / "
+              f"{r.get('spill_loads')} B" + (f": {e['error'].splitlines()[0]}" if e.get("error") else ""), flush=True)
+    if args.compile_only or any(e["status"] != "ok" for e in res["entries"]):
+        sys.exit(0 if args.compile_only else 1)
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("error: bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
+    from bench.tune import measure
+    out = []
+    for v, ps in plans:
+        for r in rows:
+            got = measure(v, [(c.name, ov) for c, ov in ps], Path(args.build_dir), 1234, 50, 5,
+                          positions=None if r == "full" else [r] * v.batch)
+            base = got[0]["us"]
+            for g in got:
+                g.update(variant=v.name, where=r,
+                         vs_default_pct=round((g["us"] / base - 1) * 100, 2) if g["us"] and base else None)
+            out += got
+            print(f"{v.name} @ {r}: " + "; ".join(
+                f"{g['overrides'] or 'default'} {g['us']} us ({g['vs_default_pct']:+.2f} %)" if g["us"]
+                else f"{g['overrides']} FAILED {g.get('error')}" for g in got), flush=True)
+    path = Path(args.out or Path(os.environ.get("OUT", ".")) / "ab.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": out}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
