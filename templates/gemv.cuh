@@ -155,6 +155,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
+    static_assert(XF < 2 || U * NTILE <= 32, "XF >= 2: a bit a word set of a step");
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES / TM * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -195,25 +196,42 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
             if constexpr (Wait::active)
                 if (k0 < KT) wait(k0 / (NWG * U));
-            // XF >= 2: the step's words all loaded, then each polled until it carries the epoch (rows past BATCH are
-            // never written: zeros); the step's weights are already in flight
-            uint4 xl[XF >= 2 ? U : 1][NTILE];
+            // XF >= 2: the step's words all loaded, each packed into its B fragment at once (two registers held, not
+            // four) and its epoch tested; a word not yet written is polled again (after 2^24 polls: a trap, not a
+            // hang). Rows past BATCH are never written: zeros. The step's weights are already in flight.
+            uint2 xb[XF >= 2 ? U : 1][NTILE];
             if constexpr (XF >= 2) {
                 auto at = [&](int u, int t) { return ((size_t)(ks * KT + k0 + u * NWG) * NTILE + t) * 32 + lane; };
+                auto pack = [](const uint4& w) {  // the low halves: the T pairs
+                    return make_uint2(__byte_perm(w.x, w.y, 0x5410), __byte_perm(w.z, w.w, 0x5410));
+                };
+                unsigned late = 0u;  // bit u * NTILE + t: that word set lacked this launch's epoch
 #pragma unroll
                 for (int u = 0; u < U; ++u)
 #pragma unroll
-                    for (int t = 0; t < NTILE; ++t)
-                        xl[u][t] = k0 + u * NWG < KT && t * 8 + gid < BATCH ? ll_load4(X, at(u, t))
-                                                                             : make_uint4(ll_e, ll_e, ll_e, ll_e);
+                    for (int t = 0; t < NTILE; ++t) {
+                        const bool in = k0 + u * NWG < KT && t * 8 + gid < BATCH;
+                        const uint4 w = in ? ll_load4(X, at(u, t)) : make_uint4(ll_e, ll_e, ll_e, ll_e);
+                        xb[u][t] = pack(w);
+                        late |= (unsigned)!ll_ready(w, ll_e) << (u * NTILE + t);
+                    }
+                if (late) {
 #pragma unroll
-                for (int u = 0; u < U; ++u)
+                    for (int u = 0; u < U; ++u)
 #pragma unroll
-                    for (int t = 0; t < NTILE; ++t)
-                        while (!ll_ready(xl[u][t], ll_e)) {
-                            if constexpr (XF == 3) __nanosleep(64);
-                            xl[u][t] = ll_load4(X, at(u, t));
-                        }
+                        for (int t = 0; t < NTILE; ++t)
+                            if (late >> (u * NTILE + t) & 1u) {
+                                uint4 w;
+                                unsigned polls = 0u;
+                                do {
+                                    if constexpr (XF == 3) __nanosleep(64);
+                                    if (++polls == 1u << 24) __trap();
+                                    w = ll_load4(X, at(u, t));
+                                } while (!ll_ready(w, ll_e));
+                                xb[u][t] = pack(w);
+                            }
+                }
+                __syncwarp();  // (the lanes leave their polls apart; mma.sync wants them together)
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -230,8 +248,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                         const int b = t * 8 + gid;
                         unsigned b0 = 0u, b1 = 0u;
                         if constexpr (XF >= 2) {
-                            b0 = __byte_perm(xl[u][t].x, xl[u][t].y, 0x5410);  // the low halves: T pairs
-                            b1 = __byte_perm(xl[u][t].z, xl[u][t].w, 0x5410);
+                            b0 = xb[u][t].x;
+                            b1 = xb[u][t].y;
                         } else if constexpr (XF) {
                             const uint2 v = *reinterpret_cast<const uint2*>(
                                 X + (((size_t)(ks * KT + kt) * NTILE + t) * 32 + lane) * 4);

@@ -691,9 +691,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-down_kt // down_step) if down_flow else 0
     att_ll = ov.get("ATT_LL", 0)
-    if att_ll and (v.tp > 1 or not x_frag or norm_global or v.batch > 8):
-        raise PlanError(f"{v.name}: plan override ATT_LL={att_ll}: needs one GPU, X_FRAG 1, no NORM_GLOBAL and batch "
-                        f"<= 8 (this plan: tp {v.tp}, X_FRAG {x_frag}, NORM_GLOBAL {norm_global}, batch {v.batch})")
+    # (o_proj unsplit: its split-K counters share ws_count with attention's, which the barrier kept apart)
+    if att_ll and (v.tp > 1 or not x_frag or norm_global or v.batch > 8 or gemv["o"]["KSPLIT"] > 1):
+        raise PlanError(f"{v.name}: plan override ATT_LL={att_ll}: needs one GPU, X_FRAG 1, no NORM_GLOBAL, batch <= 8 "
+                        f"and o_proj unsplit (this plan: tp {v.tp}, X_FRAG {x_frag}, NORM_GLOBAL {norm_global}, batch "
+                        f"{v.batch}, O_KSPLIT {gemv['o']['KSPLIT']})")
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
