@@ -47,7 +47,9 @@ def _gemm_cols(c: dict, k: int) -> int:
 
 
 WORKSPACE: tuple[Buffer, ...] = (
-    Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"]), "raw q|k|v rows of every token (fp32, pre-RoPE)"),
+    Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"] * (1 + (c.get("QKV_FLOW") == 2))),
+           "raw q|k|v rows of every token (fp32, pre-RoPE; decode QKV_FLOW 2: each a 64-bit word, the value in its low "
+           "half, the launch's epoch in the high)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"], c["HEAD_DIM"] + 2),
            "attention split partials: acc[head_dim], max, sum"),
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
@@ -78,7 +80,7 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("hsq", "float", lambda c: (c.get("HSQ_TILES", 0), c["ROWS"]),
            "decode H_STATS: per 16-row o_proj tile and row, the sum of squares of h (the second norm's statistics)"),
     Buffer("epoch", "unsigned", lambda c: (1,),
-           "decode ATT_LL: launches so far (gate_up advances it); attention's output words carry (this + 1) mod 2^16"),
+           "decode ATT_LL, QKV_FLOW 2: launches so far (gate_up advances it); the LL words carry (this + 1) mod 2^16"),
 )
 
 ARGS: tuple[Arg, ...] = (
@@ -258,11 +260,13 @@ def from_frag(raw, rows: int, k: int):
     return raw.reshape(-1)[idx]
 
 
-def from_ll(raw, rows: int, k: int):
-    """Attention's output as decode ATT_LL writes it (templates/gemv.cuh ll_store: a 32-bit word at each of
-    from_frag's indices, the value in its low half and the launch's epoch in its high half) -> row-major [rows, k].
-    raw: the flat buffer viewed as the 16-bit dtype (little-endian: a word's value comes first)."""
-    return from_frag(raw.reshape(-1)[0::2], rows, k)
+def from_ll(raw, rows: int, k: int, frag: bool = True):
+    """A buffer of decode's LL words (templates/gemv.cuh: each value in the low half of a word whose high half is the
+    launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL (ll_store: 32-bit words at from_frag's
+    indices; raw viewed as the 16-bit dtype), or with frag False qkv's under QKV_FLOW 2 (ll_store8: 64-bit words,
+    row-major; raw viewed as float32). Little-endian: a word's value comes first."""
+    vals = raw.reshape(-1)[0::2]
+    return from_frag(vals, rows, k) if frag else vals[:rows * k].view(rows, k)
 
 
 def from_tiles(raw, rows: int, k: int, xrows: int):

@@ -440,6 +440,8 @@ class FusedDecoderLayer:
         consts = self.plan["consts"]
         if name == "attn" and consts.get("ATT_LL"):
             return from_ll(raw, self.plan["rows"], consts["Q_DIM"])
+        if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:
+            return from_ll(raw, self.plan["rows"], consts["QKV_DIM"], frag=False)
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):
             return from_frag(raw, self.plan["rows"], b["shape"][1])
         if name in ("attn", "act", "xn") and self.mode == "prefill" and consts.get("GEMM_WGMMA"):

@@ -51,6 +51,17 @@ __device__ __forceinline__ uint4 ll_load4(const T* buf, size_t lane_at) {
 __device__ __forceinline__ bool ll_ready(const uint4& u, unsigned epoch) {
     return ((u.x ^ epoch) | (u.y ^ epoch) | (u.z ^ epoch) | (u.w ^ epoch)) < 0x10000u;
 }
+// QKV_FLOW 2: qkv's fp32 results handed to attention the same way, as 64-bit words (the value's bits in the low
+// half, ll_epoch's epoch in the high), one relaxed 8-byte store or load each (single-copy atomic)
+__device__ __forceinline__ void ll_store8(float* buf, size_t i, float v, unsigned epoch) {
+    const unsigned long long w = (unsigned long long)epoch << 32 | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(reinterpret_cast<unsigned long long*>(buf) + i), "l"(w));
+}
+__device__ __forceinline__ unsigned long long ll_load8(const float* buf, size_t i) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(reinterpret_cast<const unsigned long long*>(buf) + i));
+    return w;
+}
 
 template <int NWG, int TM = 1>
 struct Tile {  // one of the task's TM 16 x BATCH results (buf at its first), summed over the group's warps

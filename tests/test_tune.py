@@ -165,6 +165,32 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_qkv_flow_2_hands_qkv_over_as_words():
+    """QKV_FLOW 2 (override only, not yet run on a GPU): no barrier and no counters between qkv_proj and attention,
+    qkv's results as 64-bit words carrying the launch's epoch (twice the buffer; the epoch word as ATT_LL's), which
+    decode as the kernel lays them out (interface.from_ll, frag False: row-major, the value's float bits in each word's
+    low half); refused as QKV_FLOW 1 is (tensor parallel, a split qkv) and past 2."""
+    import torch
+
+    from generator.interface import from_ll
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    one, two = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 2})
+    assert two["consts"]["QKV_FLOW"] == 2 and two["grid_syncs"] == one["grid_syncs"]
+    assert "constexpr int QKV_FLOW = 2;" in render.render(v, two)
+    w1, w2 = one["workspace"]["buffers"], two["workspace"]["buffers"]
+    assert w2["qkv"]["bytes"] == 2 * w1["qkv"]["bytes"] and w2["epoch"]["bytes"] == 4
+    with pytest.raises(PlanError, match="QKV_FLOW=2: tensor parallel keeps"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"QKV_FLOW": 2})
+    with pytest.raises(PlanError, match="QKV_FLOW=2 and QKV_KSPLIT=2"):
+        render.plan(v, overrides={"QKV_FLOW": 2, "QKV_KSPLIT": 2})
+    with pytest.raises(PlanError, match="QKV_FLOW=3: must be 0, 1 or 2"):
+        render.plan(v, overrides={"QKV_FLOW": 3})
+    rows, k = 3, 40
+    vals = torch.randn(rows, k)
+    words = (vals.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (0x7A5 << 48)  # (epoch << 16 in the high half)
+    assert torch.equal(from_ll(words.view(-1).view(torch.float32), rows, k, frag=False), vals)
+
+
 def test_down_flow_replaces_one_barrier():
     """DOWN_FLOW (a tuner knob; by default where gate_up takes >= 5 rounds, not on Qwen2.5-7B's 8-warp down_proj
     groups): the gate_up -> down_proj grid barrier is compiled out; act is counted
@@ -1006,14 +1032,15 @@ def test_down_flow_matches_the_reference(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-def test_att_ll_matches_the_reference(tmp_path):
+def test_ll_hand_offs_match_the_reference(tmp_path):
     """ATT_LL (attention's output as epoch-carrying words o_proj polls, no grid barrier between them), 1 (a tight
-    poll) and 2 (64 ns between polls), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
+    poll) and 2 (64 ns between polls), and QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
+    with ATT_LL, at head_dim 64, 80 and 128, with a qkv bias, in fp16), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
     O_TM 2), b4 at KV 32768 (ATT_DYN 1) and b8 at KV 32768 (stream-K), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a group-12
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an
     fp16 layer: against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back (the
     epoch advancing with no host work between) track the reference; then six launches each bit-equal to the default
-    plan's (the same plan but for ATT_LL) on the same inputs and caches, one with a refused position (its row NaN in
+    plan's (the same plan but for ATT_LL and QKV_FLOW) on the same inputs and caches, one with a refused position (its row NaN in
     both: no launch waits for a word nobody writes), one on a third of the grid (attention tasks in several rounds;
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
     last checked step. (A word never written would trap after 2^24 polls, not hang.)"""
@@ -1035,17 +1062,25 @@ def test_att_ll_matches_the_reference(tmp_path):
              (named["llama3.2-1b_decode_b8_s32768_bf16"], {"ATT_LL": 1}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_LL": 1}),
              (named["ho-g12-hd128_decode_b2_s4096_bf16"], {"ATT_LL": 2}),
-             (b5, {"ATT_LL": 1, "GEMV_PF": 2}), (half, {"ATT_LL": 1})]
+             (b5, {"ATT_LL": 1, "GEMV_PF": 2}), (half, {"ATT_LL": 1}),
+             (l1, {"QKV_FLOW": 2}), (l1, {"QKV_FLOW": 2, "ATT_LL": 1}),
+             (named["llama3.2-1b_decode_b8_s4096_bf16"], {"QKV_FLOW": 2, "ATT_LL": 2}),
+             (named["llama3.2-1b_decode_b8_s32768_bf16"], {"QKV_FLOW": 2}),
+             (named["ho-hd80-mha_decode_b1_s4096_bf16"], {"QKV_FLOW": 2}),
+             (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"QKV_FLOW": 2, "ATT_LL": 1}),
+             (b5, {"QKV_FLOW": 2}), (half, {"QKV_FLOW": 2, "ATT_LL": 1})]
+    ll = ("ATT_LL", "QKV_FLOW")
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
     for i, (v, ov) in enumerate(cases):
-        c, d = renamed(v, f"ll{i}"), renamed(v, f"lld{i}")  # (built above), and the same plan without ATT_LL
-        res = gcompile.build([d], tmp_path, overrides={d.name: {k: x for k, x in ov.items() if k != "ATT_LL"}})
+        c, d = renamed(v, f"ll{i}"), renamed(v, f"lld{i}")  # (built above), and the same plan without the words
+        res = gcompile.build([d], tmp_path, overrides={d.name: {k: x for k, x in ov.items() if k not in ll}})
         assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
         W = reference.random_weights(v.model, seed=20, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
         steps_track_the_reference(layer, W, v, 20)
         base = load(d.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache))
-        assert {k: x for k, x in layer.plan["consts"].items() if k != "ATT_LL"} == base.plan["consts"], c.name
+        assert {k: x for k, x in layer.plan["consts"].items() if k not in ll} == \
+            {k: x for k, x in base.plan["consts"].items() if k not in ll}, c.name
         twin = load(c.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache),
                     share_workspace=layer)
         g = torch.Generator(device="cuda").manual_seed(21)

@@ -19,8 +19,8 @@ STEPS = (
     # block normalises the rows into its own shared memory inside the projection's stage: the step is empty
     Step("norm", "norm(x, ln1_w, ln1_b, ws_xn, smem)", flow="NORM_LOCAL",
          pre="const auto qkv_pre = qkv_proj_pre(w_qkv, ln1_w, smem)"),
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, qkv_pre, "
-                     "smem)",
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, ws_epoch, "
+                     "qkv_pre, smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
                       "ws_count, ws_ready, ws_attn, ws_epoch, smem)",
@@ -50,7 +50,8 @@ STEPS = (
 # one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
-# (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention;
+# (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
+# (2, override only: no counters, qkv's results as 64-bit words carrying the launch's epoch, which attention polls);
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh), the
 # gain kept in shared memory (1) or read from global memory (2); 3: the norm multiplies the raw rows by the gain in its
@@ -103,12 +104,12 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "QKV_FLOW", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        on_off = ("X_FRAG", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k == "ATT_LL" and val not in (0, 1, 2):
+        if k in ("ATT_LL", "QKV_FLOW") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
@@ -321,10 +322,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE={ov['ATT_COMBINE']}: not with tensor parallel (the "
                         "split-parallel combines have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override QKV_FLOW=1: tensor parallel keeps the qkv -> attention grid barrier "
+        raise PlanError(f"{v.name}: plan override QKV_FLOW={ov['QKV_FLOW']}: tensor parallel keeps the qkv -> attention grid barrier "
                         "(the counters have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
-        raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
+        raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
                         "unsplit (its split-K counters would share ws_count with attention's)")
     if ov.get("DOWN_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: tensor parallel keeps the gate_up -> down_proj grid "

@@ -170,6 +170,30 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
     }
 }
 
+// one head's HEAD_DIM values of a sequence's qkv row from its column `at` (b x QKV_DIM + column), lane's value j at
+// dim lane + 32 j: fp32 loads, or with QKV_FLOW 2 the words all loaded, then each polled until it carries the epoch
+// (after 2^24 polls: a trap, not a hang)
+constexpr int QV = (HEAD_DIM + 31) / 32;
+__device__ __forceinline__ void qkv_head(const float* ws_qkv, size_t at, unsigned ll_e, int lane, float (&v)[QV]) {
+    if constexpr (QKV_FLOW == 2) {
+        unsigned long long w[QV];
+#pragma unroll
+        for (int j = 0; j < QV; ++j)
+            w[j] = lane + 32 * j < HEAD_DIM ? ll_load8(ws_qkv, at + lane + 32 * j) : (unsigned long long)ll_e << 32;
+#pragma unroll
+        for (int j = 0; j < QV; ++j) {
+            for (unsigned polls = 0u; (unsigned)(w[j] >> 32) != ll_e;) {
+                if (++polls == 1u << 24) __trap();
+                w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
+            }
+            v[j] = __uint_as_float((unsigned)w[j]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < QV; ++j) v[j] = lane + 32 * j < HEAD_DIM ? ws_qkv[at + lane + 32 * j] : 0.f;
+    }
+}
+
 // attention's output element (b, k), normalised: T in X_FRAG's or row-major order, or with ATT_LL o_proj's word
 // (templates/gemv.cuh ll_store; ll_e: this launch's epoch)
 __device__ __forceinline__ void att_out(T* ws_attn, int b, int k, float v, unsigned ll_e) {
@@ -181,7 +205,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
                           T* v_cache, const unsigned char* kv_tmaps, float* ws_part, unsigned* ws_count,
                           const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, unsigned char* smem) {
-    const unsigned ll_e = ATT_LL ? ll_epoch(ws_epoch) : 0u;
+    const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
@@ -281,7 +305,6 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         const size_t head_base = ((size_t)b * KV_HEADS + kvh) * SEQ_LEN * HEAD_DIM;
         const T* kc = k_cache + head_base + (size_t)row0 * HEAD_DIM;
         const T* vc = v_cache + head_base + (size_t)row0 * HEAD_DIM;
-        const float* qkv = ws_qkv + (size_t)b * QKV_DIM;
 
         // rows before p were written by earlier launches: streamed before the queries are ready. Row p is
         // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (plain
@@ -318,8 +341,9 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         // 1. queries (and the new key/value): one warp per head; RoPE's inv_freq loaded alongside the queries (not
         // after them, inside rope). With QKV_FLOW no grid barrier separates this from qkv_proj: first this KV head's
         // q, k and v tiles must be in (one thread acquires the count, the block barrier passes it on to the block's
-        // plain loads, as the PTX memory model's causality order does through bar.sync)
-        if constexpr (QKV_FLOW) {
+        // plain loads, as the PTX memory model's causality order does through bar.sync; QKV_FLOW 2: each warp polls
+        // its head's words, qkv_head)
+        if constexpr (QKV_FLOW == 1) {
             if (tid == 0) {
                 unsigned got;
                 while (true) {
@@ -335,18 +359,28 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         for (int h = warp; h < GROUP + 2; h += NW) {
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
-                for (int d = lane; d < HEAD_DIM; d += 32) q[d] = qkv[(kvh * GROUP + h) * HEAD_DIM + d];
+                float v[QV];
+                qkv_head(ws_qkv, (size_t)b * QKV_DIM + (kvh * GROUP + h) * HEAD_DIM, ll_e, lane, v);
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) q[lane + 32 * j] = v[j];
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
                 rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
-                for (int d = lane; d < HEAD_DIM; d += 32) ks[d] = qkv[Q_DIM + kvh * HEAD_DIM + d];
+                float v[QV];
+                qkv_head(ws_qkv, (size_t)b * QKV_DIM + Q_DIM + kvh * HEAD_DIM, ll_e, lane, v);
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
                 rope(ks, p, freqs, 1.f, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
-                kv_append(v_cache + head_base, p, qkv + Q_DIM + KV_DIM + kvh * HEAD_DIM, lane);
+                float v[QV];
+                qkv_head(ws_qkv, (size_t)b * QKV_DIM + Q_DIM + KV_DIM + kvh * HEAD_DIM, ll_e, lane, v);
+                kv_append(v_cache + head_base, p, v, lane);
             }
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block

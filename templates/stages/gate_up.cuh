@@ -28,11 +28,11 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                         unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
-    // ATT_LL: o_proj's grid barrier is the first behind every attention task and every block's reads of the epoch:
-    // QKV_FLOW's counters back to zero and the epoch advanced, both for the next launch (which reads them after its
-    // wait for this one)
-    if (ATT_LL && blockIdx.x == 0) {
-        if constexpr (QKV_FLOW)
+    // ATT_LL, QKV_FLOW 2: o_proj's grid barrier is the first behind every attention task and every block's reads of
+    // the epoch: the epoch advanced (and with ATT_LL QKV_FLOW 1's counters back to zero), both for the next launch
+    // (which reads them after its wait for this one)
+    if ((ATT_LL || QKV_FLOW == 2) && blockIdx.x == 0) {
+        if constexpr (ATT_LL && QKV_FLOW == 1)
             for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
         if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(ws_epoch) += 1u;
     }

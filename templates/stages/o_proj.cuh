@@ -22,11 +22,11 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // ATT_LL: no grid barrier before this stage (the gemv polls attention's words): the block's own attention
     // tasks are done with the shared memory the partial sums reuse
     if constexpr (ATT_LL) __syncthreads();
-    // QKV_FLOW's counters back to zero for the next launch: every attention task passed its wait before the grid
+    // QKV_FLOW 1's counters back to zero for the next launch: every attention task passed its wait before the grid
     // barrier that precedes this stage (ATT_LL: none; gate_up zeroes them); DOWN_FLOW's for this launch's gate_up
     // (the last launch's down_proj is done waiting on them: this launch's wait orders that, and gate_up's first count
     // comes after o_proj's barrier)
-    constexpr bool QKV_RESET = QKV_FLOW && !ATT_LL;
+    constexpr bool QKV_RESET = QKV_FLOW == 1 && !ATT_LL;
     if ((QKV_RESET || DOWN_FLOW) && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS + ACT_CHUNKS; h += THREADS)
             if (h >= KV_HEADS || QKV_RESET) ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;

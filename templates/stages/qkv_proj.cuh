@@ -2,8 +2,9 @@
 // [q; k; v] weight (+ bias where the model has one). Raw fp32 results go to ws_qkv[b][QKV_DIM]; q/k norm and RoPE
 // happen in the attention stage, which needs whole heads.
 // QKV_FLOW: no grid barrier follows; each finished 16-row tile counts in ws_ready[its KV head], and an attention task
-// waits until its head's QKV_TILES_PER_HEAD tiles (its GROUP query heads, its k and v) are in. The k and v tiles are
-// computed first (TILE0), so whole heads are ready after the first round of tiles rather than the last.
+// waits until its head's QKV_TILES_PER_HEAD tiles (its GROUP query heads, its k and v) are in. QKV_FLOW 2: no
+// counters; each result is a 64-bit word carrying the launch's epoch (gemv.cuh ll_store8) that attention polls. The k
+// and v tiles are computed first (TILE0), so whole heads are ready after the first round of tiles rather than the last.
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
@@ -27,7 +28,8 @@ __device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv, 
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv, const T* b_qkv,
                          float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                         const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
+                         const unsigned* ws_epoch, const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
+    const unsigned ll_e = QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 || NORM_FOLD == 3 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the gain's copy
     // the gain the B fragments take: NORM_FOLD 2 from global memory (L1); 3: none (the norm applied it to the rows)
@@ -43,12 +45,13 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
 #if QKV_BIAS
             v += to_f(b_qkv[n]);
 #endif
-            ws_qkv[(size_t)b * QKV_DIM + n] = v;
+            if constexpr (QKV_FLOW == 2) ll_store8(ws_qkv, (size_t)b * QKV_DIM + n, v, ll_e);
+            else ws_qkv[(size_t)b * QKV_DIM + n] = v;
         }
     };
     const T* X = NORM_GLOBAL ? xn : xs;
     constexpr int LDX = NORM_GLOBAL ? HIDDEN : XS_LD;
-    if constexpr (QKV_FLOW)
+    if constexpr (QKV_FLOW == 1)
         gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
