@@ -1,11 +1,12 @@
-"""A/B of plan overrides on a GPU: each case's variant built with its default plan and with each override set, every
-plan checked against the fp32 reference (a wrong one is never timed), then timed as the tuner times candidates
+"""A/B of plan overrides on a GPU: each case's variant built with the plan `megakernel build` gives it (its tuned plan
+where tuning/ has one for the variant, as build picks the file; else the default plan) and with each override set
+on top of that plan, every plan checked against the fp32 reference (a wrong one is never timed), then timed as the tuner times candidates
 (bench/tune.py measure: a stack of distinct layers in a CUDA graph, the plans interleaved over rounds) at full
 context and at each row given (every sequence at that position: a served model's short context). Prints a line a
-(case, position) and writes every row (variant, where, overrides, µs a layer, % against the default, rel_err).
+(case, position) and writes every row (variant, where, overrides, µs a layer, % against the first plan, rel_err).
 
     python bench/ab.py --case NAME '{"KNOB": 1}' [--case NAME '{...}' ...] [--variants FILE ...]
-                       [--rows full,191] [--build-dir DIR] [--out FILE] [--compile-only]
+                       [--rows full,191] [--build-dir DIR] [--out FILE] [--compile-only] [--no-tuned]
 
 NAME: a decode variant declared in variants.yaml, bench/heldout.yaml or a --variants file; a case may repeat NAME
 to time several override sets against one default. --compile-only: build and print registers and spills (no GPU).
@@ -34,6 +35,7 @@ def parse(argv=None):
     ap.add_argument("--build-dir", default="build-ab", help="where the plans are built")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/ab.json, else ./ab.json]")
     ap.add_argument("--compile-only", action="store_true", help="build and print resources; no GPU")
+    ap.add_argument("--no-tuned", action="store_true", help="start from the default plans, whatever tuning/ holds")
     args = ap.parse_args(argv)
     cases: dict[str, list[dict]] = {}
     for name, text in args.case:
@@ -55,7 +57,7 @@ def parse(argv=None):
 def main(argv=None):
     args, cases, rows = parse(argv)
     from bench.tune import renamed
-    from generator import compile as gcompile, variants as gvariants
+    from generator import compile as gcompile, tune as gtune, variants as gvariants
     from generator.plan import PlanError
     from generator.render import plan as render_plan
     files = [ROOT / "variants.yaml", ROOT / "bench" / "heldout.yaml", *map(Path, args.variants)]
@@ -65,7 +67,8 @@ def main(argv=None):
             declared.update({v.name: v for v in gvariants.load(f)})
         except gvariants.VariantError as exc:
             sys.exit(f"error: {exc}")
-    plans = []  # (variant, [(built variant, overrides)]): the default first
+    tuning = None if args.no_tuned else gtune.default_tuning_file()
+    plans = []  # (variant, [(built variant, overrides)]): the plan build gives it first
     for name, ovs in cases.items():
         v = declared.get(name)
         if v is None or v.mode != "decode":
@@ -75,12 +78,17 @@ def main(argv=None):
         for r in rows:
             if r != "full" and r >= v.seq_len:
                 sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
-        for ov in ovs:
+        base, source, _, warn = gtune.resolve(v, "90", tuning)
+        if warn:
+            print(warn, file=sys.stderr)
+        sets = [base, *({**base, **ov} for ov in ovs)]
+        for ov in sets[1:]:
             try:
                 render_plan(v, overrides=ov)
             except PlanError as exc:
                 sys.exit(f"error: {exc}")
-        plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate([{}, *ovs])]))
+        print(f"{name}: from its {source} plan{f' {base}' if base else ''}", flush=True)
+        plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))
     pairs = [p for _, ps in plans for p in ps]
     res = gcompile.build([c for c, _ in pairs], args.build_dir, jobs=os.cpu_count(),
                          overrides={c.name: ov for c, ov in pairs}, replan_spills=False)
@@ -102,10 +110,10 @@ def main(argv=None):
             base = got[0]["us"]
             for g in got:
                 g.update(variant=v.name, where=r,
-                         vs_default_pct=round((g["us"] / base - 1) * 100, 2) if g["us"] and base else None)
+                         vs_base_pct=round((g["us"] / base - 1) * 100, 2) if g["us"] and base else None)
             out += got
             print(f"{v.name} @ {r}: " + "; ".join(
-                f"{g['overrides'] or 'default'} {g['us']} us ({g['vs_default_pct']:+.2f} %)" if g["us"]
+                f"{'base' if g is got[0] else g['overrides']} {g['us']} us ({g['vs_base_pct']:+.2f} %)" if g["us"]
                 else f"{g['overrides']} FAILED {g.get('error')}" for g in got), flush=True)
     path = Path(args.out or Path(os.environ.get("OUT", ".")) / "ab.json")
     path.parent.mkdir(parents=True, exist_ok=True)
