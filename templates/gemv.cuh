@@ -140,7 +140,7 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 
 // W: packed [N/16][K/16][32 lanes][8 elements]; X: BATCH rows of LDX elements (shared or global memory), or with
 // XF in fragment order (x_at); XF 2: ATT_LL's words, polled until they carry the epoch ll_e (ll_load4); 3: the same,
-// 64 ns between polls.
+// ~256 ns between polls (a poll is an L2 round trip, ~0.6 us: a short sleep would hardly thin them).
 // epi(row0, tile, gt) runs on every thread of the group once the task's sums are ready.
 // Split-K (KSPLIT > 1: a projection with fewer 16-row tiles than SMs): a tile's K range is split over KSPLIT tasks
 // on different blocks; each writes its partial sums to part [KSPLIT][N][BATCH] and counts itself in count[tile]; the
@@ -235,7 +235,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                                 uint4 w;
                                 unsigned polls = 0u;
                                 do {
-                                    if constexpr (XF == 3) __nanosleep(64);
+                                    if constexpr (XF == 3) __nanosleep(256);
                                     if (++polls == 1u << 24) __trap();
                                     w = ll_load4(X, at(u, t));
                                 } while (!ll_ready(w, ll_e));

@@ -1034,7 +1034,7 @@ def test_down_flow_matches_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_ll_hand_offs_match_the_reference(tmp_path):
     """ATT_LL (attention's output as epoch-carrying words o_proj polls, no grid barrier between them), 1 (a tight
-    poll) and 2 (64 ns between polls), and QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
+    poll) and 2 (~256 ns between polls), and QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
     with ATT_LL, at head_dim 64, 80 and 128, with a qkv bias, in fp16), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
     O_TM 2), b4 at KV 32768 (ATT_DYN 1) and b8 at KV 32768 (stream-K), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a group-12
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an

@@ -72,7 +72,7 @@ STEPS = (
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
 # stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8): no grid barrier
 # between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
-# o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, 64 ns between polls)
+# o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
