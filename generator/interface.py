@@ -33,6 +33,7 @@ class Buffer:
 
 CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places them); two global-timer ones follow
+TIMELINE_SLOTS = 16  # decode TIMELINE: a block's stamps (entry, after the launch's wait, each step's end and barrier)
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, XN_ROWS (decode: 0 unless NORM_GLOBAL), Q_ROWS
@@ -79,6 +80,9 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("status", "unsigned", lambda c: (4,), "[0]: values that overflowed the dtype (inf) since reset"),
     Buffer("hsq", "float", lambda c: (c.get("HSQ_TILES", 0), c["ROWS"]),
            "decode H_STATS: per 16-row o_proj tile and row, the sum of squares of h (the second norm's statistics)"),
+    Buffer("timeline", "long long", lambda c: (c.get("TL_BLOCKS", 0), TIMELINE_SLOTS),
+           "decode TIMELINE: per block, the global timer (ns) at its entry, after the launch's wait, then at each "
+           "step's end and after its grid barrier (0 where the step has none); bench/timeline.py reads it"),
     Buffer("epoch", "unsigned", lambda c: (1,),
            "decode ATT_LL, QKV_FLOW 2: launches so far (gate_up advances it); the LL words carry (this + 1) mod 2^16"),
 )

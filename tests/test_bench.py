@@ -1036,7 +1036,9 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
                                   ["-m", "bench.e2e", "stray"], ["bench/barrier_bench.py", "--bogus"],
                                   ["bench/draw_bench.py", "--bogus"], ["bench/ab.py"],
                                   ["bench/ab.py", "--case", "x", "{bad"], ["bench/ab.py", "--case", "x", "[1]"],
-                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "full,last"]])
+                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "full,last"],
+                                  ["bench/timeline.py"], ["bench/timeline.py", "--variant", "x", "--overrides", "[]"],
+                                  ["bench/timeline.py", "--variant", "x", "--row", "-1"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
@@ -1067,3 +1069,75 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     first, *built = r.stdout.splitlines()
     assert first == "tiny-a_decode_b1_s64_bf16: from its default plan", r.stdout  # (tuning/ has no entry for it)
     assert len(built) == 2 and all(": ok, " in x and "spills 0 / 0 B" in x for x in built), r.stdout
+
+
+def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
+    """bench/timeline.py: the TIMELINE slots' names follow templates/kernel.cu.j2's order (entry, after the wait,
+    each step's end and barrier; a repeated step numbered), the summary is µs from the earliest entry over the blocks
+    launched; an undeclared variant, a tensor-parallel one, a refused plan and a row past the cache are one `error:`
+    line, and on a machine without a GPU it says so before building anything."""
+    from bench.timeline import stamp_names, summarize
+    from conftest import cli_env
+    names = stamp_names(["norm", "qkv_proj", "attention", "o_proj", "norm", "gate_up", "down_proj"])
+    assert names[:4] == ["entry", "after wait", "norm end", "norm barrier"] and len(names) == 16
+    assert names[10:12] == ["norm (2) end", "norm (2) barrier"]
+    stamps = [[1000, 1200, 3000, 0], [1500, 1600, 5000, 0], [0, 0, 0, 0]]  # (a block not launched: zeros)
+    rows = summarize(stamps, ["entry", "after wait", "qkv_proj end", "qkv_proj barrier"])
+    assert [r["stamp"] for r in rows] == ["entry", "after wait", "qkv_proj end"]
+    assert rows[2] == {"stamp": "qkv_proj end", "min_us": 2.0, "median_us": 3.0, "max_us": 4.0, "last_block": 1,
+                       "blocks": 2}
+    tl = [sys.executable, str(ROOT / "bench" / "timeline.py"), "--build-dir", str(tmp_path / "b")]
+    cases = [(["--variant", "nope"], "error: --variant nope: no decode variant"),
+             (["--variant", "llama3-70b_decode_b8_s4096_bf16_tp2"], "of one GPU"),
+             (["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--overrides", '{"ATT_LL": 3}'], "must be 0, 1 or 2"),
+             (["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--row", "4096"], "error: --row 4096: past")]
+    cases += ([] if torch.cuda.is_available() else
+              [(["--variant", "llama3.2-1b_decode_b1_s4096_bf16"], "no CUDA GPU visible to torch")])
+    for extra, want in cases:
+        r = subprocess.run([*tl, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=cli_env())
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert want in r.stderr, r.stderr
+        assert not (tmp_path / "b").exists()
+
+
+def test_timeline_knob_stamps_only_where_asked(tmp_path):
+    """TIMELINE (decode, one GPU): its build stamps every step's end and each grid barrier that remains (none after
+    a step whose flow constant drops it), compiles without spills; the default plan's source has no stamps and no
+    buffer; tensor parallel is refused."""
+    from bench.tune import renamed
+    from generator import compile as gcompile, render
+    from generator.plan import PlanError
+    from generator import variants as gvariants
+    v = next(x for x in gvariants.load(ROOT / "variants.yaml") if x.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    on = render.plan(v, overrides={"TIMELINE": 1, "ATT_LL": 1})
+    src = render.render(v, on)
+    # entry, wait; 7 step ends; one barrier (o_proj's: NORM_LOCAL, QKV_FLOW, ATT_LL, NORM2_LOCAL, DOWN_FLOW drop
+    # the others)
+    assert src.count("tl_row[") == 2 + 7 + 1 and "tl_row[9] = " in src and "tl_row[7] = " not in src
+    assert on["workspace"]["buffers"]["timeline"]["bytes"] == 132 * 16 * 8
+    off = render.plan(v)
+    assert "tl_row" not in render.render(v, off) and off["workspace"]["buffers"]["timeline"]["bytes"] == 0
+    with pytest.raises(PlanError, match="TIMELINE=1: one GPU only"):
+        render.plan(next(x for x in gvariants.load(ROOT / "variants.yaml") if x.tp > 1), overrides={"TIMELINE": 1})
+    c = renamed(v, "tl")
+    e, = gcompile.build([c], tmp_path, overrides={c.name: {"TIMELINE": 1}}, replan_spills=False)["entries"]
+    assert e["status"] == "ok" and e["resources"]["spill_stores"] == e["resources"]["spill_loads"] == 0, e
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_timeline_reads_a_launch(tmp_path):
+    """bench/timeline.py on Llama-3.2-1B b1 at row 191: every launched block stamps its entry, the wait and each step's
+    end; per block the stamps run forward; the launch lasts between 10 and 1000 µs."""
+    from bench import timeline
+    out = tmp_path / "t.json"
+    timeline.main(["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--build-dir", str(tmp_path / "b"),
+                   "--out", str(out)])
+    d = json.loads(out.read_text())
+    per = [r for r in d["per_block_ns"] if r[0] > 0]
+    assert len(per) >= 100
+    for r in per:
+        got = [t for t in r if t > 0]
+        assert got == sorted(got) and len(got) >= 2 + 7, r
+    last = max(x["max_us"] for x in d["stamps"])
+    assert 10 < last < 1000, d["stamps"]

@@ -72,12 +72,14 @@ STEPS = (
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
 # stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8): no grid barrier
 # between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
-# o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls)
+# o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
+# TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
+# launch's wait, at each step's end and after each grid barrier (ws_timeline; bench/timeline.py)
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL"))
+            "ATT_LL", "TIMELINE"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -104,7 +106,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "DOWN_FLOW", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -691,6 +693,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-down_kt // down_step) if down_flow else 0
+    if ov.get("TIMELINE") and v.tp > 1:
+        raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
+                        "several launches a layer)")
     att_ll = ov.get("ATT_LL", 0)
     # (o_proj unsplit: its split-K counters share ws_count with attention's, which the barrier kept apart)
     if att_ll and (v.tp > 1 or not x_frag or norm_global or v.batch > 8 or gemv["o"]["KSPLIT"] > 1):
@@ -728,7 +733,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
-        "ATT_LL": att_ll,
+        "ATT_LL": att_ll, "TIMELINE": ov.get("TIMELINE", 0),
         **smem,
     }
     for prefix, key in PROJECTIONS:
@@ -750,6 +755,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
                       "HB_ROWS": v.batch if hb_copy else 0,
                       "HSQ_TILES": m.hidden // 16 if h_stats else 0,
+                      "TL_BLOCKS": sms if ov.get("TIMELINE") else 0,  # (the most blocks a launch has)
                       "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
                                                  if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}
