@@ -7,6 +7,32 @@ import sys
 HELP = {"help_option_names": ["-h", "--help"]}  # click's context settings: -h as megakernel's commands take it
 
 
+def find_decode(name: str, extra: list[str], flag: str):
+    """(variant, overrides, source) for the decode variant `name` of one GPU declared in variants.yaml,
+    bench/heldout.yaml or the `extra` variants files, with the overrides of the plan `megakernel build` gives it
+    (its tuned plan where tuning/ holds one, as build picks the file; source "default" or "tuned (<file>)"). Exits
+    with one `error:` line naming `flag` where there is no such variant or a file is bad; a tuning warning goes to
+    stderr."""
+    from pathlib import Path
+
+    from generator import tune as gtune, variants as gvariants
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "variants.yaml", root / "bench" / "heldout.yaml", *map(Path, extra)]
+    declared = {}
+    for f in files:
+        try:
+            declared.update({v.name: v for v in gvariants.load(f)})
+        except gvariants.VariantError as exc:
+            sys.exit(f"error: {exc}")
+    v = declared.get(name)
+    if v is None or v.mode != "decode" or v.tp > 1:
+        sys.exit(f"error: {flag} {name}: no decode variant of one GPU of that name in {', '.join(map(str, files))}")
+    base, source, _, warn = gtune.resolve(v, "90", gtune.default_tuning_file())
+    if warn:
+        print(warn, file=sys.stderr)
+    return v, base, source
+
+
 def run_click(command) -> None:
     """Run a click command as a script's entry: a usage error (an unknown option, a bad value) is one `error:` line
     and exit 2, as `megakernel`'s commands give it (click's own is a usage block)."""

@@ -56,31 +56,19 @@ def parse(argv=None):
 
 def main(argv=None):
     args, cases, rows = parse(argv)
+    from bench import find_decode
     from bench.tune import renamed
-    from generator import compile as gcompile, tune as gtune, variants as gvariants
+    from generator import compile as gcompile
     from generator.plan import PlanError
     from generator.render import plan as render_plan
-    files = [ROOT / "variants.yaml", ROOT / "bench" / "heldout.yaml", *map(Path, args.variants)]
-    declared = {}
-    for f in files:
-        try:
-            declared.update({v.name: v for v in gvariants.load(f)})
-        except gvariants.VariantError as exc:
-            sys.exit(f"error: {exc}")
-    tuning = None if args.no_tuned else gtune.default_tuning_file()
     plans = []  # (variant, [(built variant, overrides)]): the plan build gives it first
     for name, ovs in cases.items():
-        v = declared.get(name)
-        if v is None or v.mode != "decode":
-            sys.exit(f"error: --case {name}: no decode variant of that name in {', '.join(map(str, files))}")
-        if v.tp > 1:
-            sys.exit(f"error: --case {name}: tensor parallel (tp {v.tp}): the tuner's timing runs one GPU")
+        v, base, source = find_decode(name, args.variants, "--case")
+        if args.no_tuned:
+            base, source = {}, "default"
         for r in rows:
             if r != "full" and r >= v.seq_len:
                 sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
-        base, source, _, warn = gtune.resolve(v, "90", tuning)
-        if warn:
-            print(warn, file=sys.stderr)
         sets = [base, *({**base, **ov} for ov in ovs)]
         for ov in sets[1:]:
             try:

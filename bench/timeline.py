@@ -65,27 +65,15 @@ def main(argv=None):
         ap.error(f"--overrides {args.overrides!r}: must be a JSON object of knob: integer")
     if args.row != "full" and not args.row.isdigit():
         ap.error(f"--row {args.row}: a row number (0 or more) or full")
+    from bench import find_decode
     from bench.tune import renamed
-    from generator import compile as gcompile, tune as gtune, variants as gvariants
+    from generator import compile as gcompile
     from generator.plan import PlanError
     from generator.render import plan as render_plan
-    files = [ROOT / "variants.yaml", ROOT / "bench" / "heldout.yaml", *map(Path, args.variants)]
-    declared = {}
-    for f in files:
-        try:
-            declared.update({v.name: v for v in gvariants.load(f)})
-        except gvariants.VariantError as exc:
-            sys.exit(f"error: {exc}")
-    v = declared.get(args.variant)
-    if v is None or v.mode != "decode" or v.tp > 1:
-        sys.exit(f"error: --variant {args.variant}: no decode variant of one GPU of that name in "
-                 f"{', '.join(map(str, files))}")
+    v, base, source = find_decode(args.variant, args.variants, "--variant")
     row = v.seq_len - 1 if args.row == "full" else int(args.row)
     if row >= v.seq_len:
         sys.exit(f"error: --row {row}: past {v.name}'s cache (rows 0 .. {v.seq_len - 1})")
-    base, source, _, warn = gtune.resolve(v, "90", gtune.default_tuning_file())
-    if warn:
-        print(warn, file=sys.stderr)
     plan_ov = {**base, **ov, "TIMELINE": 1}
     try:
         render_plan(v, overrides=plan_ov)
