@@ -170,23 +170,37 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
     }
 }
 
-// one head's HEAD_DIM values of a sequence's qkv row from its column `at` (b x QKV_DIM + column), lane's value j at
-// dim lane + 32 j: fp32 loads, or with QKV_FLOW 2 the words all loaded, then each polled until it carries the epoch
-// (after 2^24 polls: a trap, not a hang)
+// Head h of a task's GQA group in its sequence's qkv row (b x QKV_DIM + column): query heads 0 .. GROUP - 1, then
+// the KV head's k (GROUP) and v (GROUP + 1).
+__device__ __forceinline__ size_t qkv_at(int b, int kvh, int h) {
+    return (size_t)b * QKV_DIM + (h < GROUP ? (kvh * GROUP + h) * HEAD_DIM
+                                            : Q_DIM + (h - GROUP) * KV_DIM + kvh * HEAD_DIM);
+}
+// One head's HEAD_DIM values of qkv at `at` (qkv_at), lane's value j at dim lane + 32 j: fp32 loads, or with
+// QKV_FLOW 2 its words, loaded by qkv_words (issued early: with the task's position) and polled by qkv_values until
+// each carries the epoch (after 2^24 polls: a trap, not a hang).
 constexpr int QV = (HEAD_DIM + 31) / 32;
-__device__ __forceinline__ void qkv_head(const float* ws_qkv, size_t at, unsigned ll_e, int lane, float (&v)[QV]) {
-    if constexpr (QKV_FLOW == 2) {
-        unsigned long long w[QV];
+struct QkvWords {
+    unsigned long long w[QKV_FLOW == 2 ? QV : 1];
+};
+__device__ __forceinline__ QkvWords qkv_words(const float* ws_qkv, size_t at, unsigned ll_e, int lane) {
+    QkvWords q;
+    if constexpr (QKV_FLOW == 2)
 #pragma unroll
         for (int j = 0; j < QV; ++j)
-            w[j] = lane + 32 * j < HEAD_DIM ? ll_load8(ws_qkv, at + lane + 32 * j) : (unsigned long long)ll_e << 32;
+            q.w[j] = lane + 32 * j < HEAD_DIM ? ll_load8(ws_qkv, at + lane + 32 * j) : (unsigned long long)ll_e << 32;
+    return q;
+}
+__device__ __forceinline__ void qkv_values(QkvWords q, const float* ws_qkv, size_t at, unsigned ll_e, int lane,
+                                           float (&v)[QV]) {
+    if constexpr (QKV_FLOW == 2) {
 #pragma unroll
         for (int j = 0; j < QV; ++j) {
-            for (unsigned polls = 0u; (unsigned)(w[j] >> 32) != ll_e;) {
+            for (unsigned polls = 0u; (unsigned)(q.w[j] >> 32) != ll_e;) {
                 if (++polls == 1u << 24) __trap();
-                w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
+                q.w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
             }
-            v[j] = __uint_as_float((unsigned)w[j]);
+            v[j] = __uint_as_float((unsigned)q.w[j]);
         }
     } else {
 #pragma unroll
@@ -286,6 +300,11 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             b = rem / KV_HEADS;
             kvh = rem % KV_HEADS;
         }
+        // QKV_FLOW 2: warp h < GROUP + 2's head words loaded now, in flight with the position's load (the ring's
+        // first tiles wait for the position; the words are polled after them)
+        QkvWords pre{};
+        if constexpr (QKV_FLOW == 2)
+            if (warp < GROUP + 2) pre = qkv_words(ws_qkv, qkv_at(b, kvh, warp), ll_e, lane);
         // (a volatile load: with QKV_FLOW no grid barrier stops the compiler hoisting it into qkv_proj, whose
         // register peak it then raises past the cap: a spill)
         int p;  // ATT_DYN: from the schedule's copy (rows - 1; -1: refused)
@@ -342,7 +361,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         // after them, inside rope). With QKV_FLOW no grid barrier separates this from qkv_proj: first this KV head's
         // q, k and v tiles must be in (one thread acquires the count, the block barrier passes it on to the block's
         // plain loads, as the PTX memory model's causality order does through bar.sync; QKV_FLOW 2: each warp polls
-        // its head's words, qkv_head)
+        // its head's words, qkv_values)
         if constexpr (QKV_FLOW == 1) {
             if (tid == 0) {
                 unsigned got;
@@ -357,10 +376,16 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         float freqs[ROPE_K];  // (after the wait: fewer registers live across it)
         rope_freqs(inv_freq, lane, freqs);
         for (int h = warp; h < GROUP + 2; h += NW) {
+            // (the head's values: QKV_FLOW 2 polls the words loaded with the position, or for a second head of
+            // this warp its own)
+            auto values = [&](float (&v)[QV]) {
+                const size_t at = qkv_at(b, kvh, h);
+                qkv_values(h == warp ? pre : qkv_words(ws_qkv, at, ll_e, lane), ws_qkv, at, ll_e, lane, v);
+            };
             if (h < GROUP) {
                 float* q = qs + h * HEAD_DIM;
                 float v[QV];
-                qkv_head(ws_qkv, (size_t)b * QKV_DIM + (kvh * GROUP + h) * HEAD_DIM, ll_e, lane, v);
+                values(v);
 #pragma unroll
                 for (int j = 0; j < QV; ++j)
                     if (lane + 32 * j < HEAD_DIM) q[lane + 32 * j] = v[j];
@@ -369,7 +394,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 rope(q, p, freqs, SCORE_SCALE, lane);
             } else if (appends && h == GROUP) {
                 float v[QV];
-                qkv_head(ws_qkv, (size_t)b * QKV_DIM + Q_DIM + kvh * HEAD_DIM, ll_e, lane, v);
+                values(v);
 #pragma unroll
                 for (int j = 0; j < QV; ++j)
                     if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
@@ -379,7 +404,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
                 float v[QV];
-                qkv_head(ws_qkv, (size_t)b * QKV_DIM + Q_DIM + KV_DIM + kvh * HEAD_DIM, ll_e, lane, v);
+                values(v);
                 kv_append(v_cache + head_base, p, v, lane);
             }
         }
