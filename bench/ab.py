@@ -70,7 +70,7 @@ def main(argv=None):
             if r != "full" and r >= v.seq_len:
                 sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
         sets = [base, *({**base, **ov} for ov in ovs)]
-        for ov in sets[1:]:
+        for ov in sets:
             try:
                 render_plan(v, overrides=ov)
             except PlanError as exc:
@@ -95,14 +95,15 @@ def main(argv=None):
         for r in rows:
             got = measure(v, [(c.name, ov) for c, ov in ps], Path(args.build_dir), 1234, 50, 5,
                           positions=None if r == "full" else [r] * v.batch)
-            base = got[0]["us"]
+            t0 = got[0]["us"]
             for g in got:
                 g.update(variant=v.name, where=r,
-                         vs_base_pct=round((g["us"] / base - 1) * 100, 2) if g["us"] and base else None)
+                         vs_base_pct=round((g["us"] / t0 - 1) * 100, 2) if g["us"] and t0 else None)
             out += got
             print(f"{v.name} @ {r}: " + "; ".join(
-                f"{'base' if g is got[0] else g['overrides']} {g['us']} us ({g['vs_base_pct']:+.2f} %)" if g["us"]
-                else f"{g['overrides']} FAILED {g.get('error')}" for g in got), flush=True)
+                (f"{'base' if g is got[0] else g['overrides']} {g['us']} us"
+                 + (f" ({g['vs_base_pct']:+.2f} %)" if g["vs_base_pct"] is not None else ""))
+                if g["us"] else f"{g['overrides'] or 'base'} FAILED {g.get('error')}" for g in got), flush=True)
     path = Path(args.out or Path(os.environ.get("OUT", ".")) / "ab.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": out}, indent=1))

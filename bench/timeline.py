@@ -35,11 +35,13 @@ def summarize(stamps, names: list[str]) -> list[dict]:
     """Rows {stamp, min_us, median_us, max_us, last_block, blocks} from a [blocks, slots] array of ns (0: not
     stamped, or a block not launched), µs from the earliest entry; slots no block stamped are left out."""
     import statistics
-    rows = [r for r in stamps if r[0] > 0]
-    t0 = min(r[0] for r in rows)
+    rows = [(b, r) for b, r in enumerate(stamps) if r[0] > 0]
+    if not rows:
+        raise ValueError("timeline: no block stamped its entry (was the TIMELINE build launched?)")
+    t0 = min(r[0] for _, r in rows)
     out = []
     for j, name in enumerate(names):
-        got = [((r[j] - t0) / 1e3, b) for b, r in enumerate(rows) if r[j] > 0]
+        got = [((r[j] - t0) / 1e3, b) for b, r in rows if r[j] > 0]
         if got:
             us = [u for u, _ in got]
             out.append({"stamp": name, "min_us": round(min(us), 2), "median_us": round(statistics.median(us), 2),

@@ -373,6 +373,10 @@ class FusedDecoderLayer:
                     and env_flag("MEGAKERNEL_PDL", True))
         if self.pdl:
             self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
+        tl = self.plan.get("sizes", {}).get("TL_BLOCKS", 0)
+        if self.plan["consts"].get("TIMELINE") and self.grid > tl:
+            raise LoadError(f"{self.name}: a TIMELINE build stamps {tl} blocks and this GPU launches {self.grid}: "
+                            "build it for this GPU's architecture")
         # the launch's argument list, written once from interface.ARGS; x, pos and out are filled in per call
         fixed = {a.name: self.packed.get(a.name) for a in ARGS if a.role == "weight"}
         fixed.update({a.name: self.workspace.data_ptr() + self._buffers[a.name[3:]]["offset"]
@@ -420,6 +424,17 @@ class FusedDecoderLayer:
             self._params.append((vals, (ctypes.c_void_p * len(vals))(*map(ctypes.addressof, vals))))
         self.id = next(_IDS)
         _LAYERS[self.id] = self
+
+    @property
+    def grid(self) -> int:
+        """Blocks a launch (one an SM as planned; tests set fewer: the kernel strides over gridDim)."""
+        return self._grid
+
+    @grid.setter
+    def grid(self, n: int) -> None:
+        self._grid = n
+        if getattr(self, "pdl", False):  # (the launch's configuration holds the grid)
+            self._config = pdl_config(n, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
 
     @property
     def STAGES(self) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import math
 
 from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split,
                     gemv_split_k, l1_bytes, plan_gemv)
+from ..interface import TIMELINE_SLOTS
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -75,6 +76,7 @@ STEPS = (
 # o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
 # TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
 # launch's wait, at each step's end and after each grid barrier (ws_timeline; bench/timeline.py)
+assert 2 + 2 * len(STEPS) <= TIMELINE_SLOTS, "TIMELINE: a block's row holds entry, wait, each step's end and barrier"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",

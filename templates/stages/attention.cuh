@@ -220,6 +220,9 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                           T* v_cache, const unsigned char* kv_tmaps, float* ws_part, unsigned* ws_count,
                           const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, unsigned char* smem) {
     const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
+    // QKV_FLOW 2: nothing between qkv_proj and this step (no barrier, no counter's block barrier): the block's own
+    // qkv epilogue may still read the shared memory this step writes
+    if constexpr (QKV_FLOW == 2) __syncthreads();
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
