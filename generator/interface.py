@@ -62,9 +62,10 @@ WORKSPACE: tuple[Buffer, ...] = (
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "
            "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
-    Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"]),
+    Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"] * (1 + bool(c.get("H_LL")))),
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
-           "with H_STATS times the second norm's gain"),
+           "with H_STATS times the second norm's gain; H_LL: each a 32-bit word, the value in its low half, the "
+           "launch's epoch in the high"),
     Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["INTER"])),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
@@ -84,7 +85,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode TIMELINE: per block, the global timer (ns) at its entry, after the launch's wait, then at each "
            "step's end and after its grid barrier (0 where the step has none); bench/timeline.py reads it"),
     Buffer("epoch", "unsigned", lambda c: (1,),
-           "decode ATT_LL, QKV_FLOW 2: launches so far (gate_up advances it); the LL words carry (this + 1) mod 2^16"),
+           "decode ATT_LL, QKV_FLOW 2, H_LL: launches so far (block 0 advances it: gate_up, or with H_LL down_proj); "
+           "the LL words carry (this + 1) mod 2^16"),
 )
 
 ARGS: tuple[Arg, ...] = (

@@ -455,6 +455,8 @@ class FusedDecoderLayer:
         consts = self.plan["consts"]
         if name == "attn" and consts.get("ATT_LL"):
             return from_ll(raw, self.plan["rows"], consts["Q_DIM"])
+        if name == "hb" and consts.get("H_LL"):
+            return from_ll(raw, self.plan["rows"], consts["HIDDEN"], frag=False)
         if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:
             return from_ll(raw, self.plan["rows"], consts["QKV_DIM"], frag=False)
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):

@@ -40,6 +40,7 @@ constexpr int NORM_GLOBAL = 0;
 constexpr int NORM_LOCAL = 1;
 constexpr int NORM2_LOCAL = 1;
 constexpr int ATT_LL = 0;
+constexpr int H_LL = 0;
 constexpr int TIMELINE = 0;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;

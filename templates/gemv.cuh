@@ -32,11 +32,18 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
 // makes no fence and sets no flag. The words sit at x_at<true>'s indices (twice its bytes). The epoch is the launch
 // count mod 2^16 (ws_epoch, advanced by gate_up's block 0 after o_proj's grid barrier, when every block has read
 // it); every word is rewritten each launch, so a stale one carries the last launch's epoch (or 0 before the first).
-__device__ __forceinline__ unsigned ll_epoch(const unsigned* ws_epoch) {  // this launch's epoch, in the high half
+__device__ __forceinline__ unsigned ll_launch(const unsigned* ws_epoch) {  // this launch's count (from 1)
     unsigned e;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(ws_epoch) : "memory");
-    return ((e + 1u) & 0xffffu) << 16;
+    return e + 1u;
 }
+__device__ __forceinline__ unsigned ll_epoch(const unsigned* ws_epoch) {  // this launch's epoch, in the high half
+    return (ll_launch(ws_epoch) & 0xffffu) << 16;
+}
+// H_LL: the second norm's input (o_proj's h rounded to T) as such words, row-major; the norm's source type
+struct LLWord {
+    unsigned w;
+};
 __device__ __forceinline__ void ll_store(T* buf, size_t i, T v, unsigned epoch) {
     const unsigned w = (unsigned)*reinterpret_cast<const unsigned short*>(&v) | epoch;
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(reinterpret_cast<unsigned*>(buf) + i), "r"(w));
@@ -51,6 +58,20 @@ __device__ __forceinline__ uint4 ll_load4(const T* buf, size_t lane_at) {
 __device__ __forceinline__ bool ll_ready(const uint4& u, unsigned epoch) {
     return ((u.x ^ epoch) | (u.y ^ epoch) | (u.z ^ epoch) | (u.w ^ epoch)) < 0x10000u;
 }
+// the four words loaded again (SLEEP ns apart) until they all carry the epoch: after 2^24 polls a trap, not a hang
+template <int SLEEP = 0>
+__device__ __forceinline__ uint4 ll_poll4(const T* buf, size_t lane_at, unsigned epoch) {
+    uint4 w;
+    unsigned polls = 0u;
+    do {
+        if constexpr (SLEEP > 0) __nanosleep(SLEEP);
+        if (++polls == 1u << 24) __trap();
+        w = ll_load4(buf, lane_at);
+    } while (!ll_ready(w, epoch));
+    return w;
+}
+// the T pairs of two words' low halves
+__device__ __forceinline__ unsigned ll_pair(unsigned lo, unsigned hi) { return __byte_perm(lo, hi, 0x5410); }
 // QKV_FLOW 2: qkv's fp32 results handed to attention the same way, as 64-bit words (the value's bits in the low
 // half, ll_epoch's epoch in the high), one relaxed 8-byte store or load each (single-copy atomic)
 __device__ __forceinline__ void ll_store8(float* buf, size_t i, float v, unsigned epoch) {
@@ -213,9 +234,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             uint2 xb[XF >= 2 ? U : 1][NTILE];
             if constexpr (XF >= 2) {
                 auto at = [&](int u, int t) { return ((size_t)(ks * KT + k0 + u * NWG) * NTILE + t) * 32 + lane; };
-                auto pack = [](const uint4& w) {  // the low halves: the T pairs
-                    return make_uint2(__byte_perm(w.x, w.y, 0x5410), __byte_perm(w.z, w.w, 0x5410));
-                };
+                auto pack = [](const uint4& w) { return make_uint2(ll_pair(w.x, w.y), ll_pair(w.z, w.w)); };
                 unsigned late = 0u;  // bit u * NTILE + t: that word set lacked this launch's epoch
 #pragma unroll
                 for (int u = 0; u < U; ++u)
@@ -231,16 +250,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                     for (int u = 0; u < U; ++u)
 #pragma unroll
                         for (int t = 0; t < NTILE; ++t)
-                            if (late >> (u * NTILE + t) & 1u) {
-                                uint4 w;
-                                unsigned polls = 0u;
-                                do {
-                                    if constexpr (XF == 3) __nanosleep(256);
-                                    if (++polls == 1u << 24) __trap();
-                                    w = ll_load4(X, at(u, t));
-                                } while (!ll_ready(w, ll_e));
-                                xb[u][t] = pack(w);
-                            }
+                            if (late >> (u * NTILE + t) & 1u)
+                                xb[u][t] = pack(ll_poll4<XF == 3 ? 256 : 0>(X, at(u, t), ll_e));
                 }
                 __syncwarp();  // (the lanes leave their polls apart; mma.sync wants them together)
             }

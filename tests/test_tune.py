@@ -165,6 +165,38 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_h_ll_drops_o_projs_barrier():
+    """H_LL (override only, not yet run on a GPU): the o_proj -> gate_up grid barrier compiled out (with ATT_LL,
+    QKV_FLOW 2 and DOWN_FLOW none is left), o_proj's T copy of h as words (twice the buffer) that decode as the kernel
+    writes them (interface.from_ll, frag False, a 16-bit dtype); refused in one line where the second norm is not
+    each block's own or would not read that copy, with tensor parallel, above batch 8 and with a split o_proj or
+    gate_up."""
+    import torch
+
+    from generator.interface import from_ll
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    off, on = render.plan(v), render.plan(v, overrides={"H_LL": 1})
+    assert on["consts"]["H_LL"] == 1 and on["grid_syncs"] == off["grid_syncs"] - 1
+    assert render.plan(v, overrides={"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2})["grid_syncs"] == 0
+    assert "if constexpr (!H_LL) grid.sync();" in render.render(v, on)
+    assert on["workspace"]["buffers"]["hb"]["bytes"] == 2 * off["workspace"]["buffers"]["hb"]["bytes"]
+    for ov, why in [({"H_STATS": 1}, "H_STATS 1"), ({"NORM_CLUSTER": 2}, "NORM_CLUSTER 2"),
+                    ({"NORM_GLOBAL": 1}, "NORM_GLOBAL 1"), ({"O_KSPLIT": 2}, "O_KSPLIT 2"),
+                    ({"GU_KSPLIT": 2}, "GU_KSPLIT 2")]:
+        with pytest.raises(PlanError, match=f"H_LL=1: needs one GPU.*{why}"):
+            render.plan(v, overrides={"H_LL": 1, **ov})
+    with pytest.raises(PlanError, match="H_LL=1: needs one GPU.*tp 2"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"H_LL": 1})
+    with pytest.raises(PlanError, match="batch 16"):
+        render.plan(dataclasses.replace(v, batch=16), overrides={"H_LL": 1, "NORM_GLOBAL": 0})
+    fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
+    with pytest.raises(PlanError, match="HB_COPY 0"):  # (fp16: the norm reads fp32 h, which may exceed fp16's range)
+        render.plan(fp16, overrides={"H_LL": 1})
+    vals = torch.randn(3, 24).to(torch.bfloat16)
+    words = (vals.view(torch.int16).to(torch.int32) & 0xFFFF) | (0x1234 << 16)
+    assert torch.equal(from_ll(words.view(-1).view(torch.bfloat16), 3, 24, frag=False), vals)
+
+
 def test_qkv_flow_2_hands_qkv_over_as_words():
     """QKV_FLOW 2 (override only, not yet run on a GPU): no barrier and no counters between qkv_proj and attention,
     qkv's results as 64-bit words carrying the launch's epoch (twice the buffer; the epoch word as ATT_LL's), which
@@ -1034,8 +1066,10 @@ def test_down_flow_matches_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_ll_hand_offs_match_the_reference(tmp_path):
     """ATT_LL (attention's output as epoch-carrying words o_proj polls, no grid barrier between them), 1 (a tight
-    poll) and 2 (~256 ns between polls), and QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
-    with ATT_LL, at head_dim 64, 80 and 128, with a qkv bias, in fp16), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
+    poll) and 2 (~256 ns between polls), QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
+    with ATT_LL, at head_dim 64, 80 and 128, with a qkv bias, in fp16) and H_LL (o_proj's h to the second norm as such
+    words; NORM_FOLD 0, 1 and 3, with and without DOWN_FLOW's counters, which then count on across launches; all three
+    together: no grid barrier at all), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
     O_TM 2), b4 at KV 32768 (ATT_DYN 1) and b8 at KV 32768 (stream-K), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a group-12
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an
     fp16 layer: against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back (the
@@ -1068,8 +1102,13 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (named["llama3.2-1b_decode_b8_s32768_bf16"], {"QKV_FLOW": 2}),
              (named["ho-hd80-mha_decode_b1_s4096_bf16"], {"QKV_FLOW": 2}),
              (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"QKV_FLOW": 2, "ATT_LL": 1}),
-             (b5, {"QKV_FLOW": 2}), (half, {"QKV_FLOW": 2, "ATT_LL": 1})]
-    ll = ("ATT_LL", "QKV_FLOW")
+             (b5, {"QKV_FLOW": 2}), (half, {"QKV_FLOW": 2, "ATT_LL": 1}),
+             (l1, {"H_LL": 1}), (l1, {"H_LL": 1, "DOWN_FLOW": 0}), (l1, {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
+             (l1, {"H_LL": 1, "ATT_LL": 1}),
+             (named["llama3.2-1b_decode_b8_s4096_bf16"], {"H_LL": 1, "ATT_LL": 2, "QKV_FLOW": 2}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1}), (b5, {"H_LL": 1, "GEMV_PF": 2}),
+             (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL")
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
     for i, (v, ov) in enumerate(cases):
         c, d = renamed(v, f"ll{i}"), renamed(v, f"lld{i}")  # (built above), and the same plan without the words

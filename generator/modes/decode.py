@@ -28,7 +28,7 @@ STEPS = (
          flow="ATT_LL"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
                    "ws_epoch, o_pre, smem)",
-         reduce="h", pre="const auto o_pre = o_proj_pre(w_o)"),
+         reduce="h", flow="H_LL", pre="const auto o_pre = o_proj_pre(w_o)"),
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
@@ -36,7 +36,8 @@ STEPS = (
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
                     "ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, down_pre, "
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, ws_epoch, "
+                      "down_pre, "
                       "smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
@@ -74,14 +75,17 @@ STEPS = (
 # stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8): no grid barrier
 # between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
 # o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
-# TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
+# H_LL (override only; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
+# NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
+# o_proj's T copy of h written as such words, which every block's norm polls; DOWN_FLOW's counters then count on
+# across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
 # launch's wait, at each step's end and after each grid barrier (ws_timeline; bench/timeline.py)
 assert 2 + 2 * len(STEPS) <= TIMELINE_SLOTS, "TIMELINE: a block's row holds entry, wait, each step's end and barrier"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "TIMELINE"))
+            "ATT_LL", "H_LL", "TIMELINE"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -108,7 +112,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_LL", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -695,6 +699,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-down_kt // down_step) if down_flow else 0
+    h_ll = ov.get("H_LL", 0)
+    # (o_proj and gate_up unsplit: their split-K counters would share ws_count, which the barrier kept apart)
+    if h_ll and (v.tp > 1 or not hb_copy or norm_global or h_stats or norm_cluster > 1
+                 or v.batch > 8 or gemv["o"]["KSPLIT"] > 1 or gemv["gate_up"]["KSPLIT"] > 1):
+        raise PlanError(f"{v.name}: plan override H_LL={h_ll}: needs one GPU, bf16 (HB_COPY), the second norm in each "
+                        f"block (no NORM_GLOBAL, H_STATS or NORM_CLUSTER), batch <= 8 and o_proj and gate_up unsplit "
+                        f"(this plan: tp {v.tp}, HB_COPY {hb_copy}, NORM_GLOBAL {norm_global}, H_STATS {h_stats}, "
+                        f"NORM_CLUSTER {norm_cluster}, batch {v.batch}, O_KSPLIT {gemv['o']['KSPLIT']}, GU_KSPLIT "
+                        f"{gemv['gate_up']['KSPLIT']})")
     if ov.get("TIMELINE") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")
@@ -735,7 +748,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
-        "ATT_LL": att_ll, "TIMELINE": ov.get("TIMELINE", 0),
+        "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0),
         **smem,
     }
     for prefix, key in PROJECTIONS:

@@ -12,6 +12,8 @@ __device__ __forceinline__ GemvPre<DOWN_U * DOWN_TM> down_proj_pre(const T* w_do
 // a poll from the one needed (lane i: chunk + i), and publishes how many in a row it saw complete in the block's
 // act_known (release); the other warps wait on act_known in shared memory (acquire), so the L2 sees one poller a
 // block, as with QKV_FLOW. `seen`: what this warp already knows, so a chunk costs a poll or a shared load once.
+// With H_LL the counters are never reset (no barrier would order a reset before gate_up's first counts): they count
+// on across launches, and a chunk is complete in launch n (act_launch) at n x its tiles (modulo 2^32).
 struct ActWait {
     const unsigned* ready;
     mutable int seen = 0;  // chunks [0, seen) known complete to this warp
@@ -39,7 +41,9 @@ struct ActWait {
                     unsigned got;
                     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got)
                                  : "l"(ready + KV_HEADS + c * ACT_STRIDE) : "memory");
-                    complete = got >= 2u * (unsigned)min(CHUNK_KT, KT - c * CHUNK_KT);  // its gate_up tiles
+                    const unsigned tiles = 2u * (unsigned)min(CHUNK_KT, KT - c * CHUNK_KT);  // its gate_up tiles
+                    if constexpr (H_LL) complete = (int)(got - act_launch * tiles) >= 0;
+                    else complete = got >= tiles;
                 }
                 const unsigned open = __ballot_sync(0xffffffffu, !complete);
                 if (!(open & 1u)) {
@@ -55,7 +59,7 @@ struct ActWait {
     }
 };
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
-                          int tp_rank, float* ws_split, unsigned* ws_count, const unsigned* ws_ready,
+                          int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch,
                           const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB, DOWN_TM>(w_down, ws_act,
@@ -68,4 +72,8 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                 out[(size_t)b * HIDDEN + n] = from_f(o);
             }
         }, NoDone{}, nullptr, &pre, ActWait{ws_ready});
+    if constexpr (H_LL) {
+        __syncthreads();  // (every warp's waits before thread 0's advance of the epoch)
+        next_launch(ws_ready, ws_epoch);
+    }
 }

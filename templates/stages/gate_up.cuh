@@ -12,6 +12,18 @@ __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, cons
 // and a down_proj warp waits for its step's chunk (down_proj.cuh); o_proj zeroes the counters for the launch.
 constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk (the last may have fewer)
 __shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
+__shared__ unsigned act_launch;  // DOWN_FLOW with H_LL: this launch's count (ll_launch), read before any count
+// The next launch's epoch (ATT_LL, QKV_FLOW 2, H_LL) and, with ATT_LL, QKV_FLOW 1's counters back to zero: by block
+// 0 once every block has read the epoch and every attention task has passed its wait — after o_proj's grid barrier
+// (gate_up's start), or with H_LL at block 0's down_proj end (with DOWN_FLOW its waits saw every gate_up tile counted,
+// so every block had read the epoch before its first count; else gate_up's barrier precedes it)
+__device__ __forceinline__ void next_launch(unsigned* ws_ready, unsigned* ws_epoch) {
+    if (blockIdx.x == 0) {
+        if constexpr (ATT_LL && QKV_FLOW == 1)
+            for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
+        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(ws_epoch) += 1u;
+    }
+}
 struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is written (released by gemv's fence)
     unsigned* ready;
     static constexpr bool active = DOWN_FLOW != 0, defer = true;  // (gemv's DEFER: the release after the next loads)
@@ -28,14 +40,11 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                         unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
-    // ATT_LL, QKV_FLOW 2: o_proj's grid barrier is the first behind every attention task and every block's reads of
-    // the epoch: the epoch advanced (and with ATT_LL QKV_FLOW 1's counters back to zero), both for the next launch
-    // (which reads them after its wait for this one)
-    if ((ATT_LL || QKV_FLOW == 2) && blockIdx.x == 0) {
-        if constexpr (ATT_LL && QKV_FLOW == 1)
-            for (int h = threadIdx.x; h < KV_HEADS; h += THREADS) ws_ready[h] = 0u;
-        if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(ws_epoch) += 1u;
-    }
+    if constexpr ((ATT_LL || QKV_FLOW == 2) && !H_LL) next_launch(ws_ready, ws_epoch);
+    // H_LL: no grid barrier before this stage (the norm polls o_proj's words): the block's own o_proj epilogue is
+    // done with the shared memory the norm writes
+    if constexpr (H_LL) __syncthreads();
+    if (DOWN_FLOW && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
     if (DOWN_FLOW && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)
@@ -46,6 +55,9 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     if constexpr (NORM_GLOBAL && H_STATS) {  // o_proj wrote xn (times the gain) and the sums of squares
         rows_rms(ws_hsq, rs, reinterpret_cast<float*>(smem + SMEM_RED));
     } else if constexpr (NORM_GLOBAL) {
+    } else if constexpr (H_LL) {
+        norm(reinterpret_cast<const LLWord*>(ws_hb), ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs,
+             rs, nullptr, ll_epoch(ws_epoch));
     } else if constexpr (HB_COPY) {
         norm<H_STATS>(ws_hb, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs, ws_hsq);
     } else {  // tensor parallel (ws_h all-reduced between launches) or fp16 (h may exceed its range): fp32 h

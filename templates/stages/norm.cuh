@@ -97,7 +97,7 @@ __device__ __forceinline__ void norm_gain_pre(const T* __restrict__ w, unsigned 
 }
 template <bool STATS = false, class S>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* dst, float* scratch,
-                     T* gs, float* rs, const float* hsq = nullptr) {
+                     T* gs, float* rs, const float* hsq = nullptr, unsigned ll_e = 0u) {
     constexpr int NCH = HIDDEN / 8, NW = THREADS / 32;
     constexpr int RB = BATCH >= NW ? NW : (BATCH <= 1 ? 1 : BATCH <= 2 ? 2 : BATCH <= 4 ? 4 : BATCH <= 8 ? 8 : 16);
     constexpr int WPR = NW / RB;  // warps per row (RB rows at a time)
@@ -120,7 +120,37 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
     constexpr bool GAIN_ROWS = NORM_FOLD == 3;  // the sums pass multiplies the rows by the gain (gs) in place
     if constexpr (NORM_FOLD == 1)  // (NORM_FOLD 3: norm_gain_pre copied it before the wait)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
-    if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
+    if constexpr (std::is_same_v<S, LLWord>) {
+        // H_LL: o_proj's words (gemv.cuh ll_store), a chunk of 8 in two 16-byte loads, G chunks' loads in flight
+        // before any is tested; a chunk not yet written is polled again (ll_poll4); its T values then go to dst
+        constexpr int G = 4;
+        const T* words = reinterpret_cast<const T*>(src);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int b = b0 + r * RB;
+            if (b < BATCH)
+                for (int c1 = c0; c1 < NCH; c1 += G * CS) {
+                    uint4 u[G][2];
+                    auto at = [&](int g, int k) { return ((size_t)b * HIDDEN + (c1 + g * CS) * 8) / 4 + k; };
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+#pragma unroll
+                        for (int k = 0; k < 2; ++k)
+                            if (c1 + g * CS < NCH) u[g][k] = ll_load4(words, at(g, k));
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH) {
+#pragma unroll
+                            for (int k = 0; k < 2; ++k)
+                                if (!ll_ready(u[g][k], ll_e)) u[g][k] = ll_poll4(words, at(g, k), ll_e);
+                            *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) =
+                                make_uint4(ll_pair(u[g][0].x, u[g][0].y), ll_pair(u[g][0].z, u[g][0].w),
+                                           ll_pair(u[g][1].x, u[g][1].y), ll_pair(u[g][1].z, u[g][1].w));
+                        }
+                }
+        }
+        if constexpr (NORM_FOLD == 1) cp_async_commit();  // (the gain's copy above)
+    } else if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
         norm_rows_multicast(src, dst);  // every row, for the whole block
         if constexpr (NORM_FOLD == 1) cp_async_commit();
     } else if constexpr (sizeof(S) == sizeof(T)) {

@@ -26,11 +26,14 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // barrier that precedes this stage (ATT_LL: none; gate_up zeroes them); DOWN_FLOW's for this launch's gate_up
     // (the last launch's down_proj is done waiting on them: this launch's wait orders that, and gate_up's first count
     // comes after o_proj's barrier)
-    constexpr bool QKV_RESET = QKV_FLOW == 1 && !ATT_LL;
-    if ((QKV_RESET || DOWN_FLOW) && blockIdx.x == 0)
+    // (H_LL: no barrier orders a reset before gate_up's first counts: DOWN_FLOW's counters count on across launches,
+    // down_proj.cuh ActWait)
+    constexpr bool QKV_RESET = QKV_FLOW == 1 && !ATT_LL, DOWN_RESET = DOWN_FLOW && !H_LL;
+    if ((QKV_RESET || DOWN_RESET) && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS + ACT_CHUNKS; h += THREADS)
-            if (h >= KV_HEADS || QKV_RESET) ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
-    const unsigned ll_e = ATT_LL ? ll_epoch(ws_epoch) : 0u;
+            if (h >= KV_HEADS ? DOWN_RESET : QKV_RESET)
+                ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
+    const unsigned ll_e = ATT_LL || H_LL ? ll_epoch(ws_epoch) : 0u;
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, ATT_LL ? 1 + ATT_LL : X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
@@ -48,6 +51,8 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                     sq[i] = f * f;
                     (NORM_GLOBAL ? ws_xn[x_at<true>(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
                         from_f(f * to_f(ln2_w[n]));
+                } else if constexpr (H_LL) {  // (the word gate_up's norm polls; ws_h above is down_proj's, ordered
+                    ll_store(ws_hb, (size_t)b * HIDDEN + n, from_f(h), ll_e);  // by gate_up's release or barrier)
                 } else if constexpr (HB_COPY) {
                     ws_hb[(size_t)b * HIDDEN + n] = from_f(h);
                 }
