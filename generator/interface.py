@@ -269,8 +269,9 @@ def from_frag(raw, rows: int, k: int):
 def from_ll(raw, rows: int, k: int, frag: bool = True):
     """A buffer of decode's LL words (templates/gemv.cuh: each value in the low half of a word whose high half is the
     launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL (ll_store: 32-bit words at from_frag's
-    indices; raw viewed as the 16-bit dtype), or with frag False qkv's under QKV_FLOW 2 (ll_store8: 64-bit words,
-    row-major; raw viewed as float32). Little-endian: a word's value comes first."""
+    indices; raw viewed as the 16-bit dtype), or with frag False o_proj's T copy of h under H_LL (ll_store, row-major;
+    the 16-bit dtype) or qkv's under QKV_FLOW 2 (ll_store8: 64-bit words, row-major; raw viewed as float32).
+    Little-endian: a word's value comes first."""
     vals = raw.reshape(-1)[0::2]
     return from_frag(vals, rows, k) if frag else vals[:rows * k].view(rows, k)
 

@@ -321,9 +321,11 @@ class FusedDecoderLayer:
         self._buffers = self.plan["workspace"]["buffers"]
         nbytes = self.plan["workspace"]["bytes"]
         if share_workspace is not None:  # layers of one variant launched one after another need one scratch: the
-            # kernel leaves it as it found it (counters back at zero)
+            # kernel leaves it as the next launch of the same plan needs it (counters back at zero, or with the LL
+            # hand-offs the epoch and counters one launch on)
             other = share_workspace
-            if not isinstance(other, FusedDecoderLayer) or other.name != self.name or other.device != self.device:
+            if not isinstance(other, FusedDecoderLayer) or other.name != self.name or other.device != self.device \
+                    or other.plan["consts"] != self.plan["consts"]:
                 raise ValueError(f"share_workspace: another layer of {self.name} on {self.device}, got "
                                  f"{getattr(other, 'name', type(other).__name__)}")
             self.workspace = other.workspace
@@ -373,6 +375,10 @@ class FusedDecoderLayer:
                     and env_flag("MEGAKERNEL_PDL", True))
         if self.pdl:
             self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
+        c = self.plan["consts"]
+        if c.get("H_LL") and c.get("DOWN_FLOW") and self.grid > 2 * c["INTER"] // 16 // c["GU_TM"]:
+            raise LoadError(f"{self.name}: H_LL with DOWN_FLOW needs a gate_up task in every block (the epoch's advance "
+                            f"relies on it): {2 * c['INTER'] // 16 // c['GU_TM']} tasks, {self.grid} blocks on this GPU")
         tl = self.plan.get("sizes", {}).get("TL_BLOCKS", 0)
         if self.plan["consts"].get("TIMELINE") and self.grid > tl:
             raise LoadError(f"{self.name}: a TIMELINE build stamps {tl} blocks and this GPU launches {self.grid}: "

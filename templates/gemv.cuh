@@ -30,8 +30,8 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
 // half, written by one relaxed store; o_proj's lanes poll the words themselves (a 32-bit access is single-copy
 // atomic, a vector load's elements each: a word with this launch's epoch holds this launch's value), so the writer
 // makes no fence and sets no flag. The words sit at x_at<true>'s indices (twice its bytes). The epoch is the launch
-// count mod 2^16 (ws_epoch, advanced by gate_up's block 0 after o_proj's grid barrier, when every block has read
-// it); every word is rewritten each launch, so a stale one carries the last launch's epoch (or 0 before the first).
+// count mod 2^16 (ws_epoch, advanced by block 0 once every block has read it: gate_up.cuh next_launch); every word
+// is rewritten each launch, so a stale one carries the last launch's epoch (or 0 before the first).
 __device__ __forceinline__ unsigned ll_launch(const unsigned* ws_epoch) {  // this launch's count (from 1)
     unsigned e;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(ws_epoch) : "memory");

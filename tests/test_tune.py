@@ -192,6 +192,10 @@ def test_h_ll_drops_o_projs_barrier():
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
     with pytest.raises(PlanError, match="HB_COPY 0"):  # (fp16: the norm reads fp32 h, which may exceed fp16's range)
         render.plan(fp16, overrides={"H_LL": 1})
+    small = _decode_layer("hll", 1, 256, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 3072")
+    with pytest.raises(PlanError, match="H_LL=1 with DOWN_FLOW: needs a gate_up task in every block.*96 tasks"):
+        render.plan(small, overrides={"H_LL": 1, "DOWN_FLOW": 1, "GU_TM": 4})
+    assert render.plan(small, overrides={"H_LL": 1, "DOWN_FLOW": 0, "GU_TM": 4})["consts"]["H_LL"] == 1
     vals = torch.randn(3, 24).to(torch.bfloat16)
     words = (vals.view(torch.int16).to(torch.int32) & 0xFFFF) | (0x1234 << 16)
     assert torch.equal(from_ll(words.view(-1).view(torch.bfloat16), 3, 24, frag=False), vals)
@@ -1107,7 +1111,9 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (l1, {"H_LL": 1, "ATT_LL": 1}),
              (named["llama3.2-1b_decode_b8_s4096_bf16"], {"H_LL": 1, "ATT_LL": 2, "QKV_FLOW": 2}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1}), (b5, {"H_LL": 1, "GEMV_PF": 2}),
-             (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2})]
+             (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1, "DOWN_FLOW": 1}),  # (a partial last chunk)
+             (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8})]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL")
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
     for i, (v, ov) in enumerate(cases):
@@ -1150,6 +1156,13 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
         x, pos = verify.random_inputs(layer, 22)
         r = verify.check_step(layer, x, pos, weights=W)
         assert verify.passed(r, v.model.dtype), (c.name, ov, r["rel_err"], r["first_bad_stage"])
+        k = layer.plan["consts"]
+        if k["H_LL"] and k["DOWN_FLOW"]:  # the chunks' counters count on: launches so far x each chunk's tiles
+            launches = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
+            kt, step = k["INTER"] // 16, k["DOWN_NWG"] * k["DOWN_U"]
+            got = layer.buffer("ready")[k["KV_HEADS"]::k["ACT_STRIDE"]][:k["ACT_CHUNKS"]].tolist()
+            assert [g & 0xFFFFFFFF for g in got] == [launches * 2 * min(step, kt - ch * step) & 0xFFFFFFFF
+                                                     for ch in range(k["ACT_CHUNKS"])], (c.name, launches, got)
         del layer, base, twin
         torch.cuda.synchronize()
 

@@ -708,6 +708,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"(this plan: tp {v.tp}, HB_COPY {hb_copy}, NORM_GLOBAL {norm_global}, H_STATS {h_stats}, "
                         f"NORM_CLUSTER {norm_cluster}, batch {v.batch}, O_KSPLIT {gemv['o']['KSPLIT']}, GU_KSPLIT "
                         f"{gemv['gate_up']['KSPLIT']})")
+    gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
+    if h_ll and down_flow and gu_tasks < sms:
+        raise PlanError(f"{v.name}: plan override H_LL={h_ll} with DOWN_FLOW: needs a gate_up task in every block (the "
+                        f"epoch's advance at block 0's down_proj end relies on every block's count): {gu_tasks} tasks "
+                        f"(GU_TM {gemv['gate_up']['TM']}) on {sms} SMs; DOWN_FLOW=0 keeps gate_up's barrier")
     if ov.get("TIMELINE") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")

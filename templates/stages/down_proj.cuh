@@ -35,7 +35,8 @@ struct ActWait {
                 return;
             }
             const int lane = threadIdx.x, c = chunk + lane;
-            while (true) {
+            for (unsigned polls = 0u;; ++polls) {
+                if (H_LL && polls == 1u << 24) __trap();  // (H_LL: counts and epoch out of step: a trap, not a hang)
                 bool complete = true;
                 if (c < ACT_CHUNKS) {
                     unsigned got;

@@ -9,7 +9,8 @@ __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, cons
 }
 // DOWN_FLOW: no grid barrier follows; each finished 16-row tile (8 columns of act) counts in its chunk's counter,
 // ws_ready[KV_HEADS + chunk x ACT_STRIDE], a chunk being the act k-tiles of one down_proj step (DOWN_NWG x DOWN_U),
-// and a down_proj warp waits for its step's chunk (down_proj.cuh); o_proj zeroes the counters for the launch.
+// and a down_proj warp waits for its step's chunk (down_proj.cuh); o_proj zeroes the counters for the launch (H_LL:
+// they count on across launches).
 constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk (the last may have fewer)
 __shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
 __shared__ unsigned act_launch;  // DOWN_FLOW with H_LL: this launch's count (ll_launch), read before any count
