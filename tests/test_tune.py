@@ -1113,7 +1113,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1}), (b5, {"H_LL": 1, "GEMV_PF": 2}),
              (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1, "DOWN_FLOW": 1}),  # (a partial last chunk)
-             (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8})]
+             (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8}), (l1, {"H_LL": 2, "ATT_LL": 2, "QKV_FLOW": 2})]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL")
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
     for i, (v, ov) in enumerate(cases):

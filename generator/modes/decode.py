@@ -77,8 +77,8 @@ STEPS = (
 # o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
 # H_LL (override only; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
 # NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
-# o_proj's T copy of h written as such words, which every block's norm polls; DOWN_FLOW's counters then count on
-# across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
+# o_proj's T copy of h written as such words, which every block's norm polls (2: ~256 ns between polls); DOWN_FLOW's
+# counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
 # launch's wait, at each step's end and after each grid barrier (ws_timeline; bench/timeline.py)
 assert 2 + 2 * len(STEPS) <= TIMELINE_SLOTS, "TIMELINE: a block's row holds entry, wait, each step's end and barrier"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
@@ -112,12 +112,12 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_LL", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k in ("ATT_LL", "QKV_FLOW") and val not in (0, 1, 2):
+        if k in ("ATT_LL", "QKV_FLOW", "H_LL") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")

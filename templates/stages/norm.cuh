@@ -122,7 +122,8 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (std::is_same_v<S, LLWord>) {
         // H_LL: o_proj's words (gemv.cuh ll_store), a chunk of 8 in two 16-byte loads, G chunks' loads in flight
-        // before any is tested; a chunk not yet written is polled again (ll_poll4); its T values then go to dst
+        // before any is tested; a chunk not yet written is polled again (ll_poll4; H_LL 2: ~256 ns apart, every
+        // block polls the same few KB while o_proj's last tiles write them); its T values then go to dst
         constexpr int G = 4;
         const T* words = reinterpret_cast<const T*>(src);
 #pragma unroll
@@ -142,7 +143,8 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
                         if (c1 + g * CS < NCH) {
 #pragma unroll
                             for (int k = 0; k < 2; ++k)
-                                if (!ll_ready(u[g][k], ll_e)) u[g][k] = ll_poll4(words, at(g, k), ll_e);
+                                if (!ll_ready(u[g][k], ll_e))
+                                    u[g][k] = ll_poll4<H_LL == 2 ? 256 : 0>(words, at(g, k), ll_e);
                             *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) =
                                 make_uint4(ll_pair(u[g][0].x, u[g][0].y), ll_pair(u[g][0].z, u[g][0].w),
                                            ll_pair(u[g][1].x, u[g][1].y), ll_pair(u[g][1].z, u[g][1].w));
