@@ -120,42 +120,37 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
     constexpr bool GAIN_ROWS = NORM_FOLD == 3;  // the sums pass multiplies the rows by the gain (gs) in place
     if constexpr (NORM_FOLD == 1)  // (NORM_FOLD 3: norm_gain_pre copied it before the wait)
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
-    // a src through registers (fp32, H_LL's words): G chunks a thread loaded before it stores any (fp32: the stores
-    // may alias src for nvcc; the words: all in flight before the first is tested); body(b, c1) for this thread's
-    // rows and its groups of chunks c1, c1 + CS, ..
-    constexpr int G = 4;
-    auto groups = [&](auto body) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int b = b0 + r * RB;
-            if (b < BATCH)
-                for (int c1 = c0; c1 < NCH; c1 += G * CS) body(b, c1);
-        }
-    };
     if constexpr (std::is_same_v<S, LLWord>) {
         // H_LL: o_proj's words (gemv.cuh ll_store), a chunk of 8 in two 16-byte loads, G chunks' loads in flight
         // before any is tested; a chunk not yet written is polled again (ll_poll4; H_LL 2: ~256 ns apart, every
         // block polls the same few KB while o_proj's last tiles write them); its T values then go to dst
+        constexpr int G = 4;
         const T* words = reinterpret_cast<const T*>(src);
-        groups([&](int b, int c1) {
-            uint4 u[G][2];
-            auto at = [&](int g, int k) { return ((size_t)b * HIDDEN + (c1 + g * CS) * 8) / 4 + k; };
 #pragma unroll
-            for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) {
+            const int b = b0 + r * RB;
+            if (b < BATCH)
+                for (int c1 = c0; c1 < NCH; c1 += G * CS) {
+                    uint4 u[G][2];
+                    auto at = [&](int g, int k) { return ((size_t)b * HIDDEN + (c1 + g * CS) * 8) / 4 + k; };
 #pragma unroll
-                for (int k = 0; k < 2; ++k)
-                    if (c1 + g * CS < NCH) u[g][k] = ll_load4(words, at(g, k));
+                    for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int g = 0; g < G; ++g)
-                if (c1 + g * CS < NCH) {
+                        for (int k = 0; k < 2; ++k)
+                            if (c1 + g * CS < NCH) u[g][k] = ll_load4(words, at(g, k));
 #pragma unroll
-                    for (int k = 0; k < 2; ++k)
-                        if (!ll_ready(u[g][k], ll_e)) u[g][k] = ll_poll4<H_LL == 2 ? 256 : 0>(words, at(g, k), ll_e);
-                    *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) =
-                        make_uint4(ll_pair(u[g][0].x, u[g][0].y), ll_pair(u[g][0].z, u[g][0].w),
-                                   ll_pair(u[g][1].x, u[g][1].y), ll_pair(u[g][1].z, u[g][1].w));
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH) {
+#pragma unroll
+                            for (int k = 0; k < 2; ++k)
+                                if (!ll_ready(u[g][k], ll_e))
+                                    u[g][k] = ll_poll4<H_LL == 2 ? 256 : 0>(words, at(g, k), ll_e);
+                            *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) =
+                                make_uint4(ll_pair(u[g][0].x, u[g][0].y), ll_pair(u[g][0].z, u[g][0].w),
+                                           ll_pair(u[g][1].x, u[g][1].y), ll_pair(u[g][1].z, u[g][1].w));
+                        }
                 }
-        });
+        }
         if constexpr (NORM_FOLD == 1) cp_async_commit();  // (the gain's copy above)
     } else if constexpr (sizeof(S) == sizeof(T) && NORM_CLUSTER > 1) {
         norm_rows_multicast(src, dst);  // every row, for the whole block
@@ -170,16 +165,22 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
             cp_async_commit();  // one group a row (empty past BATCH: the count stays R)
         }
     } else {
-        groups([&](int b, int c1) {
-            float f[G][8];
+        constexpr int G = 4;  // chunks a thread loads before it stores any (the stores may alias src for nvcc)
 #pragma unroll
-            for (int g = 0; g < G; ++g)
-                if (c1 + g * CS < NCH) load8(src + ((size_t)b * HIDDEN + (c1 + g * CS) * 8), f[g]);
+        for (int r = 0; r < R; ++r) {
+            const int b = b0 + r * RB;
+            if (b < BATCH)
+                for (int c1 = c0; c1 < NCH; c1 += G * CS) {
+                    float f[G][8];
 #pragma unroll
-            for (int g = 0; g < G; ++g)
-                if (c1 + g * CS < NCH)
-                    *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) = pack8(f[g]);
-        });
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH) load8(src + ((size_t)b * HIDDEN + (c1 + g * CS) * 8), f[g]);
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH)
+                            *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) = pack8(f[g]);
+                }
+        }
         if constexpr (NORM_FOLD == 1) cp_async_commit();
     }
     if constexpr (GAIN_ROWS) {  // the gain's chunks (norm_gain_pre) before the sums pass reads them: one row at a
