@@ -58,7 +58,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
            "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
            "gate_up)"),
-    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL")))),
+    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),
+                                   _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL")))),
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "
            "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),

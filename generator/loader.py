@@ -375,14 +375,13 @@ class FusedDecoderLayer:
                     and env_flag("MEGAKERNEL_PDL", True))
         if self.pdl:
             self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
-        c = self.plan["consts"]
-        if c.get("H_LL") and c.get("DOWN_FLOW") and self.grid > 2 * c["INTER"] // 16 // c["GU_TM"]:
+        sizes = self.plan.get("sizes", {})
+        if 0 < sizes.get("LL_BLOCKS", 0) < self.grid:
             raise LoadError(f"{self.name}: H_LL with DOWN_FLOW needs a gate_up task in every block (the epoch's advance "
-                            f"relies on it): {2 * c['INTER'] // 16 // c['GU_TM']} tasks, {self.grid} blocks on this GPU")
-        tl = self.plan.get("sizes", {}).get("TL_BLOCKS", 0)
-        if self.plan["consts"].get("TIMELINE") and self.grid > tl:
-            raise LoadError(f"{self.name}: a TIMELINE build stamps {tl} blocks and this GPU launches {self.grid}: "
-                            "build it for this GPU's architecture")
+                            f"relies on it): {sizes['LL_BLOCKS']} tasks, {self.grid} blocks on this GPU")
+        if 0 < sizes.get("TL_BLOCKS", 0) < self.grid:
+            raise LoadError(f"{self.name}: a TIMELINE build stamps {sizes['TL_BLOCKS']} blocks and this GPU launches "
+                            f"{self.grid}: build it for this GPU's architecture")
         # the launch's argument list, written once from interface.ARGS; x, pos and out are filled in per call
         fixed = {a.name: self.packed.get(a.name) for a in ARGS if a.role == "weight"}
         fixed.update({a.name: self.workspace.data_ptr() + self._buffers[a.name[3:]]["offset"]

@@ -113,7 +113,8 @@ def render(v: Variant, p: dict | None = None) -> str:
     p = p or plan(v)
     mode = MODES[p["mode"]]
     top = _env().get_template("kernel.cu.j2").render(mode=mode, kernels=p["kernels"], params=interface.c_params(),
-                                                     clock_slots=interface.CLOCK_SLOTS, timeline_slots=interface.TIMELINE_SLOTS,
+                                                     clock_slots=interface.CLOCK_SLOTS,
+                                                     timeline_slots=interface.TIMELINE_SLOTS,
                                                      **_config_vars(v, p))
     # the config is already at the top: the example configs are never pasted in
     return _inline(top, TEMPLATES, {(TEMPLATES / file).resolve() for _, file in EXAMPLES.values()})

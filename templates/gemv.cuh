@@ -76,11 +76,13 @@ __device__ __forceinline__ unsigned ll_pair(unsigned lo, unsigned hi) { return _
 // half, ll_epoch's epoch in the high), one relaxed 8-byte store or load each (single-copy atomic)
 __device__ __forceinline__ void ll_store8(float* buf, size_t i, float v, unsigned epoch) {
     const unsigned long long w = (unsigned long long)epoch << 32 | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(reinterpret_cast<unsigned long long*>(buf) + i), "l"(w));
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;"
+                 :: "l"(reinterpret_cast<unsigned long long*>(buf) + i), "l"(w));
 }
 __device__ __forceinline__ unsigned long long ll_load8(const float* buf, size_t i) {
     unsigned long long w;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(reinterpret_cast<const unsigned long long*>(buf) + i));
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];"
+                 : "=l"(w) : "l"(reinterpret_cast<const unsigned long long*>(buf) + i));
     return w;
 }
 

@@ -1078,8 +1078,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an
     fp16 layer: against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back (the
     epoch advancing with no host work between) track the reference; then six launches each bit-equal to the default
-    plan's (the same plan but for ATT_LL and QKV_FLOW) on the same inputs and caches, one with a refused position (its row NaN in
-    both: no launch waits for a word nobody writes), one on a third of the grid (attention tasks in several rounds;
+    plan's (the same plan but for ATT_LL, QKV_FLOW and H_LL) on the same inputs and caches, one with a
+    refused position (its row NaN in both: no launch waits for a word nobody writes), one on a third of the grid (attention tasks in several rounds;
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
     last checked step. (A word never written would trap after 2^24 polls, not hang.)"""
     import torch

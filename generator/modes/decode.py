@@ -36,9 +36,8 @@ STEPS = (
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
                     "ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, ws_epoch, "
-                      "down_pre, "
-                      "smem)",
+    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, "
+                      "ws_epoch, down_pre, smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
 
@@ -78,8 +77,9 @@ STEPS = (
 # H_LL (override only; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
 # NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
 # o_proj's T copy of h written as such words, which every block's norm polls (2: ~256 ns between polls); DOWN_FLOW's
-# counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0 stamps the global timer at its entry, after the
-# launch's wait, at each step's end and after each grid barrier (ws_timeline; bench/timeline.py)
+# counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0
+# stamps the global timer at its entry, after the launch's wait, at each step's end and after each grid barrier
+# (ws_timeline; bench/timeline.py)
 assert 2 + 2 * len(STEPS) <= TIMELINE_SLOTS, "TIMELINE: a block's row holds entry, wait, each step's end and barrier"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
@@ -330,11 +330,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE={ov['ATT_COMBINE']}: not with tensor parallel (the "
                         "split-parallel combines have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override QKV_FLOW={ov['QKV_FLOW']}: tensor parallel keeps the qkv -> attention grid barrier "
-                        "(the counters have not run on 2 GPUs)")
+        raise PlanError(f"{v.name}: plan override QKV_FLOW={ov['QKV_FLOW']}: tensor parallel keeps the qkv -> attention "
+                        "grid barrier (the counters have not run on 2 GPUs)")
     if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
-        raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow needs qkv "
-                        "unsplit (its split-K counters would share ws_count with attention's)")
+        raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow "
+                        "needs qkv unsplit (its split-K counters would share ws_count with attention's)")
     if ov.get("DOWN_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: tensor parallel keeps the gate_up -> down_proj grid "
                         "barrier (the counters have not run on 2 GPUs)")
@@ -776,6 +776,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                       "HB_ROWS": v.batch if hb_copy else 0,
                       "HSQ_TILES": m.hidden // 16 if h_stats else 0,
                       "TL_BLOCKS": sms if ov.get("TIMELINE") else 0,  # (the most blocks a launch has)
+                      # H_LL with DOWN_FLOW: the most blocks the epoch's argument allows (one gate_up task each)
+                      "LL_BLOCKS": gu_tasks if h_ll and down_flow else 0,
                       "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
                                                  if g["KSPLIT"] > 1])},
             "overrides": dict(sorted(ov.items()))}
