@@ -33,6 +33,25 @@ def find_decode(name: str, extra: list[str], flag: str):
     return v, base, source
 
 
+def build_plans(pairs: list, build_dir: str) -> list[dict]:
+    """Compile [(variant, overrides)] into `build_dir` (generator.compile.build, in parallel, no re-plan of spills:
+    the plans as given); returns the build's entries. Exits with one `error:` line where `build_dir` is not a
+    directory or no usable nvcc is found (generator.toolchain)."""
+    import os
+    from pathlib import Path
+
+    from generator import compile as gcompile
+    from generator.toolchain import ToolchainError, find_nvcc
+    if Path(build_dir).exists() and not Path(build_dir).is_dir():
+        sys.exit(f"error: --build-dir {build_dir}: exists and is not a directory")
+    try:
+        find_nvcc()
+    except ToolchainError as exc:
+        sys.exit(f"error: {exc}")
+    return gcompile.build([c for c, _ in pairs], build_dir, jobs=os.cpu_count(),
+                          overrides={c.name: ov for c, ov in pairs}, replan_spills=False)["entries"]
+
+
 def run_click(command) -> None:
     """Run a click command as a script's entry: a usage error (an unknown option, a bad value) is one `error:` line
     and exit 2, as `megakernel`'s commands give it (click's own is a usage block)."""

@@ -31,8 +31,9 @@ def parse(argv=None):
     ap.add_argument("--case", nargs=2, action="append", metavar=("NAME", "JSON"), required=True,
                     help="a decode variant and a JSON object of plan overrides (repeatable)")
     ap.add_argument("--variants", action="append", default=[], help="more variants files (repeatable)")
-    ap.add_argument("--rows", default="full,191", help="where to time: full and/or row numbers, comma-separated")
-    ap.add_argument("--build-dir", default="build-ab", help="where the plans are built")
+    ap.add_argument("--rows", default="full,191",
+                    help="where to time: full and/or row numbers, comma-separated [full,191]")
+    ap.add_argument("--build-dir", default="build-ab", help="where the plans are built [build-ab]")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/ab.json, else ./ab.json]")
     ap.add_argument("--compile-only", action="store_true", help="build and print resources; no GPU")
     ap.add_argument("--no-tuned", action="store_true", help="start from the default plans, whatever tuning/ holds")
@@ -48,7 +49,7 @@ def parse(argv=None):
         cases.setdefault(name, []).append(ov)
     rows = []
     for r in args.rows.split(","):
-        if r != "full" and not r.isdigit():
+        if r != "full" and not (r.isascii() and r.isdigit()):
             ap.error(f"--rows {args.rows}: each must be 'full' or a row number (0 or more)")
         rows.append(r if r == "full" else int(r))
     return args, cases, rows
@@ -56,9 +57,8 @@ def parse(argv=None):
 
 def main(argv=None):
     args, cases, rows = parse(argv)
-    from bench import find_decode
+    from bench import build_plans, find_decode
     from bench.tune import renamed
-    from generator import compile as gcompile
     from generator.plan import PlanError
     from generator.render import plan as render_plan
     plans = []  # (variant, [(built variant, overrides)]): the plan build gives it first
@@ -77,18 +77,18 @@ def main(argv=None):
                 sys.exit(f"error: {exc}")
         print(f"{name}: from its {source} plan{f' {base}' if base else ''}", flush=True)
         plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))
-    pairs = [p for _, ps in plans for p in ps]
-    res = gcompile.build([c for c, _ in pairs], args.build_dir, jobs=os.cpu_count(),
-                         overrides={c.name: ov for c, ov in pairs}, replan_spills=False)
-    for e in res["entries"]:
+    if not args.compile_only:
+        import torch
+        if not torch.cuda.is_available():  # (before compiling anything)
+            sys.exit("error: bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
+    entries = build_plans([p for _, ps in plans for p in ps], args.build_dir)
+    for e in entries:
         r = e.get("resources") or {}
         print(f"{e['name']}: {e['status']}, {r.get('registers')} registers, spills {r.get('spill_stores')} / "
               f"{r.get('spill_loads')} B" + (f": {e['error'].splitlines()[0]}" if e.get("error") else ""), flush=True)
-    if args.compile_only or any(e["status"] != "ok" for e in res["entries"]):
+    if args.compile_only or any(e["status"] != "ok" for e in entries):
         sys.exit(0 if args.compile_only else 1)
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("error: bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
     from bench.tune import measure
     out = []
     for v, ps in plans:

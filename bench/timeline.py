@@ -54,9 +54,9 @@ def main(argv=None):
     ap = ScriptParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", required=True, help="a decode variant (variants.yaml, bench/heldout.yaml, --variants)")
     ap.add_argument("--overrides", default="{}", help="JSON object of plan overrides on top of its plan")
-    ap.add_argument("--row", default="191", help="every sequence's position (a row number), or full")
+    ap.add_argument("--row", default="191", help="every sequence's position (a row number), or full [191]")
     ap.add_argument("--variants", action="append", default=[], help="more variants files (repeatable)")
-    ap.add_argument("--build-dir", default="build-timeline", help="where the stamped plan is built")
+    ap.add_argument("--build-dir", default="build-timeline", help="where the stamped plan is built [build-timeline]")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/timeline.json, else ./timeline.json]")
     args = ap.parse_args(argv)
     try:
@@ -65,11 +65,10 @@ def main(argv=None):
         ap.error(f"--overrides {args.overrides!r}: not JSON ({exc.msg})")
     if not isinstance(ov, dict) or not all(isinstance(k, str) and type(x) is int for k, x in ov.items()):
         ap.error(f"--overrides {args.overrides!r}: must be a JSON object of knob: integer")
-    if args.row != "full" and not args.row.isdigit():
+    if args.row != "full" and not (args.row.isascii() and args.row.isdigit()):
         ap.error(f"--row {args.row}: a row number (0 or more) or full")
-    from bench import find_decode
+    from bench import build_plans, find_decode
     from bench.tune import renamed
-    from generator import compile as gcompile
     from generator.plan import PlanError
     from generator.render import plan as render_plan
     v, base, source = find_decode(args.variant, args.variants, "--variant")
@@ -85,8 +84,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("error: bench/timeline.py runs the layer: no CUDA GPU visible to torch")
     c = renamed(v, "tl")
-    res = gcompile.build([c], args.build_dir, jobs=os.cpu_count(), overrides={c.name: plan_ov}, replan_spills=False)
-    e, = res["entries"]
+    e, = build_plans([(c, plan_ov)], args.build_dir)
     if e["status"] != "ok":
         sys.exit(f"error: {c.name}: {e['status']}: {(e.get('error') or '').splitlines()[:1]}")
     from bench.measure import n_layers_for

@@ -1038,7 +1038,9 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
                                   ["bench/ab.py", "--case", "x", "{bad"], ["bench/ab.py", "--case", "x", "[1]"],
                                   ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "full,last"],
                                   ["bench/timeline.py"], ["bench/timeline.py", "--variant", "x", "--overrides", "[]"],
-                                  ["bench/timeline.py", "--variant", "x", "--row", "-1"]])
+                                  ["bench/timeline.py", "--variant", "x", "--row", "-1"],
+                                  ["bench/timeline.py", "--variant", "x", "--row", "\u00b2"],
+                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "\u00b2"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
@@ -1055,10 +1057,19 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     from conftest import cli_env
     ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
     one = "llama3.2-1b_decode_b1_s4096_bf16"
-    for extra, want in [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no decode variant"),
-                        (["--case", one, '{"ATT_LL": 3}'], "must be 0, 1 or 2"),
-                        (["--case", one, '{"ATT_LL": 1}', "--rows", "4096"], "error: --rows 4096: past")]:
-        r = subprocess.run([*ab, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=cli_env())
+    (tmp_path / "afile").write_text("")
+    cases = [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no decode variant", {}),
+             (["--case", one, '{"ATT_LL": 3}'], "must be 0, 1 or 2", {}),
+             (["--case", one, '{"ATT_LL": 1}', "--rows", "4096"], "error: --rows 4096: past", {}),
+             (["--case", one, '{"ATT_LL": 1}', "--compile-only", "--build-dir", str(tmp_path / "afile")],
+              "exists and is not a directory", {}),
+             (["--case", one, '{"ATT_LL": 1}', "--compile-only"], "is not an executable file",
+              {"NVCC": str(tmp_path / "no-nvcc")})]
+    if not torch.cuda.is_available():  # (no GPU: said before anything is compiled)
+        cases.append((["--case", one, '{"ATT_LL": 1}'], "no CUDA GPU visible to torch", {}))
+    for extra, want, env in cases:
+        r = subprocess.run([*ab, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={**cli_env(), **env})
         assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert want in r.stderr, r.stderr
         assert not (tmp_path / "b").exists()
