@@ -58,17 +58,17 @@ __device__ __forceinline__ uint4 ll_load4(const T* buf, size_t lane_at) {
 __device__ __forceinline__ bool ll_ready(const uint4& u, unsigned epoch) {
     return ((u.x ^ epoch) | (u.y ^ epoch) | (u.z ^ epoch) | (u.w ^ epoch)) < 0x10000u;
 }
-// the four words loaded again (SLEEP ns apart) until they all carry the epoch: after 2^24 polls a trap, not a hang
-template <int SLEEP = 0>
-__device__ __forceinline__ uint4 ll_poll4(const T* buf, size_t lane_at, unsigned epoch) {
-    uint4 w;
-    unsigned polls = 0u;
-    do {
+// Polls word sets until every one carries the epoch: `late` names those that lacked it when first loaded, and
+// reload(m) loads again each set named in m, all together (SLEEP ns after the last poll), then returns the bits of
+// those still without it. One L2 round trip a poll however many are late (a set polled at a time costs one each:
+// ~2 us of o_proj's wait at Llama-3.2-1B b1, where a lane's 8 k-tiles come from 8 heads; bench/NOTES.md session
+// 43). After 2^24 polls a trap, not a hang.
+template <int SLEEP = 0, class Reload>
+__device__ __forceinline__ void ll_poll(unsigned late, Reload reload) {
+    for (unsigned polls = 0u; late; late = reload(late)) {
         if constexpr (SLEEP > 0) __nanosleep(SLEEP);
         if (++polls == 1u << 24) __trap();
-        w = ll_load4(buf, lane_at);
-    } while (!ll_ready(w, epoch));
-    return w;
+    }
 }
 // the T pairs of two words' low halves
 __device__ __forceinline__ unsigned ll_pair(unsigned lo, unsigned hi) { return __byte_perm(lo, hi, 0x5410); }
@@ -230,31 +230,42 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
             if constexpr (Wait::active)
                 if (k0 < KT) wait(k0 / (NWG * U));
-            // XF >= 2: the step's words all loaded, each packed into its B fragment at once (two registers held, not
-            // four) and its epoch tested; a word not yet written is polled again (after 2^24 polls: a trap, not a
-            // hang). Rows past BATCH are never written: zeros. The step's weights are already in flight.
+            // XF >= 2: the step's words all loaded, each packed into its B fragment and its epoch tested; those not yet
+            // written are polled again, together (ll_poll). The step's weights are already in flight.
             uint2 xb[XF >= 2 ? U : 1][NTILE];
             if constexpr (XF >= 2) {
                 auto at = [&](int u, int t) { return ((size_t)(ks * KT + k0 + u * NWG) * NTILE + t) * 32 + lane; };
-                auto pack = [](const uint4& w) { return make_uint2(ll_pair(w.x, w.y), ll_pair(w.z, w.w)); };
-                unsigned late = 0u;  // bit u * NTILE + t: that word set lacked this launch's epoch
+                // bit u * NTILE + t: a word set of the step; rows past BATCH and k-tiles past KT are never written
+                // (their words: zeros with the epoch)
+                uint4 w[U][NTILE];
+                unsigned sets = 0u;
 #pragma unroll
                 for (int u = 0; u < U; ++u)
 #pragma unroll
                     for (int t = 0; t < NTILE; ++t) {
-                        const bool in = k0 + u * NWG < KT && t * 8 + gid < BATCH;
-                        const uint4 w = in ? ll_load4(X, at(u, t)) : make_uint4(ll_e, ll_e, ll_e, ll_e);
-                        xb[u][t] = pack(w);
-                        late |= (unsigned)!ll_ready(w, ll_e) << (u * NTILE + t);
+                        w[u][t] = make_uint4(ll_e, ll_e, ll_e, ll_e);
+                        if (k0 + u * NWG < KT && t * 8 + gid < BATCH) sets |= 1u << (u * NTILE + t);
                     }
-                if (late) {
+                auto reload = [&](unsigned m) {  // the named sets loaded, then tested
 #pragma unroll
                     for (int u = 0; u < U; ++u)
 #pragma unroll
                         for (int t = 0; t < NTILE; ++t)
-                            if (late >> (u * NTILE + t) & 1u)
-                                xb[u][t] = pack(ll_poll4<XF == 3 ? 256 : 0>(X, at(u, t), ll_e));
-                }
+                            if (m >> (u * NTILE + t) & 1u) w[u][t] = ll_load4(X, at(u, t));
+                    unsigned late = 0u;
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+#pragma unroll
+                        for (int t = 0; t < NTILE; ++t)
+                            late |= (unsigned)(m >> (u * NTILE + t) & 1u && !ll_ready(w[u][t], ll_e)) << (u * NTILE + t);
+                    return late;
+                };
+                ll_poll<XF == 3 ? 256 : 0>(reload(sets), reload);
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int t = 0; t < NTILE; ++t)
+                        xb[u][t] = make_uint2(ll_pair(w[u][t].x, w[u][t].y), ll_pair(w[u][t].z, w[u][t].w));
                 __syncwarp();  // (the lanes leave their polls apart; mma.sync wants them together)
             }
 #pragma unroll

@@ -178,7 +178,7 @@ __device__ __forceinline__ size_t qkv_at(int b, int kvh, int h) {
 }
 // One head's HEAD_DIM values of qkv at `at` (qkv_at), lane's value j at dim lane + 32 j: fp32 loads, or with
 // QKV_FLOW 2 its words, loaded by qkv_words (issued early: with the task's position) and polled by qkv_values until
-// each carries the epoch (after 2^24 polls: a trap, not a hang).
+// each carries the epoch (ll_poll: after 2^24 polls a trap, not a hang).
 constexpr int QV = (HEAD_DIM + 31) / 32;
 struct QkvWords {
     unsigned long long w[QKV_FLOW == 2 ? QV : 1];
@@ -194,14 +194,20 @@ __device__ __forceinline__ QkvWords qkv_words(const float* ws_qkv, size_t at, un
 __device__ __forceinline__ void qkv_values(QkvWords q, const float* ws_qkv, size_t at, unsigned ll_e, int lane,
                                            float (&v)[QV]) {
     if constexpr (QKV_FLOW == 2) {
+        auto late = [&](unsigned m) {  // bit j: q.w[j] named in m and without the epoch
+            unsigned l = 0u;
 #pragma unroll
-        for (int j = 0; j < QV; ++j) {
-            for (unsigned polls = 0u; (unsigned)(q.w[j] >> 32) != ll_e;) {
-                if (++polls == 1u << 24) __trap();
-                q.w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
-            }
-            v[j] = __uint_as_float((unsigned)q.w[j]);
-        }
+            for (int j = 0; j < QV; ++j) l |= (unsigned)(m >> j & 1u && (unsigned)(q.w[j] >> 32) != ll_e) << j;
+            return l;
+        };
+        ll_poll(late((1u << QV) - 1u), [&](unsigned m) {
+#pragma unroll
+            for (int j = 0; j < QV; ++j)
+                if (m >> j & 1u) q.w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
+            return late(m);
+        });
+#pragma unroll
+        for (int j = 0; j < QV; ++j) v[j] = __uint_as_float((unsigned)q.w[j]);
     } else {
 #pragma unroll
         for (int j = 0; j < QV; ++j) v[j] = lane + 32 * j < HEAD_DIM ? ws_qkv[at + lane + 32 * j] : 0.f;

@@ -122,8 +122,8 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
         for (int i = tid; i < NCH; i += THREADS) cp_async16(gs + i * 8, w + i * 8, true);
     if constexpr (std::is_same_v<S, LLWord>) {
         // H_LL: o_proj's words (gemv.cuh ll_store), a chunk of 8 in two 16-byte loads, G chunks' loads in flight
-        // before any is tested; a chunk not yet written is polled again (ll_poll4; H_LL 2: ~256 ns apart, every
-        // block polls the same few KB while o_proj's last tiles write them); its T values then go to dst
+        // before any is tested; those not yet written are polled again, together (ll_poll; H_LL 2: ~256 ns apart,
+        // every block polls the same few KB while o_proj's last tiles write them); their T values then go to dst
         constexpr int G = 4;
         const T* words = reinterpret_cast<const T*>(src);
 #pragma unroll
@@ -133,22 +133,27 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
                 for (int c1 = c0; c1 < NCH; c1 += G * CS) {
                     uint4 u[G][2];
                     auto at = [&](int g, int k) { return ((size_t)b * HIDDEN + (c1 + g * CS) * 8) / 4 + k; };
+                    unsigned sets = 0u;  // bit 2 g + k: chunk g's k-th load
 #pragma unroll
                     for (int g = 0; g < G; ++g)
+                        if (c1 + g * CS < NCH) sets |= 3u << (2 * g);
+                    auto reload = [&](unsigned m) {  // the named loads, then their tests
 #pragma unroll
-                        for (int k = 0; k < 2; ++k)
-                            if (c1 + g * CS < NCH) u[g][k] = ll_load4(words, at(g, k));
+                        for (int i = 0; i < 2 * G; ++i)
+                            if (m >> i & 1u) u[i / 2][i % 2] = ll_load4(words, at(i / 2, i % 2));
+                        unsigned late = 0u;
+#pragma unroll
+                        for (int i = 0; i < 2 * G; ++i)
+                            late |= (unsigned)(m >> i & 1u && !ll_ready(u[i / 2][i % 2], ll_e)) << i;
+                        return late;
+                    };
+                    ll_poll<H_LL == 2 ? 256 : 0>(reload(sets), reload);
 #pragma unroll
                     for (int g = 0; g < G; ++g)
-                        if (c1 + g * CS < NCH) {
-#pragma unroll
-                            for (int k = 0; k < 2; ++k)
-                                if (!ll_ready(u[g][k], ll_e))
-                                    u[g][k] = ll_poll4<H_LL == 2 ? 256 : 0>(words, at(g, k), ll_e);
+                        if (c1 + g * CS < NCH)
                             *reinterpret_cast<uint4*>(dst + (size_t)b * XS_LD + (c1 + g * CS) * 8) =
                                 make_uint4(ll_pair(u[g][0].x, u[g][0].y), ll_pair(u[g][0].z, u[g][0].w),
                                            ll_pair(u[g][1].x, u[g][1].y), ll_pair(u[g][1].z, u[g][1].w));
-                        }
                 }
         }
         if constexpr (NORM_FOLD == 1) cp_async_commit();  // (the gain's copy above)
