@@ -75,17 +75,21 @@ def main(argv=None):
                 render_plan(v, overrides=ov)
             except PlanError as exc:
                 sys.exit(f"error: {exc}")
-        print(f"{name}: from its {source} plan{f' {base}' if base else ''}", flush=True)
+        # (as `megakernel render` says it: a tuning entry with no overrides is the default plan)
+        knobs = f" {base}" if base else ": the default (the tuner found nothing faster)" if source != "default" else ""
+        print(f"{name}: from its {source} plan{knobs}", flush=True)
         plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))
     if not args.compile_only:
         import torch
         if not torch.cuda.is_available():  # (before compiling anything)
             sys.exit("error: bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
     entries = build_plans([p for _, ps in plans for p in ps], args.build_dir)
+    overrides = {c.name: ov for _, ps in plans for c, ov in ps}
     for e in entries:
         r = e.get("resources") or {}
-        print(f"{e['name']}: {e['status']}, {r.get('registers')} registers, spills {r.get('spill_stores')} / "
-              f"{r.get('spill_loads')} B" + (f": {e['error'].splitlines()[0]}" if e.get("error") else ""), flush=True)
+        print(f"{e['name']} {overrides.get(e['name'], {})}: {e['status']}, {r.get('registers')} registers, spills "
+              f"{r.get('spill_stores')} / {r.get('spill_loads')} B"
+              + (f": {e['error'].splitlines()[0]}" if e.get("error") else ""), flush=True)
     if args.compile_only or any(e["status"] != "ok" for e in entries):
         sys.exit(0 if args.compile_only else 1)
     import torch

@@ -92,6 +92,14 @@ ATT_STAGES_RANGE = (2, 3)
 ATT_WARPS_MAX = 8  # the planner's most attention walker warps (an override may take up to all 16)
 
 
+def _needs(name: str, knob: str, val: int, needs: list[tuple[bool, str]]) -> None:
+    """Refuses the override knob=val in one line naming each requirement (ok, what) that the plan fails, not the
+    whole list. Raises PlanError."""
+    failed = [what for ok, what in needs if not ok]
+    if failed:
+        raise PlanError(f"{name}: plan override {knob}={val} needs {'; '.join(failed)}")
+
+
 def _check_overrides(name: str, ov: dict) -> dict:
     """The overrides as ints, or PlanError naming the first bad knob (unknown, not an int, out of range)."""
     out = {}
@@ -597,10 +605,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
-    if norm_global and (pinned or v.tp > 1):
-        raise PlanError(f"{v.name}: plan override NORM_GLOBAL=1: the rows are normalised in global memory, so one "
-                        f"GPU (not run on 2) and no NORM_FOLD or NORM_CLUSTER (this plan: tp {v.tp}, "
-                        f"overrides {_fmt(ov)})")
+    if norm_global:  # (the rows normalised in global memory)
+        _needs(v.name, "NORM_GLOBAL", norm_global, [
+            (v.tp == 1, f"one GPU (not run on {v.tp})"), (not ov.get("NORM_FOLD"), f"no NORM_FOLD (this plan: {ov.get('NORM_FOLD')})"),
+            (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})")])
     smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
     if norm_global:
         folds = [0]
@@ -701,13 +709,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     act_chunks = -(-down_kt // down_step) if down_flow else 0
     h_ll = ov.get("H_LL", 0)
     # (o_proj and gate_up unsplit: their split-K counters would share ws_count, which the barrier kept apart)
-    if h_ll and (v.tp > 1 or not hb_copy or norm_global or h_stats or norm_cluster > 1
-                 or v.batch > 8 or gemv["o"]["KSPLIT"] > 1 or gemv["gate_up"]["KSPLIT"] > 1):
-        raise PlanError(f"{v.name}: plan override H_LL={h_ll}: needs one GPU, bf16 (HB_COPY), the second norm in each "
-                        f"block (no NORM_GLOBAL, H_STATS or NORM_CLUSTER), batch <= 8 and o_proj and gate_up unsplit "
-                        f"(this plan: tp {v.tp}, HB_COPY {hb_copy}, NORM_GLOBAL {norm_global}, H_STATS {h_stats}, "
-                        f"NORM_CLUSTER {norm_cluster}, batch {v.batch}, O_KSPLIT {gemv['o']['KSPLIT']}, GU_KSPLIT "
-                        f"{gemv['gate_up']['KSPLIT']})")
+    if h_ll:
+        _needs(v.name, "H_LL", h_ll, [
+            (v.tp == 1, f"one GPU (tp {v.tp})"), (hb_copy, "bf16's HB_COPY 1 (this plan: 0)"),
+            (not norm_global, "NORM_GLOBAL 0 (the second norm in each block)"), (not h_stats, "H_STATS 0"),
+            (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})"), (v.batch <= 8, f"batch <= 8 ({v.batch})"),
+            (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})"),
+            (gemv["gate_up"]["KSPLIT"] == 1, f"GU_KSPLIT 1 (this plan: {gemv['gate_up']['KSPLIT']})")])
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     if h_ll and down_flow and gu_tasks < sms:
         raise PlanError(f"{v.name}: plan override H_LL={h_ll} with DOWN_FLOW: needs a gate_up task in every block (the "
@@ -718,10 +726,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         "several launches a layer)")
     att_ll = ov.get("ATT_LL", 0)
     # (o_proj unsplit: its split-K counters share ws_count with attention's, which the barrier kept apart)
-    if att_ll and (v.tp > 1 or not x_frag or norm_global or v.batch > 8 or gemv["o"]["KSPLIT"] > 1):
-        raise PlanError(f"{v.name}: plan override ATT_LL={att_ll}: needs one GPU, X_FRAG 1, no NORM_GLOBAL, batch <= 8 "
-                        f"and o_proj unsplit (this plan: tp {v.tp}, X_FRAG {x_frag}, NORM_GLOBAL {norm_global}, batch "
-                        f"{v.batch}, O_KSPLIT {gemv['o']['KSPLIT']})")
+    if att_ll:
+        _needs(v.name, "ATT_LL", att_ll, [
+            (v.tp == 1, f"one GPU (tp {v.tp})"), (x_frag, "X_FRAG 1"), (not norm_global, "NORM_GLOBAL 0"),
+            (v.batch <= 8, f"batch <= 8 ({v.batch})"),
+            (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})")])
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
