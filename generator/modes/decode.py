@@ -541,8 +541,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
     def attention_layout(qsmem: int) -> int:  # the attention stage's offsets into smem; its bytes
-        smem["SMEM_QS"] = 0  # the queries, the new key and the new value, fp32 ([GROUP + 2][HEAD_DIM])
-        smem["SMEM_QP"] = align((m.group + 2) * m.head_dim * 4)
+        smem["SMEM_QS"] = 0
+        smem["SMEM_QP"] = align((m.group + 1) * m.head_dim * 4)
         smem["SMEM_PT"] = smem["SMEM_QP"] + (align(math.ceil(m.group / 8) * m.head_dim * 16) if qsmem else 0)
         # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
         smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),

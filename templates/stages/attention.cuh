@@ -240,7 +240,6 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     constexpr int PL = 24;                    // P^T row length (elements): 16 keys + pad, conflict-free reads
     float* qs = reinterpret_cast<float*>(smem + SMEM_QS);     // [GROUP][HEAD_DIM] prepared queries
     float* ks = qs + GROUP * HEAD_DIM;                         // [HEAD_DIM] new key
-    float* vs = ks + HEAD_DIM;                                 // [HEAD_DIM] new value
     float* wst = reinterpret_cast<float*>(smem + SMEM_WST);   // [ATT_WARPS][GROUP][WS] warp states (aliases ring)
     int* flag = reinterpret_cast<int*>(smem + SMEM_FLAG);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
@@ -336,8 +335,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         const T* vc = v_cache + head_base + (size_t)row0 * HEAD_DIM;
 
         // rows before p were written by earlier launches: streamed before the queries are ready. Row p is
-        // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (from
-        // the new key and value in shared memory) after the block barrier; so are rows past n (ATT_TMA: V's zeroed after the copy, K's scores masked)
+        // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (plain
+        // loads) after the block barrier; so are rows past n (ATT_TMA: V's zeroed after the copy, K's scores masked)
         auto issue = [&](int t0, int stage) {
             if (walker && t0 < n) {
                 T* dst = ring + stage * 2 * TILE;
@@ -415,13 +414,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             } else if (appends) {
                 float v[QV];
                 values(v);
-#pragma unroll
-                for (int j = 0; j < QV; ++j)
-                    if (lane + 32 * j < HEAD_DIM) vs[lane + 32 * j] = v[j];
                 kv_append(v_cache + head_base, p, v, lane);
             }
         }
-        __syncthreads();  // queries, new key and new value ready for the whole block
+        __syncthreads();  // queries ready; the appended row visible to the whole block
 
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
@@ -473,16 +469,13 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 }
                 if (t0 <= p - row0 && p - row0 < t0 + 16) {   // this tile holds the appended row: patch it in
                     const int r = p - row0 - t0;                  // (each chunk by the lane that zero-filled it)
-                    // from the fp32 key and value in shared memory, rounded as kv_append rounds them: the bits it
-                    // wrote to the cache, without a load from L2 on the walk's last tile (session 43)
                     for (int c = lane; c < 16 * CH; c += 32) {
                         if (c / CH != r) continue;
                         const int off = (c % CH) * 8;
-                        float f[8];
-                        load8(ks + off, f);
-                        st16(att_at(kt, r, off), pack8(f));
-                        load8(vs + off, f);
-                        st16(att_at(vt, r, off), pack8(f));
+                        st16(att_at(kt, r, off),
+                             *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off));
+                        st16(att_at(vt, r, off),
+                             *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off));
                     }
                 }
                 // (ATT_TMA: the stores above, and this tile's reads below, ordered before the next tensor copy into
