@@ -235,8 +235,9 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             uint2 xb[XF >= 2 ? U : 1][NTILE];
             if constexpr (XF >= 2) {
                 auto at = [&](int u, int t) { return ((size_t)(ks * KT + k0 + u * NWG) * NTILE + t) * 32 + lane; };
-                // bit u * NTILE + t: a word set of the step; rows past BATCH and k-tiles past KT are never written
-                // (their words: zeros with the epoch)
+                // bit u * NTILE + t: a word set of the step, its raw words held until every set is in (packing as
+                // they arrive would hold the packed and the in-flight registers together: spills at head_dim 128);
+                // rows past BATCH and k-tiles past KT are never written (their words: zeros with the epoch)
                 uint4 w[U][NTILE];
                 unsigned sets = 0u;
 #pragma unroll
@@ -256,8 +257,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
 #pragma unroll
                     for (int u = 0; u < U; ++u)
 #pragma unroll
-                        for (int t = 0; t < NTILE; ++t)
-                            late |= (unsigned)(m >> (u * NTILE + t) & 1u && !ll_ready(w[u][t], ll_e)) << (u * NTILE + t);
+                        for (int t = 0; t < NTILE; ++t) {
+                            const int i = u * NTILE + t;
+                            late |= (unsigned)(m >> i & 1u && !ll_ready(w[u][t], ll_e)) << i;
+                        }
                     return late;
                 };
                 ll_poll<XF == 3 ? 256 : 0>(reload(sets), reload);

@@ -607,7 +607,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global:  # (the rows normalised in global memory)
         _needs(v.name, "NORM_GLOBAL", norm_global, [
-            (v.tp == 1, f"one GPU (not run on {v.tp})"), (not ov.get("NORM_FOLD"), f"no NORM_FOLD (this plan: {ov.get('NORM_FOLD')})"),
+            (v.tp == 1, f"one GPU (not run on {v.tp})"),
+            (not ov.get("NORM_FOLD"), f"no NORM_FOLD (this plan: {ov.get('NORM_FOLD')})"),
             (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})")])
     smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
     if norm_global:
@@ -713,7 +714,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         _needs(v.name, "H_LL", h_ll, [
             (v.tp == 1, f"one GPU (tp {v.tp})"), (hb_copy, "bf16's HB_COPY 1 (this plan: 0)"),
             (not norm_global, "NORM_GLOBAL 0 (the second norm in each block)"), (not h_stats, "H_STATS 0"),
-            (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})"), (v.batch <= 8, f"batch <= 8 ({v.batch})"),
+            (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})"),
+            (v.batch <= 8, f"batch <= 8 ({v.batch})"),
             (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})"),
             (gemv["gate_up"]["KSPLIT"] == 1, f"GU_KSPLIT 1 (this plan: {gemv['gate_up']['KSPLIT']})")])
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
