@@ -2,8 +2,9 @@
 where tuning/ has one for the variant, as build picks the file; else the default plan) and with each override set
 on top of that plan, every plan checked against the fp32 reference (a wrong one is never timed), then timed as the tuner times candidates
 (bench/tune.py measure: a stack of distinct layers in a CUDA graph, the plans interleaved over rounds) at full
-context and at each row given (every sequence at that position: a served model's short context). Prints a line a
-(case, position) and writes every row (variant, where, overrides, µs a layer, % against the first plan, rel_err).
+context, at each row given (every sequence at that position: a served model's short context) and at `mix` (gpu_check's
+serving mix: sequence b at (b + 1) / batch of the cache, bench.measure.mixed_positions). Prints a line a (case,
+position) and writes every row (variant, where, overrides, µs a layer, % against the first plan, rel_err).
 
     python bench/ab.py --case NAME '{"KNOB": 1}' [--case NAME '{...}' ...] [--variants FILE ...]
                        [--rows full,191] [--build-dir DIR] [--out FILE] [--compile-only] [--no-tuned]
@@ -24,7 +25,7 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from thi
 
 
 def parse(argv=None):
-    """The arguments, checked: (args, cases {variant: [overrides, ...]}, rows ["full" | int]). Exits 2 with one
+    """The arguments, checked: (args, cases {variant: [overrides, ...]}, rows ["full" | "mix" | int]). Exits 2 with one
     `error:` line on a bad one."""
     from bench import ScriptParser
     ap = ScriptParser(description=__doc__.split("\n\n")[0])
@@ -32,7 +33,7 @@ def parse(argv=None):
                     help="a decode variant and a JSON object of plan overrides (repeatable)")
     ap.add_argument("--variants", action="append", default=[], help="more variants files (repeatable)")
     ap.add_argument("--rows", default="full,191",
-                    help="where to time: full and/or row numbers, comma-separated [full,191]")
+                    help="where to time: full, mix and/or row numbers, comma-separated [full,191]")
     ap.add_argument("--build-dir", default="build-ab", help="where the plans are built [build-ab]")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/ab.json, else ./ab.json]")
     ap.add_argument("--compile-only", action="store_true", help="build and print resources; no GPU")
@@ -49,9 +50,9 @@ def parse(argv=None):
         cases.setdefault(name, []).append(ov)
     rows = []
     for r in args.rows.split(","):
-        if r != "full" and not (r.isascii() and r.isdigit()):
-            ap.error(f"--rows {args.rows}: each must be 'full' or a row number (0 or more)")
-        rows.append(r if r == "full" else int(r))
+        if r not in ("full", "mix") and not (r.isascii() and r.isdigit()):
+            ap.error(f"--rows {args.rows}: each must be 'full', 'mix' or a row number (0 or more)")
+        rows.append(r if r in ("full", "mix") else int(r))
     return args, cases, rows
 
 
@@ -67,7 +68,7 @@ def main(argv=None):
         if args.no_tuned:
             base, source = {}, "default"
         for r in rows:
-            if r != "full" and r >= v.seq_len:
+            if isinstance(r, int) and r >= v.seq_len:
                 sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
         sets = [base, *({**base, **ov} for ov in ovs)]
         for ov in sets:
@@ -93,12 +94,14 @@ def main(argv=None):
     if args.compile_only or any(e["status"] != "ok" for e in entries):
         sys.exit(0 if args.compile_only else 1)
     import torch
+    from bench.measure import mixed_positions
     from bench.tune import measure
     out = []
     for v, ps in plans:
         for r in rows:
             got = measure(v, [(c.name, ov) for c, ov in ps], Path(args.build_dir), 1234, 50, 5,
-                          positions=None if r == "full" else [r] * v.batch)
+                          positions=None if r == "full" else mixed_positions(v.batch, v.seq_len) if r == "mix"
+                          else [r] * v.batch)
             t0 = got[0]["us"]
             for g in got:
                 g.update(variant=v.name, where=r,

@@ -1080,6 +1080,9 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     first, *built = r.stdout.splitlines()
     assert first == "tiny-a_decode_b1_s64_bf16: from its default plan", r.stdout  # (tuning/ has no entry for it)
     assert len(built) == 2 and all(": ok, " in x and "spills 0 / 0 B" in x for x in built), r.stdout
+    assert " {}: ok" in built[0] and " {'QKV_FLOW': 0}: ok" in built[1], r.stdout  # (each plan's overrides)
+    from bench.ab import parse
+    assert parse(["--case", one, '{"ATT_LL": 1}', "--rows", "full,mix,191"])[2] == ["full", "mix", 191]
 
 
 def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
