@@ -805,18 +805,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                                         default_cache_len=max(2, max(len(s) for s in seqs) + max_new_tokens - 1))
             model.use_graphs = model.use_graphs and not no_graph
 
-            streamed, shown = [], [""]  # one sequence: its text so far, printed as it grows
+            stream = TextStream(tok, lambda text: echo(text, nl=False))  # one sequence: printed as it grows
 
             def show(b, t):
                 if len(seqs) == 1:
-                    streamed.append(t)
-                    if tok is None:
-                        echo(f"{t} ", nl=False)
-                    else:  # the whole text decoded again: a token alone loses its leading space (SentencePiece)
-                        text = tok.decode(streamed)  # or is half of a character that spans tokens
-                        if not text.endswith("\ufffd") and text.startswith(shown[0]):
-                            echo(text[len(shown[0]):], nl=False)
-                            shown[0] = text
+                    stream.add(t)
                     sys.stdout.flush()
             out = model.generate(seqs, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop_tokens=stop_ids, callback=show)
@@ -826,8 +819,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                                   ("--top-k", True), ("--top-p", True), ("--seed", True), ("--device", True)) if val}
         fail(_as_options(str(exc), "--ids" if tok is None else "--prompt", given))
     if len(seqs) == 1:
-        if tok is not None and (final := tok.decode(streamed)).startswith(shown[0]):
-            echo(final[len(shown[0]):], nl=False)  # what a partial character held back
+        stream.flush()
         echo()  # ends the streamed line
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
@@ -835,7 +827,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
-            echo(f"[{b}] " + (tok.decode(new) if tok else " ".join(map(str, new))))
+            # (as one sequence streams them: without the clean-up of spaces, TextStream)
+            echo(f"[{b}] " + (tok.decode(new, clean_up_tokenization_spaces=False) if tok else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
     info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
          f"{out.ttft_s * 1e3:.1f} ms, " + (f"decode {out.tokens_per_s:,.1f} tokens/s "
@@ -867,6 +860,39 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     per = f" (per {unit}, tensor parallel over {group.size()})" if group is not None else ""
     info(f"memory{per}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items() if v),
          markup=False, highlight=False, soft_wrap=True)
+
+
+class TextStream:
+    """One sequence's new tokens printed as they come, through `write(text)`: token ids with a space after each
+    where there is no tokenizer; else the whole text decoded again at each token (a token alone loses its leading
+    space in SentencePiece, or is half of a character spanning tokens: held back while the text ends in U+FFFD) and
+    what was not yet printed written. Decoded without the tokenizer's clean-up of spaces (Llama-3's tokenizers set
+    `clean_up_tokenization_spaces`), which may rewrite text already printed (" ' " to "'") so that nothing after it
+    would print; so the streamed text is the tokens' own, as transformers' TextStreamer prints it with that option
+    off."""
+
+    def __init__(self, tok, write):
+        self.tok, self.write, self.ids, self.shown = tok, write, [], ""
+
+    def _text(self) -> str:
+        return self.tok.decode(self.ids, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> None:
+        """Prints what token id `token` adds to the text (or what it lets through that an earlier one held back)."""
+        self.ids.append(token)
+        if self.tok is None:
+            self.write(f"{token} ")
+            return
+        text = self._text()
+        if not text.endswith("\ufffd") and text.startswith(self.shown):
+            self.write(text[len(self.shown):])
+            self.shown = text
+
+    def flush(self) -> None:
+        """Prints what a partial character at the end held back."""
+        if self.tok is not None and (text := self._text()).startswith(self.shown):
+            self.write(text[len(self.shown):])
+            self.shown = text
 
 
 def sampling_asked(model_dir) -> str:

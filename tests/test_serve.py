@@ -939,3 +939,30 @@ def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
     far = [w for w in caught if "outside the vocabulary" in str(w.message)]
     assert len(far) == 1 and re.search(r"eos_token_id 100000, -1: outside the vocabulary \(\d+ tokens\)",
                                        str(far[0].message))
+
+
+def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_up():
+    """generate's one-sequence stream (cli.TextStream): what the clean-up of spaces would rewrite in text already
+    printed (Llama-3's tokenizers: " ' " to "'") must not stop the rest printing (it did: the text cut off, exit 0);
+    a character split over tokens is held back until whole; without a tokenizer, ids and spaces."""
+    from generator.cli import TextStream
+
+    class Tok:  # a byte-level tokenizer whose clean-up joins " '" as transformers' clean_up_tokenization does
+        pieces = {1: b"'", 2: b" ", 3: b"n", 4: b"\xc3", 5: b"\xa9"}
+
+        def decode(self, ids, clean_up_tokenization_spaces=True):
+            text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+            return text.replace(" '", "'") if clean_up_tokenization_spaces else text
+
+    out = []
+    s = TextStream(Tok(), out.append)
+    for t in (1, 2, 1, 3, 3, 4, 5, 3):
+        s.add(t)
+    s.flush()
+    assert "".join(out) == "' 'nn\u00e9n" and all("\ufffd" not in x for x in out), out
+    ids = []
+    s = TextStream(None, ids.append)
+    for t in (7, 8):
+        s.add(t)
+    s.flush()
+    assert ids == ["7 ", "8 "]
