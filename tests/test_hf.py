@@ -205,6 +205,20 @@ def test_defaults_and_names(tmp_path):
     assert hf.model_entry(write_config(tmp_path, "q3", q3))[1]["head_dim"] == 128
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_kv_heads_absent_or_null_read_as_transformers_reads_them(tmp_path, model_type):
+    """No num_key_value_heads in config.json: the config class's default (Mistral 8, Qwen2 / Qwen3 32, Llama the
+    heads), not the heads (a new user's trial: the kernel was declared with the wrong shape and the checkpoint then
+    refused); null: the heads. Checked against transformers' own reading of the same file."""
+    cfg = {"model_type": model_type, "hidden_size": 1024, "num_attention_heads": 64, "intermediate_size": 256,
+           "num_hidden_layers": 2, "head_dim": 16}
+    d = write_config(tmp_path, "absent", cfg)
+    want = transformers.AutoConfig.from_pretrained(d).num_key_value_heads
+    assert hf.model_entry(d)[1]["kv_heads"] == want
+    assert ("no num_key_value_heads" in hf.variant_entry_yaml(d)) == (want != 64)
+    assert hf.model_entry(write_config(tmp_path, "null", {**cfg, "num_key_value_heads": None}))[1]["kv_heads"] == 64
+
+
 def test_float32_checkpoint_maps_to_bf16_with_a_comment(tmp_path):
     d = write_config(tmp_path, "f32", {**QWEN2_5_0_5B, "torch_dtype": "float32"})
     assert hf.model_entry(d)[1]["dtype"] == "bf16"

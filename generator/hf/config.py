@@ -22,6 +22,8 @@ class HFConfigError(ValueError):
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# num_key_value_heads where config.json has no such key: the transformers config class's default (llama: the heads)
+KV_HEADS_ABSENT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 # hidden_act -> our activation; only functions the kernel computes exactly ("gelu" is HF's exact erf GELU)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}
@@ -286,7 +288,14 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     notes: list[str] = []
     hidden = _check_int(cfg_path, cfg, "hidden_size")
     heads = _check_int(cfg_path, cfg, "num_attention_heads")
-    kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads", default=heads)
+    # absent: the config class's default, as transformers reads it (MistralConfig 8, Qwen2Config and Qwen3Config 32,
+    # LlamaConfig the heads); null: the heads, as each class's __init__ sets it
+    absent = "num_key_value_heads" not in cfg
+    kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads",
+                          default=KV_HEADS_ABSENT.get(model_type, heads) if absent else heads)
+    if absent and model_type in KV_HEADS_ABSENT:
+        notes.append(f"no num_key_value_heads in config.json: {kv_heads}, transformers' default for "
+                     f"{model_type} (not num_attention_heads {heads})")
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
     head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
     derived = head_dim is None  # as transformers does: hidden_size // num_attention_heads
