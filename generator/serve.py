@@ -246,7 +246,7 @@ LARGER_CACHE = "a larger cache_len / seq_len"  # check_length's advice (the CLI 
 def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) -> None:
     """ServeError unless every sequence's prompt and new tokens fit the cache: the last token fed is at position
     len + max_new_tokens - 2, the longest prompt's last row must be < cache_len."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _int(max_new_tokens) or max_new_tokens < 1:
         raise ServeError(f"max_new_tokens: a positive integer, got {max_new_tokens!r}")
     need = max(prompt_lens) + max_new_tokens - 1
     longest = f"{max(prompt_lens)} token{'s' * (max(prompt_lens) != 1)}"
@@ -567,6 +567,9 @@ class Model:
         from .hf.config import check_window
         from .hf.yaml_edit import variant_entry_yaml
 
+        # numpy's integers as Python's (the checks below take ints; a bool stays refused)
+        cache_len, max_batch = (int(v) if _int(v) else v for v in (cache_len, max_batch))
+        asked = dtype
         if isinstance(dtype, str):  # the names variants.yaml and `--dtype` use, and torch's
             names = {**reference.TORCH_DTYPES, "fp32": torch.float32}
             names.update({str(t).removeprefix("torch."): t for t in names.values()})
@@ -639,6 +642,11 @@ class Model:
                              f"got {dtype}")
         if not vs and dtype == torch.float16:  # (fused fp16 variants warned in _check_variant)
             hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
+        field = "dtype" if ck.cfg.get("dtype") is not None else "torch_dtype"  # (transformers' order)
+        if asked is None and str(ck.cfg.get(field)).removeprefix("torch.") == "float32" and dtype != torch.float32:
+            warnings.warn(hfm.HFPrecisionWarning(
+                f"{ck.cfg_path}: field '{field}' is float32 but the model runs in {str(dtype).removeprefix('torch.')} "
+                "(the fused kernels' dtype; dtype=torch.float32 runs it unfused, as transformers does)"), stacklevel=2)
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
@@ -1198,6 +1206,7 @@ class Model:
         B = len(prompts)
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
+        max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
         if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
@@ -1205,6 +1214,8 @@ class Model:
                                if on)  # (only the settings not off)
             warnings.warn(f"temperature 0 decodes greedily: {given} {'has' if '/' not in given else 'have'} no effect "
                           "(set a temperature > 0 to sample)", stacklevel=4 + _depth)
+        if isinstance(stop_tokens, (str, bytes)):  # (iterated, its characters would read as ids)
+            raise ServeError(f"stop_tokens: integer token ids in [0, {self.vocab - 1}], got {stop_tokens!r}")
         stop_tokens = _listed(stop_tokens)
         if _int(stop_tokens):
             stop_tokens = [stop_tokens]  # one id, as transformers' eos_token_id takes it

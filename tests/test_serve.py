@@ -692,9 +692,17 @@ def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
                      ({"stop_tokens": [10 ** 6]}, "stop_tokens: integer token ids in [0,"),
                      # nested (a 2-d list or tensor): the same line, not an unhashable-type TypeError
                      ({"stop_tokens": [[5]]}, "stop_tokens: one flat list of integer token ids in [0, "),
-                     ({"stop_tokens": torch.tensor([[5]])}, "], got [[5]]")):
+                     ({"stop_tokens": torch.tensor([[5]])}, "], got [[5]]"),
+                     ({"stop_tokens": "82"}, "], got '82'")):  # (not its characters as ids)
         with pytest.raises(serve.ServeError, match=re.escape(want)):
             model.generate([[1, 2, 3]], 3, **kw)
+    # numpy's integers wherever an integer is asked (a new user's trial: max_new_tokens refused them)
+    assert model.generate([[1, 2, 3]], np.int64(3)).tokens == a
+    with pytest.raises(serve.ServeError, match="max_new_tokens: a positive integer, got True"):
+        model.generate([[1, 2, 3]], True)
+    _, d = tiny
+    m2 = serve.Model.from_hf(d, device="cpu", cache_len=np.int64(model.cache_len), max_batch=np.int32(2))
+    assert (m2.cache_len, m2.max_batch) == (model.cache_len, 2) and type(m2.cache_len) is int
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -865,7 +873,8 @@ def test_every_built_variant_offered_keeps_one_seq_len(tmp_path):
     assert serve.keep_one_seq_len(vs[:1] + vs[2:], None)[1] == []  # one seq_len: nothing left out
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing offered on the CPU: no choice to warn about
-        m = serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=64)
+        # (dtype given: the fp32 checkpoint's HFPrecisionWarning is not what this checks)
+        m = serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=64, dtype="bf16")
     assert m.fused == {} and m.unfused is not None
     with pytest.raises(serve.ServeError, match="mix seq_len"):
         serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", variants=names)
@@ -966,3 +975,20 @@ def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_u
         s.add(t)
     s.flush()
     assert ids == ["7 ", "8 "]
+
+
+def test_an_fp32_checkpoint_run_in_bf16_is_said_through_the_api_too(tiny):
+    """Model.from_hf without a dtype runs a float32 checkpoint in bf16 (the fused kernels' dtype): one
+    HFPrecisionWarning says so, as the CLI's note does (a new user's trial: the API said nothing); asked for, no
+    warning."""
+    import warnings
+
+    from generator.hf import HFPrecisionWarning
+    _, d = tiny
+    with pytest.warns(HFPrecisionWarning, match="field '(torch_)?dtype' is float32 but the model runs in bfloat16"):
+        m = serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16)
+    assert m.dtype == torch.bfloat16
+    for dtype in (torch.float32, torch.bfloat16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HFPrecisionWarning)
+            serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16, dtype=dtype)

@@ -11,7 +11,9 @@ from .config import HFConfigError, check_window
 
 
 class HFPrecisionWarning(UserWarning):
-    """bf16/fp32 weights cast to an fp16 variant: fp16 overflows (inf) above 65,504, bf16 and fp32 do not."""
+    """A checkpoint run in another precision than its config's: bf16/fp32 weights cast to fp16 (which overflows to
+    inf above 65,504, bf16 and fp32 do not), or an fp32 checkpoint run in bf16 without being asked (generator.serve:
+    the fused kernels' dtype)."""
 
 
 class HFUnusedTensorsWarning(UserWarning):
