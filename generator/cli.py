@@ -817,7 +817,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         given = {o for o, val in (("--stop", stops), ("--max-new-tokens", True), ("--cache-len", cache_len),
                                   ("--variant", variant_names), ("--dtype", dtype), ("--temperature", True),
                                   ("--top-k", True), ("--top-p", True), ("--seed", True), ("--device", True)) if val}
-        fail(_as_options(str(exc), "--ids" if tok is None else "--prompt", given))
+        msg = str(exc)
+        if cache_len is None and ": cache_len: seq_len " in msg and "sliding_window" in msg:
+            msg += (" (without --cache-len the cache holds the longest prompt + --max-new-tokens - 1 rows: "
+                    "ask for fewer new tokens)")
+        fail(_as_options(msg, "--ids" if tok is None else "--prompt", given))
     if len(seqs) == 1:
         stream.flush()
         echo()  # ends the streamed line

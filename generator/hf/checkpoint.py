@@ -49,9 +49,14 @@ class _Checkpoint:
         self.files: dict[str, Path] = {}
         if self.index_path.name.endswith(".index.json"):
             try:
-                weight_map = json.loads(self.index_path.read_text())["weight_map"]
-                items = weight_map.items()
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                index = json.loads(self.index_path.read_text())
+            except OSError as exc:
+                raise HFCheckpointError(f"{self.index_path}: cannot read it ({exc.strerror or exc})") from None
+            except ValueError as exc:  # (JSONDecodeError, UnicodeDecodeError)
+                raise HFCheckpointError(f"{self.index_path}: not valid JSON ({str(exc).splitlines()[0]})") from None
+            try:
+                items = index["weight_map"].items()
+            except (KeyError, TypeError, AttributeError):
                 raise HFCheckpointError(f"{self.index_path}: not a safetensors index (no 'weight_map' object)") \
                     from None
             for tensor, shard in items:
