@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from thi
     sys.path.insert(0, str(ROOT))
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("variant")
 @click.option("--build-dir", default="build", show_default=True)
 @click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
@@ -83,4 +83,8 @@ def main(variant, build_dir, variants_file, launches, pos, seed, cache_len, unfu
 
 
 if __name__ == "__main__":
-    main()
+    try:  # a usage error in one `error:` line, exit 2, as `megakernel` gives it (click's own is a usage block)
+        main(standalone_mode=False)
+    except click.UsageError as exc:
+        sys.stderr.write(f"error: {exc.format_message()}\n")
+        sys.exit(2)

@@ -1040,7 +1040,8 @@ def test_gpu_check_refuses_on_a_cpu_before_building(tmp_path):
                                   ["bench/timeline.py"], ["bench/timeline.py", "--variant", "x", "--overrides", "[]"],
                                   ["bench/timeline.py", "--variant", "x", "--row", "-1"],
                                   ["bench/timeline.py", "--variant", "x", "--row", "\u00b2"],
-                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "\u00b2"]])
+                                  ["bench/ab.py", "--case", "x", '{"ATT_LL": 1}', "--rows", "\u00b2"],
+                                  ["bench/ncu_layer.py"], ["bench/ncu_layer.py", "x", "--bogus"]])
 def test_bench_scripts_usage_errors_are_one_line(argv):
     """The device scripts' usage errors are one `error:` line, exit 2, as `megakernel`'s commands give them (click's
     and argparse's own are usage blocks); -h is help, as in `megakernel`."""
