@@ -83,8 +83,5 @@ def main(variant, build_dir, variants_file, launches, pos, seed, cache_len, unfu
 
 
 if __name__ == "__main__":
-    try:  # a usage error in one `error:` line, exit 2, as `megakernel` gives it (click's own is a usage block)
-        main(standalone_mode=False)
-    except click.UsageError as exc:
-        sys.stderr.write(f"error: {exc.format_message()}\n")
-        sys.exit(2)
+    from bench import run_click
+    run_click(main)  # (a usage error: one `error:` line, exit 2)

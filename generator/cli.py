@@ -820,7 +820,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         msg = str(exc)
         if cache_len is None and ": cache_len: seq_len " in msg and "sliding_window" in msg:
             msg += (" (without --cache-len the cache holds the longest prompt + --max-new-tokens - 1 rows: "
-                    "ask for fewer new tokens)")
+                    "ask for fewer new tokens, or give a shorter prompt)")
         fail(_as_options(msg, "--ids" if tok is None else "--prompt", given))
     if len(seqs) == 1:
         stream.flush()

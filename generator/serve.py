@@ -646,7 +646,8 @@ class Model:
         if asked is None and str(ck.cfg.get(field)).removeprefix("torch.") == "float32" and dtype != torch.float32:
             warnings.warn(hfm.HFPrecisionWarning(
                 f"{ck.cfg_path}: field '{field}' is float32 but the model runs in {str(dtype).removeprefix('torch.')} "
-                "(the fused kernels' dtype; dtype=torch.float32 runs it unfused, as transformers does)"), stacklevel=2)
+                "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, as transformers "
+                "does)"), stacklevel=2)
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")

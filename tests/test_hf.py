@@ -217,6 +217,10 @@ def test_kv_heads_absent_or_null_read_as_transformers_reads_them(tmp_path, model
     assert hf.model_entry(d)[1]["kv_heads"] == want
     assert ("no num_key_value_heads" in hf.variant_entry_yaml(d)) == (want != 64)
     assert hf.model_entry(write_config(tmp_path, "null", {**cfg, "num_key_value_heads": None}))[1]["kv_heads"] == 64
+    if model_type != "llama":  # a default that cannot serve these heads: said where it came from, in one line
+        with pytest.raises(hf.HFConfigError, match=f"no field 'num_key_value_heads': transformers' default for "
+                                                   f"{model_type}, {want}, does not divide num_attention_heads 14"):
+            hf.model_entry(write_config(tmp_path, "odd", {**cfg, "num_attention_heads": 14, "hidden_size": 224}))
 
 
 def test_float32_checkpoint_maps_to_bf16_with_a_comment(tmp_path):

@@ -289,11 +289,15 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     hidden = _check_int(cfg_path, cfg, "hidden_size")
     heads = _check_int(cfg_path, cfg, "num_attention_heads")
     # absent: the config class's default, as transformers reads it (MistralConfig 8, Qwen2Config and Qwen3Config 32,
-    # LlamaConfig the heads); null: the heads, as each class's __init__ sets it
+    # LlamaConfig the heads); null: the heads, as LlamaConfig, Qwen2Config and Qwen3Config set it (transformers 5
+    # refuses a null for MistralConfig, 4.x took the heads: taken here)
     absent = "num_key_value_heads" not in cfg
     kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads",
                           default=KV_HEADS_ABSENT.get(model_type, heads) if absent else heads)
     if absent and model_type in KV_HEADS_ABSENT:
+        if heads % kv_heads:  # (said here: variants.yaml's own check would not say where the 8 or 32 came from)
+            raise HFConfigError(f"{cfg_path}: no field 'num_key_value_heads': transformers' default for {model_type}, "
+                                f"{kv_heads}, does not divide num_attention_heads {heads} (give the field)")
         notes.append(f"no num_key_value_heads in config.json: {kv_heads}, transformers' default for "
                      f"{model_type} (not num_attention_heads {heads})")
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim

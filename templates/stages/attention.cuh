@@ -180,6 +180,7 @@ __device__ __forceinline__ size_t qkv_at(int b, int kvh, int h) {
 // QKV_FLOW 2 its words, loaded by qkv_words (issued early: with the task's position) and polled by qkv_values until
 // each carries the epoch (ll_poll: after 2^24 polls a trap, not a hang).
 constexpr int QV = (HEAD_DIM + 31) / 32;
+static_assert(QV < 32, "qkv_values' poll: a bit a value of the lane");
 struct QkvWords {
     unsigned long long w[QKV_FLOW == 2 ? QV : 1];
 };
