@@ -2,8 +2,10 @@
 variant built with TIMELINE 1 on top of the plan `megakernel build` gives it (its tuned plan where tuning/ has one)
 and any --overrides, checked against the fp32 reference, then a stack of distinct layers run in a CUDA graph with
 every sequence at --row (or at full context) and the last layer's launch read back. For each stamp (a block's entry,
-after the launch's wait, each step's end and its grid barrier): µs from the launch's first block entry, min / median
-/ max over the blocks, and the last block. Stamps are thread 0's: a step's end is when thread 0 left it.
+after the launch's wait, each step's end and its grid barrier, and attention's phases in each block's last task that
+walks rows: its start, the position loaded, qkv in, queries ready, walk end, warp states published, warps combined,
+task end): µs from the launch's first block entry, min / median / max over the blocks that stamped it, the last
+block and how many. Stamps are thread 0's: a step's end is when thread 0 left it.
 
     python bench/timeline.py --variant NAME [--overrides JSON] [--row 191|full] [--variants FILE]
                              [--build-dir DIR] [--out FILE]
@@ -22,13 +24,16 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from thi
 
 def stamp_names(steps: list[str]) -> list[str]:
     """The TIMELINE slots' names for a plan's steps (templates/kernel.cu.j2: entry, after the wait, then each step's
-    end and barrier; a step that runs twice is "norm", then "norm (2)")."""
+    end and barrier; a step that runs twice is "norm", then "norm (2)"; then from interface.TIMELINE_ATT attention's
+    phases in the block's last task that walks rows, templates/stages/attention.cuh)."""
+    from generator.interface import TIMELINE_ATT, TIMELINE_ATT_PHASES
     out, seen = ["entry", "after wait"], {}
     for s in steps:
         seen[s] = seen.get(s, 0) + 1
         name = s if seen[s] == 1 else f"{s} ({seen[s]})"
         out += [f"{name} end", f"{name} barrier"]
-    return out
+    out += [f"(slot {i})" for i in range(len(out), TIMELINE_ATT)]  # (never stamped)
+    return out + [f"attention: {p}" for p in TIMELINE_ATT_PHASES]
 
 
 def summarize(stamps, names: list[str]) -> list[dict]:
@@ -124,9 +129,10 @@ def main(argv=None):
     rows = summarize(stamps, stamp_names(layers[-1].plan["steps"]))
     print(f"{v.name} ({source} plan{f' {base}' if base else ''}{f' + {ov}' if ov else ''}), every sequence at row "
           f"{row}, the last of {n} layers, µs from the first block's entry:")
-    print(f"{'stamp':<22}{'min':>8}{'median':>8}{'max':>8}  last block")
+    print(f"{'stamp':<30}{'min':>8}{'median':>8}{'max':>8}  last block  blocks")
     for x in rows:
-        print(f"{x['stamp']:<22}{x['min_us']:>8.2f}{x['median_us']:>8.2f}{x['max_us']:>8.2f}  {x['last_block']}")
+        print(f"{x['stamp']:<30}{x['min_us']:>8.2f}{x['median_us']:>8.2f}{x['max_us']:>8.2f}  {x['last_block']:>10}"
+              f"  {x['blocks']:>6}")
     path = Path(args.out or Path(os.environ.get("OUT", ".")) / "timeline.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "variant": v.name, "plan": source, "base": base,

@@ -33,7 +33,10 @@ class Buffer:
 
 CTYPE_BYTES = {"T": 2, "float": 4, "unsigned": 4, "long long": 8}
 CLOCK_SLOTS = 16  # SM-clock stamps in the clock buffer (plan.kernels places them); two global-timer ones follow
-TIMELINE_SLOTS = 16  # decode TIMELINE: a block's stamps (entry, after the launch's wait, each step's end and barrier)
+TIMELINE_SLOTS = 24  # decode TIMELINE: a block's stamps (entry, after the launch's wait, each step's end and barrier,
+TIMELINE_ATT = 16    # then from here attention's phases in its last task that walks rows: TIMELINE_ATT_PHASES)
+TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready", "walk end", "warp states",
+                       "warps combined", "task end")
 
 # Every buffer is sized from the plan's constants and ROWS (the plan's token rows per launch: batch for decode):
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, XN_ROWS (decode: 0 unless NORM_GLOBAL), Q_ROWS
@@ -84,7 +87,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode H_STATS: per 16-row o_proj tile and row, the sum of squares of h (the second norm's statistics)"),
     Buffer("timeline", "long long", lambda c: (c.get("TL_BLOCKS", 0), TIMELINE_SLOTS),
            "decode TIMELINE: per block, the global timer (ns) at its entry, after the launch's wait, then at each "
-           "step's end and after its grid barrier (0 where the step has none); bench/timeline.py reads it"),
+           "step's end and after its grid barrier (0 where the step has none), then at attention's phases "
+           "(TIMELINE_ATT_PHASES; 0 where the block walked no rows); bench/timeline.py reads it"),
     Buffer("epoch", "unsigned", lambda c: (1,),
            "decode ATT_LL, QKV_FLOW 2, H_LL: launches so far (block 0 advances it: gate_up, or with H_LL down_proj); "
            "the LL words carry (this + 1) mod 2^16"),

@@ -115,6 +115,7 @@ def render(v: Variant, p: dict | None = None) -> str:
     top = _env().get_template("kernel.cu.j2").render(mode=mode, kernels=p["kernels"], params=interface.c_params(),
                                                      clock_slots=interface.CLOCK_SLOTS,
                                                      timeline_slots=interface.TIMELINE_SLOTS,
+                                                     timeline_att=interface.TIMELINE_ATT,
                                                      **_config_vars(v, p))
     # the config is already at the top: the example configs are never pasted in
     return _inline(top, TEMPLATES, {(TEMPLATES / file).resolve() for _, file in EXAMPLES.values()})

@@ -1094,7 +1094,8 @@ def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
     from bench.timeline import stamp_names, summarize
     from conftest import cli_env
     names = stamp_names(["norm", "qkv_proj", "attention", "o_proj", "norm", "gate_up", "down_proj"])
-    assert names[:4] == ["entry", "after wait", "norm end", "norm barrier"] and len(names) == 16
+    assert names[:4] == ["entry", "after wait", "norm end", "norm barrier"] and len(names) == 24
+    assert names[16] == "attention: task start" and names[23] == "attention: task end"  # (interface.TIMELINE_ATT)
     assert names[10:12] == ["norm (2) end", "norm (2) barrier"]
     stamps = [[1000, 1200, 3000, 0], [1500, 1600, 5000, 0], [0, 0, 0, 0]]  # (a block not launched: zeros)
     rows = summarize(stamps, ["entry", "after wait", "qkv_proj end", "qkv_proj barrier"])
@@ -1120,7 +1121,7 @@ def test_timeline_knob_stamps_only_where_asked(tmp_path):
     a step whose flow constant drops it), compiles without spills; the default plan's source has no stamps and no
     buffer; tensor parallel is refused."""
     from bench.tune import renamed
-    from generator import compile as gcompile, render
+    from generator import compile as gcompile, interface, render
     from generator.plan import PlanError
     from generator import variants as gvariants
     v = next(x for x in gvariants.load(ROOT / "variants.yaml") if x.name == "llama3.2-1b_decode_b1_s4096_bf16")
@@ -1129,7 +1130,8 @@ def test_timeline_knob_stamps_only_where_asked(tmp_path):
     # entry, wait; 7 step ends; one barrier (o_proj's: NORM_LOCAL, QKV_FLOW, ATT_LL, NORM2_LOCAL, DOWN_FLOW drop
     # the others)
     assert src.count("tl_row[") == 2 + 7 + 1 and "tl_row[9] = " in src and "tl_row[7] = " not in src
-    assert on["workspace"]["buffers"]["timeline"]["bytes"] == 132 * 16 * 8
+    assert on["workspace"]["buffers"]["timeline"]["bytes"] == 132 * interface.TIMELINE_SLOTS * 8
+    assert src.count("tl(") >= 9  # attention's phases (interface.TIMELINE_ATT_PHASES)
     off = render.plan(v)
     assert "tl_row" not in render.render(v, off) and off["workspace"]["buffers"]["timeline"]["bytes"] == 0
     with pytest.raises(PlanError, match="TIMELINE=1: one GPU only"):
@@ -1143,7 +1145,9 @@ def test_timeline_knob_stamps_only_where_asked(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_timeline_reads_a_launch(tmp_path):
     """bench/timeline.py on Llama-3.2-1B b1 at row 191: every launched block stamps its entry, the wait and each step's
-    end; per block the stamps run forward; the launch lasts between 10 and 1000 µs."""
+    end; per block the stamps run forward; the 8 blocks that walk rows (one task a KV head at ATT_C 256) stamp
+    attention's phases in order, between qkv's end and attention's; the launch lasts between 10 and 1000 µs."""
+    from generator.interface import TIMELINE_ATT, TIMELINE_ATT_PHASES
     from bench import timeline
     out = tmp_path / "t.json"
     timeline.main(["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--build-dir", str(tmp_path / "b"),
@@ -1151,8 +1155,14 @@ def test_gpu_timeline_reads_a_launch(tmp_path):
     d = json.loads(out.read_text())
     per = [r for r in d["per_block_ns"] if r[0] > 0]
     assert len(per) >= 100
+    walked = 0
     for r in per:
-        got = [t for t in r if t > 0]
+        got = [t for t in r[:TIMELINE_ATT] if t > 0]
         assert got == sorted(got) and len(got) >= 2 + 7, r
+        att = r[TIMELINE_ATT:TIMELINE_ATT + len(TIMELINE_ATT_PHASES)]
+        if any(att):
+            walked += 1
+            assert all(att) and att == sorted(att) and r[4] <= att[0] and att[-1] <= r[6], r  # (qkv end, attn end)
+    assert walked == 8, walked
     last = max(x["max_us"] for x in d["stamps"])
     assert 10 < last < 1000, d["stamps"]

@@ -11,7 +11,7 @@ import math
 
 from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split,
                     gemv_split_k, l1_bytes, plan_gemv)
-from ..interface import TIMELINE_SLOTS
+from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -24,7 +24,7 @@ STEPS = (
                      "qkv_pre, smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
-                      "ws_count, ws_ready, ws_attn, ws_epoch, smem)",
+                      "ws_count, ws_ready, ws_attn, ws_epoch, ws_timeline, smem)",
          flow="ATT_LL"),
     Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
                    "ws_epoch, o_pre, smem)",
@@ -80,7 +80,8 @@ STEPS = (
 # counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0
 # stamps the global timer at its entry, after the launch's wait, at each step's end and after each grid barrier
 # (ws_timeline; bench/timeline.py)
-assert 2 + 2 * len(STEPS) <= TIMELINE_SLOTS, "TIMELINE: a block's row holds entry, wait, each step's end and barrier"
+assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PHASES) <= TIMELINE_SLOTS, \
+    "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",

@@ -225,8 +225,15 @@ __device__ __forceinline__ void att_out(T* ws_attn, int b, int k, float v, unsig
 __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, const T* __restrict__ q_norm_w,
                           const T* __restrict__ k_norm_w, const float* __restrict__ inv_freq, T* k_cache,
                           T* v_cache, const unsigned char* kv_tmaps, float* ws_part, unsigned* ws_count,
-                          const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, unsigned char* smem) {
+                          const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, long long* ws_timeline,
+                          unsigned char* smem) {
     const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
+    // TIMELINE: thread 0 stamps the phases of the block's last task that walks rows (interface.TIMELINE_ATT_PHASES)
+    long long tl_start = 0;
+    auto tl = [&](int phase, long long t = 0) {
+        if constexpr (TIMELINE)
+            if (threadIdx.x == 0) ws_timeline[(size_t)blockIdx.x * TL_SLOTS + TL_ATT + phase] = t ? t : globaltimer_ns();
+    };
     // QKV_FLOW 2: nothing between qkv_proj and this step (no barrier, no counter's block barrier): the block's own
     // qkv epilogue may still read the shared memory this step writes
     if constexpr (QKV_FLOW == 2) __syncthreads();
@@ -284,6 +291,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         su_end = min(ntask, su + att_c);
     }
     for (int task = blockIdx.x; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
+        if constexpr (TIMELINE) tl_start = globaltimer_ns();
         int split, b, kvh, row0, row1 = 0, nsplit = 0;  // ATT_DYN 2: the piece's rows [row0, row1), its pair's pieces
         if constexpr (ATT_DYN == 2) {  // pairs sequence-major, KV head fastest: ATT_PIECE_TILES + U_b units each
             b = __popc(__ballot_sync(0xffffffffu, lane < BATCH - 1 && KV_HEADS * first[lane + 1] <= su));
@@ -328,6 +336,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
         if (row0 > p) continue;                       // the same for the whole block
+        tl(0, tl_start);
+        tl(1);  // (p was used above: its load is in)
         const int n = ATT_DYN == 2 ? min(row1, p + 1) - row0 : min(att_c, p + 1 - row0);
         if constexpr (ATT_DYN != 2) nsplit = p / att_c + 1;
         const bool appends = split == nsplit - 1;
@@ -383,6 +393,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
             __syncthreads();
         }
+        if constexpr (QKV_FLOW != 2) tl(2);  // (QKV_FLOW 2: once warp 0's head words are in, below)
         float freqs[ROPE_K];  // (after the wait: fewer registers live across it)
         rope_freqs(inv_freq, lane, freqs);
         for (int h = warp; h < GROUP + 2; h += NW) {
@@ -396,6 +407,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 float* q = qs + h * HEAD_DIM;
                 float v[QV];
                 values(v);
+                if constexpr (QKV_FLOW == 2)
+                    if (h == 0) tl(2);
 #pragma unroll
                 for (int j = 0; j < QV; ++j)
                     if (lane + 32 * j < HEAD_DIM) q[lane + 32 * j] = v[j];
@@ -419,6 +432,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block
+        tl(3);
 
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
@@ -546,6 +560,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         if constexpr (!ATT_TMA) cp_async_wait<0>();  // no copy may land in the ring once it is reused for the warp states
         // (ATT_TMA: every copy issued was waited on: none past n is issued)
         __syncthreads();
+        tl(4);
 
         // 3. publish the warp's state: l summed over the lanes of one head (they share m)
         if (walker) {
@@ -570,6 +585,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 }
         }
         __syncthreads();
+        tl(5);
 
         // 4. combine the warps (max-rescaled): the final output if this is the only split, else a partial
         const size_t part0 = ((size_t)b * HEADS + kvh * GROUP) * ATT_NSPLIT;  // + g * ATT_NSPLIT + split
@@ -597,6 +613,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
         }
+        tl(6);  // (thread 0's share)
         if (nsplit > 1 && ATT_COMBINE == 3 && ntask <= (int)gridDim.x) {
             // every split's block combines a slice of the outputs (every task in one round, which the planner
             // requires: no block may wait on a task of its own later round; a GPU with fewer SMs than planned takes
@@ -795,6 +812,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         // before its tensor copies into the ring)
         if constexpr (ATT_TMA) fence_proxy_async_smem();
         __syncthreads();
+        tl(7);
     }
     if constexpr (ATT_TMA)
         if (walker && lane == 0)
