@@ -5,7 +5,8 @@ every sequence at --row (or at full context) and the last layer's launch read ba
 after the launch's wait, each step's end and its grid barrier, and attention's phases in each block's last task that
 walks rows: its start, the position loaded, qkv in, queries ready, walk end, warp states published, warps combined,
 task end): µs from the launch's first block entry, min / median / max over the blocks that stamped it, the last
-block and how many. Stamps are thread 0's: a step's end is when thread 0 left it.
+block and how many; then the launch boundary (this launch's first entry and first passed wait against the previous
+layer's blocks' last stamps). Stamps are thread 0's: a step's end is when thread 0 left it.
 
     python bench/timeline.py --variant NAME [--overrides JSON] [--row 191|full] [--variants FILE]
                              [--build-dir DIR] [--out FILE]
@@ -52,6 +53,23 @@ def summarize(stamps, names: list[str]) -> list[dict]:
             out.append({"stamp": name, "min_us": round(min(us), 2), "median_us": round(statistics.median(us), 2),
                         "max_us": round(max(us), 2), "last_block": max(got)[1], "blocks": len(got)})
     return out
+
+
+def launch_gap(prev, stamps) -> dict:
+    """Where a launch starts against the previous layer's (two [blocks, slots] arrays of ns from the same global
+    timer, bench/timeline.py's last two layers): µs from the previous launch's last block's last step stamp (its
+    blocks leave right after) to this launch's first entry and first passed wait, and from the previous launch's
+    first block done to this first entry. Under PDL a block of this launch may start where one of the previous has
+    left; the wait holds it until that whole launch is done (loader.pdl_config)."""
+    from generator.interface import TIMELINE_ATT
+    ends = [max(r[:TIMELINE_ATT]) for r in prev if r[0] > 0]
+    rows = [r for r in stamps if r[0] > 0]
+    if not ends or not rows:
+        raise ValueError("timeline: a launch stamped nothing (was the TIMELINE build launched?)")
+    entry, wait = min(r[0] for r in rows), min(r[1] for r in rows if r[1] > 0)
+    return {"first_entry_after_last_us": round((entry - max(ends)) / 1e3, 2),
+            "first_entry_after_first_us": round((entry - min(ends)) / 1e3, 2),
+            "first_wait_after_last_us": round((wait - max(ends)) / 1e3, 2)}
 
 
 def main(argv=None):
@@ -127,16 +145,21 @@ def main(argv=None):
     torch.cuda.synchronize()
     stamps = layers[-1].buffer("timeline").cpu().tolist()
     rows = summarize(stamps, stamp_names(layers[-1].plan["steps"]))
+    gap = launch_gap(layers[-2].buffer("timeline").cpu().tolist(), stamps)  # (each layer its own workspace)
     print(f"{v.name} ({source} plan{f' {base}' if base else ''}{f' + {ov}' if ov else ''}), every sequence at row "
           f"{row}, the last of {n} layers, µs from the first block's entry:")
     print(f"{'stamp':<30}{'min':>8}{'median':>8}{'max':>8}  last block  blocks")
     for x in rows:
         print(f"{x['stamp']:<30}{x['min_us']:>8.2f}{x['median_us']:>8.2f}{x['max_us']:>8.2f}  {x['last_block']:>10}"
               f"  {x['blocks']:>6}")
+    print(f"the launch boundary: this launch's first entry {gap['first_entry_after_last_us']:.2f} µs after the "
+          f"previous layer's last block's last stamp ({gap['first_entry_after_first_us']:.2f} after its first), its "
+          f"first wait passed {gap['first_wait_after_last_us']:.2f} µs after it")
     path = Path(args.out or Path(os.environ.get("OUT", ".")) / "timeline.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "variant": v.name, "plan": source, "base": base,
-                                "overrides": ov, "row": row, "layers": n, "stamps": rows, "per_block_ns": stamps},
+                                "overrides": ov, "row": row, "layers": n, "stamps": rows, "launch_gap": gap,
+                                "per_block_ns": stamps},
                                indent=1))
     print(f"wrote {path}")
 

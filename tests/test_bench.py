@@ -1102,6 +1102,13 @@ def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
     assert [r["stamp"] for r in rows] == ["entry", "after wait", "qkv_proj end"]
     assert rows[2] == {"stamp": "qkv_proj end", "min_us": 2.0, "median_us": 3.0, "max_us": 4.0, "last_block": 1,
                        "blocks": 2}
+    # the launch boundary against the previous layer's stamps: from its last (and first) block's last step stamp
+    # (attention's phase slots are not a block's end)
+    from bench.timeline import launch_gap
+    prev = [[1000, 1100] + [0] * 22, [1000, 1100, 5000] + [0] * 13 + [9000] * 8, [0] * 24]
+    cur = [[6000, 6500] + [0] * 22, [6200, 6600] + [0] * 22]
+    assert launch_gap(prev, cur) == {"first_entry_after_last_us": 1.0, "first_entry_after_first_us": 4.9,
+                                     "first_wait_after_last_us": 1.5}
     tl = [sys.executable, str(ROOT / "bench" / "timeline.py"), "--build-dir", str(tmp_path / "b")]
     cases = [(["--variant", "nope"], "error: --variant nope: no decode variant"),
              (["--variant", "llama3-70b_decode_b8_s4096_bf16_tp2"], "of one GPU"),
@@ -1164,5 +1171,7 @@ def test_gpu_timeline_reads_a_launch(tmp_path):
             walked += 1
             assert all(att) and att == sorted(att) and r[4] <= att[0] and att[-1] <= r[6], r  # (qkv end, attn end)
     assert walked == 8, walked
+    # PDL: this launch's blocks pass their wait only once the previous layer's launch is done
+    assert d["launch_gap"]["first_wait_after_last_us"] >= 0, d["launch_gap"]
     last = max(x["max_us"] for x in d["stamps"])
     assert 10 < last < 1000, d["stamps"]
