@@ -92,6 +92,9 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("epoch", "unsigned", lambda c: (1,),
            "decode ATT_LL, QKV_FLOW 2, H_LL: launches so far (block 0 advances it: gate_up, or with H_LL down_proj); "
            "the LL words carry (this + 1) mod 2^16"),
+    Buffer("gridbar", "unsigned", lambda c: (0 if c.get("COOP", 1) else 2,),
+           "decode COOP 0: the grid barrier's arrival count (0 between barriers) and generation "
+           "(templates/common.cuh grid_barrier)"),
 )
 
 ARGS: tuple[Arg, ...] = (

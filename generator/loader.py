@@ -373,8 +373,12 @@ class FusedDecoderLayer:
         cc = torch.cuda.get_device_capability(self.device)
         self.pdl = (cc >= (9, 0) and self.mode == "decode" and self.tp == 1
                     and env_flag("MEGAKERNEL_PDL", True))
+        # COOP 0 (decode plan knob): launched without the cooperative attribute (its grid barriers count in the
+        # workspace), so under PDL its blocks start as the previous launch's leave their SMs
+        self.cooperative = bool(self.plan["consts"].get("COOP", 1))
         if self.pdl:
-            self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
+            self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"],
+                                      cooperative=self.cooperative)
         sizes = self.plan.get("sizes", {})
         if 0 < sizes.get("LL_BLOCKS", 0) < self.grid:
             raise LoadError(f"{self.name}: H_LL with DOWN_FLOW needs a gate_up task in every block (the epoch's advance "
@@ -439,7 +443,7 @@ class FusedDecoderLayer:
     def grid(self, n: int) -> None:
         self._grid = n
         if getattr(self, "pdl", False):  # (the launch's configuration holds the grid)
-            self._config = pdl_config(n, self.plan["threads"], self.plan["smem_bytes"], cooperative=True)
+            self._config = pdl_config(n, self.plan["threads"], self.plan["smem_bytes"], cooperative=self.cooperative)
 
     @property
     def STAGES(self) -> tuple[str, ...]:
@@ -627,9 +631,12 @@ class FusedDecoderLayer:
             try:
                 if self.pdl:
                     launch_pdl(self._config, stream, fn.ptr, ctypes.addressof(params))
-                else:
+                elif self.cooperative:
                     self._driver.launchCooperativeKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
                                                         self.plan["smem_bytes"], stream, ctypes.addressof(params))
+                else:  # (COOP 0)
+                    self._driver.launchKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
+                                              self.plan["smem_bytes"], stream, ctypes.addressof(params), 0)
             except (self._driver.CUDADriverError, RuntimeError) as exc:
                 raise RuntimeError(f"{self.name}: cooperative launch of {self.grid} blocks x {self.plan['threads']} "
                                    f"threads, {self.plan['smem_bytes']} B shared memory failed on {self.device}: "

@@ -68,7 +68,8 @@ def _config_vars(v: Variant, p: dict) -> dict:
     return dict(name=v.name, consts=p["consts"], tmaps=interface.TENSOR_MAPS, tmap_bytes=interface.TENSOR_MAP_BYTES,
                 dtype=dt, t_max=f"{dt.max_finite!r}f",
                 norm_eps=f"{m.norm_eps!r}f", score_scale=f"{math.log2(math.e) / math.sqrt(m.head_dim)!r}f",
-                norm=m.norm, activation=m.activation, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm)
+                norm=m.norm, activation=m.activation, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+                timeline_slots=interface.TIMELINE_SLOTS, timeline_att=interface.TIMELINE_ATT)
 
 
 def render_config(v: Variant, p: dict) -> str:
@@ -114,8 +115,6 @@ def render(v: Variant, p: dict | None = None) -> str:
     mode = MODES[p["mode"]]
     top = _env().get_template("kernel.cu.j2").render(mode=mode, kernels=p["kernels"], params=interface.c_params(),
                                                      clock_slots=interface.CLOCK_SLOTS,
-                                                     timeline_slots=interface.TIMELINE_SLOTS,
-                                                     timeline_att=interface.TIMELINE_ATT,
                                                      **_config_vars(v, p))
     # the config is already at the top: the example configs are never pasted in
     return _inline(top, TEMPLATES, {(TEMPLATES / file).resolve() for _, file in EXAMPLES.values()})

@@ -42,6 +42,7 @@ constexpr int NORM2_LOCAL = 1;
 constexpr int ATT_LL = 0;
 constexpr int H_LL = 0;
 constexpr int TIMELINE = 0;
+constexpr int COOP = 1;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;
 constexpr int SMEM_QS = 0;
@@ -76,6 +77,7 @@ constexpr int DOWN_TM = 1;
 constexpr int DOWN_PRE = 0;
 constexpr int H_STATS = 0;
 constexpr int TMAP_BYTES = 128;  // a tensor map's size in w_tmaps
+constexpr int TL_SLOTS = 24, TL_ATT = 16;  // TIMELINE: a block's stamps; attention's from
 constexpr int TMAP_QKV = 0;  // w_tmaps' w_qkv
 constexpr int TMAP_O = 1;  // w_tmaps' w_o
 constexpr int TMAP_GU = 2;  // w_tmaps' w_gu

@@ -165,6 +165,26 @@ def test_qkv_flow_replaces_one_barrier():
         render.plan(tp, overrides={"QKV_FLOW": 1})
 
 
+def test_coop_0_counts_its_grid_barriers_in_the_workspace():
+    """COOP 0: the decode kernel is launched without the cooperative attribute (loader: cooperative False), its grid
+    barriers are templates/common.cuh grid_barrier over an 8-byte workspace buffer instead of cooperative groups'
+    grid.sync; the default keeps grid.sync and no such buffer; tensor parallel and a cluster launch are refused in
+    one line naming what fails."""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    off, on = render.plan(v), render.plan(v, overrides={"COOP": 0})
+    assert off["consts"]["COOP"] == 1 and on["consts"]["COOP"] == 0 and on["grid_syncs"] == off["grid_syncs"]
+    src_on, src_off = render.render(v, on), render.render(v, off)
+    assert src_on.count("grid_barrier(ws_gridbar);") == src_off.count("grid.sync();") == 6
+    assert "grid.sync();" not in src_on and "grid_barrier(ws_gridbar);" not in src_off
+    assert on["workspace"]["buffers"]["gridbar"]["bytes"] == 8 and off["workspace"]["buffers"]["gridbar"]["bytes"] == 0
+    with pytest.raises(PlanError, match=r"COOP=0 needs one GPU \(tp 2"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"COOP": 0})
+    with pytest.raises(PlanError, match=r"COOP=0 needs NORM_CLUSTER 1 \(this plan: 2, a cluster launch\)$"):
+        render.plan(v, overrides={"COOP": 0, "NORM_CLUSTER": 2})
+    with pytest.raises(PlanError, match="COOP=2: must be 0 or 1"):
+        render.plan(v, overrides={"COOP": 2})
+
+
 def test_h_ll_drops_o_projs_barrier():
     """H_LL (override only, not yet run on a GPU): the o_proj -> gate_up grid barrier compiled out (with ATT_LL,
     QKV_FLOW 2 and DOWN_FLOW none is left), o_proj's T copy of h as words (twice the buffer) that decode as the kernel
@@ -1081,7 +1101,9 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     plan's (the same plan but for ATT_LL, QKV_FLOW and H_LL) on the same inputs and caches, one with a
     refused position (its row NaN in both: no launch waits for a word nobody writes), one on a third of the grid (attention tasks in several rounds;
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
-    last checked step. (A word never written would trap after 2^24 polls, not hang.)"""
+    last checked step. (A word never written would trap after 2^24 polls, not hang.) COOP 0 (a launch without the
+    cooperative attribute, its grid barriers counted in the workspace) goes through the same trials against the
+    cooperative plan."""
     import torch
 
     from bench.timing import graph_of
@@ -1113,8 +1135,15 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1}), (b5, {"H_LL": 1, "GEMV_PF": 2}),
              (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1, "DOWN_FLOW": 1}),  # (a partial last chunk)
-             (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8}), (l1, {"H_LL": 2, "ATT_LL": 2, "QKV_FLOW": 2})]
-    ll = ("ATT_LL", "QKV_FLOW", "H_LL")
+             (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8}), (l1, {"H_LL": 2, "ATT_LL": 2, "QKV_FLOW": 2}),
+             # COOP 0: no cooperative launch, the grid barriers counted in the workspace (alone, with QKV_PRE's
+             # weights before the wait, with stream-K's and ATT_DYN's schedules, beside the hand-offs)
+             (l1, {"COOP": 0}), (l1, {"COOP": 0, "QKV_PRE": 1}),
+             (named["llama3-8b_decode_b1_s4096_bf16"], {"COOP": 0, "QKV_PRE": 1}),
+             (named["llama3.2-1b_decode_b8_s32768_bf16"], {"COOP": 0}),
+             (named["llama3.2-1b_decode_b4_s32768_bf16"], {"COOP": 0, "ATT_LL": 1}), (b5, {"COOP": 0}),
+             (half, {"COOP": 0, "QKV_FLOW": 2})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them)
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
     pairs = [p for i, (v, ov) in enumerate(cases)
              for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), {k: x for k, x in ov.items() if k not in ll}))]

@@ -86,7 +86,7 @@ PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE"))
+            "ATT_LL", "H_LL", "TIMELINE", "COOP"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -121,7 +121,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA")
+        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -724,6 +724,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan override H_LL={h_ll} with DOWN_FLOW: needs a gate_up task in every block (the "
                         f"epoch's advance at block 0's down_proj end relies on every block's count): {gu_tasks} tasks "
                         f"(GU_TM {gemv['gate_up']['TM']}) on {sms} SMs; DOWN_FLOW=0 keeps gate_up's barrier")
+    coop = ov.get("COOP", 1)
+    if not coop:
+        # COOP 0: launched without the cooperative attribute, so under PDL this launch's blocks take SMs as the
+        # previous launch's blocks leave them (a cooperative grid starts only once every SM is free) and run their
+        # pre-wait work (QKV_PRE's weights) early; its grid barriers count in ws_gridbar (templates/common.cuh
+        # grid_barrier), which needs every block resident: one block an SM, the grid at most the SMs, and nothing
+        # else on the GPU holding SMs for good
+        _needs(v.name, "COOP", coop, [(v.tp == 1, f"one GPU (tp {v.tp}: a launch a reduction)"),
+                                      (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster}, a cluster launch)")])
     if ov.get("TIMELINE") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")
@@ -765,7 +774,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
-        "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0),
+        "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,
         **smem,
     }
     for prefix, key in PROJECTIONS:
