@@ -355,6 +355,7 @@ class FusedDecoderLayer:
                                "cooperative launch cannot have all its blocks resident")
         # the kernel strides over gridDim: any co-resident grid (of whole clusters with NORM_CLUSTER) is correct; one
         # block per SM is what was planned
+        self._resident = sms * occ  # (blocks that can be resident at once: COOP 0's grid barriers need them all)
         self.grid = sms * min(occ, 1)
         ncl = self.plan["consts"].get("NORM_CLUSTER", 1)
         if ncl > 1:  # whole clusters, as many as can be resident at once (NORM_CLUSTER): a cluster's blocks share a GPC
@@ -441,6 +442,9 @@ class FusedDecoderLayer:
 
     @grid.setter
     def grid(self, n: int) -> None:
+        if not getattr(self, "cooperative", True) and n > self._resident:  # (a cooperative launch: the driver says it)
+            raise LoadError(f"{self.name}: COOP 0: a grid of {n} blocks, {self._resident} can be resident at once on "
+                            f"this GPU; its grid barriers need every block resident")
         self._grid = n
         if getattr(self, "pdl", False):  # (the launch's configuration holds the grid)
             self._config = pdl_config(n, self.plan["threads"], self.plan["smem_bytes"], cooperative=self.cooperative)
@@ -638,9 +642,9 @@ class FusedDecoderLayer:
                     self._driver.launchKernel(fn.ptr, self.grid, 1, 1, self.plan["threads"], 1, 1,
                                               self.plan["smem_bytes"], stream, ctypes.addressof(params), 0)
             except (self._driver.CUDADriverError, RuntimeError) as exc:
-                raise RuntimeError(f"{self.name}: cooperative launch of {self.grid} blocks x {self.plan['threads']} "
-                                   f"threads, {self.plan['smem_bytes']} B shared memory failed on {self.device}: "
-                                   f"{exc}") from exc
+                kind = "cooperative launch" if self.cooperative else "launch (COOP 0)"
+                raise RuntimeError(f"{self.name}: {kind} of {self.grid} blocks x {self.plan['threads']} threads, "
+                                   f"{self.plan['smem_bytes']} B shared memory failed on {self.device}: {exc}") from exc
             if red is not None:
                 red(out if reduce == "out" else self.buffer(reduce))
 

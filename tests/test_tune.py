@@ -1160,6 +1160,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             {k: x for k, x in base.plan["consts"].items() if k not in ll}, c.name
         twin = load(c.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache),
                     share_workspace=layer)
+        coop0 = ov.get("COOP") == 0
+        assert layer.cooperative is not coop0 and base.cooperative, c.name
         g = torch.Generator(device="cuda").manual_seed(21)
         for trial in range(6):
             x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
@@ -1188,6 +1190,23 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
         x, pos = verify.random_inputs(layer, 22)
         r = verify.check_step(layer, x, pos, weights=W)
         assert verify.passed(r, v.model.dtype), (c.name, ov, r["rel_err"], r["first_bad_stage"])
+        if coop0 and layer.plan["grid_syncs"]:  # every launch passed each barrier once: count back at 0
+            arrived, gen = (int(t) & 0xFFFFFFFF for t in layer.buffer("gridbar"))
+            assert arrived == 0 and gen % layer.plan["grid_syncs"] == 0 and gen >= 600 * layer.plan["grid_syncs"], \
+                (c.name, arrived, gen)
+        if coop0 and i == next(j for j, (_, o) in enumerate(cases) if o.get("COOP") == 0):
+            import os  # (the plain launchKernel path: without PDL)
+            os.environ["MEGAKERNEL_PDL"] = "0"
+            try:
+                plain = load(c.name, None, build_dir=tmp_path, packed=layer.packed,
+                             caches=(layer.k_cache, layer.v_cache))
+            finally:
+                del os.environ["MEGAKERNEL_PDL"]
+            assert not plain.pdl and not plain.cooperative
+            x, pos = verify.random_inputs(layer, 23)
+            want = base(x, pos, validate=False)
+            assert torch.equal(plain(x, pos, validate=False), want), c.name
+            del plain
         k = layer.plan["consts"]
         if k["H_LL"] and k["DOWN_FLOW"]:  # the chunks' counters count on: launches so far x each chunk's tiles
             launches = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
