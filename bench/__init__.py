@@ -7,6 +7,13 @@ import sys
 HELP = {"help_option_names": ["-h", "--help"]}  # click's context settings: -h as megakernel's commands take it
 
 
+def fail(msg: str) -> None:
+    """Bad input or a missing GPU: one `error: msg` line on stderr and exit 2, as `megakernel` and gpu_check.py give
+    it (a plan that fails to build or verify exits 1)."""
+    sys.stderr.write(f"error: {msg}\n")
+    sys.exit(2)
+
+
 def find_decode(name: str, extra: list[str], flag: str):
     """(variant, overrides, source) for the decode variant `name` of one GPU declared in variants.yaml,
     bench/heldout.yaml or the `extra` variants files, with the overrides of the plan `megakernel build` gives it
@@ -23,10 +30,10 @@ def find_decode(name: str, extra: list[str], flag: str):
         try:
             declared.update({v.name: v for v in gvariants.load(f)})
         except gvariants.VariantError as exc:
-            sys.exit(f"error: {exc}")
+            fail(str(exc))
     v = declared.get(name)
     if v is None or v.mode != "decode" or v.tp > 1:
-        sys.exit(f"error: {flag} {name}: no decode variant of one GPU of that name in {', '.join(map(str, files))}")
+        fail(f"{flag} {name}: no decode variant of one GPU of that name in {', '.join(map(str, files))}")
     base, source, _, warn = gtune.resolve(v, "90", gtune.default_tuning_file())
     if warn:
         print(warn, file=sys.stderr)
@@ -43,11 +50,11 @@ def build_plans(pairs: list, build_dir: str) -> list[dict]:
     from generator import compile as gcompile
     from generator.toolchain import ToolchainError, find_nvcc
     if Path(build_dir).exists() and not Path(build_dir).is_dir():
-        sys.exit(f"error: --build-dir {build_dir}: exists and is not a directory")
+        fail(f"--build-dir {build_dir}: exists and is not a directory")
     try:
         find_nvcc()
     except ToolchainError as exc:
-        sys.exit(f"error: {exc}")
+        fail(str(exc))
     return gcompile.build([c for c, _ in pairs], build_dir, jobs=os.cpu_count(),
                           overrides={c.name: ov for c, ov in pairs}, replan_spills=False)["entries"]
 

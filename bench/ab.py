@@ -58,7 +58,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args, cases, rows = parse(argv)
-    from bench import build_plans, find_decode
+    from bench import build_plans, fail, find_decode
     from bench.tune import renamed
     from generator.plan import PlanError
     from generator.render import plan as render_plan
@@ -69,13 +69,13 @@ def main(argv=None):
             base, source = {}, "default"
         for r in rows:
             if isinstance(r, int) and r >= v.seq_len:
-                sys.exit(f"error: --rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
+                fail(f"--rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
         sets = [base, *({**base, **ov} for ov in ovs)]
         for ov in sets:
             try:
                 render_plan(v, overrides=ov)
             except PlanError as exc:
-                sys.exit(f"error: {exc}")
+                fail(str(exc))
         # (as `megakernel render` says it: a tuning entry with no overrides is the default plan)
         knobs = f" {base}" if base else ": the default (the tuner found nothing faster)" if source != "default" else ""
         print(f"{name}: from its {source} plan{knobs}", flush=True)
@@ -83,7 +83,7 @@ def main(argv=None):
     if not args.compile_only:
         import torch
         if not torch.cuda.is_available():  # (before compiling anything)
-            sys.exit("error: bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
+            fail("bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
     entries = build_plans([p for _, ps in plans for p in ps], args.build_dir)
     overrides = {c.name: ov for _, ps in plans for c, ov in ps}
     for e in entries:

@@ -90,22 +90,22 @@ def main(argv=None):
         ap.error(f"--overrides {args.overrides!r}: must be a JSON object of knob: integer")
     if args.row != "full" and not (args.row.isascii() and args.row.isdigit()):
         ap.error(f"--row {args.row}: a row number (0 or more) or full")
-    from bench import build_plans, find_decode
+    from bench import build_plans, fail, find_decode
     from bench.tune import renamed
     from generator.plan import PlanError
     from generator.render import plan as render_plan
     v, base, source = find_decode(args.variant, args.variants, "--variant")
     row = v.seq_len - 1 if args.row == "full" else int(args.row)
     if row >= v.seq_len:
-        sys.exit(f"error: --row {row}: past {v.name}'s cache (rows 0 .. {v.seq_len - 1})")
+        fail(f"--row {row}: past {v.name}'s cache (rows 0 .. {v.seq_len - 1})")
     plan_ov = {**base, **ov, "TIMELINE": 1}
     try:
         render_plan(v, overrides=plan_ov)
     except PlanError as exc:
-        sys.exit(f"error: {exc}")
+        fail(str(exc))
     import torch
     if not torch.cuda.is_available():
-        sys.exit("error: bench/timeline.py runs the layer: no CUDA GPU visible to torch")
+        fail("bench/timeline.py runs the layer: no CUDA GPU visible to torch")
     c = renamed(v, "tl")
     e, = build_plans([(c, plan_ov)], args.build_dir)
     if e["status"] != "ok":

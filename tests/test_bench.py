@@ -1053,8 +1053,8 @@ def test_bench_scripts_usage_errors_are_one_line(argv):
 
 
 def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_variants_file):
-    """bench/ab.py: an undeclared variant, a refused plan and a row past the cache are one `error:` line before
-    anything is built; --compile-only builds the default and each override set and prints their resources."""
+    """bench/ab.py: an undeclared variant, a refused plan and a row past the cache are one `error:` line (exit 2, as
+    `megakernel` and gpu_check.py) before anything is built; --compile-only builds the default and each override set and prints their resources."""
     from conftest import cli_env
     ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
     one = "llama3.2-1b_decode_b1_s4096_bf16"
@@ -1071,7 +1071,7 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     for extra, want, env in cases:
         r = subprocess.run([*ab, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                            env={**cli_env(), **env})
-        assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert want in r.stderr, r.stderr
         assert not (tmp_path / "b").exists()
     r = subprocess.run([*ab, "--variants", str(tiny_variants_file), "--case", "tiny-a_decode_b1_s64_bf16",
@@ -1118,7 +1118,7 @@ def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
               [(["--variant", "llama3.2-1b_decode_b1_s4096_bf16"], "no CUDA GPU visible to torch")])
     for extra, want in cases:
         r = subprocess.run([*tl, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=cli_env())
-        assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert want in r.stderr, r.stderr
         assert not (tmp_path / "b").exists()
 
