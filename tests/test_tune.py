@@ -183,6 +183,12 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
         render.plan(v, overrides={"COOP": 0, "NORM_CLUSTER": 2})
     with pytest.raises(PlanError, match="COOP=2: must be 0 or 1"):
         render.plan(v, overrides={"COOP": 2})
+    # the launch configuration: programmatic serialisation only, or with the cooperative attribute as well
+    from generator.loader import _ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, pdl_config
+    for coop, want in ((False, [_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION]),
+                       (True, [_ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION])):
+        cfg = pdl_config(132, 512, 1024, cooperative=coop)
+        assert [cfg.attrs[i].id for i in range(cfg.numAttrs)] == want and cfg.gridDimX == 132
 
 
 def test_h_ll_drops_o_projs_barrier():
@@ -1162,6 +1168,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
                     share_workspace=layer)
         coop0 = ov.get("COOP") == 0
         assert layer.cooperative is not coop0 and base.cooperative, c.name
+        assert not layer.pdl or layer._config.numAttrs == (1 if coop0 else 2), c.name  # (no cooperative attribute)
         g = torch.Generator(device="cuda").manual_seed(21)
         for trial in range(6):
             x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
