@@ -142,7 +142,9 @@ __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task
 
 // A projection's first weight step, loaded before the barrier (or the launch's wait) that precedes its stage (the
 // decode plan's <P>_PRE): weights do not depend on the stage's input, so the group's first U loads fly while the
-// block waits; gemv<..., PRE = 1> takes them as its first step. ON = 0: nothing is loaded (and nothing held).
+// block waits; gemv<..., PRE = 1> takes them as its first step. ON = 0: nothing is loaded (and nothing held); 2: as 1,
+// and the rest of the group's first task prefetched into L2 (for QKV_PRE under COOP 0, where a block may start
+// several µs before the previous launch is done).
 template <int U>
 struct GemvPre {
     uint4 a[U];
@@ -155,8 +157,23 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
         GemvPre<U * TM> p;
         const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
         const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round (its round loop)
-        if (task < N / 16 / TM * KSPLIT)
+        if (task < N / 16 / TM * KSPLIT) {
             gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, warp, threadIdx.x & 31, p.a);
+            if constexpr (ON == 2) {
+                // the rest of the task's k-tiles this warp streams, into L2: a 128-byte line a prefetch, one lane
+                // in eight (a k-tile's 32 lanes x 16 B are 512 contiguous bytes; packed layout above)
+                constexpr int KT = K / 16 / KSPLIT, TT = N / 16 / TM;
+                const int tile = ((task % TT) * TM + TILE0) % (N / 16), ks = task / TT, lane = threadIdx.x & 31;
+                if ((lane & 7) == 0)
+#pragma unroll
+                    for (int m = 0; m < TM; ++m) {
+                        const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32
+                                          + lane;
+                        for (int kt = warp + NWG * U; kt < KT; kt += NWG)
+                            asm volatile("prefetch.global.L2 [%0];" :: "l"(wt + (size_t)kt * 32));
+                    }
+            }
+        }
         return p;
     }
 }

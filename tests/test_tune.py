@@ -1144,7 +1144,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8}), (l1, {"H_LL": 2, "ATT_LL": 2, "QKV_FLOW": 2}),
              # COOP 0: no cooperative launch, the grid barriers counted in the workspace (alone, with QKV_PRE's
              # weights before the wait, with stream-K's and ATT_DYN's schedules, beside the hand-offs)
-             (l1, {"COOP": 0}), (l1, {"COOP": 0, "QKV_PRE": 1}),
+             (l1, {"COOP": 0}), (l1, {"COOP": 0, "QKV_PRE": 1}), (l1, {"COOP": 0, "QKV_PRE": 2}),
              (named["llama3-8b_decode_b1_s4096_bf16"], {"COOP": 0, "QKV_PRE": 1}),
              (named["llama3.2-1b_decode_b8_s32768_bf16"], {"COOP": 0}),
              (named["llama3.2-1b_decode_b4_s32768_bf16"], {"COOP": 0, "ATT_LL": 1}), (b5, {"COOP": 0}),
@@ -1441,8 +1441,11 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
     assert body.index("qkv_proj_pre(w_qkv") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
     assert body.index("attention(pos") < body.index("o_proj_pre(w_o)") < body.index("grid.sync()", body.index(
         "o_proj_pre")) < body.index("o_proj(ws_attn")
-    with pytest.raises(PlanError, match="O_PRE=2: must be 0 or 1"):
-        plan(v, "90", overrides={"O_PRE": 2})
+    with pytest.raises(PlanError, match=r"O_PRE=3: must be 0, 1 or 2 \(2: the rest of the first task"):
+        plan(v, "90", overrides={"O_PRE": 3})
+    # 2: the rest of the first task into L2 as well (in the rendered source: the prefetches behind ON == 2)
+    src2 = render(v, plan(v, "90", overrides={"QKV_PRE": 2}))
+    assert "constexpr int QKV_PRE = 2;" in src2 and "prefetch.global.L2" in src2
     tp = next(v for v in declared() if v.tp > 1)
     with pytest.raises(PlanError, match="GU_PRE=1: not with tensor parallel"):
         plan(tp, "90", overrides={"GU_PRE": 1})

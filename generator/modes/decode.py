@@ -62,7 +62,7 @@ STEPS = (
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
-# gemv_pre); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
+# gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
 # of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN 1: attention's rows per
 # task chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule),
 # 2: stream-K, equal runs of the launch's tiles a block (attention_stream; att_stream_schedule);
@@ -130,7 +130,10 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
-        if (k in on_off or k.endswith("_PRE")) and val not in (0, 1):
+        if k.endswith("_PRE") and val not in (0, 1, 2):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2 (2: the rest of the first task "
+                            "prefetched into L2 as well)")
+        if k in on_off and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
         if k == "NORM_CLUSTER" and val not in (1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
