@@ -35,7 +35,8 @@ constexpr int GU_FULL = 0;
 constexpr int DOWN_KSPLIT = 12;
 constexpr int DOWN_FULL = 0;
 constexpr int TMAP_BYTES = 128;  // a tensor map's size in w_tmaps
-constexpr int TL_SLOTS = 24, TL_ATT = 16;  // TIMELINE: a block's stamps; attention's from
+// TIMELINE: a block's stamps, attention's phases from TL_ATT (generator.interface)
+constexpr int TL_SLOTS = 24, TL_ATT = 16;
 constexpr int TMAP_QKV = 0;  // w_tmaps' w_qkv
 constexpr int TMAP_O = 1;  // w_tmaps' w_o
 constexpr int TMAP_GU = 2;  // w_tmaps' w_gu

@@ -167,8 +167,8 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
                 if ((lane & 7) == 0)
 #pragma unroll
                     for (int m = 0; m < TM; ++m) {
-                        const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32
-                                          + lane;
+                        const uint4* wt =
+                            reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
                         for (int kt = warp + NWG * U; kt < KT; kt += NWG)
                             asm volatile("prefetch.global.L2 [%0];" :: "l"(wt + (size_t)kt * 32));
                     }

@@ -1054,7 +1054,8 @@ def test_bench_scripts_usage_errors_are_one_line(argv):
 
 def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_variants_file):
     """bench/ab.py: an undeclared variant, a refused plan and a row past the cache are one `error:` line (exit 2, as
-    `megakernel` and gpu_check.py) before anything is built; --compile-only builds the default and each override set and prints their resources."""
+    `megakernel` and gpu_check.py) before anything is built; --compile-only builds the default and each override set
+    and prints their resources."""
     from conftest import cli_env
     ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
     one = "llama3.2-1b_decode_b1_s4096_bf16"

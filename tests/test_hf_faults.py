@@ -127,8 +127,9 @@ def test_window_shorter_than_seq_len_is_refused_per_layer(tmp_path, monkeypatch)
     # generate without --cache-len: the cache is the prompt + new tokens, so the line says to ask for fewer
     from conftest import run_cli
     r = run_cli(["generate", d, "--ids", "1,2", "--max-new-tokens", "20", "--device", "cpu"], cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "seq_len 21 is longer than sliding_window 16" \
-        in r.stderr and "--max-new-tokens - 1 rows: ask for fewer new tokens, or give a shorter prompt" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "seq_len 21 is longer than sliding_window 16" in r.stderr, r.stderr
+    assert "--max-new-tokens - 1 rows: ask for fewer new tokens, or give a shorter prompt" in r.stderr, r.stderr
     # beyond the window transformers' layer really differs from full attention: the refusal is needed
     full = T.Qwen2ForCausalLM(T.Qwen2Config(**kw, **rope_kwargs(T.Qwen2Config, 1e6))).eval()
     full.load_state_dict(model.state_dict())

@@ -207,7 +207,8 @@ def test_h_ll_drops_o_projs_barrier():
     assert "if constexpr (!H_LL) grid.sync();" in render.render(v, on)
     assert on["workspace"]["buffers"]["hb"]["bytes"] == 2 * off["workspace"]["buffers"]["hb"]["bytes"]
     for ov, why in [({"H_STATS": 1}, "H_STATS 0"), ({"NORM_CLUSTER": 2}, r"NORM_CLUSTER 1 \(this plan: 2\)"),
-                    ({"NORM_GLOBAL": 1}, r"NORM_GLOBAL 0 \(the second norm in each block\); H_STATS 0"), ({"O_KSPLIT": 2}, r"O_KSPLIT 1 \(this plan: 2\)"),
+                    ({"NORM_GLOBAL": 1}, r"NORM_GLOBAL 0 \(the second norm in each block\); H_STATS 0"),
+                    ({"O_KSPLIT": 2}, r"O_KSPLIT 1 \(this plan: 2\)"),
                     ({"GU_KSPLIT": 2}, r"GU_KSPLIT 1 \(this plan: 2\)")]:
         with pytest.raises(PlanError, match=f"H_LL=1 needs {why}$"):  # (only what fails is named)
             render.plan(v, overrides={"H_LL": 1, **ov})
@@ -216,7 +217,8 @@ def test_h_ll_drops_o_projs_barrier():
     with pytest.raises(PlanError, match=r"H_LL=1 needs batch <= 8 \(16\)$"):
         render.plan(dataclasses.replace(v, batch=16), overrides={"H_LL": 1, "NORM_GLOBAL": 0})
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
-    with pytest.raises(PlanError, match="HB_COPY 1 .this plan: 0"):  # (fp16: the norm reads fp32 h, which may exceed fp16's range)
+    # (fp16: the norm reads fp32 h, which may exceed fp16's range)
+    with pytest.raises(PlanError, match="HB_COPY 1 .this plan: 0"):
         render.plan(fp16, overrides={"H_LL": 1})
     small = _decode_layer("hll", 1, 256, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 3072")
     with pytest.raises(PlanError, match="H_LL=1 with DOWN_FLOW: needs a gate_up task in every block.*96 tasks"):
@@ -317,7 +319,8 @@ def test_att_ll_drops_attentions_barrier(tmp_path):
         render.plan(v, overrides={"ATT_LL": 1, "X_FRAG": 0})
     with pytest.raises(PlanError, match=r"ATT_LL=1 needs NORM_GLOBAL 0; batch <= 8 \(16\)$"):
         render.plan(dataclasses.replace(v, batch=16), overrides={"ATT_LL": 1})
-    with pytest.raises(PlanError, match=r"ATT_LL=1 needs O_KSPLIT 1 \(this plan: 2\)$"):  # (its split-K counters would share ws_count with attention's)
+    # (its split-K counters would share ws_count with attention's)
+    with pytest.raises(PlanError, match=r"ATT_LL=1 needs O_KSPLIT 1 \(this plan: 2\)$"):
         render.plan(v, overrides={"ATT_LL": 1, "O_KSPLIT": 2})
     with pytest.raises(PlanError, match="ATT_LL=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"ATT_LL": 3})
@@ -533,7 +536,8 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
         assert c["NORM_GLOBAL"] == 1 and c["GU_TM"] == c["O_TM"] == tm, b
     with pytest.raises(PlanError, match="16 warps x 16 x batch x 4 B .twice with RED_DB=1.: a batch of at most 227"):
         render.plan(dataclasses.replace(l8b, batch=240), "90")
-    for ov, why in (({"NORM_FOLD": 1}, r"no NORM_FOLD \(this plan: 1\)"), ({"NORM_CLUSTER": 2}, r"NORM_CLUSTER 1 \(this plan: 2\)")):
+    for ov, why in (({"NORM_FOLD": 1}, r"no NORM_FOLD \(this plan: 1\)"),
+                    ({"NORM_CLUSTER": 2}, r"NORM_CLUSTER 1 \(this plan: 2\)")):
         with pytest.raises(PlanError, match=f"NORM_GLOBAL=1 needs {why}$"):
             render.plan(l8b, "90", overrides={"NORM_GLOBAL": 1, **ov})
     with pytest.raises(PlanError, match=r"NORM_GLOBAL=1 needs one GPU \(not run on 2\)$"):

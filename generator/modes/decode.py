@@ -734,8 +734,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # pre-wait work (QKV_PRE's weights) early; its grid barriers count in ws_gridbar (templates/common.cuh
         # grid_barrier), which needs every block resident: one block an SM, the grid at most the SMs, and nothing
         # else on the GPU holding SMs for good
-        _needs(v.name, "COOP", coop, [(v.tp == 1, f"one GPU (tp {v.tp}: a launch a reduction)"),
-                                      (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster}, a cluster launch)")])
+        _needs(v.name, "COOP", coop, [
+            (v.tp == 1, f"one GPU (tp {v.tp}: a launch a reduction)"),
+            (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster}, a cluster launch)")])
     if ov.get("TIMELINE") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")

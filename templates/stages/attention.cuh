@@ -232,7 +232,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     long long tl_start = 0;
     auto tl = [&](int phase, long long t = 0) {
         if constexpr (TIMELINE)
-            if (threadIdx.x == 0) ws_timeline[(size_t)blockIdx.x * TL_SLOTS + TL_ATT + phase] = t ? t : globaltimer_ns();
+            if (threadIdx.x == 0)
+                ws_timeline[(size_t)blockIdx.x * TL_SLOTS + TL_ATT + phase] = t ? t : globaltimer_ns();
     };
     // QKV_FLOW 2: nothing between qkv_proj and this step (no barrier, no counter's block barrier): the block's own
     // qkv epilogue may still read the shared memory this step writes
