@@ -177,12 +177,12 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
     assert src_on.count("grid_barrier(ws_gridbar);") == src_off.count("grid.sync();") == 6
     assert "grid.sync();" not in src_on and "grid_barrier(ws_gridbar);" not in src_off
     assert on["workspace"]["buffers"]["gridbar"]["bytes"] == 8 and off["workspace"]["buffers"]["gridbar"]["bytes"] == 0
-    with pytest.raises(PlanError, match=r"COOP=0 needs one GPU \(tp 2"):
-        render.plan(dataclasses.replace(v, tp=2), overrides={"COOP": 0})
-    with pytest.raises(PlanError, match=r"COOP=0 needs NORM_CLUSTER 1 \(this plan: 2, a cluster launch\)$"):
-        render.plan(v, overrides={"COOP": 0, "NORM_CLUSTER": 2})
-    with pytest.raises(PlanError, match="COOP=2: must be 0 or 1"):
-        render.plan(v, overrides={"COOP": 2})
+    for layer, ov, want in ((dataclasses.replace(v, tp=2), {"COOP": 0}, r"COOP=0 needs one GPU \(tp 2"),
+                            (v, {"COOP": 0, "NORM_CLUSTER": 2},
+                             r"COOP=0 needs NORM_CLUSTER 1 \(this plan: 2, a cluster launch\)$"),
+                            (v, {"COOP": 2}, "COOP=2: must be 0 or 1")):
+        with pytest.raises(PlanError, match=want):
+            render.plan(layer, overrides=ov)
     # the launch configuration: programmatic serialisation only, or with the cooperative attribute as well
     from generator.loader import _ATTR_COOPERATIVE, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, pdl_config
     for coop, want in ((False, [_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION]),
