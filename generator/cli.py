@@ -850,9 +850,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             if temperature > 0 and out.tokens_per_s > 0 else ""),
          markup=False, highlight=False, soft_wrap=True)
     import torch
-    # the checkpoint's own dtype, as transformers reads it (`dtype` over `torch_dtype`)
-    cfg_dtype = str(cfg.get("dtype") if cfg.get("dtype") is not None else cfg.get("torch_dtype"))
-    if dtype is None and cfg_dtype.removeprefix("torch.") == "float32" and model.dtype != torch.float32:
+    if dtype is None and hf.config_dtype(cfg)[1] == "float32" and model.dtype != torch.float32:
         info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the default "
              "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it as transformers does "
              "(unfused)", markup=False, highlight=False,

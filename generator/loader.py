@@ -356,6 +356,9 @@ class FusedDecoderLayer:
         # the kernel strides over gridDim: any co-resident grid (of whole clusters with NORM_CLUSTER) is correct; one
         # block per SM is what was planned
         self._resident = sms * occ  # (blocks that can be resident at once: COOP 0's grid barriers need them all)
+        # COOP 0 (decode plan knob): launched without the cooperative attribute (its grid barriers count in the
+        # workspace), so under PDL its blocks start as the previous launch's leave their SMs
+        self.cooperative = bool(self.plan["consts"].get("COOP", 1))
         self.grid = sms * min(occ, 1)
         ncl = self.plan["consts"].get("NORM_CLUSTER", 1)
         if ncl > 1:  # whole clusters, as many as can be resident at once (NORM_CLUSTER): a cluster's blocks share a GPC
@@ -374,9 +377,6 @@ class FusedDecoderLayer:
         cc = torch.cuda.get_device_capability(self.device)
         self.pdl = (cc >= (9, 0) and self.mode == "decode" and self.tp == 1
                     and env_flag("MEGAKERNEL_PDL", True))
-        # COOP 0 (decode plan knob): launched without the cooperative attribute (its grid barriers count in the
-        # workspace), so under PDL its blocks start as the previous launch's leave their SMs
-        self.cooperative = bool(self.plan["consts"].get("COOP", 1))
         if self.pdl:
             self._config = pdl_config(self.grid, self.plan["threads"], self.plan["smem_bytes"],
                                       cooperative=self.cooperative)
@@ -442,7 +442,7 @@ class FusedDecoderLayer:
 
     @grid.setter
     def grid(self, n: int) -> None:
-        if not getattr(self, "cooperative", True) and n > self._resident:  # (a cooperative launch: the driver says it)
+        if not self.cooperative and n > self._resident:  # (a cooperative launch: the driver says it)
             raise LoadError(f"{self.name}: COOP 0: a grid of {n} blocks, {self._resident} can be resident at once on "
                             f"this GPU; its grid barriers need every block resident")
         self._grid = n

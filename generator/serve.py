@@ -564,7 +564,7 @@ class Model:
         from . import loader, manifest, routes as groutes
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
-        from .hf.config import check_window
+        from .hf.config import check_window, config_dtype
         from .hf.yaml_edit import variant_entry_yaml
 
         # numpy's integers as Python's (the checks below take ints; a bool stays refused)
@@ -642,8 +642,8 @@ class Model:
                              f"got {dtype}")
         if not vs and dtype == torch.float16:  # (fused fp16 variants warned in _check_variant)
             hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
-        field = "dtype" if ck.cfg.get("dtype") is not None else "torch_dtype"  # (transformers' order)
-        if asked is None and str(ck.cfg.get(field)).removeprefix("torch.") == "float32" and dtype != torch.float32:
+        field, raw = config_dtype(ck.cfg)
+        if asked is None and raw == "float32" and dtype != torch.float32:
             warnings.warn(hfm.HFPrecisionWarning(
                 f"{ck.cfg_path}: field '{field}' is float32 but the model runs in {str(dtype).removeprefix('torch.')} "
                 "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, as transformers "

@@ -104,6 +104,14 @@ def default_name(cfg_path: Path, model_type: str) -> str:
     return name if gvariants.NAME_RE.match(name or "") else model_type
 
 
+def config_dtype(cfg: dict) -> tuple[str, str | None]:
+    """(field, its value without a "torch." prefix, None where absent): a config.json's dtype as transformers reads
+    it, `dtype` kept over `torch_dtype` where both are given (PreTrainedConfig.__post_init__)."""
+    field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    raw = cfg.get(field)
+    return field, None if raw is None else str(raw).removeprefix("torch.")
+
+
 def _check_int(cfg_path, cfg, field, *, default=None, required=True):
     v = cfg.get(field)
     if v is None:
@@ -330,14 +338,12 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     qkv_bias = model_type == "qwen2"
     qk_norm = model_type == "qwen3"
 
-    # transformers keeps `dtype` when both are given (PreTrainedConfig.__post_init__)
-    dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    dtype_field, key = config_dtype(cfg)
     raw_dtype = cfg.get(dtype_field)
-    if raw_dtype is None:
+    if key is None:
         dtype = "bf16"
         notes.append("no dtype/torch_dtype in config.json: bf16 assumed")
     else:
-        key = str(raw_dtype).removeprefix("torch.")
         if key not in DTYPES:
             raise HFConfigError(f"{cfg_path}: field '{dtype_field}' is {raw_dtype!r}: supported are "
                                 f"{', '.join(DTYPES)}")

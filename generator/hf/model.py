@@ -7,7 +7,7 @@ import warnings
 
 from .. import variants as gvariants
 from .checkpoint import HFCheckpointError, _Checkpoint
-from .config import HFConfigError, check_window
+from .config import HFConfigError, check_window, config_dtype
 
 
 class HFPrecisionWarning(UserWarning):
@@ -63,8 +63,7 @@ def _warn_fp16(ck: _Checkpoint, v, tensor: str, stacklevel: int = 3) -> None:
     if v is not None and v.model.dtype != "fp16":
         return
     target = f"variant '{v.name}' is fp16" if v is not None else "the unfused layers run in fp16 (dtype=float16)"
-    field = "dtype" if ck.cfg.get("dtype") is not None else "torch_dtype"
-    raw = str(ck.cfg.get(field)).removeprefix("torch.")
+    field, raw = config_dtype(ck.cfg)
     if raw in ("bfloat16", "float32"):
         src, what = ck.cfg_path, f"field '{field}' is {raw}"
     else:

@@ -62,8 +62,8 @@ STEPS = (
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
-# gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16): o_proj writes the second norm's input times its gain and each row's sum
-# of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN 1: attention's rows per
+# gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
+# o_proj writes the second norm's input times its gain and each row's sum of squares per tile, so that norm makes no pass (templates/stages/o_proj.cuh); ATT_DYN 1: attention's rows per
 # task chosen at run time from the positions (attention_split below; templates/stages/attention.cuh att_schedule),
 # 2: stream-K, equal runs of the launch's tiles a block (attention_stream; att_stream_schedule);
 # RED_DB: the projections' partial sums double-buffered in shared memory (0: one buffer and a group barrier before
@@ -78,8 +78,8 @@ STEPS = (
 # NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
 # o_proj's T copy of h written as such words, which every block's norm polls (2: ~256 ns between polls); DOWN_FLOW's
 # counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0
-# stamps the global timer at its entry, after the launch's wait, at each step's end and after each grid barrier
-# (ws_timeline; bench/timeline.py)
+# stamps the global timer at its entry, after the launch's wait, at each step's end and after each grid barrier,
+# then at attention's phases (ws_timeline; bench/timeline.py); COOP 0: no cooperative launch (below)
 assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PHASES) <= TIMELINE_SLOTS, \
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
