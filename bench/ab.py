@@ -62,7 +62,7 @@ def main(argv=None):
     from bench.tune import renamed
     from generator.plan import PlanError
     from generator.render import plan as render_plan
-    plans = []  # (variant, [(built variant, overrides)]): the plan build gives it first
+    plans, notes = [], []  # (variant, [(built variant, overrides)]): the plan build gives it first
     for name, ovs in cases.items():
         v, base, source = find_decode(name, args.variants, "--case")
         if args.no_tuned:
@@ -78,12 +78,13 @@ def main(argv=None):
                 fail(str(exc))
         # (as `megakernel render` says it: a tuning entry with no overrides is the default plan)
         knobs = f" {base}" if base else ": the default (the tuner found nothing faster)" if source != "default" else ""
-        print(f"{name}: from its {source} plan{knobs}", flush=True)
+        notes.append(f"{name}: from its {source} plan{knobs}")
         plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))
     if not args.compile_only:
         import torch
         if not torch.cuda.is_available():  # (before compiling anything)
             fail("bench/ab.py times on a GPU: no CUDA GPU visible to torch (--compile-only builds only)")
+    print("\n".join(notes), flush=True)  # (after the refusals: a refused run is its one error line)
     entries = build_plans([p for _, ps in plans for p in ps], args.build_dir)
     overrides = {c.name: ov for _, ps in plans for c, ov in ps}
     for e in entries:
