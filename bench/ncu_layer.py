@@ -43,22 +43,24 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ and generator/ from thi
 def main(variant, build_dir, variants_file, launches, pos, seed, cache_len, unfused):
     """Launch built VARIANT --launches times (random weights and cache) for Nsight Compute to profile."""
     import torch
-    if not torch.cuda.is_available():
-        print("error: bench/ncu_layer.py launches a kernel: no CUDA GPU visible to torch", file=sys.stderr)
-        sys.exit(2)
+
+    from bench import fail
     from bench.measure import PREFILL_CACHE
     from generator import reference, variants as gvariants
     from generator.loader import LoadError, load
-    v = next((v for v in gvariants.load(variants_file) if v.name == variant), None)
+    try:  # (the input first: a misspelt name is said on a machine without a GPU too)
+        v = next((v for v in gvariants.load(variants_file) if v.name == variant), None)
+    except gvariants.VariantError as exc:
+        fail(str(exc))
     if v is None:
-        print(f"error: {variants_file}: no variant {variant}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{variants_file}: no variant {variant}")
+    if not torch.cuda.is_available():
+        fail("bench/ncu_layer.py launches a kernel: no CUDA GPU visible to torch")
     try:
         layer = load(variant, reference.random_weights(v.model, seed=seed, device="cuda"), build_dir=build_dir,
                      cache_len=(cache_len or max(PREFILL_CACHE, v.seq_len)) if v.mode == "prefill" else None)
     except LoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc))
     for c in (layer.k_cache, layer.v_cache):
         c.normal_()
     B, m = v.batch, v.model

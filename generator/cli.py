@@ -177,7 +177,7 @@ def variants_flag(variants_file) -> str:
 @build_dir_opt
 @tuned_opts
 @click.option("--knobs", "knobs_only", is_flag=True, help="print the plan's knobs (one `KNOB value` a line: what "
-              "`megakernel tune` varies and a tuning entry overrides), not the source")
+              "a tuning entry records and may override; README: the knobs), not the source")
 def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_only):
     """Print the rendered CUDA source of one variant, with the plan `build` would compile (tuned where tuning/ has
     it: a note on stderr says so; where the build directory holds a build that re-planned its spilling default, a
@@ -828,7 +828,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
-        if issubclass(w.category, hf.HFPrecisionWarning) and "float32 but the model runs" in str(w.message):
+        if issubclass(w.category, hf.HFDowncastWarning):
             continue  # (the note below says it with the option's name)
         info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:

@@ -644,7 +644,7 @@ class Model:
             hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
         field, raw = config_dtype(ck.cfg)
         if asked is None and raw == "float32" and dtype != torch.float32:
-            warnings.warn(hfm.HFPrecisionWarning(
+            warnings.warn(hfm.HFDowncastWarning(
                 f"{ck.cfg_path}: field '{field}' is float32 but the model runs in {str(dtype).removeprefix('torch.')} "
                 "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, as transformers "
                 "does)"), stacklevel=2)

@@ -863,6 +863,10 @@ def test_ncu_layer_script_refuses_without_a_gpu_in_one_line():
     h = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_layer.py"), "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
     assert h.returncode == 0 and "--launch-skip" not in h.stdout and "--pos" in h.stdout
+    # the input is checked first: a misspelt name is said as such, not as a missing GPU
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_layer.py"), "llama3.2-1b_decode_b1_s4096"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: variants.yaml: no variant llama3.2-1b_decode_b1_s4096"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU refusal")

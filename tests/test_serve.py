@@ -979,14 +979,16 @@ def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_u
 
 def test_an_fp32_checkpoint_run_in_bf16_is_said_through_the_api_too(tiny):
     """Model.from_hf without a dtype runs a float32 checkpoint in bf16 (the fused kernels' dtype): one
-    HFPrecisionWarning says so, as the CLI's note does (a new user's trial: the API said nothing); asked for, no
-    warning."""
+    HFDowncastWarning (an HFPrecisionWarning, so the CLI can drop it by class for its own note) says so, as the CLI's
+    note does (a new user's trial: the API said nothing); asked for, no warning."""
     import warnings
 
-    from generator.hf import HFPrecisionWarning
+    from generator.hf import HFDowncastWarning, HFPrecisionWarning
     _, d = tiny
-    with pytest.warns(HFPrecisionWarning, match="field '(torch_)?dtype' is float32 but the model runs in bfloat16"):
+    with pytest.warns(HFPrecisionWarning, match="field '(torch_)?dtype' is float32 but the model runs in bfloat16") \
+            as rec:
         m = serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16)
+    assert [w.category for w in rec if issubclass(w.category, HFPrecisionWarning)] == [HFDowncastWarning]
     assert m.dtype == torch.bfloat16
     for dtype in (torch.float32, torch.bfloat16):
         with warnings.catch_warnings():

@@ -12,8 +12,14 @@ from .config import HFConfigError, check_window, config_dtype
 
 class HFPrecisionWarning(UserWarning):
     """A checkpoint run in another precision than its config's: bf16/fp32 weights cast to fp16 (which overflows to
-    inf above 65,504, bf16 and fp32 do not), or an fp32 checkpoint run in bf16 without being asked (generator.serve:
-    the fused kernels' dtype)."""
+    inf above 65,504, bf16 and fp32 do not), or an fp32 checkpoint run in bf16 without being asked
+    (HFDowncastWarning)."""
+
+
+class HFDowncastWarning(HFPrecisionWarning):
+    """An fp32 checkpoint (config dtype/torch_dtype float32) run in bf16/fp16 because no dtype was asked for
+    (generator.serve: the fused kernels' dtype); transformers would run it in fp32. Its own class so that a caller
+    that says so in its own words (the CLI's note) can drop it by category."""
 
 
 class HFUnusedTensorsWarning(UserWarning):
