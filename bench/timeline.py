@@ -81,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--variants", action="append", default=[], help="more variants files (repeatable)")
     ap.add_argument("--build-dir", default="build-timeline", help="where the stamped plan is built [build-timeline]")
     ap.add_argument("--out", default=None, help="JSON file [$OUT/timeline.json, else ./timeline.json]")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the stamped plan into --build-dir and stop; no GPU (a later run there reuses it)")
     args = ap.parse_args(argv)
     try:
         ov = json.loads(args.overrides)
@@ -104,12 +106,17 @@ def main(argv=None):
     except PlanError as exc:
         fail(str(exc))
     import torch
-    if not torch.cuda.is_available():
+    if not args.compile_only and not torch.cuda.is_available():
         fail("bench/timeline.py runs the layer: no CUDA GPU visible to torch")
     c = renamed(v, "tl")
     e, = build_plans([(c, plan_ov)], args.build_dir)
     if e["status"] != "ok":
         sys.exit(f"error: {c.name}: {e['status']}: {(e.get('error') or '').splitlines()[:1]}")
+    if args.compile_only:
+        r = e.get("resources") or {}
+        print(f"{c.name} {plan_ov}: built in {args.build_dir}, {r.get('registers')} registers, spills "
+              f"{r.get('spill_stores')} / {r.get('spill_loads')} B")
+        return
     from bench.measure import n_layers_for
     from bench.timing import graph_of, layer_bytes
     from generator import reference, verify

@@ -1126,6 +1126,12 @@ def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert want in r.stderr, r.stderr
         assert not (tmp_path / "b").exists()
+    # --compile-only: the stamped plan built (no GPU needed), so a device call reuses it from the build directory
+    r = subprocess.run([*tl, "--variant", "qwen2.5-0.5b_decode_b1_s1024_bf16", "--overrides", '{"COOP": 0}',
+                        "--compile-only"], capture_output=True, text=True, cwd=tmp_path, timeout=600, env=cli_env())
+    assert r.returncode == 0, r.stderr
+    assert "'COOP': 0" in r.stdout and "'TIMELINE': 1" in r.stdout and "spills 0 / 0 B" in r.stdout, r.stdout
+    assert (tmp_path / "b" / "qwen2.5-0.5b.tl_decode_b1_s1024_bf16" / "kernel.cu").is_file()
 
 
 def test_timeline_knob_stamps_only_where_asked(tmp_path):

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The experiments queued for the next GPU calls (bench/NOTES.md, "Next device calls"), kept in the repo so that a new
+# checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that.
+#
+#   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/, build-timeline/<tag>/
+#   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline): each < 600 s
+#   bash bench/queue.sh b
+#   bash bench/queue.sh tests     # the GPU tests not run on the current code
+#
+# Results go to $OUT (the device's; ./out here). A step that fails is said and the next one runs.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-}  # "--compile-only" under `build`
+
+B1=llama3.2-1b_decode_b1_s4096_bf16
+HALF=qwen2.5-0.5b_decode_b1_s4096_bf16
+B8=llama3.2-1b_decode_b8_s4096_bf16
+L8=llama3-8b_decode_b1_s4096_bf16
+Q7=qwen2.5-7b_decode_b4_s4096_bf16
+ALL='"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1'
+
+step() {  # step NAME CMD...: runs CMD with its output in $OUT/NAME.log, a line of its outcome on stdout
+  local name=$1; shift
+  local t0=$SECONDS
+  if "$@" >"$OUT/$name.log" 2>&1; then echo "ok   $name ($((SECONDS - t0)) s)"; else
+    echo "FAIL $name ($((SECONDS - t0)) s): $(tail -1 "$OUT/$name.log")"; fi
+  tail -n 25 "$OUT/$name.log"
+}
+
+timeline() {  # timeline TAG VARIANT ROW OVERRIDES
+  step "tl-$1" python3 bench/timeline.py --variant "$2" --row "$3" --overrides "$4" \
+    --build-dir "build-timeline/$1" --out "$OUT/timeline-$1.json" $BUILD
+}
+
+ab() {  # ab TAG ROWS --case ... : one A/B run
+  local tag=$1 rows=$2; shift 2
+  step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
+}
+
+part_a() {
+  [ -z "$BUILD" ] && step gputest-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs or coop"
+  # COOP 0: does the next layer's grid now enter as the previous one's blocks leave (the launch boundary)?
+  timeline 1b1-base $B1 191 '{}'
+  timeline 1b1-all $B1 191 "{$ALL}"
+  timeline 1b1-coop $B1 191 '{"COOP": 0, "QKV_PRE": 2}'
+  ab 1b1-coop full,191 \
+    --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 1}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}' \
+    --case $B1 '{"QKV_PRE": 2}' --case $B1 "{\"COOP\": 0, \"QKV_PRE\": 1, $ALL}"
+}
+
+part_b() {
+  # the LL hand-offs with the batched polls (session 43), COOP 0 beside them
+  ab ll-small full,191 \
+    --case $B1 '{"ATT_LL": 1}' --case $B1 '{"H_LL": 1}' --case $B1 "{$ALL}" \
+    --case $HALF '{"ATT_LL": 1}' --case $HALF "{$ALL}" --case $HALF '{"COOP": 0}' --case $HALF '{"COOP": 0, "QKV_PRE": 1}'
+  ab ll-large full,191 \
+    --case $L8 '{"ATT_LL": 1}' --case $L8 '{"COOP": 0}' \
+    --case $Q7 '{"ATT_LL": 1}' --case $Q7 '{"QKV_FLOW": 2}' --case $Q7 '{"COOP": 0}' \
+    --case $B8 '{"ATT_LL": 1}' --case $B8 "{$ALL}" --case $B8 '{"COOP": 0}'
+  timeline 1b8-full $B8 full '{}'
+  timeline q7b4-full $Q7 full '{}'
+}
+
+part_tests() {
+  step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_serve.py tests/test_hf_gpu.py \
+    tests/test_lm_head.py
+}
+
+case "${1:-}" in
+  build) BUILD=--compile-only; part_a; part_b ;;
+  a) part_a ;;
+  b) part_b ;;
+  tests) part_tests ;;
+  *) echo "usage: bash bench/queue.sh build|a|b|tests" >&2; exit 2 ;;
+esac
