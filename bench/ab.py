@@ -38,6 +38,9 @@ def parse(argv=None):
     ap.add_argument("--out", default=None, help="JSON file [$OUT/ab.json, else ./ab.json]")
     ap.add_argument("--compile-only", action="store_true", help="build and print resources; no GPU")
     ap.add_argument("--no-tuned", action="store_true", help="start from the default plans, whatever tuning/ holds")
+    ap.add_argument("--queued", action="store_true",
+                    help="count GPU time only: each sample's replay queued behind a spin kernel, so the host's graph "
+                         "launch latency is not charged to the layers (bench.timing.time_samples)")
     args = ap.parse_args(argv)
     cases: dict[str, list[dict]] = {}
     for name, text in args.case:
@@ -102,7 +105,7 @@ def main(argv=None):
         for r in rows:
             got = measure(v, [(c.name, ov) for c, ov in ps], Path(args.build_dir), 1234, 50, 5,
                           positions=None if r == "full" else mixed_positions(v.batch, v.seq_len) if r == "mix"
-                          else [r] * v.batch)
+                          else [r] * v.batch, queued=args.queued)
             t0 = got[0]["us"]
             for g in got:
                 g.update(variant=v.name, where=r,
@@ -114,7 +117,7 @@ def main(argv=None):
                 if g["us"] else f"{g['overrides'] or 'base'} FAILED {g.get('error')}" for g in got), flush=True)
     path = Path(args.out or Path(os.environ.get("OUT", ".")) / "ab.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": out}, indent=1))
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "queued": args.queued, "rows": out}, indent=1))
     print(f"wrote {path}")
 
 

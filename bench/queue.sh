@@ -48,6 +48,9 @@ part_a() {
   ab 1b1-coop full,191 \
     --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 1}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}' \
     --case $B1 '{"QKV_PRE": 2}' --case $B1 "{\"COOP\": 0, \"QKV_PRE\": 1, $ALL}"
+  # the same plans' GPU time only (the host's graph launch not charged: NOTES session 44): against the run above,
+  # the launch's share of the µs a layer, and whether COOP 0's gain is the layers' or the timing's
+  ab 1b1-queued full,191 --queued --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}'
 }
 
 part_b() {

@@ -40,13 +40,24 @@ def graph_of(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return g
 
 
-def time_samples(run, n_layers: int, reps: int) -> list[float]:
+# a spin kernel's length (SM cycles, ~0.1 ms at the H200's ~1.8 GHz): longer than the host takes to enqueue one graph
+# replay behind it (cudaGraphLaunch: ~5-10 µs)
+QUEUE_CYCLES = 200_000
+
+
+def time_samples(run, n_layers: int, reps: int, *, queued: bool = False) -> list[float]:
     """µs per layer of `reps` runs of run(), CUDA events around each, synchronised between runs (so an eager
-    provider's launch overhead is not hidden behind a queue of earlier work)."""
+    provider's launch overhead is not hidden behind a queue of earlier work). queued: each run is enqueued behind a
+    spin kernel (torch.cuda._sleep, QUEUE_CYCLES), so the start event fires when the GPU reaches work already queued:
+    GPU time only, without the host's launch latency of a graph replay (~5-10 µs a sample, which unqueued is charged
+    to the stack's layers; bench/NOTES.md session 44). For graph replays only: an eager provider's host overhead is
+    what its user pays."""
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         s.record()
         run()
         e.record()

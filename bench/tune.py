@@ -47,11 +47,11 @@ def group_of(ov: dict) -> str:
 
 
 def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int,
-            positions: list[int] | None = None) -> list[dict]:
+            positions: list[int] | None = None, queued: bool = False) -> list[dict]:
     """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
     overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context
     (every sequence at row seq_len - 1), or at `positions` (one a sequence: e.g. bench.measure.mixed_positions, a
-    serving mix)."""
+    serving mix). queued: GPU time only (bench.timing.time_samples)."""
     import torch
 
     from bench.measure import PREFILL_CACHE, n_layers_for
@@ -116,7 +116,7 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
             g.replay()
     for _ in range(rounds):
         for name, (g, _) in graphs.items():
-            samples[name] += time_samples(g.replay, n, reps)
+            samples[name] += time_samples(g.replay, n, reps, queued=queued)
     for r in ok:
         r["us"] = round(summarize(samples[r["name"]])["median"], 3)
         r["layers_timed"] = n

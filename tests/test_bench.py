@@ -95,6 +95,35 @@ def test_summarize_matches_time_replays_quantiles():
     assert s["median"] == pytest.approx(50.5) and s["p10"] == 11.0 and s["p90"] == 91.0 and s["n"] == 100
 
 
+def test_queued_samples_put_a_spin_kernel_before_each_start_event(monkeypatch):
+    """time_samples(queued=True): the spin kernel is enqueued before each sample's start event (so the GPU reaches
+    the event with the replay already queued); unqueued, none is; µs per layer from the events either way."""
+    from bench import timing
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):  # ms
+            return 0.08
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    got = timing.time_samples(lambda: log.append("run"), 8, 2, queued=True)
+    assert got == [10.0, 10.0]
+    assert log == [("sleep", timing.QUEUE_CYCLES), "record", "run", "record"] * 2
+    log.clear()
+    timing.time_samples(lambda: log.append("run"), 8, 2)
+    assert log == ["record", "run", "record"] * 2
+
+
 def test_check_output():
     ref = torch.randn(4, 64)
     assert measure.check_output(ref + 1e-3 * torch.randn(4, 64), ref)[0]
