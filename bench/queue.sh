@@ -63,6 +63,7 @@ part_b() {
     --case $Q7 '{"ATT_LL": 1}' --case $Q7 '{"QKV_FLOW": 2}' --case $Q7 '{"COOP": 0}' \
     --case $B8 '{"ATT_LL": 1}' --case $B8 "{$ALL}" --case $B8 '{"COOP": 0}'
   timeline 1b8-full $B8 full '{}'
+  timeline half-191 $HALF 191 '{}'  # 2 blocks carry attention (2 KV heads): 6 µs of 23 in session 34's stamps
   timeline q7b4-full $Q7 full '{}'
 }
 
