@@ -1,7 +1,9 @@
 """The one-call GPU check: build, run the GPU tests, verify every variant (declared, and the held-out shapes of
 bench/heldout.yaml that no plan was tuned for) against the reference on fresh random inputs, time it against the
-unfused torch layer in a CUDA graph and against the FlashInfer layer (where FlashInfer is installed and has kernels
-for the shape), and print a table last.
+unfused torch layer in a CUDA graph, the serving-style layer (bench/serving_layer.py: merged q/k/v and gate/up
+GEMMs, torch.compile max-autotune, CUDA graph; on the --serving rows while --serving-budget lasts: its compile takes
+tens of seconds a shape) and the FlashInfer layer (where FlashInfer is installed and has kernels for the shape), and
+print a table last. "x best" is against the fastest baseline timed for the row.
 
     python bench/gpu_check.py [--variants FILE] [--heldout FILE] [--only GLOB ...] [--no-tests] [--out DIR]
 
@@ -9,6 +11,8 @@ Details go to $OUT (or --out): gpu_check.json and the pytest log.
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
 import json
 import os
 import subprocess
@@ -24,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import HELP, run_click  # noqa: E402
 from bench.baselines import TorchLayer  # noqa: E402
-from bench.providers import FlashInfer  # noqa: E402
+from bench.providers import FlashInfer, ServingCompileGraph, raise_recompile_limit, torch_layer_step  # noqa: E402
 # n_layers_for: distinct layers, one pass over the stack >= 4x the L2
 from bench.measure import check_prefill, mixed_positions, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
@@ -33,7 +37,11 @@ from generator.loader import load  # noqa: E402
 from generator.tune import knob_dict  # noqa: E402
 
 
-def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
+def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False) -> dict:
+    """Verify decode variant `v` (built in build_dir) and time it, a stack of distinct layers at full context (and
+    at a serving mix of positions where batch > 1), against the unfused torch layer, FlashInfer's where it runs and,
+    with `serving`, the serving-style compiled layer (row["serving"]: "ok", or why it was not timed). Returns the
+    row (µs a layer, % of the copy bandwidth `bw` GB/s, speedups, each baseline's rel_err)."""
     m = v.model
     row = {"variant": v.name}
     W = reference.random_weights(m, seed=seed, device="cuda")
@@ -53,9 +61,10 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     n = n_layers_for(nbytes)
     pos_dev = pos_full.cuda()
     xs = torch.randn(v.batch, m.hidden, device="cuda").to(reference.TORCH_DTYPES[m.dtype])
-    fused, base, fi = [], [], []
-    fi_provider = FlashInfer()
+    fused, base, fi, sv = [], [], [], []
+    fi_provider, sv_provider = FlashInfer(), ServingCompileGraph()
     row["flashinfer"] = fi_provider.unavailable(v) or "ok"
+    row["serving"] = "ok" if serving else "not timed (--serving, --serving-budget)"
     for i in range(n):
         Wi = reference.random_weights(m, seed=seed + 1 + i, device="cuda")
         fused.append(load(v.name, Wi, build_dir=build_dir))
@@ -64,13 +73,14 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
             c.normal_()
         base[-1].k_cache.copy_(fused[-1].k_cache)
         base[-1].v_cache.copy_(fused[-1].v_cache)
-        if row["flashinfer"] == "ok":
-            try:
-                fi.append(fi_provider.make_layer(v, Wi, build_dir=build_dir, device="cuda"))
-                fi_provider.load_cache(fi[-1], fused[-1].k_cache, fused[-1].v_cache)
-            except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
-                row["flashinfer"] = f"error: {type(exc).__name__}: {exc}"[:200]
-                fi = []
+        for name, prov, layers in (("serving", sv_provider, sv), ("flashinfer", fi_provider, fi)):
+            if row[name] == "ok":
+                try:
+                    layers.append(prov.make_layer(v, Wi, build_dir=build_dir, device="cuda"))
+                    prov.load_cache(layers[-1], fused[-1].k_cache, fused[-1].v_cache)
+                except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
+                    row[name] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    layers.clear()
 
     def stack(layers, p=pos_dev):
         def step():
@@ -80,16 +90,32 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
             return y
         return step
 
-    if fi:  # the baseline is checked before it is timed: layer 0 against the fp32 reference
+    if sv:  # compiled once for the stack's shape (the layer is an argument: bench.providers.torch_layer_step)
+        torch._dynamo.reset()  # (each variant's shape its own compile, never past dynamo's recompile limit)
+        raise_recompile_limit(n + 4)
+        fn = torch.compile(torch_layer_step, mode=sv_provider.compile_mode, dynamic=False)
+        t0 = time.perf_counter()
+        try:
+            fn(sv[0], xs, pos_dev)
+            torch.cuda.synchronize()
+            sv = [functools.partial(fn, L) for L in sv]
+        except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
+            row["serving"], sv = f"error: {type(exc).__name__}: {exc}"[:200], []
+        row["serving_compile_s"] = round(time.perf_counter() - t0, 1)
+    # each baseline is checked before it is timed: layer 0 against the fp32 reference
+    if fi or sv:
         kc, vc = base[0].k_cache.clone(), base[0].v_cache.clone()
         ref = reference.decoder_layer(xs, pos_dev, base[0].W, kc, vc, m)
-        err = verify.rel_err(fi[0](xs, pos_dev), ref)
-        row["flashinfer_rel_err"] = err
-        if err > verify.REL_TOL[m.dtype]:
-            row["flashinfer"], fi = f"failed check: rel_err {err:.2e}", []
         del kc, vc
+        for name, layers in (("flashinfer", fi), ("serving", sv)):
+            if layers:
+                err = verify.rel_err(layers[0](xs, pos_dev), ref)
+                row[f"{name}_rel_err"] = err
+                if err > verify.REL_TOL[m.dtype]:
+                    row[name] = f"failed check: rel_err {err:.2e}"
+                    layers.clear()
     timings = {}
-    for label, layers in (("fused", fused), ("torch_graph", base), ("flashinfer", fi)):
+    for label, layers in (("fused", fused), ("torch_graph", base), ("serving", sv), ("flashinfer", fi)):
         if not layers:
             continue
         g = graph_of(stack(layers))
@@ -115,6 +141,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     row["torch_graph_us"] = round(timings["torch_graph"]["median"], 2)
     row["speedup"] = round(timings["torch_graph"]["median"] / timings["fused"]["median"], 2)
     row["flashinfer_us"] = round(timings["flashinfer"]["median"], 2) if "flashinfer" in timings else None
+    row["serving_us"] = round(timings["serving"]["median"], 2) if "serving" in timings else None
     full = {k: t for k, t in timings.items() if not k.endswith("_mixed")}
     best = min(t["median"] for k, t in full.items() if k != "fused")
     row["best_baseline"] = min((k for k in full if k != "fused"), key=lambda k: full[k]["median"])
@@ -122,9 +149,14 @@ def check_variant(v, build_dir: str, seed: int, bw: float) -> dict:
     row["gbps"] = round(nbytes / (timings["fused"]["median"] * 1e-6) / 1e9, 1)
     row["pct_bw"] = round(100 * row["gbps"] / bw, 1)
     row["floor_us"] = round(nbytes / (bw * 1e9) * 1e6, 2)
-    del fused, base, fi
+    del fused, base, fi, sv
     torch.cuda.empty_cache()
     return row
+
+
+# the rows timed against the serving-style layer by default: each model's batch 1 and 8 at KV 4096, declared and held
+# out (its compile, max-autotune, takes tens of seconds a shape: --serving-budget bounds the whole)
+SERVING_ROWS = ("*_b1_s4096_*", "*_b8_s4096_*")
 
 
 def check_options(f):
@@ -178,7 +210,7 @@ def print_tables(doc: dict, routes_path=None) -> None:
     rows = doc["rows"]
     print(f"\n{doc['gpu']}  {doc['date']}  seed {doc['seed']}  copy BW {doc['copy_gbps']:.0f} GB/s  tests: {doc['tests']}")
     hdr = (f"{'variant (* held out)':41s} {'rel_err':>8s} {'pass':>4s} {'us':>7s} {'%BW':>5s} {'torch_g':>7s} "
-           f"{'flashinf':>8s} {'x best':>6s} {'mix us':>7s} {'x FI':>5s}")
+           f"{'serving':>7s} {'flashinf':>8s} {'x best':>6s} {'mix us':>7s} {'x FI':>5s}")
     print(hdr + "   stages (us): norm qkv att o norm gu down (norm: NORM_GLOBAL's step, else 0; the second 0 with H_STATS)")
     print("(mix: the batch's positions spread evenly over the cache, fused and FlashInfer re-timed)")
     for r in rows:
@@ -190,11 +222,12 @@ def print_tables(doc: dict, routes_path=None) -> None:
         else:
             bad = "" if r["pass"] else f"  first bad stage: {r['first_bad_stage']}"
             fi = f"{r['flashinfer_us']:8.1f}" if r["flashinfer_us"] else f"{'-':>8s}"
+            sv = f"{r['serving_us']:7.1f}" if r.get("serving_us") else f"{'-':>7s}"
             mix = f"{r['us_mixed']:7.1f}" if r.get("us_mixed") else f"{'-':>7s}"
             mix += (f" {r['flashinfer_us_mixed'] / r['us_mixed']:5.2f}" if r.get("flashinfer_us_mixed")
                     else f" {'-':>5s}")
             print(f"{name:41s} {r['rel_err']:8.1e} {'ok' if r['pass'] else 'FAIL':>4s} {r['us']:7.1f} "
-                  f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {fi} {r['speedup_vs_best']:6.2f} {mix}   "
+                  f"{r['pct_bw']:5.1f} {r['torch_graph_us']:7.1f} {sv} {fi} {r['speedup_vs_best']:6.2f} {mix}   "
                   + " ".join(f"{t:.1f}" for t in r["stage_us"].values()) + bad)
     pre = [r for r in rows if r.get("mode") == "prefill"]
     if pre:
@@ -212,16 +245,22 @@ def print_tables(doc: dict, routes_path=None) -> None:
         if routes_path:
             print(f"routes: {routes_path} (commit it as routes/{routes.gpu_slug(doc['gpu'])}.json; a route flips "
                   f"only beyond {routes.ROUTE_MARGIN:.0%}: the table shows the recorded one)")
-    skipped = sorted({r["flashinfer"] for r in rows if r.get("flashinfer", "ok") != "ok"})
-    for why in skipped:
-        print(f"flashinfer: {why}")
+    for name in ("serving", "flashinfer"):  # why a baseline has no figure in a row ("-")
+        for why in sorted({r[name] for r in rows if r.get(name, "ok") != "ok"}):
+            print(f"{name}: {why} ({sum(r.get(name) == why for r in rows)} rows)")
 
 
 @click.command(context_settings=HELP)
 @check_options
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
 @click.option("--tests", "test_paths", default="tests", show_default=True, help="pytest paths (comma-separated)")
-def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths):
+@click.option("--serving", "serving_globs", multiple=True, default=SERVING_ROWS, show_default=True,
+              help="glob over decode variant names timed against the serving-style compiled layer too (repeatable; "
+                   "'*' for all)")
+@click.option("--serving-budget", type=click.FloatRange(min=0), default=240.0, show_default=True,
+              help="seconds of its torch.compile (max-autotune) after which no further row compiles it")
+def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths, serving_globs,
+         serving_budget):
     if not torch.cuda.is_available():  # said before minutes of building
         click.echo("error: bench/gpu_check.py verifies and times the variants on a CUDA GPU, and none is visible "
                    "(on this machine: `megakernel build` and `megakernel report`)", err=True)
@@ -256,6 +295,7 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
     print(f"copy bandwidth: {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
     ok_names = {e["name"] for e in entries if e["status"] == "ok"}
+    serving_s = 0.0  # its compiles so far
     for v in vs + held:
         if v.tp > 1:  # one process per GPU: bench/tp_check.py (torchrun) verifies and times them
             continue
@@ -263,8 +303,10 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
             rows.append({"variant": v.name, "pass": False, "error": "not built"})
             continue
         try:
+            serving = any(fnmatch.fnmatchcase(v.name, g) for g in serving_globs) and serving_s < serving_budget
             row = check_prefill(v, where[v.name], seed) if v.mode == "prefill" else \
-                check_variant(v, where[v.name], seed, bw)
+                check_variant(v, where[v.name], seed, bw, serving=serving)
+            serving_s += row.get("serving_compile_s", 0.0)
             row["heldout"] = v in held
         except Exception as exc:  # keep going: one broken variant must not hide the others
             row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}

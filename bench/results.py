@@ -77,9 +77,9 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def result_stem(out_dir: Path, gpu: str, date: str) -> str:
-    """<gpu>-<date>; a second run on the same day gets -HHMMSS so it does not overwrite the first."""
-    stem = f"{gpu_slug(gpu)}-{date}"
+def result_stem(out_dir: Path, gpu: str, date: str, prefix: str = "") -> str:
+    """<prefix><gpu>-<date>; a second run on the same day gets -HHMMSS so it does not overwrite the first."""
+    stem = f"{prefix}{gpu_slug(gpu)}-{date}"
     if (Path(out_dir) / f"{stem}.json").exists():
         stem += time.strftime("-%H%M%S")
     return stem

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import math
 import os
@@ -319,6 +320,9 @@ def test_result_stem(tmp_path):
     (tmp_path / "nvidia-h200-2026-01-02.json").write_text("{}")
     again = results.result_stem(tmp_path, "NVIDIA H200", "2026-01-02")
     assert again.startswith("nvidia-h200-2026-01-02-") and again != "nvidia-h200-2026-01-02"
+    # bench/e2e.py's default name: one `megakernel report` reads (report.latest_e2e: e2e-*.json)
+    e2e = results.result_stem(tmp_path, "NVIDIA H200", "2026-01-02", prefix="e2e-")
+    assert e2e == "e2e-nvidia-h200-2026-01-02" and Path(tmp_path / f"{e2e}.json").match("e2e-*.json")
 
 
 def test_table_prints(tmp_path):
@@ -1215,3 +1219,28 @@ def test_gpu_timeline_reads_a_launch(tmp_path):
     assert d["launch_gap"]["first_wait_after_last_us"] >= 0, d["launch_gap"]
     last = max(x["max_us"] for x in d["stamps"])
     assert 10 < last < 1000, d["stamps"]
+
+
+def test_gpu_check_table_has_the_serving_baseline_and_says_why_a_row_lacks_one(capsys):
+    """bench/gpu_check.py's decode table: the serving-style compiled layer's µs in its own column where it was timed,
+    "-" elsewhere, and one line a reason under the table (a row of an older run without the field: no line)."""
+    from bench.gpu_check import SERVING_ROWS, print_tables
+    common = {"pass": True, "rel_err": 3e-3, "pct_bw": 70.0, "torch_graph_us": 150.0, "flashinfer": "ok",
+              "stage_us": {"qkv": 5.0}}
+    rows = [{**common, "variant": "m_decode_b1_s4096_bf16", "us": 44.5, "serving": "ok", "serving_us": 58.2,
+             "flashinfer_us": 74.1, "speedup_vs_best": 1.31},
+            {**common, "variant": "m_decode_b4_s4096_bf16", "us": 52.0, "serving": "not timed (--serving, "
+             "--serving-budget)", "serving_us": None, "flashinfer_us": 80.0, "speedup_vs_best": 1.54},
+            {**common, "variant": "old_decode_b1_s4096_bf16", "us": 40.0, "flashinfer_us": None,
+             "speedup_vs_best": 3.75}]
+    print_tables({"gpu": "NVIDIA H200", "date": "2026-12-05", "seed": 1, "copy_gbps": 4200.0, "tests": "skipped",
+                  "rows": rows})
+    out = capsys.readouterr().out.splitlines()
+    head = next(ln for ln in out if ln.startswith("variant"))
+    assert head.split()[8:11] == ["torch_g", "serving", "flashinf"]
+    cells = {ln.split()[0]: ln.split() for ln in out if "_decode_" in ln}
+    assert cells["m_decode_b1_s4096_bf16"][6:9] == ["58.2", "74.1", "1.31"]
+    assert cells["m_decode_b4_s4096_bf16"][6] == "-" and cells["old_decode_b1_s4096_bf16"][6:8] == ["-", "-"]
+    assert "serving: not timed (--serving, --serving-budget) (1 rows)" in out
+    assert not any(ln.startswith("flashinfer:") for ln in out)
+    assert any(fnmatch.fnmatchcase("m_decode_b1_s4096_bf16", g) for g in SERVING_ROWS)
