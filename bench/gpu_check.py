@@ -250,6 +250,42 @@ def print_tables(doc: dict, routes_path=None) -> None:
             print(f"{name}: {why} ({sum(r.get(name) == why for r in rows)} rows)")
 
 
+def markdown_tables(doc: dict) -> str:
+    """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content) as the README's markdown
+    tables: µs a layer, % of the copy bandwidth, each baseline's µs ("–" where not timed), × the best baseline and
+    which it was, the serving mix's figures; held-out rows marked. Failed rows are listed with their error."""
+    def f(x, fmt):
+        return format(x, fmt) if isinstance(x, (int, float)) else "–"
+    out = ["| variant | rel. err | fused µs | % of copy BW | torch + graph µs | serving µs | FlashInfer layer µs | "
+           "× best baseline | best | mixed positions: fused µs | × FlashInfer (mixed) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in doc["rows"] if r.get("mode") != "prefill"]
+    for r in rows:
+        name = r["variant"] + (" (held out)" if r.get("heldout") else "")
+        if "error" in r or not r.get("pass"):
+            out.append(f"| {name} | {r.get('error') or 'FAILED its check: ' + f(r.get('rel_err'), '.1e')} |"
+                       + " |" * 9)
+            continue
+        mix_fi = r["flashinfer_us_mixed"] / r["us_mixed"] if r.get("flashinfer_us_mixed") and r.get("us_mixed") \
+            else None
+        out.append(f"| {name} | {r['rel_err']:.1e} | {r['us']:.1f} | {r['pct_bw']:.1f} | {r['torch_graph_us']:.1f} | "
+                   f"{f(r.get('serving_us'), '.1f')} | {f(r.get('flashinfer_us'), '.1f')} | "
+                   f"{r['speedup_vs_best']:.2f} | {r.get('best_baseline') or '–'} | {f(r.get('us_mixed'), '.1f')} | "
+                   f"{f(mix_fi, '.2f')} |")
+    pre = [r for r in doc["rows"] if r.get("mode") == "prefill"]
+    if pre:
+        out += ["", "| variant | rel. err | fused µs | TFLOP/s | unfused µs | unfused TFLOP/s | × unfused | route |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in pre:
+            name = r["variant"] + (" (held out)" if r.get("heldout") else "")
+            if "error" in r or not r.get("pass"):
+                out.append(f"| {name} | {r.get('error') or 'FAILED its check'} |" + " |" * 6)
+                continue
+            out.append(f"| {name} | {r['rel_err']:.1e} | {r['us']:.1f} | {r['tflops']:.1f} | {r['unfused_us']:.1f} | "
+                       f"{r['unfused_tflops']:.1f} | {r['speedup']:.2f} | {r['route']} |")
+    return "\n".join(out) + "\n"
+
+
 @click.command(context_settings=HELP)
 @check_options
 @click.option("--no-tests", is_flag=True, help="skip the pytest GPU suite")
@@ -259,8 +295,18 @@ def print_tables(doc: dict, routes_path=None) -> None:
                    "'*' for all)")
 @click.option("--serving-budget", type=click.FloatRange(min=0), default=240.0, show_default=True,
               help="seconds of its torch.compile (max-autotune) after which no further row compiles it")
+@click.option("--markdown", "markdown_of", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="print a gpu_check.json's tables as the README's markdown tables and exit (no GPU)")
 def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths, serving_globs,
-         serving_budget):
+         serving_budget, markdown_of):
+    if markdown_of:
+        try:
+            doc = json.loads(Path(markdown_of).read_text())
+            click.echo(markdown_tables(doc), nl=False)
+        except (ValueError, KeyError, TypeError) as exc:
+            click.echo(f"error: {markdown_of}: not a gpu_check result ({type(exc).__name__}: {exc})", err=True)
+            sys.exit(2)
+        return
     if not torch.cuda.is_available():  # said before minutes of building
         click.echo("error: bench/gpu_check.py verifies and times the variants on a CUDA GPU, and none is visible "
                    "(on this machine: `megakernel build` and `megakernel report`)", err=True)

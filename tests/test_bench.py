@@ -1244,3 +1244,35 @@ def test_gpu_check_table_has_the_serving_baseline_and_says_why_a_row_lacks_one(c
     assert "serving: not timed (--serving, --serving-budget) (1 rows)" in out
     assert not any(ln.startswith("flashinfer:") for ln in out)
     assert any(fnmatch.fnmatchcase("m_decode_b1_s4096_bf16", g) for g in SERVING_ROWS)
+
+
+def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
+    """`bench/gpu_check.py --markdown FILE` (no GPU): the decode rows as the README's table, a baseline not timed as
+    "–", the best baseline named, held-out rows marked, a failed row with its error; the prefill table after; a file
+    that is not a gpu_check result is one `error:` line, exit 2."""
+    from bench.gpu_check import markdown_tables
+    ok = {"pass": True, "rel_err": 3.3e-3, "us": 44.5, "pct_bw": 69.9, "torch_graph_us": 155.4, "serving_us": 58.2,
+          "flashinfer_us": 74.1, "speedup_vs_best": 1.31, "best_baseline": "serving"}
+    doc = {"rows": [{**ok, "variant": "a_decode_b1_s4096_bf16"},
+                    {**ok, "variant": "h_decode_b4_s4096_bf16", "heldout": True, "serving_us": None,
+                     "us_mixed": 40.0, "flashinfer_us_mixed": 60.0, "best_baseline": "flashinfer"},
+                    {"variant": "x_decode_b1_s64_bf16", "pass": False, "error": "not built"},
+                    {"variant": "p_prefill_b1_s64_bf16", "mode": "prefill", "pass": True, "rel_err": 1.9e-3,
+                     "us": 79.6, "tflops": 98.0, "unfused_us": 159.1, "unfused_tflops": 49.0, "speedup": 2.0,
+                     "route": "fused"}]}
+    md = markdown_tables(doc).splitlines()
+    assert md[2] == ("| a_decode_b1_s4096_bf16 | 3.3e-03 | 44.5 | 69.9 | 155.4 | 58.2 | 74.1 | 1.31 | serving | – | "
+                     "– |")
+    assert md[3] == ("| h_decode_b4_s4096_bf16 (held out) | 3.3e-03 | 44.5 | 69.9 | 155.4 | – | 74.1 | 1.31 | "
+                     "flashinfer | 40.0 | 1.50 |")
+    assert md[4].startswith("| x_decode_b1_s64_bf16 | not built |") and md[4].count("|") == md[0].count("|")
+    assert md[-1] == "| p_prefill_b1_s64_bf16 | 1.9e-03 | 79.6 | 98.0 | 159.1 | 49.0 | 2.00 | fused |"
+    f = tmp_path / "g.json"
+    f.write_text(json.dumps(doc))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines() == md
+    f.write_text('{"rows": 3}')
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
