@@ -12,7 +12,7 @@ divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens).
 Llama-3.2-1B-shaped config with random weights, save_pretrained to --ckpt (bf16).
 
     megakernel build --only 'llama3.2-1b_decode_*_s4096_bf16' --only 'llama3.2-1b_prefill_*'
-    python -m bench.e2e --build-dir build     # bench/results/e2e-<gpu>-<date>.json ($OUT/e2e.json where set)
+    python -m bench.e2e --build-dir build     # bench/results/e2e-<gpu>-<date>.json (in $OUT where set)
 
 Prints a table and writes the JSON.
 """
@@ -274,8 +274,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", action="append", default=[], help="provider to skip: served, unfused, hf, hf-compile")
-    ap.add_argument("--out", default=None, help="JSON file [$OUT/e2e.json, else bench/results/e2e-<gpu>-<date>.json, "
-                                                "the name `megakernel report` reads]")
+    ap.add_argument("--out", default=None, help="JSON file [e2e-<gpu>-<date>.json, the name `megakernel report` "
+                                                "reads, in $OUT, else bench/results/]")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench/e2e.py needs a CUDA GPU", file=sys.stderr)
@@ -294,8 +294,8 @@ def main(argv=None):
     built = read_manifest(Path(args.build_dir))["variants"]
     names += sorted(n for n in built if n.startswith("llama3.2-1b_prefill_") and built[n]["status"] == "ok")
     from bench.results import result_stem
-    res_dir = Path("bench/results")
-    out = Path(args.out) if args.out else Path(os.environ["OUT"]) / "e2e.json" if os.environ.get("OUT") else \
+    res_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    out = Path(args.out) if args.out else \
         res_dir / f"{result_stem(res_dir, res['gpu'], res['date'], prefix='e2e-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -91,7 +91,9 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
         return step
 
     if sv:  # compiled once for the stack's shape (the layer is an argument: bench.providers.torch_layer_step)
+        from torch._dynamo.utils import counters
         torch._dynamo.reset()  # (each variant's shape its own compile, never past dynamo's recompile limit)
+        counters.clear()
         raise_recompile_limit(n + 4)
         fn = torch.compile(torch_layer_step, mode=sv_provider.compile_mode, dynamic=False)
         t0 = time.perf_counter()
@@ -102,14 +104,22 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
         except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
             row["serving"], sv = f"error: {type(exc).__name__}: {exc}"[:200], []
         row["serving_compile_s"] = round(time.perf_counter() - t0, 1)
-    # each baseline is checked before it is timed: layer 0 against the fp32 reference
+    # each baseline is checked before it is timed: layer 0 against the fp32 reference; a baseline that fails to run,
+    # check, capture or time says so in its field, and the row keeps the others
+    def baseline(name, layers, what):
+        try:
+            return what()
+        except Exception as exc:  # noqa: BLE001
+            row[name] = f"error: {type(exc).__name__}: {exc}"[:200]
+            layers.clear()
+
     if fi or sv:
         kc, vc = base[0].k_cache.clone(), base[0].v_cache.clone()
         ref = reference.decoder_layer(xs, pos_dev, base[0].W, kc, vc, m)
         del kc, vc
         for name, layers in (("flashinfer", fi), ("serving", sv)):
-            if layers:
-                err = verify.rel_err(layers[0](xs, pos_dev), ref)
+            err = baseline(name, layers, lambda: verify.rel_err(layers[0](xs, pos_dev), ref)) if layers else None
+            if err is not None:
                 row[f"{name}_rel_err"] = err
                 if err > verify.REL_TOL[m.dtype]:
                     row[name] = f"failed check: rel_err {err:.2e}"
@@ -118,17 +128,23 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
     for label, layers in (("fused", fused), ("torch_graph", base), ("serving", sv), ("flashinfer", fi)):
         if not layers:
             continue
-        g = graph_of(stack(layers))
-        timings[label] = time_replays(g.replay, n)
+        if label in ("fused", "torch_graph"):
+            timings[label] = time_replays(graph_of(stack(layers)).replay, n)
+        elif (t := baseline(label, layers, lambda: time_replays(graph_of(stack(layers)).replay, n))) is not None:
+            timings[label] = t
+    if sv:  # more than one graph: a break or a recompile (bench/measure.py notes the same)
+        row["serving_graphs"] = int(counters["stats"]["unique_graphs"])
     if v.batch > 1:  # a serving mix: the sequences' positions spread evenly over the cache
         pos_mix = torch.tensor(mixed_positions(v.batch, v.seq_len), dtype=torch.int32)
         pos_mix_dev = pos_mix.cuda()  # alive while the graphs that read it are replayed
-        for L in fi:
-            L.set_positions(pos_mix)
-        for label, layers in (("fused", fused), ("flashinfer", fi)):
-            if layers:
-                g = graph_of(stack(layers, pos_mix_dev))
-                timings[label + "_mixed"] = time_replays(g.replay, n)
+        timings["fused_mixed"] = time_replays(graph_of(stack(fused, pos_mix_dev)).replay, n)
+
+        def fi_mixed():
+            for L in fi:
+                L.set_positions(pos_mix)
+            return time_replays(graph_of(stack(fi, pos_mix_dev)).replay, n)
+        if fi and (t := baseline("flashinfer", fi, fi_mixed)) is not None:
+            timings["flashinfer_mixed"] = t
         row["us_mixed"] = round(timings["fused_mixed"]["median"], 2)
         row["flashinfer_us_mixed"] = round(timings["flashinfer_mixed"]["median"], 2) if fi else None
     fused[0](xs, pos_dev, validate=False)
@@ -157,6 +173,15 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
 # the rows timed against the serving-style layer by default: each model's batch 1 and 8 at KV 4096, declared and held
 # out (its compile, max-autotune, takes tens of seconds a shape: --serving-budget bounds the whole)
 SERVING_ROWS = ("*_b1_s4096_*", "*_b8_s4096_*")
+
+
+def serving_order(vs: list, held: list) -> list:
+    """The --serving rows in the order they get the serving-style layer's compile while --serving-budget lasts: the
+    largest weights first at each batch, batch 1 before larger ones, declared before held out (the comparisons the
+    issue's figures rest on first)."""
+    from generator.reference import weight_shapes
+    size = {v.name: sum(torch.Size(s).numel() for s in weight_shapes(v.model).values()) for v in vs}
+    return sorted(vs, key=lambda v: (v.batch, v in held, -size[v.name], v.name))
 
 
 def check_options(f):
@@ -293,8 +318,9 @@ def markdown_tables(doc: dict) -> str:
 @click.option("--serving", "serving_globs", multiple=True, default=SERVING_ROWS, show_default=True,
               help="glob over decode variant names timed against the serving-style compiled layer too (repeatable; "
                    "'*' for all)")
-@click.option("--serving-budget", type=click.FloatRange(min=0), default=240.0, show_default=True,
-              help="seconds of its torch.compile (max-autotune) after which no further row compiles it")
+@click.option("--serving-budget", type=click.FloatRange(min=0), default=180.0, show_default=True,
+              help="seconds of its torch.compile (max-autotune) in all: a row compiles it while the time spent plus "
+                   "1.25 x the longest compile so far fits (batch 1 first, the largest models first)")
 @click.option("--markdown", "markdown_of", type=click.Path(exists=True, dir_okay=False), default=None,
               help="print a gpu_check.json's tables as the README's markdown tables and exit (no GPU)")
 def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths, serving_globs,
@@ -339,36 +365,41 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
               "../shared/wheels/README.md)", flush=True)
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw:.0f} GB/s (read + write)", flush=True)
-    rows = []
     ok_names = {e["name"] for e in entries if e["status"] == "ok"}
-    serving_s = 0.0  # its compiles so far
-    for v in vs + held:
-        if v.tp > 1:  # one process per GPU: bench/tp_check.py (torchrun) verifies and times them
-            continue
+    doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
+           "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
+           "seed": seed, "copy_gbps": round(bw, 1), "tests": tests, "rows": []}
+    order = [v for v in vs + held if v.tp == 1]  # (tp > 1: one process per GPU, bench/tp_check.py under torchrun)
+    sv_rows = serving_order([v for v in order if v.mode == "decode" and v.name in ok_names
+                             and any(fnmatch.fnmatchcase(v.name, g) for g in serving_globs)], held)
+    serving_s, most = 0.0, 0.0  # the serving layer's compiles so far, and the longest
+    rows = {}
+    for v in sv_rows + [v for v in order if v not in sv_rows]:  # the serving rows first, while its budget lasts
         if v.name not in ok_names:
-            rows.append({"variant": v.name, "pass": False, "error": "not built"})
-            continue
-        try:
-            serving = any(fnmatch.fnmatchcase(v.name, g) for g in serving_globs) and serving_s < serving_budget
-            row = check_prefill(v, where[v.name], seed) if v.mode == "prefill" else \
-                check_variant(v, where[v.name], seed, bw, serving=serving)
-            serving_s += row.get("serving_compile_s", 0.0)
-            row["heldout"] = v in held
-        except Exception as exc:  # keep going: one broken variant must not hide the others
-            row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        rows.append(row)
+            row = {"variant": v.name, "pass": False, "error": "not built"}
+        else:
+            try:
+                serving = v in sv_rows and serving_s + 1.25 * most <= serving_budget
+                row = check_prefill(v, where[v.name], seed) if v.mode == "prefill" else \
+                    check_variant(v, where[v.name], seed, bw, serving=serving)
+                serving_s += row.get("serving_compile_s", 0.0)
+                most = max(most, row.get("serving_compile_s", 0.0))
+                row["heldout"] = v in held
+            except Exception as exc:  # keep going: one broken variant must not hide the others
+                row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows[v.name] = row
         print(json.dumps(row), flush=True)
+        # after every row, in the variants' order: a run cut short (the device's time limit) keeps what it measured
+        doc["rows"] = [rows[u.name] for u in order if u.name in rows]
+        (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
+    rows = doc["rows"]
 
     # the declared prefill variants' routes, from routes/'s (a tie keeps the recorded path), into $OUT
     from generator import routes
     routes_path = routes.record_checked(torch.cuda.get_device_name(),
                                         [r for r in rows if r.get("mode") == "prefill" and not r.get("heldout")],
                                         Path(out), time.strftime("%Y-%m-%d"), seed_dir=routes.ROUTES_DIR)
-    doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
-           "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
-           "seed": seed,
-           "copy_gbps": round(bw, 1), "tests": tests, "rows": rows}
-    (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
+    (out / "gpu_check.json").write_text(json.dumps(doc, indent=1))  # (the routes set each prefill row's path)
     print_tables(doc, routes_path)
     tp_ok = tensor_parallel(vs + held, variants_file, heldout_file, only, build_dir, out, seed)
     sys.exit(0 if all(r["pass"] for r in rows) and tp_ok else 1)

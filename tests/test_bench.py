@@ -1276,3 +1276,20 @@ def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_gpu_check_serving_rows_largest_batch_1_first_declared_before_held_out():
+    """The rows that get the serving-style layer's compile while --serving-budget lasts: batch 1 before batch 8, the
+    largest weights first, declared before held out (so a short budget still covers the 8B-class batch-1 rows)."""
+    import fnmatch as fm
+
+    from bench.gpu_check import SERVING_ROWS, serving_order
+    vs = [v for v in gvariants.load(VARIANTS) if v.mode == "decode" and v.tp == 1
+          and any(fm.fnmatchcase(v.name, g) for g in SERVING_ROWS)]
+    held = [v for v in gvariants.load(ROOT / "bench" / "heldout.yaml") if v.mode == "decode" and v.tp == 1
+            and any(fm.fnmatchcase(v.name, g) for g in SERVING_ROWS)]
+    got = [v.name for v in serving_order(vs + held, held)]
+    assert got[:2] == ["qwen2.5-7b_decode_b1_s4096_bf16", "llama3-8b_decode_b1_s4096_bf16"], got
+    assert got.index("qwen2.5-0.5b_decode_b1_s4096_bf16") < got.index("ho-hd80-mha_decode_b1_s4096_bf16")
+    assert all(v.batch == 1 for v in serving_order(vs + held, held)[:len(got) // 2]) and "b8" in got[-1]
+    assert sorted(got) == sorted(v.name for v in vs + held)
