@@ -137,7 +137,7 @@ class Backend:
     cpu_backend() (no graphs: step() stands in for a replay; wall-clock samples)."""
     device: torch.device
     graph_of: object            # step -> object with .replay()
-    sample: object              # (run, n_layers, reps) -> µs per layer, one per rep
+    sample: object              # (run, n_layers, reps, queued=) -> µs per layer, one per rep (bench.timing)
     sync: object
     mem_free: object            # () -> free bytes
     empty_cache: object
@@ -161,7 +161,7 @@ def cpu_backend(mem_free: float = 64e9) -> Backend:
             step()
         return types.SimpleNamespace(replay=step)
 
-    def sample(run, n_layers, reps):
+    def sample(run, n_layers, reps, queued=False):  # (queued: nothing is launched on the CPU)
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -396,9 +396,13 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
             del runs[name]
 
     per_round = max(1, math.ceil(reps / rounds))
+    # a graph's replay queued (GPU time: the host's graph launch not charged to the layers, bench.timing); an eager
+    # provider's host launches are what its user pays, so timed as they come
+    queued = {graphs[name].replay for name in graphs}
     try:
         samples.update(interleave(runs, rounds=rounds, reps_per_round=per_round,
-                                  sample=lambda run, k: backend.sample(run, n, k), sync=backend.sync))
+                                  sample=lambda run, k: backend.sample(run, n, k, queued=run in queued),
+                                  sync=backend.sync))
     except Exception as exc:  # noqa: BLE001
         for name in runs:
             status[name] = ("error", f"timing: {one_line(exc)}")

@@ -73,11 +73,12 @@ def summarize(samples: list[float]) -> dict:
     return {"median": statistics.median(per), "p10": q(0.1), "p90": q(0.9), "n": len(per)}
 
 
-def time_replays(run, n_layers: int, reps: int = 30, warmup: int = 3) -> dict:
-    """run() executes the whole stack once; returns µs per layer: median, p10, p90 over reps."""
+def time_replays(run, n_layers: int, reps: int = 30, warmup: int = 3, *, queued: bool = False) -> dict:
+    """run() executes the whole stack once; returns µs per layer: median, p10, p90 over reps (queued: GPU time only,
+    time_samples)."""
     for _ in range(warmup):
         run()
-    return summarize(time_samples(run, n_layers, reps))
+    return summarize(time_samples(run, n_layers, reps, queued=queued))
 
 
 def layer_bytes(m, batch: int, pos) -> int:
