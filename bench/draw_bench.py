@@ -50,10 +50,10 @@ def main(argv=None):
         got = draw(logits, t, tk, tp, seed, pos, nxt.clone(), candidates=room, nucleus=nucleus)
         same = int((got == want).sum())
         gr = graph_of(lambda: draw(logits, t, tk, tp, seed, pos, nxt, candidates=room, nucleus=nucleus))
-        us = time_replays(gr.replay, 1, reps=50)["median"]
+        us = time_replays(gr.replay, 1, reps=50, queued=True)["median"]
         gt = graph_of(lambda: serve.sample_tokens(logits, t, tk, tp, seed, pos.long() + 1, candidates=cands,
                                                   nucleus=nucleus))
-        ut = time_replays(gt.replay, 1, reps=20)["median"]
+        ut = time_replays(gt.replay, 1, reps=20, queued=True)["median"]
         res[name] = dict(B=B, us=round(us, 1), torch_us=round(ut, 1), rows_whole=past, same=f"{same}/{B}")
         print(f"{name:40s} fused {us:7.1f} us  torch {ut:7.1f}  rows past the ranked {past}/{B}  same {same}/{B}",
               flush=True)

@@ -152,13 +152,13 @@ def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
             want = serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1, candidates=cands, nucleus=nucleus)
             gr = graph_of(lambda: nxt.copy_(serve.sample_tokens(logits, temp, tk, tp, seed, pos.long() + 1,
                                                                 candidates=cands, nucleus=nucleus)))
-            row["torch"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
+            row["torch"] = round(time_replays(gr.replay, 1, reps=50, queued=True)["median"], 1)
             draw = model._fused_sampler(serve.Draw(cands, nucleus, room)) if path == "fused" else None
             if draw is not None:
                 got = draw(logits, temp, tk, tp, seed, pos, logits.argmax(-1), candidates=room, nucleus=nucleus)
                 row["same_tokens"] = bool(torch.equal(got, want))
                 gr = graph_of(lambda: draw(logits, temp, tk, tp, seed, pos, nxt, candidates=room, nucleus=nucleus))
-                row["fused"] = round(time_replays(gr.replay, 1, reps=50)["median"], 1)
+                row["fused"] = round(time_replays(gr.replay, 1, reps=50, queued=True)["median"], 1)
             out[f"b{B} {name}"] = row
     return out
 
@@ -166,7 +166,8 @@ def bench_draw(model, batches=(1, 8), temperature: float = 0.8) -> dict:
 def kernel_bound(model, pos: int = 192) -> dict:
     """What a decode step cannot beat, measured on the same weights: the model's batch-1 fused layers replayed
     back to back in one CUDA graph (µs, at position `pos`) plus its head alone (final norm + [1, hidden] @
-    lm_head^T + argmax, µs: the served one, and torch's for comparison), and the layer call from Python:
+    lm_head^T + argmax, µs: the served one, and torch's for comparison), each as GPU time (a replay queued behind
+    a spin kernel, bench.timing: the graph's launch from the host is no kernel's time), and the layer call from Python:
     `layer(x, pos)` in an eager loop, with and without the positions' check (µs per call, host included, and the
     host's own time) against its kernel in a graph."""
     from bench.timing import graph_of, time_replays
@@ -180,13 +181,13 @@ def kernel_bound(model, pos: int = 192) -> dict:
         for L in layers:
             y = L(y, p, validate=False)
         return y
-    layers_us = time_replays(graph_of(step).replay, 1)["median"]
+    layers_us = time_replays(graph_of(step).replay, 1, queued=True)["median"]
     head = graph_of(lambda: model._logits(x))  # the served head (head_path(1)): the fused kernel where it serves
-    lm_head_us = time_replays(head.replay, 1)["median"]
+    lm_head_us = time_replays(head.replay, 1, queued=True)["median"]
     torch_head = graph_of(lambda: model._torch_logits(x).argmax(-1))  # torch's: norm, GEMM, cast, argmax
-    lm_head_torch_us = time_replays(torch_head.replay, 1)["median"]
+    lm_head_torch_us = time_replays(torch_head.replay, 1, queued=True)["median"]
     one = graph_of(lambda: layers[0](x, p, validate=False))
-    kernel_us = time_replays(one.replay, 1)["median"]
+    kernel_us = time_replays(one.replay, 1, queued=True)["median"]
     for _ in range(20):
         layers[0](x, p)
     torch.cuda.synchronize()
@@ -287,7 +288,8 @@ def main(argv=None):
     res = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
            "torch": torch.__version__, "transformers": T.__version__,
-           "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {}}
+           "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {},
+           "timing": "graph replays (kernel_bound, draws) as GPU time, queued (bench.timing); ms per token as served"}
     names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
     # the declared prefill variants too, where built: dispatch plans each prompt's pieces by their measured routes
     from generator.manifest import read_manifest
