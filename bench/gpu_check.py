@@ -190,7 +190,8 @@ def serving_order(vs: list, held: list) -> list:
 
 # how the rows are timed, recorded in gpu_check.json ("us_unqueued": the fused stack as runs before session 44 timed it)
 TIMING = ("queued: µs a layer = GPU time of a stack of distinct layers in a CUDA graph / its layers, each replay "
-          "enqueued behind a spin kernel so the host's graph launch (~20 µs a sample) is not charged to the layers")
+          "enqueued behind a spin kernel so the host's graph launch (estimated 5-20 µs a sample) is not charged to the "
+          "layers")
 
 
 def check_options(f):

@@ -41,7 +41,7 @@ def graph_of(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
 
 
 # a spin kernel's length (SM cycles, ~0.1 ms at the H200's ~1.8 GHz): longer than the host takes to enqueue one graph
-# replay behind it (cudaGraphLaunch: ~5-10 µs)
+# replay behind it (estimated 5-20 µs, not yet measured alone: bench/NOTES.md session 44)
 QUEUE_CYCLES = 200_000
 
 
@@ -49,8 +49,8 @@ def time_samples(run, n_layers: int, reps: int, *, queued: bool = False) -> list
     """µs per layer of `reps` runs of run(), CUDA events around each, synchronised between runs (so an eager
     provider's launch overhead is not hidden behind a queue of earlier work). queued: each run is enqueued behind a
     spin kernel (torch.cuda._sleep, QUEUE_CYCLES), so the start event fires when the GPU reaches work already queued:
-    GPU time only, without the host's launch latency of a graph replay (~5-10 µs a sample, which unqueued is charged
-    to the stack's layers; bench/NOTES.md session 44). For graph replays only: an eager provider's host overhead is
+    GPU time only, without the host's launch latency of a graph replay (estimated 5-20 µs a sample, which unqueued is
+    charged to the stack's layers; bench/NOTES.md session 44). For graph replays only: an eager provider's host overhead is
     what its user pays."""
     torch.cuda.synchronize()
     out = []
