@@ -11,7 +11,6 @@
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-out}
-mkdir -p "$OUT"
 BUILD=${BUILD:-}  # "--compile-only" under `build`
 
 B1=llama3.2-1b_decode_b1_s4096_bf16
@@ -72,6 +71,7 @@ part_tests() {
     tests/test_lm_head.py
 }
 
+case "${1:-}" in build|a|b|tests) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; part_a; part_b ;;
   a) part_a ;;
