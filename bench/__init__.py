@@ -32,8 +32,11 @@ def find_decode(name: str, extra: list[str], flag: str):
         except gvariants.VariantError as exc:
             fail(str(exc))
     v = declared.get(name)
-    if v is None or v.mode != "decode" or v.tp > 1:
-        fail(f"{flag} {name}: no decode variant of one GPU of that name in {', '.join(map(str, files))}")
+    if v is None:
+        fail(f"{flag} {name}: no variant of that name in {', '.join(map(str, files))}")
+    if v.mode != "decode" or v.tp > 1:
+        what = f"a {v.mode} variant" if v.mode != "decode" else f"a tensor-parallel variant (tp {v.tp})"
+        fail(f"{flag} {name}: {what}; this script times decode variants of one GPU")
     base, source, _, warn = gtune.resolve(v, "90", gtune.default_tuning_file())
     if warn:
         print(warn, file=sys.stderr)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import HELP, run_click  # noqa: E402
 from bench.baselines import TorchLayer  # noqa: E402
-from bench.providers import FlashInfer, ServingCompileGraph, raise_recompile_limit, torch_layer_step  # noqa: E402
+from bench.providers import FlashInfer, ServingCompileGraph, compile_layer_step, compiled_graphs  # noqa: E402
 # n_layers_for: distinct layers, one pass over the stack >= 4x the L2
 from bench.measure import check_prefill, mixed_positions, n_layers_for  # noqa: E402
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
@@ -91,11 +91,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
         return step
 
     if sv:  # compiled once for the stack's shape (the layer is an argument: bench.providers.torch_layer_step)
-        from torch._dynamo.utils import counters
-        torch._dynamo.reset()  # (each variant's shape its own compile, never past dynamo's recompile limit)
-        counters.clear()
-        raise_recompile_limit(n + 4)
-        fn = torch.compile(torch_layer_step, mode=sv_provider.compile_mode, dynamic=False)
+        fn = compile_layer_step(sv_provider.compile_mode, n)
         t0 = time.perf_counter()
         try:
             fn(sv[0], xs, pos_dev)
@@ -137,7 +133,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
                 is not None:
             timings[label] = t
     if sv:  # more than one graph: a break or a recompile (bench/measure.py notes the same)
-        row["serving_graphs"] = int(counters["stats"]["unique_graphs"])
+        row["serving_graphs"] = compiled_graphs()
     if v.batch > 1:  # a serving mix: the sequences' positions spread evenly over the cache
         pos_mix = torch.tensor(mixed_positions(v.batch, v.seq_len), dtype=torch.int32)
         pos_mix_dev = pos_mix.cuda()  # alive while the graphs that read it are replayed
@@ -198,13 +194,17 @@ def check_options(f):
     """The options gpu_check and tp_check share: which variants (declared, held out, --only), where they are
     built, where the details go, the seed."""
     for opt in reversed((
-            click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True),
+            click.option("--variants", "variants_file", default=str(ROOT / "variants.yaml"), show_default=True,
+                         help="the declared variants, built into BUILD_DIR with tuning/'s plans"),
             click.option("--heldout", "heldout_file", default=str(ROOT / "bench" / "heldout.yaml"),
                          show_default=True, help="shapes not in the variants file, built into BUILD_DIR-heldout "
                                                  "('' to skip)"),
-            click.option("--only", multiple=True, help="glob over variant names (repeatable)"),
-            click.option("--build-dir", default=str(ROOT / "build"), show_default=True),
-            click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True),
+            click.option("--only", multiple=True, help="check only the variants (declared or held out) whose name "
+                                                       "matches this glob (repeatable)"),
+            click.option("--build-dir", default=str(ROOT / "build"), show_default=True,
+                         help="where the declared variants are built (objects compiled there before are reused)"),
+            click.option("--out", default=os.environ.get("OUT", str(ROOT / "out")), show_default=True,
+                         help="where gpu_check.json and the details go (the device's $OUT when set)"),
             click.option("--seed", type=int, default=None, help="default: fresh from the clock"))):
         f = opt(f)
     return f
@@ -340,9 +340,19 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
     if markdown_of:
         try:
             doc = json.loads(Path(markdown_of).read_text())
+        except (ValueError, OSError) as exc:
+            click.echo(f"error: {markdown_of}: not JSON ({exc})", err=True)
+            sys.exit(2)
+        if not (isinstance(doc, dict) and isinstance(doc.get("rows"), list)
+                and all(isinstance(r, dict) and isinstance(r.get("variant"), str) for r in doc["rows"])):
+            click.echo(f"error: {markdown_of}: not a gpu_check result (an object whose \"rows\" each name their "
+                       "\"variant\")", err=True)
+            sys.exit(2)
+        try:
             click.echo(markdown_tables(doc), nl=False)
-        except (ValueError, KeyError, TypeError) as exc:
-            click.echo(f"error: {markdown_of}: not a gpu_check result ({type(exc).__name__}: {exc})", err=True)
+        except (KeyError, TypeError, ValueError) as exc:  # a passed row lacks a figure, or holds a wrong type
+            click.echo(f"error: {markdown_of}: a row is not a gpu_check row "
+                       f"({'lacks ' + str(exc) if isinstance(exc, KeyError) else exc})", err=True)
             sys.exit(2)
         return
     if not torch.cuda.is_available():  # said before minutes of building

@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from bench.providers import PROVIDERS, Provider, raise_recompile_limit, torch_layer_step
+from bench.providers import PROVIDERS, Provider, compile_layer_step, compiled_graphs
 from bench.results import make_row, add_speedups
 from bench.timing import summarize, time_samples
 
@@ -345,22 +345,14 @@ def _measure(v, n: int, providers: list[Provider], *, build_dir, fused_error, se
             continue
         try:
             if p.compile_mode is not None:
-                from torch._dynamo.utils import counters
-                if not compiled_any:
-                    raise_recompile_limit(n + 4)
-                    torch._dynamo.reset()
-                    counters.clear()
-                    compiled_any = True
-                if backend.compile_backend == "inductor":
-                    fn = torch.compile(torch_layer_step, mode=p.compile_mode, dynamic=False)
-                else:
-                    fn = torch.compile(torch_layer_step, backend=backend.compile_backend, dynamic=False)
-                graphs_before = int(counters["stats"]["unique_graphs"])
+                fn = compile_layer_step(p.compile_mode, n, backend=backend.compile_backend, reset=not compiled_any)
+                compiled_any = True
+                graphs_before = compiled_graphs()
                 t0 = time.perf_counter()
                 stack_step(stacks[p.stack_key], lambda L, y, fn=fn: fn(L, y, pos), x, {})()  # compiles once
                 backend.sync()
                 compile_s = round(time.perf_counter() - t0, 1)
-                n_graphs = int(counters["stats"]["unique_graphs"]) - graphs_before
+                n_graphs = compiled_graphs() - graphs_before
                 info["compile_s"] = round((info["compile_s"] or 0) + compile_s, 1)
                 extra[p.name].update(compile_s=compile_s, compile_graphs=n_graphs)
                 if n_graphs > 1:

@@ -155,3 +155,23 @@ def raise_recompile_limit(n: int) -> None:
     attr = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
     if hasattr(cfg, attr) and getattr(cfg, attr) < n:
         setattr(cfg, attr, n)
+
+
+def compile_layer_step(mode: str | None, n_layers: int, *, backend: str = "inductor", reset: bool = True):
+    """torch.compile of torch_layer_step for a stack of n_layers layers: fn(layer, x, pos). `reset` starts dynamo
+    afresh (each variant's shape its own compile, never past the recompile limit) and zeroes compiled_graphs();
+    `mode` applies to inductor only (another backend, e.g. the CPU tests' "eager", takes none)."""
+    if reset:
+        from torch._dynamo.utils import counters
+        torch._dynamo.reset()
+        counters.clear()
+    raise_recompile_limit(n_layers + 4)
+    if backend == "inductor":
+        return torch.compile(torch_layer_step, mode=mode, dynamic=False)
+    return torch.compile(torch_layer_step, backend=backend, dynamic=False)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo made since the last reset: more than one for a stack means a graph break or a recompile."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

@@ -531,11 +531,9 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
     pool.shutdown(wait=True)
     def spilled_default(e: dict) -> bool:  # a default plan that compiled with spills: replan_spills re-plans it
         r = e.get("resources") or {}
-        # (also a tuning entry that kept the default plan, overrides {}: the default, measured before a template
-        # change made it spill)
-        kept = e["plan_source"].startswith("tuned") and not (e.get("tuning") or {}).get("overrides")
-        return e["status"] == "ok" and (e["plan_source"] == "default" or kept) and bool(r.get("spill_stores") or
-                                                                                      r.get("spill_loads"))
+        # (also a tuning entry that plans the default, gtune.resolve: measured before a template change made it spill)
+        return e["status"] == "ok" and e["plan_source"] == "default" and bool(r.get("spill_stores") or
+                                                                             r.get("spill_loads"))
 
     def small(e: dict) -> bool:  # spills the re-plan leaves alone (REPLAN_MIN_SPILL)
         r = e["resources"]

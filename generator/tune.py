@@ -112,7 +112,8 @@ def raw_overrides(path: Path, name: str):
 def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict | None, str | None]:
     """(overrides, plan_source, tuned figures or None, warning or None) for building `v` with tuning file `path`.
 
-    No file, no entry for `v`, or an entry tuned on a GPU of another architecture than `arch`: the default plan.
+    No file, no entry for `v`, an entry tuned on a GPU of another architecture than `arch`, or one whose overrides
+    plan what the default plan now is: the default plan.
     An entry that is malformed, stale (tuned for other parameters), or that the planner refuses: the default plan
     and a one-line warning."""
     from .render import plan  # render imports Jinja: only when resolving
@@ -158,6 +159,10 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
             why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
+    if not knobs_differ(knob_dict(plan(v, str(arch))), now):
+        # the planner's default has since become the tuner's pick: the default plan, and the gain measured against
+        # the old default is not this build's (`entry["tuning"]` still records the file's overrides)
+        return {}, "default", None, None
     figures = {k: e[k] for k in ("default_us", "tuned_us")  # times a hand edit may have broken: not shown
                if isinstance(e.get(k), (int, float)) and not isinstance(e[k], bool)
                and math.isfinite(e[k]) and e[k] > 0}

@@ -1097,7 +1097,8 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
     one = "llama3.2-1b_decode_b1_s4096_bf16"
     (tmp_path / "afile").write_text("")
-    cases = [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no decode variant", {}),
+    cases = [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no variant of that name", {}),
+             (["--case", "llama3.2-1b_prefill_b1_s128_bf16", '{"ATT_LL": 1}'], "a prefill variant; this script", {}),
              (["--case", one, '{"ATT_LL": 3}'], "must be 0, 1 or 2", {}),
              (["--case", one, '{"ATT_LL": 1}', "--rows", "4096"], "error: --rows 4096: past", {}),
              (["--case", one, '{"ATT_LL": 1}', "--compile-only", "--build-dir", str(tmp_path / "afile")],
@@ -1148,7 +1149,7 @@ def test_timeline_names_its_stamps_and_refuses_in_one_line(tmp_path):
     assert launch_gap(prev, cur) == {"first_entry_after_last_us": 1.0, "first_entry_after_first_us": 4.9,
                                      "first_wait_after_last_us": 1.5}
     tl = [sys.executable, str(ROOT / "bench" / "timeline.py"), "--build-dir", str(tmp_path / "b")]
-    cases = [(["--variant", "nope"], "error: --variant nope: no decode variant"),
+    cases = [(["--variant", "nope"], "error: --variant nope: no variant of that name"),
              (["--variant", "llama3-70b_decode_b8_s4096_bf16_tp2"], "of one GPU"),
              (["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--overrides", '{"ATT_LL": 3}'], "must be 0, 1 or 2"),
              (["--variant", "llama3.2-1b_decode_b1_s4096_bf16", "--row", "4096"], "error: --row 4096: past")]
@@ -1272,10 +1273,13 @@ def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.splitlines() == md
-    f.write_text('{"rows": 3}')
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    for bad, says in (('{"rows": 3}', "not a gpu_check result"), ("[1]", "not a gpu_check result"),
+                      ("{", "not JSON"), ('{"rows": [{"variant": "x", "pass": true}]}', "lacks 'rel_err'")):
+        f.write_text(bad)
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert says in r.stderr and "Error:" not in r.stderr, r.stderr  # no raw exception class name
 
 
 def test_gpu_check_serving_rows_largest_batch_1_first_declared_before_held_out():
