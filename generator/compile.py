@@ -552,7 +552,7 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
         if notify:
             notify(f"re-planning {len(spilling)} variant(s) whose default plan spills "
                    f"({', '.join(v.name for v in spilling[:3])}{' ...' if len(spilling) > 3 else ''}): compiling up "
-                   f"to {REPLAN_TRIES} candidate plans each, {jobs} at a time")
+                   f"to {REPLAN_TRIES} candidate plans each, {jobs} at a time (those compiled before are reused)")
         pool = ThreadPoolExecutor(max_workers=jobs)
         try:
             for i, v in enumerate(spilling):

@@ -75,6 +75,32 @@ def test_tp_plan_ends_a_kernel_at_each_partial_sum():
     assert src.count('extern "C" __global__') == 2 and "decoder_layer_1(" in src and "tp_rank" in src
 
 
+def test_tp_batch_past_the_rows_names_norm_global_and_that_plan_builds(tmp_path):
+    """Tensor parallel keeps the norms' rows in shared memory by default (NORM_GLOBAL has not run on 2 GPUs): a batch
+    whose rows do not fit is refused naming the override that keeps them in global memory; that plan splits at the
+    two partial sums as any TP plan does, its norms steps of their own, and compiles without spills."""
+    import dataclasses
+
+    from generator import compile as gcompile
+    from generator.plan import PlanError
+    v70 = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp == 2)
+    v = dataclasses.replace(v70, batch=16)
+    with pytest.raises(PlanError, match=r"a batch of at most 12 fits; NORM_GLOBAL=1 keeps them in global memory "
+                                        r"\(tensor parallel: override only") as e:
+        render.plan(v)
+    assert "\n" not in str(e.value)
+    p = render.plan(v, overrides={"NORM_GLOBAL": 1})
+    assert p["consts"]["NORM_GLOBAL"] == 1 and p["consts"]["H_STATS"] == 0 and p["consts"]["TP"] == 2
+    assert [(k["steps"], k["reduce"]) for k in p["kernels"]] == [
+        (["norm", "qkv_proj", "attention", "o_proj"], "h"), (["norm", "gate_up", "down_proj"], "out")]
+    assert render.plan(dataclasses.replace(v70, batch=8))["consts"]["NORM_GLOBAL"] == 0  # the default unchanged
+    res = gcompile.build([v], tmp_path / "b", overrides={v.name: {"NORM_GLOBAL": 1}})
+    (e,) = res["entries"]
+    assert e["status"] == "ok" and e["plan_source"] == "override", e.get("error")
+    r = e["resources"]
+    assert r["spill_stores"] == r["spill_loads"] == 0 and r["smem_total"] <= r["smem_limit"], r
+
+
 def test_shard_weights_split_heads_and_columns_and_join_back():
     m, tp = SHAPE, 2
     from generator import reference
@@ -162,6 +188,11 @@ def tp_build(tmp_path_factory, tiny_ckpt):
     tb = tmp_path_factory.mktemp("tp_build") / "build"
     res = gcompile.build(vs, tb)
     assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+    # the TP variants again with the norms' rows in global memory (NORM_GLOBAL=1: override only with tensor parallel)
+    ng = tb.parent / "build-norm-global"
+    res = gcompile.build([v for v in vs if v.tp == 2], ng,
+                         overrides={v.name: {"NORM_GLOBAL": 1} for v in vs if v.tp == 2})
+    assert all(e["status"] == "ok" and e["plan"]["consts"]["NORM_GLOBAL"] == 1 for e in res["entries"]), res
     return Path(build), tb, vs
 
 
@@ -171,7 +202,7 @@ def test_gpu_tp_layers_equal_the_whole_layer_reference(tp_build, tmp_path):
     build, tb, vs = tp_build
     declared = [v.name for v in _declared_tp()]
     small = [v.name for v in vs if v.tp == 2]
-    for b, names in ((build, declared), (tb, small)):
+    for b, names in ((build, declared), (tb, small), (tb.parent / "build-norm-global", small)):
         if not names:
             continue
         for res in _torchrun("fused", tmp_path / b.name, "--build", b, *sum((["--variant", n] for n in names), [])):

@@ -610,8 +610,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global:  # (the rows normalised in global memory)
+        # (tensor parallel: override only, the norm step reading the all-reduced fp32 h; not yet run on 2 GPUs)
         _needs(v.name, "NORM_GLOBAL", norm_global, [
-            (v.tp == 1, f"one GPU (not run on {v.tp})"),
             (not ov.get("NORM_FOLD"), f"no NORM_FOLD (this plan: {ov.get('NORM_FOLD')})"),
             (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})")])
     smem["SMEM_RED"] = 0 if norm_global else align(v.batch * xs_ld * esize)
@@ -680,7 +680,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             fits += 1
         glob = ""  # what would keep the rows in global memory instead
         if not norm_global and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block:
-            glob = ("; NORM_GLOBAL (rows in global memory) is one GPU only" if v.tp > 1 else
+            glob = ("; NORM_GLOBAL=1 keeps them in global memory (tensor parallel: override only, not yet run on 2 "
+                    "GPUs; a tuning entry's overrides {\"NORM_GLOBAL\": 1} build it)" if v.tp > 1 else
                     f"; NORM_GLOBAL=1 keeps them in global memory, without the overrides {_fmt(ov)}" if pinned else
                     "; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "

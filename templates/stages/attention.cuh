@@ -164,7 +164,9 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
     if (lane < BATCH) sched[3 + lane] = n;
     const int w = __shfl_sync(0xffffffffu, n, 31) * KV_HEADS;
     if (lane == 0) {
-        sched[0] = max((w + (int)gridDim.x - 1) / (int)gridDim.x, (umax - 1 + ATT_NSPLIT - 2) / (ATT_NSPLIT - 1));
+        // (max(1, ..): a plan of one split compiles this unused code too; no division by zero)
+        sched[0] = max((w + (int)gridDim.x - 1) / (int)gridDim.x,
+                       (umax - 1 + ATT_NSPLIT - 2) / max(1, ATT_NSPLIT - 1));
         sched[1] = w;
         sched[2] = 0;
     }
