@@ -6,6 +6,7 @@
 #   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline): each < 600 s
 #   bash bench/queue.sh b
 #   bash bench/queue.sh tests     # the GPU tests not run on the current code
+#   bash bench/queue.sh tp        # on 2 GPUs (kind nvidia-h200-x2): the TP tests, NORM_GLOBAL=1's cases among them
 #
 # Results go to $OUT (the device's; ./out here). A step that fails is said and the next one runs.
 set -u
@@ -71,11 +72,16 @@ part_tests() {
     tests/test_lm_head.py
 }
 
-case "${1:-}" in build|a|b|tests) mkdir -p "$OUT" ;; esac
+part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_GLOBAL=1 with tensor parallel new
+  step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
+}
+
+case "${1:-}" in build|a|b|tests|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; part_a; part_b ;;
   a) part_a ;;
   b) part_b ;;
   tests) part_tests ;;
-  *) echo "usage: bash bench/queue.sh build|a|b|tests" >&2; exit 2 ;;
+  tp) part_tp ;;
+  *) echo "usage: bash bench/queue.sh build|a|b|tests|tp" >&2; exit 2 ;;
 esac
