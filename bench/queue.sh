@@ -70,6 +70,8 @@ part_b() {
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_serve.py tests/test_hf_gpu.py \
     tests/test_lm_head.py
+  # the TP kernels with their ranks as threads on this one GPU (NORM_GLOBAL=1 with tensor parallel, never run)
+  step gputests-tp1 python3 -m pytest -q -m gpu tests/test_tp.py -k one_gpu_equal
 }
 
 part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_GLOBAL=1 with tensor parallel new

@@ -243,3 +243,121 @@ def test_cli_generate_under_torchrun_runs_tensor_parallel_over_gloo(tiny_ckpt, t
     assert bad.returncode != 0
     for r in (0, 1):
         assert f"error: [rank {r}] --max-new-tokens: the longest prompt (4 tokens) + 6 new tokens" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1 GPU: the TP ranks as threads of one process (the 2-GPU machine is lent rarely)
+# ------------------------------------------------------------------------------------------------------------
+
+class _Ranks:
+    """tp ranks of a tensor-parallel layer as threads of one process on one GPU, in place of a process group: their
+    all-reduces and all-gathers meet at a barrier. Every rank's work goes to one stream, so the ranks' launches run
+    one after another (each launch a whole cooperative grid) in the order the threads reach them."""
+
+    def __init__(self, tp: int):
+        import threading
+        self.tp, self.barrier, self.slots = tp, threading.Barrier(tp, timeout=300), [None] * tp
+
+    def exchange(self, rank: int, t: torch.Tensor) -> list:
+        """Every rank's t, once every rank's queued work is done (the stream synchronised before the barrier)."""
+        torch.cuda.current_stream().synchronize()
+        self.slots[rank] = t
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # (no rank posts its next tensor before every rank has read these)
+        return got
+
+
+class _Group:
+    """What FusedDecoderLayer gets as its `group`: the rank and its _Ranks."""
+
+    def __init__(self, ranks: _Ranks, rank: int):
+        self.ranks, self.rank = ranks, rank
+
+
+class _LocalReduce:
+    """collectives.AllReduce's interface over _Ranks: no buffer of its own (the kernel writes its partial where the
+    NCCL path has it), the sum of every rank's `out` in fp32, rounded once to out's dtype (as a 2-rank NCCL sum)."""
+
+    def __init__(self, group, numel, dtype, device, method="auto"):
+        self.group, self.buffer, self.method = group, None, "local"
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        r = self.group.ranks
+        parts = r.exchange(self.group.rank, out)
+        s = sum(p.float() for p in parts)
+        torch.cuda.current_stream().synchronize()
+        r.barrier.wait()  # every rank has its sum before any overwrites its `out`
+        out.copy_(s.to(out.dtype))
+        torch.cuda.current_stream().synchronize()
+        return out
+
+
+@pytest.fixture
+def local_ranks(monkeypatch):
+    """generator.loader and verify with _Ranks in place of torch.distributed: a layer given a _Group is that rank."""
+    from generator import loader, verify
+    real_rank = loader.tp_rank
+    monkeypatch.setattr(loader, "tp_rank", lambda g, t, n: g.rank if isinstance(g, _Group) else real_rank(g, t, n))
+    monkeypatch.setattr(loader, "AllReduce", _LocalReduce)
+    monkeypatch.setattr(verify, "_gather_heads",
+                        lambda c, layer: torch.cat(layer.group.ranks.exchange(layer.group.rank, c.contiguous()), 1))
+
+
+def run_tp_on_one_gpu(name: str, build, weights: dict, seed: int) -> list[dict]:
+    """Variant `name` (tp ranks) checked by verify.check_step on one GPU, each rank a thread (_Ranks; the
+    local_ranks fixture in force): every rank's row (rel_err, k_err, v_err, first_bad_stage, unwritten, pass)."""
+    import threading
+
+    from generator import loader, verify
+    from generator.manifest import find_entry, variant_from_entry
+    tp = variant_from_entry(find_entry(name, build)[0]).tp
+    ranks, stream = _Ranks(tp), torch.cuda.Stream()
+    rows, errors = [None] * tp, []
+
+    def rank(r):
+        try:
+            with torch.cuda.stream(stream):
+                layer = loader.load(name, weights, build_dir=build, group=_Group(ranks, r))
+                x, pos = verify.random_inputs(layer, seed)
+                res = verify.check_step(layer, x, pos, weights=weights)
+                rows[r] = {k: res[k] for k in ("rel_err", "k_err", "v_err", "first_bad_stage", "unwritten")}
+                rows[r]["pass"] = verify.passed(res, layer.model.dtype)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # noqa: BLE001 - said by the test; the other ranks leave their barrier
+            errors.append(f"rank {r}: {type(exc).__name__}: {exc}")
+            ranks.barrier.abort()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return rows
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tp_ranks_on_one_gpu_equal_the_whole_layer_reference(tp_build, tmp_path, local_ranks):
+    """Every fused TP variant (the declared ones, the tiny checkpoint's at batch 1 and 2, with NORM_GLOBAL=1 too, and
+    Llama-3-70B tp2 at batch 16 with NORM_GLOBAL=1, past the rows' batch) with its ranks as threads on one GPU: the
+    output against the whole layer's fp32 reference, each rank's cache rows and step results against its part."""
+    import dataclasses
+
+    from generator import compile as gcompile, reference
+    from generator.manifest import find_entry, variant_from_entry
+    build, tb, vs = tp_build
+    v70 = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp == 2)
+    big = dataclasses.replace(v70, batch=16)
+    bb = tmp_path / "b16"
+    res = gcompile.build([big], bb, overrides={big.name: {"NORM_GLOBAL": 1}})
+    assert res["entries"][0]["status"] == "ok", res["entries"][0].get("error")
+    cases = [(build, v.name) for v in _declared_tp()] + [(tb, v.name) for v in vs if v.tp == 2] \
+        + [(tb.parent / "build-norm-global", v.name) for v in vs if v.tp == 2] + [(bb, big.name)]
+    for b, name in cases:
+        m = variant_from_entry(find_entry(name, b)[0]).model
+        W = reference.random_weights(m, seed=13, device="cuda")
+        for r, row in enumerate(run_tp_on_one_gpu(name, b, W, 13)):
+            assert row["pass"], (str(b), name, r, row)
+        del W
+        torch.cuda.empty_cache()
