@@ -247,6 +247,13 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         fail(str(exc))
     tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = load_selected(variants_file, only, exclude)
+    bd = Path(build_dir)
+    try:  # a directory of other files (a model's, a source tree) is not turned into a build
+        if bd.is_dir() and not (bd / gmanifest.MANIFEST).exists() and any(bd.iterdir()) \
+                and (why := gmanifest.not_a_build(bd)):
+            fail(f"--build-dir {build_dir}: {why}; give a new or empty directory, or a build's")
+    except OSError:
+        pass  # (unreadable: the build says so below)
     try:
         toolchain.find_nvcc()  # no nvcc, or a broken NVCC=: one line now, not a traceback from inside CuPy
     except toolchain.ToolchainError as exc:
@@ -510,6 +517,8 @@ def clean_cmd(build_dir):
     if not p.is_dir():
         fail(f"{build_dir}: not a directory; not removing it")
     here = Path.cwd().resolve()
+    if p.resolve() == Path(p.resolve().anchor):
+        fail(f"{build_dir}: the file system's root; not removing it")
     if here == p.resolve() or p.resolve() in here.parents:
         fail(f"{build_dir}: this command runs inside it ({here}); cd out of it first")
     why = gmanifest.not_a_build(p)
@@ -555,7 +564,7 @@ def _delegate(command: click.Command, args: list, prog: str) -> None:
     except click.UsageError as exc:
         fail(f"{prog}: {exc.format_message()}")
     except click.exceptions.Abort:
-        fail("aborted", 1)
+        fail("interrupted", 130)  # (Ctrl-C: 130, as a shell reports SIGINT; build exits the same)
     if isinstance(rv, int) and rv:
         sys.exit(rv)
 
@@ -744,6 +753,11 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     return msg
 
 
+# the files a Hugging Face tokenizer is read from (transformers' tokenization_utils: one of them at least)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
               cache_len, device, dev, no_graph, build_dir, group, echo, info, dtype=None):
     """generate_cmd's work once the device and any process group are set: echo prints tokens, info figures."""
@@ -752,14 +766,20 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     from . import hf, loader, serve
     tok = None
     if prompts:
+        needs = f"{model_dir}: --prompt needs a tokenizer in the model directory"
+        # (transformers 5 builds an empty tokenizer for some model types, Qwen2's, where the directory has none)
+        if Path(model_dir).is_dir() and not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            fail(f"{needs}, and it has none (no {', '.join(TOKENIZER_FILES)}); give --ids instead")
+        needs += " (tokenizer.json, tokenizer.model ...)"
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir)
         except Exception as exc:  # noqa: BLE001 - no tokenizer files, or no transformers
             why = " ".join(str(exc).split()) or type(exc).__name__  # its lines joined: one line, cut at a word
             why = why if len(why) <= 200 else why[:200].rsplit(" ", 1)[0] + " ..."
-            fail(f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model "
-                 f"...), and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
+            fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
+        if len(tok) == 0:
+            fail(f"{needs}: transformers loaded one with an empty vocabulary; give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
@@ -833,8 +853,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
-            # (as one sequence streams them: without the clean-up of spaces, TextStream)
-            echo(f"[{b}] " + (tok.decode(new, clean_up_tokenization_spaces=False) if tok else " ".join(map(str, new))))
+            # (as one sequence streams them: without special tokens and the clean-up of spaces, TextStream)
+            echo(f"[{b}] " + (tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False) if tok
+                              else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
     info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
          f"{out.ttft_s * 1e3:.1f} ms, " + (f"decode {out.tokens_per_s:,.1f} tokens/s "
@@ -850,8 +871,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             if temperature > 0 and out.tokens_per_s > 0 else ""),
          markup=False, highlight=False, soft_wrap=True)
     import torch
-    if dtype is None and hf.config_dtype(cfg)[1] == "float32" and model.dtype != torch.float32:
-        info(f"note: config.json's dtype float32 ran as {str(model.dtype).removeprefix('torch.')} (the default "
+    if dtype is None and (raw := hf.config_dtype(cfg)[1]) in ("float32", "float64") and model.dtype != torch.float32:
+        info(f"note: config.json's dtype {raw} ran as {str(model.dtype).removeprefix('torch.')} (the default "
              "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it as transformers does "
              "(unfused)", markup=False, highlight=False,
              soft_wrap=True)
@@ -867,10 +888,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
 
 
 class TextStream:
-    """One sequence's new tokens printed as they come, through `write(text)`: token ids with a space after each
-    where there is no tokenizer; else the whole text decoded again at each token (a token alone loses its leading
-    space in SentencePiece, or is half of a character spanning tokens: held back while the text ends in U+FFFD) and
-    what was not yet printed written. Decoded without the tokenizer's clean-up of spaces (Llama-3's tokenizers set
+    """One sequence's new tokens printed as they come, through `write(text)`: token ids, space-separated, where there
+    is no tokenizer; else the whole text decoded again at each token, special tokens skipped (an end of turn `</s>` is
+    no text; a token alone loses its leading space in SentencePiece, or is half of a character spanning tokens: held
+    back while the text ends in U+FFFD) and what was not yet printed written. Decoded without the tokenizer's clean-up of spaces (Llama-3's tokenizers set
     `clean_up_tokenization_spaces`), which may rewrite text already printed (" ' " to "'") so that nothing after it
     would print; so the streamed text is the tokens' own, as transformers' TextStreamer prints it with that option
     off."""
@@ -879,13 +900,13 @@ class TextStream:
         self.tok, self.write, self.ids, self.shown = tok, write, [], ""
 
     def _text(self) -> str:
-        return self.tok.decode(self.ids, clean_up_tokenization_spaces=False)
+        return self.tok.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token: int) -> None:
         """Prints what token id `token` adds to the text (or what it lets through that an earlier one held back)."""
         self.ids.append(token)
         if self.tok is None:
-            self.write(f"{token} ")
+            self.write(f"{' ' if len(self.ids) > 1 else ''}{token}")
             return
         text = self._text()
         if not text.endswith("\ufffd") and text.startswith(self.shown):
@@ -935,7 +956,7 @@ def run():
             sys.exit(0)
         fail(f"{ctx.command_path + ': ' if ctx else ''}{exc.format_message()}")
     except click.exceptions.Abort:
-        fail("aborted", 1)
+        fail("interrupted", 130)  # (Ctrl-C: 130, as a shell reports SIGINT; build exits the same)
     except gcompile.ManifestError as exc:
         fail(str(exc))
     except OSError as exc:  # the file system refused (a read-only or missing build directory): one line, no traceback

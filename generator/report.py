@@ -422,7 +422,8 @@ def _num(spec):
 # it, columns with keep=False are left out and the rest dropped in DROP_ORDER's order until the table fits.
 TABLE_COLUMNS = [
     ("name", "variant", lambda r, k: r["name"] + (f" ({r['arch']})" if r.get("arch") else ""), True),
-    ("gpu_bytes", "MB per\nGPU", lambda r, k: f"{r[k] / 1e6:.0f}" + (f" ×{r['tp']}" if r.get("tp", 1) > 1 else ""),
+    ("gpu_bytes", "MB per\nGPU", lambda r, k: f"{r[k] / 1e6:.{0 if r[k] >= 1e7 else 1}f}"  # (a tiny layer: not 0)
+     + (f" ×{r['tp']}" if r.get("tp", 1) > 1 else ""),
      True),
     ("cubin_bytes", "cubin\nKB", lambda r, k: f"{r[k] / 1024:.0f}", True),
     ("ptx_bytes", "PTX\nKB", lambda r, k: f"{r[k] / 1024:.0f}", False),

@@ -622,6 +622,8 @@ class Model:
                 raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
                                  f"({'no process group' if group is None else 'the process group'})")
             vs.append(v)
+        if vs and dev.type != "cuda":  # (before the cache length the variants fix: the first thing wrong)
+            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         if variants is None and (kept := keep_one_seq_len(vs, cache_len))[1]:
             vs, dropped, keep = kept
             warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
@@ -643,9 +645,9 @@ class Model:
         if not vs and dtype == torch.float16:  # (fused fp16 variants warned in _check_variant)
             hfm._warn_fp16(ck, None, f"{ck.prefix}layers.0.self_attn.q_proj.weight", stacklevel=4)
         field, raw = config_dtype(ck.cfg)
-        if asked is None and raw == "float32" and dtype != torch.float32:
+        if asked is None and raw in ("float32", "float64") and dtype != torch.float32:
             warnings.warn(hfm.HFDowncastWarning(
-                f"{ck.cfg_path}: field '{field}' is float32 but the model runs in {str(dtype).removeprefix('torch.')} "
+                f"{ck.cfg_path}: field '{field}' is {raw} but the model runs in {str(dtype).removeprefix('torch.')} "
                 "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, as transformers "
                 "does)"), stacklevel=2)
         seq = common_seq_len(vs)
@@ -678,8 +680,6 @@ class Model:
         max_batch = max([max_batch or 1] + batches)
         if not unfused and not any(v.mode == "decode" for v in vs):
             raise ServeError("unfused=False: no decode variant is used, so nothing could serve a decode step")
-        if vs and dev.type != "cuda":
-            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         # memory, before any tensor is read
         elt = torch.finfo(dtype).bits // 8
         ws = sum(entries[v.name]["plan"]["workspace"]["bytes"] for v in vs)
@@ -1156,10 +1156,10 @@ class Model:
         if not isinstance(prompts, torch.Tensor):  # (a tensor is checked as one below)
             prompts = _listed(prompts)  # a numpy array: as a list
         if isinstance(prompts, torch.Tensor):
-            if prompts.dim() != 2 or prompts.dtype.is_floating_point:
-                raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] or a list of token-id lists, got "
-                                 f"{prompts.dtype} {tuple(prompts.shape)}")
-            prompts = prompts.tolist()
+            if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+                raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] (1-d: one sequence) or a list of "
+                                 f"token-id lists, got {prompts.dtype} {tuple(prompts.shape)}")
+            prompts = prompts.tolist()  # (1-d: a flat list, one sequence, as below)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ServeError("prompts: a non-empty list of token-id lists (one per sequence)")
         if all(_int(t) for t in prompts):
@@ -1341,8 +1341,8 @@ class Model:
                  callback: Callable[[int, int], None] | None = None, output_logits: bool = False) -> Generation:
         """Generate up to max_new_tokens tokens for each prompt.
 
-        prompts: a list of token-id lists of any lengths (or one flat list, or a 2-d int tensor or numpy array), at
-        most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused
+        prompts: a list of token-id lists of any lengths (or one flat list, or a 1-d / 2-d int tensor or numpy
+        array), at most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused
         prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0:
         greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
         seed + 7919 b). Each of temperature, top_k, top_p and seed may also be a list of one value per sequence

@@ -264,7 +264,7 @@ REFUSED = [
     ("partial_rotary_factor", {**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}),
     ("hidden_act", {**LLAMA_3_2_1B, "hidden_act": "gelu_pytorch_tanh"}),
     ("hidden_act", {**LLAMA_3_2_1B, "hidden_act": "relu"}),
-    ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "float64"}),
+    ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "int8"}),
     ("attention_bias", {**LLAMA_3_2_1B, "attention_bias": True}),
     ("mlp_bias", {**LLAMA_3_2_1B, "mlp_bias": True}),
     ("quantization_config", {**QWEN2_5_7B, "quantization_config": {"quant_method": "awq", "bits": 4}}),

@@ -7,6 +7,7 @@ import json
 import math
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -681,6 +682,37 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
         assert r.stderr.count("\n") == 1, (extra, r.stderr)  # one line
 
 
+def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
+    """Session 45's trial: a model directory without tokenizer files (transformers 5 builds an empty tokenizer for
+    Qwen2's) said the prompt encodes to no tokens; a float64 config was refused though transformers loads it; a
+    build into a model directory wrote a build there; `clean /` advised to cd out of the root."""
+    import shutil
+    _, d = tiny
+    r = cli(["generate", d, "--prompt", "Hello there", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 2 and "--prompt needs a tokenizer in the model directory, and it has none" in r.stderr \
+        and "give --ids" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    d64 = tmp_path / "f64"
+    shutil.copytree(d, d64)
+    cfg = json.loads((d64 / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "float64"
+    (d64 / "config.json").write_text(json.dumps(cfg))
+    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0 and "note: config.json's dtype float64 ran as bfloat16" in r.stderr, r.stderr
+    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
+            cwd=tmp_path)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+    before = sorted(p.name for p in Path(d).iterdir())
+    root = Path(__file__).resolve().parent.parent
+    r = cli(["build", "--variants", root / "variants.yaml", "--build-dir", d, "--only",
+             "qwen2.5-0.5b_decode_b1_s1024*"], cwd=tmp_path)
+    assert r.returncode == 2 and "does not look like a megakernel build directory" in r.stderr \
+        and r.stderr.count("\n") == 1, r.stderr
+    assert sorted(p.name for p in Path(d).iterdir()) == before  # nothing written into the model's directory
+    r = cli(["clean", "--build-dir", "/"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == "error: /: the file system's root; not removing it\n", r.stderr
+
+
 def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
     import numpy as np
     _, d = tiny
@@ -698,6 +730,10 @@ def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
             model.generate([[1, 2, 3]], 3, **kw)
     # numpy's integers wherever an integer is asked (a new user's trial: max_new_tokens refused them)
     assert model.generate([[1, 2, 3]], np.int64(3)).tokens == a
+    # one sequence as a 1-d tensor, as it takes a flat list (a new user's trial: refused)
+    assert model.generate(torch.tensor([1, 2, 3]), 3).tokens == a
+    with pytest.raises(serve.ServeError, match="a 2-d integer tensor"):
+        model.generate(torch.ones(1, 1, 3, dtype=torch.long), 3)
     with pytest.raises(serve.ServeError, match="max_new_tokens: a positive integer, got True"):
         model.generate([[1, 2, 3]], True)
     _, d = tiny
@@ -877,10 +913,13 @@ def test_every_built_variant_offered_keeps_one_seq_len(tmp_path):
         m = serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=64, dtype="bf16")
     assert m.fused == {} and m.unfused is not None
     with pytest.raises(serve.ServeError, match="mix seq_len"):
-        serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", variants=names)
-    with pytest.raises(serve.ServeError, match=f"^variants: {pf}: a prefill chunk longer than cache_len 32"):
-        serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", cache_len=32,
-                            variants=[n for n in names if "_s32_" in n or n == pf])
+        serve.common_seq_len(vs)
+    # named variants on the CPU: the device is what is wrong, said first (a new user's trial, session 45: a cache
+    # length mismatch was named instead)
+    for kw in ({"variants": names}, {"cache_len": 32, "variants": [n for n in names if "_s32_" in n or n == pf]},
+               {"cache_len": 16, "variants": [n for n in names if "_s64_" in n]}):
+        with pytest.raises(serve.ServeError, match="^device: fused variants run on CUDA, got cpu"):
+            serve.Model.from_hf(d, build_dir=tmp_path / "build", device="cpu", **kw)
 
 
 def test_generate_errors_name_the_options_the_user_gave():
@@ -957,24 +996,25 @@ def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_u
     from generator.cli import TextStream
 
     class Tok:  # a byte-level tokenizer whose clean-up joins " '" as transformers' clean_up_tokenization does
-        pieces = {1: b"'", 2: b" ", 3: b"n", 4: b"\xc3", 5: b"\xa9"}
+        pieces = {1: b"'", 2: b" ", 3: b"n", 4: b"\xc3", 5: b"\xa9", 9: b"</s>"}  # 9: a special token
 
-        def decode(self, ids, clean_up_tokenization_spaces=True):
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=True):
+            ids = [i for i in ids if not (skip_special_tokens and i == 9)]
             text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
             return text.replace(" '", "'") if clean_up_tokenization_spaces else text
 
     out = []
     s = TextStream(Tok(), out.append)
-    for t in (1, 2, 1, 3, 3, 4, 5, 3):
+    for t in (1, 2, 1, 3, 3, 4, 5, 3, 9):
         s.add(t)
     s.flush()
-    assert "".join(out) == "' 'nn\u00e9n" and all("\ufffd" not in x for x in out), out
+    assert "".join(out) == "' 'nn\u00e9n" and all("\ufffd" not in x for x in out), out  # (no "</s>")
     ids = []
     s = TextStream(None, ids.append)
     for t in (7, 8):
         s.add(t)
     s.flush()
-    assert ids == ["7 ", "8 "]
+    assert "".join(ids) == "7 8"  # (no trailing space)
 
 
 def test_an_fp32_checkpoint_run_in_bf16_is_said_through_the_api_too(tiny):

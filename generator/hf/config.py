@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 KV_HEADS_ABSENT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 # hidden_act -> our activation; only functions the kernel computes exactly ("gelu" is HF's exact erf GELU)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
-DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16", "float64": "bf16"}
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # transformers 5.24's config defaults where config.json omits the field (MistralConfig, Qwen2Config, Qwen3Config)
@@ -276,10 +276,10 @@ def _refuse_unsupported(cfg_path, cfg, model_type):
         raise HFConfigError(f"{cfg_path}: field 'use_mrope' is true: multimodal RoPE is not supported")
     # biases the kernel does not add: o_proj (attention_bias in llama/qwen3 biases o_proj too) and the MLP's
     if model_type in ("llama", "qwen3") and _truthy(cfg.get("attention_bias")):
-        raise HFConfigError(f"{cfg_path}: field 'attention_bias' is true: it adds an o_proj bias too, which the "
-                            "kernel does not compute (only qwen2-style q/k/v biases are supported)")
+        raise HFConfigError(f"{cfg_path}: field 'attention_bias' is true: it adds an o_proj bias too, which this "
+                            "project does not compute, fused or unfused (only qwen2-style q/k/v biases are supported)")
     if _truthy(cfg.get("mlp_bias")):
-        raise HFConfigError(f"{cfg_path}: field 'mlp_bias' is true: MLP biases are not supported")
+        raise HFConfigError(f"{cfg_path}: field 'mlp_bias' is true: MLP biases are not supported, fused or unfused")
 
 
 def map_config(path, name=None, kernel: bool = True) -> Mapped:
@@ -348,8 +348,8 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
             raise HFConfigError(f"{cfg_path}: field '{dtype_field}' is {raw_dtype!r}: supported are "
                                 f"{', '.join(DTYPES)}")
         dtype = DTYPES[key]
-        if key == "float32":
-            notes.append(f"{dtype_field} float32 in config.json: mapped to bf16 (weights are cast when loaded)")
+        if key in ("float32", "float64"):
+            notes.append(f"{dtype_field} {key} in config.json: mapped to bf16 (weights are cast when loaded)")
 
     fields = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
               "intermediate": intermediate, "layers": layers, "norm": "rmsnorm", "norm_eps": eps,

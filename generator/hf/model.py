@@ -70,7 +70,7 @@ def _warn_fp16(ck: _Checkpoint, v, tensor: str, stacklevel: int = 3) -> None:
         return
     target = f"variant '{v.name}' is fp16" if v is not None else "the unfused layers run in fp16 (dtype=float16)"
     field, raw = config_dtype(ck.cfg)
-    if raw in ("bfloat16", "float32"):
+    if raw in ("bfloat16", "float32", "float64"):
         src, what = ck.cfg_path, f"field '{field}' is {raw}"
     else:
         stored = ck.dtype(tensor)
