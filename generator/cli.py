@@ -891,10 +891,10 @@ class TextStream:
     """One sequence's new tokens printed as they come, through `write(text)`: token ids, space-separated, where there
     is no tokenizer; else the whole text decoded again at each token, special tokens skipped (an end of turn `</s>` is
     no text; a token alone loses its leading space in SentencePiece, or is half of a character spanning tokens: held
-    back while the text ends in U+FFFD) and what was not yet printed written. Decoded without the tokenizer's clean-up of spaces (Llama-3's tokenizers set
-    `clean_up_tokenization_spaces`), which may rewrite text already printed (" ' " to "'") so that nothing after it
-    would print; so the streamed text is the tokens' own, as transformers' TextStreamer prints it with that option
-    off."""
+    back while the text ends in U+FFFD) and what was not yet printed written. Decoded without the tokenizer's
+    clean-up of spaces (Llama-3's tokenizers set `clean_up_tokenization_spaces`), which may rewrite text already
+    printed (" ' " to "'") so that nothing after it would print; so the streamed text is the tokens' own, as
+    transformers' TextStreamer prints it with that option off."""
 
     def __init__(self, tok, write):
         self.tok, self.write, self.ids, self.shown = tok, write, [], ""

@@ -1342,9 +1342,9 @@ class Model:
         """Generate up to max_new_tokens tokens for each prompt.
 
         prompts: a list of token-id lists of any lengths (or one flat list, or a 1-d / 2-d int tensor or numpy
-        array), at most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs the fused
-        prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each. temperature 0:
-        greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
+        array), at most max_batch of them, ids in [0, vocab). Each sequence sits at its own position: prefill runs
+        the fused prefill variants (or unfused, per dispatch), then decode steps run as one CUDA graph each.
+        temperature 0: greedy; > 0: sampled with top_k (0: off) and top_p (1: off), reproducible from `seed` (sequence b uses
         seed + 7919 b). Each of temperature, top_k, top_p and seed may also be a list of one value per sequence
         (a server's requests: sequence b then uses seed[b] and draws as it would alone, but where more logits tie
         at its k-th than the batch's candidates hold, or within an fp32 rounding of its top-p cut, since the batch

@@ -188,12 +188,17 @@ def tp_build(tmp_path_factory, tiny_ckpt):
     tb = tmp_path_factory.mktemp("tp_build") / "build"
     res = gcompile.build(vs, tb)
     assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
-    # the TP variants again with the norms' rows in global memory (NORM_GLOBAL=1: override only with tensor parallel)
-    ng = tb.parent / "build-norm-global"
-    res = gcompile.build([v for v in vs if v.tp == 2], ng,
-                         overrides={v.name: {"NORM_GLOBAL": 1} for v in vs if v.tp == 2})
-    assert all(e["status"] == "ok" and e["plan"]["consts"]["NORM_GLOBAL"] == 1 for e in res["entries"]), res
+    # the TP variants again with the plans tensor parallel takes by override only (not yet run on 2 GPUs): the norms'
+    # rows in global memory, one buffer of partial sums
+    for d, ov in TP_OVERRIDE_BUILDS.items():
+        two = [v for v in vs if v.tp == 2]
+        res = gcompile.build(two, tb.parent / d, overrides={v.name: ov for v in two})
+        assert all(e["status"] == "ok" and all(e["plan"]["consts"][k] == x for k, x in ov.items())
+                   for e in res["entries"]), res
     return Path(build), tb, vs
+
+
+TP_OVERRIDE_BUILDS = {"build-norm-global": {"NORM_GLOBAL": 1}, "build-red-db0": {"RED_DB": 0}}
 
 
 @gpu
@@ -202,7 +207,7 @@ def test_gpu_tp_layers_equal_the_whole_layer_reference(tp_build, tmp_path):
     build, tb, vs = tp_build
     declared = [v.name for v in _declared_tp()]
     small = [v.name for v in vs if v.tp == 2]
-    for b, names in ((build, declared), (tb, small), (tb.parent / "build-norm-global", small)):
+    for b, names in ((build, declared), (tb, small), *((tb.parent / d, small) for d in TP_OVERRIDE_BUILDS)):
         if not names:
             continue
         for res in _torchrun("fused", tmp_path / b.name, "--build", b, *sum((["--variant", n] for n in names), [])):
@@ -339,9 +344,10 @@ def run_tp_on_one_gpu(name: str, build, weights: dict, seed: int) -> list[dict]:
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_tp_ranks_on_one_gpu_equal_the_whole_layer_reference(tp_build, tmp_path, local_ranks):
-    """Every fused TP variant (the declared ones, the tiny checkpoint's at batch 1 and 2, with NORM_GLOBAL=1 too, and
-    Llama-3-70B tp2 at batch 16 with NORM_GLOBAL=1, past the rows' batch) with its ranks as threads on one GPU: the
-    output against the whole layer's fp32 reference, each rank's cache rows and step results against its part."""
+    """Every fused TP variant (the declared ones, bench/heldout.yaml's, the tiny checkpoint's at batch 1 and 2, with
+    TP_OVERRIDE_BUILDS' plans too, and Llama-3-70B tp2 at batch 16 with NORM_GLOBAL=1, past the rows' batch) with its
+    ranks as threads on one GPU: the output against the whole layer's fp32 reference, each rank's cache rows and
+    step results against its part."""
     import dataclasses
 
     from generator import compile as gcompile, reference
@@ -349,11 +355,15 @@ def test_gpu_tp_ranks_on_one_gpu_equal_the_whole_layer_reference(tp_build, tmp_p
     build, tb, vs = tp_build
     v70 = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp == 2)
     big = dataclasses.replace(v70, batch=16)
-    bb = tmp_path / "b16"
+    bb, hb = tmp_path / "b16", tmp_path / "heldout"
     res = gcompile.build([big], bb, overrides={big.name: {"NORM_GLOBAL": 1}})
     assert res["entries"][0]["status"] == "ok", res["entries"][0].get("error")
-    cases = [(build, v.name) for v in _declared_tp()] + [(tb, v.name) for v in vs if v.tp == 2] \
-        + [(tb.parent / "build-norm-global", v.name) for v in vs if v.tp == 2] + [(bb, big.name)]
+    held = [v for v in gvariants.load(ROOT / "bench" / "heldout.yaml") if v.tp > 1]  # (default plans)
+    res = gcompile.build(held, hb)
+    assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+    small = [v.name for v in vs if v.tp == 2]
+    cases = [(build, v.name) for v in _declared_tp()] + [(hb, v.name) for v in held] + [(tb, n) for n in small] \
+        + [(tb.parent / d, n) for d in TP_OVERRIDE_BUILDS for n in small] + [(bb, big.name)]
     for b, name in cases:
         m = variant_from_entry(find_entry(name, b)[0]).model
         W = reference.random_weights(m, seed=13, device="cuda")
