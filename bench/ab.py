@@ -79,8 +79,7 @@ def main(argv=None):
                 render_plan(v, overrides=ov)
             except PlanError as exc:
                 fail(str(exc))
-        # (as `megakernel render` says it: a tuning entry with no overrides is the default plan)
-        knobs = f" {base}" if base else ": the default (the tuner found nothing faster)" if source != "default" else ""
+        knobs = f" {base}" if base else ""  # (a tuning entry that plans the default resolves as "default")
         notes.append(f"{name}: from its {source} plan{knobs}")
         plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))
     if not args.compile_only:

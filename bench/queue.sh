@@ -6,6 +6,7 @@
 #   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline): each < 600 s
 #   bash bench/queue.sh b
 #   bash bench/queue.sh tests     # the GPU tests not run on the current code
+#   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
 #   bash bench/queue.sh tp        # on 2 GPUs (kind nvidia-h200-x2): the TP tests, NORM_GLOBAL=1's cases among them
 #
 # Results go to $OUT (the device's; ./out here). A step that fails is said and the next one runs.
@@ -70,7 +71,11 @@ part_b() {
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_serve.py tests/test_hf_gpu.py \
     tests/test_lm_head.py
-  # the TP kernels with their ranks as threads on this one GPU (NORM_GLOBAL=1 with tensor parallel, never run)
+
+}
+
+part_tp1() {  # the TP kernels with their ranks as threads on this one GPU (NORM_GLOBAL=1 with tensor parallel, never
+  # run; ~11 kernels compiled first)
   step gputests-tp1 python3 -m pytest -q -m gpu tests/test_tp.py -k one_gpu_equal
 }
 
@@ -78,12 +83,13 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|a|b|tests|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|a|b|tests|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; part_a; part_b ;;
   a) part_a ;;
   b) part_b ;;
   tests) part_tests ;;
+  tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|a|b|tests|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|a|b|tests|tp1|tp" >&2; exit 2 ;;
 esac

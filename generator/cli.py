@@ -194,8 +194,7 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     v = vs[name]
     ov, source, _, warning = gtune.resolve(v, arch, tfile)
     knobs = " ".join(f"{k}={val}" for k, val in sorted(ov.items()))  # as the report's plan column writes them
-    tuned = [f"note: {source} plan: {knobs or 'the default (the tuner found nothing faster)'}"
-             ] if source != "default" else []
+    tuned = [f"note: {source} plan: {knobs}"] if source != "default" else []  # (the default's own: "default")
     try:  # a build of it that re-planned this plan (it spilled): what it compiled is not what is printed here
         built = gmanifest.read_manifest(Path(build_dir))["variants"].get(name) or {}
     except (OSError, ValueError):
@@ -248,10 +247,12 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     tfile = pick_tuning_file(tuned_for, no_tuned)
     vs = load_selected(variants_file, only, exclude)
     bd = Path(build_dir)
-    try:  # a directory of other files (a model's, a source tree) is not turned into a build
-        if bd.is_dir() and not (bd / gmanifest.MANIFEST).exists() and any(bd.iterdir()) \
-                and (why := gmanifest.not_a_build(bd)):
-            fail(f"--build-dir {build_dir}: {why}; give a new or empty directory, or a build's")
+    try:  # a directory of other files (a model's, a source tree) is not turned into a build; one that lost its
+        # manifest (deleted, or an interrupted first build) holds only what a build writes and is built again
+        if bd.is_dir() and not (bd / gmanifest.MANIFEST).exists() and (foreign := gmanifest.foreign_entries(bd)):
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            fail(f"--build-dir {build_dir}: not a megakernel build directory (no manifest.json, and it holds {shown}, "
+                 "which a build does not write); give a new or empty directory, or a build's")
     except OSError:
         pass  # (unreadable: the build says so below)
     try:
@@ -753,9 +754,9 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     return msg
 
 
-# the files a Hugging Face tokenizer is read from (transformers' tokenization_utils: one of them at least)
+# files a Hugging Face tokenizer is commonly read from (only to name what is missing when one encodes nothing)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
-                   "spiece.model")
+                   "spiece.model", "tekken.json")
 
 
 def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
@@ -766,11 +767,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     from . import hf, loader, serve
     tok = None
     if prompts:
-        needs = f"{model_dir}: --prompt needs a tokenizer in the model directory"
-        # (transformers 5 builds an empty tokenizer for some model types, Qwen2's, where the directory has none)
-        if Path(model_dir).is_dir() and not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-            fail(f"{needs}, and it has none (no {', '.join(TOKENIZER_FILES)}); give --ids instead")
-        needs += " (tokenizer.json, tokenizer.model ...)"
+        needs = f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model ...)"
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir)
@@ -778,10 +775,14 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             why = " ".join(str(exc).split()) or type(exc).__name__  # its lines joined: one line, cut at a word
             why = why if len(why) <= 200 else why[:200].rsplit(" ", 1)[0] + " ..."
             fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
-        if len(tok) == 0:
-            fail(f"{needs}: transformers loaded one with an empty vocabulary; give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
+            # transformers 5 builds a tokenizer of no vocabulary for some model types (Qwen2's) where the directory
+            # has no tokenizer files: that, not the text, is what is wrong then
+            if len(tok.get_vocab()) <= 1 and Path(model_dir).is_dir() and not any(
+                    (Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+                fail(f"{needs}, and it has none (transformers made one of {len(tok.get_vocab())} tokens); give --ids "
+                     "instead")
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
                  "give some text, or --ids")
     else:
@@ -873,9 +874,9 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     import torch
     if dtype is None and (raw := hf.config_dtype(cfg)[1]) in ("float32", "float64") and model.dtype != torch.float32:
         info(f"note: config.json's dtype {raw} ran as {str(model.dtype).removeprefix('torch.')} (the default "
-             "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it as transformers does "
-             "(unfused)", markup=False, highlight=False,
-             soft_wrap=True)
+             "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it "
+             + ("as transformers does (unfused)" if raw == "float32" else "unfused in fp32 (transformers: float64)"),
+             markup=False, highlight=False, soft_wrap=True)
     if temperature == 0 and (asked := sampling_asked(model_dir)):
         opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (a.split(" ") for a in asked.split(", ")))
         info(f"note: generation_config.json asks for sampling ({asked}, as transformers' generate() fills it); this "

@@ -49,6 +49,14 @@ BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")
 OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)
 
 
+def foreign_entries(build_dir: Path, variants: set[str] = frozenset()) -> list[str]:
+    """The names in `build_dir` that a build does not write (its manifest, objects/, reports, locks, temporary
+    files, a directory per variant: one of `variants` or named as a variant is), sorted."""
+    return sorted(e.name for e in Path(build_dir).iterdir() if not (
+        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
+        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
+
+
 def not_a_build(build_dir: Path) -> str | None:
     """Why `megakernel clean` would not remove the directory (it holds something a build does not write, or a
     manifest.json that is not a build's), or None where everything in it is a build's. A corrupt manifest counts as
@@ -70,10 +78,7 @@ def not_a_build(build_dir: Path) -> str | None:
                              for e in p.iterdir()):
         return ("does not look like a megakernel build directory (no build's manifest.json, and files a build does "
                 "not write)")
-    variants = set(doc["variants"]) if doc else set()
-    foreign = sorted(e.name for e in p.iterdir() if not (
-        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
-        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
+    foreign = foreign_entries(p, set(doc["variants"]) if doc else set())
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         return f"does not look like a megakernel build directory (it holds {shown}, which a build does not write)"

@@ -648,8 +648,9 @@ class Model:
         if asked is None and raw in ("float32", "float64") and dtype != torch.float32:
             warnings.warn(hfm.HFDowncastWarning(
                 f"{ck.cfg_path}: field '{field}' is {raw} but the model runs in {str(dtype).removeprefix('torch.')} "
-                "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, as transformers "
-                "does)"), stacklevel=2)
+                "(the fused kernels' dtype; dtype=torch.float32 with variants=[] runs it unfused, "
+                + ("as transformers does)" if raw == "float32" else "the nearest to transformers' float64)")),
+                stacklevel=2)
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
             raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")

@@ -159,7 +159,11 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
             why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
-    if not knobs_differ(knob_dict(plan(v, str(arch))), now):
+    try:
+        default = knob_dict(plan(v, str(arch)))
+    except PlanError:  # a plan only the overrides make (tensor parallel's NORM_GLOBAL=1): the tuned one
+        default = None
+    if default is not None and not knobs_differ(default, now):
         # the planner's default has since become the tuner's pick: the default plan, and the gain measured against
         # the old default is not this build's (`entry["tuning"]` still records the file's overrides)
         return {}, "default", None, None

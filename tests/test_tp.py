@@ -305,8 +305,9 @@ def local_ranks(monkeypatch):
     real_rank = loader.tp_rank
     monkeypatch.setattr(loader, "tp_rank", lambda g, t, n: g.rank if isinstance(g, _Group) else real_rank(g, t, n))
     monkeypatch.setattr(loader, "AllReduce", _LocalReduce)
+    # (each rank posts a copy: the other rank's next launch, on the shared stream, appends rows to its live cache)
     monkeypatch.setattr(verify, "_gather_heads",
-                        lambda c, layer: torch.cat(layer.group.ranks.exchange(layer.group.rank, c.contiguous()), 1))
+                        lambda c, layer: torch.cat(layer.group.ranks.exchange(layer.group.rank, c.clone()), 1))
 
 
 def run_tp_on_one_gpu(name: str, build, weights: dict, seed: int) -> list[dict]:
@@ -318,6 +319,7 @@ def run_tp_on_one_gpu(name: str, build, weights: dict, seed: int) -> list[dict]:
     from generator.manifest import find_entry, variant_from_entry
     tp = variant_from_entry(find_entry(name, build)[0]).tp
     ranks, stream = _Ranks(tp), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the caller's weights are made (the new stream does not wait)
     rows, errors = [None] * tp, []
 
     def rank(r):

@@ -752,6 +752,18 @@ def test_the_shipped_tuning_files_resolve_without_warnings():
     assert n_default  # (llama3.2-1b b8: the tuner's O_PRE 1 is the planner's default since session 27)
 
 
+def test_a_tuning_entry_for_a_plan_only_its_overrides_make_is_tuned(tmp_path):
+    """A variant whose default plan is refused (Llama-3-70B tp2 b16: the rows do not fit) built from a tuning entry
+    whose overrides make it (NORM_GLOBAL=1, as the refusal advises): the tuned plan, not a PlanError from comparing
+    it with the default (a review found that regression)."""
+    v70 = next(v for v in declared() if v.tp == 2)
+    v = dataclasses.replace(v70, batch=16)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({v.name: {"overrides": {"NORM_GLOBAL": 1}}}))
+    ov, src, fig, warn = gtune.resolve(v, "90", f)
+    assert ov == {"NORM_GLOBAL": 1} and src.startswith("tuned") and warn is None and fig is None
+
+
 def test_record_merges(tmp_path):
     f = tmp_path / "t" / "x.json"
     gtune.record(f, {"a": {"overrides": {}}})
