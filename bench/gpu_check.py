@@ -337,6 +337,9 @@ def markdown_tables(doc: dict) -> str:
               help="print a gpu_check.json's tables as the README's markdown tables and exit (no GPU)")
 def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test_paths, serving_globs,
          serving_budget, markdown_of):
+    """The one-call GPU check: build the declared and held-out variants, run the GPU tests, verify every variant
+    against the fp32 reference and time it against the unfused baselines (the serving-style layer, FlashInfer's,
+    torch + CUDA graph), writing gpu_check.json to --out and printing the tables last."""
     if markdown_of:
         try:
             doc = json.loads(Path(markdown_of).read_text())
@@ -347,6 +350,10 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
                 and all(isinstance(r, dict) and isinstance(r.get("variant"), str) for r in doc["rows"])):
             click.echo(f"error: {markdown_of}: not a gpu_check result (an object whose \"rows\" each name their "
                        "\"variant\")", err=True)
+            sys.exit(2)
+        if not doc["rows"]:
+            click.echo(f"error: {markdown_of}: a gpu_check result with no rows (a run stopped before its first "
+                       "variant?)", err=True)
             sys.exit(2)
         try:
             click.echo(markdown_tables(doc), nl=False)

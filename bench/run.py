@@ -206,7 +206,8 @@ def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_s
     # tensor-parallel variants need one process per GPU: bench/tp_check.py (torchrun) times them
     vs = [v for v in vs if v.tp == 1]
     if not vs:
-        fail(f"{variants_file}: no single-GPU variant matches --only {' '.join(only)} (tp > 1: bench/tp_check.py)")
+        sel = f" matches --only {' '.join(only)}" if only else ""
+        fail(f"{variants_file}: no single-GPU variant{sel} (tp > 1: bench/tp_check.py)")
     if not re.fullmatch(r"\d{2,3}a?", arch):
         fail(f"--arch: expected digits such as 90 or 90a, got '{arch}'")
     seed = seed if seed is not None else int(time.time()) % 100000

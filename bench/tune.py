@@ -199,7 +199,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     vs = [v for v in vs if v.tp == 1
           and (not only or any(fnmatch.fnmatchcase(v.name, g) for g in only))]
     if not vs:
-        fail(f"{variants_file}: no variant of tp 1 matches --only {' '.join(only) or '*'}")
+        sel = f" matches --only {' '.join(only)}" if only else ""
+        fail(f"{variants_file}: no single-GPU variant{sel} (the tuner times one GPU; a tensor-parallel variant's plan "
+             "is its default or a hand-written tuning entry)")
     if row is not None and (short := [v for v in vs if v.mode == "decode" and v.seq_len <= row]):
         fail(f"--positions {row}: past the cache of {short[0].name} (seq_len {short[0].seq_len}; rows 0 .. "
              f"{short[0].seq_len - 1})")

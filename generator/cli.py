@@ -209,7 +209,9 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     try:
         p = plan(v, arch, overrides=ov or None)
     except PlanError as exc:
-        fail(str(exc))
+        used = (built.get("tuning") or {}).get("file") if built.get("status") == "ok" else None
+        fail(str(exc) + (f" (its build in {Path(build_dir) / name} used the overrides of {used}: "
+                         f"--tuned-for {shlex.quote(used)} renders that plan)" if used else ""))
     src = render(v, p)
     # a current build of it (not stale: `list` says that) whose source is not this one: compiled from another plan
     if not replanned and built.get("status") == "ok" and str(built.get("arch", arch)) == str(arch) \
@@ -406,6 +408,8 @@ def pick_tuning_file(tuned_for: str | None, no_tuned: bool):
     """The tuning file a build uses: --tuned-for's (which must exist), none with --no-tuned, else the only file in
     tuning/ (none where there are several: a note says to choose)."""
     from . import tune as gtune
+    if tuned_for is not None and not tuned_for.strip():  # (an unset "$VAR": not the default file unseen)
+        fail("--tuned-for: empty (a GPU's name, e.g. 'NVIDIA H200', or a tuning file's path)")
     if no_tuned and tuned_for:
         fail("--tuned-for and --no-tuned exclude each other")
     if no_tuned:

@@ -25,7 +25,8 @@ from .tune import knob_dict, knobs_differ
 COLUMNS = ["name", "status", "cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
            "static_smem", "dynamic_smem", "smem_total", "smem_pct", "l1_bytes", "blocks_per_sm", "compile_s",
            "load_ms",
-           "plan", "tuned_gain", "split_k", "mma_sass", "tp", "gpu_bytes", "workspace_bytes", "flags"]
+           "plan", "overrides", "path", "tuned_gain", "split_k", "mma_sass", "tp", "gpu_bytes", "workspace_bytes",
+           "flags"]
 BENCH_COLUMNS = ["fused_us", "pct_bw", "tflops", "route", "speedup_best", "best_baseline", "speedup_torch_graph",
                  "speedup_eager", "speedup_compile"]
 
@@ -404,7 +405,9 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         cols = COLUMNS + [c for c in BENCH_COLUMNS if any(c in r for r in rows)]
         w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        # (the overrides as the table writes them, KNOB=value: a dict's repr is no CSV cell)
+        w.writerows({**r, "overrides": " ".join(f"{k}={x}" for k, x in sorted((r.get("overrides") or {}).items()))}
+                    for r in rows)
         try:
             atomic_write(build_dir / "report.json", json.dumps(report, indent=1))
             atomic_write(build_dir / "report.csv", buf.getvalue())

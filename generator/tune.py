@@ -133,6 +133,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     why = None
     if not isinstance(e, dict) or not isinstance(e.get("overrides"), dict):
         why = "malformed entry (no \"overrides\" object)"
+    elif e["overrides"].get("TIMELINE"):  # (a build that stamps timers into a workspace: bench/timeline.py's)
+        why = "TIMELINE is a measuring build (bench/timeline.py), not a plan to serve: delete it from the overrides"
     elif e.get("knobs") is not None and not isinstance(e["knobs"], dict):
         why = "malformed entry (its \"knobs\", what was measured, is not an object: fix it or delete it)"
     elif e.get("identity") not in (None, identity(v.params(), str(arch))):
@@ -156,7 +158,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
                        "the planner's defaults changed since it was tuned (run `megakernel tune` again) or the "
                        "overrides were edited (delete its \"knobs\" to build them as they are)")
         except PlanError as exc:
-            why = f"refused by the planner: {str(exc).removeprefix(v.name + ': ')}"  # the line names v once
+            msg = str(exc)  # the line names v once (the planner's message starts with it, or its overrides after)
+            why = f"refused by the planner: {msg[len(v.name):].lstrip(': ') if msg.startswith(v.name) else msg}"
     if why:
         return {}, "default", None, f"warning: {where}: {v.name}: {why}; default plan used"
     try:

@@ -86,7 +86,9 @@ def test_tp_batch_past_the_rows_names_norm_global_and_that_plan_builds(tmp_path)
     v70 = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp == 2)
     v = dataclasses.replace(v70, batch=16)
     with pytest.raises(PlanError, match=r"a batch of at most 12 fits; NORM_GLOBAL=1 keeps them in global memory "
-                                        r"\(tensor parallel: override only") as e:
+                                        r"\(with tensor parallel an override only, not yet run on GPUs: an entry "
+                                        r'\{"llama3-70b_decode_b16_s4096_bf16_tp2": \{"overrides": \{"NORM_GLOBAL": 1\}\}\} '
+                                        r"in tuning/<gpu>.json") as e:
         render.plan(v)
     assert "\n" not in str(e.value)
     p = render.plan(v, overrides={"NORM_GLOBAL": 1})
@@ -99,6 +101,34 @@ def test_tp_batch_past_the_rows_names_norm_global_and_that_plan_builds(tmp_path)
     assert e["status"] == "ok" and e["plan_source"] == "override", e.get("error")
     r = e["resources"]
     assert r["spill_stores"] == r["spill_loads"] == 0 and r["smem_total"] <= r["smem_limit"], r
+
+
+def test_the_tp_override_through_a_tuning_file_as_a_user_takes_it(tmp_path):
+    """The refusal's advice followed with the CLI (a new user's trial, session 45): a tuning entry with
+    {"NORM_GLOBAL": 1} builds the TP batch the default refuses; report.csv says which plan (overrides and path);
+    `render` without the file names the file the build used; `--tuned-for ""` is an error, not the default file."""
+    import csv
+    import json as _json
+
+    from conftest import run_cli
+    (tmp_path / "v.yaml").write_text(
+        "models:\n  l70:\n    {hidden: 8192, heads: 64, kv_heads: 8, head_dim: 128, intermediate: 28672, layers: 80,"
+        " norm: rmsnorm, norm_eps: 1.0e-5, rope_theta: 500000.0, activation: silu, qkv_bias: false, qk_norm: false,"
+        " dtype: bf16, matrix: {mode: [decode], batch: [16], seq_len: [4096], tp: [2]}}\n")
+    name = "l70_decode_b16_s4096_bf16_tp2"
+    args = ["build", "--variants", tmp_path / "v.yaml", "--build-dir", tmp_path / "b", "--no-report"]
+    r = run_cli(args + ["--no-tuned"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 1 and '{"overrides": {"NORM_GLOBAL": 1}}' in r.stderr, r.stderr
+    (tmp_path / "t.json").write_text(_json.dumps({name: {"overrides": {"NORM_GLOBAL": 1}}}))
+    r = run_cli(args + ["--tuned-for", tmp_path / "t.json"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "b" / "report.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["plan"].startswith("tuned") and row["overrides"] == "NORM_GLOBAL=1" and "NORM_GLOBAL" in row["path"]
+    r = run_cli(["render", name, "--variants", tmp_path / "v.yaml", "--build-dir", tmp_path / "b"], cwd=tmp_path)
+    assert r.returncode == 2 and f"used the overrides of {tmp_path / 't.json'}: --tuned-for" in r.stderr, r.stderr
+    r = run_cli(args + ["--tuned-for", ""], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --tuned-for: empty"), r.stderr
 
 
 def test_shard_weights_split_heads_and_columns_and_join_back():

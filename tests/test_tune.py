@@ -527,7 +527,7 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     with pytest.raises(PlanError, match="at most 25 fits; NORM_GLOBAL=1 .the default where they do not fit."):
         render.plan(b32, "90", overrides={"NORM_GLOBAL": 0})
     with pytest.raises(PlanError, match="a batch of at most 22 fits; NORM_GLOBAL=1 keeps them in global memory "
-                                        ".tensor parallel: override only, not yet run on 2 GPUs"):
+                                        ".with tensor parallel an override only, not yet run on GPUs: an entry"):
         render.plan(dataclasses.replace(b32, tp=2), "90")
     with pytest.raises(PlanError, match="at most 24 fits; NORM_GLOBAL=1 keeps them in global memory, without the "
                                         "overrides NORM_FOLD=1$"):  # an override that pins the rows: drop it
@@ -764,6 +764,16 @@ def test_a_tuning_entry_for_a_plan_only_its_overrides_make_is_tuned(tmp_path):
     f.write_text(json.dumps({v.name: {"overrides": {"NORM_GLOBAL": 1}}}))
     ov, src, fig, warn = gtune.resolve(v, "90", f)
     assert ov == {"NORM_GLOBAL": 1} and src.startswith("tuned") and warn is None and fig is None
+
+
+def test_a_tuning_entry_with_timeline_is_refused_as_no_plan_to_serve(tmp_path):
+    """TIMELINE=1 (a build that stamps timers: bench/timeline.py) in a tuning entry is not built as a production
+    plan: the default, with a one-line warning."""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({v.name: {"overrides": {"TIMELINE": 1}}}))
+    ov, src, _, warn = gtune.resolve(v, "90", f)
+    assert (ov, src) == ({}, "default") and "TIMELINE is a measuring build" in warn and "\n" not in warn
 
 
 def test_record_merges(tmp_path):
