@@ -586,6 +586,13 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
                 write_if_changed(build_dir / name / "kernel.cu", src)
         for key, name in links:
             _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
+        for n, e in entries.items():  # a good build of another plan (a tuning file's) replaced by a refusal: said
+            was = old.get(n) if isinstance(old.get(n), dict) else {}
+            if n not in kept and e["status"] == "refused" and was.get("status") == "ok" \
+                    and str(was.get("plan_source", "default")) != "default":
+                used = (was.get("tuning") or {}).get("file")
+                warnings.append(f"warning: {n}: refused with this build's plan; its build of the {was['plan_source']} "
+                                "plan is replaced" + (f" (build with --tuned-for {used} to keep it)" if used else ""))
         manifest["variants"].update({n: e for n, e in entries.items() if n not in kept})
         if any(e["status"] == "ok" for e in entries.values()) or "arch" not in manifest:
             manifest["arch"] = arch  # the last architecture built here (each entry records its own)

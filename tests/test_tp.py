@@ -129,6 +129,10 @@ def test_the_tp_override_through_a_tuning_file_as_a_user_takes_it(tmp_path):
     assert r.returncode == 2 and f"used the overrides of {tmp_path / 't.json'}: --tuned-for" in r.stderr, r.stderr
     r = run_cli(args + ["--tuned-for", ""], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --tuned-for: empty"), r.stderr
+    # a build without that file refuses the variant again: said, with the flag that keeps the tuned build
+    r = run_cli(args + ["--no-tuned"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 1 and f"its build of the tuned ({tmp_path / 't.json'}) plan is replaced (build with " \
+        f"--tuned-for {tmp_path / 't.json'} to keep it)" in r.stderr, r.stderr
 
 
 def test_shard_weights_split_heads_and_columns_and_join_back():
