@@ -352,8 +352,8 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
                        "\"variant\")", err=True)
             sys.exit(2)
         if not doc["rows"]:
-            click.echo(f"error: {markdown_of}: a gpu_check result with no rows (a run stopped before its first "
-                       "variant?)", err=True)
+            click.echo(f"error: {markdown_of}: a gpu_check result with no rows (its selection held no variant of one "
+                       "GPU, e.g. --only '*_tp2'): no table to print", err=True)
             sys.exit(2)
         try:
             click.echo(markdown_tables(doc), nl=False)

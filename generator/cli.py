@@ -209,9 +209,20 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     try:
         p = plan(v, arch, overrides=ov or None)
     except PlanError as exc:
-        used = (built.get("tuning") or {}).get("file") if built.get("status") == "ok" else None
-        fail(str(exc) + (f" (its build in {Path(build_dir) / name} used the overrides of {used}: "
-                         f"--tuned-for {shlex.quote(used)} renders that plan)" if used else ""))
+        # a current build of it from a tuning file other than the one read here: name that file
+        def same_arch(a) -> bool:
+            try:
+                return get_arch(str(a)).number == get_arch(arch).number
+            except TargetError:
+                return False
+        used = (built.get("tuning") or {}).get("file") if built.get("status") == "ok" and str(
+            built.get("plan_source", "")).startswith("tuned") and same_arch(built.get("arch")) and built.get(
+            "identity") == gmanifest.identity(v.params(), str(built.get("arch"))) else None
+        shown = str(used if used is None or Path(used).is_absolute() else gmanifest.ROOT / used)
+        if used and (tfile is None or Path(shown).resolve() != Path(tfile).resolve()):
+            fail(f"{exc} (its build in {Path(build_dir) / name} used the overrides of {shown}: --tuned-for "
+                 f"{shlex.quote(shown)} renders that plan)")
+        fail(str(exc))
     src = render(v, p)
     # a current build of it (not stale: `list` says that) whose source is not this one: compiled from another plan
     if not replanned and built.get("status") == "ok" and str(built.get("arch", arch)) == str(arch) \
@@ -369,6 +380,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     for e in result["entries"]:
         if e["status"] == "refused":
             err_console.print(f"warning: refused {e['error']}", markup=False, highlight=False, soft_wrap=True)
+    for w in result.get("replaced", []):  # (after the refusals they follow from)
+        err_console.print(w, markup=False, highlight=False, soft_wrap=True)
     for e in result["errors"]:
         err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
@@ -785,8 +798,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             # has no tokenizer files: that, not the text, is what is wrong then
             if len(tok.get_vocab()) <= 1 and Path(model_dir).is_dir() and not any(
                     (Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-                fail(f"{needs}, and it has none (transformers made one of {len(tok.get_vocab())} tokens); give --ids "
-                     "instead")
+                fail(f"{needs}, and it has none (transformers made a tokenizer of {len(tok.get_vocab())} token(s) "
+                     "that encodes text to nothing); give --ids instead")
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
                  "give some text, or --ids")
     else:

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from . import __version__, toolchain
 from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
+from .manifest import ROOT as MANIFEST_ROOT
 from .plan import l1_bytes
 from .render import PlanError, plan, render
 from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
@@ -392,6 +394,7 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
     sources: dict[str, str] = {}
     warnings: list[str] = []  # the tuning file's (they fail `build --strict`)
     replans: list[str] = []  # default plans that spilled (replan_spills)
+    replaced: list[str] = []  # good builds of a tuned or overridden plan this build's refusal replaced
     # (variant, source): written with the manifest, so an interrupted build leaves each kernel.cu matching its cubin
     rendered: list[tuple[str, str]] = []
     # a file that is no tuning file warns once for the build and flags no variant (none had an entry to use)
@@ -586,13 +589,17 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
                 write_if_changed(build_dir / name / "kernel.cu", src)
         for key, name in links:
             _link(build_dir / "objects" / key / "kernel.cubin", build_dir / name / "kernel.cubin")
-        for n, e in entries.items():  # a good build of another plan (a tuning file's) replaced by a refusal: said
+        for n, e in entries.items():  # a good build of a tuned or overridden plan replaced by a refusal: said
             was = old.get(n) if isinstance(old.get(n), dict) else {}
+            src = str(was.get("plan_source", "default"))
             if n not in kept and e["status"] == "refused" and was.get("status") == "ok" \
-                    and str(was.get("plan_source", "default")) != "default":
-                used = (was.get("tuning") or {}).get("file")
-                warnings.append(f"warning: {n}: refused with this build's plan; its build of the {was['plan_source']} "
-                                "plan is replaced" + (f" (build with --tuned-for {used} to keep it)" if used else ""))
+                    and was.get("identity") == e["identity"] and (src.startswith("tuned") or src == "override"):
+                used = (was.get("tuning") or {}).get("file") if src.startswith("tuned") else None
+                now = (e.get("tuning") or {}).get("file")
+                keep = f" (build with --tuned-for {shlex.quote(str(_abs(used)))} to keep it)" \
+                    if used and (now is None or _abs(now) != _abs(used)) else ""
+                replaced.append(f"warning: {n}: refused with this build's plan; its build of the {src} plan is "
+                                f"replaced{keep}")
         manifest["variants"].update({n: e for n, e in entries.items() if n not in kept})
         if any(e["status"] == "ok" for e in entries.values()) or "arch" not in manifest:
             manifest["arch"] = arch  # the last architecture built here (each entry records its own)
@@ -600,4 +607,9 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
         atomic_write(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     distinct = {e["key"] for e in entries.values() if e.get("key")}  # after re-planning: the objects in use
     return {"entries": list(entries.values()), "distinct": len(distinct), "warnings": warnings, "replans": replans,
-            "errors": [e for e in entries.values() if e["status"] == "error"]}
+            "replaced": replaced, "errors": [e for e in entries.values() if e["status"] == "error"]}
+
+
+def _abs(shown: str) -> Path:
+    """A tuning file's path as a manifest records it (tune.display: relative to the source tree where under it)."""
+    return Path(shown) if Path(shown).is_absolute() else MANIFEST_ROOT / shown

@@ -50,11 +50,14 @@ OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)
 
 
 def foreign_entries(build_dir: Path, variants: set[str] = frozenset()) -> list[str]:
-    """The names in `build_dir` that a build does not write (its manifest, objects/, reports, locks, temporary
-    files, a directory per variant: one of `variants` or named as a variant is), sorted."""
-    return sorted(e.name for e in Path(build_dir).iterdir() if not (
+    """The names in `build_dir` that a build does not write (its manifest, objects/ of object directories, reports,
+    locks, temporary files, a directory per variant: one of `variants` or named as a variant is), sorted."""
+    p = Path(build_dir)
+    objects = [f"objects/{e.name}" for e in (p / "objects").iterdir() if not (e.is_dir() and OBJECT_DIR.fullmatch(
+        e.name))] if (p / "objects").is_dir() else []
+    return sorted(objects + [e.name for e in p.iterdir() if not (
         e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
-        or e.is_file() and BUILD_TEMP.fullmatch(e.name)))
+        or e.is_file() and BUILD_TEMP.fullmatch(e.name))])
 
 
 def not_a_build(build_dir: Path) -> str | None:

@@ -709,6 +709,12 @@ def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     assert r.returncode == 2 and "not a megakernel build directory (no manifest.json, and it holds config.json" \
         in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert sorted(p.name for p in Path(d).iterdir()) == before  # nothing written into the model's directory
+    (tmp_path / "mine" / "objects").mkdir(parents=True)  # an objects/ of someone else's files: no build's either
+    (tmp_path / "mine" / "objects" / "thesis.tex").write_text("x")
+    r = cli(["build", "--variants", root / "variants.yaml", "--build-dir", tmp_path / "mine", "--only",
+             "qwen2.5-0.5b_decode_b1_s1024*"], cwd=tmp_path)
+    assert r.returncode == 2 and "it holds objects/thesis.tex" in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["objects"]
     r = cli(["clean", "--build-dir", "/"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr == "error: /: the file system's root; not removing it\n", r.stderr
 

@@ -681,8 +681,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         glob = ""  # what would keep the rows in global memory instead
         if not norm_global and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block:
             glob = ("; NORM_GLOBAL=1 keeps them in global memory (with tensor parallel an override only, not yet "
-                    "run on GPUs: an entry {\"" + v.name + "\": {\"overrides\": {\"NORM_GLOBAL\": 1}}} in "
-                    "tuning/<gpu>.json, which build reads, or in a file given to --tuned-for)" if v.tp > 1 else
+                    "run on GPUs: an entry {\"" + v.name + "\": {\"overrides\": {\"NORM_GLOBAL\": 1}}} in the "
+                    "one file in tuning/, which build reads, or in a file given to every build's --tuned-for)"
+                    if v.tp > 1 else
                     f"; NORM_GLOBAL=1 keeps them in global memory, without the overrides {_fmt(ov)}" if pinned else
                     "; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
