@@ -368,6 +368,16 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
             err_console.print(f"warning: {gtune.display(Path(tfile))}: no declared variant named "
                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (entries unused)",
                               markup=False, highlight=False, soft_wrap=True)
+        # entries tuned on another architecture's GPU are not this build's plans (gtune.resolve): said, once
+        from .targets import gpu_arch
+        doc, sm = gtune.read_tuning(Path(tfile)), get_arch(arch).sm
+        other = sorted({str(e["gpu"]) for v in vs if isinstance(e := doc.get(v.name), dict)
+                        and (a := gpu_arch(str(e.get("gpu", "")))) not in (None, sm)
+                        and e.get("identity") == gmanifest.identity(v.params(), a)})
+        if other:
+            err_console.print(f"note: {gtune.display(Path(tfile))}: its entries tuned on {', '.join(other)} (another "
+                              f"architecture than sm_{get_arch(arch).sm}) are not used for this build (--arch builds "
+                              "for theirs)", markup=False, highlight=False, soft_wrap=True)
     built = [e for e in result["entries"] if e["status"] == "ok"]
     compiled = {e["key"] for e in built if not e["resources"]["cached"]}
     fresh = sum(1 for e in built if e["resources"]["cached"])

@@ -1590,6 +1590,16 @@ def test_a_broken_default_tuning_file_warns_once(tmp_path, tiny_variants_file):
     r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", "tiny*",
                  "--tuned-for", typo, "--strict"], cwd=tmp_path)
     assert r.returncode == 0 and "no declared variant named no-such-variant" in r.stderr, r.stderr
+    # an entry tuned on another architecture's GPU is not this build's plan: said once (a new user's trial)
+    v = tiny(tiny_variants_file)
+    a100 = tmp_path / "a100.json"
+    a100.write_text(json.dumps({v.name: {"overrides": {"GEMV_PF": 1}, "gpu": "NVIDIA A100-SXM4-80GB",
+                                         "identity": gmanifest.identity(v.params(), "80")}}))
+    r = run_cli(["build", "--variants", tiny_variants_file, "--build-dir", tmp_path / "b", "--only", v.name,
+                 "--tuned-for", a100, "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0 and "its entries tuned on NVIDIA A100-SXM4-80GB (another architecture than sm_90) " \
+        "are not used" in r.stderr, r.stderr
+    assert gmanifest.read_manifest(tmp_path / "b")["variants"][v.name]["plan_source"] == "default"
 
 
 def test_an_interrupted_build_leaves_sources_and_cubins_in_step(tmp_path, tiny_variants_file, monkeypatch):
