@@ -86,7 +86,7 @@ def test_tp_batch_past_the_rows_names_norm_global_and_that_plan_builds(tmp_path)
     v70 = next(v for v in gvariants.load(ROOT / "variants.yaml") if v.tp == 2)
     v = dataclasses.replace(v70, batch=16)
     with pytest.raises(PlanError, match=r"a batch of at most 12 fits; NORM_GLOBAL=1 keeps them in global memory "
-                                        r"\(with tensor parallel an override only, not yet run on GPUs: an entry "
+                                        r"\(with tensor parallel an override only, not yet timed on 2 GPUs: an entry "
                                         r'\{"llama3-70b_decode_b16_s4096_bf16_tp2": \{"overrides": \{"NORM_GLOBAL": 1\}\}\} '
                                         r"in the one file in tuning/") as e:
         render.plan(v)

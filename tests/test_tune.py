@@ -527,7 +527,7 @@ def test_norm_global_where_the_rows_do_not_fit_or_leave_too_little_l1():
     with pytest.raises(PlanError, match="at most 25 fits; NORM_GLOBAL=1 .the default where they do not fit."):
         render.plan(b32, "90", overrides={"NORM_GLOBAL": 0})
     with pytest.raises(PlanError, match="a batch of at most 22 fits; NORM_GLOBAL=1 keeps them in global memory "
-                                        ".with tensor parallel an override only, not yet run on GPUs: an entry"):
+                                        ".with tensor parallel an override only, not yet timed on 2 GPUs: an entry"):
         render.plan(dataclasses.replace(b32, tp=2), "90")
     with pytest.raises(PlanError, match="at most 24 fits; NORM_GLOBAL=1 keeps them in global memory, without the "
                                         "overrides NORM_FOLD=1$"):  # an override that pins the rows: drop it

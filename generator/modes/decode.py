@@ -610,7 +610,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global:  # (the rows normalised in global memory)
-        # (tensor parallel: override only, the norm step reading the all-reduced fp32 h; not yet run on 2 GPUs)
+        # (tensor parallel: override only, the norm step reading the all-reduced fp32 h; verified on one GPU in
+        # session 45 with its ranks as threads, tests/test_tp.py; not yet timed on 2 GPUs)
         _needs(v.name, "NORM_GLOBAL", norm_global, [
             (not ov.get("NORM_FOLD"), f"no NORM_FOLD (this plan: {ov.get('NORM_FOLD')})"),
             (norm_cluster == 1, f"NORM_CLUSTER 1 (this plan: {norm_cluster})")])
@@ -681,7 +682,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         glob = ""  # what would keep the rows in global memory instead
         if not norm_global and gemv_need(v.batch, 0, 0, min(dbs), False) <= arch.smem_per_block:
             glob = ("; NORM_GLOBAL=1 keeps them in global memory (with tensor parallel an override only, not yet "
-                    "run on GPUs: an entry {\"" + v.name + "\": {\"overrides\": {\"NORM_GLOBAL\": 1}}} in the "
+                    "timed on 2 GPUs: an entry {\"" + v.name + "\": {\"overrides\": {\"NORM_GLOBAL\": 1}}} in the "
                     "one file in tuning/, which build reads, or in a file given to every build's --tuned-for)"
                     if v.tp > 1 else
                     f"; NORM_GLOBAL=1 keeps them in global memory, without the overrides {_fmt(ov)}" if pinned else
