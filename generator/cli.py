@@ -218,7 +218,7 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
         used = (built.get("tuning") or {}).get("file") if built.get("status") == "ok" and str(
             built.get("plan_source", "")).startswith("tuned") and same_arch(built.get("arch")) and built.get(
             "identity") == gmanifest.identity(v.params(), str(built.get("arch"))) else None
-        shown = str(used if used is None or Path(used).is_absolute() else gmanifest.ROOT / used)
+        shown = str(gmanifest.tuning_path(used)) if used else ""
         if used and (tfile is None or Path(shown).resolve() != Path(tfile).resolve()):
             fail(f"{exc} (its build in {Path(build_dir) / name} used the overrides of {shown}: --tuned-for "
                  f"{shlex.quote(shown)} renders that plan)")

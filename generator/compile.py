@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import __version__, toolchain
 from .manifest import MANIFEST, ManifestError, identity, kernel_sources_digest, read_manifest  # noqa: F401
-from .manifest import ROOT as MANIFEST_ROOT
+from .manifest import tuning_path
 from .plan import l1_bytes
 from .render import PlanError, plan, render
 from .targets import DEFAULT_ARCH, TargetError, arch as get_arch
@@ -596,8 +596,8 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
                     and was.get("identity") == e["identity"] and (src.startswith("tuned") or src == "override"):
                 used = (was.get("tuning") or {}).get("file") if src.startswith("tuned") else None
                 now = (e.get("tuning") or {}).get("file")
-                keep = f" (build with --tuned-for {shlex.quote(str(_abs(used)))} to keep it)" \
-                    if used and (now is None or _abs(now) != _abs(used)) else ""
+                keep = f" (build with --tuned-for {shlex.quote(str(tuning_path(used)))} to keep it)" \
+                    if used and (now is None or tuning_path(now) != tuning_path(used)) else ""
                 replaced.append(f"warning: {n}: refused with this build's plan; its build of the {src} plan is "
                                 f"replaced{keep}")
         manifest["variants"].update({n: e for n, e in entries.items() if n not in kept})
@@ -609,7 +609,3 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
     return {"entries": list(entries.values()), "distinct": len(distinct), "warnings": warnings, "replans": replans,
             "replaced": replaced, "errors": [e for e in entries.values() if e["status"] == "error"]}
 
-
-def _abs(shown: str) -> Path:
-    """A tuning file's path as a manifest records it (tune.display: relative to the source tree where under it)."""
-    return Path(shown) if Path(shown).is_absolute() else MANIFEST_ROOT / shown

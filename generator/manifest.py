@@ -60,6 +60,11 @@ def foreign_entries(build_dir: Path, variants: set[str] = frozenset()) -> list[s
         or e.is_file() and BUILD_TEMP.fullmatch(e.name))])
 
 
+def tuning_path(shown: str) -> Path:
+    """A tuning file's path as a manifest records it (tune.display: relative to the source tree where under it)."""
+    return Path(shown) if Path(shown).is_absolute() else ROOT / shown
+
+
 def not_a_build(build_dir: Path) -> str | None:
     """Why `megakernel clean` would not remove the directory (it holds something a build does not write, or a
     manifest.json that is not a build's), or None where everything in it is a build's. A corrupt manifest counts as
@@ -180,8 +185,7 @@ def tuning_changed(entry: dict) -> bool:
     t = entry.get("tuning")
     if not t:
         return False
-    path = Path(t["file"])
-    path = path if path.is_absolute() else ROOT / path
+    path = tuning_path(t["file"])
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -198,7 +202,7 @@ def rebuild_advice(build_dir: Path, name: str, entry: dict) -> str:
     vf, tf = entry.get("variants_file"), (entry.get("tuning") or {}).get("file")
     return (f"run `megakernel build{build_dir_flag(build_dir)} --only '{name}'"
             + (f" --variants {shlex.quote(str(vf))}" if vf and Path(vf) != Path("variants.yaml").resolve() else "")
-            + (f" --tuned-for {shlex.quote(str(tf if Path(tf).is_absolute() else ROOT / tf))}" if tf else "") + "`")
+            + (f" --tuned-for {shlex.quote(str(tuning_path(tf)))}" if tf else "") + "`")
 
 
 def find_entry(name: str, build_dir: str | Path, v: Variant | None = None) -> tuple[dict, Path]:
