@@ -540,6 +540,10 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     cols = [c for c in TABLE_COLUMNS if c[0] not in BENCH_KEYS or c[0] in present]
     if not wide:  # the columns kept with a figure in some row (load ms without a GPU is all "-")
         cols = [c for c in cols if c[3] and (c[0] not in PLAIN_KEYS or any(r.get(c[0]) is not None for r in rows))]
+    files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
+    if files:  # said above the table too: a quick reader takes the timings for this machine's
+        console.print("timings below: a device run's (bench/results), not this machine's; the footer names it",
+                      highlight=False)
     print_fitted(console, lambda cs: _table(rows, cs), cols, DROP_ORDER, wide)
     if any(r.get("arch") for r in rows):
         console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "
@@ -556,7 +560,6 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
                   f"{tot['binary_bytes'] / 2**20:.1f} MiB of cubins, {tot['compile_s']} s of compile time"
                   + (f", {tot['load_ms']} ms to load all" if tot["load_ms"] is not None else ", load time: no GPU")
                   + (f"; [yellow]{tot['flagged']} flagged[/yellow]" if tot["flagged"] else ""))
-    files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
     if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
                       "(the bench directory; their GPU is in the name), not on this machine", highlight=False)
