@@ -78,6 +78,8 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
                 try:
                     layers.append(prov.make_layer(v, Wi, build_dir=build_dir, device="cuda"))
                     prov.load_cache(layers[-1], fused[-1].k_cache, fused[-1].v_cache)
+                    if name == "serving":  # which attention it ran (bench/serving_layer.py: a fallback said)
+                        row["serving_attention"] = layers[-1].attention
                 except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
                     row[name] = f"error: {type(exc).__name__}: {exc}"[:200]
                     layers.clear()

@@ -1,5 +1,10 @@
 """The unfused decode layer as serving engines write it in PyTorch: merged q/k/v and gate/up GEMMs, a precomputed
-RoPE table gathered by position, a KV-cache append by index, SDPA over the whole cache with a length mask.
+RoPE table gathered by position, a KV-cache append by index, and attention as vLLM's FlashAttention backend calls it:
+FlashAttention-2's varlen forward (torch's own copy, `aten._flash_attention_forward`) with each sequence's used
+length (`seqused_k`). At decode with GQA it moves a group's query heads into the query length and splits the cache
+over blocks (split-KV; torch 2.11 splits on that path only, measured on the H200: bench/NOTES.md session 46).
+Elsewhere (multi-head attention, where it would not split; the CPU, fp32, a head_dim it lacks, a torch without
+`seqused_k`), SDPA over the whole cache with a length mask.
 
 Written for torch.compile(fullgraph=True) and CUDA-graph capture: no data-dependent Python control flow, no host
 syncs (.item(), .tolist()), no allocation that depends on values. `make_serving_step` is the compiled provider.
@@ -17,13 +22,24 @@ from generator.variants import Model
 COMPILE_MODE = "max-autotune-no-cudagraphs"
 
 
+def flash_varlen_available(device, dtype, m: Model) -> bool:
+    """Whether torch's FlashAttention-2 varlen forward with `seqused_k` serves this layer, split over the cache: a
+    CUDA device, fp16/bf16, head_dim a multiple of 8 up to 256 (FlashAttention-2's limits), GQA (heads > kv_heads:
+    the only decode path torch 2.11 splits), and a torch whose op takes `seqused_k` (2.4 on)."""
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and m.head_dim % 8 == 0 and m.head_dim <= 256 and m.heads > m.kv_heads and "seqused_k" in schema)
+
+
 class ServingLayer:
     """Decode step of one layer; owns its KV cache.
 
     weights: HF-named tensors (generator.reference.weight_shapes), all of one dtype (bf16/fp16 on the GPU; fp32
     works too, e.g. on the CPU) that the layer computes in. k_cache, v_cache: [batch, kv_heads, seq_len, head_dim]
-    in that dtype, the fused layer's layout. Call: layer(x [batch, hidden], pos int32 [batch]) -> [batch, hidden];
-    pos[b] is where sequence b's new token goes (0 <= pos < seq_len), and attention reads cache rows 0..pos[b].
+    views in that dtype (the fused layer's layout) of caches stored [batch, seq_len, kv_heads, head_dim], the
+    layout FlashAttention reads. Call: layer(x [batch, hidden], pos int32 [batch]) -> [batch, hidden]; pos[b] is
+    where sequence b's new token goes (0 <= pos < seq_len), and attention reads cache rows 0..pos[b].
+    `attention`: "flash_varlen" or "sdpa_mask" (module docstring), chosen at construction.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], m: Model, batch: int, seq_len: int, device="cuda"):
@@ -43,10 +59,14 @@ class ServingLayer:
         # RoPE table [seq_len, head_dim/2] in the layer dtype (fp32 angles, as HF computes them)
         freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * reference.inv_freq(m, device)[None]
         self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        self.k_cache = torch.zeros(batch, m.kv_heads, seq_len, m.head_dim, dtype=dtype, device=device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        self._k = torch.zeros(batch, seq_len, m.kv_heads, m.head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros_like(self._k)
+        self.k_cache, self.v_cache = self._k.transpose(1, 2), self._v.transpose(1, 2)
         self.bidx = torch.arange(batch, device=device)
         self.rows = torch.arange(seq_len, device=device)
+        self.attention = "flash_varlen" if flash_varlen_available(device, dtype, m) else "sdpa_mask"
+        self.cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)  # one query token a sequence
+        self.cu_k = self.cu_q * seq_len                                        # each sequence's whole cache
 
     def _norm(self, x, wb):
         w, b = wb
@@ -65,6 +85,18 @@ class ServingLayer:
         a, b = t.chunk(2, dim=-1)
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
+    def _attend(self, q, pos, p):
+        """q [B, heads, head_dim] -> [B, heads, head_dim] over cache rows 0..pos[b] (GQA: kv head = head // group)."""
+        m, B, S = self.m, q.shape[0], self.seq_len
+        if self.attention == "flash_varlen":  # as vLLM's FlashAttention backend: FA2 varlen, seqused_k
+            k, v = self._k.view(B * S, m.kv_heads, m.head_dim), self._v.view(B * S, m.kv_heads, m.head_dim)
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, self.cu_q, self.cu_k, 1, S, 0.0, False, False, seqused_k=(pos + 1).to(torch.int32))[0]
+        # GQA without expanding K/V: the group's query heads are the "query length" of their KV head
+        qg = q.view(B, m.kv_heads, m.group, m.head_dim)
+        mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]                   # [B, 1, 1, seq_len]
+        return F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mask)
+
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, B = self.m, x.shape[0]
         p = pos.long()
@@ -77,13 +109,9 @@ class ServingLayer:
             q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
         cos, sin = self.cos[p][:, None], self.sin[p][:, None]                       # [B, 1, hd/2]
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        self.k_cache[self.bidx, :, p] = k                                            # index_put at (b, :, pos[b])
-        self.v_cache[self.bidx, :, p] = v
-        # GQA without expanding K/V: the group's query heads are the "query length" of their KV head
-        qg = q.view(B, m.kv_heads, m.group, m.head_dim)
-        mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]                   # [B, 1, 1, seq_len]
-        attn = F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mask)
-        x = x + F.linear(attn.reshape(B, self.q_size), self.w_o)
+        self._k[self.bidx, p] = k                                                    # index_put at (b, pos[b])
+        self._v[self.bidx, p] = v
+        x = x + F.linear(self._attend(q, pos, p).reshape(B, self.q_size), self.w_o)
         gate, up = F.linear(self._norm(x, self.ln2), self.w_gate_up).chunk(2, dim=-1)
         act = F.silu(gate) if m.activation == "silu" else F.gelu(gate)
         return x + F.linear(act * up, self.w_down)
