@@ -287,6 +287,8 @@ def print_tables(doc: dict, routes_path=None) -> None:
     for name in ("serving", "flashinfer"):  # why a baseline has no figure in a row ("-")
         for why in sorted({r[name] for r in rows if r.get(name, "ok") != "ok"}):
             print(f"{name}: {why} ({sum(r.get(name) == why for r in rows)} rows)")
+    for how in sorted({r["serving_attention"] for r in rows if r.get("serving_attention")}):  # serving_layer.py
+        print(f"serving: attention by {how} ({sum(r.get('serving_attention') == how for r in rows)} rows)")
 
 
 def markdown_tables(doc: dict) -> str:
