@@ -5,7 +5,7 @@
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/, build-timeline/<tag>/
 #   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline): each < 600 s
 #   bash bench/queue.sh b
-#   bash bench/queue.sh tests     # the GPU tests not run on the current code
+#   bash bench/queue.sh tests     # the GPU tests not run on the current code (the serving layer's first)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
 #   bash bench/queue.sh tp        # on 2 GPUs (kind nvidia-h200-x2): the TP tests, NORM_GLOBAL=1's cases among them
 #
@@ -40,25 +40,26 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_a() {
-  [ -z "$BUILD" ] && step gputest-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs or coop"
+part_a() {  # in priority order: the decisions first, a step cut by the call's time limit the least needed
   # COOP 0: does the next layer's grid now enter as the previous one's blocks leave (the launch boundary)?
-  timeline 1b1-base $B1 191 '{}'
-  timeline 1b1-all $B1 191 "{$ALL}"
-  timeline 1b1-coop $B1 191 '{"COOP": 0, "QKV_PRE": 2}'
   ab 1b1-coop full,191 \
     --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 1}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}' \
     --case $B1 '{"QKV_PRE": 2}' --case $B1 "{\"COOP\": 0, \"QKV_PRE\": 1, $ALL}"
+  # the LL hand-offs with the batched polls (session 43), COOP 0 beside them, on the two smallest layers
+  ab ll-small full,191 \
+    --case $B1 '{"ATT_LL": 1}' --case $B1 '{"H_LL": 1}' --case $B1 "{$ALL}" \
+    --case $HALF '{"ATT_LL": 1}' --case $HALF "{$ALL}" --case $HALF '{"COOP": 0}' --case $HALF '{"COOP": 0, "QKV_PRE": 1}'
+  [ -z "$BUILD" ] && step gputest-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs or coop"
+  timeline 1b1-base $B1 191 '{}'
+  timeline 1b1-all $B1 191 "{$ALL}"
+  timeline 1b1-coop $B1 191 '{"COOP": 0, "QKV_PRE": 2}'
   # the same plans' GPU time only (the host's graph launch not charged: NOTES session 44): against the run above,
   # the launch's share of the µs a layer, and whether COOP 0's gain is the layers' or the timing's
   ab 1b1-queued full,191 --queued --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}'
 }
 
 part_b() {
-  # the LL hand-offs with the batched polls (session 43), COOP 0 beside them
-  ab ll-small full,191 \
-    --case $B1 '{"ATT_LL": 1}' --case $B1 '{"H_LL": 1}' --case $B1 "{$ALL}" \
-    --case $HALF '{"ATT_LL": 1}' --case $HALF "{$ALL}" --case $HALF '{"COOP": 0}' --case $HALF '{"COOP": 0, "QKV_PRE": 1}'
+  # the LL hand-offs and COOP 0 on the larger shapes
   ab ll-large full,191 \
     --case $L8 '{"ATT_LL": 1}' --case $L8 '{"COOP": 0}' \
     --case $Q7 '{"ATT_LL": 1}' --case $Q7 '{"QKV_FLOW": 2}' --case $Q7 '{"COOP": 0}' \
@@ -69,8 +70,9 @@ part_b() {
 }
 
 part_tests() {
-  step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_serve.py tests/test_hf_gpu.py \
-    tests/test_lm_head.py
+  # the serving-style layer's FlashAttention varlen path (session 46: never run as a whole layer on a GPU) first
+  step gputests-baselines python3 -m pytest -q -m gpu tests/test_baselines.py
+  step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 
 }
 
