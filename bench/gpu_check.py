@@ -78,7 +78,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
                 try:
                     layers.append(prov.make_layer(v, Wi, build_dir=build_dir, device="cuda"))
                     prov.load_cache(layers[-1], fused[-1].k_cache, fused[-1].v_cache)
-                    if name == "serving":  # which attention it ran (bench/serving_layer.py: a fallback said)
+                    if name == "serving":  # which attention it runs (bench/serving_layer.py's two paths)
                         row["serving_attention"] = layers[-1].attention
                 except Exception as exc:  # noqa: BLE001 - the baseline failing must not hide the fused result
                     row[name] = f"error: {type(exc).__name__}: {exc}"[:200]
@@ -287,8 +287,9 @@ def print_tables(doc: dict, routes_path=None) -> None:
     for name in ("serving", "flashinfer"):  # why a baseline has no figure in a row ("-")
         for why in sorted({r[name] for r in rows if r.get(name, "ok") != "ok"}):
             print(f"{name}: {why} ({sum(r.get(name) == why for r in rows)} rows)")
-    for how in sorted({r["serving_attention"] for r in rows if r.get("serving_attention")}):  # serving_layer.py
-        print(f"serving: attention by {how} ({sum(r.get('serving_attention') == how for r in rows)} rows)")
+    timed = [r for r in rows if r.get("serving_us") is not None]  # the rows whose serving layer was timed
+    for how in sorted({r.get("serving_attention") for r in timed} - {None}):
+        print(f"serving: attention by {how} ({sum(r.get('serving_attention') == how for r in timed)} rows)")
 
 
 def markdown_tables(doc: dict) -> str:

@@ -3,9 +3,11 @@
 # checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that.
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/, build-timeline/<tag>/
-#   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline): each < 600 s
+#   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline); a's steps in priority
+#                                 # order: what a 600 s call cuts is the least needed
 #   bash bench/queue.sh b
-#   bash bench/queue.sh tests     # the GPU tests not run on the current code (the serving layer's first)
+#   bash bench/queue.sh tests     # the GPU tests not run on the current code (sampler, LM head)
+#   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
 #   bash bench/queue.sh tp        # on 2 GPUs (kind nvidia-h200-x2): the TP tests, NORM_GLOBAL=1's cases among them
 #
@@ -70,9 +72,12 @@ part_b() {
 }
 
 part_tests() {
-  # the serving-style layer's FlashAttention varlen path (session 46: never run as a whole layer on a GPU) first
-  step gputests-baselines python3 -m pytest -q -m gpu tests/test_baselines.py
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
+}
+
+part_serving() {  # the serving-style layer's FlashAttention varlen path (session 46: not yet run as a whole layer on
+  # a GPU; six shapes of max-autotune compiles, ~20-30 s each), FlashInfer's layer beside it
+  step gputests-baselines python3 -m pytest -q -m gpu tests/test_baselines.py
 
 }
 
@@ -85,13 +90,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|a|b|tests|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|a|b|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; part_a; part_b ;;
   a) part_a ;;
   b) part_b ;;
   tests) part_tests ;;
+  serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|a|b|tests|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|a|b|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

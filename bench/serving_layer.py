@@ -1,9 +1,10 @@
 """The unfused decode layer as serving engines write it in PyTorch: merged q/k/v and gate/up GEMMs, a precomputed
 RoPE table gathered by position, a KV-cache append by index, and attention as vLLM's FlashAttention backend calls it:
 FlashAttention-2's varlen forward (torch's own copy, `aten._flash_attention_forward`) with each sequence's used
-length (`seqused_k`). At decode with GQA it moves a group's query heads into the query length and splits the cache
-over blocks (split-KV; torch 2.11 splits on that path only, measured on the H200: bench/NOTES.md session 46).
-Elsewhere (multi-head attention, where it would not split; the CPU, fp32, a head_dim it lacks, a torch without
+length (`seqused_k`), in the call form of vLLM's FlashAttention backend (vLLM itself reads a paged cache, FA3 on
+Hopper). With GQA, torch 2.11 moves a group's query heads into the query length and splits the cache over blocks
+(split-KV) where batch × kv_heads leaves SMs idle; with multi-head attention it does not split (bench/NOTES.md session
+46). Where that kernel does not run (the CPU, fp32, a head_dim it lacks, a GPU before sm_80, a torch without
 `seqused_k`), SDPA over the whole cache with a length mask.
 
 Written for torch.compile(fullgraph=True) and CUDA-graph capture: no data-dependent Python control flow, no host
@@ -22,13 +23,16 @@ from generator.variants import Model
 COMPILE_MODE = "max-autotune-no-cudagraphs"
 
 
-def flash_varlen_available(device, dtype, m: Model) -> bool:
-    """Whether torch's FlashAttention-2 varlen forward with `seqused_k` serves this layer, split over the cache: a
-    CUDA device, fp16/bf16, head_dim a multiple of 8 up to 256 (FlashAttention-2's limits), GQA (heads > kv_heads:
-    the only decode path torch 2.11 splits), and a torch whose op takes `seqused_k` (2.4 on)."""
+def flash_varlen_available(device, dtype, head_dim: int) -> bool:
+    """Whether torch's FlashAttention-2 varlen forward with `seqused_k` serves this layer: a CUDA device of sm_80 or
+    later with torch's flash kernels built in, fp16/bf16, head_dim a multiple of 8 up to 256 (FlashAttention-2's
+    limits), and a torch whose op takes `seqused_k` (2.4 on)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+        return False
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
-    return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and m.head_dim % 8 == 0 and m.head_dim <= 256 and m.heads > m.kv_heads and "seqused_k" in schema)
+    return ("seqused_k" in schema and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 class ServingLayer:
@@ -64,7 +68,7 @@ class ServingLayer:
         self.k_cache, self.v_cache = self._k.transpose(1, 2), self._v.transpose(1, 2)
         self.bidx = torch.arange(batch, device=device)
         self.rows = torch.arange(seq_len, device=device)
-        self.attention = "flash_varlen" if flash_varlen_available(device, dtype, m) else "sdpa_mask"
+        self.attention = "flash_varlen" if flash_varlen_available(device, dtype, m.head_dim) else "sdpa_mask"
         self.cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)  # one query token a sequence
         self.cu_k = self.cu_q * seq_len                                        # each sequence's whole cache
 
@@ -95,7 +99,9 @@ class ServingLayer:
         # GQA without expanding K/V: the group's query heads are the "query length" of their KV head
         qg = q.view(B, m.kv_heads, m.group, m.head_dim)
         mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]                   # [B, 1, 1, seq_len]
-        return F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mask)
+        # (the storage's own views: passing k_cache/v_cache, aliases of the written _k/_v, made torch.compile copy
+        # the whole caches in and out every step)
+        return F.scaled_dot_product_attention(qg, self._k.transpose(1, 2), self._v.transpose(1, 2), attn_mask=mask)
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, B = self.m, x.shape[0]

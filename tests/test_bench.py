@@ -1297,3 +1297,26 @@ def test_gpu_check_serving_rows_largest_batch_1_first_declared_before_held_out()
     assert got.index("qwen2.5-0.5b_decode_b1_s4096_bf16") < got.index("ho-hd80-mha_decode_b1_s4096_bf16")
     assert all(v.batch == 1 for v in serving_order(vs + held, held)[:len(got) // 2]) and "b8" in got[-1]
     assert sorted(got) == sorted(v.name for v in vs + held)
+
+
+def test_report_says_above_and_below_its_table_that_timings_are_a_device_runs(copy_build, tmp_path):
+    """On a machine without a GPU the timing columns are a device run's: said above the table (a quick reader) and
+    named below it."""
+    from rich.console import Console
+    from generator import report as greport
+    d = copy_build(tmp_path / "build")
+    bench_dir = tmp_path / "results"
+    bench_dir.mkdir()
+    rep = greport.build_report(d, bench_dir=bench_dir, gpu=False)
+    name = rep["rows"][0]["name"]
+    run = {"date": "2026-11-30", "rows": [{"variant": name, "us": 40.0, "pct_bw": 70.0, "speedup": 3.5,
+                                           "speedup_vs_best": 1.6, "best_baseline": "flashinfer"}]}
+    (bench_dir / "gpu_check-h200-2026-11-30.json").write_text(json.dumps(run))
+    rep = greport.build_report(d, bench_dir=bench_dir, gpu=False)
+    con = Console(width=200, record=True, color_system=None)
+    greport.print_report(rep, con)
+    lines = con.export_text().splitlines()
+    above = next(i for i, line in enumerate(lines) if "a device run's" in line)
+    below = next(i for i, line in enumerate(lines) if "measured in gpu_check-h200-2026-11-30.json" in line)
+    table = next(i for i, line in enumerate(lines) if name in line)
+    assert above < table < below and len(lines[above]) <= 80
