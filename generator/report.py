@@ -542,7 +542,7 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
         cols = [c for c in cols if c[3] and (c[0] not in PLAIN_KEYS or any(r.get(c[0]) is not None for r in rows))]
     files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
     if files:  # said above the table too: a quick reader takes the timings for this machine's
-        console.print("timings: a device run's (bench/results, named below), not this machine's", highlight=False)
+        console.print("timings: from a device run (its file named below), not from this machine", highlight=False)
     print_fitted(console, lambda cs: _table(rows, cs), cols, DROP_ORDER, wide)
     if any(r.get("arch") for r in rows):
         console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "

@@ -1316,7 +1316,7 @@ def test_report_says_above_and_below_its_table_that_timings_are_a_device_runs(co
     con = Console(width=200, record=True, color_system=None)
     greport.print_report(rep, con)
     lines = con.export_text().splitlines()
-    above = next(i for i, line in enumerate(lines) if "a device run's" in line)
+    above = next(i for i, line in enumerate(lines) if "from a device run" in line)
     below = next(i for i, line in enumerate(lines) if "measured in gpu_check-h200-2026-11-30.json" in line)
     table = next(i for i, line in enumerate(lines) if name in line)
     assert above < table < below and len(lines[above]) <= 80
