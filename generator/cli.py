@@ -369,11 +369,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (entries unused)",
                               markup=False, highlight=False, soft_wrap=True)
         # entries tuned on another architecture's GPU are not this build's plans (gtune.resolve): said, once
-        from .targets import gpu_arch
-        doc, sm = gtune.read_tuning(Path(tfile)), get_arch(arch).sm
-        other = sorted({str(e["gpu"]) for v in vs if isinstance(e := doc.get(v.name), dict)
-                        and (a := gpu_arch(str(e.get("gpu", "")))) not in (None, sm)
-                        and e.get("identity") == gmanifest.identity(v.params(), a)})
+        doc = gtune.read_tuning(Path(tfile))
+        other = sorted({str(doc[v.name]["gpu"]) for v in vs if gtune.tuned_on_other_arch(doc.get(v.name), v, arch)})
         if other:
             err_console.print(f"note: {gtune.display(Path(tfile))}: its entries tuned on {', '.join(other)} (another "
                               f"architecture than sm_{get_arch(arch).sm}) are not used for this build (--arch builds "

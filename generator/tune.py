@@ -109,6 +109,16 @@ def raw_overrides(path: Path, name: str):
     return e.get("overrides") if isinstance(e, dict) else e
 
 
+def tuned_on_other_arch(entry, v: Variant, arch: str) -> str | None:
+    """The architecture ("90") of the GPU a tuning entry for `v` was tuned on, where that is not `arch` and the
+    entry's identity is `v`'s on it (a valid entry for another architecture's builds); else None."""
+    if not isinstance(entry, dict):
+        return None
+    tuned_on = gpu_arch(str(entry.get("gpu", "")))
+    same = tuned_on is None or tuned_on == str(arch).rstrip("a")
+    return None if same or entry.get("identity") != identity(v.params(), tuned_on) else tuned_on
+
+
 def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict | None, str | None]:
     """(overrides, plan_source, tuned figures or None, warning or None) for building `v` with tuning file `path`.
 
@@ -138,9 +148,8 @@ def resolve(v: Variant, arch: str, path: Path | None) -> tuple[dict, str, dict |
     elif e.get("knobs") is not None and not isinstance(e["knobs"], dict):
         why = "malformed entry (its \"knobs\", what was measured, is not an object: fix it or delete it)"
     elif e.get("identity") not in (None, identity(v.params(), str(arch))):
-        tuned_on = gpu_arch(str(e.get("gpu", "")))
-        if tuned_on and tuned_on != arch and e["identity"] == identity(v.params(), tuned_on):
-            return {}, "default", None, None  # tuned on another architecture's GPU: not this build's plan
+        if tuned_on_other_arch(e, v, arch):
+            return {}, "default", None, None  # not this build's plan
         why = ("its entry was tuned for other parameters or another arch (a model of the same name and another "
                "shape, or this variant before its declaration changed): not this variant's plan (`megakernel tune` "
                "it, rename the model, or build with --no-tuned)")
