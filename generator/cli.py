@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import shlex
 import shutil
 import sys
