@@ -795,7 +795,6 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     b = tmp_path / "build"
 
     def build(*extra):
-        import os
         import subprocess
         import sys
         from conftest import cli_env
@@ -1149,7 +1148,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
     last checked step. (A word never written would trap after 2^24 polls, not hang.) COOP 0 (a launch without the
     cooperative attribute, its grid barriers counted in the workspace) goes through the same trials against the
-    cooperative plan."""
+    cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) against ATT_COMBINE 3 (on a third of the
+    grid both take 1's path with float partials; the next full launches must not take those for tagged words)."""
     import torch
 
     from bench.timing import graph_of
@@ -1188,11 +1188,22 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (named["llama3-8b_decode_b1_s4096_bf16"], {"COOP": 0, "QKV_PRE": 1}),
              (named["llama3.2-1b_decode_b8_s32768_bf16"], {"COOP": 0}),
              (named["llama3.2-1b_decode_b4_s32768_bf16"], {"COOP": 0, "ATT_LL": 1}), (b5, {"COOP": 0}),
-             (half, {"COOP": 0, "QKV_FLOW": 2})]
-    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them)
+             (half, {"COOP": 0, "QKV_FLOW": 2}),
+             # ATT_COMBINE 4: ATT_COMBINE 3's combine from partials as tagged words (its twin: 3); 16 splits of a
+             # group of 4, 32 of 7 (bias, head_dim 128 and 64), 8 at head_dim 80 and batch 3, beside the hand-offs
+             (l1, {"ATT_COMBINE": 4}), (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4, "ATT_C": 128}),
+             (_decode_layer("llc4", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048"),
+              {"ATT_COMBINE": 4}),
+             (l1, {"ATT_COMBINE": 4, "ATT_LL": 1, "QKV_FLOW": 2}), (l1, {"ATT_COMBINE": 4, "H_LL": 1}),
+             (l1, {"ATT_COMBINE": 4, "COOP": 0})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them, ATT_COMBINE 4 as 3)
+
+    def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
+        return {k: 3 if k == "ATT_COMBINE" and x == 4 else x for k, x in ov.items() if k not in ll}
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
     pairs = [p for i, (v, ov) in enumerate(cases)
-             for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), {k: x for k, x in ov.items() if k not in ll}))]
+             for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), twin_of(ov)))]
     res = gcompile.build([c for c, _ in pairs], tmp_path, overrides={c.name: o for c, o in pairs})
     assert all(e["status"] == "ok" for e in res["entries"]), [e["name"] for e in res["entries"] if e["status"] != "ok"]
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
@@ -1202,8 +1213,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
         layer = load(c.name, W, build_dir=tmp_path)
         steps_track_the_reference(layer, W, v, 20)
         base = load(d.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache))
-        assert {k: x for k, x in layer.plan["consts"].items() if k not in ll} == \
-            {k: x for k, x in base.plan["consts"].items() if k not in ll}, c.name
+        assert twin_of(layer.plan["consts"]) == twin_of(base.plan["consts"]), c.name
         twin = load(c.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache),
                     share_workspace=layer)
         coop0 = ov.get("COOP") == 0
@@ -2016,7 +2026,8 @@ def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
     most 3 splits at batch 2 (slices of uneven length), head_dim 80 at batch 3 (8 splits, 96 tasks: one round;
     more tasks than SMs are refused by the planner, test_split_parallel_combine_by_default...); random_inputs puts
     the sequences at different positions (different split counts), and a second launch on the same inputs is
-    bit-equal (the counters were reset by the launch before)."""
+    bit-equal (the counters were reset by the launch before). ATT_COMBINE 4 (the partials as tagged words, no
+    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way (its wider trials: test_ll_hand_offs...)."""
     by_name = {v.name: v for v in declared()}
     few, = gvariants.parse("""
 matrix: {mode: [decode], batch: [2], seq_len: [384]}
@@ -2032,14 +2043,16 @@ models:
 """, "c3hd80.yaml")
     cases = [(by_name["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
              (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
-             (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3})]
+             (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3}),
+             (few, {"ATT_COMBINE": 4, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
     _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
 
 
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-3 is taken (3 without ATT_DYN and tensor parallel, and with every
-    attention task in one round), 4 refused."""
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-4
+    is taken (3 and 4 without ATT_DYN and tensor parallel, and with every attention task in one round), 5 refused;
+    ATT_COMBINE 4's partials are 64-bit words (twice the buffer) and its launches advance the epoch."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
     assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1
@@ -2052,20 +2065,26 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
     assert render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]["ATT_COMBINE"] == 3
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=4: must be 0, 1, 2 or 3"):
-        render.plan(v, overrides={"ATT_COMBINE": 4})
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: not with ATT_DYN=1 .*ATT_DYN=0"):
-        render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": 3})
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=5: must be 0, 1, 2, 3 or 4"):
+        render.plan(v, overrides={"ATT_COMBINE": 5})
     from generator.report import path_cell  # the report names the path
-    assert path_cell(render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]) == "ATT_COMBINE=3"
+    for c in (3, 4):
+        with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with ATT_DYN=1 .*ATT_DYN=0"):
+            render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": c})
+        assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c}"
     assert path_cell(render.plan(v)["consts"]) is None
+    part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4)}
+    assert part[4] == 2 * part[3] > 0, part  # (value, launch count) words
+    src = render.render(v, render.plan(v, overrides={"ATT_COMBINE": 4}))
+    assert "constexpr int ATT_COMBINE = 4;" in src
     hd80 = _decode_layer("c3hd80", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048")
     assert render.plan(hd80, overrides={"ATT_COMBINE": 3})["consts"]["ATT_NSPLIT"] == 8  # 96 tasks: one round
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=3: 288 attention tasks on 132 SMs .*one round"):
-        render.plan(hd80, overrides={"ATT_COMBINE": 3, "ATT_C": 128})  # (no block may wait on its own later task)
+    for c in (3, 4):
+        with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: 288 attention tasks on 132 SMs .*one round"):
+            render.plan(hd80, overrides={"ATT_COMBINE": c, "ATT_C": 128})  # (no block may wait on its own later task)
     tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
-    for c in (2, 3):
+    for c in (2, 3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with tensor parallel"):
             render.plan(tp2, overrides={"ATT_COMBINE": c})
 

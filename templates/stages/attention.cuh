@@ -230,6 +230,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                           const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, long long* ws_timeline,
                           unsigned char* smem) {
     const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
+    // ATT_COMBINE 4: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
+    // rewritten every launch, a split past the position skips it: 32 bits, not the 16-bit epoch, so no stale word
+    // carries a live tag in 2^32 launches)
+    const unsigned part_tag = ATT_COMBINE == 4 ? ll_launch(ws_epoch) : 0u;
     // TIMELINE: thread 0 stamps the phases of the block's last task that walks rows (interface.TIMELINE_ATT_PHASES)
     long long tl_start = 0;
     auto tl = [&](int phase, long long t = 0) {
@@ -592,6 +596,9 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 4. combine the warps (max-rescaled): the final output if this is the only split, else a partial
         const size_t part0 = ((size_t)b * HEADS + kvh * GROUP) * ATT_NSPLIT;  // + g * ATT_NSPLIT + split
+        // every split's block combines a slice (ATT_COMBINE 3, 4) where every task is in this round (the planner's
+        // condition; a GPU with fewer SMs than planned takes ATT_COMBINE 1's path: float partials and the counter)
+        const bool sliced = ATT_COMBINE >= 3 && ntask <= (int)gridDim.x;
         for (int t = tid; t < GROUP * WS; t += THREADS) {
             const int g = t / WS, d = t % WS;
             float M = -INFINITY;
@@ -612,34 +619,41 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             if (nsplit == 1) {
                 if (d < HEAD_DIM)
                     att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
+            } else if (ATT_COMBINE == 4 && sliced) {
+                ll_store8(ws_part, (part0 + (size_t)g * ATT_NSPLIT + split) * WS + d, o, part_tag);
             } else {
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
             }
         }
         tl(6);  // (thread 0's share)
-        if (nsplit > 1 && ATT_COMBINE == 3 && ntask <= (int)gridDim.x) {
+        if (nsplit > 1 && sliced) {
             // every split's block combines a slice of the outputs (every task in one round, which the planner
-            // requires: no block may wait on a task of its own later round; a GPU with fewer SMs than planned takes
-            // ATT_COMBINE 1's path below). Each releases its partial and counts (one thread: fence.acq_rel + red, as
-            // below), waits until all nsplit have counted, acquires, and writes outputs [o0, o1) of the GROUP x
-            // HEAD_DIM: a lane a split, the splits' power of two lanes an output (a fixed order: the same result
-            // whichever split is last). The chain after the last partial is one poll and one batch of loads, not the
-            // last split's whole combine. The counter goes to 2 x nsplit as each block leaves its wait: the one that
-            // brings it there resets it for the next launch (every block has passed its wait by then).
+            // requires: no block may wait on a task of its own later round). ATT_COMBINE 3: each releases its
+            // partial and counts (one thread: fence.acq_rel + red, as below), waits until all nsplit have counted,
+            // acquires, and writes outputs [o0, o1) of the GROUP x HEAD_DIM: a lane a split, the splits' power of two
+            // lanes an output (a fixed order: the same result whichever split is last). The chain after the last
+            // partial is one poll and one batch of loads, not the last split's whole combine. The counter goes to
+            // 2 x nsplit as each block leaves its wait: the one that brings it there resets it for the next launch
+            // (every block has passed its wait by then). ATT_COMBINE 4: no fence, counter or block barrier: each lane
+            // polls its split's three words (m, l, acc[d]) until each carries this launch's tag (NCCL's LL protocol:
+            // the data is the flag; one L2 round trip after the last partial's stores instead of a fence, a counter
+            // and a load; bench/NOTES.md session 41's hand-off measurement)
             unsigned* cnt = ws_count + b * KV_HEADS + kvh;
-            __syncthreads();
             unsigned left = 0u;
-            if (tid == 0) {
-                asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(cnt) : "memory");
-                unsigned got;
-                while (true) {
-                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt) : "memory");
-                    if (got >= (unsigned)nsplit) break;
-                    __nanosleep(32);
+            if constexpr (ATT_COMBINE == 3) {
+                __syncthreads();
+                if (tid == 0) {
+                    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(cnt) : "memory");
+                    unsigned got;
+                    while (true) {
+                        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt) : "memory");
+                        if (got >= (unsigned)nsplit) break;
+                        __nanosleep(32);
+                    }
+                    asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;" : "=r"(left) : "l"(cnt) : "memory");
                 }
-                asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;" : "=r"(left) : "l"(cnt) : "memory");
+                __syncthreads();
             }
-            __syncthreads();
             constexpr int OUTS = GROUP * HEAD_DIM;
             const int o0 = split * OUTS / nsplit, o1 = (split + 1) * OUTS / nsplit;
             // SEG lanes an output (the splits' power of two, at most 32), 32 / SEG outputs a warp at once
@@ -648,14 +662,40 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 const int t = base + sub;
                 const bool out = t < o1;
                 const int g = (out ? t : o0) / HEAD_DIM, d = (out ? t : o0) % HEAD_DIM;
-                const float* pg = ws_part + (part0 + (size_t)g * ATT_NSPLIT) * WS;
+                const size_t pi = (part0 + (size_t)g * ATT_NSPLIT) * WS;  // split 0's partial (ATT_COMBINE 4: words)
+                const float* pg = ws_part + pi;
                 float M = -INFINITY, den = 0.f, o = 0.f;
                 for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, three loads in flight)
                     const int s = r0 + sl;
                     const bool in = out && s < nsplit;
-                    const float ms = in ? __ldcg(pg + (size_t)s * WS + HEAD_DIM) : -INFINITY;
-                    const float ls = in ? __ldcg(pg + (size_t)s * WS + HEAD_DIM + 1) : 0.f;
-                    const float as = in ? __ldcg(pg + (size_t)s * WS + d) : 0.f;
+                    float ms = -INFINITY, ls = 0.f, as = 0.f;
+                    if (ATT_COMBINE == 4 && in) {  // the split's words, polled together until each is this launch's
+                        const size_t at = pi + (size_t)s * WS;
+                        const size_t idx[3] = {at + HEAD_DIM, at + HEAD_DIM + 1, at + d};
+                        unsigned long long w[3];
+#pragma unroll
+                        for (int j = 0; j < 3; ++j) w[j] = ll_load8(ws_part, idx[j]);
+                        auto late = [&](unsigned m) {
+                            unsigned l = 0u;
+#pragma unroll
+                            for (int j = 0; j < 3; ++j)
+                                l |= (unsigned)(m >> j & 1u && (unsigned)(w[j] >> 32) != part_tag) << j;
+                            return l;
+                        };
+                        ll_poll<64>(late(7u), [&](unsigned m) {
+#pragma unroll
+                            for (int j = 0; j < 3; ++j)
+                                if (m >> j & 1u) w[j] = ll_load8(ws_part, idx[j]);
+                            return late(m);
+                        });
+                        ms = __uint_as_float((unsigned)w[0]);
+                        ls = __uint_as_float((unsigned)w[1]);
+                        as = __uint_as_float((unsigned)w[2]);
+                    } else if (in) {
+                        ms = __ldcg(pg + (size_t)s * WS + HEAD_DIM);
+                        ls = __ldcg(pg + (size_t)s * WS + HEAD_DIM + 1);
+                        as = __ldcg(pg + (size_t)s * WS + d);
+                    }
                     float mx = ms;
                     for (int k = seg / 2; k > 0; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
                     const float Mn = fmaxf(M, mx), f = M == -INFINITY ? 0.f : exp2f(M - Mn);
@@ -671,7 +711,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 }
                 if (out && sl == 0) att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
             }
-            if (tid == 0 && left == 2u * nsplit - 1u) *cnt = 0u;  // every block has left its wait
+            if (ATT_COMBINE == 3 && tid == 0 && left == 2u * nsplit - 1u) *cnt = 0u;  // every block has left its wait
         } else if (nsplit > 1 && ATT_COMBINE >= 1) {
             // the block's partial, then one thread's release (fence.acq_rel + the counter: the block barrier makes
             // every thread's stores its own, cumulativity publishes them) in place of a fence by every thread
