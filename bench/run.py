@@ -190,7 +190,9 @@ def print_prefill(rows: list[dict], con: Console | None = None) -> None:
 @tuned_opts
 def cli(variants_file, only, build_dir, out_dir, layers, reps, rounds, compile_subset, no_compile, seed, arch,
         time_budget, no_plots, routes_dir, tuned_for, no_tuned):
-    """Time the fused kernel against eager PyTorch, a CUDA graph of it and torch.compile, on this GPU.
+    """Time the fused kernel against its baselines on this GPU: eager PyTorch, a CUDA graph of it, torch.compile,
+    the serving-style layer (merged projections, FlashAttention's varlen decode, max-autotune, CUDA graph) and
+    FlashInfer's layer where FlashInfer is installed (bench/providers.py PROVIDERS; the compiled ones on a subset).
 
     Decode: every provider runs the same stack of distinct layers (random weights, random KV caches) with
     every sequence at pos = seq_len-1 (full context); outputs are checked against the fp32 reference first.

@@ -563,7 +563,7 @@ def clean_cmd(build_dir):
               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def bench_cmd(ctx):
-    """Time fused vs unfused baselines on the GPU (see `megakernel bench --help`)."""
+    """Time the fused kernels against the unfused baselines on a GPU (details: megakernel bench --help)."""
     from bench.run import cli as bench_cli  # torch/CUDA imports only when benchmarking
     _delegate(bench_cli, ctx.args, "megakernel bench")
 
@@ -678,13 +678,16 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--prompt", "prompts", multiple=True, help="prompt text (needs a tokenizer in MODEL_DIR; repeatable: "
               "one sequence each)")
 @click.option("--ids", "ids", multiple=True, help="prompt token ids, comma-separated (repeatable: one sequence each)")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="tokens to generate per sequence (its stop tokens may end it sooner)")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="repeat the prompt(s) to this many sequences")
 @click.option("--temperature", type=click.FloatRange(min=0, max=1e4), default=0.0, show_default=True,
               help="0: greedy")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off")
-@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True,
+              help="nucleus sampling's probability mass (1: off)")
+@click.option("--seed", type=click.IntRange(min=0, max=2**62 - 1), default=0, show_default=True,
+              help="sampling seed (sequence b draws with seed + 7919 x b)")
 @click.option("--stop", "stops", default=None, help="stop token ids, comma-separated, or `none`: every sequence "
               "runs to --max-new-tokens [the checkpoint's eos_token_id as transformers reads it: generation_config.json's where there is one, else config.json's]")
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
@@ -692,10 +695,11 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence [the decode "
               "variants' seq_len where one is used (a different value is an error), else the longest prompt + "
               "--max-new-tokens - 1]")
-@click.option("--device", default="cuda", show_default=True)
+@click.option("--device", default="auto", show_default=True,
+              help="cuda, cuda:N, or cpu (the unfused layers); auto: cuda where torch sees a GPU, else cpu (said)")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-              help="weights and caches [the fused variants', else the config's bf16/fp16; fp32 only without fused "
-                   "variants, e.g. --device cpu]")
+              help="weights and caches [the fused variants', else on a GPU the config's bf16/fp16, on the CPU the "
+                   "config's dtype (float32 for float64); fp32 only without fused variants]")
 @click.option("--no-graph", is_flag=True, help="run decode steps eagerly instead of replaying a CUDA graph")
 @build_dir_opt
 def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
@@ -713,6 +717,12 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         fail(f"{model_dir}: no such file or directory (a Hugging Face model directory: config.json and weights)")
     if Path(model_dir).is_dir() and not (Path(model_dir) / "config.json").exists():
         fail(f"{model_dir}: no config.json (a Hugging Face model directory: config.json and weights)")
+    if device == "auto":  # the GPU where torch sees one; else the CPU's unfused layers, said (not a silent fallback)
+        why = cuda_unavailable()
+        device = "cpu" if why else "cuda"
+        if why:
+            err_console.print(f"note: {why}: the unfused layers run on the CPU (--device cuda requires a GPU)",
+                              markup=False, highlight=False, soft_wrap=True)
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -888,15 +898,15 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     pre = ", ".join(f"{p.start}..{p.start + p.length - 1}: {p.choice.variant or 'unfused'}"
                     for p in out.prefill_pieces)
     dec = out.decode_choice.variant or f"unfused (batch {out.decode_choice.batch})"
-    info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill "
-                      f"{pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}"
+    info(f"every layer (0..{model.shape.layers - 1}): decode {dec} [{out.decode_choice.why}]; prefill by prompt "
+                      f"positions {pre}; head (norm, lm_head, next token): decode {model.head_path(out.decode_choice.batch)}"
          + (f"; sampled draw: decode {model.draw_path(temperature, top_k, top_p)}"
             if temperature > 0 and out.tokens_per_s > 0 else ""),
          markup=False, highlight=False, soft_wrap=True)
     import torch
     if dtype is None and (raw := hf.config_dtype(cfg)[1]) in ("float32", "float64") and model.dtype != torch.float32:
         info(f"note: config.json's dtype {raw} ran as {str(model.dtype).removeprefix('torch.')} (the default "
-             "without --dtype, on every device: the fused kernels' dtype); --dtype fp32 runs it "
+             "without --dtype on a GPU: the fused kernels' dtype); --dtype fp32 runs it "
              + ("as transformers does (unfused)" if raw == "float32" else "unfused in fp32 (transformers: float64)"),
              markup=False, highlight=False, soft_wrap=True)
     if temperature == 0 and (asked := sampling_asked(model_dir)):

@@ -567,14 +567,9 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
             console.print(f"[yellow]timed with another plan than the one built:[/yellow] {', '.join(other)}",
                           highlight=False)
     e2e = report.get("e2e")
-    if e2e:
-        mine = {r["name"] for r in rows}
-        if not e2e.get("variants") or mine & set(e2e["variants"]):
-            print_e2e(e2e, console)
-        else:  # another model's run: named, not tabled as if it measured this file's variants
-            console.print(f"end to end: the newest bench/e2e.py result ({e2e['file']}) served "
-                          f"{', '.join(e2e['variants'])}, none of them in this report", markup=False,
-                          highlight=False)
+    # (another model's run is left out: a user's own build is not the benchmark's checkpoint; report.json keeps it)
+    if e2e and (not e2e.get("variants") or {r["name"] for r in rows} & set(e2e["variants"])):
+        print_e2e(e2e, console)
 
 
 def print_e2e(e2e: dict, console: Console) -> None:

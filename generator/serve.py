@@ -551,8 +551,9 @@ class Model:
         given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
         prompt + new tokens). max_batch: sequences the caches
         hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches, a torch dtype or
-        'bf16' / 'fp16' / 'fp32' (default: the variants', else the config's bf16/fp16; torch.float32 only without
-        fused variants). unfused=False keeps no
+        'bf16' / 'fp16' / 'fp32' (default: the variants', else on a GPU the config's bf16/fp16 (the fused kernels'
+        dtypes), on the CPU the config's dtype as transformers loads it, float64 as float32; torch.float32 only
+        without fused variants). unfused=False keeps no
         second copy of the weights: then every call must have a fused variant. The planned memory is checked before
         any tensor is read (ServeError, one line): against torch.cuda.mem_get_info on a GPU, the machine's available
         memory on the CPU (host_memory). gpu_name and
@@ -637,8 +638,9 @@ class Model:
             if dtype is not None and dtype != vdtype:
                 raise ServeError(f"dtype: {dtype} but the variants are {vdtype}")
             dtype = vdtype
-        elif dtype is None:
-            dtype = reference.TORCH_DTYPES[shape.dtype]
+        elif dtype is None:  # on the CPU no fused kernel runs: the checkpoint's own dtype, as transformers's
+            dtype = torch.float32 if dev.type == "cpu" and config_dtype(ck.cfg)[1] in ("float32", "float64") \
+                else reference.TORCH_DTYPES[shape.dtype]
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ServeError(f"dtype: torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32'), "
                              f"got {dtype}")

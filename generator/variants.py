@@ -236,7 +236,8 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
     """Validate one model entry; returns the Model and its own matrix override (or None). kernel=False: without
     the fused kernels' own limits (tile_problem), for a checkpoint served by the unfused layers only."""
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise VariantError(f"{where}: variant name {name!r} must be lower-case letters, digits, '.', '_' or '-'")
+        raise VariantError(f"{where}: model name {name!r} must be lower-case letters, digits, '.', '_' or '-' "
+                           "(its variants' names start with it)")
     if not isinstance(raw, dict):
         raise VariantError(f"{where}: entry must be a mapping of fields, got {type(raw).__name__}")
     for key in raw:
@@ -309,7 +310,7 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         owner = _model_at_line(text, mark.line) if mark is not None else None
-        where = f" variant '{owner}':" if owner else ""
+        where = f" model '{owner}':" if owner else ""
         raise VariantError(f"{path}:{line}:{where} YAML syntax error: {problem}") from None
     if doc is None:
         raise VariantError(f"{path}: empty (a mapping with keys 'models' and 'matrix'; see README: variants.yaml)")
@@ -323,11 +324,11 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
     default_matrix = _parse_matrices(f"{path}: matrix", doc["matrix"]) if "matrix" in doc else None
     variants: list[Variant] = []
     for name, raw in doc["models"].items():
-        where = f"{path}: variant '{name}'"
+        where = f"{path}: model '{name}'"
         model, matrix = parse_model(where, name, raw)
         matrix = matrix or default_matrix
         if matrix is None:
-            raise VariantError(f"{where}: no matrix (give a top-level 'matrix' or the variant's own)")
+            raise VariantError(f"{where}: no matrix (give a top-level 'matrix' or the model's own)")
         seen = set()
         for mx in matrix:
             for mode, batch, seq_len, tp in itertools.product(mx["mode"], mx["batch"], mx["seq_len"], mx["tp"]):

@@ -507,14 +507,15 @@ def test_report_json_carries_the_e2e_section(copy_build, tmp_path):
     con = Console(width=120, record=True, color_system=None)
     greport.print_report(rep, con)
     assert "end to end" not in con.export_text()
-    # a run of another model (the benchmark's Llama-3.2-1B variants): named in one line, not tabled
+    # a run of another model (the benchmark's Llama-3.2-1B variants): in report.json, not printed (a user's own
+    # build is not the benchmark's checkpoint: a new user's trial read the line as noise)
     (bench_dir / E2E_RESULT.name).write_text(E2E_RESULT.read_text())
     rep = greport.build_report(d, bench_dir=bench_dir, gpu=False)
+    assert rep["e2e"] is not None
     con = Console(width=120, record=True, color_system=None)
     greport.print_report(rep, con)
     text = con.export_text()
-    assert "end to end: the newest bench/e2e.py result" in text and "llama3.2-1b_decode_b1_s4096_bf16" in text
-    assert "transformers eager" not in text
+    assert "end to end" not in text and "transformers eager" not in text
     # a run that served one of this report's variants: tabled
     doc = json.loads(E2E_RESULT.read_text())
     doc["providers"]["served (fused, graph)"]["decode_path_b1"] = rep["rows"][0]["name"]

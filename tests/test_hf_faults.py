@@ -349,6 +349,32 @@ def test_checkpoint_faults_a_user_makes_are_one_line_errors(tmp_path, monkeypatc
         hf.model_from_hf(d / "model.safetensors")
 
 
+def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_path):
+    """model.safetensors as a link to nothing, as a directory, a shard of an index missing, and a pytorch_model.bin
+    with no safetensors file (transformers would load it; we do not: said, with the way out): each one line naming
+    what it is, not "missing" (a new user's trial)."""
+    _, d = make_tiny("llama", tmp_path)
+    real = tmp_path / "weights.safetensors"
+    (d / "model.safetensors").rename(real)
+    (d / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(hf.HFCheckpointError, match="model.safetensors: a symbolic link to a missing file"):
+        hf._Checkpoint(d)
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+    with pytest.raises(hf.HFCheckpointError, match="model.safetensors: not a file$"):
+        hf._Checkpoint(d)
+    (d / "model.safetensors").rmdir()
+    (d / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(hf.HFCheckpointError, match="only safetensors .* pytorch_model.bin is not read"):
+        hf._Checkpoint(d)
+    (d / "pytorch_model.bin").unlink()
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(hf.HFCheckpointError, match="model-00001-of-00002.safetensors: no such file \\(a shard listed "
+                                                   "in model.safetensors.index.json\\)"):
+        hf._Checkpoint(d).where("model.embed_tokens.weight")  # (a shard is opened when a tensor is looked up)
+
+
 def test_tensors_the_config_does_not_use_are_warned(tmp_path, monkeypatch):
     """A config with fewer layers than the checkpoint, or a tensor no layer or head uses: one warning line naming
     them (transformers reports unexpected keys), and the model still loads."""

@@ -604,14 +604,19 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     r = cli(["generate", d, "--ids", "1", "--max-new-tokens", "40", "--device", "cpu", "--cache-len", "32"],
             cwd=tmp_path)
     assert r.returncode == 2 and "cache capacity 32" in r.stderr and r.stderr.count("\n") == 1
-    # no --cache-len on the CPU: prompt + new tokens; a bad device is one line
+    # no --cache-len on the CPU: prompt + new tokens; a bad device is one line. The float32 checkpoint runs in
+    # float32 on the CPU, as transformers loads it (no fused kernel runs there): no note
     r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"], cwd=tmp_path)
-    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
-    # the float32 checkpoint ran in bf16 (the kernels' dtype): said, with the option that runs it as transformers
-    assert "note: config.json's dtype float32 ran as bfloat16" in r.stderr and "--dtype fp32" in r.stderr, r.stderr
-    r = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
-            cwd=tmp_path)
-    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+    assert r.returncode == 0 and "warning" not in r.stderr and "note:" not in r.stderr, r.stderr
+    # the default device: the GPU where torch sees one, else the CPU's unfused layers, said in one note
+    import torch
+    r2 = cli(["generate", d, "--ids", "1,2,3", "--max-new-tokens", "4"], cwd=tmp_path)
+    assert r2.returncode == 0, r2.stderr
+    if not torch.cuda.is_available():
+        assert "note: no CUDA GPU visible" in r2.stderr and "run on the CPU" in r2.stderr, r2.stderr
+        assert r2.stdout == r.stdout, (r.stdout, r2.stdout)
+        r2 = cli(["generate", d, "--ids", "1", "--device", "cuda"], cwd=tmp_path)
+        assert r2.returncode == 2 and "no CUDA GPU visible" in r2.stderr and "--device cpu" in r2.stderr, r2.stderr
     # generation_config.json asking for sampling: this greedy run says so (transformers' generate() would sample)
     import shutil
     ds = tmp_path / "sampling"
@@ -697,11 +702,11 @@ def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     cfg.pop("dtype", None)
     cfg["torch_dtype"] = "float64"
     (d64 / "config.json").write_text(json.dumps(cfg))
-    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"], cwd=tmp_path)
-    assert r.returncode == 0 and "note: config.json's dtype float64 ran as bfloat16" in r.stderr, r.stderr
-    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "fp32"],
+    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu", "--dtype", "bf16"],
             cwd=tmp_path)
-    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+    assert r.returncode == 0 and "note: config.json's dtype float64 ran as bfloat16" not in r.stderr, r.stderr
+    r = cli(["generate", d64, "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr  # (float32 on the CPU, the nearest to float64)
     before = sorted(p.name for p in Path(d).iterdir())
     root = Path(__file__).resolve().parent.parent
     r = cli(["build", "--variants", root / "variants.yaml", "--build-dir", d, "--only",
@@ -1023,20 +1028,37 @@ def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_u
     assert "".join(ids) == "7 8"  # (no trailing space)
 
 
-def test_an_fp32_checkpoint_run_in_bf16_is_said_through_the_api_too(tiny):
-    """Model.from_hf without a dtype runs a float32 checkpoint in bf16 (the fused kernels' dtype): one
+def test_an_fp32_checkpoint_runs_as_transformers_loads_it_on_the_cpu(tiny):
+    """On the CPU (no fused kernel runs there) Model.from_hf without a dtype runs a float32 checkpoint in float32,
+    as transformers loads it (a new user's trial: bf16 there made the default CPU run differ from transformers'),
+    with no HFPrecisionWarning; bf16 asked for, no warning either."""
+    import warnings
+
+    from generator.hf import HFPrecisionWarning
+    _, d = tiny
+    for dtype, want in ((None, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HFPrecisionWarning)
+            m = serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16, dtype=dtype)
+        assert m.dtype == want, (dtype, m.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_fp32_checkpoint_run_in_bf16_on_a_gpu_is_said_through_the_api_too(tiny):
+    """On a GPU Model.from_hf without a dtype runs a float32 checkpoint in bf16 (the fused kernels' dtype): one
     HFDowncastWarning (an HFPrecisionWarning, so the CLI can drop it by class for its own note) says so, as the CLI's
-    note does (a new user's trial: the API said nothing); asked for, no warning."""
+    note does; asked for, no warning."""
     import warnings
 
     from generator.hf import HFDowncastWarning, HFPrecisionWarning
     _, d = tiny
     with pytest.warns(HFPrecisionWarning, match="field '(torch_)?dtype' is float32 but the model runs in bfloat16") \
             as rec:
-        m = serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16)
+        m = serve.Model.from_hf(d, build_dir=d / "no-build", variants=[], device="cuda", cache_len=16)
     assert [w.category for w in rec if issubclass(w.category, HFPrecisionWarning)] == [HFDowncastWarning]
     assert m.dtype == torch.bfloat16
-    for dtype in (torch.float32, torch.bfloat16):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", HFPrecisionWarning)
-            serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HFPrecisionWarning)
+        serve.Model.from_hf(d, build_dir=d / "no-build", variants=[], device="cuda", cache_len=16,
+                            dtype=torch.float32)

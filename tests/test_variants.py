@@ -75,7 +75,7 @@ def _duplicate_field():
 
 # id -> (file text, substrings the one-line message must contain besides the file name).
 # Each names the variant (where the file got that far), the field and the rule.
-V = "variant 'tiny'"
+V = "model 'tiny'"
 BAD_CASES = {
     "unknown-key": (doc_text(hiden=64), [V, "unknown field 'hiden'", "allowed:"]),
     "missing-key": (doc_text(intermediate=None), [V, "missing field 'intermediate'"]),
@@ -278,7 +278,7 @@ def test_duplicate_field_error_names_the_variant():
     with pytest.raises(VariantError) as e:
         gvariants.parse(text, "v.yaml")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("v.yaml: line 8:") and "variant 'tiny-b'" in msg
+    assert "\n" not in msg and msg.startswith("v.yaml: line 8:") and "model 'tiny-b'" in msg
     assert "duplicate key 'heads'" in msg
 
 
@@ -298,7 +298,7 @@ def test_derived_sizes_over_a_c_int_are_refused():
     """Each field fits a C int but heads x head_dim does not: the file is refused in one line (the kernel's
     constants and buffer sizes are C ints; nvcc only warns when one wraps); what only the plan derives (buffer
     sizes) is refused by the planner."""
-    with pytest.raises(VariantError, match=r"variant 'tiny': heads x head_dim = 17179869184 must be at most"):
+    with pytest.raises(VariantError, match=r"model 'tiny': heads x head_dim = 17179869184 must be at most"):
         gvariants.parse(doc_text(heads=2**27, kv_heads=2**27, head_dim=128), "t.yaml")
     # a prefill of 4 x 2^30 tokens: each field fits, the launch's token rows do not
     text = GOOD_TEXT.replace("- decode", "- prefill").replace("- 64", "- 1073741824").replace("- 1\n", "- 4\n")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .config import HFConfigError, map_config
@@ -33,7 +34,14 @@ def weights_file(cfg_path: Path, cfg: dict) -> Path:
     for name in (SINGLE, INDEX):
         if (d / name).is_file():
             return d / name
-    raise HFCheckpointError(f"{d}: no {SINGLE} or {INDEX} (only safetensors checkpoints are supported)")
+    for name in (SINGLE, INDEX):  # there, but not a file: said as such, not as absent
+        if (d / name).is_symlink() and not (d / name).exists():
+            raise HFCheckpointError(f"{d / name}: a symbolic link to a missing file ({os.readlink(d / name)})")
+        if (d / name).exists():
+            raise HFCheckpointError(f"{d / name}: not a file")
+    bins = " (its pytorch_model.bin is not read: save it as safetensors, save_pretrained's default)" if any(
+        d.glob("pytorch_model*.bin")) else ""
+    raise HFCheckpointError(f"{d}: no {SINGLE} or {INDEX} (only safetensors checkpoints are supported){bins}")
 
 
 class _Checkpoint:
@@ -69,6 +77,12 @@ class _Checkpoint:
 
     def _open(self, file: Path):
         from safetensors import safe_open
+        if not file.is_file() or not os.access(file, os.R_OK):  # (safetensors says "not found" for each of these)
+            why = ("a symbolic link to a missing file" if file.is_symlink() and not file.exists() else
+                   "not a file" if file.exists() and not file.is_file() else
+                   "cannot read it (permission denied)" if file.exists() else "no such file")
+            raise HFCheckpointError(f"{file}: {why}" + (f" (a shard listed in {self.index_path.name})"
+                                                         if file != self.index_path else ""))
         try:
             return safe_open(str(file), framework="pt")
         except FileNotFoundError:

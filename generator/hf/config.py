@@ -62,7 +62,7 @@ class Mapped(NamedTuple):
     def model(self, kernel: bool = True) -> gvariants.Model:
         """The validated Model (what Variant(model, "decode", batch, seq_len) needs; kernel=False: without the
         fused kernels' own limits, variants.tile_problem)."""
-        return gvariants.parse_model(f"{self.cfg_path}: variant '{self.name}'", self.name, self.fields, kernel)[0]
+        return gvariants.parse_model(f"{self.cfg_path}: model '{self.name}'", self.name, self.fields, kernel)[0]
 
 
 def config_path(path) -> Path:
@@ -361,7 +361,7 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         name = default_name(cfg_path, model_type)
     # the same rules as variants.yaml (divisibility, head_dim, name, ...); the message names the config file
     try:
-        gvariants.parse_model(f"{cfg_path}: variant '{name}'", name, fields, kernel)
+        gvariants.parse_model(f"{cfg_path}: model '{name}'", name, fields, kernel)
     except gvariants.VariantError as exc:
         if derived and "'head_dim'" in str(exc):  # a field the config does not have: say where it came from
             raise HFConfigError(f"{exc} (head_dim {head_dim} = hidden_size {hidden} // num_attention_heads "
