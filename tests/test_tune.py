@@ -372,8 +372,9 @@ def test_stream_attention_covers_every_tile_once():
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]  # (the static split's ATT_C, stream-K's room)
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model
         assert (render.plan(u, "90")["consts"]["ATT_DYN"] == 2) == idle, model
-        # ATT_COMBINE 3 (the static split's combine) as an override keeps the static split
-        assert render.plan(u, "90", overrides={"ATT_COMBINE": 3})["consts"]["ATT_DYN"] == 0, model
+        # ATT_COMBINE 3 and 4 (the static split's combines) as overrides keep the static split
+        for comb in (3, 4):
+            assert render.plan(u, "90", overrides={"ATT_COMBINE": comb})["consts"]["ATT_DYN"] == 0, model
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
         c8 = render.plan(by_name[name], "90")["consts"]
         assert c8["ATT_DYN"] == 2 and c8["ATT_NSPLIT"] >= 2, name
@@ -1149,7 +1150,9 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     last checked step. (A word never written would trap after 2^24 polls, not hang.) COOP 0 (a launch without the
     cooperative attribute, its grid barriers counted in the workspace) goes through the same trials against the
     cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) against ATT_COMBINE 3 (on a third of the
-    grid both take 1's path with float partials; the next full launches must not take those for tagged words)."""
+    grid both take 1's path with float partials); for 4 also: the launch count advances once a launch, and a launch
+    at full context over partials poisoned with NaN words of wrong tags (the last launch's, 0, the 16-bit epoch's
+    aliases) still matches the reference."""
     import torch
 
     from bench.timing import graph_of
@@ -1265,6 +1268,22 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             assert torch.equal(plain(x, pos, validate=False), want), c.name
             del plain
         k = layer.plan["consts"]
+        if k["ATT_COMBINE"] == 4:  # the partials' tags: one launch count a launch, and stale or wrong tags ignored
+            x, pos = verify.random_inputs(layer, 24)
+            pos.fill_(v.seq_len - 1)  # (every split has rows: the combine polls all of them)
+            e0 = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
+            for _ in range(3):
+                layer(x, pos, validate=False)
+            torch.cuda.synchronize()
+            assert (int(layer.buffer("epoch")[0]) & 0xFFFFFFFF) == e0 + 3, c.name
+            # every word NaN, tagged with the last launch's count, 0 or this launch's count +- 2^16 (the 16-bit
+            # epoch's aliases): none may be taken for this launch's partial
+            e = e0 + 3
+            words = layer.buffer("part").view(torch.int64).view(-1)
+            tags = torch.tensor([e, 0, e + 1 + (1 << 16), e + 1 - (1 << 16)], device="cuda", dtype=torch.int64)
+            words.copy_(tags[torch.arange(words.numel(), device="cuda") % 4] << 32 | 0x7FC00000)
+            r = verify.check_step(layer, x, pos, weights=W)
+            assert verify.passed(r, v.model.dtype), (c.name, r["rel_err"], r["first_bad_stage"])
         if k["H_LL"] and k["DOWN_FLOW"]:  # the chunks' counters count on: launches so far x each chunk's tiles
             launches = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
             kt, step = k["INTER"] // 16, k["DOWN_NWG"] * k["DOWN_U"]
@@ -2027,7 +2046,8 @@ def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
     more tasks than SMs are refused by the planner, test_split_parallel_combine_by_default...); random_inputs puts
     the sequences at different positions (different split counts), and a second launch on the same inputs is
     bit-equal (the counters were reset by the launch before). ATT_COMBINE 4 (the partials as tagged words, no
-    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way (its wider trials: test_ll_hand_offs...)."""
+    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way, and both at Qwen2.5-0.5B b1 KV 32768 (64 splits:
+    a lane takes two in turn; the wider trials of 4: test_ll_hand_offs...)."""
     by_name = {v.name: v for v in declared()}
     few, = gvariants.parse("""
 matrix: {mode: [decode], batch: [2], seq_len: [384]}
@@ -2044,7 +2064,10 @@ models:
     cases = [(by_name["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
              (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 3}),
              (few, {"ATT_COMBINE": 3, "ATT_C": 128}), (hd80, {"ATT_COMBINE": 3}),
-             (few, {"ATT_COMBINE": 4, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
+             (few, {"ATT_COMBINE": 4, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
+             # more than 32 splits: a lane polls and combines several splits in turn (the loop over r0)
+             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 4}),
+             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 3})]
     _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
 
 

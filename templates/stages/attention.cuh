@@ -246,6 +246,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     if constexpr (QKV_FLOW == 2) __syncthreads();
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
+    static_assert(ATT_COMBINE < 3 || !ATT_DYN, "ATT_COMBINE 3 / 4: every split's block waits for its peers, which "
+                  "needs the static split's one round (the planner refuses ATT_DYN with them)");
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
     constexpr int NT = (GROUP + 7) / 8;       // n-tiles of 8 query heads
     constexpr int KS = HEAD_DIM / 16;         // 16-wide steps over the head dimension
