@@ -696,7 +696,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
               "variants' seq_len where one is used (a different value is an error), else the longest prompt + "
               "--max-new-tokens - 1]")
 @click.option("--device", default="auto", show_default=True,
-              help="cuda, cuda:N, or cpu (the unfused layers); auto: cuda where torch sees a GPU, else cpu (said)")
+              help="cuda, cuda:N, or cpu (the unfused layers); auto: cuda where torch sees a GPU, else cpu with a note")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="weights and caches [the fused variants', else on a GPU the config's bf16/fp16, on the CPU the "
                    "config's dtype (float32 for float64); fp32 only without fused variants]")
