@@ -44,7 +44,11 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
 
 part_a() {  # in priority order: the decisions first, a step cut by the call's time limit the least needed
   # ATT_COMBINE 4 (session 47): the split partials as tagged words, no fence or counter before the combine
-  ab c4-small full --case $B1 '{"ATT_COMBINE": 4}' --case $B1 '{"ATT_COMBINE": 3}' --case $HALF '{"ATT_COMBINE": 4}'
+  # and with the LL hand-offs: at full context the chain from the last split's walk to o_proj's start would be the
+  # tagged partials' hop and ATT_LL's, not the combine's fence, counter and loads and a grid barrier (NOTES session 47)
+  ab c4-small full --case $B1 '{"ATT_COMBINE": 4}' --case $B1 '{"ATT_COMBINE": 3}' --case $HALF '{"ATT_COMBINE": 4}' \
+    --case $B1 '{"ATT_COMBINE": 4, "ATT_LL": 1}' --case $B1 "{\"ATT_COMBINE\": 4, $ALL}" \
+    --case $HALF '{"ATT_COMBINE": 4, "ATT_LL": 1}' --case $HALF "{\"ATT_COMBINE\": 4, $ALL}"
   # COOP 0: does the next layer's grid now enter as the previous one's blocks leave (the launch boundary)?
   ab 1b1-coop full,191 \
     --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 1}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}' \
@@ -71,6 +75,7 @@ part_b() {
     --case $L8 '{"ATT_LL": 1}' --case $L8 '{"COOP": 0}' \
     --case $Q7 '{"ATT_LL": 1}' --case $Q7 '{"QKV_FLOW": 2}' --case $Q7 '{"COOP": 0}' \
     --case $B8 '{"ATT_LL": 1}' --case $B8 "{$ALL}" --case $B8 '{"COOP": 0}'
+  timeline 1b1-c4-full $B1 full '{"ATT_COMBINE": 4, "ATT_LL": 1}'  # where the combine's chain went (NOTES session 47)
   timeline 1b8-full $B8 full '{}'
   timeline half-191 $HALF 191 '{}'  # 2 blocks carry attention (2 KV heads): 6 µs of 23 in session 34's stamps
   timeline q7b4-full $Q7 full '{}'
