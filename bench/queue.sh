@@ -79,6 +79,8 @@ part_b() {
   timeline 1b8-full $B8 full '{}'
   timeline half-191 $HALF 191 '{}'  # 2 blocks carry attention (2 KV heads): 6 µs of 23 in session 34's stamps
   timeline q7b4-full $Q7 full '{}'
+  # batch 32 (issue 12: >= 1.1x; 1.06x at 91.6 % of copy BW in session 45): where its ~20 µs above the bytes go
+  timeline l8b32-full ho-l8b-b32_decode_b32_s4096_bf16 full '{}'
 }
 
 part_tests() {
