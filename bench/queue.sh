@@ -43,12 +43,14 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
 }
 
 part_a() {  # in priority order: the decisions first, a step cut by the call's time limit the least needed
-  # ATT_COMBINE 4 (session 47): the split partials as tagged words, no fence or counter before the combine
+  # ATT_COMBINE 4 (session 47): the split partials as tagged words, no fence or counter before the combine (5: one
+  # warp polls the m words first, less L2 traffic while the last splits walk, one round trip more)
   # and with the LL hand-offs: at full context the chain from the last split's walk to o_proj's start would be the
   # tagged partials' hop and ATT_LL's, not the combine's fence, counter and loads and a grid barrier (NOTES session 47)
   ab c4-small full --case $B1 '{"ATT_COMBINE": 4}' --case $B1 '{"ATT_COMBINE": 3}' --case $HALF '{"ATT_COMBINE": 4}' \
     --case $B1 '{"ATT_COMBINE": 4, "ATT_LL": 1}' --case $B1 "{\"ATT_COMBINE\": 4, $ALL}" \
-    --case $HALF '{"ATT_COMBINE": 4, "ATT_LL": 1}' --case $HALF "{\"ATT_COMBINE\": 4, $ALL}"
+    --case $HALF '{"ATT_COMBINE": 4, "ATT_LL": 1}' --case $HALF "{\"ATT_COMBINE\": 4, $ALL}" \
+    --case $B1 '{"ATT_COMBINE": 5}' --case $B1 '{"ATT_COMBINE": 5, "ATT_LL": 1}' --case $HALF '{"ATT_COMBINE": 5}'
   # COOP 0: does the next layer's grid now enter as the previous one's blocks leave (the launch boundary)?
   ab 1b1-coop full,191 \
     --case $B1 '{"COOP": 0}' --case $B1 '{"COOP": 0, "QKV_PRE": 1}' --case $B1 '{"COOP": 0, "QKV_PRE": 2}' \
@@ -68,7 +70,7 @@ part_a() {  # in priority order: the decisions first, a step cut by the call's t
 
 part_b() {
   # (full context only: at row 191 most of these have one split, no combine; Qwen2.5-7B b4 left out: 4 spills there)
-  ab c4-large full --case $L8 '{"ATT_COMBINE": 4}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_COMBINE": 4}' \
+  ab c4-large full --case $L8 '{"ATT_COMBINE": 4}' --case $L8 '{"ATT_COMBINE": 5}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_COMBINE": 4}' \
     --case $B8 '{"ATT_COMBINE": 4}' --case qwen2.5-0.5b_decode_b1_s32768_bf16 '{"ATT_COMBINE": 4}'
   # the LL hand-offs and COOP 0 on the larger shapes
   ab ll-large full,191 \
@@ -104,7 +106,8 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
 
 case "${1:-}" in build|a|b|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; part_a; part_b ;;
+  build) BUILD=--compile-only; rm -rf build-ab build-timeline; part_a; part_b ;;  # (afresh: old builds would
+    # outgrow a device call's 64 MiB carry; ~2 min on 2 cores)
   a) part_a ;;
   b) part_b ;;
   tests) part_tests ;;

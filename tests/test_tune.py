@@ -373,7 +373,7 @@ def test_stream_attention_covers_every_tile_once():
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model
         assert (render.plan(u, "90")["consts"]["ATT_DYN"] == 2) == idle, model
         # ATT_COMBINE 3 and 4 (the static split's combines) as overrides keep the static split
-        for comb in (3, 4):
+        for comb in (3, 4, 5):
             assert render.plan(u, "90", overrides={"ATT_COMBINE": comb})["consts"]["ATT_DYN"] == 0, model
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
         c8 = render.plan(by_name[name], "90")["consts"]
@@ -1149,8 +1149,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
     last checked step. (A word never written would trap after 2^24 polls, not hang.) COOP 0 (a launch without the
     cooperative attribute, its grid barriers counted in the workspace) goes through the same trials against the
-    cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) against ATT_COMBINE 3 (on a third of the
-    grid both take 1's path with float partials); for 4 also: the launch count advances once a launch, and a launch
+    cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) and 5 (4 with one warp's poll of the m
+    words first) against ATT_COMBINE 3 (on a third of the grid both take 1's path with float partials); for 4, 5 also: the launch count advances once a launch, and a launch
     at full context over partials poisoned with NaN words of wrong tags (the last launch's, 0, the 16-bit epoch's
     aliases) still matches the reference."""
     import torch
@@ -1199,11 +1199,15 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (_decode_layer("llc4", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048"),
               {"ATT_COMBINE": 4}),
              (l1, {"ATT_COMBINE": 4, "ATT_LL": 1, "QKV_FLOW": 2}), (l1, {"ATT_COMBINE": 4, "H_LL": 1}),
-             (l1, {"ATT_COMBINE": 4, "COOP": 0})]
+             (l1, {"ATT_COMBINE": 4, "COOP": 0}),
+             # ATT_COMBINE 5: 4 with one warp polling the m words first (its twin: 3 as well)
+             (l1, {"ATT_COMBINE": 5}), (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5, "ATT_C": 128}),
+             (l1, {"ATT_COMBINE": 5, "ATT_LL": 1})]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them, ATT_COMBINE 4 as 3)
 
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
-        return {k: 3 if k == "ATT_COMBINE" and x == 4 else x for k, x in ov.items() if k not in ll}
+        return {k: 3 if k == "ATT_COMBINE" and x in (4, 5) else x for k, x in ov.items() if k not in ll}
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
     pairs = [p for i, (v, ov) in enumerate(cases)
              for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), twin_of(ov)))]
@@ -1268,7 +1272,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             assert torch.equal(plain(x, pos, validate=False), want), c.name
             del plain
         k = layer.plan["consts"]
-        if k["ATT_COMBINE"] == 4:  # the partials' tags: one launch count a launch, and stale or wrong tags ignored
+        if k["ATT_COMBINE"] >= 4:  # the partials' tags: one launch count a launch, and stale or wrong tags ignored
             x, pos = verify.random_inputs(layer, 24)
             pos.fill_(v.seq_len - 1)  # (every split has rows: the combine polls all of them)
             e0 = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
@@ -2046,8 +2050,9 @@ def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
     more tasks than SMs are refused by the planner, test_split_parallel_combine_by_default...); random_inputs puts
     the sequences at different positions (different split counts), and a second launch on the same inputs is
     bit-equal (the counters were reset by the launch before). ATT_COMBINE 4 (the partials as tagged words, no
-    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way, and both at Qwen2.5-0.5B b1 KV 32768 (64 splits:
-    a lane takes two in turn; the wider trials of 4: test_ll_hand_offs...)."""
+    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way, and 3, 4 and 5 (4 with one warp's poll first) at
+    Qwen2.5-0.5B b1 KV 32768 (64 splits: a lane takes two in turn; the wider trials of 4 and 5:
+    test_ll_hand_offs...)."""
     by_name = {v.name: v for v in declared()}
     few, = gvariants.parse("""
 matrix: {mode: [decode], batch: [2], seq_len: [384]}
@@ -2067,7 +2072,8 @@ models:
              (few, {"ATT_COMBINE": 4, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
              # more than 32 splits: a lane polls and combines several splits in turn (the loop over r0)
              (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 4}),
-             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 3})]
+             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 3}),
+             (few, {"ATT_COMBINE": 5, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 5})]
     _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
 
 
@@ -2088,26 +2094,26 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
     assert render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]["ATT_COMBINE"] == 3
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=5: must be 0, 1, 2, 3 or 4"):
-        render.plan(v, overrides={"ATT_COMBINE": 5})
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=6: must be 0, 1, 2, 3, 4 or 5"):
+        render.plan(v, overrides={"ATT_COMBINE": 6})
     from generator.report import path_cell  # the report names the path
-    for c in (3, 4):
+    for c in (3, 4, 5):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with ATT_DYN=1 .*ATT_DYN=0"):
             render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": c})
         assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c}"
     assert path_cell(render.plan(v)["consts"]) is None
-    part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4)}
-    assert part[4] == 2 * part[3] > 0, part  # (value, launch count) words
+    part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4, 5)}
+    assert part[5] == part[4] == 2 * part[3] > 0, part  # (value, launch count) words
     src = render.render(v, render.plan(v, overrides={"ATT_COMBINE": 4}))
     assert "constexpr int ATT_COMBINE = 4;" in src
     hd80 = _decode_layer("c3hd80", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048")
     assert render.plan(hd80, overrides={"ATT_COMBINE": 3})["consts"]["ATT_NSPLIT"] == 8  # 96 tasks: one round
-    for c in (3, 4):
+    for c in (3, 4, 5):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: 288 attention tasks on 132 SMs .*one round"):
             render.plan(hd80, overrides={"ATT_COMBINE": c, "ATT_C": 128})  # (no block may wait on its own later task)
     tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
-    for c in (2, 3, 4):
+    for c in (2, 3, 4, 5):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with tensor parallel"):
             render.plan(tp2, overrides={"ATT_COMBINE": c})
 

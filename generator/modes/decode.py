@@ -50,7 +50,8 @@ STEPS = (
 # and one batch of loads after the last partial instead of its whole combine: static split, one GPU, every task in
 # one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned; 4, override only: 3
 # with the partials as 64-bit words tagged with the launch's count, polled by the combining lanes: no fence, counter
-# or block barrier between the last partial and the combine); X_FRAG: attention's output and the MLP's act stored in the
+# or block barrier between the last partial and the combine; 5: 4 with one warp polling the splits' m words first,
+# the block's loads after them); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
@@ -130,8 +131,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k in ("ATT_LL", "QKV_FLOW", "H_LL") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k == "ATT_COMBINE" and val not in (0, 1, 2, 3, 4):
-            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2, 3 or 4")
+        if k == "ATT_COMBINE" and val not in (0, 1, 2, 3, 4, 5):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2, 3, 4 or 5")
         if k.endswith("_PRE") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2 (2: the rest of the first task "
                             "prefetched into L2 as well)")
@@ -472,14 +473,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
         if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
                 or not att_dyn and sm == 90 and v.seq_len >= 2048 and rounds == 1 \
-                and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4):  # (they need the static split)
+                and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4, 5):  # (they need the static split)
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
     elif "ATT_PIECE_TILES" in ov:
         raise PlanError(f"{v.name}: plan override ATT_PIECE_TILES={ov['ATT_PIECE_TILES']}: a piece's charge in "
                         f"ATT_DYN 2's runs (this plan: ATT_DYN={att_dyn})")
-    sliced = ov.get("ATT_COMBINE") in (3, 4)  # every split's block combines a slice
+    sliced = ov.get("ATT_COMBINE") in (3, 4, 5)  # every split's block combines a slice
     if sliced and att_dyn:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE={ov['ATT_COMBINE']}: not with ATT_DYN={att_dyn} (the "
                         "combine spread over the splits' blocks needs every task in one round of the static split: "

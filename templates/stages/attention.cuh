@@ -230,10 +230,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                           const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, long long* ws_timeline,
                           unsigned char* smem) {
     const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
-    // ATT_COMBINE 4: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
+    // ATT_COMBINE 4, 5: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
     // rewritten every launch, a split past the position skips it: 32 bits, not the 16-bit epoch, so no stale word
     // carries a live tag in 2^32 launches)
-    const unsigned part_tag = ATT_COMBINE == 4 ? ll_launch(ws_epoch) : 0u;
+    const unsigned part_tag = ATT_COMBINE >= 4 ? ll_launch(ws_epoch) : 0u;
     // TIMELINE: thread 0 stamps the phases of the block's last task that walks rows (interface.TIMELINE_ATT_PHASES)
     long long tl_start = 0;
     auto tl = [&](int phase, long long t = 0) {
@@ -621,7 +621,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             if (nsplit == 1) {
                 if (d < HEAD_DIM)
                     att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
-            } else if (ATT_COMBINE == 4 && sliced) {
+            } else if (ATT_COMBINE >= 4 && sliced) {
                 ll_store8(ws_part, (part0 + (size_t)g * ATT_NSPLIT + split) * WS + d, o, part_tag);
             } else {
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
@@ -658,6 +658,22 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
             constexpr int OUTS = GROUP * HEAD_DIM;
             const int o0 = split * OUTS / nsplit, o1 = (split + 1) * OUTS / nsplit;
+            if constexpr (ATT_COMBINE == 5) {
+                // one warp polls the m words of its slice's heads' splits (a lane a split) before the block loads
+                // them all: ATT_COMBINE 4's 512 lanes polling three words each while the last splits still walk
+                // are ~24 KB of L2 sectors a block a poll, on the walkers' path; this adds one round trip instead
+                if (warp == 0)
+                    for (int g = o0 / HEAD_DIM; o1 > o0 && g <= (o1 - 1) / HEAD_DIM; ++g)
+                        for (int s = lane; s < nsplit; s += 32) {
+                            const size_t at = (part0 + (size_t)g * ATT_NSPLIT + s) * WS + HEAD_DIM;
+                            unsigned long long w = ll_load8(ws_part, at);
+                            ll_poll<64>((unsigned)((unsigned)(w >> 32) != part_tag), [&](unsigned) {
+                                w = ll_load8(ws_part, at);
+                                return (unsigned)((unsigned)(w >> 32) != part_tag);
+                            });
+                        }
+                __syncthreads();
+            }
             // SEG lanes an output (the splits' power of two, at most 32), 32 / SEG outputs a warp at once
             const int seg = nsplit >= 32 ? 32 : 1 << (32 - __clz(nsplit - 1)), sub = lane / seg, sl = lane % seg;
             for (int base = o0 + warp * (32 / seg); base < o1; base += NW * (32 / seg)) {
@@ -671,7 +687,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     const int s = r0 + sl;
                     const bool in = out && s < nsplit;
                     float ms = -INFINITY, ls = 0.f, as = 0.f;
-                    if (ATT_COMBINE == 4 && in) {  // the split's words, polled together until each is this launch's
+                    if (ATT_COMBINE >= 4 && in) {  // the split's words, polled together until each is this launch's
                         const size_t at = pi + (size_t)s * WS;
                         const size_t idx[3] = {at + HEAD_DIM, at + HEAD_DIM + 1, at + d};
                         unsigned long long w[3];
