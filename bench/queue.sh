@@ -69,8 +69,8 @@ part_a() {  # in priority order: the decisions first, a step cut by the call's t
 }
 
 part_b() {
-  # (full context only: at row 191 most of these have one split, no combine; Qwen2.5-7B b4 left out: 4 spills there)
-  ab c4-large full --case $L8 '{"ATT_COMBINE": 4}' --case $L8 '{"ATT_COMBINE": 5}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_COMBINE": 4}' \
+  # (full context only: at row 191 most of these have one split, no combine)
+  ab c4-large full --case $L8 '{"ATT_COMBINE": 4}' --case $L8 '{"ATT_COMBINE": 5}' --case $Q7 '{"ATT_COMBINE": 4}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_COMBINE": 4}' \
     --case $B8 '{"ATT_COMBINE": 4}' --case qwen2.5-0.5b_decode_b1_s32768_bf16 '{"ATT_COMBINE": 4}'
   # the LL hand-offs and COOP 0 on the larger shapes
   ab ll-large full,191 \

@@ -372,7 +372,7 @@ def test_stream_attention_covers_every_tile_once():
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]  # (the static split's ATT_C, stream-K's room)
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model
         assert (render.plan(u, "90")["consts"]["ATT_DYN"] == 2) == idle, model
-        # ATT_COMBINE 3 and 4 (the static split's combines) as overrides keep the static split
+        # ATT_COMBINE 3 - 5 (the static split's combines) as overrides keep the static split
         for comb in (3, 4, 5):
             assert render.plan(u, "90", overrides={"ATT_COMBINE": comb})["consts"]["ATT_DYN"] == 0, model
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
@@ -1203,8 +1203,9 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              # ATT_COMBINE 5: 4 with one warp polling the m words first (its twin: 3 as well)
              (l1, {"ATT_COMBINE": 5}), (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5, "ATT_C": 128}),
-             (l1, {"ATT_COMBINE": 5, "ATT_LL": 1})]
-    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them, ATT_COMBINE 4 as 3)
+             (l1, {"ATT_COMBINE": 5, "ATT_LL": 1}), (l1, {"ATT_COMBINE": 5, "H_LL": 1}),
+             (l1, {"ATT_COMBINE": 5, "COOP": 0})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them, ATT_COMBINE 4 / 5 as 3)
 
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
         return {k: 3 if k == "ATT_COMBINE" and x in (4, 5) else x for k, x in ov.items() if k not in ll}
@@ -2079,9 +2080,10 @@ models:
 
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-4
-    is taken (3 and 4 without ATT_DYN and tensor parallel, and with every attention task in one round), 5 refused;
-    ATT_COMBINE 4's partials are 64-bit words (twice the buffer) and its launches advance the epoch."""
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-5
+    is taken (3-5 without ATT_DYN and tensor parallel, and with every attention task in one round), 6 refused;
+    ATT_COMBINE 4's and 5's partials are 64-bit words (twice the buffer; their launches advance the epoch: the GPU
+    test test_ll_hand_offs... asserts it)."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
     assert decode.combine_default(7 * 128, 16) == 2 and decode.combine_default(7 * 128, 8) == 1

@@ -246,7 +246,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     if constexpr (QKV_FLOW == 2) __syncthreads();
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
-    static_assert(ATT_COMBINE < 3 || !ATT_DYN, "ATT_COMBINE 3 / 4: every split's block waits for its peers, which "
+    static_assert(ATT_COMBINE < 3 || !ATT_DYN, "ATT_COMBINE 3 - 5: every split's block waits for its peers, which "
                   "needs the static split's one round (the planner refuses ATT_DYN with them)");
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
     constexpr int NT = (GROUP + 7) / 8;       // n-tiles of 8 query heads
@@ -598,7 +598,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 4. combine the warps (max-rescaled): the final output if this is the only split, else a partial
         const size_t part0 = ((size_t)b * HEADS + kvh * GROUP) * ATT_NSPLIT;  // + g * ATT_NSPLIT + split
-        // every split's block combines a slice (ATT_COMBINE 3, 4) where every task is in this round (the planner's
+        // every split's block combines a slice (ATT_COMBINE 3 - 5) where every task is in this round (the planner's
         // condition; a GPU with fewer SMs than planned takes ATT_COMBINE 1's path: float partials and the counter)
         const bool sliced = ATT_COMBINE >= 3 && ntask <= (int)gridDim.x;
         for (int t = tid; t < GROUP * WS; t += THREADS) {
@@ -680,7 +680,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 const int t = base + sub;
                 const bool out = t < o1;
                 const int g = (out ? t : o0) / HEAD_DIM, d = (out ? t : o0) % HEAD_DIM;
-                const size_t pi = (part0 + (size_t)g * ATT_NSPLIT) * WS;  // split 0's partial (ATT_COMBINE 4: words)
+                const size_t pi = (part0 + (size_t)g * ATT_NSPLIT) * WS;  // split 0's partial (ATT_COMBINE 4, 5: words)
                 const float* pg = ws_part + pi;
                 float M = -INFINITY, den = 0.f, o = 0.f;
                 for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, three loads in flight)
