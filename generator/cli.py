@@ -706,8 +706,8 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
                  variant_names, cache_len, device, dtype, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
     prints the text (or token ids), tokens/s, time to first token and the path that served each layer. Under
-    torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo with
-    --device cpu) on the variants built with that tp; rank 0 prints."""
+    torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo on the
+    CPU: --device cpu, or auto where torch sees no GPU) on the variants built with that tp; rank 0 prints."""
     import os
 
     import torch
@@ -720,15 +720,15 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     if device == "auto":  # the GPU where torch sees one; else the CPU's unfused layers, said (not a silent fallback)
         why = cuda_unavailable()
         device = "cpu" if why else "cuda"
-        if why:
+        if why and os.environ.get("RANK", "0") == "0":  # (under torchrun: rank 0 says it)
             err_console.print(f"note: {why}: the unfused layers run on the CPU (--device cuda requires a GPU)",
                               markup=False, highlight=False, soft_wrap=True)
     try:
         dev = torch.device(device)
     except RuntimeError:
-        fail(f"--device: not a torch device: {device!r} (cuda, cuda:N or cpu)")
+        fail(f"--device: not a torch device: {device!r} (auto, cuda, cuda:N or cpu)")
     if dev.type not in ("cuda", "cpu"):  # meta, mps, xpu ...: the model runs on CUDA (fused) or the CPU (unfused)
-        fail(f"--device {device}: the model runs on cuda, cuda:N or cpu")
+        fail(f"--device {device}: the model runs on cuda, cuda:N or cpu (or auto)")
     if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
     group, echo, info = None, click.echo, err_console.print

@@ -1,6 +1,6 @@
 """Resource report: what each variant costs (binary, registers, spills, shared memory, load time), joined with the
-latest benchmark figures where there are any, then the newest end-to-end result (bench/e2e.py). Terminal tables +
-build/report.json + build/report.csv."""
+latest benchmark figures where there are any, then the newest end-to-end result (bench/e2e.py) where it served one
+of the report's variants (report.json keeps it either way). Terminal tables + build/report.json + build/report.csv."""
 from __future__ import annotations
 
 import csv

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -618,7 +619,6 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
         r2 = cli(["generate", d, "--ids", "1", "--device", "cuda"], cwd=tmp_path)
         assert r2.returncode == 2 and "no CUDA GPU visible" in r2.stderr and "--device cpu" in r2.stderr, r2.stderr
     # generation_config.json asking for sampling: this greedy run says so (transformers' generate() would sample)
-    import shutil
     ds = tmp_path / "sampling"
     shutil.copytree(d, ds)
     (ds / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.9}')
@@ -653,7 +653,7 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --device") and "Traceback" not in r.stderr
     # a torch device the model does not run on; fewer sequences than prompts (no prompt dropped without a word)
     r = cli(["generate", d, "--ids", "1", "--device", "meta", "--cache-len", "16"], cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr == "error: --device meta: the model runs on cuda, cuda:N or cpu\n", r.stderr
+    assert r.returncode == 2 and r.stderr == "error: --device meta: the model runs on cuda, cuda:N or cpu (or auto)\n", r.stderr
     r = cli(["generate", d, "--ids", "1,2", "--ids", "3", "--ids", "4", "--batch", "2", "--device", "cpu"],
             cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --batch 2: fewer sequences than the 3 prompts") \
@@ -691,7 +691,6 @@ def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     """Session 45's trial: a model directory without tokenizer files (transformers 5 builds a tokenizer of one token
     for Qwen2's, which encodes text to nothing) said the prompt encodes to no tokens; a float64 config was refused though transformers loads it; a
     build into a model directory wrote a build there; `clean /` advised to cd out of the root."""
-    import shutil
     _, d = tiny
     r = cli(["generate", d, "--prompt", "Hello there", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 2 and "--prompt needs a tokenizer in the model directory" in r.stderr \
@@ -1028,19 +1027,27 @@ def test_a_streamed_sequence_prints_all_its_text_whatever_the_tokenizers_clean_u
     assert "".join(ids) == "7 8"  # (no trailing space)
 
 
-def test_an_fp32_checkpoint_runs_as_transformers_loads_it_on_the_cpu(tiny):
+def test_an_fp32_checkpoint_runs_as_transformers_loads_it_on_the_cpu(tiny, tmp_path):
     """On the CPU (no fused kernel runs there) Model.from_hf without a dtype runs a float32 checkpoint in float32,
     as transformers loads it (a new user's trial: bf16 there made the default CPU run differ from transformers'),
-    with no HFPrecisionWarning; bf16 asked for, no warning either."""
+    with no HFPrecisionWarning; bf16 asked for, no warning either. A config that names no dtype: the weights'
+    stored one, as transformers 5 loads it (float32 here)."""
     import warnings
 
     from generator.hf import HFPrecisionWarning
     _, d = tiny
-    for dtype, want in ((None, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    bare = tmp_path / "bare"
+    shutil.copytree(d, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    for k in ("dtype", "torch_dtype"):
+        cfg.pop(k, None)
+    (bare / "config.json").write_text(json.dumps(cfg))
+    for path, dtype, want in ((d, None, torch.float32), (d, torch.float32, torch.float32),
+                              (d, torch.bfloat16, torch.bfloat16), (bare, None, torch.float32)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", HFPrecisionWarning)
-            m = serve.Model.from_hf(d, build_dir=d / "no-build", device="cpu", cache_len=16, dtype=dtype)
-        assert m.dtype == want, (dtype, m.dtype)
+            m = serve.Model.from_hf(path, build_dir=d / "no-build", device="cpu", cache_len=16, dtype=dtype)
+        assert m.dtype == want, (path, dtype, m.dtype)
 
 
 @pytest.mark.gpu
