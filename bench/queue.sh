@@ -3,6 +3,7 @@
 # checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that.
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/, build-timeline/<tag>/
+#   bash bench/queue.sh wide      # first (session 47): the LL hand-offs' held-out A/B, for the planner rule
 #   bash bench/queue.sh a         # one device call each (carry build-ab and build-timeline); a's steps in priority
 #                                 # order: what a 600 s call cuts is the least needed
 #   bash bench/queue.sh b
@@ -85,6 +86,15 @@ part_b() {
   timeline l8b32-full ho-l8b-b32_decode_b32_s4096_bf16 full '{}'
 }
 
+part_wide() {  # the LL hand-offs' rule, its domain (session 47: they won at 1B b1 and 0.5B b1 on an H100)
+  ab wide full,191 --case $B1 '{"ATT_LL": 1, "H_LL": 1}' --case $HALF '{"ATT_COMBINE": 4, "ATT_LL": 1, "H_LL": 1}' \
+    --case llama3.2-1b_decode_b1_s1024_bf16 "{$ALL}" --case llama3.2-1b_decode_b1_s32768_bf16 "{$ALL}" \
+    --case qwen3-1.7b_decode_b1_s4096_bf16 "{$ALL}" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "{$ALL}" \
+    --case ho-h1440-hd80_decode_b1_s4096_bf16 "{$ALL}" --case ho-smol-360m_decode_b1_s2048_bf16 "{$ALL}" \
+    --case ho-h3072-g3_decode_b1_s4096_bf16 "{$ALL}" --case $L8 "{$ALL}" \
+    --case llama3.2-1b_decode_b4_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2}' --case $B8 "{$ALL}"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -104,15 +114,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|a|b|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|wide|a|b|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab build-timeline; part_a; part_b ;;  # (afresh: old builds would
+  build) BUILD=--compile-only; rm -rf build-ab build-timeline; part_wide; part_a; part_b ;;  # (afresh: old builds would
     # outgrow a device call's 64 MiB carry; ~2 min on 2 cores)
+  wide) part_wide ;;
   a) part_a ;;
   b) part_b ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|a|b|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|wide|a|b|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
