@@ -640,10 +640,9 @@ class Model:
             dtype = vdtype
         elif dtype is None:  # on the CPU no fused kernel runs: the checkpoint's own dtype, as transformers 5 loads it
             # (the config's, else the weights' stored one)
-            own = config_dtype(ck.cfg)[1] or {"F32": "float32", "F64": "float64"}.get(
-                ck.dtype(f"{ck.prefix}layers.0.self_attn.q_proj.weight"))
-            dtype = torch.float32 if dev.type == "cpu" and own in ("float32", "float64") \
-                else reference.TORCH_DTYPES[shape.dtype]
+            own = dev.type == "cpu" and (config_dtype(ck.cfg)[1] or {"F32": "float32", "F64": "float64"}.get(
+                ck.dtype(f"{ck.prefix}layers.0.self_attn.q_proj.weight")))
+            dtype = torch.float32 if own in ("float32", "float64") else reference.TORCH_DTYPES[shape.dtype]
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ServeError(f"dtype: torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32'), "
                              f"got {dtype}")

@@ -17,6 +17,17 @@ class HFCheckpointError(HFConfigError):
     """A checkpoint's tensors do not match its config: one line naming the tensor and the file."""
 
 
+def _unusable(file: Path) -> str | None:
+    """Why a weights path that should be a readable file is not one (safetensors says "not found" for each), or
+    None where it is one."""
+    if file.is_file() and os.access(file, os.R_OK):
+        return None
+    if file.is_symlink() and not file.exists():
+        return f"a symbolic link to a missing file ({os.readlink(file)})"
+    return "not a file" if file.exists() and not file.is_file() else \
+        "cannot read it (permission denied)" if file.exists() else "no such file"
+
+
 def weights_file(cfg_path: Path, cfg: dict) -> Path:
     """The file transformers 5.24 loads from a local directory (modeling_utils._get_resolved_checkpoint_files): the
     config's `transformers_weights` if set, else model.safetensors, else model.safetensors.index.json. A
@@ -35,10 +46,8 @@ def weights_file(cfg_path: Path, cfg: dict) -> Path:
         if (d / name).is_file():
             return d / name
     for name in (SINGLE, INDEX):  # there, but not a file: said as such, not as absent
-        if (d / name).is_symlink() and not (d / name).exists():
-            raise HFCheckpointError(f"{d / name}: a symbolic link to a missing file ({os.readlink(d / name)})")
-        if (d / name).exists():
-            raise HFCheckpointError(f"{d / name}: not a file")
+        if (d / name).is_symlink() or (d / name).exists():
+            raise HFCheckpointError(f"{d / name}: {_unusable(d / name)}")
     bins = " (its pytorch_model.bin is not read: save it as safetensors, save_pretrained's default)" if any(
         d.glob("pytorch_model*.bin")) else ""
     raise HFCheckpointError(f"{d}: no {SINGLE} or {INDEX} (only safetensors checkpoints are supported){bins}")
@@ -77,10 +86,7 @@ class _Checkpoint:
 
     def _open(self, file: Path):
         from safetensors import safe_open
-        if not file.is_file() or not os.access(file, os.R_OK):  # (safetensors says "not found" for each of these)
-            why = ("a symbolic link to a missing file" if file.is_symlink() and not file.exists() else
-                   "not a file" if file.exists() and not file.is_file() else
-                   "cannot read it (permission denied)" if file.exists() else "no such file")
+        if why := _unusable(file):
             raise HFCheckpointError(f"{file}: {why}" + (f" (a shard listed in {self.index_path.name})"
                                                          if file != self.index_path else ""))
         try:
