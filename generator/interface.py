@@ -56,7 +56,7 @@ WORKSPACE: tuple[Buffer, ...] = (
            "half, the launch's epoch in the high)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"],
                                        (c["HEAD_DIM"] + 2) * (1 + (c.get("ATT_COMBINE", 0) >= 4))),
-           "attention split partials: acc[head_dim], max, sum (decode ATT_COMBINE 4, 5: each a 64-bit word, the value "
+           "attention split partials: acc[head_dim], max, sum (decode ATT_COMBINE 4: each a 64-bit word, the value "
            "in its low half, the launch's count in the high)"),
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
     Buffer("ready", "unsigned", lambda c: (c["KV_HEADS"] + c.get("ACT_CHUNKS", 0) * c.get("ACT_STRIDE", 1),),
@@ -92,8 +92,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "step's end and after its grid barrier (0 where the step has none), then at attention's phases "
            "(TIMELINE_ATT_PHASES; 0 where the block walked no rows); bench/timeline.py reads it"),
     Buffer("epoch", "unsigned", lambda c: (1,),
-           "decode ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4 / 5: launches so far (block 0 advances it: gate_up, or with "
-           "H_LL down_proj); the LL words carry (this + 1) mod 2^16, ATT_COMBINE 4 / 5's partials this + 1"),
+           "decode ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4: launches so far (block 0 advances it: gate_up, or with "
+           "H_LL down_proj); the LL words carry (this + 1) mod 2^16, ATT_COMBINE 4's partials this + 1"),
     Buffer("gridbar", "unsigned", lambda c: (0 if c.get("COOP", 1) else 2,),
            "decode COOP 0: the grid barrier's arrival count (0 between barriers) and generation "
            "(templates/common.cuh grid_barrier)"),

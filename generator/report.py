@@ -90,7 +90,7 @@ def path_cell(c: dict) -> str | None:
     """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
     barrier), TM=n (n tiles a GEMV task, the largest of the projections'),
-    ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3, 4 or 5
+    ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
@@ -98,7 +98,7 @@ def path_cell(c: dict) -> str | None:
     parts += [f"TM={tm}"] if tm > 1 else []
     parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
     parts += ["ATT_TMA"] if c.get("ATT_TMA") else []
-    parts += [f"ATT_COMBINE={c['ATT_COMBINE']}"] if c.get("ATT_COMBINE") in (3, 4, 5) else []
+    parts += [f"ATT_COMBINE={c['ATT_COMBINE']}"] if c.get("ATT_COMBINE") in (3, 4) else []
     return " ".join(parts) or None
 
 

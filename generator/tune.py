@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -190,7 +191,7 @@ def _half(n: int) -> int:
 
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA")  # on/off knobs: 0 is a setting, not a size
+                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL", "COOP")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -207,7 +208,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
-    default's re-plan tries the counters' registers first), ATT_COMBINE 1, 2 and 3 where not planned (0 never won; 3 where the planner takes it: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
+    default's re-plan tries the counters' registers first), the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where
+    the planner has them off and off where on (batch <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0
+    never won; 3 and 4 where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
@@ -227,7 +230,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     0, or 1 from KV 8192). ATT_DYN 1 is tried against a static plan, and stream-K's piece charge (ATT_PIECE_TILES
     halved and doubled) where it is planned, only where the candidates are not timed at full context (`positions`:
     what `bench/tune.py --positions` times): both matter at mixed positions. A candidate whose split count moves the
-    planner's ATT_COMBINE default keeps the default plan's, and so does one whose ATT_DYN moves O_PRE's."""
+    planner's ATT_COMBINE default keeps the default plan's, and so does one whose ATT_DYN moves O_PRE's; one that turns
+    the planner's LL hand-offs off keeps as many of them as the planner allows with it."""
     from .render import plan
     base = plan(v, arch)
     d = base["consts"]
@@ -244,14 +248,16 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
+    if base["mode"] == "decode" and v.batch <= 8 and v.tp == 1:  # the LL hand-offs together, flipped
+        tries.append({"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0} if d["ATT_LL"] else {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1})
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
-                  {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 - d["QKV_FLOW"]},
+                  {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 if d["QKV_FLOW"] != 1 else 0},
                   *([{"DOWN_FLOW": 1}] if not d["DOWN_FLOW"] else []),
-                  *({"ATT_COMBINE": c} for c in (1, 2, 3) if c != d["ATT_COMBINE"]),
+                  *({"ATT_COMBINE": c} for c in (1, 2, 3, 4) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
                   {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
@@ -301,6 +307,17 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             if pin:
                 ov = {**ov, **pin}
                 p = plan(v, arch, overrides=ov)
+            # a knob that turned the planner's LL hand-offs off (split-K, H_STATS, X_FRAG 0): as many of them kept on
+            # as the planner allows with it (the largest subset first)
+            ll = {k: d[k] for k in ("ATT_LL", "QKV_FLOW", "H_LL") if d.get("ATT_LL") and k not in ov
+                  and p["consts"].get(k) != d[k]}
+            for keep in (c for n in range(len(ll), 0, -1) for c in itertools.combinations(ll, n)):
+                try:
+                    p, ov = plan(v, arch, overrides={**ov, **{k: ll[k] for k in keep}}), \
+                        {**ov, **{k: ll[k] for k in keep}}
+                    break
+                except PlanError:
+                    continue
         except PlanError:
             continue
         if "NORM_GLOBAL" not in ov and p["consts"].get("NORM_GLOBAL") != d.get("NORM_GLOBAL"):
@@ -355,9 +372,10 @@ def knob_dict(p: dict) -> dict:
 
 # knobs added after records were made whose default is no longer always the kernel as it was: the value a record
 # without them measured (RED_DB: two buffers of partial sums until session 16)
-# (ATT_PIECE_TILES: 0 in plans without stream-K; a stream-K record without it ran the bytes model's charge: stale)
+# (ATT_PIECE_TILES: 0 in plans without stream-K; a stream-K record without it ran the bytes model's charge: stale;
+# ATT_LL, H_LL: 0 until the LL rule of session 48)
 KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
-                "ATT_PIECE_TILES": 0}
+                "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0}
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}

@@ -1178,7 +1178,7 @@ def test_timeline_knob_stamps_only_where_asked(tmp_path):
     from generator.plan import PlanError
     from generator import variants as gvariants
     v = next(x for x in gvariants.load(ROOT / "variants.yaml") if x.name == "llama3.2-1b_decode_b1_s4096_bf16")
-    on = render.plan(v, overrides={"TIMELINE": 1, "ATT_LL": 1})
+    on = render.plan(v, overrides={"TIMELINE": 1, "ATT_LL": 1, "QKV_FLOW": 1, "H_LL": 0})
     src = render.render(v, on)
     # entry, wait; 7 step ends; one barrier (o_proj's: NORM_LOCAL, QKV_FLOW, ATT_LL, NORM2_LOCAL, DOWN_FLOW drop
     # the others)

@@ -17,6 +17,7 @@ from generator.plan import PlanError
 from conftest import ROOT, TINY_NAMES, run_cli, steps_track_the_reference
 
 TINY = TINY_NAMES[0]  # tiny-a_decode_b1_s64_bf16
+LL_OFF = {"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}  # the barriers and counters of a plan outside decode's LL rule
 
 
 def declared():
@@ -92,7 +93,38 @@ def test_balance_split_fills_the_last_round_of_tasks():
     assert gemv_balance_split(16 * 200, 16 * 17, 132) == 1  # 17 k-tiles: no split keeps >= 16 a task
     v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b4_s4096_bf16")
     cands = gtune.candidates(v)
-    assert {"DOWN_KSPLIT": 4} in cands[:5] and {"X_FRAG": 0} in cands[:6]
+    assert {"DOWN_KSPLIT": 4} in cands[:5] and {"X_FRAG": 0} in cands[:7]
+
+
+def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
+    """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1 on one sm_90 GPU in bf16 up to hidden
+    LL_HIDDEN_MAX (measured, bench/NOTES.md session 48): no grid barrier between qkv_proj and gate_up (with
+    DOWN_FLOW none at all); not at batch 2, above the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on
+    another arch; an override of one knob leaves the others' defaults; where the norm's rows go to global memory or
+    H_STATS is asked for, the rule gives way (no refusal); the tuner tries the three off together."""
+    from generator.modes.decode import LL_HIDDEN_MAX
+    named = {v.name: v for v in declared()}
+    ll = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}
+    for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
+                 "qwen3-1.7b_decode_b1_s32768_bf16"):
+        p = render.plan(named[name])
+        assert {k: p["consts"][k] for k in ll} == ll, name
+        assert LL_OFF in gtune.candidates(named[name]), name
+    assert render.plan(named["llama3.2-1b_decode_b1_s4096_bf16"])["grid_syncs"] == 0  # (DOWN_FLOW there too)
+    v = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX + 1024,
+                                                           intermediate=4 * (LL_HIDDEN_MAX + 1024)))
+    fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
+    for off, arch in ((named["llama3.2-1b_decode_b4_s4096_bf16"], "90"), (big, "90"), (fp16, "90"),
+                      (dataclasses.replace(v, tp=2), "90"), (v, "80")):
+        c = render.plan(off, arch)["consts"]
+        assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), (off.name, off.model.hidden, arch)
+    assert {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1} in gtune.candidates(named["llama3.2-1b_decode_b4_s4096_bf16"])
+    one = render.plan(v, overrides={"H_LL": 0})["consts"]
+    assert (one["ATT_LL"], one["QKV_FLOW"], one["H_LL"]) == (1, 2, 0)
+    for ov in ({"H_STATS": 1}, {"NORM_GLOBAL": 1}, {"QKV_KSPLIT": 2}):
+        c = render.plan(v, overrides=ov)["consts"]
+        assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), ov
 
 
 def test_next_rounds_weight_loads_early_is_a_tuner_knob():
@@ -141,8 +173,8 @@ def test_qkv_flow_replaces_one_barrier():
     """QKV_FLOW (the default on one GPU where qkv is unsplit; a tuner knob): the qkv -> attention grid barrier is
     compiled out, every KV head counts (GROUP + 2) x head_dim / 16 tiles (the C mapping templates/stages/qkv_proj.cuh
     qkv_tile_head, mirrored here); a split qkv plans the barrier, and asking for both is refused; tensor parallel
-    keeps the barrier."""
-    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    keeps the barrier. (At batch 4: batch 1's default hands qkv over as words, decode.LL_HIDDEN_MAX.)"""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b4_s4096_bf16")
     on, off = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 0})
     assert off["consts"]["QKV_FLOW"] == 0 and on["consts"]["QKV_FLOW"] == 1
     assert on["grid_syncs"] == off["grid_syncs"] - 1
@@ -201,7 +233,7 @@ def test_h_ll_drops_o_projs_barrier():
 
     from generator.interface import from_ll
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
-    off, on = render.plan(v), render.plan(v, overrides={"H_LL": 1})
+    off, on = render.plan(v, overrides=LL_OFF), render.plan(v, overrides={**LL_OFF, "H_LL": 1})
     assert on["consts"]["H_LL"] == 1 and on["grid_syncs"] == off["grid_syncs"] - 1
     assert render.plan(v, overrides={"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2})["grid_syncs"] == 0
     assert "if constexpr (!H_LL) grid.sync();" in render.render(v, on)
@@ -238,7 +270,7 @@ def test_qkv_flow_2_hands_qkv_over_as_words():
 
     from generator.interface import from_ll
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
-    one, two = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 2})
+    one, two = render.plan(v, overrides=LL_OFF), render.plan(v, overrides={**LL_OFF, "QKV_FLOW": 2})
     assert two["consts"]["QKV_FLOW"] == 2 and two["grid_syncs"] == one["grid_syncs"]
     assert "constexpr int QKV_FLOW = 2;" in render.render(v, two)
     w1, w2 = one["workspace"]["buffers"], two["workspace"]["buffers"]
@@ -306,7 +338,7 @@ def test_att_ll_drops_attentions_barrier(tmp_path):
     from generator.interface import from_ll
     named = {v.name: v for v in declared()}
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
-    off, on = render.plan(v), render.plan(v, overrides={"ATT_LL": 1})
+    off, on = render.plan(v, overrides=LL_OFF), render.plan(v, overrides={**LL_OFF, "ATT_LL": 1})
     assert off["consts"]["ATT_LL"] == 0 and on["consts"]["ATT_LL"] == 1
     assert on["grid_syncs"] == off["grid_syncs"] - 1
     src = render.render(v, on)
@@ -372,8 +404,8 @@ def test_stream_attention_covers_every_tile_once():
         cu = render.plan(u, "90", overrides={"ATT_DYN": 2})["consts"]  # (the static split's ATT_C, stream-K's room)
         assert static_rounds(cu, 132) == 1 and stream_gain(cu, 132, 2) >= STREAM_IDLE_GAIN, model
         assert (render.plan(u, "90")["consts"]["ATT_DYN"] == 2) == idle, model
-        # ATT_COMBINE 3 - 5 (the static split's combines) as overrides keep the static split
-        for comb in (3, 4, 5):
+        # ATT_COMBINE 3, 4 (the static split's combines) as overrides keep the static split
+        for comb in (3, 4):
             assert render.plan(u, "90", overrides={"ATT_COMBINE": comb})["consts"]["ATT_DYN"] == 0, model
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
         c8 = render.plan(by_name[name], "90")["consts"]
@@ -946,7 +978,10 @@ def test_tune_one_small_variant(tmp_path, name, positions):
     assert e["tuned_us"] <= e["default_us"] * 1.03
     v = next(v for v in declared() + prefill_declared() if v.name == name)
     ov, src, _, warn = gtune.resolve(v, "90", out)
-    assert warn is None and src.startswith("tuned") and ov == e["overrides"]
+    # (where the default plan won, or the winner plans what the default does, the build takes the default plan)
+    default = gtune.knob_dict(render.plan(v, "90")) == gtune.knob_dict(render.plan(v, "90", overrides=e["overrides"]))
+    assert warn is None and (src == "default" if default else src.startswith("tuned"))
+    assert ov == ({} if default else e["overrides"])
     # the winner, built by `megakernel build --tuned-for FILE`, passes verification
     b = tmp_path / "build"
     r = subprocess.run([sys.executable, "-m", "generator.cli", "build", "--only", name, "--build-dir", b,
@@ -957,7 +992,7 @@ def test_tune_one_small_variant(tmp_path, name, positions):
     from generator.loader import load
     W = reference.random_weights(v.model, seed=3, device="cuda")
     layer = load(name, W, build_dir=b, cache_len=4096 if v.mode == "prefill" else None)
-    assert layer.plan["overrides"] == e["overrides"]
+    assert layer.plan["overrides"] == ov
     x, pos = verify.random_inputs(layer, 3)
     assert verify.passed(verify.check_step(layer, x, pos, weights=W), v.model.dtype)
     torch.cuda.synchronize()
@@ -1114,7 +1149,7 @@ def test_down_flow_matches_the_reference(tmp_path):
     from generator.loader import load
     named = {v.name: v for v in declared()}
     b5, = _qwen15_like("df", [5])
-    cases = [(named["llama3.2-1b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1}),
+    cases = [(named["llama3.2-1b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1, **LL_OFF}),  # (H_LL: counts on)
              (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"DOWN_FLOW": 1}),
              (b5, {"DOWN_FLOW": 1, "GEMV_PF": 2, "GU_NWG": 8})]
     _overrides_match_the_reference(tmp_path, cases, "df", 11, {}, repeat=True)
@@ -1143,14 +1178,15 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     O_TM 2), b4 at KV 32768 (ATT_DYN 1) and b8 at KV 32768 (stream-K), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a group-12
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an
     fp16 layer: against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back (the
-    epoch advancing with no host work between) track the reference; then six launches each bit-equal to the default
-    plan's (the same plan but for ATT_LL, QKV_FLOW and H_LL) on the same inputs and caches, one with a
+    epoch advancing with no host work between) track the reference; then six launches each bit-equal to the barrier
+    plan's (the same plan with ATT_LL 0, QKV_FLOW 1 and H_LL 0: each case's overrides apply over it, so a case names
+    the hand-offs it runs; the LL rule's default plans are cases of their own) on the same inputs and caches, one with a
     refused position (its row NaN in both: no launch waits for a word nobody writes), one on a third of the grid (attention tasks in several rounds;
     ATT_COMBINE 3 takes 1's path), and two layers sharing one workspace launched in turn; 300 graph replays before a
     last checked step. (A word never written would trap after 2^24 polls, not hang.) COOP 0 (a launch without the
     cooperative attribute, its grid barriers counted in the workspace) goes through the same trials against the
-    cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) and 5 (4 with one warp's poll of the m
-    words first) against ATT_COMBINE 3 (on a third of the grid both take 1's path with float partials); for 4, 5 also: the launch count advances once a launch, and a launch
+    cooperative plan, and ATT_COMBINE 4 (the split partials as tagged words) against ATT_COMBINE 3 (on a third of the
+    grid both take 1's path with float partials); for 4 also: the launch count advances once a launch, and a launch
     at full context over partials poisoned with NaN words of wrong tags (the last launch's, 0, the 16-bit epoch's
     aliases) still matches the reference."""
     import torch
@@ -1199,16 +1235,15 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (_decode_layer("llc4", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048"),
               {"ATT_COMBINE": 4}),
              (l1, {"ATT_COMBINE": 4, "ATT_LL": 1, "QKV_FLOW": 2}), (l1, {"ATT_COMBINE": 4, "H_LL": 1}),
-             (l1, {"ATT_COMBINE": 4, "COOP": 0}),
-             # ATT_COMBINE 5: 4 with one warp polling the m words first (its twin: 3 as well)
-             (l1, {"ATT_COMBINE": 5}), (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5}),
-             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 5, "ATT_C": 128}),
-             (l1, {"ATT_COMBINE": 5, "ATT_LL": 1}), (l1, {"ATT_COMBINE": 5, "H_LL": 1}),
-             (l1, {"ATT_COMBINE": 5, "COOP": 0})]
-    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: without them, ATT_COMBINE 4 / 5 as 3)
+             (l1, {"ATT_COMBINE": 4, "COOP": 0})]
+    # (over the barrier plan: the LL rule would otherwise add the hand-offs a case does not name); then the rule's
+    # default plans as they are: Llama-3.2-1B b1 (no grid barrier at all) and Qwen2.5-0.5B b1's tuned ATT_COMBINE 4
+    cases = [(v, {**LL_OFF, **ov}) for v, ov in cases] + [
+        (l1, {}), (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: the barriers, ATT_COMBINE 4 as 3)
 
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
-        return {k: 3 if k == "ATT_COMBINE" and x in (4, 5) else x for k, x in ov.items() if k not in ll}
+        return {**{k: 3 if k == "ATT_COMBINE" and x == 4 else x for k, x in ov.items() if k not in ll}, **LL_OFF}
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
     pairs = [p for i, (v, ov) in enumerate(cases)
              for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), twin_of(ov)))]
@@ -2051,9 +2086,8 @@ def test_combine_over_the_splits_blocks_matches_the_reference(tmp_path):
     more tasks than SMs are refused by the planner, test_split_parallel_combine_by_default...); random_inputs puts
     the sequences at different positions (different split counts), and a second launch on the same inputs is
     bit-equal (the counters were reset by the launch before). ATT_COMBINE 4 (the partials as tagged words, no
-    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way, and 3, 4 and 5 (4 with one warp's poll first) at
-    Qwen2.5-0.5B b1 KV 32768 (64 splits: a lane takes two in turn; the wider trials of 4 and 5:
-    test_ll_hand_offs...)."""
+    counter) on the group of 4 and Qwen2.5-0.5B b1 the same way, and 3 and 4 at Qwen2.5-0.5B b1 KV 32768 (64 splits: a
+    lane takes two in turn; the wider trials of 4: test_ll_hand_offs...)."""
     by_name = {v.name: v for v in declared()}
     few, = gvariants.parse("""
 matrix: {mode: [decode], batch: [2], seq_len: [384]}
@@ -2073,16 +2107,15 @@ models:
              (few, {"ATT_COMBINE": 4, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
              # more than 32 splits: a lane polls and combines several splits in turn (the loop over r0)
              (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 4}),
-             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 3}),
-             (few, {"ATT_COMBINE": 5, "ATT_C": 128}), (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 5})]
+             (by_name["qwen2.5-0.5b_decode_b1_s32768_bf16"], {"ATT_COMBINE": 3})]
     _overrides_match_the_reference(tmp_path, cases, "c3", 23, {}, repeat=True)
 
 
 def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_batches():
     """The planner's ATT_COMBINE: 2 where the one online pass would take >= 3 dependent batches of loads (rounds of
-    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-5
-    is taken (3-5 without ATT_DYN and tensor parallel, and with every attention task in one round), 6 refused;
-    ATT_COMBINE 4's and 5's partials are 64-bit words (twice the buffer; their launches advance the epoch: the GPU
+    the group's outputs over the block x batches of 8 splits) on one GPU without ATT_DYN, else 1; an override of 0-4
+    is taken (3 and 4 without ATT_DYN and tensor parallel, and with every attention task in one round), 5 refused;
+    ATT_COMBINE 4's partials are 64-bit words (twice the buffer; their launches advance the epoch: the GPU
     test test_ll_hand_offs... asserts it)."""
     from generator.modes import decode
     assert decode.combine_default(4 * 64, 16) == 1 and decode.combine_default(7 * 64, 32) == 2
@@ -2096,26 +2129,26 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     v = by_name["llama3.2-1b_decode_b1_s4096_bf16"]
     assert render.plan(v, overrides={"ATT_COMBINE": 0})["consts"]["ATT_COMBINE"] == 0
     assert render.plan(v, overrides={"ATT_COMBINE": 3})["consts"]["ATT_COMBINE"] == 3
-    with pytest.raises(render.PlanError, match="ATT_COMBINE=6: must be 0, 1, 2, 3, 4 or 5"):
-        render.plan(v, overrides={"ATT_COMBINE": 6})
+    with pytest.raises(render.PlanError, match="ATT_COMBINE=5: must be 0, 1, 2, 3 or 4"):
+        render.plan(v, overrides={"ATT_COMBINE": 5})
     from generator.report import path_cell  # the report names the path
-    for c in (3, 4, 5):
+    for c in (3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with ATT_DYN=1 .*ATT_DYN=0"):
             render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": c})
         assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c}"
     assert path_cell(render.plan(v)["consts"]) is None
-    part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4, 5)}
-    assert part[5] == part[4] == 2 * part[3] > 0, part  # (value, launch count) words
+    part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4)}
+    assert part[4] == 2 * part[3] > 0, part  # (value, launch count) words
     src = render.render(v, render.plan(v, overrides={"ATT_COMBINE": 4}))
     assert "constexpr int ATT_COMBINE = 4;" in src
     hd80 = _decode_layer("c3hd80", 3, 3000, "hidden: 960, heads: 12, kv_heads: 4, head_dim: 80, intermediate: 2048")
     assert render.plan(hd80, overrides={"ATT_COMBINE": 3})["consts"]["ATT_NSPLIT"] == 8  # 96 tasks: one round
-    for c in (3, 4, 5):
+    for c in (3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: 288 attention tasks on 132 SMs .*one round"):
             render.plan(hd80, overrides={"ATT_COMBINE": c, "ATT_C": 128})  # (no block may wait on its own later task)
     tp2 = next(v for v in gvariants.load(Path(__file__).resolve().parent.parent / "variants.yaml") if v.tp > 1)
     assert render.plan(tp2)["consts"]["ATT_COMBINE"] == 1
-    for c in (2, 3, 4, 5):
+    for c in (2, 3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with tensor parallel"):
             render.plan(tp2, overrides={"ATT_COMBINE": c})
 

@@ -48,14 +48,14 @@ STEPS = (
 # acquire, the splits spread over warps and merged in shared memory; 0: two passes through shared memory after a
 # fence by every thread; 3: every split's block combines a slice of the outputs once all splits have counted, one poll
 # and one batch of loads after the last partial instead of its whole combine: static split, one GPU, every task in
-# one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned; 4, override only: 3
-# with the partials as 64-bit words tagged with the launch's count, polled by the combining lanes: no fence, counter
-# or block barrier between the last partial and the combine; 5: 4 with one warp polling the splits' m words first,
-# the block's loads after them); X_FRAG: attention's output and the MLP's act stored in the
+# one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned; 4 (a tuner candidate;
+# tuned for Qwen2.5-0.5B b1 KV 4096): 3 with the partials as 64-bit words tagged with the launch's count, polled by
+# the combining lanes: no fence, counter or block barrier between the last partial and the combine); X_FRAG: attention's output and the MLP's act stored in the
 # tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
-# (2, override only: no counters, qkv's results as 64-bit words carrying the launch's epoch, which attention polls);
+# (2: no counters, qkv's results as 64-bit words carrying the launch's epoch, which attention polls; by default with
+# ATT_LL and H_LL under the LL rule, LL_HIDDEN_MAX);
 # NORM_FOLD (RMSNorm, bf16): the norms keep the raw rows, qkv_proj and gate_up multiply their B fragments by the gain
 # and their sums by each row's 1/rms (no scale pass over the rows in shared memory; templates/stages/norm.cuh), the
 # gain kept in shared memory (1) or read from global memory (2); 3: the norm multiplies the raw rows by the gain in its
@@ -74,10 +74,11 @@ STEPS = (
 # copied once a cluster (templates/stages/norm.cuh norm_rows_multicast); NORM_GLOBAL: each norm a step of its own
 # writing the rows to global memory in fragment order, a grid barrier, the projection reading them from there;
 # ATT_TMA (sm_90+): attention's K/V tiles by TMA tensor copies in the 128-byte swizzle, counted on an mbarrier a ring
-# stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8): no grid barrier
+# stage, instead of cp.async by every lane; ATT_LL (one GPU, X_FRAG, no NORM_GLOBAL, batch <= 8; by default under
+# the LL rule, LL_HIDDEN_MAX): no grid barrier
 # between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
 # o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
-# H_LL (override only; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
+# H_LL (by default under the LL rule, LL_HIDDEN_MAX; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
 # NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
 # o_proj's T copy of h written as such words, which every block's norm polls (2: ~256 ns between polls); DOWN_FLOW's
 # counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0
@@ -131,8 +132,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k in ("ATT_LL", "QKV_FLOW", "H_LL") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k == "ATT_COMBINE" and val not in (0, 1, 2, 3, 4, 5):
-            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2, 3, 4 or 5")
+        if k == "ATT_COMBINE" and val not in (0, 1, 2, 3, 4):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2, 3 or 4")
         if k.endswith("_PRE") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2 (2: the rest of the first task "
                             "prefetched into L2 as well)")
@@ -322,6 +323,15 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # (B1_PRE_MLP). Either knob alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where off
 B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
 B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
+# the LL hand-offs by default (plan: ll_rule) at batch 1 up to this hidden size. Measured on an H100 (bench/NOTES.md
+# session 48), the rule's plan against the same plan with the barriers and counters, full context / row 191: faster
+# in all 20 timings of 10 batch-1 shapes with hidden 896-3072, by 1.1 ... 6.2 % (Llama-3.2-1B KV 4096 4.1 / 4.0, KV
+# 1024 3.8 / 3.8, KV 32768 2.4 / 3.4, Qwen3-1.7B 4.1 / 2.6, Qwen2.5-0.5B KV 1024 4.0 / 4.0, KV 4096 2.7 / 2.2, held
+# out: head_dim 80 3.2 / 6.2, SmolLM-360M-like 1.2 / 1.1, hidden 3072 2.7 / 1.6, head_dim-80 MHA 2.8 / 2.0; the A/B's
+# noise +-0.6 %); not at hidden 4096 (Llama-3-8B +0.2 / +0.1 % slower: at 128
+# registers the held words spill 72 / 144 B) or batch >= 2 (Llama-3.2-1B b8 -0.7 ... +0.4 %; b4 with ATT_LL and
+# QKV_FLOW 2 beside its tuned H_STATS -1.6 %: the tuner's candidate)
+LL_HIDDEN_MAX = 3072
 
 
 def _fmt(ov: dict) -> str:
@@ -473,14 +483,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
         if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
                 or not att_dyn and sm == 90 and v.seq_len >= 2048 and rounds == 1 \
-                and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4, 5):  # (they need the static split)
+                and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4):  # (they need the static split)
             att_dyn = 2
     if att_dyn == 2:
         nsplit = max(nsplit, stream_room(v.seq_len))
     elif "ATT_PIECE_TILES" in ov:
         raise PlanError(f"{v.name}: plan override ATT_PIECE_TILES={ov['ATT_PIECE_TILES']}: a piece's charge in "
                         f"ATT_DYN 2's runs (this plan: ATT_DYN={att_dyn})")
-    sliced = ov.get("ATT_COMBINE") in (3, 4, 5)  # every split's block combines a slice
+    sliced = ov.get("ATT_COMBINE") in (3, 4)  # every split's block combines a slice
     if sliced and att_dyn:
         raise PlanError(f"{v.name}: plan override ATT_COMBINE={ov['ATT_COMBINE']}: not with ATT_DYN={att_dyn} (the "
                         "combine spread over the splits' blocks needs every task in one round of the static split: "
@@ -721,7 +731,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
     act_chunks = -(-down_kt // down_step) if down_flow else 0
-    h_ll = ov.get("H_LL", 0)
+    # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
+    # o_proj -> the second norm) by default at batch 1 on one sm_90 GPU in bf16 where each is allowed and the layer is
+    # small (LL_HIDDEN_MAX, where they were measured)
+    unsplit = all(g["KSPLIT"] == 1 for g in gemv.values())
+    ll_rule = (v.batch == 1 and v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global
+               and not h_stats and norm_cluster == 1 and unsplit and m.hidden <= LL_HIDDEN_MAX)
+    gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
+    h_ll = ov.get("H_LL", int(ll_rule and not (down_flow and gu_tasks < sms)))
     # (o_proj and gate_up unsplit: their split-K counters would share ws_count, which the barrier kept apart)
     if h_ll:
         _needs(v.name, "H_LL", h_ll, [
@@ -731,7 +748,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             (v.batch <= 8, f"batch <= 8 ({v.batch})"),
             (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})"),
             (gemv["gate_up"]["KSPLIT"] == 1, f"GU_KSPLIT 1 (this plan: {gemv['gate_up']['KSPLIT']})")])
-    gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     if h_ll and down_flow and gu_tasks < sms:
         raise PlanError(f"{v.name}: plan override H_LL={h_ll} with DOWN_FLOW: needs a gate_up task in every block (the "
                         f"epoch's advance at block 0's down_proj end relies on every block's count): {gu_tasks} tasks "
@@ -749,7 +765,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("TIMELINE") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")
-    att_ll = ov.get("ATT_LL", 0)
+    att_ll = ov.get("ATT_LL", int(ll_rule))
     # (o_proj unsplit: its split-K counters share ws_count with attention's, which the barrier kept apart)
     if att_ll:
         _needs(v.name, "ATT_LL", att_ll, [
@@ -784,7 +800,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
         # barrier until it runs on 2 GPUs.
-        "QKV_FLOW": ov.get("QKV_FLOW", int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
+        "QKV_FLOW": ov.get("QKV_FLOW", 2 if ll_rule else int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
         "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,

@@ -230,7 +230,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                           const unsigned* ws_ready, T* ws_attn, const unsigned* ws_epoch, long long* ws_timeline,
                           unsigned char* smem) {
     const unsigned ll_e = ATT_LL || QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
-    // ATT_COMBINE 4, 5: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
+    // ATT_COMBINE 4: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
     // rewritten every launch, a split past the position skips it: 32 bits, not the 16-bit epoch, so no stale word
     // carries a live tag in 2^32 launches)
     const unsigned part_tag = ATT_COMBINE >= 4 ? ll_launch(ws_epoch) : 0u;
@@ -246,7 +246,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     if constexpr (QKV_FLOW == 2) __syncthreads();
     constexpr int NW = THREADS / 32;
     constexpr int NTASK = ATT_NSPLIT * BATCH * KV_HEADS;
-    static_assert(ATT_COMBINE < 3 || !ATT_DYN, "ATT_COMBINE 3 - 5: every split's block waits for its peers, which "
+    static_assert(ATT_COMBINE < 3 || !ATT_DYN, "ATT_COMBINE 3, 4: every split's block waits for its peers, which "
                   "needs the static split's one round (the planner refuses ATT_DYN with them)");
     constexpr int WS = HEAD_DIM + 2;          // per-warp state: acc[HEAD_DIM], m, l
     constexpr int NT = (GROUP + 7) / 8;       // n-tiles of 8 query heads
@@ -598,7 +598,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // 4. combine the warps (max-rescaled): the final output if this is the only split, else a partial
         const size_t part0 = ((size_t)b * HEADS + kvh * GROUP) * ATT_NSPLIT;  // + g * ATT_NSPLIT + split
-        // every split's block combines a slice (ATT_COMBINE 3 - 5) where every task is in this round (the planner's
+        // every split's block combines a slice (ATT_COMBINE 3, 4) where every task is in this round (the planner's
         // condition; a GPU with fewer SMs than planned takes ATT_COMBINE 1's path: float partials and the counter)
         const bool sliced = ATT_COMBINE >= 3 && ntask <= (int)gridDim.x;
         for (int t = tid; t < GROUP * WS; t += THREADS) {
@@ -658,29 +658,13 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             }
             constexpr int OUTS = GROUP * HEAD_DIM;
             const int o0 = split * OUTS / nsplit, o1 = (split + 1) * OUTS / nsplit;
-            if constexpr (ATT_COMBINE == 5) {
-                // one warp polls the m words of its slice's heads' splits (a lane a split) before the block loads
-                // them all: ATT_COMBINE 4's 512 lanes polling three words each while the last splits still walk
-                // are ~24 KB of L2 sectors a block a poll, on the walkers' path; this adds one round trip instead
-                if (warp == 0)
-                    for (int g = o0 / HEAD_DIM; o1 > o0 && g <= (o1 - 1) / HEAD_DIM; ++g)
-                        for (int s = lane; s < nsplit; s += 32) {
-                            const size_t at = (part0 + (size_t)g * ATT_NSPLIT + s) * WS + HEAD_DIM;
-                            unsigned long long w = ll_load8(ws_part, at);
-                            ll_poll<64>((unsigned)((unsigned)(w >> 32) != part_tag), [&](unsigned) {
-                                w = ll_load8(ws_part, at);
-                                return (unsigned)((unsigned)(w >> 32) != part_tag);
-                            });
-                        }
-                __syncthreads();
-            }
             // SEG lanes an output (the splits' power of two, at most 32), 32 / SEG outputs a warp at once
             const int seg = nsplit >= 32 ? 32 : 1 << (32 - __clz(nsplit - 1)), sub = lane / seg, sl = lane % seg;
             for (int base = o0 + warp * (32 / seg); base < o1; base += NW * (32 / seg)) {
                 const int t = base + sub;
                 const bool out = t < o1;
                 const int g = (out ? t : o0) / HEAD_DIM, d = (out ? t : o0) % HEAD_DIM;
-                const size_t pi = (part0 + (size_t)g * ATT_NSPLIT) * WS;  // split 0's partial (ATT_COMBINE 4, 5: words)
+                const size_t pi = (part0 + (size_t)g * ATT_NSPLIT) * WS;  // split 0's partial (ATT_COMBINE 4: words)
                 const float* pg = ws_part + pi;
                 float M = -INFINITY, den = 0.f, o = 0.f;
                 for (int r0 = 0; r0 < nsplit; r0 += seg) {  // (nsplit <= 32: one pass, three loads in flight)

@@ -14,7 +14,7 @@ __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, cons
 constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk (the last may have fewer)
 __shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
 __shared__ unsigned act_launch;  // DOWN_FLOW with H_LL: this launch's count (ll_launch), read before any count
-// The next launch's epoch (ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4 / 5) and, with ATT_LL, QKV_FLOW 1's counters
+// The next launch's epoch (ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4) and, with ATT_LL, QKV_FLOW 1's counters
 // back to zero: by block 0 once every block has read the epoch and every attention task has passed its wait —
 // after o_proj's grid barrier (gate_up's start), or with H_LL at block 0's down_proj end (with DOWN_FLOW its waits
 // saw every gate_up tile counted, so every block had read the epoch before its first count; else gate_up's barrier
