@@ -768,7 +768,7 @@ def test_the_shipped_tuning_files_resolve_without_warnings():
     """Every entry of tuning/*.json whose variant variants.yaml declares is used (none stale, refused or malformed): a
     planner change that makes them stale must re-tune or rebase them in the same change. One whose overrides plan
     what the default plan now is builds as the default, without the tuner's gain (measured against an older
-    default); the others as tuned, with it."""
+    default); the others as tuned, with it where the entry holds a timing."""
     declared_now = {v.name: v for v in declared()}
     n_default = 0
     for f in sorted((ROOT / "tuning").glob("*.json")):
@@ -783,7 +783,10 @@ def test_the_shipped_tuning_files_resolve_without_warnings():
                     n_default += 1
                     assert (ov, src, fig) == ({}, "default", None), (f.name, name)
                 else:
-                    assert src.startswith("tuned") and ov == e["overrides"] and fig, (f.name, name)
+                    # (the tuned gain shown where the entry holds one: an entry rebased onto a changed default
+                    # without a new timing keeps none, and the report says "not timed")
+                    assert src.startswith("tuned") and ov == e["overrides"] and bool(fig) == ("tuned_us" in e), \
+                        (f.name, name)
     assert n_default  # (llama3.2-1b b8: the tuner's O_PRE 1 is the planner's default since session 27)
 
 
