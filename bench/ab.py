@@ -65,6 +65,7 @@ def main(argv=None):
     from bench.tune import renamed
     from generator.plan import PlanError
     from generator.render import plan as render_plan
+    from generator.tune import knob_dict
     plans, notes = [], []  # (variant, [(built variant, overrides)]): the plan build gives it first
     for name, ovs in cases.items():
         v, base, source = find_decode(name, args.variants, "--case")
@@ -74,11 +75,14 @@ def main(argv=None):
             if isinstance(r, int) and r >= v.seq_len:
                 fail(f"--rows {r}: past {name}'s cache (rows 0 .. {v.seq_len - 1})")
         sets = [base, *({**base, **ov} for ov in ovs)]
-        for ov in sets:
-            try:
-                render_plan(v, overrides=ov)
-            except PlanError as exc:
-                fail(str(exc))
+        try:
+            planned = [knob_dict(render_plan(v, overrides=ov)) for ov in sets]
+        except PlanError as exc:
+            fail(str(exc))
+        for ov, k in zip(ovs, planned[1:]):  # (a case the base already plans would time a kernel against itself)
+            if k == planned[0]:
+                fail(f"--case {name} {json.dumps(ov)}: plans the same kernel as its base (the {source} plan"
+                     f"{f' {base}' if base else ''}): nothing to compare")
         knobs = f" {base}" if base else ""  # (a tuning entry that plans the default resolves as "default")
         notes.append(f"{name}: from its {source} plan{knobs}")
         plans.append((v, [(renamed(v, f"ab{i}"), ov) for i, ov in enumerate(sets)]))

@@ -1091,9 +1091,9 @@ def test_bench_scripts_usage_errors_are_one_line(argv):
 
 
 def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_variants_file):
-    """bench/ab.py: an undeclared variant, a refused plan and a row past the cache are one `error:` line (exit 2, as
-    `megakernel` and gpu_check.py) before anything is built; --compile-only builds the default and each override set
-    and prints their resources."""
+    """bench/ab.py: an undeclared variant, a refused plan, a row past the cache and a case that plans its base's kernel
+    (nothing to compare) are one `error:` line (exit 2, as `megakernel` and gpu_check.py) before anything is built;
+    --compile-only builds the default and each override set and prints their resources."""
     from conftest import cli_env
     ab = [sys.executable, str(ROOT / "bench" / "ab.py"), "--build-dir", str(tmp_path / "b")]
     one = "llama3.2-1b_decode_b1_s4096_bf16"
@@ -1101,13 +1101,15 @@ def test_ab_refuses_bad_cases_in_one_line_and_compiles_on_a_cpu(tmp_path, tiny_v
     cases = [(["--case", "nope", '{"ATT_LL": 1}'], "error: --case nope: no variant of that name", {}),
              (["--case", "llama3.2-1b_prefill_b1_s128_bf16", '{"ATT_LL": 1}'], "a prefill variant; this script", {}),
              (["--case", one, '{"ATT_LL": 3}'], "must be 0, 1 or 2", {}),
-             (["--case", one, '{"ATT_LL": 1}', "--rows", "4096"], "error: --rows 4096: past", {}),
-             (["--case", one, '{"ATT_LL": 1}', "--compile-only", "--build-dir", str(tmp_path / "afile")],
+             (["--case", one, '{"ATT_LL": 0}', "--rows", "4096"], "error: --rows 4096: past", {}),
+             # (its plan has ATT_LL 1 already: the LL rule)
+             (["--case", one, '{"ATT_LL": 1}'], '{"ATT_LL": 1}: plans the same kernel as its base (the ', {}),
+             (["--case", one, '{"ATT_LL": 0}', "--compile-only", "--build-dir", str(tmp_path / "afile")],
               "exists and is not a directory", {}),
-             (["--case", one, '{"ATT_LL": 1}', "--compile-only"], "is not an executable file",
+             (["--case", one, '{"ATT_LL": 0}', "--compile-only"], "is not an executable file",
               {"NVCC": str(tmp_path / "no-nvcc")})]
     if not torch.cuda.is_available():  # (no GPU: said before anything is compiled)
-        cases.append((["--case", one, '{"ATT_LL": 1}'], "no CUDA GPU visible to torch", {}))
+        cases.append((["--case", one, '{"ATT_LL": 0}'], "no CUDA GPU visible to torch", {}))
     for extra, want, env in cases:
         r = subprocess.run([*ab, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                            env={**cli_env(), **env})
