@@ -5,6 +5,7 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh rule      # one device call (carry build-ab): the LL rule's A/B (session 48), to repeat on an H200
+#   bash bench/queue.sh retune    # the batch-1 entries rebased onto the LL rule, tuned again (one call)
 #   bash bench/queue.sh gputests  # the GPU tests fixed or cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -40,7 +41,16 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
     --case llama3.2-1b_decode_b1_s32768_bf16 "$off" --case qwen3-1.7b_decode_b1_s4096_bf16 "$off" \
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$off" --case $HALF "$off" --case $HALF '{"ATT_COMBINE": 2}' \
     --case ho-h1440-hd80_decode_b1_s4096_bf16 "$off" --case ho-smol-360m_decode_b1_s2048_bf16 "$off" \
-    --case ho-h3072-g3_decode_b1_s4096_bf16 "$off" --case ho-hd80-mha_decode_b1_s4096_bf16 "$off"
+    --case ho-h3072-g3_decode_b1_s4096_bf16 "$off" --case ho-hd80-mha_decode_b1_s4096_bf16 "$off" \
+    --case $B1 '{"QKV_FLOW": 1}' --case $HALF '{"QKV_FLOW": 1}'  # (ATT_LL + H_LL with qkv's counters: "qkv in" came
+  # ~1 µs later with QKV_FLOW 2's words than with the counter in session 47's timeline)
+}
+
+part_retune() {  # the batch-1 entries rebased onto the LL rule (session 48: their overrides were tuned before it) and
+  # the attention-heavy rows short of issue 12's bar, tuned again on this GPU into tuning/<gpu>.json (an H200's
+  # file: commit it; another GPU's: keep it as a result). ~15 candidates a variant, under the call's 600 s
+  step tune-b1 python3 -m generator.cli tune --only 'llama3.2-1b_decode_b1_s1024_bf16' \
+    --only 'qwen2.5-0.5b_decode_b1_s[13]*' --only 'qwen3-1.7b_decode_b1_s1024_bf16' --limit 16 --out "$OUT/tuned.json"
 }
 
 part_gputests() {  # session 48: the three tests fixed on the CPU after the rule (not re-run) and the two cut
@@ -67,15 +77,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|rule|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|rule|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_rule ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   rule) part_rule ;;
+  retune) part_retune ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|rule|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|rule|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
