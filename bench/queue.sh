@@ -46,11 +46,11 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
   # ~1 µs later with QKV_FLOW 2's words than with the counter in session 47's timeline)
 }
 
-part_retune() {  # the batch-1 entries rebased onto the LL rule (session 48: their overrides were tuned before it) and
-  # the attention-heavy rows short of issue 12's bar, tuned again on this GPU into tuning/<gpu>.json (an H200's
-  # file: commit it; another GPU's: keep it as a result). ~15 candidates a variant, under the call's 600 s
+part_retune() {  # the five batch-1 entries rebased onto the LL rule (session 48: their overrides were tuned before
+  # it), tuned again into $OUT/tuned.json (from an H200: merge its entries into tuning/nvidia-h200.json; from another
+  # GPU: keep it as a result). 16 candidates a variant, for the call's 600 s
   step tune-b1 python3 -m generator.cli tune --only 'llama3.2-1b_decode_b1_s1024_bf16' \
-    --only 'qwen2.5-0.5b_decode_b1_s[13]*' --only 'qwen3-1.7b_decode_b1_s1024_bf16' --limit 16 --out "$OUT/tuned.json"
+    --only 'qwen2.5-0.5b_decode_b1_s*' --only 'qwen3-1.7b_decode_b1_s1024_bf16' --limit 16 --out "$OUT/tuned.json"
 }
 
 part_gputests() {  # session 48: the three tests fixed on the CPU after the rule (not re-run) and the two cut

@@ -198,7 +198,7 @@ def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
         W = reference.random_weights(v.model, seed=SEED + 9, device="cuda")
         layer = load(c.name, W, build_dir=tmp_path)
         steps_track_the_reference(layer, W, v, SEED)
-        heads = layer.buffer("ready")[:v.model.kv_heads]  # (DOWN_FLOW's counters follow: zeroed at a launch's start)
+        heads = layer.buffer("ready")[:v.model.kv_heads]  # (DOWN_FLOW's counters follow; under H_LL they count on)
         assert bool(heads.eq(0).all()), heads
 
 

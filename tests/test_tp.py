@@ -65,7 +65,7 @@ def test_tp_plan_ends_a_kernel_at_each_partial_sum():
         ("decoder_layer_1", ["norm", "gate_up", "down_proj"], "out")]
     # the barrier after o_proj is the launch boundary; one GPU also replaces qkv's by counters or, at batch 1 under
     # the LL rule, by words (QKV_FLOW 1 / 2; the LL rule drops two more barriers there)
-    assert p1["consts"]["QKV_FLOW"] in (1, 2) and p2["consts"]["QKV_FLOW"] == 0
+    assert p1["consts"]["QKV_FLOW"] == 2 and p2["consts"]["QKV_FLOW"] == 0
     barriers = render.plan(one, overrides={"QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})["grid_syncs"]
     assert p2["grid_syncs"] == barriers - 1
     c1, c2 = p1["consts"], p2["consts"]

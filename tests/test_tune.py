@@ -203,7 +203,7 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
     grid.sync; the default keeps grid.sync and no such buffer; tensor parallel and a cluster launch are refused in
     one line naming what fails."""
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
-    off, on = render.plan(v), render.plan(v, overrides={"COOP": 0})
+    off, on = render.plan(v, overrides=LL_OFF), render.plan(v, overrides={**LL_OFF, "COOP": 0})  # (with barriers)
     assert off["consts"]["COOP"] == 1 and on["consts"]["COOP"] == 0 and on["grid_syncs"] == off["grid_syncs"]
     src_on, src_off = render.render(v, on), render.render(v, off)
     assert src_on.count("grid_barrier(ws_gridbar);") == src_off.count("grid.sync();") == 6
@@ -224,7 +224,7 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
 
 
 def test_h_ll_drops_o_projs_barrier():
-    """H_LL (override only, not yet run on a GPU): the o_proj -> gate_up grid barrier compiled out (with ATT_LL,
+    """H_LL (by default under the LL rule, decode.LL_HIDDEN_MAX): the o_proj -> gate_up grid barrier compiled out (with ATT_LL,
     QKV_FLOW 2 and DOWN_FLOW none is left), o_proj's T copy of h as words (twice the buffer) that decode as the kernel
     writes them (interface.from_ll, frag False, a 16-bit dtype); refused in one line where the second norm is not
     each block's own or would not read that copy, with tensor parallel, above batch 8 and with a split o_proj or
@@ -262,7 +262,7 @@ def test_h_ll_drops_o_projs_barrier():
 
 
 def test_qkv_flow_2_hands_qkv_over_as_words():
-    """QKV_FLOW 2 (override only, not yet run on a GPU): no barrier and no counters between qkv_proj and attention,
+    """QKV_FLOW 2 (by default under the LL rule, decode.LL_HIDDEN_MAX): no barrier and no counters between qkv_proj and attention,
     qkv's results as 64-bit words carrying the launch's epoch (twice the buffer; the epoch word as ATT_LL's), which
     decode as the kernel lays them out (interface.from_ll, frag False: row-major, the value's float bits in each word's
     low half); refused as QKV_FLOW 1 is (tensor parallel, a split qkv) and past 2."""
@@ -327,7 +327,7 @@ def test_down_flow_replaces_one_barrier():
 
 
 def test_att_ll_drops_attentions_barrier(tmp_path):
-    """ATT_LL (override only: not measured yet): the attention -> o_proj grid barrier is compiled out, attention's
+    """ATT_LL (by default under the LL rule, decode.LL_HIDDEN_MAX): the attention -> o_proj grid barrier is compiled out, attention's
     output takes 32-bit words (twice the buffer) and an epoch word exists; refused in one line with tensor parallel,
     without X_FRAG, with NORM_GLOBAL and above batch 8; the words decode as the kernel lays them out (interface.from_ll
     against templates/gemv.cuh x_at and ll_store, mirrored here); Llama-3.2-1B b1 compiles without spills."""
@@ -1239,10 +1239,11 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
               {"ATT_COMBINE": 4}),
              (l1, {"ATT_COMBINE": 4, "ATT_LL": 1, "QKV_FLOW": 2}), (l1, {"ATT_COMBINE": 4, "H_LL": 1}),
              (l1, {"ATT_COMBINE": 4, "COOP": 0})]
-    # (over the barrier plan: the LL rule would otherwise add the hand-offs a case does not name); then the rule's
-    # default plans as they are: Llama-3.2-1B b1 (no grid barrier at all) and Qwen2.5-0.5B b1's tuned ATT_COMBINE 4
+    # (over the barrier plan: the LL rule would otherwise add the hand-offs a case does not name; the rule's own
+    # Llama-3.2-1B b1 plan is the case with all three); then Qwen2.5-0.5B b1's tuned plan as it is (the rule and
+    # ATT_COMBINE 4)
     cases = [(v, {**LL_OFF, **ov}) for v, ov in cases] + [
-        (l1, {}), (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
+        (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: the barriers, ATT_COMBINE 4 as 3)
 
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
@@ -1499,7 +1500,8 @@ def test_tiles_a_task_match_the_reference(tmp_path):
     b5, = _qwen15_like("tm", [5])
     by = {v.name: v for v in declared()}
     two = {"QKV_TM": 2, "O_TM": 2, "GU_TM": 2, "DOWN_TM": 2}
-    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"], {**two, "QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}),
+    cases = [(by["llama3.2-1b_decode_b1_s4096_bf16"],  # (LL_OFF: qkv's counters, not the LL rule's words)
+              {**two, **LL_OFF, "QKV_PRE": 1, "O_PRE": 1, "GU_PRE": 1, "DOWN_PRE": 1}),
              (b5, {**two, "O_TM": 4, "DOWN_TM": 4, "GEMV_PF": 2}),
              (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1}),
              (by["llama3.2-1b_decode_b8_s4096_bf16"], {**two, "NORM_GLOBAL": 1, "RED_DB": 0, "GEMV_PF": 1})]
