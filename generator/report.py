@@ -91,7 +91,9 @@ def path_cell(c: dict) -> str | None:
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
     barrier), TM=n (n tiles a GEMV task, the largest of the projections'),
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
-    (every split's block waits for its peers and combines a slice); None where it takes none (or a prefill plan)."""
+    (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
+    the second norm as tagged words, no grid barrier between them: ATT_LL, QKV_FLOW 2 and H_LL; where only some,
+    those); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
     tm = max([c.get(f"{p}_TM", 1) for p in ("QKV", "O", "GU", "DOWN")])
@@ -99,6 +101,9 @@ def path_cell(c: dict) -> str | None:
     parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
     parts += ["ATT_TMA"] if c.get("ATT_TMA") else []
     parts += [f"ATT_COMBINE={c['ATT_COMBINE']}"] if c.get("ATT_COMBINE") in (3, 4) else []
+    ll = [k for k, on in (("QKV_FLOW=2", c.get("QKV_FLOW") == 2), ("ATT_LL", c.get("ATT_LL")),
+                          ("H_LL", c.get("H_LL"))) if on]
+    parts += ["LL"] if len(ll) == 3 else ll
     return " ".join(parts) or None
 
 
