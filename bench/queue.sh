@@ -43,7 +43,11 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
     --case ho-h1440-hd80_decode_b1_s4096_bf16 "$off" --case ho-smol-360m_decode_b1_s2048_bf16 "$off" \
     --case ho-h3072-g3_decode_b1_s4096_bf16 "$off" --case ho-hd80-mha_decode_b1_s4096_bf16 "$off" \
     --case $B1 '{"QKV_FLOW": 1}' --case $HALF '{"QKV_FLOW": 1}' \
-    --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}'
+    --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}' \
+    --case $B1 '{"DOWN_FLOW": 2, "DOWN_U": 4}' --case $B1 '{"DOWN_U": 4}' --case $HALF '{"DOWN_FLOW": 2}' \
+    --case qwen2.5-0.5b_decode_b1_s1024_bf16 '{"DOWN_FLOW": 2}'
+  # (DOWN_FLOW 2, session 48: act as LL words, no gate_up -> down_proj barrier at 0.5B (where DOWN_FLOW 1 lost) and
+  # no counters at 1B; 1B with DOWN_U 4, which DOWN_FLOW 2 needs there against spills, and DOWN_U 4 alone)
   # (ATT_LL + H_LL with qkv's counters: "qkv in" came ~1 µs later with QKV_FLOW 2's words than with the counter in
   # session 47's timeline; Qwen2.5-7B b1, hidden 3584, just past the rule's bound: the three never timed there)
 }

@@ -72,8 +72,10 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
            "with H_STATS times the second norm's gain; H_LL: each a 32-bit word, the value in its low half, the "
            "launch's epoch in the high"),
-    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["INTER"])),
-           "act(gate) * up (decode X_FRAG: in fragment order, from_frag; sm_90a prefill: tiled, from_tiles)"),
+    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),
+                                  _gemm_cols(c, c["INTER"]) * (1 + (c.get("DOWN_FLOW") == 2))),
+           "act(gate) * up (decode X_FRAG: in fragment order, from_frag; DOWN_FLOW 2: each element a 32-bit word, its "
+           "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
            "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles; decode NORM_GLOBAL: in "
            "fragment order, from_frag)"),
@@ -278,7 +280,7 @@ def from_frag(raw, rows: int, k: int):
 
 def from_ll(raw, rows: int, k: int, frag: bool = True):
     """A buffer of decode's LL words (templates/gemv.cuh: each value in the low half of a word whose high half is the
-    launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL (ll_store: 32-bit words at from_frag's
+    launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL or act under DOWN_FLOW 2 (ll_store: 32-bit words at from_frag's
     indices; raw viewed as the 16-bit dtype), or with frag False o_proj's T copy of h under H_LL (ll_store, row-major;
     the 16-bit dtype) or qkv's under QKV_FLOW 2 (ll_store8: 64-bit words, row-major; raw viewed as float32).
     Little-endian: a word's value comes first."""

@@ -468,6 +468,8 @@ class FusedDecoderLayer:
         consts = self.plan["consts"]
         if name == "attn" and consts.get("ATT_LL"):
             return from_ll(raw, self.plan["rows"], consts["Q_DIM"])
+        if name == "act" and self.mode == "decode" and consts.get("DOWN_FLOW") == 2:
+            return from_ll(raw, self.plan["rows"], consts["INTER"])
         if name == "hb" and consts.get("H_LL"):
             return from_ll(raw, self.plan["rows"], consts["HIDDEN"], frag=False)
         if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:

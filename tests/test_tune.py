@@ -287,6 +287,32 @@ def test_qkv_flow_2_hands_qkv_over_as_words():
     assert torch.equal(from_ll(words.view(-1).view(torch.float32), rows, k, frag=False), vals)
 
 
+def test_down_flow_2_hands_act_over_as_words():
+    """DOWN_FLOW 2 (override only; a tuner candidate where H_LL is planned): no counters between gate_up and
+    down_proj, act written as 32-bit words carrying the launch's epoch (twice the buffer, no counters in ready), which
+    down_proj polls as o_proj polls attention's (gemv XF 2); with the LL rule's three a Llama-3.2-1B b1 layer has no
+    grid barrier; refused in one line without H_LL (the epoch's advance at down_proj's end), without X_FRAG and with
+    tensor parallel; the words decode as the kernel lays them out (buffer "act": interface.from_ll)."""
+    named = {v.name: v for v in declared()}
+    v = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    one, two = render.plan(v), render.plan(v, overrides={"DOWN_FLOW": 2, "DOWN_U": 4})
+    assert one["consts"]["DOWN_FLOW"] == 1 and two["consts"]["DOWN_FLOW"] == 2 and two["grid_syncs"] == 0
+    assert two["consts"]["ACT_CHUNKS"] == 0 < one["consts"]["ACT_CHUNKS"]
+    w1, w2 = one["workspace"]["buffers"], render.plan(v, overrides={"DOWN_U": 4})["workspace"]["buffers"]
+    assert two["workspace"]["buffers"]["act"]["bytes"] == 2 * w2["act"]["bytes"] == 2 * w1["act"]["bytes"]
+    src = render.render(v, two)
+    assert "constexpr int DOWN_FLOW = 2;" in src and "if constexpr (!DOWN_FLOW) grid.sync();" in src
+    for ov, why in [({"DOWN_FLOW": 2, "H_LL": 0}, r"DOWN_FLOW=2 needs H_LL \(the epoch's advance at down_proj's end\)$"),
+                    ({"DOWN_FLOW": 2, "X_FRAG": 0}, "DOWN_FLOW=2 needs H_LL .*; X_FRAG 1$"),
+                    ({"DOWN_FLOW": 3}, "DOWN_FLOW=3: must be 0, 1 or 2")]:
+        with pytest.raises(PlanError, match=why):
+            render.plan(v, overrides=ov)
+    with pytest.raises(PlanError, match="DOWN_FLOW=2: tensor parallel keeps"):
+        render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 2})
+    assert {"DOWN_FLOW": 2} in gtune.candidates(named["qwen2.5-0.5b_decode_b1_s1024_bf16"])
+    assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b4_s4096_bf16"]))
+
+
 def test_down_flow_replaces_one_barrier():
     """DOWN_FLOW (a tuner knob; by default where gate_up takes >= 5 rounds, not on Qwen2.5-7B's 8-warp down_proj
     groups): the gate_up -> down_proj grid barrier is compiled out; act is counted
@@ -316,7 +342,7 @@ def test_down_flow_replaces_one_barrier():
         render.plan(v, overrides={"DOWN_FLOW": 1, "GU_KSPLIT": 2})
     with pytest.raises(PlanError, match="DOWN_FLOW=1: tensor parallel keeps"):
         render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 1})
-    with pytest.raises(PlanError, match="DOWN_FLOW=2: must be 0 or 1"):
+    with pytest.raises(PlanError, match=r"DOWN_FLOW=2 needs H_LL \(the epoch's advance"):  # (2: act as LL words)
         render.plan(v, overrides={"DOWN_FLOW": 2})
     assert {"DOWN_FLOW": 1} in gtune.candidates(v)
     # where the default takes it (Llama-3.2-1B b1), a candidate whose NWG would move the rule's choice keeps it
@@ -852,7 +878,7 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     assert row["plan"].startswith("tuned") and row["tuned_gain"] == 1.2
     assert row["overrides"] == {"DOWN_U": 2, "QKV_NWG": 2}  # what was built, in report.json and the plan cell
     from generator.report import _plan_cell
-    assert _plan_cell(row, "plan") == "tuned ×1.20 (DOWN_U=2 QKV_NWG=2)"
+    assert _plan_cell(row, "plan") == "tuned ×1.20 (DOWN_U=2 QKV_NWG=2) [LL]"  # (the LL rule's hand-offs)
     # an entry written by hand (no tuner times): built, said not timed
     assert _plan_cell({"plan": "tuned (x.json)", "overrides": {"H_STATS": 1}}, "plan") == "tuned, not timed (H_STATS=1)"
 
@@ -1177,7 +1203,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     poll) and 2 (~256 ns between polls), QKV_FLOW 2 (qkv's results as such words, attention polling them; alone and
     with ATT_LL, at head_dim 64, 80 and 128, with a qkv bias, in fp16) and H_LL (o_proj's h to the second norm as such
     words; NORM_FOLD 0, 1 and 3, with and without DOWN_FLOW's counters, which then count on across launches; all three
-    together: no grid barrier at all), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
+    together: no grid barrier at all), DOWN_FLOW 2 (act as such words, down_proj polling them; its twin takes DOWN_FLOW
+    1's counters), on Llama-3.2-1B b1 (O_PRE, DOWN_FLOW; with ATT_COMBINE 3, 0, ATT_TMA, H_STATS,
     O_TM 2), b4 at KV 32768 (ATT_DYN 1) and b8 at KV 32768 (stream-K), Qwen2.5-0.5B b1 (ATT_COMBINE 2), a group-12
     head_dim-128 b2 (its o_proj spills), a batch-5 Qwen2.5-1.5B-like (qkv bias, a partial n-tile, GEMV_PF 2) and an
     fp16 layer: against the fp32 reference at two seeds, a second launch bit-equal; three launches back to back (the
@@ -1242,12 +1269,18 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     # (over the barrier plan: the LL rule would otherwise add the hand-offs a case does not name; the rule's own
     # Llama-3.2-1B b1 plan is the case with all three); then Qwen2.5-0.5B b1's tuned plan as it is (the rule and
     # ATT_COMBINE 4)
+    # DOWN_FLOW 2 (act as LL words down_proj polls; its twin: DOWN_FLOW 1's counters): with all three (DOWN_U 4: 8
+    # spills 140 B at 1B), with H_LL alone, and at Qwen2.5-0.5B b1 (gate_up in under a round)
     cases = [(v, {**LL_OFF, **ov}) for v, ov in cases] + [
-        (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4})]
-    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE")  # (the twin plan: the barriers, ATT_COMBINE 4 as 3)
+        (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
+        (l1, {"DOWN_FLOW": 2, "DOWN_U": 4}), (l1, {**LL_OFF, "H_LL": 1, "DOWN_FLOW": 2, "DOWN_U": 4}),
+        (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2})]
+    ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE", "ACT_CHUNKS")  # (the twin plan: the barriers, ATT_COMBINE 4
+    # as 3, DOWN_FLOW 2 as 1)
+    as_twin = {("ATT_COMBINE", 4): 3, ("DOWN_FLOW", 2): 1}
 
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
-        return {**{k: 3 if k == "ATT_COMBINE" and x == 4 else x for k, x in ov.items() if k not in ll}, **LL_OFF}
+        return {**{k: as_twin.get((k, x), x) for k, x in ov.items() if k not in ll}, **LL_OFF}
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
     pairs = [p for i, (v, ov) in enumerate(cases)
              for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), twin_of(ov)))]
@@ -1328,7 +1361,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             words.copy_(tags[torch.arange(words.numel(), device="cuda") % 4] << 32 | 0x7FC00000)
             r = verify.check_step(layer, x, pos, weights=W)
             assert verify.passed(r, v.model.dtype), (c.name, r["rel_err"], r["first_bad_stage"])
-        if k["H_LL"] and k["DOWN_FLOW"]:  # the chunks' counters count on: launches so far x each chunk's tiles
+        if k["H_LL"] and k["DOWN_FLOW"] == 1:  # the chunks' counters count on: launches so far x each chunk's tiles
             launches = int(layer.buffer("epoch")[0]) & 0xFFFFFFFF
             kt, step = k["INTER"] // 16, k["DOWN_NWG"] * k["DOWN_U"]
             got = layer.buffer("ready")[k["KV_HEADS"]::k["ACT_STRIDE"]][:k["ACT_CHUNKS"]].tolist()

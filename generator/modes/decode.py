@@ -62,7 +62,9 @@ STEPS = (
 # sums pass (the gain's copy started before the barrier or launch wait that precedes the norm), the projections scale
 # their sums by 1/rms: the gain's first read (HBM) and the scale pass's block barrier off the chain (batch 1);
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
-# waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing);
+# waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing;
+# 2, override only (with H_LL, X_FRAG, batch <= 8): no counters, act written as 32-bit words carrying the launch's
+# epoch, which down_proj's lanes poll as o_proj's poll attention's under ATT_LL);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
@@ -125,12 +127,12 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "DOWN_FLOW", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP")
+        on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        if k in ("ATT_LL", "QKV_FLOW", "H_LL") and val not in (0, 1, 2):
+        if k in ("ATT_LL", "QKV_FLOW", "H_LL", "DOWN_FLOW") and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         if k == "ATT_COMBINE" and val not in (0, 1, 2, 3, 4):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2, 3 or 4")
@@ -361,10 +363,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow "
                         "needs qkv unsplit (its split-K counters would share ws_count with attention's)")
     if ov.get("DOWN_FLOW") and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override DOWN_FLOW=1: tensor parallel keeps the gate_up -> down_proj grid "
+        raise PlanError(f"{v.name}: plan override DOWN_FLOW={ov['DOWN_FLOW']}: tensor parallel keeps the gate_up -> down_proj grid "
                         "barrier (the counters have not run on 2 GPUs)")
     if ov.get("DOWN_FLOW") and (ks := [k for k in ("GU_KSPLIT", "DOWN_KSPLIT") if ov.get(k, 1) > 1]):
-        raise PlanError(f"{v.name}: plan overrides DOWN_FLOW=1 and {ks[0]}={ov[ks[0]]}: the flow needs gate_up and "
+        raise PlanError(f"{v.name}: plan overrides DOWN_FLOW={ov['DOWN_FLOW']} and {ks[0]}={ov[ks[0]]}: the flow needs gate_up and "
                         "down_proj unsplit (a tile's last split writes it; down_proj's splits would share ws_count)")
     if v.tp > 1 and (pre := [k for k in ov if k.endswith("_PRE") and ov[k]]):
         raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (weights loaded before the "
@@ -730,7 +732,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         sm == 90 and v.tp == 1 and v.batch <= 8 and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
         and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
         and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
-    act_chunks = -(-down_kt // down_step) if down_flow else 0
+    act_chunks = -(-down_kt // down_step) if down_flow == 1 else 0
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
     # o_proj -> the second norm) by default at batch 1 on one sm_90 GPU in bf16 where each is allowed and the layer is
     # small (LL_HIDDEN_MAX, where they were measured)
@@ -748,6 +750,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             (v.batch <= 8, f"batch <= 8 ({v.batch})"),
             (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})"),
             (gemv["gate_up"]["KSPLIT"] == 1, f"GU_KSPLIT 1 (this plan: {gemv['gate_up']['KSPLIT']})")])
+    if down_flow == 2:
+        # DOWN_FLOW 2: no counters, act as LL words down_proj's lanes poll; the epoch advances at down_proj's end (H_LL),
+        # where block 0's down_proj task has seen every gate_up tile's words (every down_proj task reads all of act)
+        _needs(v.name, "DOWN_FLOW", down_flow, [
+            (bool(h_ll), "H_LL (the epoch's advance at down_proj's end)"), (x_frag, "X_FRAG 1"),
+            (v.batch <= 8, f"batch <= 8 ({v.batch})")])
     if h_ll and down_flow and gu_tasks < sms:
         raise PlanError(f"{v.name}: plan override H_LL={h_ll} with DOWN_FLOW: needs a gate_up task in every block (the "
                         f"epoch's advance at block 0's down_proj end relies on every block's count): {gu_tasks} tasks "

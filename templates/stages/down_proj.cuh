@@ -17,7 +17,7 @@ __device__ __forceinline__ GemvPre<DOWN_U * DOWN_TM> down_proj_pre(const T* w_do
 struct ActWait {
     const unsigned* ready;
     mutable int seen = 0;  // chunks [0, seen) known complete to this warp
-    static constexpr bool active = DOWN_FLOW != 0;
+    static constexpr bool active = DOWN_FLOW == 1;
     __device__ void operator()(int chunk) const {
         if constexpr (active) {
             if (chunk < seen) return;
@@ -63,7 +63,10 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                           int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch,
                           const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
-    gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB, DOWN_TM>(w_down, ws_act,
+    // DOWN_FLOW 2: act's words polled (gemv XF 2) with the epoch gate_up's thread 0 read (act_epoch: the block's
+    // gate_up barriers published it; a read now could see block 0's advance)
+    gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, DOWN_FLOW == 2 ? 2 : X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB,
+         DOWN_TM>(w_down, ws_act,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += DOWN_NWG * 32) {
@@ -72,7 +75,7 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                 count_overflow(o, ws_status);
                 out[(size_t)b * HIDDEN + n] = from_f(o);
             }
-        }, NoDone{}, nullptr, &pre, ActWait{ws_ready});
+        }, NoDone{}, nullptr, &pre, ActWait{ws_ready}, DOWN_FLOW == 2 ? act_epoch : 0u);
     if constexpr (H_LL) {
         __syncthreads();  // (every warp's waits before thread 0's advance of the epoch)
         next_launch(ws_ready, ws_epoch);

@@ -14,6 +14,9 @@ __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, cons
 constexpr int ACT_CHUNK_TILES = 2 * DOWN_NWG * DOWN_U;  // gate_up tiles a chunk (the last may have fewer)
 __shared__ unsigned act_known;  // DOWN_FLOW: chunks [0, act_known) seen complete by one of the block's warps
 __shared__ unsigned act_launch;  // DOWN_FLOW with H_LL: this launch's count (ll_launch), read before any count
+// DOWN_FLOW 2: this launch's epoch (ll_epoch) for act's words, read by thread 0 before any of the block's act is
+// written (so before block 0's advance at its down_proj end, which follows its polls of every block's act words)
+__shared__ unsigned act_epoch;
 // The next launch's epoch (ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4) and, with ATT_LL, QKV_FLOW 1's counters
 // back to zero: by block 0 once every block has read the epoch and every attention task has passed its wait —
 // after o_proj's grid barrier (gate_up's start), or with H_LL at block 0's down_proj end (with DOWN_FLOW its waits
@@ -28,7 +31,7 @@ __device__ __forceinline__ void next_launch(unsigned* ws_ready, unsigned* ws_epo
 }
 struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is written (released by gemv's fence)
     unsigned* ready;
-    static constexpr bool active = DOWN_FLOW != 0, defer = true;  // (gemv's DEFER: the release after the next loads)
+    static constexpr bool active = DOWN_FLOW == 1, defer = true;  // (gemv's DEFER: the release after the next loads)
     __device__ void operator()(int tile) const {
         if constexpr (active)
             asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;"
@@ -46,8 +49,9 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     // H_LL: no grid barrier before this stage (the norm polls o_proj's words): the block's own o_proj epilogue is
     // done with the shared memory the norm writes
     if constexpr (H_LL) __syncthreads();
-    if (DOWN_FLOW && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
-    if (DOWN_FLOW && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
+    if (DOWN_FLOW == 1 && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
+    if (DOWN_FLOW == 2 && threadIdx.x == 0) act_epoch = ll_epoch(ws_epoch);  // (the norm's barriers publish it)
+    if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)
                                                           : nullptr;  // H_STATS: in ws_hb
@@ -76,7 +80,8 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 const float u = tile(2 * pr + 1, b) * r;
                 const float a = activation(g) * u;
                 count_overflow(a, ws_status);
-                ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
+                if constexpr (DOWN_FLOW == 2) ll_store(ws_act, x_at<true>(b, row0 / 2 + pr, INTER), from_f(a), act_epoch);
+                else ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
         }, ActReady{ws_ready}, gain, &pre);
 }

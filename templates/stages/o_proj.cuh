@@ -28,7 +28,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
     // comes after o_proj's barrier)
     // (H_LL: no barrier orders a reset before gate_up's first counts: DOWN_FLOW's counters count on across launches,
     // down_proj.cuh ActWait)
-    constexpr bool QKV_RESET = QKV_FLOW == 1 && !ATT_LL, DOWN_RESET = DOWN_FLOW && !H_LL;
+    constexpr bool QKV_RESET = QKV_FLOW == 1 && !ATT_LL, DOWN_RESET = DOWN_FLOW == 1 && !H_LL;
     if ((QKV_RESET || DOWN_RESET) && blockIdx.x == 0)
         for (int h = threadIdx.x; h < KV_HEADS + ACT_CHUNKS; h += THREADS)
             if (h >= KV_HEADS ? DOWN_RESET : QKV_RESET)
