@@ -63,6 +63,10 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                           int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch,
                           const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
     const bool residual = TP == 1 || tp_rank == 0;
+    // DOWN_FLOW 2: no grid barrier and no per-round barrier of ActReady's: the block's own gate_up epilogue must be
+    // done with the partial sums' shared memory (SMEM_RED) before down_proj's first round writes it (as o_proj under
+    // ATT_LL, gate_up under H_LL)
+    if constexpr (DOWN_FLOW == 2) __syncthreads();
     // DOWN_FLOW 2: act's words polled (gemv XF 2) with the epoch gate_up's thread 0 read (act_epoch: the block's
     // gate_up barriers published it; a read now could see block 0's advance)
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, DOWN_FLOW == 2 ? 2 : X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB,
