@@ -55,7 +55,7 @@ WORKSPACE: tuple[Buffer, ...] = (
            "raw q|k|v rows of every token (fp32, pre-RoPE; decode QKV_FLOW 2: each a 64-bit word, the value in its low "
            "half, the launch's epoch in the high)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"],
-                                       (c["HEAD_DIM"] + 2) * (1 + (c.get("ATT_COMBINE", 0) >= 4))),
+                                       (c["HEAD_DIM"] + 2) * (1 + (c.get("ATT_COMBINE") == 4))),
            "attention split partials: acc[head_dim], max, sum (decode ATT_COMBINE 4: each a 64-bit word, the value "
            "in its low half, the launch's count in the high)"),
     Buffer("count", "unsigned", lambda c: (c["COUNTERS"],), "splits finished per (token, kv head) or GEMM tile"),
@@ -280,8 +280,8 @@ def from_frag(raw, rows: int, k: int):
 
 def from_ll(raw, rows: int, k: int, frag: bool = True):
     """A buffer of decode's LL words (templates/gemv.cuh: each value in the low half of a word whose high half is the
-    launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL or act under DOWN_FLOW 2 (ll_store: 32-bit words at from_frag's
-    indices; raw viewed as the 16-bit dtype), or with frag False o_proj's T copy of h under H_LL (ll_store, row-major;
+    launch's epoch) -> row-major [rows, k]. Attention's output under ATT_LL or act under DOWN_FLOW 2 (ll_store:
+    32-bit words at from_frag's indices; raw viewed as the 16-bit dtype), or with frag False o_proj's T copy of h under H_LL (ll_store, row-major;
     the 16-bit dtype) or qkv's under QKV_FLOW 2 (ll_store8: 64-bit words, row-major; raw viewed as float32).
     Little-endian: a word's value comes first."""
     vals = raw.reshape(-1)[0::2]

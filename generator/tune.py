@@ -190,8 +190,9 @@ def _half(n: int) -> int:
     return n // 2
 
 
-BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE", "O_PRE", "GU_PRE",
-                "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL", "COOP")  # on/off knobs: 0 is a setting, not a size
+BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
+                "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
+                "COOP")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -208,9 +209,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
-    default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is), the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where
-    the planner has them off and off where on (batch <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0
-    never won; 3 and 4 where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
+    default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is),
+    the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off and off where on (batch
+    <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4 where the planner takes them: no
+    ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2
+    (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
     shape, -0.3 to -2.3 % elsewhere; bench/NOTES.md session 14; QKV_PRE and DOWN_PRE never won by 1 %), H_STATS
@@ -249,7 +252,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
     if base["mode"] == "decode" and v.batch <= 8 and v.tp == 1:  # the LL hand-offs together, flipped
-        tries.append({"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0} if d["ATT_LL"] else {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1})
+        tries.append({"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0} if d["ATT_LL"]
+                     else {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1})
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)

@@ -50,8 +50,8 @@ STEPS = (
 # and one batch of loads after the last partial instead of its whole combine: static split, one GPU, every task in
 # one round, refused otherwise; the kernel takes 1's path on a GPU with fewer SMs than planned; 4 (a tuner candidate;
 # tuned for Qwen2.5-0.5B b1 KV 4096): 3 with the partials as 64-bit words tagged with the launch's count, polled by
-# the combining lanes: no fence, counter or block barrier between the last partial and the combine); X_FRAG: attention's output and the MLP's act stored in the
-# tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
+# the combining lanes: no fence, counter or block barrier between the last partial and the combine); X_FRAG:
+# attention's output and the MLP's act stored in the tensor cores' B-fragment order for o_proj and down_proj (templates/gemv.cuh x_at); GEMV_PF 1: a projection's next
 # round of weight loads issued before this round's reduction and epilogue, 2: every step's loads one step ahead
 # (templates/gemv.cuh); QKV_FLOW: per-KV-head counters instead of the grid barrier between qkv_proj and attention
 # (2: no counters, qkv's results as 64-bit words carrying the launch's epoch, which attention polls; by default with
@@ -80,8 +80,8 @@ STEPS = (
 # the LL rule, LL_HIDDEN_MAX): no grid barrier
 # between attention and o_proj, attention's output written as 32-bit words carrying the launch's epoch, which
 # o_proj's lanes poll (NCCL's LL protocol; templates/gemv.cuh ll_store; 2: the same, ~256 ns between polls);
-# H_LL (by default under the LL rule, LL_HIDDEN_MAX; one GPU, bf16 with HB_COPY, the second norm in each block (no NORM_GLOBAL, H_STATS or
-# NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
+# H_LL (by default under the LL rule, LL_HIDDEN_MAX; one GPU, bf16 with HB_COPY, the second norm in each block (no
+# NORM_GLOBAL, H_STATS or NORM_CLUSTER), batch <= 8, o_proj and gate_up unsplit): no grid barrier between o_proj and gate_up,
 # o_proj's T copy of h written as such words, which every block's norm polls (2: ~256 ns between polls); DOWN_FLOW's
 # counters then count on across launches (no reset); TIMELINE (one GPU, a measuring build): every block's thread 0
 # stamps the global timer at its entry, after the launch's wait, at each step's end and after each grid barrier,
@@ -330,8 +330,8 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # in all 20 timings of 10 batch-1 shapes with hidden 896-3072, by 1.1 ... 6.2 % (Llama-3.2-1B KV 4096 4.1 / 4.0, KV
 # 1024 3.8 / 3.8, KV 32768 2.4 / 3.4, Qwen3-1.7B 4.1 / 2.6, Qwen2.5-0.5B KV 1024 4.0 / 4.0, KV 4096 2.7 / 2.2, held
 # out: head_dim 80 3.2 / 6.2, SmolLM-360M-like 1.2 / 1.1, hidden 3072 2.7 / 1.6, head_dim-80 MHA 2.8 / 2.0; the A/B's
-# noise +-0.6 %); not at hidden 4096 (Llama-3-8B +0.2 / +0.1 % slower: at 128
-# registers the held words spill 72 / 144 B) or batch >= 2 (Llama-3.2-1B b8 -0.7 ... +0.4 %; b4 with ATT_LL and
+# noise +-0.6 %); not at hidden 4096 (Llama-3-8B +0.2 / +0.1 % slower: at 128 registers the held words spill 72 /
+# 144 B) or batch >= 2 (Llama-3.2-1B b8 -0.7 ... +0.4 %; b4 with ATT_LL and
 # QKV_FLOW 2 beside its tuned H_STATS -1.6 %: the tuner's candidate)
 LL_HIDDEN_MAX = 3072
 
@@ -363,11 +363,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow "
                         "needs qkv unsplit (its split-K counters would share ws_count with attention's)")
     if ov.get("DOWN_FLOW") and v.tp > 1:
-        raise PlanError(f"{v.name}: plan override DOWN_FLOW={ov['DOWN_FLOW']}: tensor parallel keeps the gate_up -> down_proj grid "
-                        "barrier (the counters have not run on 2 GPUs)")
+        raise PlanError(f"{v.name}: plan override DOWN_FLOW={ov['DOWN_FLOW']}: tensor parallel keeps the gate_up -> "
+                        "down_proj grid barrier (the counters have not run on 2 GPUs)")
     if ov.get("DOWN_FLOW") and (ks := [k for k in ("GU_KSPLIT", "DOWN_KSPLIT") if ov.get(k, 1) > 1]):
-        raise PlanError(f"{v.name}: plan overrides DOWN_FLOW={ov['DOWN_FLOW']} and {ks[0]}={ov[ks[0]]}: the flow needs gate_up and "
-                        "down_proj unsplit (a tile's last split writes it; down_proj's splits would share ws_count)")
+        raise PlanError(f"{v.name}: plan overrides DOWN_FLOW={ov['DOWN_FLOW']} and {ks[0]}={ov[ks[0]]}: the flow "
+                        "needs gate_up and down_proj unsplit (a tile's last split writes it; down_proj's splits would share ws_count)")
     if v.tp > 1 and (pre := [k for k in ov if k.endswith("_PRE") and ov[k]]):
         raise PlanError(f"{v.name}: plan override {pre[0]}=1: not with tensor parallel (weights loaded before the "
                         "wait for the all-reduced input have not run on 2 GPUs)")
@@ -751,8 +751,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
             (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})"),
             (gemv["gate_up"]["KSPLIT"] == 1, f"GU_KSPLIT 1 (this plan: {gemv['gate_up']['KSPLIT']})")])
     if down_flow == 2:
-        # DOWN_FLOW 2: no counters, act as LL words down_proj's lanes poll; the epoch advances at down_proj's end (H_LL),
-        # where block 0's down_proj task has seen every gate_up tile's words (every down_proj task reads all of act)
+        # DOWN_FLOW 2: no counters, act as LL words down_proj's lanes poll; the epoch advances at down_proj's end
+        # (H_LL), where block 0's down_proj task has seen every gate_up tile's words (each task reads all of act)
         _needs(v.name, "DOWN_FLOW", down_flow, [
             (bool(h_ll), "H_LL (the epoch's advance at down_proj's end)"), (x_frag, "X_FRAG 1"),
             (v.batch <= 8, f"batch <= 8 ({v.batch})")])

@@ -233,7 +233,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     // ATT_COMBINE 4: the split partials as 64-bit words tagged with this launch's whole count (a partial is not
     // rewritten every launch, a split past the position skips it: 32 bits, not the 16-bit epoch, so no stale word
     // carries a live tag in 2^32 launches)
-    const unsigned part_tag = ATT_COMBINE >= 4 ? ll_launch(ws_epoch) : 0u;
+    const unsigned part_tag = ATT_COMBINE == 4 ? ll_launch(ws_epoch) : 0u;
     // TIMELINE: thread 0 stamps the phases of the block's last task that walks rows (interface.TIMELINE_ATT_PHASES)
     long long tl_start = 0;
     auto tl = [&](int phase, long long t = 0) {
@@ -621,7 +621,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             if (nsplit == 1) {
                 if (d < HEAD_DIM)
                     att_out(ws_attn, b, (kvh * GROUP + g) * HEAD_DIM + d, o / den, ll_e);
-            } else if (ATT_COMBINE >= 4 && sliced) {
+            } else if (ATT_COMBINE == 4 && sliced) {
                 ll_store8(ws_part, (part0 + (size_t)g * ATT_NSPLIT + split) * WS + d, o, part_tag);
             } else {
                 ws_part[(part0 + (size_t)g * ATT_NSPLIT + split) * WS + d] = o;   // acc..., m, l
@@ -671,7 +671,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     const int s = r0 + sl;
                     const bool in = out && s < nsplit;
                     float ms = -INFINITY, ls = 0.f, as = 0.f;
-                    if (ATT_COMBINE >= 4 && in) {  // the split's words, polled together until each is this launch's
+                    if (ATT_COMBINE == 4 && in) {  // the split's words, polled together until each is this launch's
                         const size_t at = pi + (size_t)s * WS;
                         const size_t idx[3] = {at + HEAD_DIM, at + HEAD_DIM + 1, at + d};
                         unsigned long long w[3];

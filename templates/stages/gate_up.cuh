@@ -45,13 +45,14 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                         unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
-    if constexpr ((ATT_LL || QKV_FLOW == 2 || ATT_COMBINE >= 4) && !H_LL) next_launch(ws_ready, ws_epoch);
+    if constexpr ((ATT_LL || QKV_FLOW == 2 || ATT_COMBINE == 4) && !H_LL) next_launch(ws_ready, ws_epoch);
     // H_LL: no grid barrier before this stage (the norm polls o_proj's words): the block's own o_proj epilogue is
     // done with the shared memory the norm writes
     if constexpr (H_LL) __syncthreads();
     if (DOWN_FLOW == 1 && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
     if (DOWN_FLOW == 2 && threadIdx.x == 0) act_epoch = ll_epoch(ws_epoch);  // (the norm's barriers publish it)
-    if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's reads)
+    if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's
+                                                              // reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)
                                                           : nullptr;  // H_STATS: in ws_hb
@@ -80,8 +81,10 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 const float u = tile(2 * pr + 1, b) * r;
                 const float a = activation(g) * u;
                 count_overflow(a, ws_status);
-                if constexpr (DOWN_FLOW == 2) ll_store(ws_act, x_at<true>(b, row0 / 2 + pr, INTER), from_f(a), act_epoch);
-                else ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
+                if constexpr (DOWN_FLOW == 2)
+                    ll_store(ws_act, x_at<true>(b, row0 / 2 + pr, INTER), from_f(a), act_epoch);
+                else
+                    ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
         }, ActReady{ws_ready}, gain, &pre);
 }
