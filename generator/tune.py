@@ -209,7 +209,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
-    default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is),
+    default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is
+    and the planner did not take it),
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off and off where on (batch
     <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4 where the planner takes them: no
     ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2
@@ -261,7 +262,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode":
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
                   {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 if d["QKV_FLOW"] != 1 else 0},
-                  *([{"DOWN_FLOW": 1}] if not d["DOWN_FLOW"] else []),
+                  *([{"DOWN_FLOW": 1}] if d["DOWN_FLOW"] != 1 else []),
                   *({"ATT_COMBINE": c} for c in (1, 2, 3, 4) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
@@ -310,8 +311,14 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             pin = {k: d[k] for k in ("ATT_COMBINE", "O_PRE", "DOWN_FLOW") if k in d and k not in ov
                    and p["consts"].get(k) != d[k] and not (k == "DOWN_FLOW" and split)}
             if pin:
+                try:
+                    p = plan(v, arch, overrides={**ov, **pin})
+                except PlanError:
+                    if pin.get("DOWN_FLOW") != 2:
+                        raise
+                    del pin["DOWN_FLOW"]  # (act as LL words needs H_LL, which this candidate turned off)
+                    p = plan(v, arch, overrides={**ov, **pin})
                 ov = {**ov, **pin}
-                p = plan(v, arch, overrides=ov)
             # a knob that turned the planner's LL hand-offs off (split-K, H_STATS, X_FRAG 0): as many of them kept on
             # as the planner allows with it (the largest subset first)
             ll = {k: d[k] for k in ("ATT_LL", "QKV_FLOW", "H_LL") if d.get("ATT_LL") and k not in ov

@@ -286,6 +286,136 @@ __device__ __forceinline__ uint2 nucleus_cut(const float* row, float tt, int V, 
     return make_uint2(tau, idk);
 }
 
+constexpr int NUC_BINS = 2048;  // nucleus_draw's bins of s below the row's maximum
+constexpr float NUC_RANGE = 28.f;  // their span in s: below it a token's probability is under 2^-40 (0 in qmass)
+
+// A block's exclusive prefix sum of v over threadIdx.x; *total: the sum of all (every thread). red: WARPS sums.
+__device__ unsigned long long block_excl_sum(unsigned long long v, unsigned long long* red, unsigned long long* total) {
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    unsigned long long incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+    }
+    if (lane == 31) red[w] = incl;
+    __syncthreads();
+    unsigned long long base = 0ull, all = 0ull;
+    for (int j = 0; j < WARPS; ++j) {
+        base += j < w ? red[j] : 0ull;
+        all += red[j];
+    }
+    __syncthreads();
+    *total = all;
+    return base + incl - v;
+}
+
+// Top-p's cut and the draw over a whole row in two passes (nucleus_cut's cut, the same tokens: bench/NOTES.md
+// session 49): pass 1 sums each token's probability (qmass) into NUC_BINS bins of s over [M - NUC_RANGE, M] (a bin is
+// a range of the descending order; integer sums, the same in any order) and finds the bin d where the probability
+// from the top reaches top_p; pass 2 draws over the tokens of the bins above d (all kept) and gathers d's tokens,
+// which are sorted (s, then lowest id) to find the cut among them, and drawn where kept. Returns 0 with *best the
+// block's draw (this thread's share), 1 where the row holds less than top_p in fixed point (keep every token), 2 where
+// bin d holds more than `cap` tokens (a near-flat row: nucleus_cut's radix select instead). bins: NUC_BINS sums of
+// shared memory; list: cap (a power of two) keys of shared memory.
+__device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z, float p_top, unsigned long long h,
+                            unsigned long long* bins, unsigned long long* list, int cap, unsigned long long* red,
+                            unsigned long long* best) {
+    __shared__ int s_n, s_d;
+    __shared__ unsigned long long s_above;
+    __shared__ unsigned s_tau, s_idk;
+    auto load = [&](int i) { return __ldcg(row + i); };
+    const unsigned long long P = (unsigned long long)((double)p_top * (double)Q_ONE);
+    const float lo = M - NUC_RANGE, scale = NUC_BINS / NUC_RANGE;
+    auto bin = [&](float s) { return s < lo ? -1 : min(NUC_BINS - 1, (int)((s - lo) * scale)); };  // monotone in s
+    for (int j = threadIdx.x; j < NUC_BINS; j += THREADS) bins[j] = 0ull;
+    if (threadIdx.x == 0) {
+        s_n = 0;
+        s_d = -1;
+        s_tau = 0u;
+        s_idk = 0u;
+    }
+    __syncthreads();
+    for_each<16>(load, V, [&](int, float v) {
+        const unsigned key = float_key(v / tt);
+        if (key == 0u) return;
+        const float s = key_float(key);
+        const int b = bin(s);
+        const unsigned long long q = b < 0 ? 0ull : qmass(key, M, Z);
+        if (q) atomicAdd(bins + b, q);
+    });
+    __syncthreads();
+    constexpr int PER = NUC_BINS / THREADS;  // a thread's bins, from the top: thread 0 the highest
+    static_assert(NUC_BINS % THREADS == 0, "NUC_BINS must be a multiple of THREADS");
+    unsigned long long c[PER], mine = 0ull, total;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        c[j] = bins[NUC_BINS - 1 - PER * threadIdx.x - j];
+        mine += c[j];
+    }
+    unsigned long long run = block_excl_sum(mine, red, &total);
+    if (total < P) return 1;  // (every thread: total is the block's)
+    if (run < P && P <= run + mine) {
+        for (int j = 0; j < PER; ++j) {
+            if (run + c[j] >= P) {
+                s_d = NUC_BINS - 1 - PER * threadIdx.x - j;
+                s_above = run;
+                break;
+            }
+            run += c[j];
+        }
+    }
+    __syncthreads();
+    const int d = s_d;
+    unsigned long long b0 = 0ull;
+    for_each<16>(load, V, [&](int i, float v) {
+        const unsigned key = float_key(v / tt);
+        if (key == 0u) return;
+        const float s = key_float(key);
+        const int b = bin(s);
+        if (b > d) {
+            const unsigned long long sk = argmax_key(s + gumbel(h, i), (unsigned)i);
+            b0 = sk > b0 ? sk : b0;
+        } else if (b == d) {
+            const int slot = atomicAdd(&s_n, 1);
+            if (slot < cap) list[slot] = ((unsigned long long)key << 32) | (0xFFFFFFFFu - (unsigned)i);
+        }
+    });
+    __syncthreads();
+    const int n = s_n;
+    if (n > cap) return 2;
+    int np = 1;
+    while (np < n) np <<= 1;
+    for (int i = n + threadIdx.x; i < np; i += THREADS) list[i] = 0ull;
+    __syncthreads();
+    sort_desc(list, np);
+    // the cut: the first of d's tokens in the order whose probability with those before it reaches P
+    const int E = (n + THREADS - 1) / THREADS, i0 = min(n, (int)threadIdx.x * E), i1 = min(n, i0 + E);
+    unsigned long long part = 0ull;
+    for (int i = i0; i < i1; ++i) part += qmass((unsigned)(list[i] >> 32), M, Z);
+    unsigned long long cum = s_above + block_excl_sum(part, red, &total);
+    for (int i = i0; i < i1; ++i) {
+        const unsigned long long q = qmass((unsigned)(list[i] >> 32), M, Z);
+        if (cum < P && P <= cum + q) {
+            s_tau = (unsigned)(list[i] >> 32);
+            s_idk = (unsigned)list[i];
+        }
+        cum += q;
+    }
+    __syncthreads();
+    const unsigned tau = s_tau, idk = s_idk;
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const unsigned key = (unsigned)(list[i] >> 32), nid = (unsigned)list[i];
+        if (key > tau || (key == tau && nid >= idk)) {
+            const unsigned id = 0xFFFFFFFFu - nid;
+            const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, id), id);
+            b0 = sk > b0 ? sk : b0;
+        }
+    }
+    *best = b0;
+    return 0;
+}
+
 // logits [nb][V] fp32 -> next [nb] int64 (in: the greedy tokens, kept where temp <= 0): top-k (top_k[b] > 0: every
 // s >= the row's k-th largest; where more than C, those above it and the lowest ids tied with it: keep_top) and
 // top-p, then the Gumbel-max draw. Grid: G x nb blocks (blockIdx.x = b * G + g), block g a slice of SLICE logits:
@@ -430,18 +560,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
             tok = 0xFFFFFFFFu - (unsigned)kept[key_index(best)];
         } else {
             const float* row = logits + (size_t)b * V;
-            // (the sort's room, idle now: THREADS x 16 sums; the slice's keys: 17 more); top_p 1: every token
-            const uint2 cut = p_top < 1.f ? nucleus_cut(row, tt, V, m, Z, p_top, kept,
-                                                        reinterpret_cast<unsigned long long*>(keys), hist256, pick)
-                                          : make_uint2(0u, 0u);
-            const unsigned tau = cut.x, idk = cut.y;
-            for_each<16>([&](int i) { return __ldcg(row + i); }, V, [&](int i, float v) {
-                const unsigned key = float_key(v / tt);
-                if (key != 0u && (key > tau || (key == tau && 0xFFFFFFFFu - (unsigned)i >= idk))) {
-                    const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, i), (unsigned)i);
-                    best = sk > best ? sk : best;
-                }
-            });
+            // (the sort's room, idle now: the gathered bin, or THREADS x 16 sums; the slices' keys: the bins, or 17
+            // sums); top_p 1: every token
+            unsigned long long* room = reinterpret_cast<unsigned long long*>(keys);
+            const int how = p_top < 1.f ? nucleus_draw(row, tt, V, m, Z, p_top, h, room, kept,
+                                                       max(C, THREADS * 16), kred, &best) : 1;
+            if (how != 0) {
+                const uint2 cut = how == 2 ? nucleus_cut(row, tt, V, m, Z, p_top, kept, room, hist256, pick)
+                                           : make_uint2(0u, 0u);
+                const unsigned tau = cut.x, idk = cut.y;
+                for_each<16>([&](int i) { return __ldcg(row + i); }, V, [&](int i, float v) {
+                    const unsigned key = float_key(v / tt);
+                    if (key != 0u && (key > tau || (key == tau && 0xFFFFFFFFu - (unsigned)i >= idk))) {
+                        const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, i), (unsigned)i);
+                        best = sk > best ? sk : best;
+                    }
+                });
+            }
             best = block_max_key(best, kred);
             tok = key_index(best);
         }

@@ -288,12 +288,24 @@ def test_qkv_flow_2_hands_qkv_over_as_words():
 
 
 def test_down_flow_2_hands_act_over_as_words():
-    """DOWN_FLOW 2 (override only; a tuner candidate where H_LL is planned): no counters between gate_up and
-    down_proj, act written as 32-bit words carrying the launch's epoch (twice the buffer, no counters in ready), which
-    down_proj polls as o_proj polls attention's (gemv XF 2); with the LL rule's three a Llama-3.2-1B b1 layer has no
-    grid barrier; refused in one line without H_LL (the epoch's advance at down_proj's end), without X_FRAG and with
-    tensor parallel; the words decode as the kernel lays them out (buffer "act": interface.from_ll)."""
+    """DOWN_FLOW 2: no counters between gate_up and down_proj, act written as 32-bit words carrying the launch's
+    epoch (twice the buffer, no counters in ready), which down_proj polls as o_proj polls attention's (gemv XF 2);
+    with the LL rule's three a Llama-3.2-1B b1 layer has no grid barrier; refused in one line without H_LL (the
+    epoch's advance at down_proj's end), without X_FRAG and with tensor parallel; the words decode as the kernel lays
+    them out (buffer "act": interface.from_ll). By default under the LL rule where DOWN_FLOW 1's counters are not
+    taken and gate_up has a task in every block (measured, bench/NOTES.md session 49: Qwen2.5-0.5B b1, held-out
+    hidden 960 / 1440 / 2560 / 3072); not where H_LL is overridden off or the counters are taken (Llama-3.2-1B b1);
+    the tuner then tries DOWN_FLOW 0 and 1, and its LL-off candidate drops the words with H_LL."""
     named = {v.name: v for v in declared()}
+    half = named["qwen2.5-0.5b_decode_b1_s1024_bf16"]
+    p = render.plan(half)
+    assert p["consts"]["DOWN_FLOW"] == 2 and p["grid_syncs"] == 0 and p["consts"]["ACT_CHUNKS"] == 0
+    assert render.plan(half, overrides={"H_LL": 0})["consts"]["DOWN_FLOW"] == 0
+    assert render.plan(half, overrides={"X_FRAG": 0})["consts"]["DOWN_FLOW"] == 0
+    assert render.plan(dataclasses.replace(half, batch=2))["consts"]["DOWN_FLOW"] == 0
+    cands = gtune.candidates(half)
+    assert {"DOWN_FLOW": 0} in cands and {"DOWN_FLOW": 1} in cands and {"DOWN_FLOW": 2} not in cands
+    assert LL_OFF in cands and render.plan(half, overrides=LL_OFF)["consts"]["DOWN_FLOW"] == 0
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
     one, two = render.plan(v), render.plan(v, overrides={"DOWN_FLOW": 2, "DOWN_U": 4})
     assert one["consts"]["DOWN_FLOW"] == 1 and two["consts"]["DOWN_FLOW"] == 2 and two["grid_syncs"] == 0
@@ -309,7 +321,7 @@ def test_down_flow_2_hands_act_over_as_words():
             render.plan(v, overrides=ov)
     with pytest.raises(PlanError, match="DOWN_FLOW=2: tensor parallel keeps"):
         render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 2})
-    assert {"DOWN_FLOW": 2} in gtune.candidates(named["qwen2.5-0.5b_decode_b1_s1024_bf16"])
+    assert {"DOWN_FLOW": 2} in gtune.candidates(v)  # (Llama-3.2-1B b1: the counters by default)
     assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b4_s4096_bf16"]))
 
 
@@ -1267,12 +1279,12 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (l1, {"ATT_COMBINE": 4, "ATT_LL": 1, "QKV_FLOW": 2}), (l1, {"ATT_COMBINE": 4, "H_LL": 1}),
              (l1, {"ATT_COMBINE": 4, "COOP": 0})]
     # (over the barrier plan: the LL rule would otherwise add the hand-offs a case does not name; the rule's own
-    # Llama-3.2-1B b1 plan is the case with all three); then Qwen2.5-0.5B b1's tuned plan as it is (the rule and
-    # ATT_COMBINE 4)
+    # Llama-3.2-1B b1 plan is the case with all three); then Qwen2.5-0.5B b1's tuned plan as it is (the rule,
+    # DOWN_FLOW 2 by default there, said so the twin takes 1, and ATT_COMBINE 4)
     # DOWN_FLOW 2 (act as LL words down_proj polls; its twin: DOWN_FLOW 1's counters): with all three (DOWN_U 4: 8
     # spills 140 B at 1B), with H_LL alone, and at Qwen2.5-0.5B b1 (gate_up in under a round)
     cases = [(v, {**LL_OFF, **ov}) for v, ov in cases] + [
-        (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4}),
+        (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4, "DOWN_FLOW": 2}),
         (l1, {"DOWN_FLOW": 2, "DOWN_U": 4}), (l1, {**LL_OFF, "H_LL": 1, "DOWN_FLOW": 2, "DOWN_U": 4}),
         (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2})]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE", "ACT_CHUNKS")  # (the twin plan: the barriers, ATT_COMBINE 4

@@ -727,12 +727,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     gu, dn = gemv["gate_up"], gemv["down"]
     gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
     down_kt, down_step = m.intermediate // 16, dn["NWG"] * dn["U"]  # down_proj's k-tiles; a chunk's (one step's)
-    # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
-    down_flow = ov.get("DOWN_FLOW", int(
-        sm == 90 and v.tp == 1 and v.batch <= 8 and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
-        and down_kt % down_step == 0 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
-        and not (att_tma and smem_bytes > arch.smem_per_block - 1024)))
-    act_chunks = -(-down_kt // down_step) if down_flow == 1 else 0
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
     # o_proj -> the second norm) by default at batch 1 on one sm_90 GPU in bf16 where each is allowed and the layer is
     # small (LL_HIDDEN_MAX, where they were measured)
@@ -740,6 +734,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     ll_rule = (v.batch == 1 and v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global
                and not h_stats and norm_cluster == 1 and unsplit and m.hidden <= LL_HIDDEN_MAX)
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
+    # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
+    flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
+               and not (att_tma and smem_bytes > arch.smem_per_block - 1024))
+    counters = (flow_ok and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
+                and down_kt % down_step == 0)
+    # DOWN_FLOW 2 (act as LL words) by default under the LL rule where the counters are not taken and gate_up has a
+    # task in every block (H_LL's epoch): measured on an H100 (bench/NOTES.md session 49) -0.9 ... -5.8 % a layer on
+    # all 12 timings of 6 such shapes (Qwen2.5-0.5B KV 1024 / 4096 / 32768; held out: hidden 960, 1440 / head_dim 80,
+    # 2560 MHA, 3072); where the counters are taken (Llama-3.2-1B, Qwen3-1.7B) it needs DOWN_U 4 against spills and
+    # ties (-0.5 ... +0.8 %), so they keep them
+    words = flow_ok and ll_rule and gu_tasks >= sms and ov.get("H_LL", 1) != 0
+    down_flow = ov.get("DOWN_FLOW", 1 if counters else 2 if words else 0)
+    act_chunks = -(-down_kt // down_step) if down_flow == 1 else 0
     h_ll = ov.get("H_LL", int(ll_rule and not (down_flow and gu_tasks < sms)))
     # (o_proj and gate_up unsplit: their split-K counters would share ws_count, which the barrier kept apart)
     if h_ll:
