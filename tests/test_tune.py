@@ -294,7 +294,8 @@ def test_down_flow_2_hands_act_over_as_words():
     epoch's advance at down_proj's end), without X_FRAG and with tensor parallel; the words decode as the kernel lays
     them out (buffer "act": interface.from_ll). By default under the LL rule where DOWN_FLOW 1's counters are not
     taken and gate_up has a task in every block (measured, bench/NOTES.md session 49: Qwen2.5-0.5B b1, held-out
-    hidden 960 / 1440 / 2560 / 3072); not where H_LL is overridden off or the counters are taken (Llama-3.2-1B b1);
+    hidden 960 / 1440 / 2560 / 3072); not where H_LL is overridden off, with GEMV_PF 1, or where the counters are
+    taken (Llama-3.2-1B b1);
     the tuner then tries DOWN_FLOW 0 and 1, and its LL-off candidate drops the words with H_LL."""
     named = {v.name: v for v in declared()}
     half = named["qwen2.5-0.5b_decode_b1_s1024_bf16"]
@@ -302,6 +303,7 @@ def test_down_flow_2_hands_act_over_as_words():
     assert p["consts"]["DOWN_FLOW"] == 2 and p["grid_syncs"] == 0 and p["consts"]["ACT_CHUNKS"] == 0
     assert render.plan(half, overrides={"H_LL": 0})["consts"]["DOWN_FLOW"] == 0
     assert render.plan(half, overrides={"X_FRAG": 0})["consts"]["DOWN_FLOW"] == 0
+    assert render.plan(half, overrides={"GEMV_PF": 1})["consts"]["DOWN_FLOW"] == 0  # (with the held words it spills)
     assert render.plan(dataclasses.replace(half, batch=2))["consts"]["DOWN_FLOW"] == 0
     cands = gtune.candidates(half)
     assert {"DOWN_FLOW": 0} in cands and {"DOWN_FLOW": 1} in cands and {"DOWN_FLOW": 2} not in cands
@@ -1259,7 +1261,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
              (l1, {"H_LL": 1}), (l1, {"H_LL": 1, "DOWN_FLOW": 0}), (l1, {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
              (l1, {"H_LL": 1, "ATT_LL": 1}),
              (named["llama3.2-1b_decode_b8_s4096_bf16"], {"H_LL": 1, "ATT_LL": 2, "QKV_FLOW": 2}),
-             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1}), (b5, {"H_LL": 1, "GEMV_PF": 2}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1, "DOWN_FLOW": 0}),  # (2 by default with it)
+             (b5, {"H_LL": 1, "GEMV_PF": 2}),
              (named["llama3-8b_decode_b1_s4096_bf16"], {"H_LL": 1, "ATT_LL": 1, "QKV_FLOW": 2}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"H_LL": 1, "DOWN_FLOW": 1}),  # (a partial last chunk)
              (l1, {"H_LL": 1, "GU_TM": 2, "GU_NWG": 8}), (l1, {"H_LL": 2, "ATT_LL": 2, "QKV_FLOW": 2}),

@@ -727,6 +727,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     gu, dn = gemv["gate_up"], gemv["down"]
     gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
     down_kt, down_step = m.intermediate // 16, dn["NWG"] * dn["U"]  # down_proj's k-tiles; a chunk's (one step's)
+    # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES and an MLP of B1_PRE_MLP: the next round's weights before
+    # each round's reduction (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together
+    b1_pre = (v.batch == 1 and v.tp == 1 and sm == 90 and m.dtype == "bf16" and m.norm == "rmsnorm"
+              and (m.hidden, m.kv_heads) in B1_PRE_SHAPES
+              and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
     # o_proj -> the second norm) by default at batch 1 on one sm_90 GPU in bf16 where each is allowed and the layer is
     # small (LL_HIDDEN_MAX, where they were measured)
@@ -743,8 +748,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # task in every block (H_LL's epoch): measured on an H100 (bench/NOTES.md session 49) -0.9 ... -5.8 % a layer on
     # all 12 timings of 6 such shapes (Qwen2.5-0.5B KV 1024 / 4096 / 32768; held out: hidden 960, 1440 / head_dim 80,
     # 2560 MHA, 3072); where the counters are taken (Llama-3.2-1B, Qwen3-1.7B) it needs DOWN_U 4 against spills and
-    # ties (-0.5 ... +0.8 %), so they keep them
-    words = flow_ok and ll_rule and gu_tasks >= sms and ov.get("H_LL", 1) != 0
+    # ties (-0.5 ... +0.8 %), so they keep them; not with GEMV_PF 1 (its early loads beside the held words spill 76 B
+    # at Llama-3.2-1B b1 with GU_NWG 8, where the counters give way)
+    words = (flow_ok and ll_rule and gu_tasks >= sms and ov.get("H_LL", 1) != 0
+             and ov.get("GEMV_PF", int(b1_pre)) != 1)
     down_flow = ov.get("DOWN_FLOW", 1 if counters else 2 if words else 0)
     act_chunks = -(-down_kt // down_step) if down_flow == 1 else 0
     h_ll = ov.get("H_LL", int(ll_rule and not (down_flow and gu_tasks < sms)))
@@ -795,11 +802,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"NORM_CLUSTER or DOWN_FLOW, 1 KB more for the static shared memory padded to the swizzle's "
                         f"1024-byte alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
-    # batch 1 at the (hidden, KV heads) of B1_PRE_SHAPES and an MLP of B1_PRE_MLP: the next round's weights before
-    # each round's reduction (GEMV_PF 1) and o_proj's first step before attention's barrier (O_PRE 1), together
-    b1_pre = (v.batch == 1 and v.tp == 1 and sm == 90 and m.dtype == "bf16" and m.norm == "rmsnorm"
-              and (m.hidden, m.kv_heads) in B1_PRE_SHAPES
-              and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
