@@ -11,8 +11,10 @@ kernel), and agreement with transformers in fp32 on the same checkpoint (greedy 
 divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint is built offline: a
 Llama-3.2-1B-shaped config with random weights, save_pretrained to --ckpt (bf16).
 
-    megakernel build --only 'llama3.2-1b_decode_*_s4096_bf16' --only 'llama3.2-1b_prefill_*'
     python -m bench.e2e --build-dir build     # bench/results/e2e-<gpu>-<date>.json (in $OUT where set)
+
+(builds the Llama-3.2-1B decode variants at --seq-len and the prefill ones into --build-dir first, where not up to
+date: build_needed).
 
 Prints a table and writes the JSON.
 """
@@ -266,6 +268,24 @@ def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
                          n_new)
 
 
+def build_needed(build_dir: str, names: list[str]) -> None:
+    """`names` (decode variants) and variants.yaml's Llama-3.2-1B prefill variants built into build_dir with the
+    plans `megakernel build` takes (tuning/'s winners; objects up to date are reused, the manifest is merged), so the
+    run needs no build of its own first. Exits 2 with one line where a name is not declared or a build fails."""
+    from generator import compile as gcompile, tune as gtune, variants as gvariants
+    vf = ROOT / "variants.yaml"
+    vs = [v for v in gvariants.load(vf) if v.name in names or v.name.startswith("llama3.2-1b_prefill_")]
+    if missing := sorted(set(names) - {v.name for v in vs}):
+        print(f"error: {missing[0]} is not declared in {vf} (--seq-len takes a seq_len it declares for "
+              "llama3.2-1b's decode variants)", file=sys.stderr)
+        sys.exit(2)
+    res = gcompile.build(vs, build_dir, variants_file=vf, tuning_file=gtune.default_tuning_file())
+    if bad := [e for e in res["entries"] if e["status"] != "ok"]:
+        print(f"error: {bad[0]['name']} did not build ({bad[0]['status']}): `megakernel build --only "
+              f"'{bad[0]['name']}'` says why", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
     from bench import ScriptParser
     ap = ScriptParser(description=__doc__.split("\n\n")[0])
@@ -291,6 +311,7 @@ def main(argv=None):
            "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {},
            "timing": "graph replays (kernel_bound, draws) as GPU time, queued (bench.timing); ms per token as served"}
     names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
+    build_needed(args.build_dir, names)
     # the declared prefill variants too, where built: dispatch plans each prompt's pieces by their measured routes
     from generator.manifest import read_manifest
     built = read_manifest(Path(args.build_dir))["variants"]

@@ -374,6 +374,17 @@ def test_plots_skip_untimed_models(tmp_path):
     assert plots.model_of({"variant": "llama3.2-1b_decode_b1_s4096_bf16"}) == "llama3.2-1b"
 
 
+def test_e2e_builds_its_variants_or_says_which_is_missing(tmp_path, capsys):
+    """bench/e2e.py builds what it serves first (build_needed: a fresh machine needs no build step of its own); a
+    --seq-len variants.yaml does not declare is one error line and exit 2, with nothing built."""
+    from bench import e2e
+    with pytest.raises(SystemExit) as exc:
+        e2e.build_needed(str(tmp_path / "b"), ["llama3.2-1b_decode_b1_s999_bf16"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "llama3.2-1b_decode_b1_s999_bf16 is not " \
+        "declared" in err and not (tmp_path / "b").exists()
+
+
 E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30-1.json"
 PNG = b"\x89PNG\r\n\x1a\n"
 
