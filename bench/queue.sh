@@ -52,9 +52,10 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
   # session 47's timeline; Qwen2.5-7B b1, hidden 3584, just past the rule's bound: the three never timed there)
 }
 
-part_retune() {  # the five batch-1 entries rebased onto the LL rule (session 48: their overrides were tuned before
-  # it), tuned again into $OUT/tuned.json (from an H200: merge its entries into tuning/nvidia-h200.json; from another
-  # GPU: keep it as a result). 16 candidates a variant, for the call's 600 s
+part_retune() {  # the batch-1 entries in the LL rule's domain, tuned again into $OUT/tuned.json (session 48: their
+  # overrides were tuned before the rule; session 49: DOWN_FLOW 2's default added, the 1B and Qwen3-1.7B KV 1024
+  # entries removed as slower than the default; from an H200: merge its entries into tuning/nvidia-h200.json; from
+  # another GPU: keep it as a result). 16 candidates a variant, for the call's 600 s
   step tune-b1 python3 -m generator.cli tune --only 'llama3.2-1b_decode_b1_s1024_bf16' \
     --only 'qwen2.5-0.5b_decode_b1_s*' --only 'qwen3-1.7b_decode_b1_s1024_bf16' --limit 16 --out "$OUT/tuned.json"
 }
