@@ -306,10 +306,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             p = plan(v, arch, overrides=ov)
             # another split count (or ATT_DYN off) moved the combine's default, ATT_DYN moved O_PRE's, or a projection's
             # NWG / U moved DOWN_FLOW's: keep the default plan's, so the candidate changes one thing (the ATT_COMBINE,
-            # O_PRE and DOWN_FLOW candidates time the other; a split gate_up / down_proj takes the barrier: not pinned)
+            # O_PRE and DOWN_FLOW candidates time the other; a split gate_up / down_proj takes the barrier, GEMV_PF 1
+            # the counters or barrier: not pinned)
             split = any(k.endswith("_KSPLIT") and val > 1 for k, val in ov.items())
             pin = {k: d[k] for k in ("ATT_COMBINE", "O_PRE", "DOWN_FLOW") if k in d and k not in ov
-                   and p["consts"].get(k) != d[k] and not (k == "DOWN_FLOW" and split)}
+                   and p["consts"].get(k) != d[k] and not (k == "DOWN_FLOW" and (split or ov.get("GEMV_PF") == 1))}
             if pin:
                 try:
                     p = plan(v, arch, overrides={**ov, **pin})

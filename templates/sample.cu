@@ -9,8 +9,8 @@
 // Two kernels: sample_topk (top-k and/or top-p: G blocks a row each keep their slice's s >= the slice's k-th
 // largest, the row's last block selects the row's k-th among them by radix select, sorts the kept ones and draws;
 // top-k off, the C largest are ranked and where they hold less than top_p of the row's probability, the row's last
-// block finds the cut by a radix select by probability over the whole row instead: the same cut either way, to
-// the probabilities' fp32 rounding) and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks
+// block finds the cut over the whole row instead (nucleus_draw: binned sums by probability, then the cut's bin
+// sorted; a radix select where that bin is too full): the same cut either way, to the probabilities' fp32 rounding) and sample_gumbel (temperature only: the whole vocabulary, no ranking; G blocks
 // a row, the row's maximum by a 64-bit atomicMax). The last block of either does the advance (lm_head.cu's, the same
 // fields).
 // Config (generator.sampler prepends it): HIDDEN, T.
@@ -288,6 +288,7 @@ __device__ __forceinline__ uint2 nucleus_cut(const float* row, float tt, int V, 
 
 constexpr int NUC_BINS = 2048;  // nucleus_draw's bins of s below the row's maximum
 constexpr float NUC_RANGE = 28.f;  // their span in s: below it a token's probability is under 2^-40 (0 in qmass)
+static_assert(NUC_BINS * 8 <= SLICE * 4, "nucleus_draw's bins live in sample_topk's keys");
 
 // A block's exclusive prefix sum of v over threadIdx.x; *total: the sum of all (every thread). red: WARPS sums.
 __device__ unsigned long long block_excl_sum(unsigned long long v, unsigned long long* red, unsigned long long* total) {
@@ -327,7 +328,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
     auto load = [&](int i) { return __ldcg(row + i); };
     const unsigned long long P = (unsigned long long)((double)p_top * (double)Q_ONE);
     const float lo = M - NUC_RANGE, scale = NUC_BINS / NUC_RANGE;
-    auto bin = [&](float s) { return s < lo ? -1 : min(NUC_BINS - 1, (int)((s - lo) * scale)); };  // monotone in s
+    auto bin = [&](float s) { return !(s >= lo) ? -1 : min(NUC_BINS - 1, (int)((s - lo) * scale)); };  // monotone in s
     for (int j = threadIdx.x; j < NUC_BINS; j += THREADS) bins[j] = 0ull;
     if (threadIdx.x == 0) {
         s_n = 0;
@@ -425,7 +426,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
 // each) and draws. C: a power of two (generator.sampler: at most MAX_CANDIDATES). top_k[b] <= 0 (off): k = C, and
 // the slices also write their maximum s and sum of exp(s - max) to zs[b][g] (the row's softmax denominator); where
 // the C ranked hold top_p or more of the row's probability the cut lies among them, else (or top_p 1) the cut comes
-// from the whole row (nucleus_cut) and the draw is over the whole row. Counters rowdone [nb], counter: 0 before the
+// from the whole row (nucleus_draw, or nucleus_cut) and the draw is over the whole row. Counters rowdone [nb], counter: 0 before the
 // first launch, left at 0.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     const float* __restrict__ logits, int V, int G, int C, const float* __restrict__ temp,
@@ -435,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
     long long* __restrict__ hist, long long* __restrict__ step, int* __restrict__ pos, const T* __restrict__ embed,
     T* __restrict__ x_next) {
     extern __shared__ __align__(16) unsigned long long kept[];  // the row's last block: the kept logits, sorted
-    __shared__ __align__(8) unsigned keys[SLICE];  // (the last block: the slices' pairs, then the cut's 17 sums)
+    __shared__ __align__(8) unsigned keys[SLICE];  // (the last block: the slices' pairs, then the cut's bins or 17 sums)
     __shared__ unsigned hist256[256], pick[2];
     __shared__ int cnt3[3], scnt[MAX_SLICES];
     __shared__ float fred[WARPS];
