@@ -288,6 +288,10 @@ __device__ __forceinline__ uint2 nucleus_cut(const float* row, float tt, int V, 
 
 constexpr int NUC_BINS = 2048;  // nucleus_draw's bins of s below the row's maximum
 constexpr float NUC_RANGE = 28.f;  // their span in s: below it a token's probability is under 2^-40 (0 in qmass)
+// a bin holds its tokens' probability in the low NUC_COUNT_SHIFT bits (a row's sums to ~2^40) and their count above
+// (up to MAX_VOCAB = 2^19 tokens: 62 bits), both added by one atomic
+constexpr int NUC_COUNT_SHIFT = 43;
+constexpr unsigned long long NUC_MASS = (1ull << NUC_COUNT_SHIFT) - 1ull;
 static_assert(NUC_BINS * 8 <= SLICE * 4, "nucleus_draw's bins live in sample_topk's keys");
 
 // A block's exclusive prefix sum of v over threadIdx.x; *total: the sum of all (every thread). red: WARPS sums.
@@ -317,12 +321,13 @@ __device__ unsigned long long block_excl_sum(unsigned long long v, unsigned long
 // from the top reaches top_p; pass 2 draws over the tokens of the bins above d (all kept) and gathers d's tokens,
 // which are sorted (s, then lowest id) to find the cut among them, and drawn where kept. Returns 0 with *best the
 // block's draw (this thread's share), 1 where the row holds less than top_p in fixed point (keep every token), 2 where
-// bin d holds more than `cap` tokens (a near-flat row: nucleus_cut's radix select instead). bins: NUC_BINS sums of
-// shared memory; list: cap (a power of two) keys of shared memory.
+// bin d holds more than `cap` tokens (a near-flat row: nucleus_cut's radix select instead; known after pass 1 from
+// the bins' counts of tokens with a non-zero probability, which bin d's are, or after pass 2). bins: NUC_BINS sums
+// of shared memory; list: cap (a power of two) keys of shared memory.
 __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z, float p_top, unsigned long long h,
                             unsigned long long* bins, unsigned long long* list, int cap, unsigned long long* red,
                             unsigned long long* best) {
-    __shared__ int s_n, s_d;
+    __shared__ int s_n, s_d, s_dn;
     __shared__ unsigned long long s_above;
     __shared__ unsigned s_tau, s_idk;
     auto load = [&](int i) { return __ldcg(row + i); };
@@ -333,6 +338,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
     if (threadIdx.x == 0) {
         s_n = 0;
         s_d = -1;
+        s_dn = 0;
         s_tau = 0u;
         s_idk = 0u;
     }
@@ -343,7 +349,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
         const float s = key_float(key);
         const int b = bin(s);
         const unsigned long long q = b < 0 ? 0ull : qmass(key, M, Z);
-        if (q) atomicAdd(bins + b, q);
+        if (q) atomicAdd(bins + b, q + (1ull << NUC_COUNT_SHIFT));
     });
     __syncthreads();
     constexpr int PER = NUC_BINS / THREADS;  // a thread's bins, from the top: thread 0 the highest
@@ -351,7 +357,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
     unsigned long long c[PER], mine = 0ull, total;
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-        c[j] = bins[NUC_BINS - 1 - PER * threadIdx.x - j];
+        c[j] = bins[NUC_BINS - 1 - PER * threadIdx.x - j] & NUC_MASS;
         mine += c[j];
     }
     unsigned long long run = block_excl_sum(mine, red, &total);
@@ -360,6 +366,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
         for (int j = 0; j < PER; ++j) {
             if (run + c[j] >= P) {
                 s_d = NUC_BINS - 1 - PER * threadIdx.x - j;
+                s_dn = (int)(bins[s_d] >> NUC_COUNT_SHIFT);
                 s_above = run;
                 break;
             }
@@ -368,6 +375,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
     }
     __syncthreads();
     const int d = s_d;
+    if (s_dn > cap) return 2;  // (every thread: bin d's tokens would not fit the list)
     unsigned long long b0 = 0ull;
     for_each<16>(load, V, [&](int i, float v) {
         const unsigned key = float_key(v / tt);
