@@ -288,13 +288,15 @@ def build_needed(build_dir: str, names: list[str]) -> None:
 
 def main(argv=None):
     from bench import ScriptParser
-    ap = ScriptParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build-dir", default="build")
+    ap = ScriptParser(description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU.")
+    ap.add_argument("--build-dir", default="build", help="where the served variants are built (build_needed: first, "
+                                                         "where not up to date) [build]")
     ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b", help="checkpoint directory (made if absent)")
     ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--skip", action="append", default=[], help="provider to skip: served, unfused, hf, hf-compile")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run [128]")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per figure, the median kept [3]")
+    ap.add_argument("--skip", action="append", default=[],
+                    help="a provider to skip (repeatable): served, unfused, hf, hf-compile")
     ap.add_argument("--out", default=None, help="JSON file [e2e-<gpu>-<date>.json, the name `megakernel report` "
                                                 "reads, in $OUT, else bench/results/]")
     args = ap.parse_args(argv)

@@ -187,6 +187,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         near = next(q for q in (op.resolve().parent, *op.resolve().parent.parents) if q.exists())
         if not near.is_dir() or not os.access(near, os.W_OK):
             fail(f"--out {out}: {near} is not a writable folder")
+    if build_dir is not None and not build_dir.strip():
+        fail("--build-dir: empty (give a directory, or leave it out for a temporary one)")
     if build_dir is not None and Path(build_dir).exists() and not Path(build_dir).is_dir():
         fail(f"--build-dir {build_dir}: exists and is not a directory")
     row = int(positions) if positions.isdigit() else None

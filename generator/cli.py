@@ -94,7 +94,10 @@ def load_selected(variants_file: str, only=(), exclude=()) -> list:
 variants_opt = click.option("--variants", "variants_file", default="variants.yaml", show_default=True,
                             help="variants file")
 def _a_directory(ctx, param, value):
-    """--build-dir: refused in one line where it, or a folder above it, exists as something else than a folder."""
+    """--build-dir: refused in one line where it is empty, or it or a folder above it exists as something else than a
+    folder."""
+    if not str(value).strip():
+        fail("--build-dir: empty (give a directory; '.' for this one)")
     for p in (Path(value), *Path(value).parents):
         if p.exists():
             if not p.is_dir():
@@ -390,7 +393,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     for e in result["errors"]:
         err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
-    rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names), names)
+    rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names, arch=arch), names)
     if not no_report:
         greport.print_report(rep, console)
     replanned = " ".join(result.get("replans", []))  # already warned, with what was tried
@@ -528,8 +531,6 @@ def clean_cmd(build_dir):
     that is not a build's, a symbolic link, or the directory this command runs in (or one above it) refuses the
     whole removal in one line, and so does a build still using it (its shared lock on .busy, or a compile's lock).
     What a build's own subdirectories hold (objects/, a variant's) goes with them."""
-    if not str(build_dir).strip():
-        fail("--build-dir: empty (give the build directory to remove)")
     p = Path(build_dir)
     if p.is_symlink():
         fail(f"{build_dir}: a symbolic link (to {os.readlink(p)}); not removing it (clean the directory it points to, "

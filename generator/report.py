@@ -337,7 +337,7 @@ def select(report: dict, names) -> dict:
 
 
 def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
-                 declared=None, write: bool = True, build_cmd: str | None = None) -> dict:
+                 declared=None, write: bool = True, build_cmd: str | None = None, arch: str | None = None) -> dict:
     """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
     "not_built": [declared names with no entry in the manifest],
     "e2e": the newest end-to-end result in bench_dir (latest_e2e) or None}.
@@ -348,7 +348,9 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
     in "not_declared" (None: every entry). gpu: measure module load times where CuPy sees a
     GPU. Writes build_dir/report.json and report.csv (every column) unless write=False.
     Raises FileNotFoundError when nothing is built (or nothing declared is), suggesting `build_cmd` (the CLI passes
-    the user's --variants/--build-dir; default `megakernel build` with build_dir's flag)."""
+    the user's --variants/--build-dir; default `megakernel build` with build_dir's flag). arch: the architecture just
+    built for (`megakernel build --arch`): a row built for another (kept from an earlier build, where this one was
+    refused) names its own, as rows do in a directory of several."""
     build_dir = Path(build_dir)
     build_cmd = build_cmd or f"megakernel build{build_dir_flag(build_dir)}"  # the command a refusal suggests
     manifest = read_manifest(build_dir)
@@ -382,7 +384,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
         if e["status"] == "ok" and (bad := cubin_problem(e, build_dir)):
             stale.append(f"cubin-{bad}")  # as `megakernel list` says; `megakernel build` writes it again
         row = {"name": name, "status": e["status"], "flags": ",".join(flags(e) + stale)}
-        if mixed and e["status"] == "ok":
+        if (mixed or (arch is not None and label_of[name] != str(arch))) and e["status"] == "ok":
             row["arch"] = f"sm_{label_of[name]}"
         row.update(plan_fields(e))
         row.update(gpu_fields(e))
@@ -552,7 +554,8 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     print_fitted(console, lambda cs: _table(rows, cs), cols, DROP_ORDER, wide)
     if any(r.get("arch") for r in rows):
         console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "
-                      "than one; a kernel loads only on a GPU of its architecture)", highlight=False)
+                      "than one, or the build just run was for another and kept this one; a kernel loads only on a "
+                      "GPU of its architecture)", highlight=False)
     shown = {f.strip() for r in rows for f in (r.get("flags") or "").split(",") if f.strip()}
     for prefix, label, what in FLAG_HELP:
         if any(f.startswith(prefix) for f in shown):

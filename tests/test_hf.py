@@ -221,6 +221,9 @@ def test_kv_heads_absent_or_null_read_as_transformers_reads_them(tmp_path, model
         with pytest.raises(hf.HFConfigError, match=f"no field 'num_key_value_heads': transformers' default for "
                                                    f"{model_type}, {want}, does not divide num_attention_heads 14"):
             hf.model_entry(write_config(tmp_path, "odd", {**cfg, "num_attention_heads": 14, "hidden_size": 224}))
+    # given, and not dividing the heads: config.json's names, not variants.yaml's
+    with pytest.raises(hf.HFConfigError, match="num_key_value_heads 3 does not divide num_attention_heads 64"):
+        hf.model_entry(write_config(tmp_path, "given", {**cfg, "num_key_value_heads": 3}))
 
 
 def test_float32_checkpoint_maps_to_bf16_with_a_comment(tmp_path):
@@ -276,7 +279,7 @@ REFUSED = [
     ("hidden_size 2000 // num_attention_heads 16", {**_without(LLAMA_3_2_1B, "head_dim"), "hidden_size": 2000,
                                                     "num_attention_heads": 16,
                                                     "num_key_value_heads": 4}),
-    ("kv_heads", {**LLAMA_3_2_1B, "num_key_value_heads": 7}),
+    ("num_key_value_heads 7 does not divide", {**LLAMA_3_2_1B, "num_key_value_heads": 7}),
 ]
 
 

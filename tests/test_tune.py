@@ -963,7 +963,8 @@ def test_tune_out_build_dir_and_shard_are_checked_before_the_gpu(tmp_path, cli):
              (["--out", ""], "--out: an empty path"), (["--out", ROOT / "variants.yaml"], "not a tuning file"),
              (["--out", notjson], "not a tuning file"),
              (["--out", ROOT / "README.md" / "t.json"], "README.md is not a writable folder"),
-             (["--build-dir", ROOT / "README.md"], "exists and is not a directory")]
+             (["--build-dir", ROOT / "README.md"], "exists and is not a directory"),
+             (["--build-dir", ""], "--build-dir: empty")]
     for extra, want in cases:
         r = cli(base + extra, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and want in r.stderr \

@@ -80,7 +80,7 @@ BAD_CASES = {
     "unknown-key": (doc_text(hiden=64), [V, "unknown field 'hiden'", "allowed:"]),
     "missing-key": (doc_text(intermediate=None), [V, "missing field 'intermediate'"]),
     "type-str-for-int": (doc_text(hidden="64"), [V, "field 'hidden'", "must be integer", "'64'"]),
-    "type-bool-for-int": (doc_text(hidden=True), [V, "field 'hidden'", "must be integer", "True"]),
+    "type-bool-for-int": (doc_text(hidden=True), [V, "field 'hidden'", "must be integer", "got true"]),
     "type-float-for-int": (doc_text(heads=2.0), [V, "field 'heads'", "must be integer"]),
     "type-int-for-bool": (doc_text(qkv_bias=1), [V, "field 'qkv_bias'", "must be boolean"]),
     "type-str-for-float": (doc_text(norm_eps="small"), [V, "field 'norm_eps'", "must be number"]),
@@ -266,7 +266,7 @@ def test_every_field_is_checked_for_presence():
 
 def test_bool_is_not_an_int_anywhere():
     for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers"):
-        with pytest.raises(VariantError, match=f"field '{k}' must be integer, got True"):
+        with pytest.raises(VariantError, match=f"field '{k}' must be integer, got true"):
             gvariants.parse(doc_text(**{k: True}), "t.yaml")
     with pytest.raises(VariantError, match="matrix.batch"):
         gvariants.parse(GOOD_TEXT.replace("batch:\n  - 1", "batch:\n  - true"), "t.yaml")

@@ -308,6 +308,9 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
                                 f"{kv_heads}, does not divide num_attention_heads {heads} (give the field)")
         notes.append(f"no num_key_value_heads in config.json: {kv_heads}, transformers' default for "
                      f"{model_type} (not num_attention_heads {heads})")
+    elif kv_heads > 0 and heads % kv_heads:  # (in config.json's names, not variants.yaml's)
+        raise HFConfigError(f"{cfg_path}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
+                            "(every KV head serves the same number of query heads)")
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
     head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
     derived = head_dim is None  # as transformers does: hidden_size // num_attention_heads
