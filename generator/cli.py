@@ -722,7 +722,7 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         why = cuda_unavailable()
         device = "cpu" if why else "cuda"
         if why and os.environ.get("RANK", "0") == "0":  # (under torchrun: rank 0 says it)
-            err_console.print(f"note: {why}: the unfused layers run on the CPU (--device cuda requires a GPU)",
+            err_console.print(f"note: {why}: the unfused layers run on the CPU (--device auto found no GPU)",
                               markup=False, highlight=False, soft_wrap=True)
     try:
         dev = torch.device(device)
@@ -836,7 +836,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     chosen = list(variant_names) or None
     if dev.type == "cpu":  # the fused kernels run on CUDA only: the CPU serves the unfused layers
         if chosen:
-            fail("--variant: fused variants run on CUDA; --device cpu serves the unfused layers (drop --variant)")
+            fail("--variant: fused variants run on CUDA, and this run is on the CPU (--device cpu, or no GPU found): "
+                 "the CPU serves the unfused layers (drop --variant)")
         chosen = []
     cfg = {}
     try:

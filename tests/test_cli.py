@@ -256,6 +256,18 @@ def test_a_build_directory_the_file_system_refuses_is_one_line(copy_build, tmp_p
     assert len(warn) == 1 and warn[0].startswith("warning: "), r.stderr
 
 
+def test_generate_on_the_cpu_refuses_a_fused_variant_in_one_line(tmp_path):
+    """`generate --device cpu --variant X`: the fused kernels run on CUDA only; one line says the CPU serves the
+    unfused layers (a new user's trial: the message named a --device they had not given)."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "intermediate_size": 512,
+                                               "num_hidden_layers": 1, "vocab_size": 100}))
+    assert_bad_input(run_cli(["generate", d, "--ids", "1,2", "--variant", "x", "--device", "cpu"], cwd=tmp_path),
+                     "--variant: fused variants run on CUDA", "drop --variant")
+
+
 def test_clean(copy_build, tmp_path):
     copy_build(tmp_path / "build")
     r = run_cli(["clean"], cwd=tmp_path)

@@ -145,8 +145,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                                         + (f"at most {fit} fit (GEMM_STAGES)" if fit >= 3 else
                                            "a GPU with more shared memory per block")),
         "attention": (att_bytes, f"64-key K/V tiles and 16 query rows per warp take "
-                                 f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim"),
-        "kv_append": (append_bytes, "a smaller head_dim"),
+                                 f"{att_bytes // (m.head_dim + 8)} x (head_dim + 8) B: a smaller head_dim, or "
+                                 "this model's decode variants only (no prefill variant: prompts take the unfused "
+                                 "path)"),
+        "kv_append": (append_bytes, "a smaller head_dim, or this model's decode variants only"),
     })
     gm = ov.get("GEMM_GM", gm)
     # a split's partial tile is stored and read back through L2 (~half HBM's cost a byte), plus ~a chunk of sync
