@@ -37,6 +37,13 @@ def test_which_draws_are_served():
     assert sampler.supported(0, False, 4 * sampler.MAX_VOCAB) is None
 
 
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory) -> Path:
+    """One build directory for the module's GPU tests: the sampler compiles once per (hidden, dtype), not once a
+    test (40 draw shapes' compiles took most of a device call's 600 s)."""
+    return tmp_path_factory.mktemp("sampler")
+
+
 def _inputs(B, V, seed, *, ties=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(B, V, device="cuda", generator=g) * 3
@@ -67,7 +74,7 @@ SHAPES = [(50, 0.9, 128, True, 128), (1, 1.0, 128, False, 128), (200, 0.5, 512, 
 @needs_cuda
 @pytest.mark.parametrize("ties,V", [(False, 50000 + 17), (True, 50000 + 17), (False, 300), (False, 3 * 4096 + 100)])
 @pytest.mark.parametrize("k,p,cands,nucleus,room", SHAPES)
-def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, room, ties, V):
+def test_gpu_sampler_draws_sample_tokens_tokens(objects, k, p, cands, nucleus, room, ties, V):
     """V 50,017: 13 slices of 4,096 logits, the last short; V 300: one slice, fewer logits than candidates;
     V 12,388: a last slice of 100 logits (fewer than some top-k). Rows' top-k and top-p differ. Top-k off with
     top-p: temperatures 0.3-1.5 on these logits put the cut among the 256 ranked in some rows and past them in
@@ -75,7 +82,7 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
     row."""
     B = 6
     cands, room = min(cands, V), min(room, V)
-    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=objects)
     differ, past = 0, 0
     for trial in range(30):
         logits, temp, s, pos = _inputs(B, V, 1000 * trial + 7, ties=ties)
@@ -110,12 +117,12 @@ def test_gpu_sampler_draws_sample_tokens_tokens(tmp_path, k, p, cands, nucleus, 
 
 @gpu
 @needs_cuda
-def test_gpu_sampler_keeps_the_lowest_ids_of_too_many_ties(tmp_path):
+def test_gpu_sampler_keeps_the_lowest_ids_of_too_many_ties(objects):
     """Where more logits tie at the k-th than the candidates hold, every larger logit is kept and the lowest ids of
     the tied ones (the same set every run; torch.topk(C) keeps some C of them): 3,000 logits tie (top-k 50 of 128
     candidates), so the draw is one of ids 0..127; ten larger logits in another slice are always kept."""
     V, B = 3 * 4096, 4
-    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=objects)
     logits = torch.full((B, V), -5.0, device="cuda")
     logits[:, :3000] = 2.0
     temp = torch.ones(B, device="cuda")
@@ -140,7 +147,7 @@ def test_gpu_sampler_keeps_the_lowest_ids_of_too_many_ties(tmp_path):
 
 @gpu
 @needs_cuda
-def test_gpu_sampler_cuts_a_flat_row_among_its_ties_by_id(tmp_path):
+def test_gpu_sampler_cuts_a_flat_row_among_its_ties_by_id(objects):
     """Top-p without top-k where the ranked logits hold far less than top_p (the whole row's cut): id 5 at logit 5,
     20,000 ids tied at 0, the rest at -30. At top-p 0.5 the cut lies among the ties: id 5 (p 0.0074) and the
     lowest ~9,930 tied ids (p 4.96e-5 each) are kept, by the kernel's rule (lowest id first; torch's sort keeps
@@ -151,7 +158,7 @@ def test_gpu_sampler_cuts_a_flat_row_among_its_ties_by_id(tmp_path):
     logits[0, 5] = 5.0
     z = math.exp(5.0) + n + (V - n - 1) * math.exp(-30.0)
     need = math.ceil((0.5 - math.exp(5.0) / z) * z)  # the tied ids it takes to reach 0.5
-    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=objects)
     one = dict(device="cuda")
     temp, topk, topp = torch.ones(1, **one), torch.zeros(1, dtype=torch.long, **one), torch.full((1,), 0.5, **one)
     got = []
@@ -169,11 +176,11 @@ def test_gpu_sampler_cuts_a_flat_row_among_its_ties_by_id(tmp_path):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("cands,nucleus", [(128, True), (0, False)])
-def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
+def test_gpu_sampler_advances_the_step_and_replays(objects, cands, nucleus):
     """With lm_head.Advance: hist[step] = the draw, pos += 1, x_next = embed[draw], step += 1 — as the fused head's
     greedy step does; a CUDA graph's replays chain steps (each draws from the new positions)."""
     B, V, H = 3, 30011, 256
-    draw = sampler.Sampler(H, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+    draw = sampler.Sampler(H, torch.bfloat16, "cuda", build_dir=objects)
     logits, temp, s, pos0 = _inputs(B, V, 5)
     topk, topp = torch.full((B,), 40, device="cuda"), torch.full((B,), 0.8 if nucleus else 1.0, device="cuda")
     embed = torch.randn(V + 5, H, device="cuda").bfloat16()
@@ -228,8 +235,8 @@ def test_gpu_sampler_advances_the_step_and_replays(tmp_path, cands, nucleus):
 
 @gpu
 @needs_cuda
-def test_gpu_sampler_refuses_bad_inputs(tmp_path):
-    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+def test_gpu_sampler_refuses_bad_inputs(objects):
+    draw = sampler.Sampler(64, torch.bfloat16, "cuda", build_dir=objects)
     logits, temp, s, pos = _inputs(2, 1000, 1)
     k, p, nxt = torch.full((2,), 5, device="cuda"), torch.ones(2, device="cuda"), torch.zeros(2, dtype=torch.long,
                                                                                               device="cuda")
@@ -238,4 +245,4 @@ def test_gpu_sampler_refuses_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="pos \\[B\\] int32"):
         draw(logits, temp, k, p, s, pos.long(), nxt, candidates=128, nucleus=False)
     with pytest.raises(ValueError, match="Sampler: hidden 60"):
-        sampler.Sampler(60, torch.bfloat16, "cuda", build_dir=Path(tmp_path))
+        sampler.Sampler(60, torch.bfloat16, "cuda", build_dir=objects)
