@@ -63,8 +63,9 @@ STEPS = (
 # their sums by 1/rms: the gain's first read (HBM) and the scale pass's block barrier off the chain (batch 1);
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing;
-# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule where the counters are not taken): no counters, act written as 32-bit words carrying the launch's
-# epoch, which down_proj's lanes poll as o_proj's poll attention's under ATT_LL);
+# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule where the counters are not taken): no counters,
+# act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll as o_proj's poll
+# attention's under ATT_LL);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
