@@ -41,6 +41,14 @@ __device__ __forceinline__ float gumbel(unsigned long long h, long long id) {
     const float u = fminf(((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f), 0.99999994f);
     return -logf(-logf(u));
 }
+// the whole-row draw's key of token id (s = key_float(key)): s plus its noise, as argmax_key orders them
+__device__ __forceinline__ unsigned long long noisy_key(unsigned key, unsigned long long h, unsigned id) {
+    return argmax_key(key_float(key) + gumbel(h, id), id);
+}
+// top-p's cut (tau, idk: nucleus_cut's) keeps token (key, ~id nid): above tau, or tied with it at a low enough id
+__device__ __forceinline__ bool cut_keeps(unsigned key, unsigned nid, unsigned tau, unsigned idk) {
+    return key > tau || (key == tau && nid >= idk);
+}
 __device__ unsigned long long block_max_key(unsigned long long k, unsigned long long* red) {
     k = warp_max_key(k);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = k;
@@ -383,7 +391,7 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
         const float s = key_float(key);
         const int b = bin(s);
         if (b > d) {
-            const unsigned long long sk = argmax_key(s + gumbel(h, i), (unsigned)i);
+            const unsigned long long sk = noisy_key(key, h, (unsigned)i);
             b0 = sk > b0 ? sk : b0;
         } else if (b == d) {
             const int slot = atomicAdd(&s_n, 1);
@@ -415,9 +423,8 @@ __device__ int nucleus_draw(const float* row, float tt, int V, float M, float Z,
     const unsigned tau = s_tau, idk = s_idk;
     for (int i = threadIdx.x; i < n; i += THREADS) {
         const unsigned key = (unsigned)(list[i] >> 32), nid = (unsigned)list[i];
-        if (key > tau || (key == tau && nid >= idk)) {
-            const unsigned id = 0xFFFFFFFFu - nid;
-            const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, id), id);
+        if (cut_keeps(key, nid, tau, idk)) {
+            const unsigned long long sk = noisy_key(key, h, 0xFFFFFFFFu - nid);
             b0 = sk > b0 ? sk : b0;
         }
     }
@@ -580,8 +587,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_topk(
                 const unsigned tau = cut.x, idk = cut.y;
                 for_each<16>([&](int i) { return __ldcg(row + i); }, V, [&](int i, float v) {
                     const unsigned key = float_key(v / tt);
-                    if (key != 0u && (key > tau || (key == tau && 0xFFFFFFFFu - (unsigned)i >= idk))) {
-                        const unsigned long long sk = argmax_key(key_float(key) + gumbel(h, i), (unsigned)i);
+                    if (key != 0u && cut_keeps(key, 0xFFFFFFFFu - (unsigned)i, tau, idk)) {
+                        const unsigned long long sk = noisy_key(key, h, (unsigned)i);
                         best = sk > best ? sk : best;
                     }
                 });
