@@ -93,42 +93,36 @@ def test_balance_split_fills_the_last_round_of_tasks():
     assert gemv_balance_split(16 * 200, 16 * 17, 132) == 1  # 17 k-tiles: no split keeps >= 16 a task
     v = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b4_s4096_bf16")
     cands = gtune.candidates(v)
-    # (each with the LL hand-offs the planner allows beside it: the rule reaches batch 4 at hidden 3584)
-    assert any(c.get("DOWN_KSPLIT") == 4 for c in cands[:5]) and any(c.get("X_FRAG") == 0 for c in cands[:8])
+    assert {"DOWN_KSPLIT": 4} in cands[:5] and {"X_FRAG": 0} in cands[:7]
 
 
-def test_ll_hand_offs_by_default_at_batch_1_to_5_on_small_layers():
-    """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1 (and 2 .. LL_BATCH_MAX at head_dim 64 /
-    128) on one sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX (measured, bench/NOTES.md sessions 48 and 50): no grid
-    barrier between qkv_proj and gate_up (with DOWN_FLOW none at all); not at batch 8, at head_dim 96 from batch 2,
-    above the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on another arch; DOWN_FLOW 2's words stay
-    batch 1's; an override of one knob leaves the others' defaults; where the norm's rows go to global memory or
-    H_STATS is asked for, the rule gives way (no refusal); the tuner tries the three off together."""
-    from generator.modes.decode import LL_BATCH_MAX, LL_HIDDEN_MAX
+def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
+    """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1 on one sm_90 GPU in bf16 up to hidden
+    LL_HIDDEN_MAX (measured, bench/NOTES.md sessions 48 and 50): no grid barrier between qkv_proj and gate_up (with
+    DOWN_FLOW none at all); not at batch 2 or 4 (they spill on many shapes there: a tuner candidate, and the tuned
+    entries that won with them name them), above the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on
+    another arch; DOWN_FLOW 2's words only up to hidden 3072; an override of one knob leaves the others' defaults;
+    where the norm's rows go to global memory or H_STATS is asked for, the rule gives way (no refusal); the tuner
+    tries the three off together."""
+    from generator.modes.decode import LL_HIDDEN_MAX
     named = {v.name: v for v in declared()}
     ll = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}
     for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
-                 "qwen3-1.7b_decode_b1_s32768_bf16", "qwen2.5-7b_decode_b1_s4096_bf16",
-                 "llama3.2-1b_decode_b4_s32768_bf16", "qwen3-1.7b_decode_b4_s1024_bf16"):
+                 "qwen3-1.7b_decode_b1_s32768_bf16", "qwen2.5-7b_decode_b1_s4096_bf16"):
         p = render.plan(named[name])
         assert {k: p["consts"][k] for k in ll} == ll, name
         assert LL_OFF in gtune.candidates(named[name]), name
     assert render.plan(named["llama3.2-1b_decode_b1_s4096_bf16"])["grid_syncs"] == 0  # (DOWN_FLOW there too)
-    assert render.plan(named["qwen2.5-0.5b_decode_b4_s32768_bf16"])["consts"]["DOWN_FLOW"] != 2  # (batch 1's)
+    assert render.plan(named["qwen2.5-7b_decode_b1_s4096_bf16"])["consts"]["DOWN_FLOW"] != 2  # (hidden 3584)
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
     big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX + 512,
                                                            intermediate=4 * (LL_HIDDEN_MAX + 512)))
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
-    b4 = named["llama3.2-1b_decode_b4_s4096_bf16"]
-    hd96 = dataclasses.replace(b4, model=dataclasses.replace(b4.model, heads=32, kv_heads=8, head_dim=96,
-                                                             hidden=3072))
-    past = dataclasses.replace(b4, batch=LL_BATCH_MAX + 1)
-    for off, arch in ((named["llama3.2-1b_decode_b8_s4096_bf16"], "90"), (past, "90"), (hd96, "90"), (big, "90"),
-                      (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
+    for off, arch in ((named["llama3.2-1b_decode_b4_s4096_bf16"], "90"), (dataclasses.replace(v, batch=2), "90"),
+                      (big, "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
         c = render.plan(off, arch)["consts"]
         assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), (off.name, off.model.hidden, arch)
     assert {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1} in gtune.candidates(named["llama3.2-1b_decode_b8_s4096_bf16"])
-    assert render.plan(hd96, overrides=ll)["consts"]["ATT_LL"] == 1  # (allowed, only not the default)
     one = render.plan(v, overrides={"H_LL": 0})["consts"]
     assert (one["ATT_LL"], one["QKV_FLOW"], one["H_LL"]) == (1, 2, 0)
     for ov in ({"H_STATS": 1}, {"NORM_GLOBAL": 1}, {"QKV_KSPLIT": 2}):
@@ -182,8 +176,8 @@ def test_qkv_flow_replaces_one_barrier():
     """QKV_FLOW (the default on one GPU where qkv is unsplit; a tuner knob): the qkv -> attention grid barrier is
     compiled out, every KV head counts (GROUP + 2) x head_dim / 16 tiles (the C mapping templates/stages/qkv_proj.cuh
     qkv_tile_head, mirrored here); a split qkv plans the barrier, and asking for both is refused; tensor parallel
-    keeps the barrier. (At batch 8: batch 1-5's default hands qkv over as words, decode.LL_HIDDEN_MAX.)"""
-    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b8_s4096_bf16")
+    keeps the barrier. (At batch 4: batch 1's default hands qkv over as words, decode.LL_HIDDEN_MAX.)"""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b4_s4096_bf16")
     on, off = render.plan(v), render.plan(v, overrides={"QKV_FLOW": 0})
     assert off["consts"]["QKV_FLOW"] == 0 and on["consts"]["QKV_FLOW"] == 1
     assert on["grid_syncs"] == off["grid_syncs"] - 1
@@ -333,7 +327,7 @@ def test_down_flow_2_hands_act_over_as_words():
     with pytest.raises(PlanError, match="DOWN_FLOW=2: tensor parallel keeps"):
         render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 2})
     assert {"DOWN_FLOW": 2} in gtune.candidates(v)  # (Llama-3.2-1B b1: the counters by default)
-    assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b8_s4096_bf16"]))
+    assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b4_s4096_bf16"]))
 
 
 def test_down_flow_replaces_one_barrier():
