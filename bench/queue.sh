@@ -6,6 +6,7 @@
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh rule      # one device call (carry build-ab): the LL rule's and DOWN_FLOW 2's A/B, to repeat on an H200
 #   bash bench/queue.sh retune    # the batch-1 entries rebased onto the LL rule, tuned again (one call)
+#   bash bench/queue.sh llb       # one device call (carry build-ab after `build`): the LL hand-offs at batch 2-5 with O_PRE 0
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -52,6 +53,23 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
   # session 47's timeline; Qwen2.5-7B b1, hidden 3584, just past the rule's bound: the three never timed there)
 }
 
+part_llb() {  # session 50: the LL hand-offs at batch 2-5 won where they compiled clean (-0.5 ... -3.3 %, H200) but
+  # spilled beside O_PRE 1 on most shapes; with O_PRE 0 they compile clean. Each against the default, and O_PRE 0
+  # alone (to tell the two apart): a rule needs {LL, O_PRE 0} ahead of the default on (nearly) all of them
+  local l='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0}' o='{"O_PRE": 0}' q=--variants=bench/queue-variants.yaml
+  ab llb full,mix $q --case llama3.2-1b_decode_b8_s4096_bf16 "$l" --case llama3.2-1b_decode_b8_s4096_bf16 "$o" \
+    --case qwen3-1.7b_decode_b4_s4096_bf16 "$l" --case qwen3-1.7b_decode_b4_s4096_bf16 "$o" \
+    --case ho-h2560-g5_decode_b3_s4096_bf16 "$l" --case ho-h2560-g5_decode_b3_s4096_bf16 "$o" \
+    --case ho-h1536-g6_decode_b2_s4096_bf16 "$l" --case ho-h1536-g6_decode_b2_s4096_bf16 "$o" \
+    --case ho-h576-g3_decode_b3_s4096_bf16 "$l" --case ho-h576-g3_decode_b3_s4096_bf16 "$o" \
+    --case ho-hd96-g4_decode_b5_s4096_bf16 "$l" --case ho-hd96-g4_decode_b5_s4096_bf16 "$o" \
+    --case q-l32-3b_decode_b2_s4096_bf16 "$l" --case q-l32-3b_decode_b2_s4096_bf16 "$o" \
+    --case q-l32-3b_decode_b5_s4096_bf16 "$l" --case q-tinyl_decode_b2_s2048_bf16 "$l" \
+    --case q-smol17_decode_b3_s4096_bf16 "$l" --case q-h960-g3_decode_b2_s2048_bf16 "$l" \
+    --case ho-mha-b5_decode_b5_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}'
+  # (the held-out MHA b5 plans O_PRE 0 already: the three alone, -3.3 / -3.1 % in session 50)
+}
+
 part_retune() {  # the batch-1 entries in the LL rule's domain, tuned again into $OUT/tuned.json (session 48: their
   # overrides were tuned before the rule; session 49: DOWN_FLOW 2's default added, the 1B and Qwen3-1.7B KV 1024
   # entries removed as slower than the default; from an H200: merge its entries into tuning/nvidia-h200.json; from
@@ -86,16 +104,17 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|rule|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|rule|llb|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_rule ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_rule; part_llb ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   rule) part_rule ;;
+  llb) part_llb ;;
   retune) part_retune ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|rule|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|rule|llb|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -97,32 +97,42 @@ def test_balance_split_fills_the_last_round_of_tasks():
 
 
 def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
-    """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1 on one sm_90 GPU in bf16 up to hidden
-    LL_HIDDEN_MAX (measured, bench/NOTES.md sessions 48 and 50): no grid barrier between qkv_proj and gate_up (with
-    DOWN_FLOW none at all); not at batch 2 or 4 (they spill on many shapes there: a tuner candidate, and the tuned
-    entries that won with them name them), above the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on
-    another arch; DOWN_FLOW 2's words only up to hidden 3072; an override of one knob leaves the others' defaults;
-    where the norm's rows go to global memory or H_STATS is asked for, the rule gives way (no refusal); the tuner
-    tries the three off together."""
+    """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1, and at batch 2 .. LL_BATCH_MAX where
+    attention's split is dynamic (no O_PRE: beside it they spill) without q/k norms, on one sm_90 GPU in bf16 up to
+    hidden LL_HIDDEN_MAX (measured, bench/NOTES.md sessions 48 and 50): no grid barrier between qkv_proj and gate_up
+    (with DOWN_FLOW none at all); not at batch 4 with O_PRE (a tuner candidate with O_PRE off, and the tuned entries
+    that won with them name them), past LL_BATCH_MAX, with q/k norms from batch 2, above the hidden size, with tensor
+    parallel, in fp16 (no HB_COPY) or on another arch; DOWN_FLOW 2's words only at batch 1 up to hidden 3072; an
+    override of one knob leaves the others' defaults; where the norm's rows go to global memory or H_STATS is asked
+    for, the rule gives way (no refusal); the tuner tries the three off together."""
+    from generator.modes.decode import LL_BATCH_MAX
     from generator.modes.decode import LL_HIDDEN_MAX
     named = {v.name: v for v in declared()}
     ll = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}
     for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
-                 "qwen3-1.7b_decode_b1_s32768_bf16", "qwen2.5-7b_decode_b1_s4096_bf16"):
+                 "qwen3-1.7b_decode_b1_s32768_bf16", "qwen2.5-7b_decode_b1_s4096_bf16",
+                 "llama3.2-1b_decode_b4_s32768_bf16", "qwen2.5-0.5b_decode_b4_s32768_bf16"):
         p = render.plan(named[name])
         assert {k: p["consts"][k] for k in ll} == ll, name
         assert LL_OFF in gtune.candidates(named[name]), name
     assert render.plan(named["llama3.2-1b_decode_b1_s4096_bf16"])["grid_syncs"] == 0  # (DOWN_FLOW there too)
     assert render.plan(named["qwen2.5-7b_decode_b1_s4096_bf16"])["consts"]["DOWN_FLOW"] != 2  # (hidden 3584)
+    assert render.plan(named["qwen2.5-0.5b_decode_b4_s32768_bf16"])["consts"]["DOWN_FLOW"] != 2  # (batch 1's)
+    assert render.plan(named["llama3.2-1b_decode_b4_s32768_bf16"])["consts"]["O_PRE"] == 0
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
     big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX + 512,
                                                            intermediate=4 * (LL_HIDDEN_MAX + 512)))
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
+    long4 = named["llama3.2-1b_decode_b4_s32768_bf16"]
     for off, arch in ((named["llama3.2-1b_decode_b4_s4096_bf16"], "90"), (dataclasses.replace(v, batch=2), "90"),
+                      (named["qwen3-1.7b_decode_b4_s32768_bf16"], "90"), (named["llama3.2-1b_decode_b8_s32768_bf16"], "90"),
+                      (dataclasses.replace(long4, batch=LL_BATCH_MAX + 1), "90"),
                       (big, "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
         c = render.plan(off, arch)["consts"]
         assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), (off.name, off.model.hidden, arch)
-    assert {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1} in gtune.candidates(named["llama3.2-1b_decode_b8_s4096_bf16"])
+    b8 = named["llama3.2-1b_decode_b8_s4096_bf16"]  # (from batch 2 with O_PRE off: its held step spills beside them)
+    assert render.plan(b8)["consts"]["O_PRE"] == 1
+    assert {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0} in gtune.candidates(b8)
     one = render.plan(v, overrides={"H_LL": 0})["consts"]
     assert (one["ATT_LL"], one["QKV_FLOW"], one["H_LL"]) == (1, 2, 0)
     for ov in ({"H_STATS": 1}, {"NORM_GLOBAL": 1}, {"QKV_KSPLIT": 2}):

@@ -63,7 +63,7 @@ STEPS = (
 # their sums by 1/rms: the gain's first read (HBM) and the scale pass's block barrier off the chain (batch 1);
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing;
-# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule up to hidden 3072 where the counters are not taken): no counters,
+# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters are not taken): no counters,
 # act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll as o_proj's poll
 # attention's under ATT_LL);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
@@ -331,14 +331,19 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
 # (session 50): the barriers +2.9 ... +10.2 % in all 20. Hidden 3584 (session 50, H200): Qwen2.5-7B b1 -1.6 / -1.2 %
 # with the three. Not at hidden 4096 (Llama-3-8B b1 +0.2 / +0.1 % on the H100: at 128 registers the held words spill
-# 72 / 144 B). Not at batch 2-5 either, though they win where they compile clean (session 50, H200, full context /
-# serving mix: Llama-3.2-1B b4 -3.2 / -2.9 %, Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1, five more
-# shapes -0.5 ... -2.8), but with them 8 of 11 further batch 2-5 shapes spill 4-104 B (Llama-3.2-3B-like b2 / b5,
-# TinyLlama-like b2 / b5, hidden 960 b2 / b4, SmolLM-1.7B-like b3, hidden 3584 b5; each clean without them), as do
-# Qwen3-1.7B b4 and a head_dim-96 b5 (+1.1 / +0.6 % there): the tuner tries them (their tuned entries keep them where
-# they won). Batch 8 is mixed (Qwen2.5-0.5B b8 +2.1 / +8.7 %, Llama-3.2-1B b8 -1.9 / -1.0)
+# 72 / 144 B). At batch 2-5 they win where they compile clean (session 50, H200, full context / serving mix:
+# Llama-3.2-1B b4 -3.2 / -2.9 %, Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1, six more shapes
+# -0.5 ... -2.8), but beside O_PRE 1 (o_proj's first step held through attention) 8 of 11 further batch 2-5 shapes
+# spill 4-104 B (each clean with O_PRE 0, as are the measured winners but three), as do Qwen3-1.7B b4 (8 B even with
+# O_PRE 0: q/k norms) and a head_dim-96 b5 (+1.1 / +0.6 % there). So from batch 2 only where the planner takes no
+# O_PRE (ATT_DYN: a KV cache of ATT_DYN_MIN_SEQ rows or more, or stream-K) and no q/k norms: the held-out MHA b5
+# (stream-K) -3.3 / -3.1 %, Llama-3.2-1B b4 KV 32768 -1.9 / -2.5; of 11 more such shapes compiled (hidden 896-3584,
+# head_dim 64-128, MHA to group 8) 10 without spills and one 4 B; elsewhere at batch 2-5 the tuner tries them with
+# O_PRE 0 (bench/queue.sh llb times that against O_PRE 1). Batch 8 is mixed (Qwen2.5-0.5B b8 +2.1 / +8.7 %,
+# Llama-3.2-1B b8 -1.9 / -1.0)
 LL_HIDDEN_MAX = 3584
-DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule up to this hidden size (plan: words)
+LL_BATCH_MAX = 5
+DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule: batch 1 up to this hidden size (plan: words)
 
 
 def _fmt(ov: dict) -> str:
@@ -738,11 +743,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
               and (m.hidden, m.kv_heads) in B1_PRE_SHAPES
               and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
-    # o_proj -> the second norm) by default at batch 1 on one sm_90 GPU in bf16 where each is allowed and the layer is
-    # small (LL_HIDDEN_MAX, where they were measured)
+    # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX under ATT_DYN (no O_PRE), on
+    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX: where they were measured)
     unsplit = all(g["KSPLIT"] == 1 for g in gemv.values())
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
-               and norm_cluster == 1 and unsplit and m.hidden <= LL_HIDDEN_MAX and v.batch == 1)
+               and norm_cluster == 1 and unsplit and m.hidden <= LL_HIDDEN_MAX
+               and (v.batch == 1 or v.batch <= LL_BATCH_MAX and att_dyn and not m.qk_norm))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
@@ -754,8 +760,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # all 12 timings of 6 such shapes (Qwen2.5-0.5B KV 1024 / 4096 / 32768; held out: hidden 960, 1440 / head_dim 80,
     # 2560 MHA, 3072); where the counters are taken (Llama-3.2-1B, Qwen3-1.7B) it needs DOWN_U 4 against spills and
     # ties (-0.5 ... +0.8 %), so they keep them; not with GEMV_PF 1 (its early loads beside the held words spill 76 B
-    # at Llama-3.2-1B b1 with GU_NWG 8, where the counters give way); up to hidden 3072 (where measured)
-    words = (flow_ok and ll_rule and m.hidden <= DOWN_WORDS_HIDDEN_MAX and gu_tasks >= sms
+    # at Llama-3.2-1B b1 with GU_NWG 8, where the counters give way); batch 1 up to hidden 3072 (where measured)
+    words = (flow_ok and ll_rule and v.batch == 1 and m.hidden <= DOWN_WORDS_HIDDEN_MAX and gu_tasks >= sms
              and ov.get("H_LL", 1) != 0
              and ov.get("GEMV_PF", int(b1_pre)) != 1)
     down_flow = ov.get("DOWN_FLOW", 1 if counters else 2 if words else 0)
