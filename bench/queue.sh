@@ -6,7 +6,7 @@
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh rule      # one device call (carry build-ab): the LL rule's and DOWN_FLOW 2's A/B, to repeat on an H200
 #   bash bench/queue.sh retune    # the batch-1 entries rebased onto the LL rule, tuned again (one call)
-#   bash bench/queue.sh llb       # one device call (carry build-ab after `build`): the LL hand-offs at batch 2-5 with O_PRE 0
+#   bash bench/queue.sh llb       # one device call (build-ab): the LL hand-offs at batch 2-8 with O_PRE 0
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -44,7 +44,7 @@ part_rule() {  # session 48: each batch-1 default under the LL rule (decode.LL_H
     --case ho-h1440-hd80_decode_b1_s4096_bf16 "$off" --case ho-smol-360m_decode_b1_s2048_bf16 "$off" \
     --case ho-h3072-g3_decode_b1_s4096_bf16 "$off" --case ho-hd80-mha_decode_b1_s4096_bf16 "$off" \
     --case $B1 '{"QKV_FLOW": 1}' --case $HALF '{"QKV_FLOW": 1}' \
-    --case qwen2.5-7b_decode_b1_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}' \
+    --case qwen2.5-7b_decode_b1_s4096_bf16 "$off" \
     --case $HALF '{"DOWN_FLOW": 0}' --case qwen2.5-0.5b_decode_b1_s1024_bf16 '{"DOWN_FLOW": 0}' \
     --case ho-smol-360m_decode_b1_s2048_bf16 '{"DOWN_FLOW": 0}' --case ho-h1440-hd80_decode_b1_s4096_bf16 '{"DOWN_FLOW": 0}'
   # (DOWN_FLOW 2 by default under the rule where the counters are not taken, session 49: measured on an H100 only,
@@ -66,8 +66,9 @@ part_llb() {  # session 50: the LL hand-offs at batch 2-5 won where they compile
     --case q-l32-3b_decode_b2_s4096_bf16 "$l" --case q-l32-3b_decode_b2_s4096_bf16 "$o" \
     --case q-l32-3b_decode_b5_s4096_bf16 "$l" --case q-tinyl_decode_b2_s2048_bf16 "$l" \
     --case q-smol17_decode_b3_s4096_bf16 "$l" --case q-h960-g3_decode_b2_s2048_bf16 "$l" \
-    --case ho-mha-b5_decode_b5_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}'
-  # (the held-out MHA b5 plans O_PRE 0 already: the three alone, -3.3 / -3.1 % in session 50)
+    --case ho-mha-b5_decode_b5_s4096_bf16 '{"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}'
+  # (the held-out MHA b5 plans ATT_DYN 2, so no O_PRE: the three by default there since session 50, -3.3 / -3.1 %;
+  # here the other way round)
 }
 
 part_retune() {  # the batch-1 entries in the LL rule's domain, tuned again into $OUT/tuned.json (session 48: their

@@ -212,8 +212,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is
     and the planner did not take it),
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off (from batch 2 with O_PRE
-    and H_STATS off) and off where on (batch <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4 where the planner takes them: no
-    ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2
+    off) and off where on (batch <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4
+    where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where not planned and 3 at batch 1-2
     (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
     loaded before the barrier before their stage: measured +2 % on Llama-3.2-1B b8 and +3.5 % on a hidden-5120 b16
@@ -252,13 +252,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
                                                                      base["gemv"][key]["split_balance"])) if ks > 1]
+    ll_off = {"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}
     if base["mode"] == "decode" and v.batch <= 8 and v.tp == 1:  # the LL hand-offs together, flipped; turned on at
-        # batch >= 2 without O_PRE (its pre-loaded step held through attention beside ATT_LL's words spilled on 8 of
-        # 11 shapes, none without it) and without H_STATS (which H_LL excludes): bench/NOTES.md session 50
-        on = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}
-        if v.batch > 1:
-            on.update({k: 0 for k in ("O_PRE", "H_STATS") if d[k]})
-        tries.append({"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0} if d["ATT_LL"] else on)
+        # batch >= 2 with O_PRE off (its pre-loaded step held through attention beside ATT_LL's words spilled on 8 of
+        # 11 shapes, none without it: bench/NOTES.md session 50)
+        on = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, **({"O_PRE": 0} if v.batch > 1 and d["O_PRE"] else {})}
+        tries.append(ll_off if d["ATT_LL"] else on)
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
@@ -270,7 +269,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
                   *({"ATT_COMBINE": c} for c in (1, 2, 3, 4) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
-                  {"O_PRE": 1 - d["O_PRE"]}, {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
+                  # (O_PRE turned on beside the hand-offs from batch 2: with them off, the pair spills)
+                  {"O_PRE": 1 - d["O_PRE"], **(ll_off if v.batch > 1 and d["ATT_LL"] and not d["O_PRE"] else {})},
+                  {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]

@@ -124,8 +124,11 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
                                                            intermediate=4 * (LL_HIDDEN_MAX + 512)))
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
     long4 = named["llama3.2-1b_decode_b4_s32768_bf16"]
+    c5 = render.plan(dataclasses.replace(long4, batch=LL_BATCH_MAX))["consts"]
+    assert {k: c5[k] for k in ll} == ll and c5["O_PRE"] == 0
     for off, arch in ((named["llama3.2-1b_decode_b4_s4096_bf16"], "90"), (dataclasses.replace(v, batch=2), "90"),
-                      (named["qwen3-1.7b_decode_b4_s32768_bf16"], "90"), (named["llama3.2-1b_decode_b8_s32768_bf16"], "90"),
+                      (named["qwen3-1.7b_decode_b4_s32768_bf16"], "90"),
+                      (named["llama3.2-1b_decode_b8_s32768_bf16"], "90"),
                       (dataclasses.replace(long4, batch=LL_BATCH_MAX + 1), "90"),
                       (big, "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
         c = render.plan(off, arch)["consts"]

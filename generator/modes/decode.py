@@ -63,7 +63,8 @@ STEPS = (
 # their sums by 1/rms: the gain's first read (HBM) and the scale pass's block barrier off the chain (batch 1);
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing;
-# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters are not taken): no counters,
+# 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters
+# are not taken): no counters,
 # act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll as o_proj's poll
 # attention's under ATT_LL);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
@@ -326,7 +327,8 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # (B1_PRE_MLP). Either knob alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where off
 B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
 B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
-# the LL hand-offs by default (plan: ll_rule) at batch 1 up to this hidden size. Hidden 896-3072: measured on an H100
+# the LL hand-offs by default (plan: ll_rule) up to this hidden size (batch 1; batch 2-5: below). Hidden 896-3072,
+# batch 1: measured on an H100
 # (bench/NOTES.md session 48), the rule's plan against the same plan with the barriers and counters, full context /
 # row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
 # (session 50): the barriers +2.9 ... +10.2 % in all 20. Hidden 3584 (session 50, H200): Qwen2.5-7B b1 -1.6 / -1.2 %
