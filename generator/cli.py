@@ -914,7 +914,12 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     if temperature == 0 and (asked := sampling_asked(model_dir)):
         opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (a.split(" ") for a in asked.split(", ")))
         info(f"note: generation_config.json asks for sampling ({asked}, as transformers' generate() fills it); this "
-             f"run is greedy: pass {opts} to sample as it does", markup=False, highlight=False, soft_wrap=True)
+             f"run is greedy: pass {opts} to sample with those settings", markup=False, highlight=False,
+             soft_wrap=True)
+    if ignored := processors_ignored(model_dir):
+        info(f"note: generation_config.json sets {ignored}, which transformers' generate() applies to the logits "
+             "and this command does not (it has no such option): its tokens may differ from transformers' from the "
+             "first step where one would act", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
     unit = "GPU" if model.device.type == "cuda" else "process"
     per = f" (per {unit}, tensor parallel over {group.size()})" if group is not None else ""
@@ -955,21 +960,52 @@ class TextStream:
             self.shown = text
 
 
+def _generation_config(model_dir):
+    """The directory's generation_config.json as transformers' GenerationConfig reads it; None where there is no
+    such file or transformers would not read it."""
+    if not (Path(model_dir) / "generation_config.json").is_file():
+        return None
+    try:
+        from transformers import GenerationConfig
+        return GenerationConfig.from_pretrained(str(model_dir))
+    except Exception:  # noqa: BLE001 - any file transformers would not read
+        return None
+
+
+# generation_config.json fields that transformers' generate() turns into logits processors (greedy or sampled) and
+# the value at which each does nothing; `megakernel generate` applies none of them
+LOGITS_PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                           "min_new_tokens": 0, "min_length": 0, "suppress_tokens": None,
+                           "begin_suppress_tokens": None, "bad_words_ids": None, "sequence_bias": None,
+                           "forced_bos_token_id": None, "forced_eos_token_id": None, "min_p": None, "typical_p": 1.0,
+                           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "exponential_decay_length_penalty": None}
+
+
+def processors_ignored(model_dir) -> str:
+    """The logits-processing fields of a checkpoint's generation_config.json that transformers' generate() would
+    apply and `megakernel generate` does not (LOGITS_PROCESSOR_FIELDS, each at a value other than its no-op), as
+    "repetition_penalty 1.05, no_repeat_ngram_size 3"; "" where none (or no file transformers reads)."""
+    gen = _generation_config(model_dir)
+    if gen is None:
+        return ""
+    out = []
+    for k, noop in LOGITS_PROCESSOR_FIELDS.items():
+        v = getattr(gen, k, None)
+        if v is None or v == noop or v in ([], {}, ()) or (noop == 0 and v == 0):
+            continue
+        out.append(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}")
+    return ", ".join(out)
+
+
 def sampling_asked(model_dir) -> str:
     """What a checkpoint's generation_config.json asks of sampling, where it sets do_sample true, as transformers'
     generate() runs it: read by transformers' GenerationConfig, the fields it leaves unset filled with generate()'s
     defaults (Llama-3's file: "temperature 0.6, top_k 50, top_p 0.9": its top_k is transformers' default), else ""
     (no file, one transformers refuses, or greedy). `megakernel generate` samples only when told (--temperature)."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
+    gen = _generation_config(model_dir)
+    if gen is None or gen.do_sample is not True:
         return ""
-    try:
-        from transformers import GenerationConfig
-        gen = GenerationConfig.from_pretrained(str(model_dir))
-    except Exception:  # noqa: BLE001 - any file transformers would not read: nothing asked
-        return ""
-    if gen.do_sample is not True:
-        return ""
+    from transformers import GenerationConfig
     defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()  # (transformers >= 5)
     fields = {k: getattr(gen, k, None) if getattr(gen, k, None) is not None else defaults.get(k)
               for k in ("temperature", "top_k", "top_p")}

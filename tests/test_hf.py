@@ -280,6 +280,11 @@ REFUSED = [
                                                     "num_attention_heads": 16,
                                                     "num_key_value_heads": 4}),
     ("num_key_value_heads 7 does not divide", {**LLAMA_3_2_1B, "num_key_value_heads": 7}),
+    # transformers 5's config classes refuse these types (a string "false" would read as true)
+    ("use_sliding_window", {**QWEN2_5_7B, "use_sliding_window": "false"}),
+    ("attention_bias", {**LLAMA_3_2_1B, "attention_bias": "false"}),
+    ("head_dim", {**QWEN3_1_7B, "head_dim": None}),  # (Qwen3Config: an int; absent: 128)
+    ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "torch.float16"}),
 ]
 
 
@@ -672,6 +677,51 @@ def test_fused_model_plumbing_matches_transformers(tmp_path, monkeypatch, kind):
         fm.step(torch.zeros(B + 1, dtype=torch.long), torch.zeros(B + 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="seq_len"):
         fm.generate(prompt, 32)
+
+
+def test_mlp_bias_is_llamas_field_only(tmp_path):
+    """mlp_bias: only LlamaConfig's MLP reads it (refused there: REFUSED); qwen2, qwen3 and mistral have no MLP
+    bias whatever the field says, as transformers builds them: mapped as without it."""
+    for name, cfg in (("qwen2", QWEN2_5_7B), ("qwen3", QWEN3_1_7B), ("mistral", MISTRAL_7B_V0_3)):
+        _, a = hf.model_entry(write_config(tmp_path, f"{name}-a", {**cfg, "mlp_bias": True}))
+        _, b = hf.model_entry(write_config(tmp_path, f"{name}-b", cfg))
+        assert a == b, name
+
+
+def test_vocab_size_and_tie_read_as_transformers_reads_them(tmp_path):
+    """vocab_size absent: the config class's default (LlamaConfig 32000), which transformers then refuses against
+    an embedding of other rows; null or not an integer: refused; tie_word_embeddings must be a boolean (a string
+    "false" is refused, not read as true). Each one line naming config.json."""
+    _, d = make_tiny("llama", tmp_path)
+    cfg_path = d / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for edit, match in ((lambda c: c.pop("vocab_size"), "has no field 'vocab_size', so transformers takes its default 32000"),
+                        (lambda c: c.update(vocab_size=None), "field 'vocab_size' must be an integer, got None"),
+                        (lambda c: c.update(tie_word_embeddings="false"),
+                         "field 'tie_word_embeddings' must be true or false, got 'false'")):
+        c = dict(cfg)
+        edit(c)
+        cfg_path.write_text(json.dumps(c))
+        with pytest.raises((hf.HFCheckpointError, hf.HFConfigError)) as exc:
+            hf.FusedModel.from_hf(d, variant="x", build_dir=tmp_path / "no-build")
+        assert match in str(exc.value) and "\n" not in str(exc.value) and str(cfg_path) in str(exc.value)
+
+
+def test_generation_config_logits_processors_are_named(tmp_path):
+    """generation_config.json's logits-processing fields that transformers' generate() applies (repetition penalty,
+    n-gram ban, suppressed tokens, a minimum length, ...) and `megakernel generate` does not: listed for its note;
+    no-op values and absent files list nothing."""
+    from generator.cli import processors_ignored
+    g = tmp_path / "generation_config.json"
+    assert processors_ignored(tmp_path) == ""
+    g.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05,
+                             "eos_token_id": [2, 3]}))
+    assert processors_ignored(tmp_path) == "repetition_penalty 1.05"
+    g.write_text(json.dumps({"eos_token_id": 2, "min_new_tokens": 10, "suppress_tokens": [5, 6],
+                             "no_repeat_ngram_size": 3, "repetition_penalty": 1.0}))
+    assert processors_ignored(tmp_path) == "no_repeat_ngram_size 3, min_new_tokens 10, suppress_tokens [5, 6]"
+    g.write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    assert processors_ignored(tmp_path) == ""
 
 
 def test_fused_model_needs_lm_head_unless_tied(tmp_path):

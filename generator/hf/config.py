@@ -24,6 +24,9 @@ class HFConfigError(ValueError):
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # num_key_value_heads where config.json has no such key: the transformers config class's default (llama: the heads)
 KV_HEADS_ABSENT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+# vocab_size where config.json has no such key: the config class's default (transformers then refuses an embedding of
+# another size)
+VOCAB_ABSENT = {"llama": 32000, "mistral": 32000, "qwen2": 151936, "qwen3": 151936}
 # hidden_act -> our activation; only functions the kernel computes exactly ("gelu" is HF's exact erf GELU)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16", "float64": "bf16"}
@@ -135,6 +138,17 @@ def _truthy(v) -> bool:
     return v not in (None, False, 0, "", [], {})
 
 
+def check_bool(cfg_path, cfg, field, default=False) -> bool:
+    """config.json's boolean `field` (absent or null: `default`); HFConfigError for any other type (transformers 5's
+    config classes refuse a string such as "false", which Python would read as true)."""
+    v = cfg.get(field)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise HFConfigError(f"{cfg_path}: field '{field}' must be true or false, got {v!r}")
+    return v
+
+
 def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) as transformers 5.24 reads them (RotaryEmbeddingConfigMixin.
     convert_rope_params_to_dict / standardize_rope_params): a non-empty legacy `rope_scaling` replaces
@@ -168,7 +182,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     prf_field = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None and prf != 1 and prf != 1.0:
-        raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: only full-width RoPE (1.0) is supported")
+        raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: partial RoPE is not supported (transformers' "
+                            "default RoPE for these models ignores the field; remove it to run full-width RoPE as "
+                            "transformers does)")
     type_key = "rope_type" if "rope_type" in params else "type"
     rtype = params.get(type_key)
     if rtype in (None, "default"):
@@ -217,8 +233,8 @@ def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
                                 f"{' and '.join(allowed)} layers are supported for {model_type}")
 
     if model_type in ("qwen2", "qwen3"):
-        use = cfg.get("use_sliding_window", False)
-        size = cfg.get("sliding_window", QWEN_DEFAULT_WINDOW) if _truthy(use) else None
+        use = check_bool(cfg_path, cfg, "use_sliding_window")
+        size = cfg.get("sliding_window", QWEN_DEFAULT_WINDOW) if use else None
         source = "field 'sliding_window'" + (" (absent: default 4096)" if "sliding_window" not in cfg else "") + \
             f" with use_sliding_window true, of {cfg_path}"
         if layer_types is None:
@@ -275,10 +291,11 @@ def _refuse_unsupported(cfg_path, cfg, model_type):
     if _truthy(cfg.get("use_mrope")):
         raise HFConfigError(f"{cfg_path}: field 'use_mrope' is true: multimodal RoPE is not supported")
     # biases the kernel does not add: o_proj (attention_bias in llama/qwen3 biases o_proj too) and the MLP's
-    if model_type in ("llama", "qwen3") and _truthy(cfg.get("attention_bias")):
+    if model_type in ("llama", "qwen3") and check_bool(cfg_path, cfg, "attention_bias"):
         raise HFConfigError(f"{cfg_path}: field 'attention_bias' is true: it adds an o_proj bias too, which this "
                             "project does not compute, fused or unfused (only qwen2-style q/k/v biases are supported)")
-    if _truthy(cfg.get("mlp_bias")):
+    # (only LlamaConfig's MLP reads mlp_bias: qwen2, qwen3 and mistral have no MLP bias whatever the field says)
+    if model_type == "llama" and check_bool(cfg_path, cfg, "mlp_bias"):
         raise HFConfigError(f"{cfg_path}: field 'mlp_bias' is true: MLP biases are not supported, fused or unfused")
 
 
@@ -312,6 +329,9 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         raise HFConfigError(f"{cfg_path}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
                             "(every KV head serves the same number of query heads)")
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
+    if model_type == "qwen3" and "head_dim" in cfg and cfg["head_dim"] is None:
+        raise HFConfigError(f"{cfg_path}: field 'head_dim' is null: Qwen3Config refuses it (give an integer, or leave "
+                            "the field out for its default 128)")
     head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
     derived = head_dim is None  # as transformers does: hidden_size // num_attention_heads
     if head_dim is None:
@@ -347,7 +367,7 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         dtype = "bf16"
         notes.append("no dtype/torch_dtype in config.json: bf16 assumed")
     else:
-        if key not in DTYPES:
+        if key not in DTYPES or str(raw_dtype) != key:  # ("torch.float16" as a string: transformers fails on it)
             raise HFConfigError(f"{cfg_path}: field '{dtype_field}' is {raw_dtype!r}: supported are "
                                 f"{', '.join(DTYPES)}")
         dtype = DTYPES[key]

@@ -7,7 +7,7 @@ import warnings
 
 from .. import variants as gvariants
 from .checkpoint import HFCheckpointError, _Checkpoint
-from .config import HFConfigError, check_window, config_dtype
+from .config import VOCAB_ABSENT, HFConfigError, check_bool, check_window, config_dtype
 
 
 class HFPrecisionWarning(UserWarning):
@@ -148,16 +148,23 @@ def _head_names(ck: _Checkpoint) -> dict:
     with only lm_head.weight uses it as the embedding. -> {"embed", "norm", "head", "tie", "both", "vocab"}."""
     H = ck.model.hidden
     embed_name, norm_name, head_name = f"{ck.prefix}embed_tokens.weight", f"{ck.prefix}norm.weight", "lm_head.weight"
-    tie = bool(ck.cfg.get("tie_word_embeddings", False))  # False: the default of every supported config class
+    # False: the default of every supported config class
+    tie = check_bool(ck.cfg_path, ck.cfg, "tie_word_embeddings")
     if tie and embed_name not in ck.files and head_name in ck.files:
         embed_name = head_name  # transformers ties the other way round when only the lm_head was saved
     vocab = ck.shape(embed_name)[0] if embed_name in ck.files else ck.cfg.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
-    cfg_vocab = ck.cfg.get("vocab_size")
-    if isinstance(cfg_vocab, int) and not isinstance(cfg_vocab, bool) and cfg_vocab != vocab:
-        raise HFCheckpointError(f"{ck.where(embed_name)}: tensor '{embed_name}' has {vocab} rows, but field "
-                                f"'vocab_size' of {ck.cfg_path} is {cfg_vocab} (transformers refuses the mismatch)")
+    absent = "vocab_size" not in ck.cfg  # (then the config class's default, as transformers reads it)
+    cfg_vocab = ck.cfg.get("vocab_size", VOCAB_ABSENT.get(ck.cfg.get("model_type")))
+    if cfg_vocab is not None and (isinstance(cfg_vocab, bool) or not isinstance(cfg_vocab, int)) or \
+            cfg_vocab is None and not absent:
+        raise HFCheckpointError(f"{ck.cfg_path}: field 'vocab_size' must be an integer, got {cfg_vocab!r}")
+    if cfg_vocab is not None and cfg_vocab != vocab:
+        said = (f"{ck.cfg_path} has no field 'vocab_size', so transformers takes its default {cfg_vocab}" if absent
+                else f"field 'vocab_size' of {ck.cfg_path} is {cfg_vocab}")
+        raise HFCheckpointError(f"{ck.where(embed_name)}: tensor '{embed_name}' has {vocab} rows, but {said} "
+                                "(transformers refuses the mismatch)")
     ck.check(embed_name, (vocab, H))
     ck.check(norm_name, (H,))
     both = embed_name != head_name and head_name in ck.files
