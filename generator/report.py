@@ -8,6 +8,7 @@ import io
 import json
 import re
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from rich import box
@@ -253,7 +254,7 @@ def latest_bench(bench_dir: Path, arch: str | None = None) -> dict[str, dict]:
         when = (str(doc.get("date", "")), str(doc.get("time", "")), p.name)
         for name, fig in figs:
             if name not in found or when > found[name][0]:
-                found[name] = (when, {**fig, "bench_file": p.name})
+                found[name] = (when, {**fig, "bench_file": p.name, "bench_gpu": str(doc.get("gpu") or "")})
     return {name: fig for name, (_, fig) in found.items()}
 
 
@@ -571,6 +572,13 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
                       "(the bench directory; their GPU is in the name), not on this machine", highlight=False)
+        gpus = Counter(r.get("bench_gpu") or "" for r in rows if r.get("bench_file"))
+        if len(gpus) > 1:  # (each variant's newest run: a later check of a few rows on another GPU mixes them)
+            most = max(gpus, key=lambda g: (gpus[g], g))  # (a tie: the last name, so that the line is stable)
+            for gpu in sorted(g for g in gpus if g != most):
+                names = [r["name"] for r in rows if r.get("bench_file") and (r.get("bench_gpu") or "") == gpu]
+                console.print(f"[yellow]timed on {gpu or 'an unnamed GPU'}, not {most or 'an unnamed GPU'} as the "
+                              f"others:[/yellow] {', '.join(names)}", highlight=False)
         other = [r["name"] for r in rows if r.get("timed_plan") == "other"]
         if other:  # said here too: a narrow table drops the plan column (after L1) first
             console.print(f"[yellow]timed with another plan than the one built:[/yellow] {', '.join(other)}",

@@ -571,6 +571,27 @@ def test_report_says_when_the_figures_were_timed_with_another_plan(copy_build, t
             == (i == 1)
 
 
+def test_report_names_rows_timed_on_another_gpu(copy_build, tmp_path):
+    """Each variant's figures are its newest run's: where a later check of a few rows ran on another GPU, the report
+    names those rows and their GPU (one GPU for every row: no such line)."""
+    from rich.console import Console
+    from generator import report as greport
+    from generator.compile import read_manifest
+    d = copy_build(tmp_path / "build")
+    names = [n for n, e in read_manifest(d)["variants"].items() if e["plan"]["mode"] == "decode"][:2]
+    bench_dir = tmp_path / "results"
+    bench_dir.mkdir()
+    for i, (gpu, rows) in enumerate((("NVIDIA H200", names), ("NVIDIA H100 80GB HBM3", names[:1]))):
+        (bench_dir / f"gpu_check-{i}.json").write_text(json.dumps({"gpu": gpu, "date": f"2026-12-0{i + 1}", "rows": [
+            {"variant": n, "us": 10.0, "pct_bw": 50.0, "speedup": 2.0, "pass": True} for n in rows]}))
+        rep = greport.build_report(d, bench_dir=bench_dir, gpu=False, write=False)
+        con = Console(width=300, record=True, color_system=None)
+        greport.print_report(rep, con, wide=True)
+        text = con.export_text().replace("\n", " ")
+        assert ("timed on NVIDIA H100 80GB HBM3, not NVIDIA H200 as the others: " + names[0] in text) == (i == 1)
+        assert "timed on" not in text or i == 1
+
+
 # -- command line ---------------------------------------------------------------------------------------------------
 
 def test_bench_cli_help():
