@@ -5,7 +5,7 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh rule      # one device call (carry build-ab): the LL rule's and DOWN_FLOW 2's A/B, to repeat on an H200
-#   bash bench/queue.sh retune    # the batch-1 entries rebased onto the LL rule, tuned again (one call)
+#   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh llb       # one device call (build-ab): the LL hand-offs at batch 2-8 with O_PRE 0
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -71,12 +71,12 @@ part_llb() {  # session 50: the LL hand-offs at batch 2-5 won where they compile
   # here the other way round)
 }
 
-part_retune() {  # the batch-1 entries in the LL rule's domain, tuned again into $OUT/tuned.json (session 48: their
-  # overrides were tuned before the rule; session 49: DOWN_FLOW 2's default added, the 1B and Qwen3-1.7B KV 1024
-  # entries removed as slower than the default; from an H200: merge its entries into tuning/nvidia-h200.json; from
-  # another GPU: keep it as a result). 16 candidates a variant, for the call's 600 s
-  step tune-b1 python3 -m generator.cli tune --only 'llama3.2-1b_decode_b1_s1024_bf16' \
-    --only 'qwen2.5-0.5b_decode_b1_s*' --only 'qwen3-1.7b_decode_b1_s1024_bf16' --limit 16 --out "$OUT/tuned.json"
+part_retune() {  # session 50: the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %;
+  # Llama-3.2-1B b8 74.9 %), tuned again now that the tuner's LL candidate comes with O_PRE 0 from batch 2 (it won
+  # -2.0 ... -3.2 % at Llama-3.2-1B / Qwen2.5-7B b4 KV 4096). From an H200: merge $OUT/tuned.json's entries into
+  # tuning/nvidia-h200.json; from another GPU: keep it as a result. 16 candidates a variant, for the call's 600 s
+  step tune-b48 python3 -m generator.cli tune --only 'llama3-8b_decode_b[48]_s1024_bf16' \
+    --only 'qwen2.5-7b_decode_b[48]_s[14]*' --only 'llama3.2-1b_decode_b8_s4096_bf16' --limit 16 --out "$OUT/tuned.json"
 }
 
 part_gputests() {  # session 49: the sampler's two-pass top-p cut (nucleus_draw) and the LL test with DOWN_FLOW 2's
