@@ -592,6 +592,30 @@ def test_report_names_rows_timed_on_another_gpu(copy_build, tmp_path):
         assert "timed on" not in text or i == 1
 
 
+def test_queued_ab_cases_each_plan_a_kernel_of_their_own():
+    """bench/queue.sh's A/B parts (the next device calls): every `--case NAME OVERRIDES` names a decode variant the
+    planner accepts with those overrides on top of the plan `build` gives it, and plans a kernel other than that base
+    (bench/ab.py refuses a case equal to its base, which stops the whole part: a device call lost when a planner
+    default moves under a queued case, as session 50's review found)."""
+    import re
+    from bench import find_decode
+    from generator import render
+    from generator.tune import knob_dict
+    text = (ROOT / "bench" / "queue.sh").read_text()
+    shell = {"B1": "", "HALF": ""}
+    shell.update(re.findall(r"^(B1|HALF)=(\S+)$", text, re.M))
+    for m in re.finditer(r"(\w+)='(\{[^']*\})'", text):  # local off='{...}' l='{...}' o='{...}'
+        shell[m.group(1)] = m.group(2)
+    cases = re.findall(r"--case (\S+) ('\{[^']*\}'|\"\$\w+\")", text)
+    assert len(cases) >= 20
+    for name, ov in cases:
+        name = re.sub(r"\$(\w+)", lambda m: shell[m.group(1)], name)
+        ov = json.loads(ov.strip("'") if ov.startswith("'") else shell[ov.strip('"$')])
+        v, base, _ = find_decode(name, [str(ROOT / "bench" / "queue-variants.yaml")], "--case")
+        planned = knob_dict(render.plan(v, overrides={**base, **ov}))
+        assert planned != knob_dict(render.plan(v, overrides=base)), (name, ov)
+
+
 # -- command line ---------------------------------------------------------------------------------------------------
 
 def test_bench_cli_help():
