@@ -991,7 +991,7 @@ def processors_ignored(model_dir) -> str:
     out = []
     for k, noop in LOGITS_PROCESSOR_FIELDS.items():
         v = getattr(gen, k, None)
-        if v is None or v == noop or v in ([], {}, ()) or (noop == 0 and v == 0):
+        if v is None or v == noop or v in ([], {}, ()):
             continue
         out.append(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}")
     return ", ".join(out)

@@ -151,15 +151,12 @@ def _type_name(types):
 
 def _yaml(value) -> str:
     """A scalar as YAML spells it (true, null), else Python's repr."""
-    return {True: "true", False: "false"}.get(value, repr(value)) if isinstance(value, bool) else \
-        "null" if value is None else repr(value)
+    return str(value).lower() if isinstance(value, bool) else "null" if value is None else repr(value)
 
 
 def _check_type(where, field, value, types):
     # bool is an int subclass in Python: `hidden: true` must not pass as 1
-    if isinstance(value, bool) and bool not in types:
-        raise VariantError(f"{where}: field '{field}' must be {_type_name(types)}, got {_yaml(value)}")
-    if not isinstance(value, types):
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         raise VariantError(f"{where}: field '{field}' must be {_type_name(types)}, got {_yaml(value)}")
 
 

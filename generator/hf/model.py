@@ -157,8 +157,7 @@ def _head_names(ck: _Checkpoint) -> dict:
         raise HFCheckpointError(f"{ck.index_path}: tensor '{embed_name}' is missing")
     absent = "vocab_size" not in ck.cfg  # (then the config class's default, as transformers reads it)
     cfg_vocab = ck.cfg.get("vocab_size", VOCAB_ABSENT.get(ck.cfg.get("model_type")))
-    if cfg_vocab is not None and (isinstance(cfg_vocab, bool) or not isinstance(cfg_vocab, int)) or \
-            cfg_vocab is None and not absent:
+    if not absent and (isinstance(cfg_vocab, bool) or not isinstance(cfg_vocab, int)):
         raise HFCheckpointError(f"{ck.cfg_path}: field 'vocab_size' must be an integer, got {cfg_vocab!r}")
     if cfg_vocab is not None and cfg_vocab != vocab:
         said = (f"{ck.cfg_path} has no field 'vocab_size', so transformers takes its default {cfg_vocab}" if absent

@@ -64,9 +64,8 @@ STEPS = (
 # DOWN_FLOW: per-chunk counters of act instead of the grid barrier between gate_up and down_proj (a down_proj warp
 # waits, before each step's mma, for the gate_up tiles of the act columns that step reads; its weights need nothing;
 # 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters
-# are not taken): no counters,
-# act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll as o_proj's poll
-# attention's under ATT_LL);
+# are not taken): no counters, act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll
+# as o_proj's poll attention's under ATT_LL);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
@@ -328,9 +327,8 @@ def combine_default(outputs: int, nsplit: int) -> int:
 B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
 B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # the LL hand-offs by default (plan: ll_rule) up to this hidden size (batch 1; batch 2-5: below). Hidden 896-3072,
-# batch 1: measured on an H100
-# (bench/NOTES.md session 48), the rule's plan against the same plan with the barriers and counters, full context /
-# row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
+# batch 1: measured on an H100 (bench/NOTES.md session 48), the rule's plan against the same plan with the barriers
+# and counters, full context / row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
 # (session 50): the barriers +2.9 ... +10.2 % in all 20. Hidden 3584 (session 50, H200): Qwen2.5-7B b1 -1.6 / -1.2 %
 # with the three. Not at hidden 4096 (Llama-3-8B b1 +0.2 / +0.1 % on the H100: at 128 registers the held words spill
 # 72 / 144 B). At batch 2-5 they win where they compile clean (session 50, H200, full context / serving mix:
