@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -917,7 +918,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
              f"run is greedy: pass {opts} to sample with those settings", markup=False, highlight=False,
              soft_wrap=True)
     if ignored := processors_ignored(model_dir):
-        info(f"note: generation_config.json sets {ignored}, which transformers' generate() applies to the logits "
+        info(f"note: {ignored}, which transformers' generate() applies to the logits "
              "and this command does not (it has no such option): its tokens may differ from transformers' from the "
              "first step where one would act", markup=False, highlight=False, soft_wrap=True)
     mem = model.memory()
@@ -961,15 +962,18 @@ class TextStream:
 
 
 def _generation_config(model_dir):
-    """The directory's generation_config.json as transformers' GenerationConfig reads it; None where there is no
-    such file or transformers would not read it."""
-    if not (Path(model_dir) / "generation_config.json").is_file():
-        return None
+    """(GenerationConfig, the file it came from) as transformers' generate() takes it: generation_config.json, or
+    where there is none the generation fields of config.json (GenerationConfig.from_model_config, as
+    PreTrainedModel loads a checkpoint without the file); (None, "") where neither reads."""
     try:
         from transformers import GenerationConfig
-        return GenerationConfig.from_pretrained(str(model_dir))
+        if (Path(model_dir) / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(str(model_dir)), "generation_config.json"
+        if (cfg := Path(model_dir) / "config.json").is_file():  # (the raw dict: the config class drops these fields)
+            return GenerationConfig.from_model_config(json.loads(cfg.read_text())), "config.json"
     except Exception:  # noqa: BLE001 - any file transformers would not read
-        return None
+        pass
+    return None, ""
 
 
 # generation_config.json fields that transformers' generate() turns into logits processors (greedy or sampled) and
@@ -982,10 +986,10 @@ LOGITS_PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "encoder_repetition_penalt
 
 
 def processors_ignored(model_dir) -> str:
-    """The logits-processing fields of a checkpoint's generation_config.json that transformers' generate() would
-    apply and `megakernel generate` does not (LOGITS_PROCESSOR_FIELDS, each at a value other than its no-op), as
-    "repetition_penalty 1.05, no_repeat_ngram_size 3"; "" where none (or no file transformers reads)."""
-    gen = _generation_config(model_dir)
+    """The logits-processing fields of a checkpoint's generation config (_generation_config) that transformers'
+    generate() would apply and `megakernel generate` does not (LOGITS_PROCESSOR_FIELDS, each at a value other than
+    its no-op), as "generation_config.json sets repetition_penalty 1.05, no_repeat_ngram_size 3"; "" where none."""
+    gen, source = _generation_config(model_dir)
     if gen is None:
         return ""
     out = []
@@ -994,7 +998,7 @@ def processors_ignored(model_dir) -> str:
         if v is None or v == noop or v in ([], {}, ()):
             continue
         out.append(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}")
-    return ", ".join(out)
+    return f"{source} sets {', '.join(out)}" if out else ""
 
 
 def sampling_asked(model_dir) -> str:
@@ -1002,7 +1006,7 @@ def sampling_asked(model_dir) -> str:
     generate() runs it: read by transformers' GenerationConfig, the fields it leaves unset filled with generate()'s
     defaults (Llama-3's file: "temperature 0.6, top_k 50, top_p 0.9": its top_k is transformers' default), else ""
     (no file, one transformers refuses, or greedy). `megakernel generate` samples only when told (--temperature)."""
-    gen = _generation_config(model_dir)
+    gen, _ = _generation_config(model_dir)
     if gen is None or gen.do_sample is not True:
         return ""
     from transformers import GenerationConfig

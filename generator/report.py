@@ -571,7 +571,7 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
                   + (f"; [yellow]{tot['flagged']} flagged[/yellow]" if tot["flagged"] else ""))
     if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
-                      "(the bench directory; their GPU is in the name), not on this machine", highlight=False)
+                      "(in --bench-dir, bench/results by default; their GPU is in the name), not on this machine", highlight=False)
         gpus = Counter(r.get("bench_gpu") or "" for r in rows if r.get("bench_file"))
         if len(gpus) > 1:  # (each variant's newest run: a later check of a few rows on another GPU mixes them)
             most = max(gpus, key=lambda g: (gpus[g], g))  # (a tie: the last name, so that the line is stable)

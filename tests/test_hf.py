@@ -285,6 +285,9 @@ REFUSED = [
     ("attention_bias", {**LLAMA_3_2_1B, "attention_bias": "false"}),
     ("head_dim", {**QWEN3_1_7B, "head_dim": None}),  # (Qwen3Config: an int; absent: 128)
     ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "torch.float16"}),
+    ("tie_word_embeddings", {**LLAMA_3_2_1B, "tie_word_embeddings": "false"}),
+    ("vocab_size", {**LLAMA_3_2_1B, "vocab_size": None}),
+    ("vocab_size", {**LLAMA_3_2_1B, "vocab_size": 1.5e5}),
 ]
 
 
@@ -716,12 +719,16 @@ def test_generation_config_logits_processors_are_named(tmp_path):
     assert processors_ignored(tmp_path) == ""
     g.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05,
                              "eos_token_id": [2, 3]}))
-    assert processors_ignored(tmp_path) == "repetition_penalty 1.05"
+    assert processors_ignored(tmp_path) == "generation_config.json sets repetition_penalty 1.05"
     g.write_text(json.dumps({"eos_token_id": 2, "min_new_tokens": 10, "suppress_tokens": [5, 6],
                              "no_repeat_ngram_size": 3, "repetition_penalty": 1.0}))
-    assert processors_ignored(tmp_path) == "no_repeat_ngram_size 3, min_new_tokens 10, suppress_tokens [5, 6]"
+    assert processors_ignored(tmp_path) == ("generation_config.json sets no_repeat_ngram_size 3, min_new_tokens 10, "
+                                            "suppress_tokens [5, 6]")
     g.write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     assert processors_ignored(tmp_path) == ""
+    g.unlink()  # (no such file: transformers takes config.json's generation fields)
+    write_config(tmp_path, ".", {**LLAMA_3_2_1B, "repetition_penalty": 1.2})
+    assert processors_ignored(tmp_path) == "config.json sets repetition_penalty 1.2"
 
 
 def test_fused_model_needs_lm_head_unless_tied(tmp_path):

@@ -342,6 +342,11 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     intermediate = _check_int(cfg_path, cfg, "intermediate_size")
     layers = _check_int(cfg_path, cfg, "num_hidden_layers")
     _refuse_unsupported(cfg_path, cfg, model_type)
+    # read with the checkpoint (hf.model._head_names); their types checked here too, so that from-hf refuses what
+    # loading it would
+    check_bool(cfg_path, cfg, "tie_word_embeddings")
+    if "vocab_size" in cfg and (cfg["vocab_size"] is None or _check_int(cfg_path, cfg, "vocab_size") is None):
+        raise HFConfigError(f"{cfg_path}: field 'vocab_size' must be an integer, got None")
     window = _sliding_window(cfg_path, cfg, model_type, layers)
     if window is not None:
         notes.append(f"sliding_window {window.size} ({window.describe(layers)}): a window >= seq_len never takes "
