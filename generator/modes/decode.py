@@ -326,22 +326,24 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # (B1_PRE_MLP). Either knob alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where off
 B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
 B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
-# the LL hand-offs by default (plan: ll_rule) up to this hidden size (batch 1; batch 2-5: below). Hidden 896-3072,
+# the LL hand-offs by default (plan: ll_rule) up to this hidden size at batch 1 (batch 2-5: below). Hidden 896-3072,
 # batch 1: measured on an H100 (bench/NOTES.md session 48), the rule's plan against the same plan with the barriers
 # and counters, full context / row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
 # (session 50): the barriers +2.9 ... +10.2 % in all 20. Hidden 3584 (session 50, H200): Qwen2.5-7B b1 -1.6 / -1.2 %
 # with the three. Not at hidden 4096 (Llama-3-8B b1 +0.2 / +0.1 % on the H100: at 128 registers the held words spill
-# 72 / 144 B). At batch 2-5 they win where they compile clean (session 50, H200, full context / serving mix:
-# Llama-3.2-1B b4 -3.2 / -2.9 %, Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1, six more shapes
-# -0.5 ... -2.8), but beside O_PRE 1 (o_proj's first step held through attention) 8 of 11 further batch 2-5 shapes
-# spill 4-104 B (each clean with O_PRE 0, as are the measured winners but three), as do Qwen3-1.7B b4 (8 B even with
-# O_PRE 0: q/k norms) and a head_dim-96 b5 (+1.1 / +0.6 % there). So from batch 2 only where the planner takes no
-# O_PRE (ATT_DYN: a KV cache of ATT_DYN_MIN_SEQ rows or more, or stream-K) and no q/k norms: the held-out MHA b5
-# (stream-K) -3.3 / -3.1 %, Llama-3.2-1B b4 KV 32768 -1.9 / -2.5; of 11 more such shapes compiled (hidden 896-3584,
-# head_dim 64-128, MHA to group 8) 10 without spills and one 4 B; elsewhere at batch 2-5 the tuner tries them with
-# O_PRE 0 (bench/queue.sh llb times that against O_PRE 1). Batch 8 is mixed (Qwen2.5-0.5B b8 +2.1 / +8.7 %,
-# Llama-3.2-1B b8 -1.9 / -1.0)
+# 72 / 144 B). At batch 2-5 they win (session 50, H200, full context / serving mix: Llama-3.2-1B b4 -3.2 / -2.9 %,
+# Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1), but beside O_PRE 1 (o_proj's first step held through
+# attention) 8 of 11 further batch 2-5 shapes spilled 4-104 B; so from batch 2 they come with O_PRE 0 (plan: O_PRE),
+# measured against the default with O_PRE 1 (session 51, H100, bench/queue.sh llb): faster or level on all 9 such
+# shapes, none spilling (TinyLlama-like b2 -4.5 / -4.6 %, SmolLM-1.7B-like MHA b3 -2.5 / -2.4, held-out hidden 2560 b3
+# -2.4 / -2.0 and 1536 b2 -2.1 / -2.1, Llama-3.2-3B-like b2 -1.5 / -1.1, hidden 960 b2 -0.9 / -0.7; hidden 576 b3,
+# head_dim 96 b5 and Llama-3.2-3B-like b5 level, -0.4 ... +0.2), while O_PRE 0 alone lost +0.2 ... +2.0 %. Not with
+# q/k norms (Qwen3-1.7B b4 -2.2 / -2.5 % but spills 8 / 4 B). From batch 2 up to hidden 4096 (LL_HIDDEN_MAX_BATCH;
+# session 51, H100, none spilling): Llama-3-8B b4 KV 1024 -1.3 / -0.8 %, KV 4096 -1.1 / -1.2, held-out group-12 b2
+# -1.9 / -2.0. Batch 6-8 is mixed (session 51: Qwen2.5-0.5B b8 +2.1 / +3.2 %, hidden 960 b8 +6.7 / +7.0, hidden 1792
+# b8 -0.7 / +8.3; Llama-3-8B b8 -1.6 / -1.0, Llama-3.2-1B b8 -0.7 / -0.3, TinyLlama-like b6 -2.6 / -0.6)
 LL_HIDDEN_MAX = 3584
+LL_HIDDEN_MAX_BATCH = 4096
 LL_BATCH_MAX = 5
 DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule: batch 1 up to this hidden size (plan: words)
 
@@ -743,12 +745,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
               and (m.hidden, m.kv_heads) in B1_PRE_SHAPES
               and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
-    # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX under ATT_DYN (no O_PRE), on
-    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX: where they were measured)
+    # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX with O_PRE 0 (below), on
+    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX, LL_HIDDEN_MAX_BATCH: where
+    # measured)
     unsplit = all(g["KSPLIT"] == 1 for g in gemv.values())
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
-               and norm_cluster == 1 and unsplit and m.hidden <= LL_HIDDEN_MAX
-               and (v.batch == 1 or v.batch <= LL_BATCH_MAX and att_dyn and not m.qk_norm))
+               and norm_cluster == 1 and unsplit
+               and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX
+                    or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_BATCH and not m.qk_norm))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
@@ -842,9 +846,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
     # b2's 0.0); at batch 1 -0.6 ... +3.6 % alone, so only with GEMV_PF at B1_PRE_SHAPES (sessions 32-33);
-    # with ATT_DYN (KV >= 8192) not timed
+    # with ATT_DYN (KV >= 8192) not timed; not beside the LL hand-offs from batch 2 (LL_BATCH_MAX: the pair spills)
     if "O_PRE" not in ov:
-        consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn or b1_pre) and v.tp == 1 and sm == 90)
+        consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn and not (ll_rule and att_ll) or b1_pre)
+                              and v.tp == 1 and sm == 90)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
