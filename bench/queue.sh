@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh llb8      # one device call: the LL hand-offs with O_PRE 0 at batch 6-8 and at hidden 4096
+#   bash bench/queue.sh coop      # COOP 0 (and QKV_PRE) where no grid barrier is left (batch-1 small layers)
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -34,18 +34,15 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_llb8() {  # session 51: the LL hand-offs with O_PRE 0 are the default at batch 2-5 (faster or level on 9 of 9
-  # shapes, H100); here past it (batch 6-8: session 50 found batch 8 mixed, but then beside O_PRE 1) and at hidden 4096
-  # (past LL_HIDDEN_MAX: Llama-3-8B b1 spilled with them at 128 registers; its batch 4-8 rows sit at 89.5 %, the bar 90).
-  # Each against the default (or tuned) plan, at full context and the serving mix; a rule needs (nearly) all faster
-  local l='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0}' q=--variants=bench/queue-variants.yaml
-  ab llb8 full,mix $q --case llama3.2-1b_decode_b8_s4096_bf16 "$l" --case llama3.2-1b_decode_b8_s1024_bf16 "$l" \
-    --case qwen2.5-0.5b_decode_b8_s4096_bf16 "$l" --case qwen2.5-7b_decode_b8_s4096_bf16 "$l" \
-    --case ho-h1792-g7_decode_b8_s4096_bf16 "$l" --case q-l32-3b_decode_b8_s4096_bf16 "$l" \
-    --case q-tinyl_decode_b6_s2048_bf16 "$l" --case q-h960-g3_decode_b8_s2048_bf16 "$l" \
-    --case q-smol17_decode_b6_s4096_bf16 "$l" \
-    --case llama3-8b_decode_b4_s1024_bf16 "$l" --case llama3-8b_decode_b8_s1024_bf16 "$l" \
-    --case llama3-8b_decode_b4_s4096_bf16 "$l" --case ho-g12-hd128_decode_b2_s4096_bf16 "$l"
+part_coop() {  # session 51: the small batch-1 layers (and Llama-3.2-1B b4) now plan no grid barrier at all, so COOP 0
+  # (a plain launch under PDL) no longer pays its workspace barrier (session 47: +3.9 ... +11 % with barriers; with the
+  # three hand-offs and QKV_PRE 1 -1.4 % / +0.7 % against them, not a direct A/B). Here each against the default plan:
+  # COOP 0 alone, with the first qkv step loaded before the wait (QKV_PRE 1), and with the rest of it into L2 (2)
+  local c='{"COOP": 0}' p1='{"COOP": 0, "QKV_PRE": 1}' p2='{"COOP": 0, "QKV_PRE": 2}'
+  ab coop full,191 --case $B1 "$c" --case $B1 "$p1" --case $B1 "$p2" \
+    --case llama3.2-1b_decode_b1_s1024_bf16 "$c" --case llama3.2-1b_decode_b1_s1024_bf16 "$p1" \
+    --case $HALF "$c" --case $HALF "$p1" --case qwen3-1.7b_decode_b1_s4096_bf16 "$p1" \
+    --case ho-smol-360m_decode_b1_s2048_bf16 "$p1" --case llama3.2-1b_decode_b4_s4096_bf16 "$p1"
 }
 
 part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %; Llama-3.2-1B
@@ -87,16 +84,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|llb8|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|coop|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_llb8 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_coop ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
-  llb8) part_llb8 ;;
+  coop) part_coop ;;
   retune) part_retune ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|llb8|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|coop|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
