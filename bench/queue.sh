@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh coop      # COOP 0 (and QKV_PRE) where no grid barrier is left (batch-1 small layers)
+#   bash bench/queue.sh next      # one device call: COOP 0 from batch 2, DOWN_FLOW 1 at Qwen2.5-7B, LL at hidden 5120
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -34,28 +34,43 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_coop() {  # session 51: the small batch-1 layers (and Llama-3.2-1B b4) now plan no grid barrier at all, so COOP 0
-  # (a plain launch under PDL) no longer pays its workspace barrier (session 47: +3.9 ... +11 % with barriers; with the
-  # three hand-offs and QKV_PRE 1 -1.4 % / +0.7 % against them, not a direct A/B). Here each against the default plan:
-  # COOP 0 alone, with the first qkv step loaded before the wait (QKV_PRE 1), and with the rest of it into L2 (2)
-  local c='{"COOP": 0}' p1='{"COOP": 0, "QKV_PRE": 1}' p2='{"COOP": 0, "QKV_PRE": 2}'
-  ab coop full,191 --case $B1 "$c" --case $B1 "$p1" --case $B1 "$p2" \
-    --case llama3.2-1b_decode_b1_s1024_bf16 "$c" --case llama3.2-1b_decode_b1_s1024_bf16 "$p1" \
-    --case $HALF "$c" --case $HALF "$p1" --case qwen3-1.7b_decode_b1_s4096_bf16 "$p1" \
-    --case ho-smol-360m_decode_b1_s2048_bf16 "$p1" --case llama3.2-1b_decode_b4_s4096_bf16 "$p1"
+part_next() {  # session 51's leads, each against the default plan (full context / serving mix): COOP 0 + QKV_PRE 1
+  # where batch 2-5 plans no grid barrier (batch 1's rule: -0.8 ... -2.9 % on the H100; Llama-3.2-1B b4 level there);
+  # DOWN_FLOW 1 (gate_up's counters) at Qwen2.5-7B b1 (the tuner's pick on the H100, 172.4 -> 170.6 us) and b4, and
+  # with COOP 0 (then no barrier left); the LL hand-offs at hidden 5120 (past LL_HIDDEN_MAX_BATCH, never timed)
+  # (DOWN_FLOW 1 leaves Qwen2.5-7B b1 no grid barrier, so the planner adds COOP 0 + QKV_PRE 1 to it: COOP 1 times
+  # the counters alone, as the tuner did)
+  local c='{"COOP": 0, "QKV_PRE": 1}' d='{"DOWN_FLOW": 1, "COOP": 1}' l='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0}'
+  local q=--variants=bench/queue-variants.yaml
+  ab next full,mix $q --case llama3.2-1b_decode_b4_s4096_bf16 "$c" --case ho-h1536-g6_decode_b2_s4096_bf16 "$c" \
+    --case ho-mha-b5_decode_b5_s4096_bf16 "$c" --case llama3-8b_decode_b4_s1024_bf16 "$c" \
+    --case qwen2.5-7b_decode_b1_s4096_bf16 "$d" --case qwen2.5-7b_decode_b1_s1024_bf16 "$d" \
+    --case qwen2.5-7b_decode_b4_s4096_bf16 '{"DOWN_FLOW": 1}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"DOWN_FLOW": 1}' \
+    --case q-nemo_decode_b2_s4096_bf16 "$l" --case q-nemo_decode_b4_s4096_bf16 "$l"
+  # Llama-3.2-1B b8 (74.9 % of the H200's copy bandwidth, the target 80 %): attention takes 24.8 of its 60.1 µs for
+  # 67 MB of cache (2.7 TB/s; 128 tasks of 2,048 rows, one a block). Where do the blocks' walks spend it (the ring's
+  # depth against the per-tile work)? Its timeline at full context, default plan and a deeper ring
+  step tl-1b8 python3 bench/timeline.py --variant llama3.2-1b_decode_b8_s4096_bf16 --row full \
+    --out "$OUT/timeline-1b8.json"
+  step tl-1b8-s3 python3 bench/timeline.py --variant llama3.2-1b_decode_b8_s4096_bf16 --row full \
+    --overrides '{"ATT_STAGES": 3}' --out "$OUT/timeline-1b8-s3.json"
 }
 
 part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %; Llama-3.2-1B
   # b8 74.9 %), tuned again now that the LL rule takes the hand-offs (with O_PRE 0) at batch 2-5 (session 51) and the
-  # tuner's LL candidates come with O_PRE 0 (on) / 1 (off). From an H200: merge $OUT/tuned-*.json's entries into
-  # tuning/nvidia-h200.json; from another GPU: keep them as results. One tune a variant (each writes its own file: a
-  # call cut by its time limit keeps what finished), 16 candidates each
+  # tuner's LL candidates come with O_PRE 0 (on) / 1 (off). From an H200: merge the entries of retune.tgz's
+  # tuned-*.json into tuning/nvidia-h200.json; from another GPU: keep them as results. One tune a variant (each writes
+  # its own file: a call cut by its time limit keeps what finished), 16 candidates each; the files go into one
+  # archive (a device call brings back only a few files)
   local n
+  mkdir -p "$OUT/retune"
   for n in qwen2.5-7b_decode_b4_s1024_bf16 qwen2.5-7b_decode_b8_s4096_bf16 llama3.2-1b_decode_b8_s4096_bf16 \
       llama3.2-1b_decode_b4_s1024_bf16 llama3-8b_decode_b4_s1024_bf16 llama3-8b_decode_b8_s1024_bf16 \
-      qwen2.5-7b_decode_b4_s4096_bf16 qwen2.5-7b_decode_b8_s1024_bf16; do
-    step "tune-$n" python3 -m generator.cli tune --only "$n" --limit 16 --out "$OUT/tuned-$n.json"
+      qwen2.5-7b_decode_b4_s4096_bf16 qwen2.5-7b_decode_b8_s1024_bf16 qwen2.5-7b_decode_b1_s4096_bf16; do
+    step "retune/tune-$n" python3 -m generator.cli tune --only "$n" --limit 16 --out "$OUT/retune/tuned-$n.json"
+    tar czf "$OUT/retune.tgz" -C "$OUT" retune
   done
+  rm -rf "$OUT/retune"
 }
 
 part_gputests() {  # session 49: the sampler's two-pass top-p cut (nucleus_draw) and the LL test with DOWN_FLOW 2's
@@ -84,16 +99,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|coop|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|next|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_coop ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_next ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
-  coop) part_coop ;;
+  next) part_next ;;
   retune) part_retune ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|coop|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|next|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -775,9 +776,11 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     config's eos_token_id as stop_tokens or the build's variants, stays as it is), torch dtypes as --dtype names and
     the memory check's advice in options."""
     from .serve import FITS_ADVICE, LARGER_CACHE  # (serve is loaded by then: its errors are what this rewrites)
-    for api_words, cli_words in {**_DTYPE_WORDS, FITS_ADVICE: _FITS_ADVICE,
+    for api_words, cli_words in {FITS_ADVICE: _FITS_ADVICE,
                                  LARGER_CACHE: "a larger --cache-len, or decode variants of a longer seq_len"}.items():
         msg = msg.replace(api_words, cli_words)
+    # (a quoted one is a value from config.json, e.g. a refused dtype "torch.float16": quoted as it is written)
+    msg = re.sub(r"(?<!['\"])torch\.(bfloat16|float16|float32)\b", lambda m: _DTYPE_WORDS[m.group(0)], msg)
     name, sep, rest = msg.partition(": ")
     if sep and _OPTION_OF.get(name) in given:
         return f"{_OPTION_OF[name]}: {rest}"

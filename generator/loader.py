@@ -1,4 +1,5 @@
-"""Prebuilt cubin + HF-named weights -> FusedDecoderLayer, a torch-callable layer step (one cooperative launch).
+"""Prebuilt cubin + HF-named weights -> FusedDecoderLayer, a torch-callable layer step (one launch, cooperative
+unless its plan says COOP 0).
 
 The runtime stands alone: it reads the build directory's manifest (generator.manifest) and the kernel interface
 (generator.interface), never the templates, the renderer or the reference. It never compiles: a missing, stale or

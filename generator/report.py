@@ -94,7 +94,8 @@ def path_cell(c: dict) -> str | None:
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
     the second norm as tagged words, no grid barrier between them: ATT_LL, QKV_FLOW 2 and H_LL; where only some,
-    those), DOWN_FLOW=2 (gate_up -> down_proj as tagged words too); None where it takes none (or a prefill plan)."""
+    those), DOWN_FLOW=2 (gate_up -> down_proj as tagged words too), COOP=0 (launched without the cooperative
+    attribute); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
     tm = max([c.get(f"{p}_TM", 1) for p in ("QKV", "O", "GU", "DOWN")])
@@ -106,6 +107,7 @@ def path_cell(c: dict) -> str | None:
                           ("H_LL", c.get("H_LL"))) if on]
     parts += ["LL"] if len(ll) == 3 else ll
     parts += ["DOWN_FLOW=2"] if c.get("DOWN_FLOW") == 2 else []
+    parts += ["COOP=0"] if c.get("COOP") == 0 else []
     return " ".join(parts) or None
 
 

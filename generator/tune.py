@@ -212,7 +212,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is
     and the planner did not take it),
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off (from batch 2 with O_PRE
-    off) and off where on (batch <= 8, one GPU), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4
+    off) and off where on (batch <= 8, one GPU; from batch 2 with O_PRE 1 back), the cooperative launch (COOP 1,
+    QKV_PRE 0) where the planner launches without it, ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4
     where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where
     not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
@@ -261,6 +262,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         back = {"O_PRE": 1} if v.batch > 1 and not d["O_PRE"] and not d["ATT_DYN"] else {}
         tries.append({**ll_off, **back} if d["ATT_LL"] else on)
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
+        tries += [{"COOP": 1, "QKV_PRE": 0}] if not d["COOP"] else []  # (the cooperative launch back, batch 1's rule)
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
@@ -395,7 +397,7 @@ def knob_dict(p: dict) -> dict:
 # (ATT_PIECE_TILES: 0 in plans without stream-K; a stream-K record without it ran the bytes model's charge: stale;
 # ATT_LL, H_LL: 0 until the LL rule of session 48)
 KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
-                "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0}
+                "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1}
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}

@@ -283,6 +283,7 @@ REFUSED = [
     # transformers 5's config classes refuse these types (a string "false" would read as true)
     ("use_sliding_window", {**QWEN2_5_7B, "use_sliding_window": "false"}),
     ("attention_bias", {**LLAMA_3_2_1B, "attention_bias": "false"}),
+    ("'use_mrope' must be true or false", {**QWEN2_5_7B, "use_mrope": "false"}),
     ("head_dim", {**QWEN3_1_7B, "head_dim": None}),  # (Qwen3Config: an int; absent: 128)
     ("torch_dtype", {**LLAMA_3_2_1B, "torch_dtype": "torch.float16"}),
     ("tie_word_embeddings", {**LLAMA_3_2_1B, "tie_word_embeddings": "false"}),

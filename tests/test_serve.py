@@ -935,7 +935,7 @@ def test_every_built_variant_offered_keeps_one_seq_len(tmp_path):
 def test_generate_errors_name_the_options_the_user_gave():
     """cli._as_options: a ServeError's leading argument name becomes the generate option, only where the user gave
     that option (stop tokens the command took from the config keep their name), prompts become --ids / --prompt,
-    torch dtypes the --dtype names, anything else passes through unchanged."""
+    torch dtypes the --dtype names (but not a quoted value from config.json), anything else passes through unchanged."""
     from generator.cli import _as_options
     assert _as_options("stop_tokens: integer token ids in [0, 9], got 12", "--ids", {"--stop"}) == \
         "--stop: integer token ids in [0, 9], got 12"
@@ -946,6 +946,8 @@ def test_generate_errors_name_the_options_the_user_gave():
     assert _as_options("dtype: torch.float16 but the variants are torch.bfloat16", "--ids", {"--dtype"}) == \
         "--dtype: fp16 but the variants are bf16"
     assert _as_options("variants: mix dtypes bf16, fp16", "--ids", set()) == "variants: mix dtypes bf16, fp16"
+    refused = "m/config.json: field 'dtype' is 'torch.float16': supported are float32"  # (config.json's own words)
+    assert _as_options(refused, "--ids", {"--dtype"}) == refused
     assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"
     with pytest.raises(serve.ServeError) as exc:  # the memory check's own words, in the command's options
         serve.check_fits({"kv_caches": 9 << 30, "total": 9 << 30}, 1 << 30, 80 << 30, "model")

@@ -99,8 +99,9 @@ def test_balance_split_fills_the_last_round_of_tasks():
 
 def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1, and at batch 2 .. LL_BATCH_MAX with
-    O_PRE 0 (beside O_PRE 1 they spill) without q/k norms, on one sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX
-    (measured, bench/NOTES.md sessions 48, 50 and 51): no grid barrier between qkv_proj and gate_up (with DOWN_FLOW
+    O_PRE 0 (beside O_PRE 1 they spill) without q/k norms at head_dim 64 / 96 / 128 (LL_HEAD_DIMS_BATCH), on one
+    sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX (from batch 2: LL_HIDDEN_MAX_BATCH; measured, bench/NOTES.md
+    sessions 48, 50 and 51): no grid barrier between qkv_proj and gate_up (with DOWN_FLOW
     none at all); O_PRE 1 again where they are turned off; not past LL_BATCH_MAX, with q/k norms from batch 2, above
     the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on another arch; DOWN_FLOW 2's words only at batch 1
     up to hidden 3072; an override of one knob leaves the others' defaults; where the norm's rows go to global memory
@@ -141,7 +142,8 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
                       (named["qwen3-1.7b_decode_b4_s32768_bf16"], "90"),
                       (named["llama3.2-1b_decode_b8_s32768_bf16"], "90"),
                       (dataclasses.replace(long4, batch=LL_BATCH_MAX + 1), "90"),
-                      (named["llama3-8b_decode_b1_s4096_bf16"], "90"), (big4, "90"), (big, "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
+                      (named["llama3-8b_decode_b1_s4096_bf16"], "90"), (big4, "90"), (big, "90"),
+                      (dataclasses.replace(b4, batch=3, model=dataclasses.replace(b4.model, head_dim=80)), "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
         c = render.plan(off, arch)["consts"]
         assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), (off.name, off.model.hidden, arch)
     b8 = named["llama3.2-1b_decode_b8_s4096_bf16"]  # (from batch 2 with O_PRE off: its held step spills beside them)
@@ -250,6 +252,28 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
         assert [cfg.attrs[i].id for i in range(cfg.numAttrs)] == want and cfg.gridDimX == 132
 
 
+def test_coop_0_with_qkv_pre_by_default_where_no_grid_barrier_is_left():
+    """decode: COOP 0 and QKV_PRE 1 by default at batch 1 on one sm_90 GPU where the plan has no grid barrier (the LL
+    hand-offs with DOWN_FLOW; measured, bench/NOTES.md session 51); the cooperative launch where a barrier is left
+    (Qwen2.5-7B b1, the hand-offs off), from batch 2, with tensor parallel or on another arch; an override COOP 1
+    leaves QKV_PRE at 0 unless asked, COOP 0 plans the default; the tuner tries the cooperative launch back."""
+    named = {v.name: v for v in declared()}
+    for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
+                 "qwen3-1.7b_decode_b1_s32768_bf16"):
+        p = render.plan(named[name])
+        assert p["grid_syncs"] == 0 and (p["consts"]["COOP"], p["consts"]["QKV_PRE"]) == (0, 1), name
+        assert {"COOP": 1, "QKV_PRE": 0} in gtune.candidates(named[name]), name
+    v = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    for layer, ov, arch in ((named["qwen2.5-7b_decode_b1_s4096_bf16"], {}, "90"),
+                            (named["llama3.2-1b_decode_b4_s4096_bf16"], {}, "90"), (v, LL_OFF, "90"),
+                            (dataclasses.replace(v, tp=2), {}, "90"), (v, {}, "80"), (v, {"COOP": 1}, "90")):
+        c = render.plan(layer, arch, overrides=ov)["consts"]
+        assert (c["COOP"], c["QKV_PRE"]) == (1, 0), (layer.name, ov, arch)
+    c = render.plan(v, overrides={"QKV_PRE": 0})["consts"]
+    assert (c["COOP"], c["QKV_PRE"]) == (0, 0)
+    assert gtune.knob_dict(render.plan(v, overrides={"COOP": 0})) == gtune.knob_dict(render.plan(v))
+
+
 def test_h_ll_drops_o_projs_barrier():
     """H_LL (by default under the LL rule, decode.LL_HIDDEN_MAX): the o_proj -> gate_up grid barrier compiled out (with ATT_LL,
     QKV_FLOW 2 and DOWN_FLOW none is left), o_proj's T copy of h as words (twice the buffer) that decode as the kernel
@@ -341,7 +365,7 @@ def test_down_flow_2_hands_act_over_as_words():
     assert two["consts"]["ACT_CHUNKS"] == 0 < one["consts"]["ACT_CHUNKS"]
     w1, w2 = one["workspace"]["buffers"], render.plan(v, overrides={"DOWN_U": 4})["workspace"]["buffers"]
     assert two["workspace"]["buffers"]["act"]["bytes"] == 2 * w2["act"]["bytes"] == 2 * w1["act"]["bytes"]
-    src = render.render(v, two)
+    src = render.render(v, render.plan(v, overrides={"DOWN_FLOW": 2, "DOWN_U": 4, "COOP": 1}))  # (grid.sync's text)
     assert "constexpr int DOWN_FLOW = 2;" in src and "if constexpr (!DOWN_FLOW) grid.sync();" in src
     for ov, why in [({"DOWN_FLOW": 2, "H_LL": 0}, r"DOWN_FLOW=2 needs H_LL \(the epoch's advance at down_proj's end\)$"),
                     ({"DOWN_FLOW": 2, "X_FRAG": 0}, "DOWN_FLOW=2 needs H_LL .*; X_FRAG 1$"),
@@ -1328,8 +1352,10 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     def twin_of(ov: dict) -> dict:  # (overrides, or a plan's constants)
         return {**{k: as_twin.get((k, x), x) for k, x in ov.items() if k not in ll}, **LL_OFF}
     # every plan and its barrier twin compiled at once (in parallel: one at a time would take minutes of the GPU)
+    # (the twin keeps the case's O_PRE: from batch 2 the hand-offs plan O_PRE 0, the barriers 1)
+    o_pre = [{"O_PRE": render.plan(v, overrides=ov)["consts"]["O_PRE"]} for v, ov in cases]
     pairs = [p for i, (v, ov) in enumerate(cases)
-             for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), twin_of(ov)))]
+             for p in ((renamed(v, f"ll{i}"), ov), (renamed(v, f"lld{i}"), {**twin_of(ov), **o_pre[i]}))]
     res = gcompile.build([c for c, _ in pairs], tmp_path, overrides={c.name: o for c, o in pairs})
     assert all(e["status"] == "ok" for e in res["entries"]), [e["name"] for e in res["entries"] if e["status"] != "ok"]
     _overrides_match_the_reference(tmp_path, cases, "ll", 19, {}, repeat=True)
@@ -1342,7 +1368,7 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
         assert twin_of(layer.plan["consts"]) == twin_of(base.plan["consts"]), c.name
         twin = load(c.name, None, build_dir=tmp_path, packed=layer.packed, caches=(layer.k_cache, layer.v_cache),
                     share_workspace=layer)
-        coop0 = ov.get("COOP") == 0
+        coop0 = not layer.plan["consts"]["COOP"]  # (asked for, or the default at batch 1 without grid barriers)
         assert layer.cooperative is not coop0 and base.cooperative, c.name
         assert not layer.pdl or layer._config.numAttrs == (1 if coop0 else 2), c.name  # (no cooperative attribute)
         g = torch.Generator(device="cuda").manual_seed(21)
@@ -1630,7 +1656,7 @@ def test_pre_loads_render_before_their_barrier_and_are_refused_under_tp():
                      ("llama3-70b_decode_b8_s4096_bf16_tp2", 0)):
         assert plan(by[name], "90")["consts"]["O_PRE"] == on, name
     assert plan(by["llama3.2-1b_decode_b8_s4096_bf16"], "90", overrides={"O_PRE": 0})["consts"]["O_PRE"] == 0
-    src = render(v, plan(v, "90", overrides={"QKV_PRE": 1, "O_PRE": 1}))
+    src = render(v, plan(v, "90", overrides={"QKV_PRE": 1, "O_PRE": 1, "COOP": 1}))  # (COOP 1: grid.sync's text)
     body = src[src.index('extern "C" __global__'):]
     assert body.index("qkv_proj_pre(w_qkv") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")
     assert body.index("attention(pos") < body.index("o_proj_pre(w_o)") < body.index("grid.sync()", body.index(
@@ -1715,7 +1741,7 @@ def test_gain_rows_fold_is_the_batch_1_default():
     assert {"NORM_FOLD": 0} in tune.candidates(b1, "90") and {"NORM_FOLD": 3} not in tune.candidates(b1, "90")
     b2 = next(v for v in _qwen15_like("g3", [2]))
     assert plan(b2, "90")["consts"]["NORM_FOLD"] == 0 and {"NORM_FOLD": 3} in tune.candidates(b2, "90")
-    src = render(b1, plan(b1, "90"))
+    src = render(b1, plan(b1, "90", overrides={"COOP": 1}))  # (COOP 1: the barriers' text is grid.sync)
     body = src[src.index('extern "C" __global__'):]
     # the first norm's gain copy before the launch's wait; the second's after o_proj, before the barrier it waits at
     assert body.index("qkv_proj_pre(w_qkv, ln1_w, smem)") < body.index("griddepcontrol.wait") < body.index("qkv_proj(x")

@@ -134,10 +134,6 @@ def _check_number(cfg_path, field, v):
     return float(v)
 
 
-def _truthy(v) -> bool:
-    return v not in (None, False, 0, "", [], {})
-
-
 def check_bool(cfg_path, cfg, field, default=False) -> bool:
     """config.json's boolean `field` (absent or null: `default`); HFConfigError for any other type (transformers 5's
     config classes refuse a string such as "false", which Python would read as true)."""
@@ -288,7 +284,7 @@ def _refuse_unsupported(cfg_path, cfg, model_type):
     if cfg.get("quantization_config") is not None:
         raise HFConfigError(f"{cfg_path}: field 'quantization_config' is set: quantized checkpoints are not "
                             "supported (bf16/fp16/fp32 weights only)")
-    if _truthy(cfg.get("use_mrope")):
+    if check_bool(cfg_path, cfg, "use_mrope"):
         raise HFConfigError(f"{cfg_path}: field 'use_mrope' is true: multimodal RoPE is not supported")
     # biases the kernel does not add: o_proj (attention_bias in llama/qwen3 biases o_proj too) and the MLP's
     if model_type in ("llama", "qwen3") and check_bool(cfg_path, cfg, "attention_bias"):

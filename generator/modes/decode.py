@@ -1,4 +1,5 @@
-"""Decode: one new token for each of `batch` sequences, every stage of the layer in one cooperative launch.
+"""Decode: one new token for each of `batch` sequences, every stage of the layer in one launch (cooperative unless
+COOP 0).
 
 norm + qkv_proj | attention (qk_norm, RoPE, KV append, flash-decoding) | o_proj + residual | norm + gate_up |
 down_proj + residual   ("|" = grid-wide barrier). Each norm runs inside its projection's stage, every block
@@ -344,6 +345,7 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # b8 -0.7 / +8.3; Llama-3-8B b8 -1.6 / -1.0, Llama-3.2-1B b8 -0.7 / -0.3, TinyLlama-like b6 -2.6 / -0.6)
 LL_HIDDEN_MAX = 3584
 LL_HIDDEN_MAX_BATCH = 4096
+LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
 LL_BATCH_MAX = 5
 DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule: batch 1 up to this hidden size (plan: words)
 
@@ -752,7 +754,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
                and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX
-                    or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_BATCH and not m.qk_norm))
+                    or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_BATCH and not m.qk_norm
+                    and m.head_dim in LL_HEAD_DIMS_BATCH))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
@@ -850,6 +853,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if "O_PRE" not in ov:
         consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn and not (ll_rule and att_ll) or b1_pre)
                               and v.tp == 1 and sm == 90)
+    # COOP 0 with QKV_PRE 1 by default at batch 1 on one sm_90 GPU where the plan has no grid barrier left (the LL
+    # hand-offs with DOWN_FLOW: COOP 0's workspace barrier never runs): the next layer's blocks enter as this one's
+    # leave and load their first qkv step before the launch's wait. Measured on an H100 (bench/NOTES.md session 51),
+    # against the cooperative launch, full context / row 191: -0.8 ... -2.9 % on 9 of 10 timings of 5 shapes
+    # (Llama-3.2-1B KV 4096 -0.9 / 0.0, KV 1024 -1.0 / -0.8, Qwen2.5-0.5B -0.8 / -0.9, Qwen3-1.7B -1.3 / -1.9, held-out
+    # SmolLM-360M-like -1.9 / -2.9); COOP 0 alone 0.0 ... +1.3 %; level at batch 4 (Llama-3.2-1B b4 0.0 / 0.0)
+    no_barrier = not any(s.then == "grid" and not consts.get(s.flow) for s in STEPS[:-1])
+    if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and no_barrier:
+        consts["COOP"] = ov.get("COOP", 0)
+        consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
