@@ -231,9 +231,12 @@ def render_cmd(name, variants_file, arch, build_dir, tuned_for, no_tuned, knobs_
     if not replanned and built.get("status") == "ok" and str(built.get("arch", arch)) == str(arch) \
             and gmanifest.status(built, v, gmanifest.kernel_sources_digest()) == "built" \
             and built.get("source_sha256") != hashlib.sha256(src.encode()).hexdigest():
-        used = (built.get("tuning") or {}).get("file")  # e.g. a build made with --tuned-for FILE
+        # (the tuning file only where the build took its plan from it: e.g. a build made with --tuned-for FILE)
+        used = (built.get("tuning") or {}).get("file") if str(built.get("plan_source", "")).startswith("tuned") \
+            else None
         err_console.print(f"note: {Path(build_dir) / name / 'kernel.cu'} was compiled from another plan"
-                          + (f" (tuning file {used})" if used else "") + ": printed here is the plan a build now takes",
+                          + (f" (tuning file {used})" if used else " (the default plan)")
+                          + ": printed here is the plan a build now takes",
                           markup=False, highlight=False, soft_wrap=True)
     if knobs_only:
         click.echo("".join(f"{k} {val}\n" for k, val in gtune.knob_dict(p).items()), nl=False)

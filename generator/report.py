@@ -479,7 +479,8 @@ FLAG_HELP = [  # (the flag's prefix, its name in the legend, what it means)
     ("mem>", "mem>NGB", "one layer's weights, KV cache and workspace exceed the largest GPU of the arch"),
     ("tuned-plan-unused", "tuned-plan-unused", "the tuning entry was not used: the default plan was built (the "
                                                "build's warning says why)"),
-    ("stale", "stale (...)", "the build no longer matches the declaration or the templates: rebuild"),
+    ("stale", "stale (...)", "the build no longer matches the declaration, the templates or (stale (tuning)) the "
+     "tuning file it took its plan from: rebuild (with the same --tuned-for FILE where it used one)"),
     ("cubin-missing", "cubin-missing", "the manifest names a cubin that is not there: rebuild"),
     ("cubin-damaged", "cubin-damaged", "the cubin is not the size that was compiled: rebuild"),
 ]

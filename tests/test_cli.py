@@ -896,7 +896,8 @@ def test_a_damaged_cubin_and_a_missing_tuning_dir_are_said(copy_build, tiny_buil
 
 def test_render_says_when_the_build_compiled_another_plan(copy_build, tiny_build, tmp_path):
     """A build made with --tuned-for FILE compiled another plan than a plain `render` prints: a note says which
-    file, and where the compiled source is; with the same --tuned-for no such note."""
+    file, and where the compiled source is; with the same --tuned-for no such note; a default-plan build against a
+    tuned render: the note says the default plan."""
     b = copy_build(tmp_path / "build")
     name = next(n for n, e in sorted(json.loads((b / "manifest.json").read_text())["variants"].items())
                 if e["status"] == "ok" and "_decode_" in n)
@@ -914,3 +915,10 @@ def test_render_says_when_the_build_compiled_another_plan(copy_build, tiny_build
     r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b, "--tuned-for", tfile],
                 cwd=tmp_path)
     assert r.returncode == 0 and "another plan" not in r.stderr and r.stdout == (b / name / "kernel.cu").read_text()
+    # the default plan built, another rendered: the note says the default plan (not the tuning file it consulted)
+    r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", b, "--only", name, "--no-tuned",
+                 "--no-report"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["render", name, "--variants", tiny_build["variants"], "--build-dir", b, "--tuned-for", tfile],
+                cwd=tmp_path)
+    assert r.returncode == 0 and "was compiled from another plan (the default plan): " in r.stderr, r.stderr
