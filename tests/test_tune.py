@@ -2246,8 +2246,10 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     for c in (3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with ATT_DYN=1 .*ATT_DYN=0"):
             render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": c})
-        assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c} LL"
-    assert path_cell(render.plan(v)["consts"]) == "LL" and path_cell(render.plan(v, overrides=LL_OFF)["consts"]) is None
+        assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c} LL COOP=0"
+    # (no grid barrier left at batch 1: launched without the cooperative attribute, COOP=0; the barriers back: COOP 1)
+    assert path_cell(render.plan(v)["consts"]) == "LL COOP=0"
+    assert path_cell(render.plan(v, overrides=LL_OFF)["consts"]) is None
     assert path_cell(render.plan(v, overrides={"H_LL": 0})["consts"]) == "QKV_FLOW=2 ATT_LL"
     part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4)}
     assert part[4] == 2 * part[3] > 0, part  # (value, launch count) words
