@@ -455,7 +455,7 @@ TABLE_COLUMNS = [
     ("split_k", "split-K\nq/o/gu/dn", lambda r, k: r.get(k) or "-", False),
     ("workspace_bytes", "wkspace\nMB", lambda r, k: "-" if r.get(k) is None else f"{r[k] / 1e6:.1f}", False),
     ("mma_sass", "mma\nSASS", _num("d"), False),
-    ("fused_us", "fused\nµs", _num(".1f"), True),
+    ("fused_us", "fused\nµs", lambda r, k: _num(".1f")(r, k) + r.get("fused_us_mark", ""), True),  # (†: another GPU)
     ("pct_bw", "%\nBW", _num(".1f"), True),
     ("tflops", "TFLOP\n/s", _num(".0f"), True),
     ("route", "prefill\nroute", lambda r, k: r.get(k) or "-", True),
@@ -555,7 +555,12 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     files = sorted({r["bench_file"] for r in rows if r.get("bench_file")})
     if files:  # said above the table too: a quick reader takes the timings for this machine's
         console.print("timings: from a device run (its file named below), not from this machine", highlight=False)
-    print_fitted(console, lambda cs: _table(rows, cs), cols, DROP_ORDER, wide)
+    # each variant's newest run: where those were timed on more than one GPU, the rows of the others are marked
+    gpus = Counter(r.get("bench_gpu") or "" for r in rows if r.get("bench_file"))
+    most = max(gpus, key=lambda g: (gpus[g], g)) if len(gpus) > 1 else None  # (a tie: the last name, stable)
+    marked = [{**r, "fused_us_mark": "†"} if most is not None and r.get("bench_file")
+              and (r.get("bench_gpu") or "") != most else r for r in rows]
+    print_fitted(console, lambda cs: _table(marked, cs), cols, DROP_ORDER, wide)
     if any(r.get("arch") for r in rows):
         console.print("(sm_N): the architecture a variant was built for (this build directory holds builds for more "
                       "than one, or the build just run was for another and kept this one; a kernel loads only on a "
@@ -575,12 +580,10 @@ def print_report(report: dict, console: Console | None = None, *, wide: bool = F
     if files:  # the benchmark columns are a device run's, read from bench/results, not this machine's
         console.print(f"fused µs, % BW, TFLOP/s, route and × columns: measured in {', '.join(files)} "
                       "(in --bench-dir, bench/results by default; their GPU is in the name), not on this machine", highlight=False)
-        gpus = Counter(r.get("bench_gpu") or "" for r in rows if r.get("bench_file"))
-        if len(gpus) > 1:  # (each variant's newest run: a later check of a few rows on another GPU mixes them)
-            most = max(gpus, key=lambda g: (gpus[g], g))  # (a tie: the last name, so that the line is stable)
+        if most is not None:  # (each variant's newest run: a later check of a few rows on another GPU mixes them)
             for gpu in sorted(g for g in gpus if g != most):
                 names = [r["name"] for r in rows if r.get("bench_file") and (r.get("bench_gpu") or "") == gpu]
-                console.print(f"[yellow]timed on {gpu or 'an unnamed GPU'}, not {most or 'an unnamed GPU'} as the "
+                console.print(f"[yellow]† timed on {gpu or 'an unnamed GPU'}, not {most or 'an unnamed GPU'} as the "
                               f"others:[/yellow] {', '.join(names)}", highlight=False)
         other = [r["name"] for r in rows if r.get("timed_plan") == "other"]
         if other:  # said here too: a narrow table drops the plan column (after L1) first

@@ -573,7 +573,7 @@ def test_report_says_when_the_figures_were_timed_with_another_plan(copy_build, t
 
 def test_report_names_rows_timed_on_another_gpu(copy_build, tmp_path):
     """Each variant's figures are its newest run's: where a later check of a few rows ran on another GPU, the report
-    names those rows and their GPU (one GPU for every row: no such line)."""
+    marks those rows' µs with † and names them and their GPU under the table (one GPU for every row: neither)."""
     from rich.console import Console
     from generator import report as greport
     from generator.compile import read_manifest
@@ -587,9 +587,14 @@ def test_report_names_rows_timed_on_another_gpu(copy_build, tmp_path):
         rep = greport.build_report(d, bench_dir=bench_dir, gpu=False, write=False)
         con = Console(width=300, record=True, color_system=None)
         greport.print_report(rep, con, wide=True)
-        text = con.export_text().replace("\n", " ")
-        assert ("timed on NVIDIA H100 80GB HBM3, not NVIDIA H200 as the others: " + names[0] in text) == (i == 1)
+        raw = con.export_text()  # (export_text clears the record: read once)
+        text = raw.replace("\n", " ")
+        assert ("† timed on NVIDIA H100 80GB HBM3, not NVIDIA H200 as the others: " + names[0] in text) == (i == 1)
         assert "timed on" not in text or i == 1
+        # the row itself is marked in the table (its fused µs), the others not
+        rows = [line for line in raw.splitlines() if "timed on" not in line]
+        marks = {n: next(line for line in rows if n in line).count("10.0†") for n in names}
+        assert marks == {names[0]: int(i == 1), names[1]: 0}, marks
 
 
 def test_queued_ab_cases_each_plan_a_kernel_of_their_own():
