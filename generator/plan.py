@@ -68,6 +68,13 @@ class Mode:
         return sum(s.then == "grid" for s in self.steps)
 
 
+def open_barriers(steps, consts: dict) -> int:
+    """The grid barriers left inside one kernel of `steps` (Step, in order) under a plan's constants: each step but
+    the last whose `then` is "grid" and whose `flow` constant is 0 (a barrier at a kernel's end is the launch
+    boundary itself)."""
+    return sum(s.then == "grid" and not consts.get(s.flow) for s in steps[:-1])
+
+
 def kernels(mode: Mode, tp: int) -> list[dict]:
     """The launches of one layer step: one kernel "decoder_layer" with every step when tp = 1; with tensor
     parallel a kernel ends at each step that leaves a partial sum (Step.reduce), so the runtime can all-reduce

@@ -18,7 +18,7 @@ import jinja2
 from . import interface
 from .modes import MODES
 from .plan import PlanError  # noqa: F401  (re-exported: callers catch render.PlanError)
-from .plan import kernels
+from .plan import kernels, open_barriers
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch
 from .variants import INT_MAX, Variant
 
@@ -41,9 +41,7 @@ def plan(v: Variant, arch: str = DEFAULT_ARCH, overrides: dict | None = None) ->
         p = mode.plan(v, a)
     p.setdefault("overrides", {})
     ks = kernels(mode, v.tp)
-    # a barrier at a kernel's end is the launch boundary itself
-    syncs = sum(mode.steps[k["first"] + i].then == "grid" and not p["consts"].get(mode.steps[k["first"] + i].flow)
-                for k in ks for i in range(len(k["steps"]) - 1))
+    syncs = sum(open_barriers(mode.steps[k["first"]:k["first"] + len(k["steps"])], p["consts"]) for k in ks)
     p.update(mode=mode.name, arch=a.sm, grid_syncs=syncs, kernels=ks, tp=v.tp, steps=[s.stage for s in mode.steps],
              workspace=interface.workspace_layout({**p["consts"], "ROWS": p["rows"], **p["sizes"]}))
     # every constant is a C int in the kernel, and so is every buffer's element count: a larger shape would wrap

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split,
-                    gemv_split_k, l1_bytes, plan_gemv)
+                    gemv_split_k, l1_bytes, open_barriers, plan_gemv)
 from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS
 from ..targets import DTYPES, Arch
 from ..variants import Variant
@@ -859,8 +859,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # against the cooperative launch, full context / row 191: -0.8 ... -2.9 % on 9 of 10 timings of 5 shapes
     # (Llama-3.2-1B KV 4096 -0.9 / 0.0, KV 1024 -1.0 / -0.8, Qwen2.5-0.5B -0.8 / -0.9, Qwen3-1.7B -1.3 / -1.9, held-out
     # SmolLM-360M-like -1.9 / -2.9); COOP 0 alone 0.0 ... +1.3 %; level at batch 4 (Llama-3.2-1B b4 0.0 / 0.0)
-    no_barrier = not any(s.then == "grid" and not consts.get(s.flow) for s in STEPS[:-1])
-    if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and no_barrier:
+    if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and not open_barriers(STEPS, consts):
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
