@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh next      # one device call: COOP 0 from batch 2, DOWN_FLOW 1 at Qwen2.5-7B, LL at hidden 5120
+#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers left
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -34,26 +34,17 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_next() {  # session 51's leads, each against the default plan (full context / serving mix): COOP 0 + QKV_PRE 1
-  # where batch 2-5 plans no grid barrier (batch 1's rule: -0.8 ... -2.9 % on the H100; Llama-3.2-1B b4 level there);
-  # DOWN_FLOW 1 (gate_up's counters) at Qwen2.5-7B b1 (the tuner's pick on the H100, 172.4 -> 170.6 us) and b4, and
-  # with COOP 0 (then no barrier left); the LL hand-offs at hidden 5120 (past LL_HIDDEN_MAX_BATCH, never timed)
-  # (DOWN_FLOW 1 leaves Qwen2.5-7B b1 no grid barrier, so the planner adds COOP 0 + QKV_PRE 1 to it: COOP 1 times
-  # the counters alone, as the tuner did)
-  local c='{"COOP": 0, "QKV_PRE": 1}' d='{"DOWN_FLOW": 1, "COOP": 1}' l='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0}'
-  local q=--variants=bench/queue-variants.yaml
-  ab next full,mix $q --case llama3.2-1b_decode_b4_s4096_bf16 "$c" --case ho-h1536-g6_decode_b2_s4096_bf16 "$c" \
-    --case ho-mha-b5_decode_b5_s4096_bf16 "$c" --case llama3-8b_decode_b4_s1024_bf16 "$c" \
-    --case qwen2.5-7b_decode_b1_s4096_bf16 "$d" --case qwen2.5-7b_decode_b1_s1024_bf16 "$d" \
-    --case qwen2.5-7b_decode_b4_s4096_bf16 '{"DOWN_FLOW": 1}' --case qwen2.5-7b_decode_b1_s4096_bf16 '{"DOWN_FLOW": 1}' \
-    --case q-nemo_decode_b2_s4096_bf16 "$l" --case q-nemo_decode_b4_s4096_bf16 "$l"
-  # Llama-3.2-1B b8 (74.9 % of the H200's copy bandwidth, the target 80 %): attention takes 24.8 of its 60.1 µs for
-  # 67 MB of cache (2.7 TB/s; 128 tasks of 2,048 rows, one a block). Where do the blocks' walks spend it (the ring's
-  # depth against the per-tile work)? Its timeline at full context, default plan and a deeper ring
-  step tl-1b8 python3 bench/timeline.py --variant llama3.2-1b_decode_b8_s4096_bf16 --row full \
-    --out "$OUT/timeline-1b8.json"
-  step tl-1b8-s3 python3 bench/timeline.py --variant llama3.2-1b_decode_b8_s4096_bf16 --row full \
-    --overrides '{"ATT_STAGES": 3}' --out "$OUT/timeline-1b8-s3.json"
+part_next() {  # against the plan of each row (full context / serving mix), for the H200: (1) session 52's DOWN_FLOW 1
+  # rule (the counters under the LL rule at 8-warp down_proj groups; the H100 had the barrier +0.4 ... +2.3 % on 14 of
+  # 16 timings, -1.6 % at q-r37): the old plan {DOWN_FLOW 0} against it; (2) COOP 0 with grid barriers left, now over
+  # one word (level with grid.sync at Llama-3.2-1B b8 on the H100, session 52), with QKV_PRE 1 (its gain at batch 1
+  # without barriers: -0.8 ... -2.9 %), where the plan keeps barriers
+  local o='{"DOWN_FLOW": 0}' c='{"COOP": 0, "QKV_PRE": 1}' q=--variants=bench/queue-variants.yaml
+  ab next full,mix $q --case qwen2.5-7b_decode_b4_s1024_bf16 "$o" --case ho-hd96-g4_decode_b5_s4096_bf16 "$o" \
+    --case q-r37_decode_b2_s1024_bf16 "$o" --case q-r322_decode_b5_s4096_bf16 "$o" \
+    --case q-r382_decode_b1_s1024_bf16 "$o" --case qwen2.5-7b_decode_b1_s4096_bf16 "$o" \
+    --case llama3-8b_decode_b1_s4096_bf16 "$c" --case llama3.2-1b_decode_b8_s4096_bf16 "$c" \
+    --case llama3-8b_decode_b8_s4096_bf16 "$c" --case ho-l2-7b_decode_b1_s2048_bf16 "$c"
 }
 
 part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %; Llama-3.2-1B

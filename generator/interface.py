@@ -96,9 +96,9 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("epoch", "unsigned", lambda c: (1,),
            "decode ATT_LL, QKV_FLOW 2, H_LL, ATT_COMBINE 4: launches so far (block 0 advances it: gate_up, or with "
            "H_LL down_proj); the LL words carry (this + 1) mod 2^16, ATT_COMBINE 4's partials this + 1"),
-    Buffer("gridbar", "unsigned", lambda c: (0 if c.get("COOP", 1) else 2,),
-           "decode COOP 0: the grid barrier's arrival count (0 between barriers) and generation "
-           "(templates/common.cuh grid_barrier)"),
+    Buffer("gridbar", "unsigned", lambda c: (0 if c.get("COOP", 1) else 1,),
+           "decode COOP 0: the grid barrier's word, arrivals in its low 31 bits (0 between barriers), its top bit "
+           "flipped by each barrier (templates/common.cuh grid_barrier)"),
 )
 
 ARGS: tuple[Arg, ...] = (

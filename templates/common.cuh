@@ -20,30 +20,26 @@ __device__ __forceinline__ float2 to_f2(T2 v) { return __half22float2(v); }
 __device__ __forceinline__ T2 from_f2(float a, float b) { return __floats2half2_rn(a, b); }
 #endif
 
-// COOP 0 (a decode launch without the cooperative attribute): the grid barrier, from an arrival count and a
-// generation word (bar[0], bar[1]; ws_gridbar, zeroed with the workspace and left with the count at 0). Thread 0 of
-// each block reads the generation, releases the block's writes (the block barrier makes them its own; the fence's
-// cumulativity publishes them, as the step counters do) and arrives; the last to arrive resets the count and
-// releases the next generation, which the others acquire. It needs every block resident (the planner's grid, one
-// block an SM); after 2^24 polls a trap, not a hang.
+// COOP 0 (a decode launch without the cooperative attribute): the grid barrier over one word (ws_gridbar, zeroed
+// with the workspace), as cooperative groups' grid.sync does it: thread 0 of each block releases the block's writes
+// (the block barrier makes them its own; the fence's cumulativity publishes them) and adds 1, block 0 adds
+// 2^31 - (blocks - 1), so the last arrival flips the top bit and leaves the low bits at 0; each block's thread 0
+// polls until the top bit differs from the one its add returned, then fences (acquire). No load before the arrival:
+// session 47's two-word version read the generation first and measured ~0.3 us a barrier over grid.sync (H100);
+// this one, at Llama-3.2-1B b8 (two barriers), timed level with grid.sync (session 52). It needs every block
+// resident (the planner's grid, one block an SM); after 2^24 polls a trap, not a hang.
 __device__ __forceinline__ void grid_barrier(unsigned* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned gen, arrived;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
-        asm volatile("fence.acq_rel.gpu;\n\tatom.add.relaxed.gpu.global.u32 %0, [%1], 1;"
-                     : "=r"(arrived) : "l"(bar) : "memory");
-        if (arrived == gridDim.x - 1u) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");  // (acquire: every block's release before its arrival)
-            asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n\tred.release.gpu.global.add.u32 [%1], 1;"
-                         :: "l"(bar), "l"(bar + 1) : "memory");
-        } else {
-            unsigned now, polls = 0u;
-            do {
-                if (++polls == 1u << 24) __trap();
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
-            } while (now == gen);
-        }
+        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        unsigned old, now, polls = 0u;
+        asm volatile("fence.acq_rel.gpu;\n\tatom.add.relaxed.gpu.global.u32 %0, [%1], %2;"
+                     : "=r"(old) : "l"(bar), "r"(add) : "memory");
+        do {
+            if (++polls == 1u << 24) __trap();
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+        } while (((now ^ old) & 0x80000000u) == 0u);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // (acquire: every block's release before its arrival)
     }
     __syncthreads();
 }

@@ -737,7 +737,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # -4 %, Qwen2.5-7B 0 %, Llama-3.2-3B and Phi-3-mini b1 +1 %) or the batch is 16-32 (-0.3 ... -2.6 %); and on the
     # four shapes whose last chunk is partial (down_proj's k-tiles no multiple of NWG x U: intermediate 4864 and
     # 11008, Yi-6B and Qwen2.5-3B b1 -3.8 / -4.2 % at full context): the cause is not established, so those keep the
-    # barrier
+    # barrier. Under the LL rule, where DOWN_FLOW 2's words are not planned (batch 2-5, or hidden > 3072), 8-warp
+    # groups take the counters too: there the barrier it removes is the last one of a batch-1 layer (COOP 0 follows);
+    # measured on the H100 (bench/NOTES.md session 52) the barrier +0.4 ... +2.3 % on 14 of 16 timings of 8 such
+    # shapes (Qwen2.5-7B b1 / b4, held out: head_dim 96 b5, hidden 2560-3584 at b1-5), -1.6 % on one (hidden 2560,
+    # intermediate 9728, b2 KV 1024)
     gu, dn = gemv["gate_up"], gemv["down"]
     gu_rounds = 2 * m.intermediate // 16 // gu["TM"] / (sms * (THREADS // 32 // gu["NWG"]))
     down_kt, down_step = m.intermediate // 16, dn["NWG"] * dn["U"]  # down_proj's k-tiles; a chunk's (one step's)
@@ -760,17 +764,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
     flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
                and not (att_tma and smem_bytes > arch.smem_per_block - 1024))
-    counters = (flow_ok and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and dn["NWG"] == THREADS // 32
-                and down_kt % down_step == 0)
+    words = (flow_ok and ll_rule and v.batch == 1 and m.hidden <= DOWN_WORDS_HIDDEN_MAX and gu_tasks >= sms
+             and ov.get("H_LL", 1) != 0
+             and ov.get("GEMV_PF", int(b1_pre)) != 1)
+    counters = (flow_ok and gu_rounds >= DOWN_FLOW_MIN_ROUNDS and down_kt % down_step == 0
+                and (dn["NWG"] == THREADS // 32 or ll_rule and not words))
     # DOWN_FLOW 2 (act as LL words) by default under the LL rule where the counters are not taken and gate_up has a
     # task in every block (H_LL's epoch): measured on an H100 (bench/NOTES.md session 49) -0.9 ... -5.8 % a layer on
     # all 12 timings of 6 such shapes (Qwen2.5-0.5B KV 1024 / 4096 / 32768; held out: hidden 960, 1440 / head_dim 80,
     # 2560 MHA, 3072); where the counters are taken (Llama-3.2-1B, Qwen3-1.7B) it needs DOWN_U 4 against spills and
     # ties (-0.5 ... +0.8 %), so they keep them; not with GEMV_PF 1 (its early loads beside the held words spill 76 B
     # at Llama-3.2-1B b1 with GU_NWG 8, where the counters give way); batch 1 up to hidden 3072 (where measured)
-    words = (flow_ok and ll_rule and v.batch == 1 and m.hidden <= DOWN_WORDS_HIDDEN_MAX and gu_tasks >= sms
-             and ov.get("H_LL", 1) != 0
-             and ov.get("GEMV_PF", int(b1_pre)) != 1)
     down_flow = ov.get("DOWN_FLOW", 1 if counters else 2 if words else 0)
     act_chunks = -(-down_kt // down_step) if down_flow == 1 else 0
     h_ll = ov.get("H_LL", int(ll_rule and not (down_flow and gu_tasks < sms)))
