@@ -4,9 +4,9 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers left
+#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; qkv split
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
-#   bash bench/queue.sh gputests  # the sampler's and the LL GPU tests (session 49), then those cut in session 48
+#   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -45,6 +45,16 @@ part_next() {  # against the plan of each row (full context / serving mix), for 
     --case q-r382_decode_b1_s1024_bf16 "$o" --case qwen2.5-7b_decode_b1_s4096_bf16 "$o" \
     --case llama3-8b_decode_b1_s4096_bf16 "$c" --case llama3.2-1b_decode_b8_s4096_bf16 "$c" \
     --case llama3-8b_decode_b8_s4096_bf16 "$c" --case ho-l2-7b_decode_b1_s2048_bf16 "$c"
+  # (3) qkv split over K with its splits summed by attention (QKV_KSPLIT under QKV_FLOW 2, session 52: built, not yet
+  # run; run `gputests` first): Llama-3.2-1B's 192 qkv tiles on 132 SMs leave 60 SMs two tiles (128 KB) and 72 one;
+  # 2 splits: at most 96 KB an SM (the mean 95). Prediction: its qkv step (5.1 us on the H200 for 12.6 MB, 3.0 at
+  # the copy bandwidth) -0.5 ... -1.2 us where qkv's tiles leave SMs idle (1B, Qwen2.5-7B's 288 on 132: 3 against a
+  # mean 2.2; Qwen2.5-0.5B's 72), level at Qwen3-1.7B (256 tiles: 2 a SM), a loss at 1B b4 (spills 8 B)
+  local k='{"QKV_KSPLIT": 2}' k4='{"QKV_KSPLIT": 2, "QKV_NWG": 4}'
+  ab next-qkv full,191 --case llama3.2-1b_decode_b1_s4096_bf16 "$k" --case llama3.2-1b_decode_b1_s4096_bf16 "$k4" \
+    --case llama3.2-1b_decode_b1_s1024_bf16 "$k" --case qwen2.5-7b_decode_b1_s4096_bf16 "$k" \
+    --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$k" --case qwen3-1.7b_decode_b1_s4096_bf16 "$k" \
+    --case ho-smol-360m_decode_b1_s2048_bf16 "$k" --case llama3.2-1b_decode_b4_s4096_bf16 "$k"
 }
 
 part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %; Llama-3.2-1B
@@ -64,11 +74,10 @@ part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 
   rm -rf "$OUT/retune"
 }
 
-part_gputests() {  # session 49: the sampler's two-pass top-p cut (nucleus_draw) and the LL test with DOWN_FLOW 2's
-  # default (its Qwen2.5-0.5B b1 case); then the tests cut in session 48
-  step gputests-sampler python3 -m pytest -q -m gpu tests/test_sampler.py
+part_gputests() {  # session 52: the split qkv summed by attention (QKV_KSPLIT under QKV_FLOW 2, never run), the LL test
+  # (COOP 0's one-word barrier under its COOP 0 cases) and DOWN_FLOW's (its 8-warp Qwen2.5-7B case now the default)
+  step gputests-qkvsplit python3 -m pytest -q -m gpu tests/test_tune.py -k "qkv_splits_summed"
   step gputests-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs_match or down_flow_matches"
-  step gputests-s48 python3 -m pytest -q -m gpu tests/test_tune.py -k "h_stats_matches or split_parallel"
 }
 
 part_tests() {

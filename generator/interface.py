@@ -51,7 +51,8 @@ def _gemm_cols(c: dict, k: int) -> int:
 
 
 WORKSPACE: tuple[Buffer, ...] = (
-    Buffer("qkv", "float", lambda c: (c["ROWS"], c["QKV_DIM"] * (1 + (c.get("QKV_FLOW") == 2))),
+    Buffer("qkv", "float", lambda c: ((c["ROWS"], c["QKV_DIM"]) if c.get("QKV_FLOW") != 2  # QKV_FLOW 2: 64-bit words,
+                                      else (c.get("QKV_KSPLIT", 1) * c["ROWS"], 2 * c["QKV_DIM"])),  # a set a split
            "raw q|k|v rows of every token (fp32, pre-RoPE; decode QKV_FLOW 2: each a 64-bit word, the value in its low "
            "half, the launch's epoch in the high)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"],

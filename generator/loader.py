@@ -473,8 +473,9 @@ class FusedDecoderLayer:
             return from_ll(raw, self.plan["rows"], consts["INTER"])
         if name == "hb" and consts.get("H_LL"):
             return from_ll(raw, self.plan["rows"], consts["HIDDEN"], frag=False)
-        if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:
-            return from_ll(raw, self.plan["rows"], consts["QKV_DIM"], frag=False)
+        if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:  # (QKV_KSPLIT: splits summed)
+            ks, rows = consts.get("QKV_KSPLIT", 1), self.plan["rows"]
+            return from_ll(raw, ks * rows, consts["QKV_DIM"], frag=False).view(ks, rows, -1).sum(0)
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):
             return from_frag(raw, self.plan["rows"], b["shape"][1])
         if name in ("attn", "act", "xn") and self.mode == "prefill" and consts.get("GEMM_WGMMA"):

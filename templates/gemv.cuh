@@ -117,6 +117,12 @@ struct NoDone {  // gemv's `done` where no later step waits on single tiles (a g
     static constexpr bool active = false, defer = false;
     __device__ void operator()(int) const {}
 };
+struct RawSplits {  // gemv's `done` for split-K without the reduction: each split's 16 x BATCH partial sums go to the
+    // epilogue as rows ks x N + row (no part buffer, no counter), and the consumer sums the splits (decode's QKV_FLOW 2
+    // with QKV_KSPLIT: attention, as it polls qkv's words)
+    static constexpr bool active = false, defer = false;
+    __device__ void operator()(int) const {}
+};
 struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a grid barrier precedes it)
     static constexpr bool active = false;
     __device__ void operator()(int) const {}
@@ -395,6 +401,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                     else release(tile);
                 }
             }
+        } else if constexpr (std::is_same_v<Done, RawSplits>) {
+            if (active) epi(ks * N + tile * 16, Tile<NWG>{buf}, gt);  // (the consumer sums the splits)
         } else {
             __shared__ int last[NG];  // per group: its task was the tile's last split
             if (active)

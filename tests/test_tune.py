@@ -151,7 +151,7 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     assert {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0} in gtune.candidates(b8)
     one = render.plan(v, overrides={"H_LL": 0})["consts"]
     assert (one["ATT_LL"], one["QKV_FLOW"], one["H_LL"]) == (1, 2, 0)
-    for ov in ({"H_STATS": 1}, {"NORM_GLOBAL": 1}, {"QKV_KSPLIT": 2}):
+    for ov in ({"H_STATS": 1}, {"NORM_GLOBAL": 1}, {"O_KSPLIT": 2}):  # (a split qkv keeps them: its words)
         c = render.plan(v, overrides=ov)["consts"]
         assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), ov
 
@@ -316,7 +316,7 @@ def test_qkv_flow_2_hands_qkv_over_as_words():
     """QKV_FLOW 2 (by default under the LL rule, decode.LL_HIDDEN_MAX): no barrier and no counters between qkv_proj and attention,
     qkv's results as 64-bit words carrying the launch's epoch (twice the buffer; the epoch word as ATT_LL's), which
     decode as the kernel lays them out (interface.from_ll, frag False: row-major, the value's float bits in each word's
-    low half); refused as QKV_FLOW 1 is (tensor parallel, a split qkv) and past 2."""
+    low half); refused with tensor parallel and past 2 (a split qkv: test_qkv_splits_keep_the_ll_hand_off)."""
     import torch
 
     from generator.interface import from_ll
@@ -328,8 +328,8 @@ def test_qkv_flow_2_hands_qkv_over_as_words():
     assert w2["qkv"]["bytes"] == 2 * w1["qkv"]["bytes"] and w2["epoch"]["bytes"] == 4
     with pytest.raises(PlanError, match="QKV_FLOW=2: tensor parallel keeps"):
         render.plan(dataclasses.replace(v, tp=2), overrides={"QKV_FLOW": 2})
-    with pytest.raises(PlanError, match="QKV_FLOW=2 and QKV_KSPLIT=2"):
-        render.plan(v, overrides={"QKV_FLOW": 2, "QKV_KSPLIT": 2})
+    assert render.plan(v, overrides={"QKV_FLOW": 2, "QKV_KSPLIT": 2})["consts"]["QKV_FLOW"] == 2  # (its splits'
+    # words summed by attention: test_qkv_splits_keep_the_ll_hand_off)
     with pytest.raises(PlanError, match="QKV_FLOW=3: must be 0, 1 or 2"):
         render.plan(v, overrides={"QKV_FLOW": 3})
     rows, k = 3, 40
@@ -376,6 +376,25 @@ def test_down_flow_2_hands_act_over_as_words():
         render.plan(dataclasses.replace(v, tp=2), overrides={"DOWN_FLOW": 2})
     assert {"DOWN_FLOW": 2} in gtune.candidates(v)  # (Llama-3.2-1B b1: the counters by default)
     assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b8_s4096_bf16"]))
+
+
+def test_qkv_splits_keep_the_ll_hand_off():
+    """QKV_KSPLIT > 1 with QKV_FLOW 2: qkv's splits are not reduced (gemv's RawSplits: no part buffer, no counter) but
+    written as words of their own, one set a split (the workspace's qkv grows by the splits), and summed by attention;
+    so a split qkv keeps the LL rule's hand-offs (before: split-K turned them off); QKV_FLOW 1 with a split is refused
+    in one line; the tuner's split candidate keeps them."""
+    v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
+    one, two = render.plan(v), render.plan(v, overrides={"QKV_KSPLIT": 2})
+    for k in ("QKV_FLOW", "ATT_LL", "H_LL", "COOP"):
+        assert two["consts"][k] == one["consts"][k], k
+    assert two["consts"]["QKV_FLOW"] == 2 and two["consts"]["QKV_KSPLIT"] == 2 and two["grid_syncs"] == 0
+    q1, q2 = one["workspace"]["buffers"]["qkv"], two["workspace"]["buffers"]["qkv"]
+    assert q2["bytes"] == 2 * q1["bytes"] and q2["shape"] == [2, 2 * 3072]
+    src = render.render(v, two)
+    assert "std::conditional_t<QKV_FLOW == 2, RawSplits, NoDone>" in src and "constexpr int QKV_KSPLIT = 2;" in src
+    with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2: the counters need qkv unsplit"):
+        render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
+    assert {"QKV_KSPLIT": 2} in gtune.candidates(v)
 
 
 def test_down_flow_replaces_one_barrier():
@@ -1227,6 +1246,33 @@ def test_norm_fold_matches_the_reference(tmp_path):
     cases += [(b1, {}), (b1, {"H_STATS": 1}), (b5, {"NORM_FOLD": 3, "GU_KSPLIT": 2}),
               (b16, {"NORM_FOLD": 3, "NORM_CLUSTER": 2, "NORM_GLOBAL": 0})]
     _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_qkv_splits_summed_by_attention_match_the_reference(tmp_path):
+    """QKV_KSPLIT > 1 under QKV_FLOW 2 (each split's partial sums as words of their own, attention summing them as it
+    polls; templates/stages/qkv_proj.cuh): Llama-3.2-1B b1 under the LL rule (2 and 4 splits, 16- and 4-warp groups),
+    Qwen2.5-7B b1 (qkv bias: split 0's words take it; head_dim 128), Qwen3-1.7B b1 (q/k norms after the sum), a
+    batch-5 Qwen2.5-1.5B-like (the rule from batch 2, a partial n-tile) and an fp16 layer outside the rule: against
+    the fp32 reference at two seeds (the workspace's qkv, summed over the splits, checked as the qkv step), a second
+    launch bit-equal; then three launches back to back (no host work between) against the reference step by step."""
+    from bench.tune import renamed
+    from generator import reference
+    from generator.loader import load
+    named = {v.name: v for v in declared()}
+    b5, = _qwen15_like("qs", [5])
+    half = _decode_layer("qsh", 3, 1024, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
+                         "dtype: fp16")
+    l1 = named["llama3.2-1b_decode_b1_s4096_bf16"]
+    cases = [(l1, {"QKV_KSPLIT": 2}), (l1, {"QKV_KSPLIT": 4, "QKV_NWG": 4}),
+             (named["qwen2.5-7b_decode_b1_s4096_bf16"], {"QKV_KSPLIT": 2}),
+             (named["qwen3-1.7b_decode_b1_s4096_bf16"], {"QKV_KSPLIT": 2}), (b5, {"QKV_KSPLIT": 2}),
+             (half, {"QKV_KSPLIT": 2, "QKV_FLOW": 2})]
+    _overrides_match_the_reference(tmp_path, cases, "qs", 29, {"QKV_FLOW": 2}, repeat=True)
+    for i, (v, _) in enumerate(cases):
+        W = reference.random_weights(v.model, seed=30, device="cuda")
+        steps_track_the_reference(load(renamed(v, f"qs{i}").name, W, build_dir=tmp_path), W, v, 31)
 
 
 @pytest.mark.gpu

@@ -373,9 +373,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     if ov.get("QKV_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override QKV_FLOW={ov['QKV_FLOW']}: tensor parallel keeps the qkv -> attention "
                         "grid barrier (the counters have not run on 2 GPUs)")
-    if ov.get("QKV_FLOW") and ov.get("QKV_KSPLIT", 1) > 1:
-        raise PlanError(f"{v.name}: plan overrides QKV_FLOW={ov['QKV_FLOW']} and QKV_KSPLIT={ov['QKV_KSPLIT']}: the flow "
-                        "needs qkv unsplit (its split-K counters would share ws_count with attention's)")
+    if ov.get("QKV_FLOW") == 1 and ov.get("QKV_KSPLIT", 1) > 1:
+        raise PlanError(f"{v.name}: plan overrides QKV_FLOW=1 and QKV_KSPLIT={ov['QKV_KSPLIT']}: the counters need qkv "
+                        "unsplit (its split-K counters would share ws_count with attention's; QKV_FLOW 2 takes a split)")
     if ov.get("DOWN_FLOW") and v.tp > 1:
         raise PlanError(f"{v.name}: plan override DOWN_FLOW={ov['DOWN_FLOW']}: tensor parallel keeps the gate_up -> "
                         "down_proj grid barrier (the counters have not run on 2 GPUs)")
@@ -754,7 +754,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX with O_PRE 0 (below), on
     # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX, LL_HIDDEN_MAX_BATCH: where
     # measured)
-    unsplit = all(g["KSPLIT"] == 1 for g in gemv.values())
+    # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh)
+    unsplit = all(g["KSPLIT"] == 1 for key, g in gemv.items() if key != "qkv")
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
                and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX

@@ -180,37 +180,44 @@ __device__ __forceinline__ size_t qkv_at(int b, int kvh, int h) {
 }
 // One head's HEAD_DIM values of qkv at `at` (qkv_at), lane's value j at dim lane + 32 j: fp32 loads, or with
 // QKV_FLOW 2 its words, loaded by qkv_words (issued early: with the task's position) and polled by qkv_values until
-// each carries the epoch (ll_poll: after 2^24 polls a trap, not a hang).
-constexpr int QV = (HEAD_DIM + 31) / 32;
-static_assert(QV < 32, "qkv_values' poll: a bit a value of the lane");
+// each carries the epoch (ll_poll: after 2^24 polls a trap, not a hang); with QKV_KSPLIT > 1 each split's word
+// (qkv_proj.cuh: split s's at s x BATCH x QKV_DIM), summed here in split order.
+constexpr int QV = (HEAD_DIM + 31) / 32, QW = QKV_FLOW == 2 ? QV * QKV_KSPLIT : 1;  // QW: a lane's words
+static_assert(QW < 32, "qkv_values' poll: a bit a word of the lane");
 struct QkvWords {
-    unsigned long long w[QKV_FLOW == 2 ? QV : 1];
+    unsigned long long w[QW];
 };
+__device__ __forceinline__ size_t qkv_word_at(size_t at, int i, int lane) {  // word i = split i / QV, value i % QV
+    return (size_t)(i / QV) * BATCH * QKV_DIM + at + lane + 32 * (i % QV);
+}
 __device__ __forceinline__ QkvWords qkv_words(const float* ws_qkv, size_t at, unsigned ll_e, int lane) {
     QkvWords q;
     if constexpr (QKV_FLOW == 2)
 #pragma unroll
-        for (int j = 0; j < QV; ++j)
-            q.w[j] = lane + 32 * j < HEAD_DIM ? ll_load8(ws_qkv, at + lane + 32 * j) : (unsigned long long)ll_e << 32;
+        for (int i = 0; i < QW; ++i)
+            q.w[i] = lane + 32 * (i % QV) < HEAD_DIM ? ll_load8(ws_qkv, qkv_word_at(at, i, lane))
+                                                     : (unsigned long long)ll_e << 32;
     return q;
 }
 __device__ __forceinline__ void qkv_values(QkvWords q, const float* ws_qkv, size_t at, unsigned ll_e, int lane,
                                            float (&v)[QV]) {
     if constexpr (QKV_FLOW == 2) {
-        auto late = [&](unsigned m) {  // bit j: q.w[j] named in m and without the epoch
+        auto late = [&](unsigned m) {  // bit i: q.w[i] named in m and without the epoch
             unsigned l = 0u;
 #pragma unroll
-            for (int j = 0; j < QV; ++j) l |= (unsigned)(m >> j & 1u && (unsigned)(q.w[j] >> 32) != ll_e) << j;
+            for (int i = 0; i < QW; ++i) l |= (unsigned)(m >> i & 1u && (unsigned)(q.w[i] >> 32) != ll_e) << i;
             return l;
         };
-        ll_poll(late((1u << QV) - 1u), [&](unsigned m) {
+        ll_poll(late((1u << QW) - 1u), [&](unsigned m) {
 #pragma unroll
-            for (int j = 0; j < QV; ++j)
-                if (m >> j & 1u) q.w[j] = ll_load8(ws_qkv, at + lane + 32 * j);
+            for (int i = 0; i < QW; ++i)
+                if (m >> i & 1u) q.w[i] = ll_load8(ws_qkv, qkv_word_at(at, i, lane));
             return late(m);
         });
 #pragma unroll
         for (int j = 0; j < QV; ++j) v[j] = __uint_as_float((unsigned)q.w[j]);
+#pragma unroll
+        for (int i = QV; i < QW; ++i) v[i % QV] += __uint_as_float((unsigned)q.w[i]);
     } else {
 #pragma unroll
         for (int j = 0; j < QV; ++j) v[j] = lane + 32 * j < HEAD_DIM ? ws_qkv[at + lane + 32 * j] : 0.f;

@@ -5,6 +5,9 @@
 // waits until its head's QKV_TILES_PER_HEAD tiles (its GROUP query heads, its k and v) are in. QKV_FLOW 2: no
 // counters; each result is a 64-bit word carrying the launch's epoch (gemv.cuh ll_store8) that attention polls. The k
 // and v tiles are computed first (TILE0), so whole heads are ready after the first round of tiles rather than the last.
+// QKV_FLOW 2 with QKV_KSPLIT > 1: each split's partial sums are words of their own (split ks's at ks x BATCH x QKV_DIM,
+// the bias in split 0's), and attention sums the splits as it polls them: no reduction pass, no counter, so a split qkv
+// keeps the LL hand-off (a split balances qkv's 16-row tiles over the SMs: Llama-3.2-1B's 192 on 132).
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
@@ -37,15 +40,16 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
     const float* rs = reinterpret_cast<const float*>(smem + SMEM_RS);
     if constexpr (!NORM_GLOBAL)
         norm(x, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, reinterpret_cast<float*>(smem + SMEM_RS));
-    auto epi = [&](int row0, auto tile, int gt) {
+    auto epi = [&](int row0, auto tile, int gt) {  // (QKV_FLOW 2, QKV_KSPLIT > 1: row0 = split x QKV_DIM + row)
+        const int ks = row0 / QKV_DIM;
         for (int i = gt; i < 16 * BATCH; i += QKV_NWG * 32) {
-            const int n = row0 + i / BATCH, b = i % BATCH;
+            const int n = row0 % QKV_DIM + i / BATCH, b = i % BATCH;
             float v = tile(i / BATCH, b);
             if constexpr (NORM_FOLD) v *= rs[b];
 #if QKV_BIAS
-            v += to_f(b_qkv[n]);
+            if (ks == 0) v += to_f(b_qkv[n]);
 #endif
-            if constexpr (QKV_FLOW == 2) ll_store8(ws_qkv, (size_t)b * QKV_DIM + n, v, ll_e);
+            if constexpr (QKV_FLOW == 2) ll_store8(ws_qkv, ((size_t)ks * BATCH + b) * QKV_DIM + n, v, ll_e);
             else ws_qkv[(size_t)b * QKV_DIM + n] = v;
         }
     };
@@ -56,5 +60,6 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
         gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
-            X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, NoDone{}, gain, &pre);
+            X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi,
+            std::conditional_t<QKV_FLOW == 2, RawSplits, NoDone>{}, gain, &pre);
 }
