@@ -381,8 +381,9 @@ def test_down_flow_2_hands_act_over_as_words():
 def test_qkv_splits_keep_the_ll_hand_off():
     """QKV_KSPLIT > 1 with QKV_FLOW 2: qkv's splits are not reduced (gemv's RawSplits: no part buffer, no counter) but
     written as words of their own, one set a split (the workspace's qkv grows by the splits), and summed by attention;
-    so a split qkv keeps the LL rule's hand-offs (before: split-K turned them off); QKV_FLOW 1 with a split is refused
-    in one line; the tuner's split candidate keeps them."""
+    so a split qkv keeps the LL rule's hand-offs (before: split-K turned them off); QKV_FLOW 1 with a split, and
+    splits whose words a lane would pass attention's 31-bit poll mask, are refused in one line; the tuner's split
+    candidate keeps them."""
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     one, two = render.plan(v), render.plan(v, overrides={"QKV_KSPLIT": 2})
     for k in ("QKV_FLOW", "ATT_LL", "H_LL", "COOP"):
@@ -394,6 +395,10 @@ def test_qkv_splits_keep_the_ll_hand_off():
     assert "std::conditional_t<QKV_FLOW == 2, RawSplits, NoDone>" in src and "constexpr int QKV_KSPLIT = 2;" in src
     with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2: the counters need qkv unsplit"):
         render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
+    q7 = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b1_s4096_bf16")  # (head_dim 128: 4 words a split)
+    assert render.plan(q7, overrides={"QKV_KSPLIT": 7})["consts"]["QKV_FLOW"] == 2
+    with pytest.raises(PlanError, match=r"QKV_KSPLIT=8 with QKV_FLOW 2: attention polls 32 words a lane"):
+        render.plan(q7, overrides={"QKV_KSPLIT": 8})
     assert {"QKV_KSPLIT": 2} in gtune.candidates(v)
 
 

@@ -850,6 +850,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
+    qkv_words = -(-m.head_dim // 32) * gemv["qkv"]["KSPLIT"]  # QKV_FLOW 2: a lane's words of a head (attention's QW)
+    if consts["QKV_FLOW"] == 2 and qkv_words >= 32:
+        raise PlanError(f"{v.name}: plan override QKV_KSPLIT={gemv['qkv']['KSPLIT']} with QKV_FLOW 2: attention polls "
+                        f"{qkv_words} words a lane (head_dim {m.head_dim}: {-(-m.head_dim // 32)} a split), its poll "
+                        "holds at most 31; fewer splits")
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
