@@ -54,7 +54,7 @@ WORKSPACE: tuple[Buffer, ...] = (
     Buffer("qkv", "float", lambda c: ((c["ROWS"], c["QKV_DIM"]) if c.get("QKV_FLOW") != 2  # QKV_FLOW 2: 64-bit words,
                                       else (c.get("QKV_KSPLIT", 1) * c["ROWS"], 2 * c["QKV_DIM"])),  # a set a split
            "raw q|k|v rows of every token (fp32, pre-RoPE; decode QKV_FLOW 2: each a 64-bit word, the value in its low "
-           "half, the launch's epoch in the high)"),
+           "half, the launch's epoch in the high, and with QKV_KSPLIT a set of rows a split, summed by attention)"),
     Buffer("part", "float", lambda c: (c["ROWS"] * c["HEADS"] * c["ATT_NSPLIT"],
                                        (c["HEAD_DIM"] + 2) * (1 + (c.get("ATT_COMBINE") == 4))),
            "attention split partials: acc[head_dim], max, sum (decode ATT_COMBINE 4: each a 64-bit word, the value "

@@ -128,13 +128,21 @@ struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a g
     __device__ void operator()(int) const {}
 };
 
+// a task's first tile and its split: a tile's KSPLIT splits are consecutive tasks (run in the same round, so with
+// QKV_FLOW 2's unreduced splits a whole head is in as early as unsplit), the tiles from TILE0 on (then wrapping)
+template <int N, int KSPLIT, int TILE0, int TM>
+__device__ __forceinline__ int2 gemv_task(int task) {
+    constexpr int TILES = N / 16;
+    return make_int2(((task / KSPLIT % (TILES / TM)) * TM + TILE0) % TILES, task % KSPLIT);
+}
 // one step of a task: a warp's U weight loads from k-tile k0 of each of the task's TM tiles, a[m * U + u] (all in
 // flight before any use)
 template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1>
 __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane,
                                                uint4 (&a)[U * TM]) {
-    constexpr int KT = K / 16 / KSPLIT, TILES = N / 16, TT = TILES / TM;
-    const int tile = ((task % TT) * TM + TILE0) % TILES, ks = task / TT;
+    constexpr int KT = K / 16 / KSPLIT;
+    const int2 tk = gemv_task<N, KSPLIT, TILE0, TM>(task);
+    const int tile = tk.x, ks = tk.y;
 #pragma unroll
     for (int m = 0; m < TM; ++m) {
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
@@ -168,8 +176,9 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
             if constexpr (ON == 2) {
                 // the rest of the task's k-tiles this warp streams, into L2: a 128-byte line a prefetch, one lane
                 // in eight (a k-tile's 32 lanes x 16 B are 512 contiguous bytes; packed layout above)
-                constexpr int KT = K / 16 / KSPLIT, TT = N / 16 / TM;
-                const int tile = ((task % TT) * TM + TILE0) % (N / 16), ks = task / TT, lane = threadIdx.x & 31;
+                constexpr int KT = K / 16 / KSPLIT;
+                const int2 tk = gemv_task<N, KSPLIT, TILE0, TM>(task);
+                const int tile = tk.x, ks = tk.y, lane = threadIdx.x & 31;
                 if ((lane & 7) == 0)
 #pragma unroll
                     for (int m = 0; m < TM; ++m) {
@@ -242,7 +251,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // cores, its partial sums to buf; next: the task this group takes in the next round (< 0: none); use_pf: its
     // first step is in pf
     auto compute = [&](int task, float* buf, int next, bool use_pf) {
-        const int ks = task / (TILES / TM);
+        const int ks = gemv_task<N, KSPLIT, TILE0, TM>(task).y;
         const T* xk = X + ks * KT * 16;  // this split's columns of X
         float c[TM][NTILE][4];
 #pragma unroll
@@ -385,7 +394,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     }
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + group * gridDim.x + blockIdx.x;
-        const int tile = ((task % (TILES / TM)) * TM + TILE0) % TILES, ks = task / (TILES / TM);  // its first tile
+        const int2 tk = gemv_task<N, KSPLIT, TILE0, TM>(task);
+        const int tile = tk.x, ks = tk.y;  // its first tile, its split
         const bool active = task < TASKS;
         float* buf = my_red + (DB ? rd & 1 : 0) * RED;
         if (active) compute(task, buf, task + stride < TASKS ? task + stride : -1, PF || rd == 0);

@@ -381,9 +381,9 @@ def test_down_flow_2_hands_act_over_as_words():
 def test_qkv_splits_keep_the_ll_hand_off():
     """QKV_KSPLIT > 1 with QKV_FLOW 2: qkv's splits are not reduced (gemv's RawSplits: no part buffer, no counter) but
     written as words of their own, one set a split (the workspace's qkv grows by the splits), and summed by attention;
-    so a split qkv keeps the LL rule's hand-offs (before: split-K turned them off); QKV_FLOW 1 with a split, and
-    splits whose words a lane would pass attention's 31-bit poll mask, are refused in one line; the tuner's split
-    candidate keeps them."""
+    so a split qkv keeps the LL rule's hand-offs (before: split-K turned them off) up to decode.QKV_WORDS_MAX words a
+    lane (more: the reduction, the rule off, as before); QKV_FLOW 1 with a split, and QKV_FLOW 2 with more words, are
+    refused in one line; the tuner's split candidate keeps them."""
     v = next(v for v in declared() if v.name == "llama3.2-1b_decode_b1_s4096_bf16")
     one, two = render.plan(v), render.plan(v, overrides={"QKV_KSPLIT": 2})
     for k in ("QKV_FLOW", "ATT_LL", "H_LL", "COOP"):
@@ -396,9 +396,12 @@ def test_qkv_splits_keep_the_ll_hand_off():
     with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2: the counters need qkv unsplit"):
         render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
     q7 = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b1_s4096_bf16")  # (head_dim 128: 4 words a split)
-    assert render.plan(q7, overrides={"QKV_KSPLIT": 7})["consts"]["QKV_FLOW"] == 2
-    with pytest.raises(PlanError, match=r"QKV_KSPLIT=8 with QKV_FLOW 2: attention polls 32 words a lane"):
-        render.plan(q7, overrides={"QKV_KSPLIT": 8})
+    assert render.plan(q7, overrides={"QKV_KSPLIT": 4})["consts"]["QKV_FLOW"] == 2
+    c = render.plan(q7, overrides={"QKV_KSPLIT": 7})["consts"]  # (28 words a lane spill: the reduction, no LL rule)
+    assert (c["QKV_FLOW"], c["ATT_LL"], c["H_LL"]) == (0, 0, 0)
+    with pytest.raises(PlanError, match=r"QKV_KSPLIT=7 and QKV_FLOW=2: attention would hold 28 words a lane .* at "
+                                        r"most 16: fewer splits, or QKV_FLOW=0"):
+        render.plan(q7, overrides={"QKV_KSPLIT": 7, "QKV_FLOW": 2})
     assert {"QKV_KSPLIT": 2} in gtune.candidates(v)
 
 

@@ -155,6 +155,9 @@ def _check_overrides(name: str, ov: dict) -> dict:
 
 
 ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte line each)
+# QKV_FLOW 2 with a split qkv: the most 64-bit words of a head a lane of attention holds and polls (head_dim / 32 a
+# split); 4 x 7 spilled 176 B at head_dim 128, 4 x 4 compiled clean (bench/NOTES.md session 52)
+QKV_WORDS_MAX = 16
 DOWN_FLOW_MIN_ROUNDS = 5  # DOWN_FLOW by default from this many rounds of gate_up's tasks (see plan)
 FOLD_RANK = {3: 3, 1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
@@ -754,8 +757,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX with O_PRE 0 (below), on
     # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX, LL_HIDDEN_MAX_BATCH: where
     # measured)
-    # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh)
-    unsplit = all(g["KSPLIT"] == 1 for key, g in gemv.items() if key != "qkv")
+    # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh, up to
+    # QKV_WORDS_MAX words a lane)
+    qkv_words = -(-m.head_dim // 32) * gemv["qkv"]["KSPLIT"]  # QKV_FLOW 2: a lane's words of a head (attention's QW)
+    unsplit = (all(g["KSPLIT"] == 1 for key, g in gemv.items() if key != "qkv")
+               and qkv_words <= max(QKV_WORDS_MAX, -(-m.head_dim // 32)))
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
                and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX
@@ -850,11 +856,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     for prefix, key in PROJECTIONS:
         consts.update({f"{prefix}_{k}": gemv[key][k] for k in ("NWG", "U", "KSPLIT", "TM")})
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
-    qkv_words = -(-m.head_dim // 32) * gemv["qkv"]["KSPLIT"]  # QKV_FLOW 2: a lane's words of a head (attention's QW)
-    if consts["QKV_FLOW"] == 2 and qkv_words >= 32:
-        raise PlanError(f"{v.name}: plan override QKV_KSPLIT={gemv['qkv']['KSPLIT']} with QKV_FLOW 2: attention polls "
-                        f"{qkv_words} words a lane (head_dim {m.head_dim}: {-(-m.head_dim // 32)} a split), its poll "
-                        "holds at most 31; fewer splits")
+    if consts["QKV_FLOW"] == 2 and gemv["qkv"]["KSPLIT"] > 1 and qkv_words > QKV_WORDS_MAX:
+        raise PlanError(f"{v.name}: plan overrides QKV_KSPLIT={gemv['qkv']['KSPLIT']} and QKV_FLOW=2: attention would "
+                        f"hold {qkv_words} words a lane (head_dim {m.head_dim}: {-(-m.head_dim // 32)} a split), at "
+                        f"most {QKV_WORDS_MAX}: fewer splits, or QKV_FLOW=0 (the split-K reduction)")
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
@@ -873,10 +878,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
+    # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)
+    reduced = {k: g for k, g in gemv.items() if g["KSPLIT"] > 1 and not (k == "qkv" and consts["QKV_FLOW"] == 2)}
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
             # the attention's counters and the split GEMVs' are used in turn (each resets its own)
-            "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k, g in gemv.items()
-                                                                 if g["KSPLIT"] > 1]),
+            "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k in reduced]),
                       "XN_ROWS": math.ceil(v.batch / 8) * 8 if norm_global else 0,  # fragment order
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
                       "HB_ROWS": v.batch if hb_copy else 0,
@@ -884,8 +890,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                       "TL_BLOCKS": sms if ov.get("TIMELINE") else 0,  # (the most blocks a launch has)
                       # H_LL with DOWN_FLOW: the most blocks the epoch's argument allows (one gate_up task each)
                       "LL_BLOCKS": gu_tasks if h_ll and down_flow else 0,
-                      "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in gemv.items()
-                                                 if g["KSPLIT"] > 1])},
+                      "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in reduced.items()])},
             "overrides": dict(sorted(ov.items()))}
 
 
