@@ -251,8 +251,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
-        tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys((base["gemv"][key]["split_k"],
-                                                                     base["gemv"][key]["split_balance"])) if ks > 1]
+        splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
+        if key == "qkv" and d["QKV_FLOW"] == 2 and max(splits) > 1:  # (the most splits whose words attention holds,
+            cap = decode.QKV_WORDS_MAX // -(-d["HEAD_DIM"] // 32)  # so the LL hand-offs stay: decode.plan)
+            splits.append(max(s for s in range(1, min(cap, max(splits)) + 1) if d["HIDDEN"] // 16 % s == 0))
+        tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys(splits) if ks > 1]
     ll_off = {"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}
     if base["mode"] == "decode" and v.batch <= 8 and v.tp == 1:  # the LL hand-offs together, flipped; turned on at
         # batch >= 2 with O_PRE off (its pre-loaded step held through attention beside ATT_LL's words spilled on 8 of
