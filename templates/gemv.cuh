@@ -132,8 +132,11 @@ struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a g
 // QKV_FLOW 2's unreduced splits a whole head is in as early as unsplit), the tiles from TILE0 on (then wrapping)
 template <int N, int KSPLIT, int TILE0, int TM>
 __device__ __forceinline__ int2 gemv_task(int task) {
-    constexpr int TILES = N / 16;
-    return make_int2(((task / KSPLIT % (TILES / TM)) * TM + TILE0) % TILES, task % KSPLIT);
+    constexpr int TILES = N / 16, TT = TILES / TM;
+    if constexpr (KSPLIT == 1)  // (the split as task / TT, 0 for every task: with a constant 0 instead, ptxas
+        return make_int2(((task % TT) * TM + TILE0) % TILES, task / TT);  // spilled 4 B at Qwen3-1.7B b4)
+    else
+        return make_int2(((task / KSPLIT % TT) * TM + TILE0) % TILES, task % KSPLIT);
 }
 // one step of a task: a warp's U weight loads from k-tile k0 of each of the task's TM tiles, a[m * U + u] (all in
 // flight before any use)
