@@ -778,8 +778,9 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     user gave that option (`given`: the options on the command line; a name the command filled in itself, e.g. the
     config's eos_token_id as stop_tokens or the build's variants, stays as it is), torch dtypes as --dtype names and
     the memory check's advice in options."""
-    from .serve import FITS_ADVICE, LARGER_CACHE  # (serve is loaded by then: its errors are what this rewrites)
-    for api_words, cli_words in {FITS_ADVICE: _FITS_ADVICE,
+    from .serve import FITS_ADVICE, FITS_ADVICE_UNFUSED, LARGER_CACHE  # (serve is loaded by then: its errors are
+    # what this rewrites; the longer advice first, the shorter is its start)
+    for api_words, cli_words in {FITS_ADVICE: _FITS_ADVICE, FITS_ADVICE_UNFUSED: _FITS_ADVICE.split(" (on a GPU")[0],
                                  LARGER_CACHE: "a larger --cache-len, or decode variants of a longer seq_len"}.items():
         msg = msg.replace(api_words, cli_words)
     # (a quoted one is a value from config.json, e.g. a refused dtype "torch.float16": quoted as it is written)

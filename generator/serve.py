@@ -26,6 +26,7 @@ import json
 import math
 import numbers
 import os
+import re
 import threading
 import time
 import warnings
@@ -260,12 +261,19 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
                          f"{cache_len - max(prompt_lens) + 1} new tokens; or {LARGER_CACHE})")
 
 
-def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1) -> str:
+def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1, dtype: str | None = None) -> str:
     """variants.yaml text that declares variant (mode, batch, seq_len, tp) of a model: the model's entry (from
-    generator.hf.variant_entry_yaml) with its own `matrix:` line."""
+    generator.hf.variant_entry_yaml) with its own `matrix:` line, named after the model and the shape (`llama` ->
+    `llama-decode-b3-s64`: entries printed for several shapes, or beside the model's own, paste as distinct keys; a
+    model's built variants of any entry name serve it, matched by shape), in `dtype` ('bf16' / 'fp16': what the
+    model is served in) where given."""
     tp_field = f", tp: [{tp}]" if tp > 1 else ""
-    return entry_yaml.rstrip("\n") + (f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]"
-                                      f"{tp_field}}}\n")
+    tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "")
+    text = re.sub(r"^(  [^\s#][^:]*):\s*$", lambda m: m.group(1) + tag + ":", entry_yaml, count=1, flags=re.M)
+    if dtype is not None:
+        text = re.sub(r"^(    dtype: )\S+$", lambda m: m.group(1) + dtype, text, count=1, flags=re.M)
+    return text.rstrip("\n") + (f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]"
+                                 f"{tp_field}}}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,15 +383,17 @@ def plan_memory(m: ModelShape, *, vocab: int, tied: bool, elt: int, max_batch: i
 
 
 # check_fits's advice (the generate command words it in its options: cli._as_options)
-FITS_ADVICE = "lower max_batch or cache_len (or max_new_tokens), or load fewer variants / unfused=False"
+FITS_ADVICE_UNFUSED = "lower max_batch or cache_len (or max_new_tokens)"  # (no variants: none to load fewer of)
+FITS_ADVICE = FITS_ADVICE_UNFUSED + ", or load fewer variants / unfused=False"
 
 
 def check_fits(plan: dict[str, int], free: int, total: int, what: str, where: str = "on the GPU") -> None:
     """ServeError (one line) when plan["total"] bytes exceed `free` bytes of the device."""
     if plan["total"] > free:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.items() if k != "total" and v)
+        advice = FITS_ADVICE if plan.get("weights_fused") else FITS_ADVICE_UNFUSED
         raise ServeError(f"{what}: needs {plan['total'] / GiB:.2f} GiB {where} ({parts} GiB) but only "
-                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: {FITS_ADVICE}")
+                         f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free: {advice}")
 
 
 def host_memory() -> tuple[int, int] | None:
@@ -432,6 +442,7 @@ class Generation:
     logits: list[torch.Tensor] | None = None
 
 
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the fused kernels' dtypes, as variants.yaml names them
 _COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
              "rope_scaling", "activation", "qkv_bias", "qk_norm")
 
@@ -625,6 +636,13 @@ class Model:
             vs.append(v)
         if vs and dev.type != "cuda":  # (before the cache length the variants fix: the first thing wrong)
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
+        if variants is None and len(dts := {v.model.dtype for v in vs}) > 1:  # (a build of both dtypes: the asked
+            want = _KERNEL_DTYPES.get(dtype) if dtype is not None else shape.dtype  # one's, else the checkpoint's)
+            if want in dts:
+                warnings.warn(f"variants of dtype {want} used ({'dtype' if dtype is not None else 'the checkpoint'}'s); "
+                              f"not used: {', '.join(v.name for v in vs if v.model.dtype != want)} (pass variants=[...] "
+                              "or dtype to choose)", stacklevel=2)
+                vs = [v for v in vs if v.model.dtype == want]
         if variants is None and (kept := keep_one_seq_len(vs, cache_len))[1]:
             vs, dropped, keep = kept
             warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
@@ -825,7 +843,8 @@ class Model:
         warnings.warn(MissingVariantWarning(
             f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
             f"to serve it fused{where}, declare in variants.yaml under `models:` and `megakernel build`:\n"
-            + missing_entry(self.entry_yaml, mode, b, s, self.tp)), stacklevel=5 + depth)
+            + missing_entry(self.entry_yaml, mode, b, s, self.tp, dtype=_KERNEL_DTYPES.get(self.dtype))),
+            stacklevel=5 + depth)
 
     # -- the pieces of a step --
     @property

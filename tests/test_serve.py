@@ -131,12 +131,21 @@ def test_length_check_is_one_clear_line():
 
 
 def test_missing_entry_declares_the_shape():
-    text = serve.missing_entry("  m:\n    hidden: 64\n", "decode", 3, 4096)
+    """The warning's entry: the model's fields with the shape's own matrix, named after the model and the shape (so
+    the entries of several warnings, or one beside the model's own entry, paste as distinct keys), in the served
+    dtype where given."""
+    entry = "  # from x/config.json (model_type llama)\n  m:\n    hidden: 64\n    dtype: bf16\n"
+    text = serve.missing_entry(entry, "decode", 3, 4096)
     assert text.endswith("    matrix: {mode: [decode], batch: [3], seq_len: [4096]}\n")
     import yaml
-    assert yaml.safe_load("models:\n" + text)["models"]["m"]["matrix"]["batch"] == [3]
-    text = serve.missing_entry("  m:\n    hidden: 64\n", "decode", 1, 4096, tp=2)  # a tensor-parallel model's
-    assert yaml.safe_load("models:\n" + text)["models"]["m"]["matrix"]["tp"] == [2]
+    m = yaml.safe_load("models:\n" + text)["models"]
+    assert list(m) == ["m-decode-b3-s4096"] and m["m-decode-b3-s4096"]["matrix"]["batch"] == [3]
+    text = serve.missing_entry(entry, "decode", 1, 4096, tp=2)  # a tensor-parallel model's
+    assert yaml.safe_load("models:\n" + text)["models"]["m-decode-b1-s4096-tp2"]["matrix"]["tp"] == [2]
+    both = entry + serve.missing_entry(entry, "prefill", 3, 8) + serve.missing_entry(entry, "decode", 3, 64, dtype="fp16")
+    m = yaml.safe_load("models:\n" + both)["models"]  # (the duplicate-key loader of variants.yaml: test_variants)
+    assert list(m) == ["m", "m-prefill-b3-s8", "m-decode-b3-s64"] and m["m-decode-b3-s64"]["dtype"] == "fp16"
+    assert m["m-prefill-b3-s8"]["dtype"] == "bf16"
 
 
 def test_memory_plan_and_refusal():
@@ -950,9 +959,14 @@ def test_generate_errors_name_the_options_the_user_gave():
     assert _as_options(refused, "--ids", {"--dtype"}) == refused
     assert _as_options("a message: without a known name", "--ids", {"--stop"}) == "a message: without a known name"
     with pytest.raises(serve.ServeError) as exc:  # the memory check's own words, in the command's options
-        serve.check_fits({"kv_caches": 9 << 30, "total": 9 << 30}, 1 << 30, 80 << 30, "model")
+        serve.check_fits({"weights_fused": 1 << 30, "kv_caches": 8 << 30, "total": 9 << 30}, 1 << 30, 80 << 30, "model")
     assert _as_options(str(exc.value), "--ids", set()).endswith(
         ": fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"), str(exc.value)
+    with pytest.raises(serve.ServeError) as exc:  # (no fused weights: no variants to load fewer of)
+        serve.check_fits({"kv_caches": 9 << 30, "total": 9 << 30}, 1 << 30, 80 << 30, "model")
+    assert str(exc.value).endswith("free: lower max_batch or cache_len (or max_new_tokens)"), str(exc.value)
+    assert _as_options(str(exc.value), "--ids", set()).endswith(
+        ": fewer sequences or a lower --cache-len / --max-new-tokens"), str(exc.value)
 
 
 def test_eos_token_ids_are_read_as_transformers_reads_them(tiny, tmp_path):
