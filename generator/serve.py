@@ -675,7 +675,9 @@ class Model:
                 stacklevel=2)
         seq = common_seq_len(vs)
         if seq is not None and cache_len not in (None, seq):
-            raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len}")
+            raise ServeError(f"cache_len: the decode variants hold seq_len = {seq} rows per sequence, got {cache_len} "
+                             f"(a cache of {seq} rows serves them fused; without fused variants, e.g. variants=[], "
+                             f"{cache_len} rows run unfused; or declare decode variants of seq_len {cache_len})")
         if seq is None and cache_len is None and default_cache_len is not None:  # room for every prefill chunk too
             cache_len = max([default_cache_len] + [v.seq_len for v in vs if v.mode == "prefill"])
         given = cache_len is not None
