@@ -1377,7 +1377,8 @@ class Model:
         decides the draw's shape); a batch whose sequences mix top-k on and off sorts the vocabulary
         (Model.draw_path says which draw runs).
         stop_tokens: a sequence ends after producing one (an id or several; default: the checkpoint's eos_token_id as
-        transformers reads it: generation_config.json's where the directory holds one, else config.json's).
+        transformers reads it: generation_config.json's where the directory holds one, else config.json's; [] stops
+        only at max_new_tokens).
         callback(seq, token) is called for every token as it arrives (stream() is the iterator form; the model is
         free for the next generation once the last token is produced). Returns a Generation. ServeError
         (one line) for a bad argument, when the longest prompt + max_new_tokens - 1 exceeds cache_len, or when
