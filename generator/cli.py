@@ -770,7 +770,8 @@ _OPTION_OF = {"stop_tokens": "--stop", "max_new_tokens": "--max-new-tokens", "ca
               "variants": "--variant", "dtype": "--dtype", "temperature": "--temperature", "top_k": "--top-k",
               "top_p": "--top-p", "seed": "--seed", "device": "--device"}
 _DTYPE_WORDS = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
-_FITS_ADVICE = "fewer sequences or a lower --cache-len / --max-new-tokens (on a GPU also fewer --variant)"
+_FITS_ADVICE_UNFUSED = "fewer sequences or a lower --cache-len / --max-new-tokens"
+_FITS_ADVICE = _FITS_ADVICE_UNFUSED + " (on a GPU also fewer --variant)"
 
 
 def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
@@ -780,7 +781,7 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     the memory check's advice in options."""
     from .serve import FITS_ADVICE, FITS_ADVICE_UNFUSED, LARGER_CACHE  # (serve is loaded by then: its errors are
     # what this rewrites; the longer advice first, the shorter is its start)
-    for api_words, cli_words in {FITS_ADVICE: _FITS_ADVICE, FITS_ADVICE_UNFUSED: _FITS_ADVICE.split(" (on a GPU")[0],
+    for api_words, cli_words in {FITS_ADVICE: _FITS_ADVICE, FITS_ADVICE_UNFUSED: _FITS_ADVICE_UNFUSED,
                                  LARGER_CACHE: "a larger --cache-len, or decode variants of a longer seq_len"}.items():
         msg = msg.replace(api_words, cli_words)
     # (a quoted one is a value from config.json, e.g. a refused dtype "torch.float16": quoted as it is written)

@@ -442,7 +442,7 @@ class Generation:
     logits: list[torch.Tensor] | None = None
 
 
-_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the fused kernels' dtypes, as variants.yaml names them
+_KERNEL_DTYPES = {t: name for name, t in reference.TORCH_DTYPES.items()}  # the kernels' dtypes, as variants.yaml names
 _COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
              "rope_scaling", "activation", "qkv_bias", "qk_norm")
 

@@ -253,7 +253,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
         if key == "qkv" and d["QKV_FLOW"] == 2 and max(splits) > 1:  # (the most splits whose words attention holds,
-            cap = decode.QKV_WORDS_MAX // -(-d["HEAD_DIM"] // 32)  # so the LL hand-offs stay: decode.plan)
+            cap = decode.QKV_WORDS_MAX // decode.qkv_lane_words(d["HEAD_DIM"])  # so the hand-offs stay: decode.plan)
             splits.append(max(s for s in range(1, min(cap, max(splits)) + 1) if d["HIDDEN"] // 16 % s == 0))
         tries += [{f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys(splits) if ks > 1]
     ll_off = {"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}

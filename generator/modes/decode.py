@@ -158,6 +158,12 @@ ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte lin
 # QKV_FLOW 2 with a split qkv: the most 64-bit words of a head a lane of attention holds and polls (head_dim / 32 a
 # split); 4 x 7 spilled 176 B at head_dim 128, 4 x 4 compiled clean (bench/NOTES.md session 52)
 QKV_WORDS_MAX = 16
+
+
+def qkv_lane_words(head_dim: int, ksplit: int = 1) -> int:
+    """QKV_FLOW 2: the 64-bit words of one head a lane of attention holds and polls (templates/stages/attention.cuh
+    QW): head_dim / 32 (rounded up) a split of qkv."""
+    return -(-head_dim // 32) * ksplit
 DOWN_FLOW_MIN_ROUNDS = 5  # DOWN_FLOW by default from this many rounds of gate_up's tasks (see plan)
 FOLD_RANK = {3: 3, 1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
@@ -759,9 +765,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # measured)
     # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh, up to
     # QKV_WORDS_MAX words a lane)
-    qkv_words = -(-m.head_dim // 32) * gemv["qkv"]["KSPLIT"]  # QKV_FLOW 2: a lane's words of a head (attention's QW)
+    qkv_words = qkv_lane_words(m.head_dim, gemv["qkv"]["KSPLIT"])
     unsplit = (all(g["KSPLIT"] == 1 for key, g in gemv.items() if key != "qkv")
-               and qkv_words <= max(QKV_WORDS_MAX, -(-m.head_dim // 32)))
+               and (gemv["qkv"]["KSPLIT"] == 1 or qkv_words <= QKV_WORDS_MAX))
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
                and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX
@@ -858,8 +864,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         consts[f"{prefix}_PRE"] = ov.get(f"{prefix}_PRE", 0)
     if consts["QKV_FLOW"] == 2 and gemv["qkv"]["KSPLIT"] > 1 and qkv_words > QKV_WORDS_MAX:
         raise PlanError(f"{v.name}: plan overrides QKV_KSPLIT={gemv['qkv']['KSPLIT']} and QKV_FLOW=2: attention would "
-                        f"hold {qkv_words} words a lane (head_dim {m.head_dim}: {-(-m.head_dim // 32)} a split), at "
-                        f"most {QKV_WORDS_MAX}: fewer splits, or QKV_FLOW=0 (the split-K reduction)")
+                        f"hold {qkv_words} words a lane (head_dim {m.head_dim}: {qkv_lane_words(m.head_dim)} a "
+                        f"split), at most {QKV_WORDS_MAX}: fewer splits, or QKV_FLOW=0 (the split-K reduction)")
     # o_proj's first weight step before attention's grid barrier by default at batch 2-8 (one GPU, the static split,
     # sm_90): measured on the H200 (bench/NOTES.md session 27) -0.02 ... +4.1 % a layer on 15 such shapes at KV 4096
     # (Llama-3-8B and Qwen2.5-7B 0.0 ... +0.4 %, the smaller and held-out ones +0.6 ... +4.1 % but for a Qwen3-8B-like
