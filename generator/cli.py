@@ -892,8 +892,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
-        if issubclass(w.category, hf.HFDowncastWarning):
-            continue  # (the note below says it with the option's name)
+        if issubclass(w.category, (hf.HFDowncastWarning, serve.PositionWarning)):
+            continue  # (the note below says it with the option's name; the positions' warning was printed first)
         info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):

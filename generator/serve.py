@@ -51,6 +51,11 @@ class MissingVariantWarning(UserWarning):
     variants.yaml entry that would."""
 
 
+class PositionWarning(UserWarning):
+    """A generate call reaches positions past the config's max_position_embeddings: it runs as asked (RoPE is defined
+    there), but the model never saw those positions in training."""
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatch: pure functions
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,11 +230,16 @@ def common_seq_len(variants: Iterable[Variant]) -> int | None:
 def keep_one_seq_len(vs: list[Variant], cache_len: int | None) -> tuple[list[Variant], list[str], int | None]:
     """Of every built variant offered to a model (a default build declares several KV lengths, and one KV cache per
     layer serves one seq_len): (kept, the decode variants' names left out, the seq_len kept) -- the decode variants
-    of cache_len's seq_len where one has it, else of the longest; every prefill variant is kept."""
+    of cache_len's seq_len where one has it, else (cache_len None) of the longest; none where cache_len (an int) is
+    none of theirs: decode then runs unfused (warned), as for a shape with no variant. Every prefill variant is kept
+    (its chunk runs at any cache length)."""
     lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
-    if len(lens) < 2:
+    if _int(cache_len) and lens and cache_len not in lens:
+        keep = None
+    elif len(lens) < 2:
         return vs, [], lens[0] if lens else None
-    keep = cache_len if cache_len in lens else lens[-1]
+    else:
+        keep = cache_len if cache_len in lens else lens[-1]
     return ([v for v in vs if v.mode != "decode" or v.seq_len == keep],
             [v.name for v in vs if v.mode == "decode" and v.seq_len != keep], keep)
 
@@ -506,7 +516,7 @@ class Model:
 
     def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
                  route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None, tp=1,
-                 build_dir=None):
+                 build_dir=None, max_positions=None):
         self.shape = shape
         self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -524,6 +534,7 @@ class Model:
         self.entry_yaml = entry_yaml
         self.checkpoint_bytes = checkpoint_bytes
         self.eos = tuple(eos)
+        self.max_positions = max_positions  # config.json's max_position_embeddings (None: not an int there)
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
@@ -644,9 +655,16 @@ class Model:
                               "or dtype to choose)", stacklevel=2)
                 vs = [v for v in vs if v.model.dtype == want]
         if variants is None and (kept := keep_one_seq_len(vs, cache_len))[1]:
+            lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
             vs, dropped, keep = kept
-            warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
-                          f"{', '.join(dropped)} (pass variants=[...] or cache_len to choose)", stacklevel=2)
+            if keep is None:
+                warnings.warn(f"cache_len {cache_len}: no built decode variant holds {cache_len} rows per sequence "
+                              f"(theirs: seq_len {', '.join(map(str, lens))}), so decode runs unfused; not used: "
+                              f"{', '.join(dropped)} (pass cache_len={lens[-1]}, or declare decode variants of "
+                              f"seq_len {cache_len})", stacklevel=2)
+            else:
+                warnings.warn(f"decode variants of seq_len {keep} used (the KV cache's rows per sequence); not used: "
+                              f"{', '.join(dropped)} (pass variants=[...] or cache_len to choose)", stacklevel=2)
         dts = {v.model.dtype for v in vs}
         if len(dts) > 1:
             raise ServeError(f"variants: mix dtypes {', '.join(sorted(dts))}: one copy of the weights serves all of "
@@ -759,7 +777,8 @@ class Model:
         return cls(shape=shape, embed=embed, norm_weight=norm_w.to(dtype), lm_head=lm_head, fused=fused,
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
-                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp, build_dir=build_dir)
+                   route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp, build_dir=build_dir,
+                   max_positions=trained if _int(trained := ck.cfg.get("max_position_embeddings")) else None)
 
     # -- reports --
     def stats(self) -> list[dict]:
@@ -1234,6 +1253,10 @@ class Model:
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
         max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
+        if self.max_positions is not None and (longest := max(lens) + max_new_tokens - 1) > self.max_positions:
+            warnings.warn(PositionWarning(f"up to {longest} positions (the longest prompt + max_new_tokens - 1), past "
+                                          f"max_position_embeddings {self.max_positions}: positions past it were "
+                                          "never trained"), stacklevel=4 + _depth)
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
         if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off

@@ -342,6 +342,23 @@ def test_dtype_by_name(tiny):
         assert "\n" not in str(info.value)
 
 
+def test_positions_past_max_position_embeddings_are_warned_through_the_api(tmp_path):
+    """generate reaching positions the config never trained (max_position_embeddings) runs as asked and warns
+    (serve.PositionWarning), through the Python API as the CLI does; within it, no warning."""
+    d = tmp_path / "short-llama"
+    make_llama(d, max_position_embeddings=16)
+    m = cpu_model(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", serve.PositionWarning)
+        m.generate([[1, 2, 3]], 14)  # positions up to 3 + 14 - 1 = 16
+    with pytest.warns(serve.PositionWarning, match=r"up to 17 positions .*max_position_embeddings 16"):
+        out = m.generate([[1, 2, 3, 4], [5]], 14)
+    assert len(out.tokens[0]) == 14
+    from conftest import run_cli  # the CLI says it once, before the run (not again from the API's warning)
+    r = run_cli(["generate", d, "--ids", "1,2,3,4", "--max-new-tokens", "14", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr.count("never trained") == 1, r.stderr
+
+
 def test_a_cache_over_cpu_memory_is_refused_in_one_line(tiny):
     """--device cpu plans its memory as a GPU model does: a cache that would not fit is one ServeError, before any
     tensor is allocated (it was the allocator's traceback)."""
@@ -806,6 +823,25 @@ def test_gpu_padded_batch_equals_unpadded(built):
 
 @gpu
 @needs_cuda
+def test_gpu_cache_len_no_variant_holds_runs_decode_unfused_warned(built):
+    """Auto-chosen variants and a cache_len none of their seq_lens is: a warning naming the way back (their seq_len),
+    and decode served unfused (a trial found a hard error here), its logits transformers' fp32 ones."""
+    hfm, d, build = built
+    with pytest.warns(UserWarning, match=r"cache_len 100: no built decode variant holds 100 rows.*cache_len=64"):
+        model = serve.Model.from_hf(d, build_dir=build, cache_len=100)
+    assert model.decode_variants == {} and model.cache_len == 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the missing variant's warning)
+        got = model.generate(PROMPTS, 8, output_logits=True)
+    assert got.decode_choice.path == "unfused"
+    for b, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hfm(input_ids=torch.tensor([p + got.tokens[b][:-1]])).logits[0, len(p) - 1:]
+        assert rel(torch.stack([lg[b] for lg in got.logits]).cpu(), ref) <= 3e-2
+
+
+@gpu
+@needs_cuda
 def test_gpu_graph_replay_equals_direct_steps(built):
     _, d, build = built
     model = serve.Model.from_hf(d, build_dir=build)
@@ -919,13 +955,17 @@ def test_every_built_variant_offered_keeps_one_seq_len(tmp_path):
     assert len(names) == 3
     pf = next(n for n in names if "_prefill_" in n)
     vs = [manifest.variant_from_entry(entries[n]) for n in names]
-    for cache_len, keep, other in ((None, 64, 32), (32, 32, 64), (100, 64, 32)):
+    for cache_len, keep, other in ((None, 64, 32), (32, 32, 64), (64, 64, 32)):
         kept, dropped, k = serve.keep_one_seq_len(vs, cache_len)
         assert k == keep and [v.name for v in kept if v.mode == "decode"] == [n for n in names if f"_s{keep}_" in n]
         assert dropped == [n for n in names if f"_s{other}_" in n] and pf in [v.name for v in kept]
         left, long = serve.drop_long_prefill(kept, keep)
         assert long == ([pf] if keep == 32 else []) and (pf in [v.name for v in left]) == (keep != 32)
     assert serve.keep_one_seq_len(vs[:1] + vs[2:], None)[1] == []  # one seq_len: nothing left out
+    # a cache_len none of them holds: no decode variant kept (decode runs unfused, warned), the prefill one kept
+    for some in (vs, vs[:1] + vs[2:]):
+        kept, dropped, k = serve.keep_one_seq_len(some, 100)
+        assert k is None and [v.name for v in kept] == [pf] and pf not in dropped and len(dropped) == len(some) - 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing offered on the CPU: no choice to warn about
         # (dtype given: the fp32 checkpoint's HFPrecisionWarning is not what this checks)
