@@ -274,14 +274,17 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
 def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1, dtype: str | None = None) -> str:
     """variants.yaml text that declares variant (mode, batch, seq_len, tp) of a model: the model's entry (from
     generator.hf.variant_entry_yaml) with its own `matrix:` line, named after the model and the shape (`llama` ->
-    `llama-decode-b3-s64`: entries printed for several shapes, or beside the model's own, paste as distinct keys; a
-    model's built variants of any entry name serve it, matched by shape), in `dtype` ('bf16' / 'fp16': what the
-    model is served in) where given."""
+    `llama-decode-b3-s64[-fp16]`: entries printed for several shapes or dtypes, or beside the model's own, paste as
+    distinct keys; a model's built variants of any entry name serve it, matched by shape), in `dtype` ('bf16' /
+    'fp16': what the model is served in) where given."""
     tp_field = f", tp: [{tp}]" if tp > 1 else ""
-    tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "")
+    tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "") + (f"-{dtype}" if dtype else "")
     text = re.sub(r"^(  [^\s#][^:]*):\s*$", lambda m: m.group(1) + tag + ":", entry_yaml, count=1, flags=re.M)
     if dtype is not None:
         text = re.sub(r"^(    dtype: )\S+$", lambda m: m.group(1) + dtype, text, count=1, flags=re.M)
+        # (and the entry's note on the config's dtype: "mapped to bf16" / "bf16 assumed" no longer holds)
+        text = re.sub(r"(in config\.json): (?:mapped to \w+|\w+ assumed)", lambda m: f"{m.group(1)}: served in {dtype}",
+                      text)
     return text.rstrip("\n") + (f"\n    matrix: {{mode: [{mode}], batch: [{batch}], seq_len: [{seq_len}]"
                                  f"{tp_field}}}\n")
 

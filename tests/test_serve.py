@@ -144,8 +144,13 @@ def test_missing_entry_declares_the_shape():
     assert yaml.safe_load("models:\n" + text)["models"]["m-decode-b1-s4096-tp2"]["matrix"]["tp"] == [2]
     both = entry + serve.missing_entry(entry, "prefill", 3, 8) + serve.missing_entry(entry, "decode", 3, 64, dtype="fp16")
     m = yaml.safe_load("models:\n" + both)["models"]  # (the duplicate-key loader of variants.yaml: test_variants)
-    assert list(m) == ["m", "m-prefill-b3-s8", "m-decode-b3-s64"] and m["m-decode-b3-s64"]["dtype"] == "fp16"
+    assert list(m) == ["m", "m-prefill-b3-s8", "m-decode-b3-s64-fp16"] and m["m-decode-b3-s64-fp16"]["dtype"] == "fp16"
+    assert "  m-decode-b3-s64-bf16:" in serve.missing_entry(entry, "decode", 3, 64, dtype="bf16")  # (beside fp16's)
     assert m["m-prefill-b3-s8"]["dtype"] == "bf16"
+    f32 = entry.replace("    hidden", "    # torch_dtype float32 in config.json: mapped to bf16 (weights are cast when "
+                        "loaded)\n    hidden")  # the entry's note follows the served dtype
+    assert "float32 in config.json: served in fp16 (weights" in serve.missing_entry(f32, "decode", 3, 64, dtype="fp16")
+    assert "mapped to bf16" in serve.missing_entry(f32, "decode", 3, 64)
 
 
 def test_memory_plan_and_refusal():
