@@ -862,10 +862,11 @@ class Model:
         self._warned.add(ch.missing)
         mode, b, s = ch.missing
         what = f"batch {b}" if mode == "decode" else f"batch {b}, chunks of {s}"
-        # off CUDA no fused kernel runs: the hint is for the same model served on a GPU
-        where = "" if self.device.type == "cuda" else f" on a CUDA GPU (fused kernels do not run on {self.device.type})"
+        # off CUDA no fused kernel runs (built or not: none is loaded): the hint is for the model served on a GPU
+        head, where = ((f"no built {mode} variant serves {what}", "") if self.device.type == "cuda" else
+                       (f"{mode} at {what} runs on {self.device.type}", " on a CUDA GPU (unless built already)"))
         warnings.warn(MissingVariantWarning(
-            f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
+            f"{head} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
             f"to serve it fused{where}, declare in variants.yaml under `models:` and `megakernel build`:\n"
             + missing_entry(self.entry_yaml, mode, b, s, self.tp, dtype=_KERNEL_DTYPES.get(self.dtype))),
             stacklevel=5 + depth)
