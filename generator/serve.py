@@ -1366,13 +1366,15 @@ class Model:
                         ev = torch.cuda.Event()
                         ev.record()
                     events.append(ev)
-                else:
-                    host[i].copy_(bufs["hist"][i])
-                if i >= 1:  # the previous step's tokens, read while this one runs
-                    if pinned:
+                    if i >= 1:  # the previous step's tokens, read while this one runs
                         events[i - 1].synchronize()
-                    yield from deliver(host[i - 1].tolist(), count=True)
-            if steps:  # the last step's tokens (nothing new where every sequence had stopped)
+                        yield from deliver(host[i - 1].tolist(), count=True)
+                else:  # off the GPU nothing overlaps: each step's tokens at once (no step after a stop token)
+                    host[i].copy_(bufs["hist"][i])
+                    if i == n - 1:
+                        release()
+                    yield from deliver(host[i].tolist(), count=True)
+            if steps and pinned:  # the last step's tokens (nothing new where every sequence had stopped)
                 sync()
                 release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
                 yield from deliver(host[steps - 1].tolist(), count=True)

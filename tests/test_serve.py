@@ -416,6 +416,10 @@ def test_stream_stop_tokens_and_sampling(tiny):
     assert out.tokens[1] == (greedy[1][:greedy[1].index(stop) + 1] if stop in greedy[1] else greedy[1])
     assert sorted(seen) == sorted((b, t) for b in range(2) for t in out.tokens[b])
     assert list(model.stream([[1, 2, 3]], 4)) == [(0, t) for t in greedy[0][:4]]
+    # on the CPU no step runs ahead of what was delivered: none after the stop token (the GPU overlaps one)
+    model.reset_stats()
+    one = model.generate([[1, 2, 3]], 10, stop_tokens=[stop]).tokens[0]
+    assert sum(r["calls"] for r in model.stats() if r["mode"] == "decode") == len(one) - 1 < 9
     a = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     b = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     c = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=8).tokens
