@@ -271,6 +271,9 @@ def check_length(prompt_lens: list[int], max_new_tokens: int, cache_len: int) ->
                          f"{cache_len - max(prompt_lens) + 1} new tokens; or {LARGER_CACHE})")
 
 
+_ENTRY_TAG = re.compile(r"-(decode|prefill)-b\d+-s\d+(-tp\d+)?(-(bf16|fp16))?$")  # missing_entry's name suffix
+
+
 def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int = 1, dtype: str | None = None) -> str:
     """variants.yaml text that declares variant (mode, batch, seq_len, tp) of a model: the model's entry (from
     generator.hf.variant_entry_yaml) with its own `matrix:` line, named after the model and the shape (`llama` ->
@@ -279,7 +282,8 @@ def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int 
     'fp16': what the model is served in) where given."""
     tp_field = f", tp: [{tp}]" if tp > 1 else ""
     tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "") + (f"-{dtype}" if dtype else "")
-    text = re.sub(r"^(  [^\s#][^:]*):\s*$", lambda m: m.group(1) + tag + ":", entry_yaml, count=1, flags=re.M)
+    text = re.sub(r"^(  [^\s#][^:]*):\s*$", lambda m: _ENTRY_TAG.sub("", m.group(1)) + tag + ":", entry_yaml, count=1,
+                  flags=re.M)  # (a name that is itself an earlier warning's entry keeps one tag: its shape's)
     if dtype is not None:
         text = re.sub(r"^(    dtype: )\S+$", lambda m: m.group(1) + dtype, text, count=1, flags=re.M)
         # (and the entry's note on the config's dtype: "mapped to bf16" / "bf16 assumed" no longer holds)

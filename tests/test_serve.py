@@ -146,6 +146,9 @@ def test_missing_entry_declares_the_shape():
     m = yaml.safe_load("models:\n" + both)["models"]  # (the duplicate-key loader of variants.yaml: test_variants)
     assert list(m) == ["m", "m-prefill-b3-s8", "m-decode-b3-s64-fp16"] and m["m-decode-b3-s64-fp16"]["dtype"] == "fp16"
     assert "  m-decode-b3-s64-bf16:" in serve.missing_entry(entry, "decode", 3, 64, dtype="bf16")  # (beside fp16's)
+    # a model served from a pasted entry: its name holds one tag, the new shape's (not the old one's too)
+    again = serve.missing_entry(entry.replace("  m:", "  m-decode-b3-s64-bf16:"), "decode", 5, 64, dtype="bf16")
+    assert "  m-decode-b5-s64-bf16:" in again
     assert m["m-prefill-b3-s8"]["dtype"] == "bf16"
     f32 = entry.replace("    hidden", "    # torch_dtype float32 in config.json: mapped to bf16 (weights are cast when "
                         "loaded)\n    hidden")  # the entry's note follows the served dtype
