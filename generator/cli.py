@@ -699,8 +699,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 @click.option("--variant", "variant_names", multiple=True, help="built variant to use (repeatable) [every built "
               "variant that fits the model]")
 @click.option("--cache-len", type=click.IntRange(min=2), default=None, help="KV rows per sequence [the decode "
-              "variants' seq_len where one is used (a different value is an error), else the longest prompt + "
-              "--max-new-tokens - 1]")
+              "variants' seq_len where one is used, else the longest prompt + --max-new-tokens - 1; a value no decode "
+              "variant has runs decode unfused, with a warning (an error with --variant)]")
 @click.option("--device", default="auto", show_default=True,
               help="cuda, cuda:N, or cpu (the unfused layers); auto: cuda where torch sees a GPU, else cpu with a note")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
@@ -852,12 +852,6 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     try:
         cfg = hf.read_config(model_dir)[1]
         cfg = cfg if isinstance(cfg, dict) else {}  # (Model.from_hf below refuses it in one line)
-        trained = cfg.get("max_position_embeddings")
-        longest = max(len(s) for s in seqs) + max_new_tokens - 1  # (the last new token is never fed back)
-        if isinstance(trained, int) and longest > trained:  # generated as asked, but past what the model learned
-            err_console.print(f"warning: {model_dir}: up to {longest} positions (prompt + --max-new-tokens - 1), "
-                              f"longer than max_position_embeddings {trained}: positions past it were never trained",
-                              markup=False, highlight=False, soft_wrap=True)
     except hf.HFConfigError:
         pass  # Model.from_hf below says what is wrong with the directory
     try:
@@ -892,9 +886,13 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     for w in caught:
         if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
-        if issubclass(w.category, (hf.HFDowncastWarning, serve.PositionWarning)):
-            continue  # (the note below says it with the option's name; the positions' warning was printed first)
-        info(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
+        if issubclass(w.category, hf.HFDowncastWarning):
+            continue  # (the note below says it with the option's name)
+        msg = re.sub(r"\bcache_len=(\d+)", r"--cache-len \1", str(w.message))  # (the API's words as options)
+        for api_words, cli_words in (("max_new_tokens", "--max-new-tokens"), ("variants=[...] or ", "--variant or "),
+                                     ("or cache_len to", "or --cache-len to"), ("or dtype to", "or --dtype to")):
+            msg = msg.replace(api_words, cli_words)
+        info(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
             # (as one sequence streams them: without special tokens and the clean-up of spaces, TextStream)

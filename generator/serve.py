@@ -234,7 +234,7 @@ def keep_one_seq_len(vs: list[Variant], cache_len: int | None) -> tuple[list[Var
     none of theirs: decode then runs unfused (warned), as for a shape with no variant. Every prefill variant is kept
     (its chunk runs at any cache length)."""
     lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
-    if _int(cache_len) and lens and cache_len not in lens:
+    if _int(cache_len) and cache_len >= 2 and lens and cache_len not in lens:  # (an invalid one: from_hf refuses it)
         keep = None
     elif len(lens) < 2:
         return vs, [], lens[0] if lens else None
@@ -281,7 +281,9 @@ def missing_entry(entry_yaml: str, mode: str, batch: int, seq_len: int, tp: int 
     distinct keys; a model's built variants of any entry name serve it, matched by shape), in `dtype` ('bf16' /
     'fp16': what the model is served in) where given."""
     tp_field = f", tp: [{tp}]" if tp > 1 else ""
-    tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "") + (f"-{dtype}" if dtype else "")
+    own = re.search(r"^    dtype: (\S+)$", entry_yaml, flags=re.M)  # (the tag's dtype where dtype is None: fp32)
+    tag = f"-{mode}-b{batch}-s{seq_len}" + (f"-tp{tp}" if tp > 1 else "") + (
+        f"-{dtype or own.group(1)}" if dtype or own else "")
     text = re.sub(r"^(  [^\s#][^:]*):\s*$", lambda m: _ENTRY_TAG.sub("", m.group(1)) + tag + ":", entry_yaml, count=1,
                   flags=re.M)  # (a name that is itself an earlier warning's entry keeps one tag: its shape's)
     if dtype is not None:
@@ -623,6 +625,8 @@ class Model:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
                              "device='cpu' serves the unfused layers on the CPU")
+        if variants and not isinstance(variants, str) and dev.type != "cuda":  # (before the build is read)
+            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
         # (off CUDA no fused kernel runs: every built variant offered means none, as `generate --device cpu` does)
@@ -1261,10 +1265,6 @@ class Model:
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)
         max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
-        if self.max_positions is not None and (longest := max(lens) + max_new_tokens - 1) > self.max_positions:
-            warnings.warn(PositionWarning(f"up to {longest} positions (the longest prompt + max_new_tokens - 1), past "
-                                          f"max_position_embeddings {self.max_positions}: positions past it were "
-                                          "never trained"), stacklevel=4 + _depth)
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
         if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
@@ -1292,6 +1292,10 @@ class Model:
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
+        if self.max_positions is not None and (longest := max(lens) + max_new_tokens - 1) > self.max_positions:
+            warnings.warn(PositionWarning(f"up to {longest} positions (the longest prompt + max_new_tokens - 1), past "
+                                          f"max_position_embeddings {self.max_positions}: positions past it were "
+                                          "never trained"), stacklevel=4 + _depth)  # (once the call is accepted)
         # the draw's shape, fixed for the generation (Draw; None: greedy): a graph each
         sampled = self._draw_shape(temps, ks, ps)
         t0 = time.perf_counter()  # the time to first token counts the planning too
@@ -1340,11 +1344,16 @@ class Model:
             if count:
                 self._count("decode", dch, live)
                 counted[0] += 1
+            got = []
             for b in range(B):
                 if not done[b]:
                     new[b].append(row[b])
                     done[b] = row[b] in stops
-                    yield b, row[b]
+                    got.append((b, row[b]))
+            if all(done):  # the last tokens: the model is free once a step in flight ends (a consumer that takes
+                sync()  # the stop token and no more leaves this generator paused: not holding)
+                release()
+            yield from got
         n = max_new_tokens - 1
         if n == 0 or all(t in stops for t in first_host):  # no decode step follows: the model is free
             release()

@@ -139,17 +139,17 @@ def test_missing_entry_declares_the_shape():
     assert text.endswith("    matrix: {mode: [decode], batch: [3], seq_len: [4096]}\n")
     import yaml
     m = yaml.safe_load("models:\n" + text)["models"]
-    assert list(m) == ["m-decode-b3-s4096"] and m["m-decode-b3-s4096"]["matrix"]["batch"] == [3]
+    assert list(m) == ["m-decode-b3-s4096-bf16"] and m["m-decode-b3-s4096-bf16"]["matrix"]["batch"] == [3]
     text = serve.missing_entry(entry, "decode", 1, 4096, tp=2)  # a tensor-parallel model's
-    assert yaml.safe_load("models:\n" + text)["models"]["m-decode-b1-s4096-tp2"]["matrix"]["tp"] == [2]
+    assert yaml.safe_load("models:\n" + text)["models"]["m-decode-b1-s4096-tp2-bf16"]["matrix"]["tp"] == [2]
     both = entry + serve.missing_entry(entry, "prefill", 3, 8) + serve.missing_entry(entry, "decode", 3, 64, dtype="fp16")
     m = yaml.safe_load("models:\n" + both)["models"]  # (the duplicate-key loader of variants.yaml: test_variants)
-    assert list(m) == ["m", "m-prefill-b3-s8", "m-decode-b3-s64-fp16"] and m["m-decode-b3-s64-fp16"]["dtype"] == "fp16"
+    assert list(m) == ["m", "m-prefill-b3-s8-bf16", "m-decode-b3-s64-fp16"] and m["m-decode-b3-s64-fp16"]["dtype"] == "fp16"
     assert "  m-decode-b3-s64-bf16:" in serve.missing_entry(entry, "decode", 3, 64, dtype="bf16")  # (beside fp16's)
     # a model served from a pasted entry: its name holds one tag, the new shape's (not the old one's too)
     again = serve.missing_entry(entry.replace("  m:", "  m-decode-b3-s64-bf16:"), "decode", 5, 64, dtype="bf16")
     assert "  m-decode-b5-s64-bf16:" in again
-    assert m["m-prefill-b3-s8"]["dtype"] == "bf16"
+    assert m["m-prefill-b3-s8-bf16"]["dtype"] == "bf16"  # (no dtype given, e.g. served in fp32: the entry's own)
     f32 = entry.replace("    hidden", "    # torch_dtype float32 in config.json: mapped to bf16 (weights are cast when "
                         "loaded)\n    hidden")  # the entry's note follows the served dtype
     assert "float32 in config.json: served in fp16 (weights" in serve.missing_entry(f32, "decode", 3, 64, dtype="fp16")
@@ -362,9 +362,15 @@ def test_positions_past_max_position_embeddings_are_warned_through_the_api(tmp_p
     with pytest.warns(serve.PositionWarning, match=r"up to 17 positions .*max_position_embeddings 16"):
         out = m.generate([[1, 2, 3, 4], [5]], 14)
     assert len(out.tokens[0]) == 14
-    from conftest import run_cli  # the CLI says it once, before the run (not again from the API's warning)
+    with warnings.catch_warnings():  # a call refused is refused, not warned about first
+        warnings.simplefilter("error", serve.PositionWarning)
+        with pytest.raises(ServeError, match="^temperature"):
+            m.generate([[1, 2, 3, 4]], 14, temperature=-1)
+    from conftest import run_cli  # the CLI says it once, in its options' words; a refused call: the error alone
     r = run_cli(["generate", d, "--ids", "1,2,3,4", "--max-new-tokens", "14", "--device", "cpu"], cwd=tmp_path)
-    assert r.returncode == 0 and r.stderr.count("never trained") == 1, r.stderr
+    assert r.returncode == 0 and r.stderr.count("never trained") == 1 and "--max-new-tokens - 1" in r.stderr, r.stderr
+    r = run_cli(["generate", d, "--ids", "1,2,200", "--max-new-tokens", "14", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode != 0 and "never trained" not in r.stderr and r.stderr.startswith("error: --ids"), r.stderr
 
 
 def test_a_cache_over_cpu_memory_is_refused_in_one_line(tiny):
@@ -423,6 +429,12 @@ def test_stream_stop_tokens_and_sampling(tiny):
     model.reset_stats()
     one = model.generate([[1, 2, 3]], 10, stop_tokens=[stop]).tokens[0]
     assert sum(r["calls"] for r in model.stats() if r["mode"] == "decode") == len(one) - 1 < 9
+    it = model.stream([[1, 2, 3]], 10, stop_tokens=[stop])  # a consumer that takes the stop token and no more
+    assert [next(it) for _ in one] == [(0, t) for t in one]
+    assert model.generate([[1, 2, 3]], 2).tokens[0] == greedy[0][:2]  # the model is not held by it
+    it.close()
+    with pytest.raises(ServeError, match="^device: fused variants run on CUDA"):  # not the build's absence
+        cpu_model(d, variants=["no-such-variant"])
     a = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     b = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=7).tokens
     c = model.generate([[1, 2, 3], [4, 5]], 10, temperature=0.9, top_k=20, top_p=0.95, seed=8).tokens
