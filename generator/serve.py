@@ -625,7 +625,8 @@ class Model:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
                              "device='cpu' serves the unfused layers on the CPU")
-        if variants and not isinstance(variants, str) and dev.type != "cuda":  # (before the build is read)
+        if variants and not isinstance(variants, str) and dev.type != "cuda" and not no_kernel:  # (before the build
+            # is read; a shape no kernel computes is said first, below)
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)
