@@ -6,6 +6,8 @@
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; qkv split
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
+#   bash bench/queue.sh first     # one call (~9 min, carry .whl): gputests, the whole check, e2e, then the main GPU
+#                                 # tests in the time left (BUDGET s, default 565); logs in $OUT/logs.tgz
 #   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -80,6 +82,26 @@ part_gputests() {  # session 52: the split qkv summed by attention (QKV_KSPLIT u
   step gputests-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs_match or down_flow_matches"
 }
 
+part_first() {  # sessions 52-53 lost their device time before this ran: the kernels changed since the last GPU
+  # tests (session 52's split qkv words, COOP 0's one-word barrier, the DOWN_FLOW rule's plans) and the served model's
+  # GPU path (session 53: a stream's last token syncs and frees the model; a cache_len no variant holds runs decode
+  # unfused). With .whl carried (FlashInfer). After its qkv-split test passes, set decode.QKV_SPLIT_WORDS_RUN = True
+  local t0=$SECONDS logs="$OUT/logs"
+  mkdir -p "$logs"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
+    .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
+  step logs/gputests-new timeout 150 python3 -m pytest -q -m gpu -x tests/test_tune.py \
+    -k "qkv_splits_summed or ll_hand_offs_match or down_flow_matches"
+  step logs/check timeout 330 python3 bench/gpu_check.py --no-tests --serving-budget 100
+  step logs/e2e timeout 120 python3 -m bench.e2e --seq-len 4096
+  local left=$((${BUDGET:-565} - (SECONDS - t0)))
+  if [ "$left" -gt 40 ]; then
+    step logs/gputests-main timeout "$left" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_serve.py \
+      tests/test_hf_gpu.py
+  fi
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -99,16 +121,17 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|next|retune|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|next|retune|first|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_next ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   next) part_next ;;
   retune) part_retune ;;
+  first) part_first ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|next|retune|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|next|retune|first|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
