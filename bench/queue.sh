@@ -6,7 +6,7 @@
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; qkv split
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
-#   bash bench/queue.sh first     # one call (~9 min, carry .whl): gputests, the whole check, e2e, then the main GPU
+#   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): gputests, the whole check, e2e, then the main GPU
 #                                 # tests in the time left (BUDGET s, default 565); logs in $OUT/logs.tgz
 #   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -90,9 +90,9 @@ part_first() {  # sessions 52-53 lost their device time before this ran: the ker
   mkdir -p "$logs"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
-  step logs/gputests-new timeout 150 python3 -m pytest -q -m gpu -x tests/test_tune.py \
+  step logs/gputests-new timeout 130 python3 -m pytest -q -m gpu -x tests/test_tune.py \
     -k "qkv_splits_summed or ll_hand_offs_match or down_flow_matches"
-  step logs/check timeout 330 python3 bench/gpu_check.py --no-tests --serving-budget 100
+  step logs/check timeout 300 python3 bench/gpu_check.py --no-tests --serving-budget 100
   step logs/e2e timeout 120 python3 -m bench.e2e --seq-len 4096
   local left=$((${BUDGET:-565} - (SECONDS - t0)))
   if [ "$left" -gt 40 ]; then

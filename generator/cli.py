@@ -888,10 +888,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
         if issubclass(w.category, hf.HFDowncastWarning):
             continue  # (the note below says it with the option's name)
-        msg = re.sub(r"\bcache_len=(\d+)", r"--cache-len \1", str(w.message))  # (the API's words as options)
-        for api_words, cli_words in (("max_new_tokens", "--max-new-tokens"), ("variants=[...] or ", "--variant or "),
-                                     ("or cache_len to", "or --cache-len to"), ("or dtype to", "or --dtype to")):
-            msg = msg.replace(api_words, cli_words)
+        msg = str(w.message)  # (the API's words as the options')
+        for api, cli in ((r"\bcache_len[= ](\d+)\b", r"--cache-len \1"), (r"\bmax_new_tokens\b", "--max-new-tokens"),
+                         (r"\bvariants=\[\.\.\.\] or ", "--variant or "), (r"\bor (cache_len|dtype) to\b",
+                                                                       lambda m: f"or --{m[1].replace('_', '-')} to")):
+            msg = re.sub(api, cli, msg)
         info(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):

@@ -625,6 +625,8 @@ class Model:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
                              "device='cpu' serves the unfused layers on the CPU")
+        if variants is not None and not isinstance(variants, str):
+            variants = list(variants)  # (any iterable of names, read once)
         if variants and not isinstance(variants, str) and dev.type != "cuda" and not no_kernel:  # (before the build
             # is read; a shape no kernel computes is said first, below)
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
@@ -657,8 +659,6 @@ class Model:
                 raise ServeError(f"variants: {name} is built for tp = {v.tp} GPUs, but the model runs on {tp} "
                                  f"({'no process group' if group is None else 'the process group'})")
             vs.append(v)
-        if vs and dev.type != "cuda":  # (before the cache length the variants fix: the first thing wrong)
-            raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         if variants is None and len(dts := {v.model.dtype for v in vs}) > 1:  # (a build of both dtypes: the asked
             want = _KERNEL_DTYPES.get(dtype) if dtype is not None else shape.dtype  # one's, else the checkpoint's)
             if want in dts:
@@ -1293,7 +1293,9 @@ class Model:
             self._warned.add("eos")
             warnings.warn(f"eos_token_id {', '.join(map(str, far))}: outside the vocabulary ({self.vocab} tokens), "
                           "never generated: no sequence stops on it", stacklevel=4 + _depth)
-        if self.max_positions is not None and (longest := max(lens) + max_new_tokens - 1) > self.max_positions:
+        if (self.max_positions is not None and (longest := max(lens) + max_new_tokens - 1) > self.max_positions
+                and "positions" not in self._warned):
+            self._warned.add("positions")  # (once a model, as the other warnings of a call)
             warnings.warn(PositionWarning(f"up to {longest} positions (the longest prompt + max_new_tokens - 1), past "
                                           f"max_position_embeddings {self.max_positions}: positions past it were "
                                           "never trained"), stacklevel=4 + _depth)  # (once the call is accepted)
@@ -1339,6 +1341,13 @@ class Model:
         done = [False] * B
 
         counted = [0]  # decode steps counted in the stats (each when its row is delivered)
+        freed = [False]
+
+        def finish():  # once: this generation's GPU work waited for while the model is still held, then freed (no
+            if not freed[0]:  # device-wide wait after: another thread's generation may be capturing a graph by then)
+                freed[0] = True
+                sync()
+                release()
 
         def deliver(row, count=False):  # count: a decode step's row (stats: its live sequences' tokens are real)
             live = B - sum(done)
@@ -1352,12 +1361,11 @@ class Model:
                     done[b] = row[b] in stops
                     got.append((b, row[b]))
             if all(done):  # the last tokens: the model is free once a step in flight ends (a consumer that takes
-                sync()  # the stop token and no more leaves this generator paused: not holding)
-                release()
+                finish()  # the stop token and no more leaves this generator paused: not holding)
             yield from got
         n = max_new_tokens - 1
         if n == 0 or all(t in stops for t in first_host):  # no decode step follows: the model is free
-            release()
+            finish()
         yield from deliver(first_host)
         t1 = time.perf_counter()
         pinned = dev.type == "cuda"
@@ -1386,11 +1394,10 @@ class Model:
                 else:  # off the GPU nothing overlaps: each step's tokens at once (no step after a stop token)
                     host[i].copy_(bufs["hist"][i])
                     if i == n - 1:
-                        release()
+                        finish()
                     yield from deliver(host[i].tolist(), count=True)
             if steps and pinned:  # the last step's tokens (nothing new where every sequence had stopped)
-                sync()
-                release()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
+                finish()  # (a consumer that takes exactly the last token leaves this generator paused: not holding)
                 yield from deliver(host[steps - 1].tolist(), count=True)
         finally:  # a stream closed (or a callback raising) with a launched step undelivered: counted all the same
             for _ in range(steps - counted[0]):

@@ -359,13 +359,14 @@ def test_positions_past_max_position_embeddings_are_warned_through_the_api(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error", serve.PositionWarning)
         m.generate([[1, 2, 3]], 14)  # positions up to 3 + 14 - 1 = 16
+        with pytest.raises(ServeError, match="^temperature"):  # a call refused is refused, not warned about first
+            m.generate([[1, 2, 3, 4]], 14, temperature=-1)
     with pytest.warns(serve.PositionWarning, match=r"up to 17 positions .*max_position_embeddings 16"):
         out = m.generate([[1, 2, 3, 4], [5]], 14)
     assert len(out.tokens[0]) == 14
-    with warnings.catch_warnings():  # a call refused is refused, not warned about first
+    with warnings.catch_warnings():  # once a model (a server's every long request would repeat it)
         warnings.simplefilter("error", serve.PositionWarning)
-        with pytest.raises(ServeError, match="^temperature"):
-            m.generate([[1, 2, 3, 4]], 14, temperature=-1)
+        m.generate([[1, 2, 3, 4, 5]], 14)
     from conftest import run_cli  # the CLI says it once, in its options' words; a refused call: the error alone
     r = run_cli(["generate", d, "--ids", "1,2,3,4", "--max-new-tokens", "14", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode == 0 and r.stderr.count("never trained") == 1 and "--max-new-tokens - 1" in r.stderr, r.stderr
@@ -862,6 +863,27 @@ def test_gpu_cache_len_no_variant_holds_runs_decode_unfused_warned(built):
         with torch.no_grad():
             ref = hfm(input_ids=torch.tensor([p + got.tokens[b][:-1]])).logits[0, len(p) - 1:]
         assert rel(torch.stack([lg[b] for lg in got.logits]).cpu(), ref) <= 3e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_a_stream_taken_to_its_stop_token_frees_the_model(built):
+    """A consumer that takes a stream's tokens up to its stop token and no more (the GPU path overlaps a step) leaves
+    the model free: a generation on another thread runs, with the tokens a fresh one gives."""
+    import threading
+    _, d, build = built
+    model = serve.Model.from_hf(d, build_dir=build)
+    greedy = model.generate([PROMPTS[0]], 12).tokens[0]
+    stop = greedy[4]
+    want = greedy[:greedy.index(stop) + 1]
+    it = model.stream([PROMPTS[0]], 12, stop_tokens=[stop])
+    assert [next(it) for _ in want] == [(0, t) for t in want]
+    got = []
+    th = threading.Thread(target=lambda: got.append(model.generate([PROMPTS[1]], 6).tokens[0]))
+    th.start()
+    th.join(60)
+    assert got == [serve.Model.from_hf(d, build_dir=build).generate([PROMPTS[1]], 6).tokens[0]]
+    assert list(it) == []  # (nothing after the stop)
 
 
 @gpu
