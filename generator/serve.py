@@ -627,8 +627,8 @@ class Model:
                              "device='cpu' serves the unfused layers on the CPU")
         if variants is not None and not isinstance(variants, str):
             variants = list(variants)  # (any iterable of names, read once)
-        if variants and not isinstance(variants, str) and dev.type != "cuda" and not no_kernel:  # (before the build
-            # is read; a shape no kernel computes is said first, below)
+        if isinstance(variants, list) and variants and dev.type != "cuda" and not no_kernel:  # (before the build is
+            # read; a shape no kernel computes is said first, below)
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")
         # the variants
         # the build's records (not read where variants=[]: the unfused layers need no build)

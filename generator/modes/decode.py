@@ -169,6 +169,8 @@ def qkv_lane_words(head_dim: int, ksplit: int = 1) -> int:
     """QKV_FLOW 2: the 64-bit words of one head a lane of attention holds and polls (templates/stages/attention.cuh
     QW): head_dim / 32 (rounded up) a split of qkv."""
     return -(-head_dim // 32) * ksplit
+
+
 DOWN_FLOW_MIN_ROUNDS = 5  # DOWN_FLOW by default from this many rounds of gate_up's tasks (see plan)
 FOLD_RANK = {3: 3, 1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's order where L1_ENOUGH is left (plan)
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
