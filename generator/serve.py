@@ -581,7 +581,8 @@ class Model:
         cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
         given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
         prompt + new tokens). max_batch: sequences the caches
-        hold (default: the largest batch of the variants, else 1). dtype: of the weights and caches, a torch dtype or
+        hold (default: the largest batch of the variants, or of the built decode variants a cache_len none of
+        them holds left out, else 1). dtype: of the weights and caches, a torch dtype or
         'bf16' / 'fp16' / 'fp32' (default: the variants', else on a GPU the config's bf16/fp16 (the fused kernels'
         dtypes), on the CPU the config's dtype as transformers loads it, float64 as float32; torch.float32 only
         without fused variants). unfused=False keeps no
@@ -666,6 +667,7 @@ class Model:
                               f"not used: {', '.join(v.name for v in vs if v.model.dtype != want)} (pass variants=[...] "
                               "or dtype to choose)", stacklevel=2)
                 vs = [v for v in vs if v.model.dtype == want]
+        built_batch = max([v.batch for v in vs if v.mode == "decode"], default=1)  # (max_batch's default below)
         if variants is None and (kept := keep_one_seq_len(vs, cache_len))[1]:
             lens = sorted({v.seq_len for v in vs if v.mode == "decode"})
             vs, dropped, keep = kept
@@ -732,7 +734,8 @@ class Model:
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or max_batch < 1):
             raise ServeError(f"max_batch: a positive integer, got {max_batch!r}")
-        max_batch = max([max_batch or 1] + batches)
+        # (decode run unfused at a cache_len no built variant holds: the batches the build declares all the same)
+        max_batch = max([max_batch or (1 if any(v.mode == "decode" for v in vs) else built_batch)] + batches)
         if not unfused and not any(v.mode == "decode" for v in vs):
             raise ServeError("unfused=False: no decode variant is used, so nothing could serve a decode step")
         # memory, before any tensor is read

@@ -252,8 +252,6 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
-        if key == "qkv" and d["QKV_FLOW"] == 2 and not decode.QKV_SPLIT_WORDS_RUN:
-            continue  # (not yet run on a GPU: decode.QKV_SPLIT_WORDS_RUN)
         if key == "qkv" and d["QKV_FLOW"] == 2 and max(splits) > 1:  # (the most splits whose words attention holds,
             cap = decode.QKV_WORDS_MAX // decode.qkv_lane_words(d["HEAD_DIM"])  # so the hand-offs stay: decode.plan)
             splits.append(max(s for s in range(1, min(cap, max(splits)) + 1) if d["HIDDEN"] // 16 % s == 0))

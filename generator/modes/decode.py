@@ -158,11 +158,6 @@ ACT_STRIDE = 32  # DOWN_FLOW: words between two chunks' counters (a 128-byte lin
 # QKV_FLOW 2 with a split qkv: the most 64-bit words of a head a lane of attention holds and polls (head_dim / 32 a
 # split); 4 x 7 spilled 176 B at head_dim 128, 4 x 4 compiled clean (bench/NOTES.md session 52)
 QKV_WORDS_MAX = 16
-# a split qkv under QKV_FLOW 2 (its splits' words summed by attention, session 52) has not yet run on a GPU: until its
-# GPU test has passed (tests/test_tune.py::test_qkv_splits_summed_by_attention_match_the_reference, `bash
-# bench/queue.sh gputests`), the tuner and the build's re-plan of a spilling default do not offer it (a fault there
-# would trap a user's tune); an explicit override (the test, bench/ab.py) plans it
-QKV_SPLIT_WORDS_RUN = False
 
 
 def qkv_lane_words(head_dim: int, ksplit: int = 1) -> int:
