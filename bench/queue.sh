@@ -8,6 +8,7 @@
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): gputests, the whole check, e2e, then the main GPU
 #                                 # tests in the time left (BUDGET s, default 565); logs in $OUT/logs.tgz
+#   bash bench/queue.sh second    # one call (carry .whl): the GPU tests the first call's failures stopped, the split qkv's A/B
 #   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -102,6 +103,22 @@ part_first() {  # sessions 52-53 lost their device time before this ran: the ker
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
+part_second() {  # session 54's second call: the GPU tests the first call's failures stopped (the DOWN_FLOW counter
+  # test under H_LL, the LL hand-offs after it, serve's cache_len with no variant), then the split qkv's A/B (next-qkv)
+  local t0=$SECONDS
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
+    .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
+  step gputests-again timeout 170 python3 -m pytest -q -m gpu tests/test_tune.py -k "down_flow_matches or ll_hand_offs"
+  step gputests-serve timeout 100 python3 -m pytest -q -m gpu tests/test_serve.py -k "cache_len_no_variant or stop_token"
+  local k='{"QKV_KSPLIT": 2}'
+  step ab-next-qkv timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 bench/ab.py --rows full,191 \
+    --build-dir build-ab/next-qkv --out "$OUT/ab-next-qkv.json" --variants=bench/queue-variants.yaml \
+    --case llama3.2-1b_decode_b1_s4096_bf16 "$k" --case llama3.2-1b_decode_b1_s4096_bf16 '{"QKV_KSPLIT": 2, "QKV_NWG": 4}' \
+    --case qwen2.5-7b_decode_b1_s4096_bf16 "$k" --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$k" \
+    --case qwen3-1.7b_decode_b1_s4096_bf16 "$k" --case ho-smol-360m_decode_b1_s2048_bf16 "$k" \
+    --case llama3.2-1b_decode_b4_s4096_bf16 "$k"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -121,17 +138,18 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|next|retune|first|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|next|retune|first|second|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_next ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   next) part_next ;;
   retune) part_retune ;;
   first) part_first ;;
+  second) part_second ;;
   gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|next|retune|first|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|next|retune|first|second|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
