@@ -796,9 +796,12 @@ def _as_options(msg: str, prompt_option: str, given: set[str]) -> str:
     return msg
 
 
-# files a Hugging Face tokenizer is commonly read from (only to name what is missing when one encodes nothing)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
-                   "spiece.model", "tekken.json")
+def has_tokenizer_files(model_dir) -> bool:
+    """Whether `model_dir` holds a file a Hugging Face tokenizer may be read from (tokenizer.json / _config.json,
+    vocab.json / .txt, a SentencePiece *.model or *.spm, a *.tiktoken, Mistral's tekken.json); a directory with none
+    has no tokenizer."""
+    return any(p.is_file() and (p.name.startswith(("tokenizer", "vocab")) or p.name == "tekken.json"
+                                or p.suffix in (".model", ".spm", ".tiktoken")) for p in Path(model_dir).iterdir())
 
 
 def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops, variant_names,
@@ -810,6 +813,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     tok = None
     if prompts:
         needs = f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model ...)"
+        if Path(model_dir).is_dir() and not has_tokenizer_files(model_dir):
+            # (said before transformers is asked: it fails in a paragraph, or for some model types (Qwen2's) builds a
+            # tokenizer of no vocabulary that encodes text to nothing)
+            fail(f"{needs}, and it has none; give --ids instead")
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir)
@@ -819,12 +826,6 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
-            # transformers 5 builds a tokenizer of no vocabulary for some model types (Qwen2's) where the directory
-            # has no tokenizer files: that, not the text, is what is wrong then
-            if len(tok.get_vocab()) <= 1 and Path(model_dir).is_dir() and not any(
-                    (Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-                fail(f"{needs}, and it has none (transformers made a tokenizer of {len(tok.get_vocab())} token(s) "
-                     "that encodes text to nothing); give --ids instead")
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
                  "give some text, or --ids")
     else:

@@ -738,6 +738,21 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
         assert r.stderr.count("\n") == 1, (extra, r.stderr)  # one line
 
 
+def test_has_tokenizer_files_names_a_directory_without_one(tmp_path):
+    """--prompt on a model directory with no tokenizer file is refused in our words before transformers is asked (a
+    trial found its error embedded cut mid-sentence); any file a tokenizer may be read from counts."""
+    from generator.cli import has_tokenizer_files
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "generation_config.json").write_text("{}")
+    assert not has_tokenizer_files(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model", "qwen.tiktoken",
+                 "tekken.json", "source.spm"):
+        (tmp_path / name).write_text("")
+        assert has_tokenizer_files(tmp_path), name
+        (tmp_path / name).unlink()
+
+
 def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     """Session 45's trial: a model directory without tokenizer files (transformers 5 builds a tokenizer of one token
     for Qwen2's, which encodes text to nothing) said the prompt encodes to no tokens; a float64 config was refused though transformers loads it; a
