@@ -86,7 +86,7 @@ part_gputests() {  # session 52: the split qkv summed by attention (QKV_KSPLIT u
 part_first() {  # sessions 52-53 lost their device time before this ran: the kernels changed since the last GPU
   # tests (session 52's split qkv words, COOP 0's one-word barrier, the DOWN_FLOW rule's plans) and the served model's
   # GPU path (session 53: a stream's last token syncs and frees the model; a cache_len no variant holds runs decode
-  # unfused). With .whl carried (FlashInfer). After its qkv-split test passes, set decode.QKV_SPLIT_WORDS_RUN = True
+  # unfused). With .whl carried (FlashInfer). (Ran in session 54: the qkv-split test passed)
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \

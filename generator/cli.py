@@ -826,6 +826,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
+            if len(tok.get_vocab()) <= 1:  # (transformers 5 builds one of no vocabulary for some model types, Qwen2's,
+                # from a tokenizer_config.json alone: that, not the text, is what is wrong)
+                fail(f"{needs}, and transformers made one of {len(tok.get_vocab())} token(s) from it, which encodes "
+                     "text to nothing; give --ids instead")
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
                  "give some text, or --ids")
     else:

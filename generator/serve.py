@@ -581,8 +581,9 @@ class Model:
         cache_len (rows per sequence) is needed only when no decode variant is used (default_cache_len, where
         given, stands in for it then, raised to the longest chunk of the prefill variants used: generate's longest
         prompt + new tokens). max_batch: sequences the caches
-        hold (default: the largest batch of the variants, or of the built decode variants a cache_len none of
-        them holds left out, else 1). dtype: of the weights and caches, a torch dtype or
+        hold (default: the largest batch of the variants, else of the built decode variants that a cache_len
+        none of them holds left out (caches of that many sequences at that cache_len: pass max_batch for fewer), else
+        1). dtype: of the weights and caches, a torch dtype or
         'bf16' / 'fp16' / 'fp32' (default: the variants', else on a GPU the config's bf16/fp16 (the fused kernels'
         dtypes), on the CPU the config's dtype as transformers loads it, float64 as float32; torch.float32 only
         without fused variants). unfused=False keeps no

@@ -207,8 +207,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
-    the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2, its splits summed by attention, last
-of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54); X_FRAG (o_proj's and down_proj's input in fragment
+    the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
+    of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG (o_proj's and down_proj's input in fragment
     order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
     default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is
     and the planner did not take it),
@@ -254,11 +254,13 @@ of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54); X_FRAG (o_
     late: list[dict] = []  # tried after every other candidate (a limited tune, a re-plan's first clean one: not them)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
-        words = key == "qkv" and d["QKV_FLOW"] == 2  # (splits summed by attention: level to +3 % at batch 1 on an
-        if words and max(splits) > 1:  # H100, bench/NOTES.md session 54: last) (the most splits whose words
-            cap = decode.QKV_WORDS_MAX // decode.qkv_lane_words(d["HEAD_DIM"])  # attention holds, so the hand-offs
-            splits.append(max(s for s in range(1, min(cap, max(splits)) + 1) if d["HIDDEN"] // 16 % s == 0))  # stay)
-        (late if words else tries).extend({f"{prefix}_KSPLIT": ks} for ks in dict.fromkeys(splits) if ks > 1)
+        # qkv's splits whose words attention sums (QKV_FLOW 2, at most `cap` splits: level to +3 % at batch 1 on an
+        # H100, bench/NOTES.md session 54) go last; beyond the cap a split takes the reduction (QKV_FLOW 0), in place
+        cap = decode.QKV_WORDS_MAX // decode.qkv_lane_words(d["HEAD_DIM"]) if key == "qkv" and d["QKV_FLOW"] == 2 else 0
+        if cap and max(splits) > 1:  # (the most splits whose words attention holds, so the hand-offs stay)
+            splits.append(max(s for s in range(1, min(cap, max(splits)) + 1) if d["HIDDEN"] // 16 % s == 0))
+        for ks in (ks for ks in dict.fromkeys(splits) if ks > 1):
+            (late if ks <= cap else tries).append({f"{prefix}_KSPLIT": ks})
     ll_off = {"ATT_LL": 0, "QKV_FLOW": 1, "H_LL": 0}
     if base["mode"] == "decode" and v.batch <= 8 and v.tp == 1:  # the LL hand-offs together, flipped; turned on at
         # batch >= 2 with O_PRE off (its pre-loaded step held through attention beside ATT_LL's words spilled on 8 of

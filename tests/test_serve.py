@@ -753,6 +753,19 @@ def test_has_tokenizer_files_names_a_directory_without_one(tmp_path):
         (tmp_path / name).unlink()
 
 
+def test_cli_prompt_with_a_tokenizer_config_alone_says_the_tokenizer_is_empty(cli, tmp_path):
+    """A Qwen2 directory whose only tokenizer file is tokenizer_config.json: transformers 5 builds a tokenizer of one
+    token that encodes text to nothing; that is said (a review found "give some text" said instead)."""
+    d = tmp_path / "qwen"
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=256)).save_pretrained(d)
+    (d / "tokenizer_config.json").write_text("{}")
+    r = cli(["generate", d, "--prompt", "Hello there", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 2 and "encodes text to nothing; give --ids instead" in r.stderr \
+        and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     """Session 45's trial: a model directory without tokenizer files (transformers 5 builds a tokenizer of one token
     for Qwen2's, which encodes text to nothing) said the prompt encodes to no tokens; a float64 config was refused though transformers loads it; a
