@@ -826,10 +826,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
         seqs = [tok(p)["input_ids"] for p in prompts]
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
-            if len(tok.get_vocab()) <= 1:  # (transformers 5 builds one of no vocabulary for some model types, Qwen2's,
-                # from a tokenizer_config.json alone: that, not the text, is what is wrong)
-                fail(f"{needs}, and transformers made one of {len(tok.get_vocab())} token(s) from it, which encodes "
-                     "text to nothing; give --ids instead")
+            if not set(tok.get_vocab()) - set(tok.all_special_tokens):  # (transformers 5 builds one of special
+                # tokens alone for some model types, Qwen2's, from a tokenizer_config.json: that is what is wrong)
+                fail(f"{needs}, and transformers made one of special tokens alone ({len(tok.get_vocab())}) from it, "
+                     "which encodes text to nothing; give --ids instead")
             fail(f"--prompt {prompts[empty[0]]!r}: the tokenizer encodes it to no tokens (and adds no start token); "
                  "give some text, or --ids")
     else:
@@ -859,6 +859,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
         cfg = cfg if isinstance(cfg, dict) else {}  # (Model.from_hf below refuses it in one line)
     except hf.HFConfigError:
         pass  # Model.from_hf below says what is wrong with the directory
+    if tok is not None and type(vocab := cfg.get("vocab_size")) is int:  # (the text's ids, not ids given: said so)
+        for p, sq in zip(prompts, seqs):
+            if far := [t for t in sq if not 0 <= t < vocab]:
+                fail(f"--prompt {p!r}: the tokenizer gives id {far[0]}, past config.json's vocab_size {vocab} (the "
+                     "model directory's tokenizer and checkpoint disagree)")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
@@ -905,6 +910,10 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             echo(f"[{b}] " + (tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False) if tok
                               else " ".join(map(str, new))))
     n_new = sum(len(t) for t in out.tokens)
+    if tok is not None and (unknown := sum(t >= len(tok) for new in out.tokens for t in new)):
+        info(f"note: {greport.counted(unknown, 'generated token')} past the tokenizer's {len(tok)} ids (the "
+             f"checkpoint's vocab_size is {model.vocab}) printed as nothing", markup=False, highlight=False,
+             soft_wrap=True)
     info(f"{greport.counted(n_new, 'token')}, {greport.counted(len(seqs), 'sequence')}: time to first token "
          f"{out.ttft_s * 1e3:.1f} ms, " + (f"decode {out.tokens_per_s:,.1f} tokens/s "
          f"({'CUDA graph' if model.use_graphs else 'eager'})" if out.tokens_per_s > 0 else

@@ -594,7 +594,11 @@ class Model:
         process group (NCCL, one process per GPU, every rank calling from_hf and generate alike) for tensor
         parallel: each rank holds its heads and MLP columns of every layer (interface.TP_SPLIT) and KV caches of
         kv_heads / tp heads, the embedding and lm_head whole; the variants used must be built with that tp
-        (ServeError), and the unfused layers split the same way."""
+        (ServeError), and the unfused layers split the same way.
+
+        Raises ServeError for an argument it cannot serve; a directory or checkpoint that cannot be read as
+        transformers reads it raises generator.hf.HFConfigError (a ValueError: the checkpoint's own fault, not the
+        call's), a built variant that does not load generator.manifest.LoadError (a RuntimeError); each one line."""
         from . import loader, manifest, routes as groutes
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
@@ -867,20 +871,26 @@ class Model:
 
     def _warn_missing(self, ch: Choice, depth: int = 0) -> None:
         """MissingVariantWarning, once per shape, where a declared variant would serve `ch` fused; not for a
-        tensor-parallel prompt (prefill variants are one-GPU)."""
+        tensor-parallel prompt (prefill variants are one-GPU). Off CUDA, where no fused kernel runs (built or not),
+        one line once a model instead (a trial found a 20-line entry a shape a flood there)."""
         if ch.missing is None or ch.missing in self._warned or self.entry_yaml is None:
             return  # (entry_yaml None: a shape no variant can serve, said once by from_hf)
         if self.tp > 1 and ch.missing[0] == "prefill":
             return
+        if self.device.type != "cuda":
+            if "off-cuda" not in self._warned:
+                self._warned.add("off-cuda")
+                warnings.warn(MissingVariantWarning(
+                    f"device {self.device.type}: every call runs the unfused PyTorch layers (fused variants run on a "
+                    "CUDA GPU, where each shape without a built one is warned with the variants.yaml entry that "
+                    "declares it)"), stacklevel=5 + depth)
+            return
         self._warned.add(ch.missing)
         mode, b, s = ch.missing
         what = f"batch {b}" if mode == "decode" else f"batch {b}, chunks of {s}"
-        # off CUDA no fused kernel runs (built or not: none is loaded): the hint is for the model served on a GPU
-        head, where = ((f"no built {mode} variant serves {what}", "") if self.device.type == "cuda" else
-                       (f"{mode} at {what} runs on {self.device.type}", " on a CUDA GPU (unless built already)"))
         warnings.warn(MissingVariantWarning(
-            f"{head} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
-            f"to serve it fused{where}, declare in variants.yaml under `models:` and `megakernel build`:\n"
+            f"no built {mode} variant serves {what} (cache_len {self.cache_len}): running the unfused PyTorch layer; "
+            f"to serve it fused, declare in variants.yaml under `models:` and `megakernel build`:\n"
             + missing_entry(self.entry_yaml, mode, b, s, self.tp, dtype=_KERNEL_DTYPES.get(self.dtype))),
             stacklevel=5 + depth)
 
