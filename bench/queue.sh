@@ -83,10 +83,10 @@ part_gputests() {  # session 52: the split qkv summed by attention (QKV_KSPLIT u
   step gputests-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs_match or down_flow_matches"
 }
 
-part_first() {  # sessions 52-53 lost their device time before this ran: the kernels changed since the last GPU
-  # tests (session 52's split qkv words, COOP 0's one-word barrier, the DOWN_FLOW rule's plans) and the served model's
-  # GPU path (session 53: a stream's last token syncs and frees the model; a cache_len no variant holds runs decode
-  # unfused). With .whl carried (FlashInfer). (Ran in session 54: the qkv-split test passed)
+part_first() {  # the call a session starts with (ran whole in session 54 on an H100; wanted on an H200 for the
+  # README's tables): the kernels' newest GPU tests (the split qkv's, with session 54's head_dim 80 / 96 cases, the
+  # LL and DOWN_FLOW ones), the whole check, e2e, then the main GPU tests (serve's among them) in the time left.
+  # With .whl carried (FlashInfer)
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
