@@ -208,8 +208,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
     re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
-    of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG (o_proj's and down_proj's input in fragment
-    order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
+    of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG
+    (o_proj's and down_proj's input in fragment order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
     default's re-plan tries the counters' registers first; 2, act as LL words, after the LL hand-offs where H_LL is
     and the planner did not take it),
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off (from batch 2 with O_PRE
