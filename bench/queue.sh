@@ -93,6 +93,18 @@ part_first() {  # the call a session starts with (ran whole in session 54 on an 
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
   step logs/gputests-new timeout 130 python3 -m pytest -q -m gpu -x tests/test_tune.py \
     -k "qkv_splits_summed or ll_hand_offs_match or down_flow_matches"
+  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # (the whole check ran on an H100 in
+    # session 54 on these kernels: here the timelines of the b1 rows short of their bars instead)
+    local r
+    for r in 191 full; do
+      step "logs/timeline-1b1-$r" timeout 90 python3 bench/timeline.py --variant "$B1" --row "$r" \
+        --out "$OUT/timeline-1b1-$r.json"
+      step "logs/timeline-half-$r" timeout 90 python3 bench/timeline.py --variant "$HALF" --row "$r" \
+        --out "$OUT/timeline-half-$r.json"
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
+    return
+  fi
   step logs/check timeout 300 python3 bench/gpu_check.py --no-tests --serving-budget 100
   step logs/e2e timeout 120 python3 -m bench.e2e --seq-len 4096
   local left=$((${BUDGET:-565} - (SECONDS - t0)))
