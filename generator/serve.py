@@ -13,11 +13,11 @@ unfused. Every path shares one copy of each layer's packed weights and one KV ca
 
 The whole decode step (every layer, final norm, lm_head, next-token choice, the token into the generation's
 history, the positions advanced and the next step's embedding rows) is one CUDA graph per (path, batch,
-greedy/sampled), replayed with no host work; every check happens before. A greedy step on the fused head ends in
-the head's launch (lm_head.Advance: no launches after it), and the host copies each step's tokens from the history
-on a side stream, so nothing stands between two steps' graphs. Sampling is counter-based (a hash of seed, position
-and token id turned into Gumbel noise), so a seed gives the same tokens with or without graphs, at any padding, on
-any path that gives the same logits.
+greedy/sampled; unfused: and the cache rows its attention reads, kv_bucket), replayed with no host work; every check
+happens before. A greedy step on the fused head ends in the head's launch (lm_head.Advance: no launches after it),
+and the host copies each step's tokens from the history on a side stream, so nothing stands between two steps'
+graphs. Sampling is counter-based (a hash of seed, position and token id turned into Gumbel noise), so a seed gives
+the same tokens with or without graphs, at any padding, on any path that gives the same logits.
 """
 from __future__ import annotations
 
@@ -116,6 +116,17 @@ def unfused_points(live: int, prefill_variants: dict[tuple[int, int], str], cost
 def padded(n: int) -> int:
     """The length an unfused prompt piece of n tokens runs at (Model._piece pads to a power of two, >= 16)."""
     return max(16, 1 << (n - 1).bit_length())
+
+
+KV_BUCKET_MIN = 256  # the fewest cache rows an unfused decode step reads (kv_bucket): a graph a power of two above
+
+
+def kv_bucket(rows: int, cache_len: int) -> int:
+    """Cache rows an unfused decode step attends over when its sequences need `rows` (the largest position + 1): the
+    next power of two >= max(rows, KV_BUCKET_MIN), at most cache_len. The unfused step masks rows past each
+    position, so any bound >= rows gives the same result; a bound from the host's own positions makes the step's
+    cost follow them (not the cache's length) with a few graphs a generation (log2 of cache_len / 256, +1)."""
+    return min(cache_len, max(KV_BUCKET_MIN, 1 << max(0, rows - 1).bit_length()))
 
 
 def unfused_cost(n: int, pts: list[tuple[int, float]]) -> float:
@@ -1060,10 +1071,11 @@ class Model:
                                     ).to(x.dtype)
         return (h @ self.lm_head.T).float()
 
-    def _layers_decode(self, x: torch.Tensor, pos: torch.Tensor, ch: Choice) -> torch.Tensor:
-        if ch.path == "unfused":
-            for u in self.unfused:
-                x = u.decode(x, pos)
+    def _layers_decode(self, x: torch.Tensor, pos: torch.Tensor, ch: Choice, kv_len: int | None = None
+                       ) -> torch.Tensor:
+        if ch.path == "unfused":  # (kv_len: the rows its attention reads, > every position; the fused path reads
+            for u in self.unfused:  # only rows 0..pos itself)
+                x = u.decode(x, pos, kv_len)
         else:
             for layer in self.fused[ch.variant]:
                 x = layer(x, pos, validate=False)
@@ -1086,12 +1098,13 @@ class Model:
                 "x": torch.zeros(B, self.shape.hidden, dtype=self.dtype, device=dev)}  # embed[tok]: a step's input
         return self._bufs[key]
 
-    def _compute(self, ch: Choice, bufs: dict, sampled: Draw | None, advance: bool = True) -> None:
+    def _compute(self, ch: Choice, bufs: dict, sampled: Draw | None, advance: bool = True,
+                 kv_len: int | None = None) -> None:
         """x (the step's tokens' embeddings), pos -> logits, out (the next tokens); writes cache row pos of every
         sequence (idempotent); with `advance` then hist[step] = out, step += 1, pos += 1, x = embed[out]: the next
         step's inputs. A greedy step on the fused head advances in the head's own launch (lm_head.Advance), else
         torch does."""
-        x = self._layers_decode(bufs["x"], bufs["pos"], ch)
+        x = self._layers_decode(bufs["x"], bufs["pos"], ch, kv_len)
         head = None if sampled or not advance else self._fused_head(x.shape[0])
         if head is not None:
             head(x.contiguous(), bufs["logits"], bufs["out"],
@@ -1115,25 +1128,25 @@ class Model:
             bufs["pos"].add_(1)
             torch.index_select(self.embed, 0, bufs["out"], out=bufs["x"])
 
-    def _step(self, ch: Choice, bufs: dict, sampled: Draw | None) -> None:
+    def _step(self, ch: Choice, bufs: dict, sampled: Draw | None, kv_len: int | None = None) -> None:
         """One decode step from the static buffers: replay of the captured graph (captured at the first call of
-        this (path, batch, sampled), after one eager warm-up step that computes the same values and does not
-        advance), or eagerly."""
+        this (path, batch, sampled, kv_len), after one eager warm-up step that computes the same values and does not
+        advance), or eagerly. kv_len: the unfused step's attention rows (kv_bucket; None on a fused path)."""
         if not (self.use_graphs and self.device.type == "cuda"):
-            self._compute(ch, bufs, sampled)
+            self._compute(ch, bufs, sampled, kv_len=kv_len)
             return
-        key = (ch.path, ch.variant, ch.batch, sampled)
+        key = (ch.path, ch.variant, ch.batch, sampled, kv_len)
         g = self._graphs.get(key)
         if g is None:
             before = torch.cuda.memory_reserved(self.device)
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):  # warm-up: the same step (it rewrites the same cache rows)
-                self._compute(ch, bufs, sampled, advance=False)
+                self._compute(ch, bufs, sampled, advance=False, kv_len=kv_len)
             torch.cuda.current_stream(self.device).wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                self._compute(ch, bufs, sampled)
+                self._compute(ch, bufs, sampled, kv_len=kv_len)
             self._graphs[key] = g
             self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         g.replay()
@@ -1391,7 +1404,9 @@ class Model:
             for i in range(n):
                 if all(done):
                     break
-                self._step(dch, bufs, sampled)
+                # (step i: sequence b at position lens[b] + i, padding at i)
+                rows = kv_bucket(T + i + 1, self.cache_len) if dch.path == "unfused" else None
+                self._step(dch, bufs, sampled, rows)
                 steps += 1
                 if output_logits:
                     all_logits.append(bufs["logits"][:B].clone())

@@ -123,11 +123,17 @@ class UnfusedLayer:
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     # -- steps --
-    def decode(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """One decode step: x [B, hidden] (B <= max_batch, the layer's dtype and device), pos int32/int64 [B] on the
-        device (0 <= pos < cache_len: not checked here, no host sync) -> [B, hidden]; writes cache row pos[b] of
-        sequence b and attends to rows 0..pos[b]. CUDA-graph capturable."""
+        device (0 <= pos < kv_len: not checked here, no host sync) -> [B, hidden]; writes cache row pos[b] of
+        sequence b and attends to rows 0..pos[b]. kv_len: cache rows attention reads (1..cache_len; default
+        cache_len), a bound the host knows from its positions: the step's cost then follows the positions, not the
+        cache (serve.kv_bucket rounds it up, a CUDA graph a bucket). CUDA-graph capturable.
+        Raises ValueError for a kv_len outside 1..cache_len."""
         m, B = self.m, x.shape[0]
+        L = self.cache_len if kv_len is None else int(kv_len)
+        if not 1 <= L <= self.cache_len:
+            raise ValueError(f"kv_len {kv_len}: must be 1..{self.cache_len} (the cache's rows)")
         p = pos.long()
         q, k, v = self._qkv(x, p)
         kc, vc = self.k_cache[:B], self.v_cache[:B]
@@ -135,8 +141,8 @@ class UnfusedLayer:
         kc[bidx, :, p] = k
         vc[bidx, :, p] = v
         qg = q.view(B, m.kv_heads, m.group, m.head_dim)  # a KV head's query heads are its "query length"
-        mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]
-        attn = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+        mask = (self.rows[None, :L] <= p[:, None])[:, None, None, :]
+        attn = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mask)
         h = x + self._reduce(F.linear(attn.reshape(B, self.q_size), self.w_o))
         return self._mlp(h)
 
