@@ -8,7 +8,7 @@
 #   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
 #   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): gputests, the whole check, e2e, then the main GPU
 #                                 # tests in the time left (BUDGET s, default 565); logs in $OUT/logs.tgz
-#   bash bench/queue.sh second    # one call (carry .whl): the GPU tests the first call's failures stopped, the split qkv's A/B
+#   bash bench/queue.sh second    # one call (carry .whl): serve's bounded unfused step (kv_bucket), then the main GPU tests
 #   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
@@ -115,20 +115,16 @@ part_first() {  # the call a session starts with (ran whole in session 54 on an 
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_second() {  # session 54's second call: the GPU tests the first call's failures stopped (the DOWN_FLOW counter
-  # test under H_LL, the LL hand-offs after it, serve's cache_len with no variant), then the split qkv's A/B (next-qkv)
+part_second() {  # session 55's leftovers (carry .whl): serve's unfused decode step bounded by its positions (kv_bucket:
+  # a graph a bucket; written on the CPU, never run on a GPU) and the tests beside it, then the main GPU tests the
+  # first call's time cut (session 55: after 73 s)
   local t0=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
-  step gputests-again timeout 170 python3 -m pytest -q -m gpu tests/test_tune.py -k "down_flow_matches or ll_hand_offs"
-  step gputests-serve timeout 100 python3 -m pytest -q -m gpu tests/test_serve.py -k "cache_len_no_variant or stop_token"
-  local k='{"QKV_KSPLIT": 2}'
-  step ab-next-qkv timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 bench/ab.py --rows full,191 \
-    --build-dir build-ab/next-qkv --out "$OUT/ab-next-qkv.json" --variants=bench/queue-variants.yaml \
-    --case llama3.2-1b_decode_b1_s4096_bf16 "$k" --case llama3.2-1b_decode_b1_s4096_bf16 '{"QKV_KSPLIT": 2, "QKV_NWG": 4}' \
-    --case qwen2.5-7b_decode_b1_s4096_bf16 "$k" --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$k" \
-    --case qwen3-1.7b_decode_b1_s4096_bf16 "$k" --case ho-smol-360m_decode_b1_s2048_bf16 "$k" \
-    --case llama3.2-1b_decode_b4_s4096_bf16 "$k"
+  step gputests-serve timeout 240 python3 -m pytest -q -m gpu tests/test_serve.py \
+    -k "kv_bucket or cache_len_no_variant or graph_replay or fallback_numerics"
+  step gputests-main timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 -m pytest -q -m gpu tests/test_gpu.py \
+    tests/test_serve.py tests/test_hf_gpu.py
 }
 
 part_tests() {
