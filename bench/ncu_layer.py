@@ -72,9 +72,13 @@ def main(variant, build_dir, variants_file, launches, pos, seed, cache_len, unfu
     if unfused:  # the benchmark's baseline on the same weights and cache shape (gpu_check: check_prefill)
         from generator.unfused import UnfusedLayer
         base = UnfusedLayer(reference.random_weights(m, seed=seed, device="cuda"), m, layer.k_cache, layer.v_cache)
-        kv_len = v.seq_len if pos == "zero" else None  # a first chunk reads only its own rows, as gpu_check times it
+        if v.mode == "decode":  # the rows serve's step reads (generator.serve.kv_bucket)
+            from generator.serve import kv_bucket
+            kv_len = kv_bucket(int(p.max()) + 1, layer.cache_len)
+        else:  # a first chunk reads only its own rows, as gpu_check times it
+            kv_len = v.seq_len if pos == "zero" else None
         for _ in range(launches):
-            (base.decode(x, p) if v.mode == "decode" else base.prefill(x, p, kv_len=kv_len))
+            (base.decode(x, p, kv_len) if v.mode == "decode" else base.prefill(x, p, kv_len=kv_len))
         torch.cuda.synchronize()
         print(variant, f"unfused layer launched {launches} times")
         return

@@ -9,11 +9,14 @@ from .variants import Model
 
 def inv_freq(m: Model, device="cpu"):
     """RoPE inverse frequencies [head_dim / 2] fp32, as transformers computes them
-    (modeling_rope_utils._compute_default_rope_parameters; llama3 scaling: _compute_llama3_parameters)."""
+    (modeling_rope_utils._compute_default_rope_parameters; scaling: _compute_llama3_parameters,
+    _compute_linear_scaling_rope_parameters: every frequency / factor, the attention factor 1)."""
     import torch
     base = 1.0 / (m.rope_theta ** (torch.arange(0, m.head_dim, 2, dtype=torch.int64).float() / m.head_dim))
-    if m.rope_scaling:
-        s = dict(m.rope_scaling)
+    s = dict(m.rope_scaling or {})
+    if s.get("rope_type") == "linear":
+        base = base / s["factor"]
+    elif s:
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
         low_wavelen, high_wavelen = old / lo, old / hi

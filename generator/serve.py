@@ -113,20 +113,32 @@ def unfused_points(live: int, prefill_variants: dict[tuple[int, int], str], cost
     return sorted(by_batch[min(by_batch)]) if by_batch else []
 
 
+def _graph_baseline(device) -> int:
+    """Bytes reserved just before a capture, as torch.cuda.graph's entry leaves them (it synchronises and empties
+    the cache: read before that, the blocks it frees would hide the graph's own growth)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
+
+
 def padded(n: int) -> int:
     """The length an unfused prompt piece of n tokens runs at (Model._piece pads to a power of two, >= 16)."""
     return max(16, 1 << (n - 1).bit_length())
 
 
-KV_BUCKET_MIN = 256  # the fewest cache rows an unfused decode step reads (kv_bucket): a graph a power of two above
+KV_BUCKET_MIN = 256  # kv_bucket's floor: fewer graphs where attention is a small part of a short context's step
 
 
 def kv_bucket(rows: int, cache_len: int) -> int:
     """Cache rows an unfused decode step attends over when its sequences need `rows` (the largest position + 1): the
     next power of two >= max(rows, KV_BUCKET_MIN), at most cache_len. The unfused step masks rows past each
     position, so any bound >= rows gives the same result; a bound from the host's own positions makes the step's
-    cost follow them (not the cache's length) with a few graphs a generation (log2 of cache_len / 256, +1)."""
-    return min(cache_len, max(KV_BUCKET_MIN, 1 << max(0, rows - 1).bit_length()))
+    cost follow them (not the cache's length), with one graph a bucket for each (batch, draw): at most
+    ceil(log2(cache_len / KV_BUCKET_MIN)) + 1, captured into one memory pool. ValueError for rows outside
+    1..cache_len."""
+    if not 1 <= rows <= cache_len:
+        raise ValueError(f"kv_bucket: {rows} rows needed, the cache holds 1..{cache_len}")
+    return min(cache_len, max(KV_BUCKET_MIN, 1 << (rows - 1).bit_length()))
 
 
 def unfused_cost(n: int, pts: list[tuple[int, float]]) -> float:
@@ -565,6 +577,7 @@ class Model:
         self._graph_bytes = 0
         self.max_prefill_graphs = 64  # prompt pieces captured (per path, batch, start, padded length); then eager
         self._prefill_pool = None
+        self._decode_pool = None  # (the unfused decode steps' graphs, one a kv_bucket: _step)
         self._plans: dict[tuple, list] = {}  # (prompt length, batch) -> its pieces
         # the head (final norm, LM head, greedy token) as one kernel (generator.lm_head) where it serves the model;
         # fused_head False: torch's (norm, GEMM, argmax)
@@ -918,7 +931,7 @@ class Model:
             raise ServeError(f"fused_head: the fused head runs on a CUDA GPU; this model is on {self.device}")
         if bool(on) != self._fused_head_on:
             self._graphs.clear()
-            self._prefill_pool = None  # (a pool whose graphs are gone is not captured into again)
+            self._prefill_pool = self._decode_pool = None  # (a pool whose graphs are gone is not captured into again)
         self._fused_head_on = bool(on)
 
     def head_path(self, batch: int) -> str:
@@ -1131,21 +1144,29 @@ class Model:
     def _step(self, ch: Choice, bufs: dict, sampled: Draw | None, kv_len: int | None = None) -> None:
         """One decode step from the static buffers: replay of the captured graph (captured at the first call of
         this (path, batch, sampled, kv_len), after one eager warm-up step that computes the same values and does not
-        advance), or eagerly. kv_len: the unfused step's attention rows (kv_bucket; None on a fused path)."""
+        advance), or eagerly. kv_len: the unfused step's attention rows (kv_bucket; None on a fused path): the step
+        that first reaches a bucket captures its graph, a pause of a warm-up step and a capture mid-generation."""
         if not (self.use_graphs and self.device.type == "cuda"):
             self._compute(ch, bufs, sampled, kv_len=kv_len)
             return
         key = (ch.path, ch.variant, ch.batch, sampled, kv_len)
         g = self._graphs.get(key)
         if g is None:
-            before = torch.cuda.memory_reserved(self.device)
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):  # warm-up: the same step (it rewrites the same cache rows)
                 self._compute(ch, bufs, sampled, advance=False, kv_len=kv_len)
             torch.cuda.current_stream(self.device).wait_stream(s)
+            # the unfused buckets' graphs share one pool (as prompt pieces do): what a capture allocates is scratch
+            # (the step's results go to `bufs`), and steps never run at once
+            pool = None
+            if kv_len is not None:
+                if self._decode_pool is None:
+                    self._decode_pool = torch.cuda.graph_pool_handle()
+                pool = self._decode_pool
+            before = _graph_baseline(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=pool):
                 self._compute(ch, bufs, sampled, kv_len=kv_len)
             self._graphs[key] = g
             self._graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
@@ -1211,7 +1232,6 @@ class Model:
             if not (self.use_graphs and self.device.type == "cuda") or graphs >= self.max_prefill_graphs:
                 run()
                 return out[:, :C]
-            before = torch.cuda.memory_reserved(self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -1221,6 +1241,7 @@ class Model:
                 # one pool for every piece's graph: what a capture allocates is scratch (the output is `out`), and
                 # pieces never run at once
                 self._prefill_pool = torch.cuda.graph_pool_handle()
+            before = _graph_baseline(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._prefill_pool):
                 run()

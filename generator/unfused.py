@@ -1,7 +1,7 @@
 """The decoder layer written plainly in PyTorch, in the model's dtype: the serving model's fallback and prefill path.
 
 Merged q/k/v and gate/up GEMMs (cuBLAS), RoPE from a table gathered by position, the KV-cache append by index, SDPA
-over the cache with a length mask (GQA without expanding K/V). Same cache layout as the fused kernel
+over the cache's first kv_len rows with a length mask (GQA without expanding K/V). Same cache layout as the fused kernel
 ([batch, kv_heads, cache_len, head_dim]), so one pair of caches serves both paths. No host syncs and no
 value-dependent shapes in `decode`: it can be captured in a CUDA graph. Runs on the CPU too (any float dtype).
 """
@@ -150,10 +150,13 @@ class UnfusedLayer:
         """One prompt chunk: x [B, C, hidden], start_pos int [B] on the device -> [B, C, hidden]. Token t of sequence
         b is at position start_pos[b] + t: its k, v go to that cache row and it attends causally to rows
         0..start_pos[b] + t. kv_len: cache rows attention reads (>= max(start_pos) + C; default cache_len), a bound
-        that saves work for short prefixes. Positions are not checked here (the caller does, on the host)."""
+        that saves work for short prefixes. Positions are not checked here (the caller does, on the host).
+        Raises ValueError for a kv_len outside C..cache_len."""
         m = self.m
         B, C, _ = x.shape
         L = self.cache_len if kv_len is None else int(kv_len)
+        if not C <= L <= self.cache_len:
+            raise ValueError(f"kv_len {kv_len}: must be {C}..{self.cache_len} (the chunk's tokens .. the cache's rows)")
         p = start_pos.long()[:, None] + torch.arange(C, device=x.device)[None, :]  # [B, C]
         q, k, v = self._qkv(x, p)  # q [B, C, heads, hd]
         kc, vc = self.k_cache[:B], self.v_cache[:B]

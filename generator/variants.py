@@ -22,7 +22,7 @@ DTYPES = ("bf16", "fp16")
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu")
 MODES = ("decode", "prefill")  # prefill: seq_len is the chunk of new tokens per sequence
-ROPE_SCALING_TYPES = ("llama3",)
+ROPE_SCALING_TYPES = ("llama3", "linear")  # host.inv_freq computes each (the kernels take inv_freq as an input)
 INT_MAX = 2**31 - 1  # every size becomes a C int constant of the kernel
 
 # field -> (python types accepted, required?, default)
@@ -47,6 +47,7 @@ MATRIX_FIELDS = ("mode", "batch", "seq_len", "tp")
 MATRIX_DEFAULTS = {"tp": [1]}  # optional matrix fields: tensor-parallel degree 1 (one GPU) unless declared
 LLAMA3_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "low_freq_factor": (int, float),
                          "high_freq_factor": (int, float), "original_max_position_embeddings": int}
+ROPE_SCALING_FIELDS = {"llama3": LLAMA3_SCALING_FIELDS, "linear": {"rope_type": str, "factor": (int, float)}}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -210,10 +211,11 @@ def _parse_rope_scaling(where, raw):
     if rtype not in ROPE_SCALING_TYPES:
         raise VariantError(f"{where}: field 'rope_scaling.rope_type' must be one of "
                            f"{', '.join(ROPE_SCALING_TYPES)}, got {rtype!r}")
+    fields = ROPE_SCALING_FIELDS[rtype]
     for key in raw:
-        if key not in LLAMA3_SCALING_FIELDS:
-            raise VariantError(f"{where}: unknown field 'rope_scaling.{key}' for rope_type llama3")
-    for key, types in LLAMA3_SCALING_FIELDS.items():
+        if key not in fields:
+            raise VariantError(f"{where}: unknown field 'rope_scaling.{key}' for rope_type {rtype}")
+    for key, types in fields.items():
         if key not in raw:
             raise VariantError(f"{where}: missing field 'rope_scaling.{key}'")
         _check_type(where, f"rope_scaling.{key}", raw[key], types if isinstance(types, tuple) else (types,))

@@ -259,7 +259,9 @@ REFUSED = [
     ("num_experts", {**QWEN2_5_7B, "num_experts": 64}),
     ("rope_scaling.rope_type", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                                   "original_max_position_embeddings": 32768}}),
-    ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "longrope", "factor": 2.0}}),
+    ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"type": "linear"}}),  # (linear: its factor needed)
+    ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"rope_type": "linear", "factor": "2"}}),
     ("rope_parameters.rope_type", {**_without(LLAMA_3_1_8B, "rope_scaling"),
                                    "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}}),
     ("rope_scaling.low_freq_factor", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
@@ -439,6 +441,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_att
 
 LLAMA3_TINY_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}  # wavelengths 16..64: all three bands in play
+LINEAR_TINY_SCALING = {"rope_type": "linear", "factor": 4.0}
+SCALING = {"llama3-scaling": LLAMA3_TINY_SCALING, "linear-scaling": LINEAR_TINY_SCALING}  # the scaled kinds
 
 
 def tiny_models():
@@ -448,6 +452,8 @@ def tiny_models():
         "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(TINY, **rope_kwargs(T.LlamaConfig, 10000.0))),
         "llama3-scaling": (T.LlamaConfig, T.LlamaForCausalLM, dict(
             TINY, **rope_kwargs(T.LlamaConfig, 500000.0, LLAMA3_TINY_SCALING))),
+        "linear-scaling": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+            TINY, **rope_kwargs(T.LlamaConfig, 500000.0, LINEAR_TINY_SCALING))),
         "qwen2-bias": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
             no_hd, tie_word_embeddings=True, **rope_kwargs(T.Qwen2Config, 1e6))),
         "qwen3-qknorm": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(
@@ -478,8 +484,8 @@ def test_reference_layer_equals_transformers(tmp_path, kind):
     assert (m.hidden, m.heads, m.kv_heads, m.head_dim) == (cfg.hidden_size, cfg.num_attention_heads,
                                                            cfg.num_key_value_heads, 64)
     assert m.qkv_bias == (kind == "qwen2-bias") and m.qk_norm == (kind == "qwen3-qknorm")
-    assert dict(m.rope_scaling or {}) == (LLAMA3_TINY_SCALING if kind == "llama3-scaling" else {})
-    assert m.rope_theta == {"llama": 1e4, "llama3-scaling": 5e5}.get(kind, 1e6)
+    assert dict(m.rope_scaling or {}) == SCALING.get(kind, {})
+    assert m.rope_theta == {"llama": 1e4, "llama3-scaling": 5e5, "linear-scaling": 5e5}.get(kind, 1e6)
     B, P, CAP = 2, 37, 64
     ids = torch.randint(0, cfg.vocab_size, (B, P + 1), generator=torch.Generator().manual_seed(1))
     ins, outs, before, after = hf_decode_step(model, ids, P)
@@ -504,9 +510,10 @@ def test_reference_layer_equals_transformers(tmp_path, kind):
         assert kc[:, :, P + 1:].abs().sum() == 0
 
 
-def test_llama3_scaling_changes_the_result(tmp_path):
-    """The llama3 case is not vacuous: the same layer without scaling gives a different output."""
-    model, d = make_tiny("llama3-scaling", tmp_path)
+@pytest.mark.parametrize("kind", list(SCALING))
+def test_rope_scaling_changes_the_result(tmp_path, kind):
+    """The scaled cases are not vacuous: the same layer without scaling gives a different output."""
+    model, d = make_tiny(kind, tmp_path)
     m = hf.model_from_hf(d)
     B, P = 2, 37
     ids = torch.randint(0, 128, (B, P + 1), generator=torch.Generator().manual_seed(1))

@@ -280,13 +280,18 @@ def test_unfused_decode_and_prefill_equal_the_reference(dtype, tol, device="cpu"
         assert rel(out, ref) <= tol, step
     assert rel(kc[:B, :, :9], rk[:, :, :9]) <= tol
     # a bound on the rows attention reads (serve.kv_bucket's) gives the step unbounded's result: the rows past each
-    # position are masked either way (the step rewrites the same cache rows: idempotent)
+    # position are masked either way (the step rewrites the same cache rows: idempotent); and the rows past the bound
+    # are not read at all (NaN there would reach the output through attention's weighted sum)
     whole = u.decode(x.to(dtype), pos)
-    for L in (int(pos.max()) + 1, 16):
-        assert rel(u.decode(x.to(dtype), pos, kv_len=L), whole) <= (1e-6 if dtype == torch.float32 else 1e-2), L
-    for L in (0, 33):
-        with pytest.raises(ValueError, match=f"kv_len {L}: must be 1..32"):
-            u.decode(x.to(dtype), pos, kv_len=L)
+    kc[:, :, 16:], vc[:, :, 16:] = float("nan"), float("nan")
+    for rows in (int(pos.max()) + 1, 16):
+        got = u.decode(x.to(dtype), pos, kv_len=rows)
+        assert torch.isfinite(got).all() and rel(got, whole) <= (1e-6 if dtype == torch.float32 else 1e-2), rows
+    for rows in (0, L + 1):
+        with pytest.raises(ValueError, match=f"kv_len {rows}: must be 1..{L}"):
+            u.decode(x.to(dtype), pos, kv_len=rows)
+    with pytest.raises(ValueError, match="kv_len 5: must be 6.."):
+        u.prefill(torch.zeros(B, 6, m.hidden, dtype=dtype, device=device), pos, kv_len=5)
     with pytest.raises(ValueError, match="self_attn.q_norm.weight"):
         UnfusedLayer({k: v for k, v in W.items() if "q_norm" not in k}, m, kc, vc)
     with pytest.raises(ValueError, match="k_cache"):
@@ -422,10 +427,36 @@ def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
     assert p["decode"].path == "unfused" and len(p["layers"]) == 2
 
 
+def test_linear_rope_scaling_generates_as_transformers(tmp_path):
+    """A checkpoint with linear RoPE scaling (transformers' every frequency / factor) is served as transformers runs
+    it; the same weights without the scaling give other logits (the case is not vacuous)."""
+    T = transformers
+    d = tmp_path / "linear"
+    hfm = make_llama(d, seed=7, **rope_kwargs(T.LlamaConfig, 10000.0, {"rope_type": "linear", "factor": 4.0}))
+    plain = make_llama(tmp_path / "plain", seed=7)  # the same weights, default RoPE
+    model = cpu_model(d)
+    assert dict(model.shape.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the CPU's one-line fallback warning)
+        got = model.generate(prompts, 10, output_logits=True)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hfm.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+            ref_logits = hfm(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
+            plain_logits = plain(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
+        assert got.tokens[b] == ref[0, len(p):].tolist(), b
+        ours = torch.stack([lg[b] for lg in got.logits])
+        assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
+
+
 @pytest.mark.parametrize("rows,cache_len,want", [(1, 4096, 256), (256, 4096, 256), (257, 4096, 512),
                                                   (4000, 4096, 4096), (1, 48, 48), (3000, 100000, 4096)])
 def test_kv_bucket(rows, cache_len, want):
     assert serve.kv_bucket(rows, cache_len) == want
+    for bad in (0, cache_len + 1):
+        with pytest.raises(ValueError, match=f"kv_bucket: {bad} rows needed, the cache holds 1..{cache_len}"):
+            serve.kv_bucket(bad, cache_len)
 
 
 def test_unfused_decode_reads_the_cache_rows_its_positions_need(tiny, monkeypatch):

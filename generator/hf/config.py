@@ -185,9 +185,13 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     rtype = params.get(type_key)
     if rtype in (None, "default"):
         return theta, None
-    if rtype != "llama3":
-        raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: only llama3 RoPE scaling (or "
-                            "none) is supported")
+    if rtype not in gvariants.ROPE_SCALING_TYPES:
+        raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: supported RoPE scaling: "
+                            f"{', '.join(gvariants.ROPE_SCALING_TYPES)} (or none)")
+    if rtype == "linear":  # (transformers' _compute_linear_scaling_rope_parameters: only the factor)
+        if params.get("factor") is None:
+            raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by linear RoPE scaling)")
+        return theta, {"rope_type": "linear", "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}
     scaling = {"rope_type": "llama3"}
     for key in LLAMA3_KEYS:
         v = params.get(key)
