@@ -5,11 +5,9 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
 #   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; qkv split
-#   bash bench/queue.sh retune    # the batch 4-8 rows under the bar, tuned again (one call)
-#   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): gputests, the whole check, e2e, then the main GPU
-#                                 # tests in the time left (BUDGET s, default 565); logs in $OUT/logs.tgz
-#   bash bench/queue.sh second    # one call (carry .whl): serve's bounded unfused step (kv_bucket), then the main GPU tests
-#   bash bench/queue.sh gputests  # the split qkv's GPU test (session 52), the LL and DOWN_FLOW GPU tests
+#   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): serve's bounded unfused step
+#                                 # (kv_bucket), then the whole check in the time left (BUDGET s, default 560)
+#   bash bench/queue.sh second    # one call (carry .whl): e2e, then the main GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -21,8 +19,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-out}
 BUILD=${BUILD:-}  # "--compile-only" under `build`
 
-B1=llama3.2-1b_decode_b1_s4096_bf16
-HALF=qwen2.5-0.5b_decode_b1_s4096_bf16
 
 step() {  # step NAME CMD...: runs CMD with its output in $OUT/NAME.log, a line of its outcome on stdout
   local name=$1; shift
@@ -60,69 +56,27 @@ part_next() {  # against the plan of each row (full context / serving mix), for 
     --case ho-smol-360m_decode_b1_s2048_bf16 "$k" --case llama3.2-1b_decode_b4_s4096_bf16 "$k"
 }
 
-part_retune() {  # the declared batch 4-8 rows under issue 12's bar on the H200 (1.27-1.28x, 86-89.5 %; Llama-3.2-1B
-  # b8 74.9 %), tuned again now that the LL rule takes the hand-offs (with O_PRE 0) at batch 2-5 (session 51) and the
-  # tuner's LL candidates come with O_PRE 0 (on) / 1 (off). From an H200: merge the entries of retune.tgz's
-  # tuned-*.json into tuning/nvidia-h200.json; from another GPU: keep them as results. One tune a variant (each writes
-  # its own file: a call cut by its time limit keeps what finished), 16 candidates each; the files go into one
-  # archive (a device call brings back only a few files)
-  local n
-  mkdir -p "$OUT/retune"
-  for n in qwen2.5-7b_decode_b4_s1024_bf16 qwen2.5-7b_decode_b8_s4096_bf16 llama3.2-1b_decode_b8_s4096_bf16 \
-      llama3.2-1b_decode_b4_s1024_bf16 llama3-8b_decode_b4_s1024_bf16 llama3-8b_decode_b8_s1024_bf16 \
-      qwen2.5-7b_decode_b4_s4096_bf16 qwen2.5-7b_decode_b8_s1024_bf16 qwen2.5-7b_decode_b1_s4096_bf16; do
-    step "retune/tune-$n" python3 -m generator.cli tune --only "$n" --limit 16 --out "$OUT/retune/tuned-$n.json"
-    tar czf "$OUT/retune.tgz" -C "$OUT" retune
-  done
-  rm -rf "$OUT/retune"
-}
-
-part_gputests() {  # session 52: the split qkv summed by attention (QKV_KSPLIT under QKV_FLOW 2, never run), the LL test
-  # (COOP 0's one-word barrier under its COOP 0 cases) and DOWN_FLOW's (its 8-warp Qwen2.5-7B case now the default)
-  step gputests-qkvsplit python3 -m pytest -q -m gpu tests/test_tune.py -k "qkv_splits_summed"
-  step gputests-ll python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs_match or down_flow_matches"
-}
-
-part_first() {  # the call a session starts with (ran whole in session 54 on an H100; wanted on an H200 for the
-  # README's tables): the kernels' newest GPU tests (the split qkv's, with session 54's head_dim 80 / 96 cases, the
-  # LL and DOWN_FLOW ones), the whole check, e2e, then the main GPU tests (serve's among them) in the time left.
-  # With .whl carried (FlashInfer)
+part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 600): session 55's changes, never run
+  # on a GPU: serve's unfused decode step bounded by its positions (kv_bucket, a graph a bucket in one pool), then the
+  # whole check, which now holds the held-out linear-RoPE shape (ho-linrope: decode b2 KV 8192, a prefill chunk).
+  # Logs in $OUT/logs.tgz
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
-  step logs/gputests-new timeout 130 python3 -m pytest -q -m gpu -x tests/test_tune.py \
-    -k "qkv_splits_summed or ll_hand_offs_match or down_flow_matches"
-  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # (the whole check ran on an H100 in
-    # session 54 on these kernels: here the timelines of the b1 rows short of their bars instead)
-    local r
-    for r in 191 full; do
-      step "logs/timeline-1b1-$r" timeout 90 python3 bench/timeline.py --variant "$B1" --row "$r" \
-        --out "$OUT/timeline-1b1-$r.json"
-      step "logs/timeline-half-$r" timeout 90 python3 bench/timeline.py --variant "$HALF" --row "$r" \
-        --out "$OUT/timeline-half-$r.json"
-    done
-    tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
-    return
-  fi
-  step logs/check timeout 300 python3 bench/gpu_check.py --no-tests --serving-budget 100
-  step logs/e2e timeout 120 python3 -m bench.e2e --seq-len 4096
-  local left=$((${BUDGET:-565} - (SECONDS - t0)))
-  if [ "$left" -gt 40 ]; then
-    step logs/gputests-main timeout "$left" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_serve.py \
-      tests/test_hf_gpu.py
-  fi
+  step logs/gputests-serve timeout 230 python3 -m pytest -q -m gpu tests/test_serve.py \
+    -k "kv_bucket or cache_len_no_variant or graph_replay or fallback_numerics"
+  step logs/check timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 bench/gpu_check.py --no-tests \
+    --serving-budget 100
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_second() {  # session 55's leftovers (carry .whl): serve's unfused decode step bounded by its positions (kv_bucket:
-  # a graph a bucket; written on the CPU, never run on a GPU) and the tests beside it, then the main GPU tests the
-  # first call's time cut (session 55: after 73 s)
+part_second() {  # the call after `first` (carry .whl): e2e (the unfused provider's decode now bounded by its
+  # positions), then the main GPU tests in the time left (session 55's first call cut them after 73 s)
   local t0=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
-  step gputests-serve timeout 240 python3 -m pytest -q -m gpu tests/test_serve.py \
-    -k "kv_bucket or cache_len_no_variant or graph_replay or fallback_numerics"
+  step e2e timeout 200 python3 -m bench.e2e --seq-len 4096
   step gputests-main timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 -m pytest -q -m gpu tests/test_gpu.py \
     tests/test_serve.py tests/test_hf_gpu.py
 }
@@ -146,18 +100,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|next|retune|first|second|gputests|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|next|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_next ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   next) part_next ;;
-  retune) part_retune ;;
   first) part_first ;;
   second) part_second ;;
-  gputests) part_gputests ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|next|retune|first|second|gputests|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|next|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
