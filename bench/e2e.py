@@ -8,13 +8,15 @@ Measured: time to first token for prompts of 128 and 2048 tokens (batch 1), ms p
 draw alone (torch's sample_tokens against the fused draw, µs, bench_draw), the bound a decode step is held to
 (the batch-1 fused layers back to back in one graph + the LM head, and one layer's call from Python against its
 kernel), and agreement with transformers in fp32 on the same checkpoint (greedy tokens until the first
-divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint is built offline: a
-Llama-3.2-1B-shaped config with random weights, save_pretrained to --ckpt (bf16).
+divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint: --ckpt, a model directory
+of any shape `megakernel from-hf` maps; where it does not exist, a Llama-3.2-1B-shaped config with random weights is
+saved there (bf16).
 
     python -m bench.e2e --build-dir build     # bench/results/e2e-<gpu>-<date>.json (in $OUT where set)
+    python -m bench.e2e --ckpt path/to/model --seq-len 2048
 
-(builds the Llama-3.2-1B decode variants at --seq-len and the prefill ones into --build-dir first, where not up to
-date: build_needed).
+(builds into --build-dir first, where not up to date, what it serves: variants_for, the declared variants of the
+checkpoint's layer, else its own entry's decode variants with the default plans).
 
 Prints a table and writes the JSON.
 """
@@ -268,31 +270,57 @@ def agreement_hf(hf_model, ref_fp32, n_new: int) -> dict:
                          n_new)
 
 
-def build_needed(build_dir: str, names: list[str]) -> None:
-    """`names` (decode variants) and variants.yaml's Llama-3.2-1B prefill variants built into build_dir with the
-    plans `megakernel build` takes (tuning/'s winners; objects up to date are reused, the manifest is merged), so the
-    run needs no build of its own first. Exits 2 with one line where a name is not declared or a build fails."""
-    from generator import compile as gcompile, tune as gtune, variants as gvariants
-    vf = ROOT / "variants.yaml"
-    vs = [v for v in gvariants.load(vf) if v.name in names or v.name.startswith("llama3.2-1b_prefill_")]
-    if missing := sorted(set(names) - {v.name for v in vs}):
-        print(f"error: {missing[0]} is not declared in {vf} (--seq-len takes a seq_len it declares for "
-              "llama3.2-1b's decode variants)", file=sys.stderr)
+BATCHES = (1, 4, 8)  # the decode variants served (ms per token is timed at batch 1 and 8)
+
+
+def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
+    """The variants the served model uses for checkpoint `ckpt`, built into build_dir where not up to date, and the
+    variants file they come from. A model of variants.yaml that computes the checkpoint's layer (every field
+    generator.serve compares, and its dtype) with decode variants of batch 1, 4 and 8 at seq_len: those and its
+    prefill variants (the plans `megakernel build` takes: tuning/'s winners). Otherwise (a shape or a seq_len the
+    project does not declare, as a user's checkpoint is) the checkpoint's own entry (`megakernel from-hf`'s) with
+    decode batch 1, 4 and 8 at seq_len, written to <build_dir>/e2e-variants.yaml and built with the default plans;
+    prompts then run unfused (no prefill variant). Exits 2 with one line where the config cannot be mapped or a
+    build fails."""
+    from generator import compile as gcompile, hf, tune as gtune, variants as gvariants
+    from generator.serve import _COMPARED
+    try:
+        mapped = hf.map_config(ckpt)
+        want = mapped.model()
+    except (hf.HFConfigError, gvariants.VariantError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    vf = ROOT / "variants.yaml"
+    same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
+            and all(getattr(v.model, f) == getattr(want, f) for f in _COMPARED)]
+    vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]
+    if sorted(v.batch for v in vs) == list(BATCHES):
+        vs += [v for v in same if v.mode == "prefill" and v.seq_len <= seq_len]
+    else:
+        vf = Path(build_dir) / "e2e-variants.yaml"
+        text = hf.variant_entry_yaml(ckpt, matrix=[{"mode": ["decode"], "batch": list(BATCHES),
+                                                     "seq_len": [seq_len]}])
+        vf.parent.mkdir(parents=True, exist_ok=True)
+        vf.write_text(f"# bench/e2e.py: {ckpt}'s layer, which variants.yaml does not declare at seq_len {seq_len}\n"
+                      f"models:\n{text}")
+        vs = gvariants.load(vf)
     res = gcompile.build(vs, build_dir, variants_file=vf, tuning_file=gtune.default_tuning_file())
     if bad := [e for e in res["entries"] if e["status"] != "ok"]:
-        print(f"error: {bad[0]['name']} did not build ({bad[0]['status']}): `megakernel build --only "
-              f"'{bad[0]['name']}'` says why", file=sys.stderr)
+        print(f"error: {bad[0]['name']} did not build ({bad[0]['status']}): `megakernel build --variants {vf} "
+              f"--only '{bad[0]['name']}'` says why", file=sys.stderr)
         sys.exit(2)
+    return vs, vf
 
 
 def main(argv=None):
     from bench import ScriptParser
     ap = ScriptParser(description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU.")
-    ap.add_argument("--build-dir", default="build", help="where the served variants are built (build_needed: first, "
+    ap.add_argument("--build-dir", default="build", help="where the served variants are built (variants_for: first, "
                                                          "where not up to date) [build]")
-    ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b", help="checkpoint directory (made if absent)")
-    ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len")
+    ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b",
+                    help="checkpoint directory, any shape from-hf maps (absent: a random Llama-3.2-1B-shaped one is "
+                         "made there)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len [4096]")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run [128]")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per figure, the median kept [3]")
     ap.add_argument("--skip", action="append", default=[],
@@ -312,12 +340,10 @@ def main(argv=None):
            "torch": torch.__version__, "transformers": T.__version__,
            "checkpoint": str(ckpt), "new_tokens": args.new_tokens, "providers": {},
            "timing": "graph replays (kernel_bound, draws) as GPU time, queued (bench.timing); ms per token as served"}
-    names = [f"llama3.2-1b_decode_b{b}_s{args.seq_len}_bf16" for b in (1, 4, 8)]
-    build_needed(args.build_dir, names)
-    # the declared prefill variants too, where built: dispatch plans each prompt's pieces by their measured routes
-    from generator.manifest import read_manifest
-    built = read_manifest(Path(args.build_dir))["variants"]
-    names += sorted(n for n in built if n.startswith("llama3.2-1b_prefill_") and built[n]["status"] == "ok")
+    # the decode variants and any declared prefill ones: dispatch plans each prompt's pieces by their measured routes
+    vs, vfile = variants_for(ckpt, args.seq_len, args.build_dir)
+    names = [v.name for v in vs]
+    res["variants_file"] = str(vfile)
     from bench.results import result_stem
     res_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
     out = Path(args.out) if args.out else \
@@ -345,13 +371,13 @@ def main(argv=None):
                                         for L in (128, 2048)}
         save()
         res["agreement_fused_bf16_vs_hf_fp32"] = None
-        ref32 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
+        ref32 = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
         res["agreement_fused_bf16_vs_hf_fp32"] = agreement(m, ref32, 32)
         del m
         m32 = serve.Model.from_hf(ckpt, build_dir=args.build_dir, variants=[], cache_len=256, dtype=torch.float32)
         res["agreement_unfused_fp32_vs_hf_fp32"] = agreement(m32, ref32, 32)
         del m32
-        hf16 = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        hf16 = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
         res["agreement_hf_bf16_vs_hf_fp32"] = agreement_hf(hf16, ref32, 32)  # the yardstick for the fused bf16 row
         del hf16, ref32
         torch.cuda.empty_cache()
@@ -366,7 +392,7 @@ def main(argv=None):
         del m
         torch.cuda.empty_cache()
     if "hf" not in args.skip:
-        hfm = T.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        hfm = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
         res["providers"]["transformers eager"] = bench_hf(hfm, args)
         save()
         if "hf-compile" not in args.skip:

@@ -374,15 +374,48 @@ def test_plots_skip_untimed_models(tmp_path):
     assert plots.model_of({"variant": "llama3.2-1b_decode_b1_s4096_bf16"}) == "llama3.2-1b"
 
 
-def test_e2e_builds_its_variants_or_says_which_is_missing(tmp_path, capsys):
-    """bench/e2e.py builds what it serves first (build_needed: a fresh machine needs no build step of its own); a
-    --seq-len variants.yaml does not declare is one error line and exit 2, with nothing built."""
+def _e2e_config(d: Path, **over) -> Path:
+    """A config.json alone (what bench/e2e.variants_for reads): the e2e checkpoint's Llama-3.2-1B shape, `over`
+    changed."""
+    import transformers as T
     from bench import e2e
+    kw = {**e2e.LLAMA_1B, "rope_parameters": {**e2e.ROPE, "rope_theta": 500000.0}, "dtype": "bfloat16", **over}
+    T.LlamaConfig(**kw).save_pretrained(d)
+    return d
+
+
+def test_e2e_serves_a_checkpoints_declared_variants_else_its_own_entry(tmp_path, monkeypatch, capsys):
+    """bench/e2e.py builds what it serves first (a fresh machine needs no build step of its own): for its own
+    Llama-3.2-1B-shaped checkpoint the declared decode b1/4/8 and prefill variants; for a checkpoint whose layer (or
+    seq_len) variants.yaml does not declare, the checkpoint's from-hf entry at decode b1/4/8 in
+    <build-dir>/e2e-variants.yaml; a config it cannot map is one error line, exit 2, nothing built."""
+    from bench import e2e
+    from generator import compile as gcompile
+    built = []
+
+    def fake_build(vs, build_dir, **kw):  # (the compiles themselves are the build tests')
+        built.append(([v.name for v in vs], Path(kw["variants_file"]).name))
+        return {"entries": [{"name": v.name, "status": "ok"} for v in vs]}
+    monkeypatch.setattr(gcompile, "build", fake_build)
+    one_b = _e2e_config(tmp_path / "1b")
+    vs, vf = e2e.variants_for(one_b, 4096, str(tmp_path / "b"))
+    dec = sorted(v.name for v in vs if v.mode == "decode")
+    assert dec == [f"llama3.2-1b_decode_b{b}_s4096_bf16" for b in (1, 4, 8)] and vf.name == "variants.yaml"
+    assert len([v for v in vs if v.mode == "prefill"]) == 10 and built[-1][1] == "variants.yaml"
+    # a seq_len not declared for it, and a shape not declared at all (hidden 1024): the checkpoint's own entry
+    for ckpt, seq in ((one_b, 2048), (_e2e_config(tmp_path / "half", hidden_size=1024, intermediate_size=2816,
+                                                  num_attention_heads=16, num_key_value_heads=4), 4096)):
+        vs, vf = e2e.variants_for(ckpt, seq, str(tmp_path / "b"))
+        assert vf == tmp_path / "b" / "e2e-variants.yaml" and built[-1][1] == "e2e-variants.yaml"
+        assert sorted((v.mode, v.batch, v.seq_len) for v in vs) == [("decode", b, seq) for b in (1, 4, 8)]
+        assert vs[0].model.hidden == (2048 if ckpt == one_b else 1024)
+    n = len(built)
+    bad = _e2e_config(tmp_path / "bad", hidden_act="relu")
     with pytest.raises(SystemExit) as exc:
-        e2e.build_needed(str(tmp_path / "b"), ["llama3.2-1b_decode_b1_s999_bf16"])
+        e2e.variants_for(bad, 4096, str(tmp_path / "b2"))
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "llama3.2-1b_decode_b1_s999_bf16 is not " \
-        "declared" in err and not (tmp_path / "b").exists()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "hidden_act" in err and len(built) == n
+    assert not (tmp_path / "b2").exists()
 
 
 E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30-1.json"
