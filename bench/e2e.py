@@ -44,6 +44,9 @@ ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_fre
         "original_max_position_embeddings": 8192}
 
 
+DEFAULT_CKPT = "/tmp/megakernel-e2e-llama1b"
+
+
 def make_checkpoint(path: Path, seed: int = 0) -> Path:
     """A Llama-3.2-1B-shaped checkpoint with random weights scaled like a trained model's, saved in bf16."""
     import transformers as T
@@ -284,31 +287,34 @@ def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
     prompts then run unfused (no prefill variant). Exits 2 with one line where the config cannot be mapped or a
     build fails."""
     from generator import compile as gcompile, hf, tune as gtune, variants as gvariants
-    from generator.serve import _COMPARED
+    from generator.manifest import build_dir_flag
+    from generator.serve import _same_shape
+    vf = ROOT / "variants.yaml"
     try:
         mapped = hf.map_config(ckpt)
         want = mapped.model()
+        hf.check_window(mapped.window, seq_len, f"{mapped.cfg_path}: --seq-len", want.layers)  # (as serve would)
+        same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
+                and _same_shape(v.model, want)]
+        vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]
+        if sorted(v.batch for v in vs) == list(BATCHES):
+            vs += [v for v in same if v.mode == "prefill" and v.seq_len <= seq_len]
+        else:  # ("e2e-" before the name: no declared variant's name, nor its tuned plan)
+            text = hf.variant_entry_yaml(ckpt, f"e2e-{mapped.name}", matrix=[
+                {"mode": ["decode"], "batch": list(BATCHES), "seq_len": [seq_len]}])
+            text = (f"# bench/e2e.py: {ckpt}'s layer, which variants.yaml does not declare at seq_len {seq_len}\n"
+                    f"models:\n{text}")
+            vs = gvariants.parse(text, str(Path(build_dir) / "e2e-variants.yaml"))
+            vf = Path(build_dir) / "e2e-variants.yaml"
+            vf.parent.mkdir(parents=True, exist_ok=True)
+            vf.write_text(text)
     except (hf.HFConfigError, gvariants.VariantError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    vf = ROOT / "variants.yaml"
-    same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
-            and all(getattr(v.model, f) == getattr(want, f) for f in _COMPARED)]
-    vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]
-    if sorted(v.batch for v in vs) == list(BATCHES):
-        vs += [v for v in same if v.mode == "prefill" and v.seq_len <= seq_len]
-    else:
-        vf = Path(build_dir) / "e2e-variants.yaml"
-        text = hf.variant_entry_yaml(ckpt, matrix=[{"mode": ["decode"], "batch": list(BATCHES),
-                                                     "seq_len": [seq_len]}])
-        vf.parent.mkdir(parents=True, exist_ok=True)
-        vf.write_text(f"# bench/e2e.py: {ckpt}'s layer, which variants.yaml does not declare at seq_len {seq_len}\n"
-                      f"models:\n{text}")
-        vs = gvariants.load(vf)
     res = gcompile.build(vs, build_dir, variants_file=vf, tuning_file=gtune.default_tuning_file())
     if bad := [e for e in res["entries"] if e["status"] != "ok"]:
         print(f"error: {bad[0]['name']} did not build ({bad[0]['status']}): `megakernel build --variants {vf} "
-              f"--only '{bad[0]['name']}'` says why", file=sys.stderr)
+              f"--only '{bad[0]['name']}'{build_dir_flag(build_dir)}` says why", file=sys.stderr)
         sys.exit(2)
     return vs, vf
 
@@ -318,9 +324,9 @@ def main(argv=None):
     ap = ScriptParser(description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU.")
     ap.add_argument("--build-dir", default="build", help="where the served variants are built (variants_for: first, "
                                                          "where not up to date) [build]")
-    ap.add_argument("--ckpt", default="/tmp/megakernel-e2e-llama1b",
-                    help="checkpoint directory, any shape from-hf maps (absent: a random Llama-3.2-1B-shaped one is "
-                         "made there)")
+    ap.add_argument("--ckpt", default=DEFAULT_CKPT,
+                    help=f"checkpoint directory, any shape from-hf maps [{DEFAULT_CKPT}: a random Llama-3.2-1B-shaped "
+                         "one, made there where absent]")
     ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len [4096]")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run [128]")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per figure, the median kept [3]")
@@ -329,13 +335,18 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON file [e2e-<gpu>-<date>.json, the name `megakernel report` "
                                                 "reads, in $OUT, else bench/results/]")
     args = ap.parse_args(argv)
+    if args.seq_len < max(2048, args.new_tokens + 9):  # (a 2,048-token prompt's TTFT; bench_long's prompt)
+        ap.error(f"--seq-len {args.seq_len}: at least 2048 (the 2,048-token prompt's TTFT) and --new-tokens + 9")
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").exists() and args.ckpt != DEFAULT_CKPT:  # (a typo must not benchmark a random model)
+        ap.error(f"--ckpt {args.ckpt}: no config.json there (leave --ckpt out for a random Llama-3.2-1B-shaped one)")
     if not torch.cuda.is_available():
         print("error: bench/e2e.py needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     import transformers as T
 
-    from generator import serve
-    ckpt = make_checkpoint(Path(args.ckpt))
+    from generator import reference, serve
+    ckpt = make_checkpoint(ckpt)
     res = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
            "torch": torch.__version__, "transformers": T.__version__,
@@ -345,6 +356,8 @@ def main(argv=None):
     vs, vfile = variants_for(ckpt, args.seq_len, args.build_dir)
     names = [v.name for v in vs]
     res["variants_file"] = str(vfile)
+    dtype = reference.TORCH_DTYPES[vs[0].model.dtype]  # transformers' own runs in the served dtype
+    res["dtype"] = vs[0].model.dtype
     from bench.results import result_stem
     res_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
     out = Path(args.out) if args.out else \
@@ -371,7 +384,7 @@ def main(argv=None):
                                             for pc in m.paths(1, min(L, m.cache_len))["prefill"]]
                                         for L in (128, 2048)}
         save()
-        res["agreement_fused_bf16_vs_hf_fp32"] = None
+        res["agreement_fused_bf16_vs_hf_fp32"] = None  # ("bf16": the served dtype, res["dtype"]; the keys report reads)
         ref32 = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
         res["agreement_fused_bf16_vs_hf_fp32"] = agreement(m, ref32, 32)
         del m
@@ -380,7 +393,7 @@ def main(argv=None):
             warnings.simplefilter("ignore", serve.MissingVariantWarning)
             res["agreement_unfused_fp32_vs_hf_fp32"] = agreement(m32, ref32, 32)
         del m32
-        hf16 = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        hf16 = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).cuda().eval()
         res["agreement_hf_bf16_vs_hf_fp32"] = agreement_hf(hf16, ref32, 32)  # the yardstick for the fused bf16 row
         del hf16, ref32
         torch.cuda.empty_cache()
@@ -394,7 +407,7 @@ def main(argv=None):
         del m
         torch.cuda.empty_cache()
     if "hf" not in args.skip:
-        hfm = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        hfm = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).cuda().eval()
         res["providers"]["transformers eager"] = bench_hf(hfm, args)
         save()
         if "hf-compile" not in args.skip:

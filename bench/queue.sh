@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; qkv split
+#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers
 #   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): serve's bounded unfused step
 #                                 # (kv_bucket), then the whole check in the time left (BUDGET s, default 560)
 #   bash bench/queue.sh second    # one call (carry .whl): e2e, then the main GPU tests
@@ -44,16 +44,6 @@ part_next() {  # against the plan of each row (full context / serving mix), for 
     --case q-r382_decode_b1_s1024_bf16 "$o" --case qwen2.5-7b_decode_b1_s4096_bf16 "$o" \
     --case llama3-8b_decode_b1_s4096_bf16 "$c" --case llama3.2-1b_decode_b8_s4096_bf16 "$c" \
     --case llama3-8b_decode_b8_s4096_bf16 "$c" --case ho-l2-7b_decode_b1_s2048_bf16 "$c"
-  # (3) qkv split over K with its splits summed by attention (QKV_KSPLIT under QKV_FLOW 2, session 52: built, not yet
-  # run; run `gputests` first): Llama-3.2-1B's 192 qkv tiles on 132 SMs leave 60 SMs two tiles (128 KB) and 72 one;
-  # 2 splits: at most 96 KB an SM (the mean 95). Prediction: its qkv step (5.1 us on the H200 for 12.6 MB, 3.0 at
-  # the copy bandwidth) -0.5 ... -1.2 us where qkv's tiles leave SMs idle (1B, Qwen2.5-7B's 288 on 132: 3 against a
-  # mean 2.2; Qwen2.5-0.5B's 72), level at Qwen3-1.7B (256 tiles: 2 a SM), a loss at 1B b4 (spills 8 B)
-  local k='{"QKV_KSPLIT": 2}' k4='{"QKV_KSPLIT": 2, "QKV_NWG": 4}'
-  ab next-qkv full,191 --case llama3.2-1b_decode_b1_s4096_bf16 "$k" --case llama3.2-1b_decode_b1_s4096_bf16 "$k4" \
-    --case llama3.2-1b_decode_b1_s1024_bf16 "$k" --case qwen2.5-7b_decode_b1_s4096_bf16 "$k" \
-    --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$k" --case qwen3-1.7b_decode_b1_s4096_bf16 "$k" \
-    --case ho-smol-360m_decode_b1_s2048_bf16 "$k" --case llama3.2-1b_decode_b4_s4096_bf16 "$k"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 600): session 55's changes, never run

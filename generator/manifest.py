@@ -42,8 +42,9 @@ def build_dir_flag(build_dir) -> str:
     return "" if Path(build_dir) == Path("build") else f" --build-dir {shlex.quote(str(build_dir))}"
 
 
-# what a build writes at the top of its directory (besides the variants' directories and its temporary files)
-BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock", ".busy"}
+# what a build writes at the top of its directory (besides the variants' directories and its temporary files), and
+# bench/e2e.py's declaration of a checkpoint's own variants, which their manifest entries name (e2e.variants_for)
+BUILD_FILES = {"manifest.json", "objects", "report.json", "report.csv", ".lock", ".busy", "e2e-variants.yaml"}
 VARIANT_DIR = re.compile(r".+_(decode|prefill)_b\d+_s\d+_[a-z0-9]+(_tp\d+)?")  # a variant's name (variants.py)
 BUILD_TEMP = re.compile(r"\.(manifest\.json|report\.json|report\.csv)\..+\.tmp")  # compile.atomic_write's
 OBJECT_DIR = re.compile(r"[0-9a-f]{20}")  # an object's key (compile.cache_key)

@@ -409,13 +409,27 @@ def test_e2e_serves_a_checkpoints_declared_variants_else_its_own_entry(tmp_path,
         assert vf == tmp_path / "b" / "e2e-variants.yaml" and built[-1][1] == "e2e-variants.yaml"
         assert sorted((v.mode, v.batch, v.seq_len) for v in vs) == [("decode", b, seq) for b in (1, 4, 8)]
         assert vs[0].model.hidden == (2048 if ckpt == one_b else 1024)
+        assert all(v.model.name.startswith("e2e-") for v in vs)  # (never a declared name, nor its tuned plan)
+    from generator import manifest
+    assert manifest.foreign_entries(tmp_path / "b") == []  # (`megakernel clean` takes the directory)
     n = len(built)
-    bad = _e2e_config(tmp_path / "bad", hidden_act="relu")
-    with pytest.raises(SystemExit) as exc:
-        e2e.variants_for(bad, 4096, str(tmp_path / "b2"))
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "hidden_act" in err and len(built) == n
-    assert not (tmp_path / "b2").exists()
+    mistral = tmp_path / "sw"  # a sliding window shorter than the cache: from-hf's refusal, in one line
+    _e2e_config(mistral)
+    cfg = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 1024}))
+    for ckpt, word in ((_e2e_config(tmp_path / "bad", hidden_act="relu"), "hidden_act"), (mistral, "sliding_window")):
+        with pytest.raises(SystemExit) as exc:
+            e2e.variants_for(ckpt, 4096, str(tmp_path / "b2"))
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and word in err and len(built) == n, err
+        assert not (tmp_path / "b2").exists()
+    # the options a run could not serve, refused before anything is built or made (on a GPU or not)
+    for argv, word in ((["--seq-len", "1024"], "--seq-len 1024: at least 2048"),
+                       (["--ckpt", str(tmp_path / "typo")], "no config.json there")):
+        with pytest.raises(SystemExit) as exc:
+            e2e.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and word in err[-1] and not (tmp_path / "typo").exists()
 
 
 E2E_RESULT = ROOT / "bench" / "results" / "e2e-h200-2026-11-30-1.json"

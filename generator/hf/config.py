@@ -179,8 +179,8 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None and prf != 1 and prf != 1.0:
         raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: partial RoPE is not supported (transformers' "
-                            "default RoPE for these models ignores the field; remove it to run full-width RoPE as "
-                            "transformers does)")
+                            "default RoPE for these models ignores the field: without RoPE scaling, remove it to run "
+                            "full-width RoPE as transformers does)")
     type_key = "rope_type" if "rope_type" in params else "type"
     rtype = params.get(type_key)
     if rtype in (None, "default"):
@@ -191,6 +191,8 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     if rtype == "linear":  # (transformers' _compute_linear_scaling_rope_parameters: only the factor)
         if params.get("factor") is None:
             raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by linear RoPE scaling)")
+        if extra := sorted(set(params) - {"factor", "rope_theta", "partial_rotary_factor", type_key}):
+            notes.append(f"{where}: {', '.join(extra)} not read by linear RoPE scaling (transformers ignores them too)")
         return theta, {"rope_type": "linear", "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}
     scaling = {"rope_type": "llama3"}
     for key in LLAMA3_KEYS:
