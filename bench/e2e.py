@@ -9,8 +9,8 @@ draw alone (torch's sample_tokens against the fused draw, µs, bench_draw), the 
 (the batch-1 fused layers back to back in one graph + the LM head, and one layer's call from Python against its
 kernel), and agreement with transformers in fp32 on the same checkpoint (greedy tokens until the first
 divergence, logits ‖ours − fp32‖/‖fp32‖ teacher-forced on our tokens). The checkpoint: --ckpt, a model directory
-of any shape `megakernel from-hf` maps; where it does not exist, a Llama-3.2-1B-shaped config with random weights is
-saved there (bf16).
+of any shape `megakernel from-hf` maps; by default a Llama-3.2-1B-shaped config with random weights, saved (bf16) at
+DEFAULT_CKPT where absent.
 
     python -m bench.e2e --build-dir build     # bench/results/e2e-<gpu>-<date>.json (in $OUT where set)
     python -m bench.e2e --ckpt path/to/model --seq-len 2048
