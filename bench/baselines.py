@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from generator import reference
+from generator.host import rope_cos_sin
 from generator.variants import Model
 
 
@@ -17,7 +17,6 @@ class TorchLayer:
         dtype = weights["self_attn.q_proj.weight"].dtype
         self.k_cache = torch.zeros(batch, m.kv_heads, seq_len, m.head_dim, dtype=dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.inv_freq = reference.inv_freq(m, device)
         self.arange = torch.arange(seq_len, device=device)
         self.bidx = torch.arange(batch, device=device)
 
@@ -42,9 +41,7 @@ class TorchLayer:
         if m.qk_norm:
             q = self._norm(q, "self_attn.q_norm")
             k = self._norm(k, "self_attn.k_norm")
-        freqs = pos.float()[:, None] * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (torch.cat([t, t], dim=-1)[:, None, None, :].to(x.dtype) for t in rope_cos_sin(m, pos))
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         self.k_cache[self.bidx, :, pos.long()] = k[:, :, 0]
         self.v_cache[self.bidx, :, pos.long()] = v[:, :, 0]

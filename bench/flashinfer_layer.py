@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from generator import reference
+from generator.host import rope_cos_sin
 from generator.variants import Model
 
 PAGE_SIZE = 16
@@ -120,8 +120,7 @@ class FlashInferLayer:
         self.w_down_t = W["mlp.down_proj.weight"].t()
         self.ln1, self.ln2 = W["input_layernorm.weight"], W["post_attention_layernorm.weight"]
         # vLLM/SGLang layout: fp32 [seq_len, head_dim], cos in the first half, sin in the second
-        freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * reference.inv_freq(m, device)[None]
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+        self.cos_sin_cache = torch.cat(rope_cos_sin(m, torch.arange(seq_len, device=device)), dim=-1).contiguous()
         self.pages_per_seq = -(-seq_len // PAGE_SIZE)
         shape = (batch * self.pages_per_seq, PAGE_SIZE, m.kv_heads, m.head_dim)
         self.k_pages = torch.zeros(shape, dtype=torch.bfloat16, device=device)

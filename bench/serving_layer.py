@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from generator import reference
+from generator.host import rope_cos_sin
 from generator.variants import Model
 
 COMPILE_MODE = "max-autotune-no-cudagraphs"
@@ -60,9 +60,9 @@ class ServingLayer:
         self.ln1 = (W["input_layernorm.weight"], W.get("input_layernorm.bias"))
         self.ln2 = (W["post_attention_layernorm.weight"], W.get("post_attention_layernorm.bias"))
         self.q_norm, self.k_norm = W.get("self_attn.q_norm.weight"), W.get("self_attn.k_norm.weight")
-        # RoPE table [seq_len, head_dim/2] in the layer dtype (fp32 angles, as HF computes them)
-        freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * reference.inv_freq(m, device)[None]
-        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        # RoPE table [seq_len, head_dim/2] in the layer dtype (fp32, as HF computes it)
+        cos, sin = rope_cos_sin(m, torch.arange(seq_len, device=device))
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self._k = torch.zeros(batch, seq_len, m.kv_heads, m.head_dim, dtype=dtype, device=device)
         self._v = torch.zeros_like(self._k)
         self.k_cache, self.v_cache = self._k.transpose(1, 2), self._v.transpose(1, 2)

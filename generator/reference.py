@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .host import inv_freq
+from .host import inv_freq, rope_cos_sin
 from .interface import weight_shapes
 from .targets import DTYPES, torch_dtype
 from .variants import Model
@@ -62,8 +62,8 @@ def qk_norm(t: torch.Tensor, w: torch.Tensor | None, m: Model) -> torch.Tensor:
 
 def rope(t: torch.Tensor, pos: torch.Tensor, m: Model) -> torch.Tensor:
     """t [B, heads, head_dim], pos [B]: HF rotate_half convention."""
-    freqs = pos.to(t.device).float()[:, None] * inv_freq(m, t.device)[None, :]  # [B, head_dim/2]
-    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    cos, sin = rope_cos_sin(m, pos, t.device)  # [B, head_dim/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
     a, b = t[..., : m.head_dim // 2], t[..., m.head_dim // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import interface
+from . import host, interface
 from .modes import MODES
 from .plan import PlanError  # noqa: F401  (re-exported: callers catch render.PlanError)
 from .plan import kernels, open_barriers
@@ -66,6 +66,7 @@ def _config_vars(v: Variant, p: dict) -> dict:
     return dict(name=v.name, consts=p["consts"], tmaps=interface.TENSOR_MAPS, tmap_bytes=interface.TENSOR_MAP_BYTES,
                 dtype=dt, t_max=f"{dt.max_finite!r}f",
                 norm_eps=f"{m.norm_eps!r}f", score_scale=f"{math.log2(math.e) / math.sqrt(m.head_dim)!r}f",
+                rope_attn=f"{host.rope_attention(m)!r}f",
                 norm=m.norm, activation=m.activation, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
                 timeline_slots=interface.TIMELINE_SLOTS, timeline_att=interface.TIMELINE_ATT)
 

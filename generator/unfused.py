@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .host import inv_freq
+from .host import rope_cos_sin
 from .collectives import AllReduce
 from .interface import shard_weights, weight_shapes
 from .variants import Model, shard_model
@@ -71,9 +71,9 @@ class UnfusedLayer:
         self.ln1 = (W["input_layernorm.weight"], W.get("input_layernorm.bias"))
         self.ln2 = (W["post_attention_layernorm.weight"], W.get("post_attention_layernorm.bias"))
         self.q_norm, self.k_norm = W.get("self_attn.q_norm.weight"), W.get("self_attn.k_norm.weight")
-        # RoPE table [cache_len, head_dim/2]: fp32 angles, cast to the dtype (as transformers does)
-        freqs = torch.arange(self.cache_len, device=device, dtype=torch.float32)[:, None] * inv_freq(m, device)[None]
-        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        # RoPE table [cache_len, head_dim/2]: fp32, cast to the dtype (as transformers does)
+        cos, sin = rope_cos_sin(m, torch.arange(self.cache_len, device=device))
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.rows = torch.arange(self.cache_len, device=device)
         self.bidx = torch.arange(self.max_batch, device=device)
 

@@ -22,7 +22,8 @@ DTYPES = ("bf16", "fp16")
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu")
 MODES = ("decode", "prefill")  # prefill: seq_len is the chunk of new tokens per sequence
-ROPE_SCALING_TYPES = ("llama3", "linear")  # host.inv_freq computes each (the kernels take inv_freq as an input)
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")  # host.inv_freq computes each (the kernels take inv_freq as an
+# input; yarn's attention factor scales q and k: host.rope_attention, the kernels' ROPE_ATTN)
 INT_MAX = 2**31 - 1  # every size becomes a C int constant of the kernel
 
 # field -> (python types accepted, required?, default)
@@ -47,7 +48,12 @@ MATRIX_FIELDS = ("mode", "batch", "seq_len", "tp")
 MATRIX_DEFAULTS = {"tp": [1]}  # optional matrix fields: tensor-parallel degree 1 (one GPU) unless declared
 LLAMA3_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "low_freq_factor": (int, float),
                          "high_freq_factor": (int, float), "original_max_position_embeddings": int}
-ROPE_SCALING_FIELDS = {"llama3": LLAMA3_SCALING_FIELDS, "linear": {"rope_type": str, "factor": (int, float)}}
+# yarn: every parameter resolved (generator.hf.config maps transformers' defaults: _compute_yarn_parameters)
+YARN_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "original_max_position_embeddings": int,
+                       "beta_fast": (int, float), "beta_slow": (int, float), "attention_factor": (int, float),
+                       "truncate": bool}
+ROPE_SCALING_FIELDS = {"llama3": LLAMA3_SCALING_FIELDS, "linear": {"rope_type": str, "factor": (int, float)},
+                       "yarn": YARN_SCALING_FIELDS}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -219,7 +225,7 @@ def _parse_rope_scaling(where, raw):
         if key not in raw:
             raise VariantError(f"{where}: missing field 'rope_scaling.{key}'")
         _check_type(where, f"rope_scaling.{key}", raw[key], types if isinstance(types, tuple) else (types,))
-        if key != "rope_type" and not 0 < raw[key] < math.inf:
+        if types not in (str, bool) and not 0 < raw[key] < math.inf:
             raise VariantError(f"{where}: field 'rope_scaling.{key}' must be positive and finite, got {raw[key]}")
     return tuple(sorted(raw.items()))
 

@@ -85,6 +85,7 @@ constexpr int TMAP_GU = 2;  // w_tmaps' w_gu
 constexpr int TMAP_DOWN = 3;  // w_tmaps' w_down
 constexpr float NORM_EPS = 1e-05f;
 constexpr float SCORE_SCALE = 0.18033688011112042f;  // log2(e) / sqrt(head_dim): softmax runs on exp2
+constexpr float ROPE_ATTN = 1.0f;  // RoPE's cos / sin factor (yarn's attention factor, else 1): q and k x it
 typedef __nv_bfloat16 T;
 typedef __nv_bfloat162 T2;
 constexpr float T_MAX = 3.3895313892515355e+38f;  // largest finite T

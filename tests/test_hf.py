@@ -4,6 +4,7 @@ refuses what the kernel does not compute; load_hf finds checkpoint problems befo
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -187,6 +188,26 @@ def test_transformers5_rope_parameters_layout(tmp_path):
     assert "rope_scaling" not in fields and fields["rope_theta"] == 10000.0
 
 
+def test_qwen_yarn_recipe_maps_with_transformers_defaults(tmp_path):
+    """Qwen2.5's long-context recipe (config.json's legacy rope_scaling {type: yarn, factor: 4,
+    original_max_position_embeddings: 32768}) maps with every parameter transformers leaves to its defaults resolved;
+    an attention_factor given is kept, mscale / mscale_all_dim give their ratio, and a null factor is
+    max_position_embeddings / original."""
+    recipe = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    _, fields = hf.model_entry(write_config(tmp_path, "q", {**QWEN2_5_7B, "rope_scaling": recipe}))
+    assert fields["rope_scaling"] == pytest.approx({"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "attention_factor": 0.1 * math.log(4) + 1,
+                                                    "truncate": True})
+    for extra, af in (({"attention_factor": 1.5}, 1.5),
+                      ({"mscale": 1.0, "mscale_all_dim": 0.5}, (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1))):
+        _, fields = hf.model_entry(write_config(tmp_path, "q", {**QWEN2_5_7B, "rope_scaling": {**recipe, **extra}}))
+        assert fields["rope_scaling"]["attention_factor"] == pytest.approx(af)
+    cfg = {**QWEN2_5_7B, "max_position_embeddings": 131072, "rope_scaling": {**recipe, "factor": None}}
+    _, fields = hf.model_entry(write_config(tmp_path, "q", cfg))
+    assert fields["rope_scaling"]["factor"] == 4.0
+
+
 def test_defaults_and_names(tmp_path):
     minimal = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 1024,
                "num_hidden_layers": 2}
@@ -257,8 +278,11 @@ REFUSED = [
     ("layer_types", {**QWEN2_5_7B, "layer_types": ["full_attention"] * 27 + ["sliding_attention"]}),
     ("num_local_experts", {**MISTRAL_7B_V0_3, "num_local_experts": 8}),
     ("num_experts", {**QWEN2_5_7B, "num_experts": 64}),
-    ("rope_scaling.rope_type", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    ("rope_scaling.rope_type", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "longrope", "factor": 4.0,
                                                                   "original_max_position_embeddings": 32768}}),
+    ("rope_scaling.truncate", {**QWEN2_5_7B, "rope_scaling": {"type": "yarn", "factor": 4.0, "truncate": "no"}}),
+    ("rope_scaling.attention_factor", {**QWEN2_5_7B, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                      "attention_factor": -1.0}}),
     ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "longrope", "factor": 2.0}}),
     ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"type": "linear"}}),  # (linear: its factor needed)
     ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"rope_type": "linear", "factor": "2"}}),
@@ -442,7 +466,11 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_att
 LLAMA3_TINY_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}  # wavelengths 16..64: all three bands in play
 LINEAR_TINY_SCALING = {"rope_type": "linear", "factor": 4.0}
-SCALING = {"llama3-scaling": LLAMA3_TINY_SCALING, "linear-scaling": LINEAR_TINY_SCALING}  # the scaled kinds
+YARN_TINY_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # ramp over dims 6..12
+YARN_TINY_MAPPED = {**YARN_TINY_SCALING, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.1 * math.log(4) + 1,
+                    "truncate": True}  # (transformers' defaults, resolved)
+SCALING = {"llama3-scaling": LLAMA3_TINY_SCALING, "linear-scaling": LINEAR_TINY_SCALING,  # the scaled kinds: as mapped
+           "yarn-scaling": YARN_TINY_MAPPED}
 
 
 def tiny_models():
@@ -454,6 +482,8 @@ def tiny_models():
             TINY, **rope_kwargs(T.LlamaConfig, 500000.0, LLAMA3_TINY_SCALING))),
         "linear-scaling": (T.LlamaConfig, T.LlamaForCausalLM, dict(
             TINY, **rope_kwargs(T.LlamaConfig, 500000.0, LINEAR_TINY_SCALING))),
+        "yarn-scaling": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(  # (Qwen's long-context recipe)
+            no_hd, tie_word_embeddings=True, **rope_kwargs(T.Qwen2Config, 1e6, YARN_TINY_SCALING))),
         "qwen2-bias": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
             no_hd, tie_word_embeddings=True, **rope_kwargs(T.Qwen2Config, 1e6))),
         "qwen3-qknorm": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(
@@ -483,8 +513,8 @@ def test_reference_layer_equals_transformers(tmp_path, kind):
     cfg = model.config
     assert (m.hidden, m.heads, m.kv_heads, m.head_dim) == (cfg.hidden_size, cfg.num_attention_heads,
                                                            cfg.num_key_value_heads, 64)
-    assert m.qkv_bias == (kind == "qwen2-bias") and m.qk_norm == (kind == "qwen3-qknorm")
-    assert dict(m.rope_scaling or {}) == SCALING.get(kind, {})
+    assert m.qkv_bias == (kind in ("qwen2-bias", "yarn-scaling")) and m.qk_norm == (kind == "qwen3-qknorm")
+    assert dict(m.rope_scaling or {}) == pytest.approx(SCALING.get(kind, {}))
     assert m.rope_theta == {"llama": 1e4, "llama3-scaling": 5e5, "linear-scaling": 5e5}.get(kind, 1e6)
     B, P, CAP = 2, 37, 64
     ids = torch.randint(0, cfg.vocab_size, (B, P + 1), generator=torch.Generator().manual_seed(1))

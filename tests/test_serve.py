@@ -427,15 +427,18 @@ def test_generate_matches_transformers_with_prompts_of_different_lengths(tiny):
     assert p["decode"].path == "unfused" and len(p["layers"]) == 2
 
 
-def test_linear_rope_scaling_generates_as_transformers(tmp_path):
-    """A checkpoint with linear RoPE scaling (transformers' every frequency / factor) is served as transformers runs
-    it; the same weights without the scaling give other logits (the case is not vacuous)."""
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}])
+def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
+    """A checkpoint with linear RoPE scaling (transformers' every frequency / factor) or yarn (frequencies blended
+    over a ramp of dimensions, cos and sin x its attention factor) is served as transformers runs it; the same weights
+    without the scaling give other logits (the case is not vacuous)."""
     T = transformers
-    d = tmp_path / "linear"
-    hfm = make_llama(d, seed=7, **rope_kwargs(T.LlamaConfig, 10000.0, {"rope_type": "linear", "factor": 4.0}))
+    d = tmp_path / scaling["rope_type"]
+    hfm = make_llama(d, seed=7, **rope_kwargs(T.LlamaConfig, 10000.0, scaling))
     plain = make_llama(tmp_path / "plain", seed=7)  # the same weights, default RoPE
     model = cpu_model(d)
-    assert dict(model.shape.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    assert dict(model.shape.rope_scaling).items() >= scaling.items()
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 1]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the CPU's one-line fallback warning)

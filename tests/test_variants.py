@@ -26,6 +26,10 @@ TINY = {"hidden": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate":
         "qk_norm": False, "dtype": "bf16"}
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+        "beta_slow": 1.0, "attention_factor": 1.1386, "truncate": False}  # (every field resolved: from-hf's form)
+
+
 def doc_text(**changes) -> str:
     """A valid one-model file (`tiny`) with fields changed (None deletes a field)."""
     model = copy.deepcopy(TINY)
@@ -109,11 +113,16 @@ BAD_CASES = {
     "unknown-norm": (doc_text(norm="batchnorm"), [V, "field 'norm'", "must be one of rmsnorm, layernorm"]),
     "unknown-activation": (doc_text(activation="relu"), [V, "field 'activation'", "must be one of silu, gelu"]),
     "unknown-mode": (GOOD_TEXT.replace("- decode", "- training"), ["field 'matrix.mode'", "must be one of"]),
-    "unknown-rope-type": (doc_text(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-                          [V, "field 'rope_scaling.rope_type'", "must be one of llama3, linear"]),
+    "unknown-rope-type": (doc_text(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+                          [V, "field 'rope_scaling.rope_type'", "must be one of llama3, linear, yarn"]),
     "linear-rope-llama3-field": (doc_text(rope_scaling={"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}),
                                  [V, "unknown field 'rope_scaling.low_freq_factor' for rope_type linear"]),
     "linear-rope-no-factor": (doc_text(rope_scaling={"rope_type": "linear"}), [V, "missing field 'rope_scaling.factor'"]),
+    "yarn-rope-unresolved": (doc_text(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 4096}),
+                             [V, "missing field 'rope_scaling.beta_fast'"]),
+    "yarn-rope-truncate": (doc_text(rope_scaling={**YARN, "truncate": 1}),
+                           [V, "field 'rope_scaling.truncate' must be"]),
     "duplicate-variant-name": _duplicate_variant(),
     "duplicate-field": _duplicate_field(),
     "bad-variant-name": (GOOD_TEXT.replace("  tiny:", "  Tiny Model:"), ["'Tiny Model'", "lower-case"]),

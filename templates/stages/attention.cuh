@@ -430,7 +430,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     if (lane + 32 * j < HEAD_DIM) q[lane + 32 * j] = v[j];
                 __syncwarp();
                 qk_norm(q, q_norm_w, lane);
-                rope(q, p, freqs, SCORE_SCALE, lane);
+                rope(q, p, freqs, SCORE_SCALE * ROPE_ATTN, lane);
             } else if (appends && h == GROUP) {
                 float v[QV];
                 values(v);
@@ -439,7 +439,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
                 __syncwarp();
                 qk_norm(ks, k_norm_w, lane);
-                rope(ks, p, freqs, 1.f, lane);
+                rope(ks, p, freqs, ROPE_ATTN, lane);
                 kv_append(k_cache + head_base, p, ks, lane);
             } else if (appends) {
                 float v[QV];

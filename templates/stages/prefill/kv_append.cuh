@@ -24,14 +24,14 @@ __device__ void kv_append(const int* __restrict__ pos, const float* ws_qkv, cons
         __syncwarp();
         if (h < HEADS) {                       // a query head
             qk_norm(v, q_norm_w, lane);
-            rope(v, p, inv_freq, SCORE_SCALE, lane);
+            rope(v, p, inv_freq, SCORE_SCALE * ROPE_ATTN, lane);
             for (int d = lane; d < HEAD_DIM; d += 32) ws_q[(size_t)row * Q_DIM + h * HEAD_DIM + d] = from_f(v[d]);
         } else if (pos[b] >= 0 && pos[b] + CHUNK <= cache_len) {
             const bool is_k = h < HEADS + KV_HEADS;
             const int kvh = is_k ? h - HEADS : h - HEADS - KV_HEADS;
             if (is_k) {
                 qk_norm(v, k_norm_w, lane);
-                rope(v, p, inv_freq, 1.f, lane);
+                rope(v, p, inv_freq, ROPE_ATTN, lane);
             }
             T* dst = (is_k ? k_cache : v_cache) + (((size_t)b * KV_HEADS + kvh) * cache_len + p) * HEAD_DIM;
             for (int d = lane; d < HEAD_DIM; d += 32) dst[d] = from_f(v[d]);
