@@ -48,7 +48,8 @@ part_next() {  # against the plan of each row (full context / serving mix), for 
 
 part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 600): session 55's changes, never run
   # on a GPU: serve's unfused decode step bounded by its positions (kv_bucket, a graph a bucket in one pool), then the
-  # whole check, which now holds the held-out linear-RoPE shape (ho-linrope: decode b2 KV 8192, a prefill chunk).
+  # whole check, which now holds the held-out linear- and yarn-RoPE shapes (ho-linrope, ho-yarn: decode and a prefill
+  # chunk each).
   # Logs in $OUT/logs.tgz
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
