@@ -19,6 +19,8 @@ class TorchLayer:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.arange = torch.arange(seq_len, device=device)
         self.bidx = torch.arange(batch, device=device)
+        # RoPE table [seq_len, head_dim] (both halves), built once: a step gathers its rows (no host work in a graph)
+        self.cos, self.sin = (torch.cat([t, t], dim=-1).to(dtype) for t in rope_cos_sin(m, self.arange))
 
     def _norm(self, x, prefix):
         w, b = self.W[f"{prefix}.weight"], self.W.get(f"{prefix}.bias")
@@ -41,7 +43,7 @@ class TorchLayer:
         if m.qk_norm:
             q = self._norm(q, "self_attn.q_norm")
             k = self._norm(k, "self_attn.k_norm")
-        cos, sin = (torch.cat([t, t], dim=-1)[:, None, None, :].to(x.dtype) for t in rope_cos_sin(m, pos))
+        cos, sin = self.cos[pos.long()][:, None, None, :], self.sin[pos.long()][:, None, None, :]
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         self.k_cache[self.bidx, :, pos.long()] = k[:, :, 0]
         self.v_cache[self.bidx, :, pos.long()] = v[:, :, 0]

@@ -54,7 +54,9 @@ def rope_attention(m: Model) -> float:
 def rope_cos_sin(m: Model, pos, device=None):
     """RoPE's cos and sin at positions `pos` (an integer tensor, any shape) -> two fp32 tensors [*pos.shape,
     head_dim / 2], each times rope_attention(m), as transformers' rotary embeddings give them before their cast to
-    the model dtype (angles pos x inv_freq in fp32; modeling_llama.LlamaRotaryEmbedding.forward)."""
+    the model dtype (angles pos x inv_freq in fp32; modeling_llama.LlamaRotaryEmbedding.forward). inv_freq is
+    computed on the host and copied each call: build a table once (as the unfused layer does), not in a timed or
+    graph-captured step."""
     device = pos.device if device is None else device
     freqs = pos.to(device).float()[..., None] * inv_freq(m, device)
     af = rope_attention(m)

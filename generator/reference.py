@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .host import inv_freq, rope_cos_sin
+from .host import rope_cos_sin
 from .interface import weight_shapes
 from .targets import DTYPES, torch_dtype
 from .variants import Model

@@ -208,6 +208,38 @@ def test_qwen_yarn_recipe_maps_with_transformers_defaults(tmp_path):
     assert fields["rope_scaling"]["factor"] == 4.0
 
 
+YARN_FORMS = [  # (model_type, config.json's RoPE fields): the forms transformers resolves differently
+    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}),  # (original: max_pos)
+    ("llama", {"original_max_position_embeddings": 4096,  # (a top-level value wins over the dict's)
+               "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                                "beta_fast": 16, "beta_slow": 2, "truncate": False}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0}}),  # (one mscale alone: unused)
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 8192,
+                                "attention_factor": 1.25}}),
+]
+
+
+@pytest.mark.parametrize("model_type,rope", YARN_FORMS)
+def test_yarn_frequencies_and_factor_equal_transformers(tmp_path, model_type, rope):
+    """host.inv_freq and host.rope_attention of the mapped entry are transformers' rotary embedding's inv_freq (bit
+    for bit) and attention_scaling, for each form of yarn's parameters config.json may give."""
+    import transformers as T
+    from generator import host
+    cfg = {"model_type": model_type, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 128,
+           "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "torch_dtype": "bfloat16", **rope}
+    d = write_config(tmp_path, model_type, cfg)
+    m = hf.model_from_hf(d)
+    config = T.AutoConfig.from_pretrained(d)
+    rot = {"llama": T.models.llama.modeling_llama.LlamaRotaryEmbedding,
+           "qwen2": T.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding,
+           "qwen3": T.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding}[model_type](config)
+    assert torch.equal(host.inv_freq(m), rot.inv_freq)
+    assert host.rope_attention(m) == pytest.approx(rot.attention_scaling, rel=1e-12)
+
+
 def test_defaults_and_names(tmp_path):
     minimal = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 1024,
                "num_hidden_layers": 2}
@@ -281,6 +313,10 @@ REFUSED = [
     ("rope_scaling.rope_type", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "longrope", "factor": 4.0,
                                                                   "original_max_position_embeddings": 32768}}),
     ("rope_scaling.truncate", {**QWEN2_5_7B, "rope_scaling": {"type": "yarn", "factor": 4.0, "truncate": "no"}}),
+    # (transformers: factor a required key, a null original length a division by None)
+    ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 8}}),
+    ("original_max_position_embeddings' is null", {**QWEN2_5_7B, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": None}}),
     ("rope_scaling.attention_factor", {**QWEN2_5_7B, "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                                       "attention_factor": -1.0}}),
     ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "longrope", "factor": 2.0}}),

@@ -1,9 +1,10 @@
 """A Hugging Face config.json -> the fields of a variants.yaml model entry, read as transformers 5 reads them.
 
 Only what the kernel computes exactly is mapped; anything else (MoE, RoPE scalings other than llama3 / linear / yarn,
-tanh GELU, o_proj or MLP biases, quantized weights) is an HFConfigError: one line naming the file and the field. A sliding window is mapped
-with its size (Mapped.window): it takes effect only where the KV cache (seq_len) is longer than the window, so it is
-checked against seq_len wherever seq_len is known (check_window: `from-hf --write`, load_hf, FusedModel.from_hf).
+tanh GELU, o_proj or MLP biases, quantized weights) is an HFConfigError: one line naming the file and the field. A
+sliding window is mapped with its size (Mapped.window): it takes effect only where the KV cache (seq_len) is longer
+than the window, so it is checked against seq_len wherever seq_len is known (check_window: `from-hf --write`,
+load_hf, FusedModel.from_hf).
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
             notes.append(f"{where}: {', '.join(extra)} not read by linear RoPE scaling (transformers ignores them too)")
         return theta, {"rope_type": "linear", "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}
     if rtype == "yarn":
-        return theta, _map_yarn(cfg_path, cfg, where, params)
+        return theta, _map_yarn(cfg_path, cfg, where, params, notes)
     scaling = {"rope_type": "llama3"}
     for key in LLAMA3_KEYS:
         v = params.get(key)
@@ -271,24 +272,29 @@ def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
     return Window(size, source, sliding)
 
 
-def _map_yarn(cfg_path, cfg, where: str, params: dict) -> dict:
+def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict:
     """yarn's parameters resolved as transformers 5.25 resolves them (standardize_rope_params,
     _compute_yarn_parameters): original_max_position_embeddings a top-level value, else the rope dict's, else
-    max_position_embeddings; factor, where null, max_position_embeddings / that; attention_factor, where null,
-    0.1 ln(factor) + 1 (with mscale and mscale_all_dim: their ratio of that form); beta_fast / beta_slow 32 / 1 where
-    null or 0; truncate true."""
+    max_position_embeddings; factor (required), where null, max_position_embeddings / that; attention_factor, where
+    null, 0.1 ln(factor) + 1, 1 for a factor <= 1 (with mscale and mscale_all_dim both non-zero: their ratio of that
+    form); beta_fast / beta_slow 32 / 1 where null or 0; truncate true where absent."""
     def mscale(scale, m=1.0):  # the YaRN paper's Eq. 21 (transformers' yarn_get_mscale)
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
     key = "original_max_position_embeddings"
-    old = cfg.get(key, params.get(key) if params.get(key) is not None else cfg.get("max_position_embeddings"))
+    if key in params and params[key] is None and key not in cfg:  # (transformers fails on it: a division by None)
+        raise HFConfigError(f"{cfg_path}: field '{where}.{key}' is null: give the pretraining length")
+    old = cfg.get(key, params.get(key, cfg.get("max_position_embeddings")))
     if isinstance(old, bool) or not isinstance(old, int) or old <= 0:
-        raise HFConfigError(f"{cfg_path}: field '{where}.{key}' must be a positive integer, got {old!r}")
-    factor = params.get("factor")
+        raise HFConfigError(f"{cfg_path}: field '{where}.{key}' must be a positive integer (else "
+                            f"max_position_embeddings), got {'nothing' if old is None else repr(old)}")
+    if "factor" not in params:  # (transformers: a required key; null derives it)
+        raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by yarn RoPE scaling)")
+    factor = params["factor"]
     if factor is None:
         top = cfg.get("max_position_embeddings")
         if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
-            raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (yarn derives it from "
-                                "max_position_embeddings, which is not a positive integer here)")
+            raise HFConfigError(f"{cfg_path}: field '{where}.factor' is null and max_position_embeddings, from which "
+                                f"yarn derives it, is {'absent' if top is None else repr(top)}")
         factor = top / old
     factor = _check_number(cfg_path, f"{where}.factor", factor)
     af = params.get("attention_factor")
@@ -299,6 +305,10 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict) -> dict:
                 factor, _check_number(cfg_path, f"{where}.mscale_all_dim", ms_all))
         else:
             af = mscale(factor)
+    if extra := sorted(set(params) - {"factor", key, "attention_factor", "mscale", "mscale_all_dim", "beta_fast",
+                                      "beta_slow", "truncate", "rope_theta", "partial_rotary_factor", "rope_type",
+                                      "type"}):
+        notes.append(f"{where}: {', '.join(extra)} not read by yarn RoPE scaling (transformers ignores them too)")
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise HFConfigError(f"{cfg_path}: field '{where}.truncate' must be true or false, got {truncate!r}")

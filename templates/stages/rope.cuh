@@ -1,6 +1,7 @@
 // ---- stage: rope ---- rotary embedding, HF "rotate_half" convention: dims d and d + HEAD_DIM/2 form a pair,
-// angle = position * inv_freq[d mod HEAD_DIM/2] (inv_freq is computed on the host, so scaled RoPE variants only
-// change that table). v: one head in shared memory, one warp; the result is also multiplied by `scale`.
+// angle = position * inv_freq[d mod HEAD_DIM/2] (inv_freq is computed on the host, so scaled RoPE variants change
+// that table; yarn's attention factor comes in `scale`, ROPE_ATTN). v: one head in shared memory, one warp; the result
+// is also multiplied by `scale`.
 #pragma once
 #include "../common.cuh"
 constexpr int ROPE_K = (HEAD_DIM / 2 + 31) / 32;  // inv_freq values per lane (d = lane + 32 k)

@@ -1,8 +1,8 @@
 // ---- stage: kv_append (prefill) ---- per token and head: q/k norm, RoPE at the token's position (start + t),
-// then q (scaled by SCORE_SCALE for the exp2 softmax) to ws_q, and k, v into the caches at that row. One warp per
-// (token, head) item, items strided over the grid's warps; each warp works in its own HEAD_DIM floats of shared
-// memory. A sequence whose chunk does not fit the cache (start < 0 or start + CHUNK > cache_len: the loader checks
-// positions, this guards graph replays) writes no cache row; attention then makes its output NaN.
+// then q (scaled by SCORE_SCALE for the exp2 softmax; q and k by ROPE_ATTN) to ws_q, and k, v into the caches at that
+// row. One warp per (token, head) item, items strided over the grid's warps; each warp works in its own HEAD_DIM
+// floats of shared memory. A sequence whose chunk does not fit the cache (start < 0 or start + CHUNK > cache_len: the
+// loader checks positions, this guards graph replays) writes no cache row; attention then makes its output NaN.
 #pragma once
 #ifndef MEGAKERNEL_CONFIG  // opened alone: the example prefill config (common.cuh would take decode's)
 #include "../../example_config_prefill.cuh"
