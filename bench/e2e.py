@@ -288,14 +288,13 @@ def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
     build fails."""
     from generator import compile as gcompile, hf, tune as gtune, variants as gvariants
     from generator.manifest import build_dir_flag
-    from generator.serve import _same_shape
     vf = ROOT / "variants.yaml"
     try:
         mapped = hf.map_config(ckpt)
         want = mapped.model()
         hf.check_window(mapped.window, seq_len, f"{mapped.cfg_path}: --seq-len", want.layers)  # (as serve would)
         same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
-                and _same_shape(v.model, want)]
+                and gvariants.same_layer(v.model, want)]
         vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]
         if sorted(v.batch for v in vs) == list(BATCHES):
             vs += [v for v in same if v.mode == "prefill" and v.seq_len <= seq_len]

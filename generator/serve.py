@@ -37,7 +37,7 @@ import torch
 
 from . import lm_head, reference, sampler
 from .unfused import UnfusedLayer
-from .variants import Model as ModelShape, Variant, shard_model, tile_problem
+from .variants import Model as ModelShape, Variant, same_layer, shard_model, tile_problem
 
 GiB = 1 << 30
 
@@ -485,8 +485,6 @@ class Generation:
 
 
 _KERNEL_DTYPES = {t: name for name, t in reference.TORCH_DTYPES.items()}  # the kernels' dtypes, as variants.yaml names
-_COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
-             "rope_scaling", "activation", "qkv_bias", "qk_norm")
 
 
 def _num(v) -> bool:  # a finite real number (numpy's too)
@@ -503,10 +501,6 @@ SEED_MAX = 2 ** 62  # seeds in [0, SEED_MAX): seed + 7919 x sequence must fit in
 def _listed(x):
     """A torch tensor or numpy array as its Python value (.tolist()); anything else as it is."""
     return x.tolist() if isinstance(x, torch.Tensor) or type(x).__module__ == "numpy" and hasattr(x, "tolist") else x
-
-
-def _same_shape(a: ModelShape, b: ModelShape) -> bool:
-    return all(getattr(a, f) == getattr(b, f) for f in _COMPARED)
 
 
 def eos_token_ids(model_dir: Path, cfg: dict, cfg_path: Path | None = None) -> list[int]:
@@ -672,7 +666,7 @@ class Model:
             raise ServeError(f"group: {exc}") from None
         if variants is None:
             chosen = [] if not offered else sorted(
-                n for n, e in entries.items() if _same_shape(manifest.variant_from_entry(e).model, shape)
+                n for n, e in entries.items() if same_layer(manifest.variant_from_entry(e).model, shape)
                 and manifest.variant_from_entry(e).tp == tp)
         else:
             if isinstance(variants, str):

@@ -55,6 +55,15 @@ YARN_SCALING_FIELDS = {"rope_type": str, "factor": (int, float), "original_max_p
 ROPE_SCALING_FIELDS = {"llama3": LLAMA3_SCALING_FIELDS, "linear": {"rope_type": str, "factor": (int, float)},
                        "yarn": YARN_SCALING_FIELDS}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# the fields that fix what a layer computes (a built variant serves a checkpoint only where all of them agree; the
+# dtype may differ: weights are cast)
+LAYER_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
+                "rope_scaling", "activation", "qkv_bias", "qk_norm")
+
+
+def same_layer(a, b) -> bool:
+    """Whether two Models compute the same layer (every LAYER_FIELDS field equal; names, layers and dtype aside)."""
+    return all(getattr(a, f) == getattr(b, f) for f in LAYER_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,13 +47,11 @@ def _built_variant(name: str, build_dir):
     return loader._variant_from_entry(entry)
 
 
-_COMPARED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
-             "rope_scaling", "activation", "qkv_bias", "qk_norm")
 
 
 def _check_variant_fits(ck: _Checkpoint, v) -> None:
     """The built variant must compute exactly this checkpoint's layer (its dtype may differ: weights are cast)."""
-    for field in _COMPARED:
+    for field in gvariants.LAYER_FIELDS:
         a, b = getattr(v.model, field), getattr(ck.model, field)
         if field == "rope_scaling":
             a, b = dict(a) if a else None, dict(b) if b else None
