@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers
+#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; QKV_NWG 16 at b1
 #   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): serve's bounded unfused step
 #                                 # (kv_bucket), then the whole check in the time left (BUDGET s, default 560)
 #   bash bench/queue.sh second    # one call (carry .whl): e2e, then the main GPU tests
@@ -44,6 +44,19 @@ part_next() {  # against the plan of each row (full context / serving mix), for 
     --case q-r382_decode_b1_s1024_bf16 "$o" --case qwen2.5-7b_decode_b1_s4096_bf16 "$o" \
     --case llama3-8b_decode_b1_s4096_bf16 "$c" --case llama3.2-1b_decode_b8_s4096_bf16 "$c" \
     --case llama3-8b_decode_b8_s4096_bf16 "$c" --case ho-l2-7b_decode_b1_s2048_bf16 "$c"
+  # (3) qkv in whole-block groups (QKV_NWG 16) at batch 1 under the LL rule, where fewest_rounds planned smaller
+  # groups for one round: session 55's H200 retune took it for Llama-3.2-1B b1 KV 4096 (-1.6 % in the tuner's
+  # timing, 41.8 -> 41.3 us in the check) and, with GU_PRE 1, for Qwen2.5-0.5B b1 KV 4096 (-6.3 %). Reading: under
+  # QKV_FLOW 2 attention waits for a KV head's tiles, and a tile done by 16 warps is done sooner, so a second round of
+  # whole-block tiles (60 SMs at 1B) may beat one round of half-block ones. Prediction: -0.5 ... -2 % where qkv takes
+  # <= 2 rounds at 16 warps (1B KV 1024, 0.5B KV 1024, held-out hidden 1440 / SmolLM-360M / yarn); level or worse
+  # where it takes 3 (Qwen2.5-7B's 288 tiles, hidden 3072's 320, q-r382); a planner rule if it holds
+  local w='{"QKV_NWG": 16}' w8='{"QKV_NWG": 8}'
+  ab next-qkvnwg full,191 $q --case llama3.2-1b_decode_b1_s1024_bf16 "$w" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$w" \
+    --case ho-h1440-hd80_decode_b1_s4096_bf16 "$w" --case ho-smol-360m_decode_b1_s2048_bf16 "$w" \
+    --case ho-yarn_decode_b1_s8192_bf16 "$w" --case qwen2.5-7b_decode_b1_s4096_bf16 "$w" \
+    --case qwen2.5-7b_decode_b1_s4096_bf16 "$w8" --case ho-h3072-g3_decode_b1_s4096_bf16 "$w" \
+    --case q-r382_decode_b1_s1024_bf16 "$w"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 600): session 55's changes, never run
