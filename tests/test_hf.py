@@ -216,6 +216,7 @@ YARN_FORMS = [  # (model_type, config.json's RoPE fields): the forms transformer
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7,
                                 "beta_fast": 16, "beta_slow": 2, "truncate": False}}),
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0}}),  # (one mscale alone: unused)
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": None}}),  # (null: no truncation)
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 8192,
                                 "attention_factor": 1.25}}),
 ]

@@ -277,7 +277,7 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict
     _compute_yarn_parameters): original_max_position_embeddings a top-level value, else the rope dict's, else
     max_position_embeddings; factor (required), where null, max_position_embeddings / that; attention_factor, where
     null, 0.1 ln(factor) + 1, 1 for a factor <= 1 (with mscale and mscale_all_dim both non-zero: their ratio of that
-    form); beta_fast / beta_slow 32 / 1 where null or 0; truncate true where absent."""
+    form); beta_fast / beta_slow 32 / 1 where null or 0; truncate true where absent (null, 0: false)."""
     def mscale(scale, m=1.0):  # the YaRN paper's Eq. 21 (transformers' yarn_get_mscale)
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
     key = "original_max_position_embeddings"
@@ -310,6 +310,8 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict
                                       "type"}):
         notes.append(f"{where}: {', '.join(extra)} not read by yarn RoPE scaling (transformers ignores them too)")
     truncate = params.get("truncate", True)
+    if truncate is None or type(truncate) is int:  # (transformers tests its truth: null and 0 do not truncate)
+        truncate = bool(truncate)
     if not isinstance(truncate, bool):
         raise HFConfigError(f"{cfg_path}: field '{where}.truncate' must be true or false, got {truncate!r}")
     return {"rope_type": "yarn", "factor": factor, key: old,
