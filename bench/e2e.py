@@ -299,7 +299,8 @@ def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
         if sorted(v.batch for v in vs) == list(BATCHES):
             vs += [v for v in same if v.mode == "prefill" and v.seq_len <= seq_len]
         else:  # ("e2e-" before the name: no declared variant's name, nor its tuned plan)
-            text = hf.variant_entry_yaml(ckpt, f"e2e-{mapped.name}", matrix=[
+            name = mapped.name if mapped.name.startswith("e2e-") else f"e2e-{mapped.name}"
+            text = hf.variant_entry_yaml(ckpt, name, matrix=[
                 {"mode": ["decode"], "batch": list(BATCHES), "seq_len": [seq_len]}])
             text = (f"# bench/e2e.py: {ckpt}'s layer, which variants.yaml does not declare at seq_len {seq_len}\n"
                     f"models:\n{text}")

@@ -7,7 +7,8 @@
 #   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; QKV_NWG 16 at b1
 #   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): serve's bounded unfused step
 #                                 # (kv_bucket), then the whole check in the time left (BUDGET s, default 560)
-#   bash bench/queue.sh second    # one call (carry .whl): e2e, then the main GPU tests
+#   bash bench/queue.sh second    # one call (carry .whl): e2e (and on an undeclared yarn checkpoint), then the
+#                                 # main GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -81,6 +82,16 @@ part_second() {  # the call after `first` (carry .whl): e2e (the unfused provide
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
   step e2e timeout 200 python3 -m bench.e2e --seq-len 4096
+  # e2e on a checkpoint of a shape variants.yaml does not declare (session 55's variants_for: its from-hf entry's
+  # decode b1/4/8 built with the default plans): a random Qwen2-style one (hidden 1536, 12/2 heads of 128, qkv bias,
+  # tied embeddings, yarn), saved on the device
+  step e2e-ckpt-make python3 -c "import torch, transformers as T; c = T.Qwen2Config(hidden_size=1536, \
+intermediate_size=8960, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=2, vocab_size=32000, \
+max_position_embeddings=32768, tie_word_embeddings=True, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, \
+'original_max_position_embeddings': 8192, 'rope_theta': 1e6}, dtype='bfloat16'); \
+T.Qwen2ForCausalLM(c).to(torch.bfloat16).save_pretrained('/tmp/qwen2-yarn-ckpt')"
+  step e2e-ckpt timeout 240 python3 -m bench.e2e --ckpt /tmp/qwen2-yarn-ckpt --seq-len 2048 --new-tokens 32 \
+    --reps 2 --skip hf-compile --build-dir build-e2e-ckpt --out "$OUT/e2e-ckpt.json"
   step gputests-main timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 -m pytest -q -m gpu tests/test_gpu.py \
     tests/test_serve.py tests/test_hf_gpu.py
 }
