@@ -330,16 +330,26 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=4096, help="cache length: the decode variants' seq_len [4096]")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run [128]")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per figure, the median kept [3]")
-    ap.add_argument("--skip", action="append", default=[],
+    ap.add_argument("--skip", action="append", default=[], choices=["served", "unfused", "hf", "hf-compile"],
                     help="a provider to skip (repeatable): served, unfused, hf, hf-compile")
     ap.add_argument("--out", default=None, help="JSON file [e2e-<gpu>-<date>.json, the name `megakernel report` "
                                                 "reads, in $OUT, else bench/results/]")
     args = ap.parse_args(argv)
-    if args.seq_len < max(2048, args.new_tokens + 9):  # (a 2,048-token prompt's TTFT; bench_long's prompt)
-        ap.error(f"--seq-len {args.seq_len}: at least 2048 (the 2,048-token prompt's TTFT) and --new-tokens + 9")
+    if args.new_tokens < 2 or args.reps < 1:  # (ms per token: over new_tokens - 1 steps; a median of reps runs)
+        ap.error(f"--new-tokens {args.new_tokens} / --reps {args.reps}: at least 2 / 1")
+    if args.seq_len < (need := max(2048, args.new_tokens + 9)):  # (a 2,048-token prompt's TTFT; bench_long's prompt)
+        ap.error(f"--seq-len {args.seq_len}: at least {need} (the 2,048-token prompt's TTFT, --new-tokens + 9 rows for "
+                 "the long-context run)")
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists() and args.ckpt != DEFAULT_CKPT:  # (a typo must not benchmark a random model)
         ap.error(f"--ckpt {args.ckpt}: no config.json there (leave --ckpt out for a random Llama-3.2-1B-shaped one)")
+    if (ckpt / "config.json").exists():  # (a config it cannot serve: said before any GPU is asked for)
+        from generator import hf, variants as gvariants
+        try:
+            hf.map_config(ckpt).model()
+        except (hf.HFConfigError, gvariants.VariantError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
     if not torch.cuda.is_available():
         print("error: bench/e2e.py needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)

@@ -57,7 +57,8 @@ def foreign_entries(build_dir: Path, variants: set[str] = frozenset()) -> list[s
     objects = [f"objects/{e.name}" for e in (p / "objects").iterdir() if not (e.is_dir() and OBJECT_DIR.fullmatch(
         e.name))] if (p / "objects").is_dir() else []
     return sorted(objects + [e.name for e in p.iterdir() if not (
-        e.name in BUILD_FILES or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
+        e.name in BUILD_FILES and (e.is_dir() if e.name == "objects" else e.is_file())  # (a kind a build makes)
+        or e.is_dir() and (e.name in variants or VARIANT_DIR.fullmatch(e.name))
         or e.is_file() and BUILD_TEMP.fullmatch(e.name))])
 
 

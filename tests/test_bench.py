@@ -425,6 +425,10 @@ def test_e2e_serves_a_checkpoints_declared_variants_else_its_own_entry(tmp_path,
         assert not (tmp_path / "b2").exists()
     # the options a run could not serve, refused before anything is built or made (on a GPU or not)
     for argv, word in ((["--seq-len", "1024"], "--seq-len 1024: at least 2048"),
+                       (["--seq-len", "2048", "--new-tokens", "4000"], "--seq-len 2048: at least 4009"),
+                       (["--new-tokens", "1"], "--new-tokens 1 / --reps 3: at least 2 / 1"),
+                       (["--skip", "hf_compile"], "invalid choice: 'hf_compile'"),
+                       (["--ckpt", str(tmp_path / "bad")], "hidden_act"),
                        (["--ckpt", str(tmp_path / "typo")], "no config.json there")):
         with pytest.raises(SystemExit) as exc:
             e2e.main(argv)

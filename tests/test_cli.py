@@ -315,6 +315,13 @@ def test_clean(copy_build, tmp_path):
     r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
     assert_bad_input(r, "it holds .tmp, which a build does not write")
     (b / ".tmp").rmdir()
+    # a build's file name on a user's directory (a trial's report.json/ holding a file): refused
+    (b / "report.json").unlink(missing_ok=True)
+    (b / "report.json").mkdir()
+    (b / "report.json" / "x").write_text("precious")
+    r = run_cli(["clean", "--build-dir", b], cwd=tmp_path)
+    assert_bad_input(r, "it holds report.json, which a build does not write")
+    shutil.rmtree(b / "report.json")
     real = (b / "manifest.json").read_text()
     (b / "manifest.json").write_text('{"variants": {"src": 1}}')
     (b / "src").mkdir()

@@ -192,7 +192,7 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     if rtype == "linear":  # (transformers' _compute_linear_scaling_rope_parameters: only the factor)
         if params.get("factor") is None:
             raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by linear RoPE scaling)")
-        if extra := sorted(set(params) - {"factor", "rope_theta", "partial_rotary_factor", type_key}):
+        if extra := sorted(set(params) - {"factor", "rope_theta", "partial_rotary_factor", "rope_type", "type"}):
             notes.append(f"{where}: {', '.join(extra)} not read by linear RoPE scaling (transformers ignores them too)")
         return theta, {"rope_type": "linear", "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}
     if rtype == "yarn":
