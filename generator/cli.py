@@ -533,9 +533,10 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
 def clean_cmd(build_dir):
     """Remove the build directory: only one that holds nothing but what a build writes (its manifest, objects/,
     the variants' directories, report.json/.csv, its lock and temporary files, and bench/e2e.py's
-    e2e-variants.yaml); any other entry (or one of those names of another kind: a report.json directory), a manifest.json
-    that is not a build's, a symbolic link, or the directory this command runs in (or one above it) refuses the
-    whole removal in one line, and so does a build still using it (its shared lock on .busy, or a compile's lock).
+    e2e-variants.yaml); any other entry (or one of those names of another kind: a report.json directory), a
+    manifest.json that is not a build's, a symbolic link, or the directory this command runs in (or one above it)
+    refuses the whole removal in one line, and so does a build still using it (its shared lock on .busy, or a
+    compile's lock).
     What a build's own subdirectories hold (objects/, a variant's) goes with them."""
     p = Path(build_dir)
     if p.is_symlink():

@@ -1,8 +1,8 @@
 """The decoder layer written plainly in PyTorch, in the model's dtype: the serving model's fallback and prefill path.
 
 Merged q/k/v and gate/up GEMMs (cuBLAS), RoPE from a table gathered by position, the KV-cache append by index, SDPA
-over the cache's first kv_len rows with a length mask (GQA without expanding K/V). Same cache layout as the fused kernel
-([batch, kv_heads, cache_len, head_dim]), so one pair of caches serves both paths. No host syncs and no
+over the cache's first kv_len rows with a length mask (GQA without expanding K/V). Same cache layout as the fused
+kernel ([batch, kv_heads, cache_len, head_dim]), so one pair of caches serves both paths. No host syncs and no
 value-dependent shapes in `decode`: it can be captured in a CUDA graph. Runs on the CPU too (any float dtype).
 """
 from __future__ import annotations

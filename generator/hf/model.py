@@ -47,8 +47,6 @@ def _built_variant(name: str, build_dir):
     return loader._variant_from_entry(entry)
 
 
-
-
 def _check_variant_fits(ck: _Checkpoint, v) -> None:
     """The built variant must compute exactly this checkpoint's layer (its dtype may differ: weights are cast)."""
     for field in gvariants.LAYER_FIELDS:
