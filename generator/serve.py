@@ -449,7 +449,7 @@ def host_memory() -> tuple[int, int] | None:
 
 
 def checkpoint_bytes(files: Iterable[Path]) -> int:
-    """Size on disk of a checkpoint's safetensors files."""
+    """Size on disk of a checkpoint's weight files (safetensors or PyTorch)."""
     return sum(Path(f).stat().st_size for f in set(files))
 
 
@@ -588,7 +588,7 @@ class Model:
                 max_batch: int | None = None, cache_len: int | None = None, dtype: torch.dtype | None = None,
                 unfused: bool = True, gpu_name: str | None = None, routes_dir=None, group=None,
                 default_cache_len: int | None = None) -> "Model":
-        """Load a checkpoint directory (safetensors + config.json) for serving.
+        """Load a checkpoint directory (config.json and safetensors or PyTorch weights) for serving.
 
         variants: names of built variants to use (each must be built in build_dir and compute this checkpoint's
         layer: LoadError / HFConfigError); None: every variant of build_dir's manifest that computes it (none is
@@ -862,7 +862,7 @@ class Model:
         kv_caches, workspaces (one per variant, shared by its layers), step_buffers (each decode path's inputs,
         logits and token history: [cache_len, batch] int64; the fused draw's scratch), graphs (pool growth measured
         around each capture),
-        total; and checkpoint_bytes (the safetensors files on disk) for comparison."""
+        total; and checkpoint_bytes (the weight files on disk) for comparison."""
         def nbytes(t):
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         seen, storages, fused_w, ws = set(), set(), 0, 0

@@ -675,7 +675,7 @@ def test_load_hf_sharded_checkpoint_names_the_shard(tmp_path):
     assert name in str(exc.value) and "model.safetensors.index.json" in str(exc.value)
     # an index that is no JSON, or JSON without a weight_map: each said as such, in one line
     for text, want in (("{bad", r"index.json: not valid JSON \(Expecting property name"),
-                       ('{"metadata": {}}', r"index.json: not a safetensors index \(no 'weight_map' object\)$")):
+                       ('{"metadata": {}}', r"index.json: not a checkpoint index \(no 'weight_map' object\)$")):
         (d / "model.safetensors.index.json").write_text(text)
         with pytest.raises(hf.HFCheckpointError, match=want):
             hf._Checkpoint(d)

@@ -351,8 +351,8 @@ def test_checkpoint_faults_a_user_makes_are_one_line_errors(tmp_path, monkeypatc
 
 def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_path):
     """model.safetensors as a link to nothing, as a directory, a shard of an index missing, and a pytorch_model.bin
-    with no safetensors file (transformers would load it; we do not: said, with the way out): each one line naming
-    what it is, not "missing" (a new user's trial)."""
+    (read where no safetensors file is, as transformers reads it) that is empty or holds more than named tensors:
+    each one line naming what it is, not "missing" (a new user's trial)."""
     _, d = make_tiny("llama", tmp_path)
     real = tmp_path / "weights.safetensors"
     (d / "model.safetensors").rename(real)
@@ -364,10 +364,20 @@ def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_pat
     with pytest.raises(hf.HFCheckpointError, match="model.safetensors: not a file$"):
         hf._Checkpoint(d)
     (d / "model.safetensors").rmdir()
-    (d / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(hf.HFCheckpointError, match="only safetensors .* pytorch_model.bin is not read"):
+    (d / "pytorch_model.bin").write_bytes(b"")  # (read where no safetensors file is: this one is empty)
+    with pytest.raises(hf.HFCheckpointError, match=r"pytorch_model.bin: not a readable PyTorch checkpoint \(loaded "
+                                                   r"as transformers does: weights_only\): [^\n]+$"):
         hf._Checkpoint(d)
     (d / "pytorch_model.bin").unlink()
+    import torch
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "step": 3}, d / "pytorch_model.bin")  # (not tensors)
+    with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable PyTorch checkpoint .*: not a "
+                                                   "state dict of named tensors$"):
+        hf._Checkpoint(d)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(hf.HFCheckpointError, match="no model.safetensors, model.safetensors.index.json, "
+                                                   "pytorch_model.bin or pytorch_model.bin.index.json"):
+        hf._Checkpoint(d)
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(hf.HFCheckpointError, match="model-00001-of-00002.safetensors: no such file \\(a shard listed "

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator import reference, sampler, serve
+from generator import hf, reference, sampler, serve
 from generator.serve import Choice, ServeError, decode_choice, prefill_plan
 from generator.unfused import UnfusedLayer
 from generator.variants import Model as Shape, Variant
@@ -451,6 +451,45 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
         assert got.tokens[b] == ref[0, len(p):].tolist(), b
         ours = torch.stack([lg[b] for lg in got.logits])
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_pytorch_checkpoint_generates_as_transformers(tmp_path, shard):
+    """A checkpoint saved as PyTorch files (pytorch_model.bin, or shards and their pytorch_model.bin.index.json),
+    which transformers loads where a directory has no safetensors file: served with the same tokens and logits as
+    transformers' own generate from that directory; beside a model.safetensors the safetensors file is read, as
+    transformers reads it."""
+    T = transformers
+    d = tmp_path / "bin"
+    sd = make_llama(d, seed=11, tie_word_embeddings=False).state_dict()
+    (d / "model.safetensors").unlink()  # (transformers 5 saves safetensors only: the files as older versions wrote them)
+    if shard:
+        names = sorted(sd)
+        parts = [names[:len(names) // 2], names[len(names) // 2:]]
+        files = [f"pytorch_model-0000{i + 1}-of-00002.bin" for i in range(2)]
+        for f, part in zip(files, parts):
+            torch.save({k: sd[k].clone() for k in part}, d / f)
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, part in zip(files, parts) for k in part}}))
+    else:
+        torch.save({k: t.clone() for k, t in sd.items()}, d / "pytorch_model.bin")
+    ref_model = T.LlamaForCausalLM.from_pretrained(d).eval()  # (transformers' own read of the .bin files)
+    model = cpu_model(d)
+    assert model.checkpoint_bytes == sum(f.stat().st_size for f in d.glob("pytorch_model*.bin"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the CPU's one-line fallback warning)
+        got = model.generate(prompts, 8, output_logits=True)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = ref_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+            ref_logits = ref_model(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
+        assert got.tokens[b] == ref[0, len(p):].tolist(), b
+        assert rel(torch.stack([lg[b] for lg in got.logits]), ref_logits) <= 1e-4
+    assert hf._Checkpoint(d).index_path.name == ("pytorch_model.bin.index.json" if shard else "pytorch_model.bin")
+    make_llama(tmp_path / "st", seed=12)  # a model.safetensors beside the .bin: transformers reads it, so do we
+    (tmp_path / "st" / "model.safetensors").rename(d / "model.safetensors")
+    assert hf._Checkpoint(d).index_path.name == "model.safetensors"
 
 
 @pytest.mark.parametrize("rows,cache_len,want", [(1, 4096, 256), (256, 4096, 256), (257, 4096, 512),

@@ -2,12 +2,12 @@
 
     config.py      config.json -> variants.yaml model fields (model_entry, model_from_hf; `megakernel from-hf`)
     yaml_edit.py   the entry as YAML text, appended to a variants file (variant_entry_yaml, append_entry)
-    checkpoint.py  safetensors files: which holds each tensor, shapes and dtypes from the headers
+    checkpoint.py  the weight files (safetensors, or PyTorch's): which holds each tensor, shapes and dtypes
     model.py       load_hf (one FusedDecoderLayer) and FusedModel (embeddings + every layer + lm_head)
 
 Only what the kernel computes exactly is mapped; anything else is a one-line HFConfigError naming the file and the
-field, never approximated. Checkpoint problems are found from the safetensors headers, before any tensor is read
-or anything touches CUDA.
+field, never approximated. Checkpoint problems are found from the files' headers (a PyTorch file's pickled
+metadata, memory-mapped), before any tensor is read or anything touches CUDA.
 """
 from .checkpoint import HFCheckpointError, _Checkpoint
 from .config import (HFConfigError, Mapped, Window, check_window, config_dtype, config_path, default_name,

@@ -1,4 +1,6 @@
-"""A safetensors checkpoint directory: which file holds each tensor, its shape and dtype, from the headers only."""
+"""A checkpoint directory: which file holds each tensor, its shape and dtype, from the headers only (safetensors), or
+from a PyTorch checkpoint's pickled metadata with its storages memory-mapped (pytorch_model.bin, as transformers reads
+one where a directory has no safetensors file)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,12 @@ from .config import HFConfigError, map_config
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"  # (transformers' WEIGHTS_NAME / WEIGHTS_INDEX_NAME)
+BIN_INDEX = "pytorch_model.bin.index.json"
+# torch dtypes as safetensors names them (the names `dtype` returns)
+_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "uint8": "U8",
+             "int16": "I16", "int32": "I32", "int64": "I64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+             "float8_e5m2": "F8_E5M2"}
 # buffers some old checkpoints saved with the layer: recomputed from the config, never used as weights
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -29,9 +37,10 @@ def _unusable(file: Path) -> str | None:
 
 
 def weights_file(cfg_path: Path, cfg: dict) -> Path:
-    """The file transformers 5.24 loads from a local directory (modeling_utils._get_resolved_checkpoint_files): the
-    config's `transformers_weights` if set, else model.safetensors, else model.safetensors.index.json. A
-    model.safetensors wins over an index next to it (e.g. a stale one left by an earlier sharded save)."""
+    """The file transformers 5.25 loads from a local directory (modeling_utils._get_resolved_checkpoint_files): the
+    config's `transformers_weights` if set, else model.safetensors, else model.safetensors.index.json, else
+    pytorch_model.bin, else pytorch_model.bin.index.json. A model.safetensors wins over an index next to it (e.g. a
+    stale one left by an earlier sharded save)."""
     d = cfg_path.parent
     explicit = cfg.get("transformers_weights")
     if explicit is not None:
@@ -42,15 +51,65 @@ def weights_file(cfg_path: Path, cfg: dict) -> Path:
         if not p.is_file():
             raise HFCheckpointError(f"{p}: no such file (named by field 'transformers_weights' of {cfg_path})")
         return d / str(explicit)
-    for name in (SINGLE, INDEX):
+    names = (SINGLE, INDEX, BIN, BIN_INDEX)
+    for name in names:
         if (d / name).is_file():
             return d / name
-    for name in (SINGLE, INDEX):  # there, but not a file: said as such, not as absent
+    for name in names:  # there, but not a file: said as such, not as absent
         if (d / name).is_symlink() or (d / name).exists():
             raise HFCheckpointError(f"{d / name}: {_unusable(d / name)}")
-    bins = " (its pytorch_model.bin is not read: save it as safetensors, save_pretrained's default)" if any(
-        d.glob("pytorch_model*.bin")) else ""
-    raise HFCheckpointError(f"{d}: no {SINGLE} or {INDEX} (only safetensors checkpoints are supported){bins}")
+    raise HFCheckpointError(f"{d}: no {SINGLE}, {INDEX}, {BIN} or {BIN_INDEX} (the weights transformers would load)")
+
+
+class _SafeFile:
+    """A safetensors file's tensors: names, shapes and dtypes from its header; a tensor read on get()."""
+
+    def __init__(self, file: Path):
+        from safetensors import safe_open
+        self._f = safe_open(str(file), framework="pt")
+
+    def keys(self):
+        return self._f.keys()
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(tensor).get_shape())
+
+    def dtype(self, tensor: str) -> str:
+        return self._f.get_slice(tensor).get_dtype()
+
+    def get(self, tensor: str):
+        return self._f.get_tensor(tensor)
+
+
+class _TorchFile:
+    """A PyTorch checkpoint file's tensors as transformers reads one (modeling_utils.load_state_dict: torch.load with
+    weights_only=True, on the CPU, memory-mapped: a tensor's bytes are read when it is used)."""
+
+    def __init__(self, file: Path):
+        import torch
+        try:
+            sd = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):  # (the legacy, pre-zip format cannot be mapped: read whole)
+                raise
+            sd = torch.load(str(file), map_location="cpu", weights_only=True)
+        if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                               for k, t in sd.items()):
+            raise ValueError("not a state dict of named tensors")
+        self._sd = sd
+
+    def keys(self):
+        return self._sd.keys()
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self._sd[tensor].shape)
+
+    def dtype(self, tensor: str) -> str:
+        t = str(self._sd[tensor].dtype).removeprefix("torch.")
+        return _ST_DTYPE.get(t, t.upper())
+
+    def get(self, tensor: str):
+        return self._sd[tensor]
 
 
 class _Checkpoint:
@@ -64,6 +123,7 @@ class _Checkpoint:
         self.model = self.mapped.model(kernel)
         self.index_path = weights_file(self.cfg_path, self.cfg)
         self.files: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
         if self.index_path.name.endswith(".index.json"):
             try:
                 index = json.loads(self.index_path.read_text())
@@ -74,28 +134,28 @@ class _Checkpoint:
             try:
                 items = index["weight_map"].items()
             except (KeyError, TypeError, AttributeError):
-                raise HFCheckpointError(f"{self.index_path}: not a safetensors index (no 'weight_map' object)") \
+                raise HFCheckpointError(f"{self.index_path}: not a checkpoint index (no 'weight_map' object)") \
                     from None
             for tensor, shard in items:
                 self.files[tensor] = self.dir / shard
         else:
-            for tensor in self._open(self.index_path).keys():
+            for tensor in self.handle(self.index_path).keys():
                 self.files[tensor] = self.index_path
         self.prefix = "model." if any(t.startswith("model.layers.") for t in self.files) else ""
-        self._handles: dict[Path, object] = {}
 
     def _open(self, file: Path):
-        from safetensors import safe_open
         if why := _unusable(file):
             raise HFCheckpointError(f"{file}: {why}" + (f" (a shard listed in {self.index_path.name})"
                                                          if file != self.index_path else ""))
+        torch_file = file.name.endswith(".bin")  # (transformers: the weights name or its index's shards)
         try:
-            return safe_open(str(file), framework="pt")
+            return _TorchFile(file) if torch_file else _SafeFile(file)
         except FileNotFoundError:
             raise HFCheckpointError(f"{file}: shard listed in {self.index_path.name} is missing") from None
-        except Exception as exc:  # safetensors raises its own error types for a corrupt header
-            raise HFCheckpointError(f"{file}: not a readable safetensors file: {str(exc).splitlines()[0]}") \
-                from None
+        except Exception as exc:  # safetensors and torch.load raise their own error types for a corrupt file
+            what = "PyTorch checkpoint (loaded as transformers does: weights_only)" if torch_file else "safetensors file"
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise HFCheckpointError(f"{file}: not a readable {what}: {first}") from None
 
     def handle(self, file: Path):
         if file not in self._handles:
@@ -112,11 +172,11 @@ class _Checkpoint:
         return file
 
     def shape(self, tensor: str) -> tuple[int, ...]:
-        return tuple(self.handle(self.where(tensor)).get_slice(tensor).get_shape())
+        return self.handle(self.where(tensor)).shape(tensor)
 
     def dtype(self, tensor: str) -> str:
         """The stored dtype as safetensors names it: "BF16", "F16", "F32", ..."""
-        return self.handle(self.where(tensor)).get_slice(tensor).get_dtype()
+        return self.handle(self.where(tensor)).dtype(tensor)
 
     def check(self, tensor: str, shape: tuple[int, ...]) -> None:
         """HFCheckpointError unless `tensor` is stored as floats (BF16, F16, F32, F64: a quantized or integer tensor
@@ -131,7 +191,7 @@ class _Checkpoint:
 
     def get(self, tensor: str):
         """The tensor as stored (CPU, its own dtype)."""
-        return self.handle(self.where(tensor)).get_tensor(tensor)
+        return self.handle(self.where(tensor)).get(tensor)
 
     def check_layer(self, i: int) -> dict[str, str]:
         """Shapes of every tensor of layer i against reference.weight_shapes; -> {short name: full name}."""

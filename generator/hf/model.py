@@ -1,6 +1,6 @@
 """Fused layers from a checkpoint: load_hf (one FusedDecoderLayer) and FusedModel (embeddings, every layer, lm_head).
 
-Everything is checked from the config and the safetensors headers before a tensor is read or CUDA is touched."""
+Everything is checked from the config and the weight files' headers before a tensor is read or CUDA is touched."""
 from __future__ import annotations
 
 import warnings
