@@ -3,12 +3,11 @@
 # checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that. Parts that
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
-#   bash bench/queue.sh build     # on the CPU: every plan below compiled into build-ab/<tag>/
-#   bash bench/queue.sh next      # one device call: DOWN_FLOW 1's rule on the H200; COOP 0 with barriers; QKV_NWG 16 at b1
-#   bash bench/queue.sh first     # one call (~9 min, run with timeout_s 600, carry .whl): serve's bounded unfused step
-#                                 # (kv_bucket), then the whole check in the time left (BUDGET s, default 560)
-#   bash bench/queue.sh second    # one call (carry .whl): e2e (and on an undeclared yarn checkpoint), then the
-#                                 # main GPU tests
+#   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/ (none queued now)
+#   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
+#                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
+#   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
+#                                 # the main GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -34,37 +33,9 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_next() {  # against the plan of each row (full context / serving mix), for the H200: (1) session 52's DOWN_FLOW 1
-  # rule (the counters under the LL rule at 8-warp down_proj groups; the H100 had the barrier +0.4 ... +2.3 % on 14 of
-  # 16 timings, -1.6 % at q-r37): the old plan {DOWN_FLOW 0} against it; (2) COOP 0 with grid barriers left, now over
-  # one word (level with grid.sync at Llama-3.2-1B b8 on the H100, session 52), with QKV_PRE 1 (its gain at batch 1
-  # without barriers: -0.8 ... -2.9 %), where the plan keeps barriers
-  local o='{"DOWN_FLOW": 0}' c='{"COOP": 0, "QKV_PRE": 1}' q=--variants=bench/queue-variants.yaml
-  ab next full,mix $q --case qwen2.5-7b_decode_b4_s1024_bf16 "$o" --case ho-hd96-g4_decode_b5_s4096_bf16 "$o" \
-    --case q-r37_decode_b2_s1024_bf16 "$o" --case q-r322_decode_b5_s4096_bf16 "$o" \
-    --case q-r382_decode_b1_s1024_bf16 "$o" --case qwen2.5-7b_decode_b1_s4096_bf16 "$o" \
-    --case llama3-8b_decode_b1_s4096_bf16 "$c" --case llama3.2-1b_decode_b8_s4096_bf16 "$c" \
-    --case llama3-8b_decode_b8_s4096_bf16 "$c" --case ho-l2-7b_decode_b1_s2048_bf16 "$c"
-  # (3) qkv in whole-block groups (QKV_NWG 16) at batch 1 under the LL rule, where fewest_rounds planned smaller
-  # groups for one round: session 55's H200 retune took it for Llama-3.2-1B b1 KV 4096 (-1.6 % in the tuner's
-  # timing, 41.8 -> 41.3 us in the check) and, with GU_PRE 1, for Qwen2.5-0.5B b1 KV 4096 (-6.3 %). Reading: under
-  # QKV_FLOW 2 attention waits for a KV head's tiles, and a tile done by 16 warps is done sooner, so a second round of
-  # whole-block tiles (60 SMs at 1B) may beat one round of half-block ones. Prediction: -0.5 ... -2 % where qkv takes
-  # <= 2 rounds at 16 warps (1B KV 1024, 0.5B KV 1024, held-out hidden 1440 / SmolLM-360M / yarn); level or worse
-  # where it takes 3 (Qwen2.5-7B's 288 tiles, hidden 3072's 320, q-r382); a planner rule if it holds
-  local w='{"QKV_NWG": 16}' w8='{"QKV_NWG": 8}'
-  ab next-qkvnwg full,191 $q --case llama3.2-1b_decode_b1_s1024_bf16 "$w" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$w" \
-    --case ho-h1440-hd80_decode_b1_s4096_bf16 "$w" --case ho-smol-360m_decode_b1_s2048_bf16 "$w" \
-    --case ho-yarn_decode_b1_s8192_bf16 "$w" --case qwen2.5-7b_decode_b1_s4096_bf16 "$w" \
-    --case qwen2.5-7b_decode_b1_s4096_bf16 "$w8" --case ho-h3072-g3_decode_b1_s4096_bf16 "$w" \
-    --case q-r382_decode_b1_s1024_bf16 "$w"
-}
-
-part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 600): session 55's changes, never run
-  # on a GPU: serve's unfused decode step bounded by its positions (kv_bucket, a graph a bucket in one pool), then the
-  # whole check, which now holds the held-out linear- and yarn-RoPE shapes (ho-linrope, ho-yarn: decode and a prefill
-  # chunk each).
-  # Logs in $OUT/logs.tgz
+part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
+  # path's GPU tests (session 55's bounded decode step among them; ran in session 56), then the whole check with its
+  # held-out shapes. Logs in $OUT/logs.tgz
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
@@ -76,8 +47,8 @@ part_first() {  # the call a session starts with (carry .whl; ~9 min: timeout_s 
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_second() {  # the call after `first` (carry .whl): e2e (the unfused provider's decode now bounded by its
-  # positions), then the main GPU tests in the time left (session 55's first call cut them after 73 s)
+part_second() {  # the call after `first` (carry .whl; ~6.5 min on an H100): e2e, e2e on a checkpoint of a shape
+  # variants.yaml does not declare, then the main GPU tests in the time left
   local t0=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
     .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
@@ -115,16 +86,15 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|next|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_next ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
-  next) part_next ;;
   first) part_first ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|next|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
