@@ -327,6 +327,22 @@ def cpu_model(d, **kw):
     return serve.Model.from_hf(d, **kw)
 
 
+def generate_beside(model, hfm, prompts, n):
+    """model.generate(prompts, n) greedy (the CPU's one-line fallback warning silenced) beside transformers' greedy
+    generate of each prompt alone: a prompt's (our tokens, our logits [n, vocab], transformers' sequence
+    [1, len + n], its logits [n, vocab])."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model.generate(prompts, n, output_logits=True)
+    out = []
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hfm.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            out.append((got.tokens[b], torch.stack([lg[b] for lg in got.logits]), ref,
+                        hfm(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]))
+    return out
+
+
 def test_a_shape_no_kernel_computes_is_served_unfused(tmp_path):
     """A checkpoint whose shape the fused kernels cannot compute (head_dim 12, hidden 72, intermediate 100: not the
     tensor cores' multiples of 16) is served by the unfused layers, as transformers runs it (greedy tokens equal),
@@ -440,16 +456,10 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
     model = cpu_model(d)
     assert dict(model.shape.rope_scaling).items() >= scaling.items()
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 1]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the CPU's one-line fallback warning)
-        got = model.generate(prompts, 10, output_logits=True)
-    for b, p in enumerate(prompts):
+    for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, hfm, prompts, 10)):
         with torch.no_grad():
-            ref = hfm.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
-            ref_logits = hfm(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
-            plain_logits = plain(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
-        assert got.tokens[b] == ref[0, len(p):].tolist(), b
-        ours = torch.stack([lg[b] for lg in got.logits])
+            plain_logits = plain(input_ids=ref[:, :-1]).logits[0, len(prompts[b]) - 1:]
+        assert tokens == ref[0, len(prompts[b]):].tolist(), b
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
 
 
@@ -477,15 +487,8 @@ def test_a_pytorch_checkpoint_generates_as_transformers(tmp_path, shard):
     model = cpu_model(d)
     assert model.checkpoint_bytes == sum(f.stat().st_size for f in d.glob("pytorch_model*.bin"))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the CPU's one-line fallback warning)
-        got = model.generate(prompts, 8, output_logits=True)
-    for b, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = ref_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-            ref_logits = ref_model(input_ids=ref[:, :-1]).logits[0, len(p) - 1:]
-        assert got.tokens[b] == ref[0, len(p):].tolist(), b
-        assert rel(torch.stack([lg[b] for lg in got.logits]), ref_logits) <= 1e-4
+    for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, ref_model, prompts, 8)):
+        assert tokens == ref[0, len(prompts[b]):].tolist() and rel(ours, ref_logits) <= 1e-4, b
     assert hf._Checkpoint(d).index_path.name == ("pytorch_model.bin.index.json" if shard else "pytorch_model.bin")
     make_llama(tmp_path / "st", seed=12)  # a model.safetensors beside the .bin: transformers reads it, so do we
     (tmp_path / "st" / "model.safetensors").rename(d / "model.safetensors")
