@@ -156,8 +156,16 @@ def _construct_mapping(loader, node, deep=False):
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 # YAML 1.1 (PyYAML) reads 1e-5 and 1e-05 (how HF configs write eps) as strings: take them as floats, as YAML 1.2 does
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+EXP_FLOAT = ("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+             list("-+0123456789."))
+_UniqueKeyLoader.add_implicit_resolver(*EXP_FLOAT)
+
+
+class Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings this module's loader reads as floats (a model named 1e5)."""
+
+
+Dumper.add_implicit_resolver(*EXP_FLOAT)
 
 
 def _type_name(types):
@@ -256,8 +264,8 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
     """Validate one model entry; returns the Model and its own matrix override (or None). kernel=False: without
     the fused kernels' own limits (tile_problem), for a checkpoint served by the unfused layers only."""
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise VariantError(f"{where}: model name {name!r} must be lower-case letters, digits, '.', '_' or '-' "
-                           "(its variants' names start with it)")
+        raise VariantError(f"{where}: model name {name!r} must be lower-case letters, digits, '.', '_' or '-', "
+                           "starting with a letter or digit (its variants' names start with it)")
     if not isinstance(raw, dict):
         raise VariantError(f"{where}: entry must be a mapping of fields, got {type(raw).__name__}")
     for key in raw:

@@ -208,7 +208,7 @@ def test_qwen_yarn_recipe_maps_with_transformers_defaults(tmp_path):
     assert fields["rope_scaling"]["factor"] == 4.0
 
 
-YARN_FORMS = [  # (model_type, config.json's RoPE fields): the forms transformers resolves differently
+ROPE_FORMS = [  # (model_type, config.json's RoPE fields): the forms transformers resolves differently
     ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}),  # (original: max_pos)
     ("llama", {"original_max_position_embeddings": 4096,  # (a top-level value wins over the dict's)
@@ -219,13 +219,19 @@ YARN_FORMS = [  # (model_type, config.json's RoPE fields): the forms transformer
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": None}}),  # (null: no truncation)
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 8192,
                                 "attention_factor": 1.25}}),
+    # llama3's band with high_freq_factor not above low_freq_factor (transformers warns and runs it)
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+                                "original_max_position_embeddings": 8192}}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                                "original_max_position_embeddings": 8192}}),
 ]
 
 
-@pytest.mark.parametrize("model_type,rope", YARN_FORMS)
-def test_yarn_frequencies_and_factor_equal_transformers(tmp_path, model_type, rope):
+@pytest.mark.parametrize("model_type,rope", ROPE_FORMS)
+def test_rope_frequencies_and_factor_equal_transformers(tmp_path, model_type, rope):
     """host.inv_freq and host.rope_attention of the mapped entry are transformers' rotary embedding's inv_freq (bit
-    for bit) and attention_scaling, for each form of yarn's parameters config.json may give."""
+    for bit) and attention_scaling, for each form of yarn's parameters config.json may give, and llama3's with an
+    empty smoothing band."""
     import transformers as T
     from generator import host
     cfg = {"model_type": model_type, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
@@ -290,9 +296,18 @@ def test_float32_checkpoint_maps_to_bf16_with_a_comment(tmp_path):
 
 
 def test_entry_yaml_quotes_names_yaml_would_retype(tmp_path):
+    """A name that YAML would read as a number is quoted, as variants.yaml's loader reads it (1e5 and 1e-3 too: the
+    loader takes exponent floats as YAML 1.2 does; a trial found them written bare and read back as 100000.0); a
+    name not starting with a letter or digit is refused saying so."""
     d = write_config(tmp_path, "1.5", QWEN2_5_0_5B)
     text = hf.variant_entry_yaml(d)
     assert list(yaml.safe_load("models:\n" + text)["models"]) == ["1.5"]
+    for name in ("1e5", "1e-3", "1.0e5", "1_0"):
+        text = hf.variant_entry_yaml(d, name)
+        (v,) = gvariants.parse("matrix: {mode: [decode], batch: [1], seq_len: [64]}\nmodels:\n" + text, "x.yaml")
+        assert v.model.name == name, text
+    with pytest.raises(gvariants.VariantError, match=r"model name '.inf' must be .*, starting with a letter or digit"):
+        hf.variant_entry_yaml(d, ".inf")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -212,8 +212,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
             if v is None:
                 raise HFConfigError(f"{cfg_path}: missing field '{where}.{key}' (needed by llama3 RoPE scaling)")
             scaling[key] = _check_number(cfg_path, f"{where}.{key}", v)
-    if scaling["low_freq_factor"] == scaling["high_freq_factor"]:
-        raise HFConfigError(f"{cfg_path}: field '{where}.high_freq_factor' must differ from low_freq_factor")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # (transformers warns and runs it: so do we)
+        notes.append(f"{where}.high_freq_factor {scaling['high_freq_factor']} is not above low_freq_factor "
+                     f"{scaling['low_freq_factor']} (transformers warns and runs it: no frequency is smoothed)")
     return theta, scaling
 
 

@@ -20,9 +20,11 @@ _WINDOW_COMMENT = re.compile(r"^\s*#\s*sliding_window (\d+) \((.*)\): ")
 def _yaml_line(key, value) -> str:
     """One `key: value` line; a mapping value in flow style ({a: 1, b: 2}), as variants.yaml writes rope_scaling."""
     if isinstance(value, dict):
-        flow = yaml.safe_dump(value, sort_keys=False, default_flow_style=True, width=10**9).strip()
+        flow = yaml.dump(value, Dumper=gvariants.Dumper, sort_keys=False, default_flow_style=True,
+                         width=10**9).strip()
         return f"{_yaml_line(key, None).removesuffix(' null')} {flow}"
-    return yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=10**9).rstrip("\n")
+    return yaml.dump({key: value}, Dumper=gvariants.Dumper, sort_keys=False, default_flow_style=False,
+                     width=10**9).rstrip("\n")
 
 
 def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str:
