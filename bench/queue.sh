@@ -3,7 +3,8 @@
 # checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that. Parts that
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
-#   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/ (none queued now)
+#   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
+#   bash bench/queue.sh dsmem     # one call (~4 min): DOWN_SMEM's GPU test, then its A/B on eight batch-1/8 shapes
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -31,6 +32,22 @@ step() {  # step NAME CMD...: runs CMD with its output in $OUT/NAME.log, a line 
 ab() {  # ab TAG ROWS --case ... : one A/B run
   local tag=$1 rows=$2; shift 2
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
+}
+
+part_dsmem() {  # session 56: DOWN_SMEM 1 (built, compiled clean, not yet run on a GPU): the block's first down_proj
+  # task's weights bulk-copied into shared memory from gate_up's start (one mbarrier), so down_proj reads them there.
+  # Reading (session 55's H200 timeline, 0.5B b1 row 191): gate_up ends at 20.8 us (median), the 56 down_proj blocks
+  # at 25.5 (8.7 MB streamed by 56 SMs once act is in: ~35 GB/s an SM); the MLP's 26 MB need 6.5 us of DRAM, it took
+  # 11.7. The L2 prefetch lost (its requests doubled the L2's and queued before the chain's); a bulk copy moves each
+  # byte once, into the SM, with no register held, while gate_up streams its own. Prediction: -5 ... -12 % at 0.5B b1,
+  # -3 ... -8 % at SmolLM-360M-like and hidden 1440 b1, -1 ... -3 % at 1B / Qwen3-1.7B b1 (part of the task staged,
+  # the counters already overlap), level at 0.5B b8. First the GPU test (bit-equal to the plan without it)
+  [ -n "$BUILD" ] || step gputests-dsmem timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py -k staged_in_shared
+  local a='{"DOWN_SMEM": 1}'
+  ab dsmem full,191 --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" \
+    --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-h1440-hd80_decode_b1_s4096_bf16 "$a" \
+    --case llama3.2-1b_decode_b1_s4096_bf16 "$a" --case qwen3-1.7b_decode_b1_s4096_bf16 "$a" \
+    --case ho-yarn_decode_b1_s8192_bf16 "$a" --case qwen2.5-0.5b_decode_b8_s4096_bf16 "$a"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -86,15 +103,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
+  dsmem) part_dsmem ;;
   first) part_first ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

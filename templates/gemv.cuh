@@ -127,6 +127,13 @@ struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a g
     static constexpr bool active = false;
     __device__ void operator()(int) const {}
 };
+struct NoStaged {  // gemv's `staged` where every weight comes from global memory (else: down_proj.cuh DownStaged)
+    static constexpr bool active = false;
+    __device__ bool covers(int) const { return false; }
+    __device__ void wait() const {}
+    __device__ uint4 load(int, int) const { return make_uint4(0u, 0u, 0u, 0u); }
+    static constexpr int kt = 0;
+};
 
 // a task's first tile and its split: a tile's KSPLIT splits are consecutive tasks (run in the same round, so with
 // QKV_FLOW 2's unreduced splits a whole head is in as early as unsplit), the tiles from TILE0 on (then wrapping)
@@ -215,12 +222,14 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 // [chunk x NWG x U, (chunk + 1) x NWG x U), after that step's weight loads are issued; it returns once they are written.
 // DB (the decode plan's RED_DB): the partial sums red double-buffered by round; 0: one buffer, the group meeting
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
+// staged (Staged::active; KSPLIT 1, TM 1): a task it covers has its k-tiles below staged.kt in shared memory
+// (staged.wait(): until their copy is in; staged.load(kt, lane): the lane's 16 bytes), the rest from W as any task's.
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, int XF = 0, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait>
+          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait, class Staged = NoStaged>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
                                      const GemvPre<U * TM>* pre = nullptr, Wait wait = {},
-                                     unsigned ll_e = 0u) {
+                                     unsigned ll_e = 0u, Staged staged = {}) {
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
@@ -231,7 +240,21 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     constexpr int RED = NWG * TM * 16 * BATCH;  // a buffer of the group's partial sums: [warp][TM][16][BATCH]
     float* my_red = red + group * (1 + DB) * RED;
     static_assert(KSPLIT == 1 || (!Done::active && !Wait::active), "per-tile completion is for unsplit projections");
+    static_assert(!Staged::active || (KSPLIT == 1 && TM == 1 && !PRE), "staged weights: one unsplit tile a task");
     auto load_step = [&](int task, int k0, uint4 (&a)[U * TM]) {
+        if constexpr (Staged::active) {
+            if (staged.covers(task)) {
+                staged.wait();
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int kt = k0 + u * NWG;
+                    a[u] = kt >= KT ? make_uint4(0u, 0u, 0u, 0u)
+                           : kt < staged.kt ? staged.load(kt, lane)
+                           : ld_weight(W + ((size_t)gemv_task<N, 1, TILE0, 1>(task).x * KT + kt) * 256 + lane * 8);
+                }
+                return;
+            }
+        }
         gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,

@@ -351,8 +351,9 @@ def test_checkpoint_faults_a_user_makes_are_one_line_errors(tmp_path, monkeypatc
 
 def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_path):
     """model.safetensors as a link to nothing, as a directory, a shard of an index missing, and a pytorch_model.bin
-    (read where no safetensors file is, as transformers reads it) that is empty or holds more than named tensors:
-    each one line naming what it is, not "missing" (a new user's trial)."""
+    (read where no safetensors file is, as transformers reads it) that is empty, holds no tensor, holds a numpy array
+    (torch.load's weights_only refusal: its cause said) or is a Git LFS pointer: each one line naming what it is,
+    not "missing" (a new user's trial)."""
     _, d = make_tiny("llama", tmp_path)
     real = tmp_path / "weights.safetensors"
     (d / "model.safetensors").rename(real)
@@ -369,10 +370,16 @@ def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_pat
                                                    r"as transformers does: weights_only\): [^\n]+$"):
         hf._Checkpoint(d)
     (d / "pytorch_model.bin").unlink()
+    import numpy as np
     import torch
-    torch.save({"model.embed_tokens.weight": torch.zeros(2), "step": 3}, d / "pytorch_model.bin")  # (not tensors)
-    with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable PyTorch checkpoint .*: not a "
-                                                   "state dict of named tensors$"):
+    for obj, why in (({"step": 3}, "not a state dict of named tensors$"),  # (no tensor at all)
+                     ({"model.embed_tokens.weight": np.zeros(2)}, "Unsupported global: [^\n\x1b]+$")):
+        torch.save(obj, d / "pytorch_model.bin")
+        with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable PyTorch checkpoint .*: " + why):
+            hf._Checkpoint(d)
+    (d / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable .*: a Git LFS pointer, not the "
+                                                   "weights \\(fetch them: git lfs pull\\)$"):
         hf._Checkpoint(d)
     (d / "pytorch_model.bin").unlink()
     with pytest.raises(hf.HFCheckpointError, match="no model.safetensors, model.safetensors.index.json, "

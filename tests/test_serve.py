@@ -463,29 +463,35 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
 
 
-@pytest.mark.parametrize("shard", [False, True])
-def test_a_pytorch_checkpoint_generates_as_transformers(tmp_path, shard):
-    """A checkpoint saved as PyTorch files (pytorch_model.bin, or shards and their pytorch_model.bin.index.json),
-    which transformers loads where a directory has no safetensors file: served with the same tokens and logits as
-    transformers' own generate from that directory; beside a model.safetensors the safetensors file is read, as
-    transformers reads it."""
+@pytest.mark.parametrize("shard,legacy,tied", [(False, False, True), (False, True, False), (True, False, False)])
+def test_a_pytorch_checkpoint_generates_as_transformers(tmp_path, shard, legacy, tied):
+    """A checkpoint saved as PyTorch files (pytorch_model.bin in torch.save's zip format or the legacy one, or shards
+    with other names and their pytorch_model.bin.index.json), which transformers loads where a directory has neither
+    model.safetensors nor its index: served with the same tokens and logits as transformers' own generate from that
+    directory (bf16 weights and a tied head saved under both names too; an entry that is no tensor warned unused, as
+    transformers reports it unexpected); beside a model.safetensors the safetensors file is read, as transformers
+    reads it."""
     T = transformers
     d = tmp_path / "bin"
-    sd = make_llama(d, seed=11, tie_word_embeddings=False).state_dict()
+    sd = make_llama(d, seed=11, tie_word_embeddings=tied).to(torch.bfloat16 if tied else torch.float32).state_dict()
     (d / "model.safetensors").unlink()  # (transformers 5 saves safetensors only: the files as older versions wrote them)
     if shard:
         names = sorted(sd)
         parts = [names[:len(names) // 2], names[len(names) // 2:]]
-        files = [f"pytorch_model-0000{i + 1}-of-00002.bin" for i in range(2)]
-        for f, part in zip(files, parts):
+        files = [f"part-{i + 1}.pt" for i in range(2)]  # (any name: transformers reads what is not .safetensors
+        for f, part in zip(files, parts):                # with torch.load)
             torch.save({k: sd[k].clone() for k in part}, d / f)
         (d / "pytorch_model.bin.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {k: f for f, part in zip(files, parts) for k in part}}))
     else:
-        torch.save({k: t.clone() for k, t in sd.items()}, d / "pytorch_model.bin")
-    ref_model = T.LlamaForCausalLM.from_pretrained(d).eval()  # (transformers' own read of the .bin files)
-    model = cpu_model(d)
-    assert model.checkpoint_bytes == sum(f.stat().st_size for f in d.glob("pytorch_model*.bin"))
+        torch.save({**sd, "step": 3}, d / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    ref_model = T.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # (transformers' own read)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = cpu_model(d)
+    unused = [str(w.message) for w in caught if issubclass(w.category, hf.HFUnusedTensorsWarning)]
+    assert unused == ([] if shard else [unused[0]]) and (shard or "(step)" in unused[0]), unused
+    assert model.checkpoint_bytes == sum(f.stat().st_size for f in d.iterdir() if f.suffix in (".bin", ".pt"))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1]]
     for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, ref_model, prompts, 8)):
         assert tokens == ref[0, len(prompts[b]):].tolist() and rel(ours, ref_logits) <= 1e-4, b

@@ -379,6 +379,38 @@ def test_down_flow_2_hands_act_over_as_words():
     assert not any(ov.get("DOWN_FLOW") == 2 for ov in gtune.candidates(named["llama3.2-1b_decode_b8_s4096_bf16"]))
 
 
+def test_down_weights_staged_in_shared_memory_is_an_override():
+    """DOWN_SMEM 1 (session 56; an override, not yet run on a GPU): the block's first down_proj task's first DW_KT
+    k-tiles copied into shared memory from gate_up's start, after the norm + projection stage's bytes (128-byte
+    aligned), then an mbarrier: all of Qwen2.5-0.5B's 304 (155 KB), part of Llama-3.2-1B's 512 (the block's limit less
+    1 KB for static shared memory); off by default (the same kernel as before it existed); refused in one line where
+    down_proj is not one unsplit group a block, with DOWN_PRE, with tensor parallel or before sm_90."""
+    from generator.render import plan
+    named = {v.name: v for v in declared()}
+    half = named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
+    p = render.plan(half, overrides={"DOWN_SMEM": 1})
+    c = p["consts"]
+    assert (c["DOWN_SMEM"], c["DW_KT"]) == (1, 4864 // 16) and c["SMEM_DW"] % 128 == 0 and c["SMEM_DW"] > 0
+    assert c["SMEM_DWBAR"] == c["SMEM_DW"] + 304 * 512 and p["smem_bytes"] == c["SMEM_DWBAR"] + 8
+    src = render.render(half, p)
+    assert "constexpr int DOWN_SMEM = 1;" in src and "down_weights_to_smem(w_down, smem);" in src
+    one = render.plan(named["llama3.2-1b_decode_b1_s4096_bf16"], overrides={"DOWN_SMEM": 1})
+    assert 0 < one["consts"]["DW_KT"] < 8192 // 16 and one["smem_bytes"] <= 227 * 1024 - 1024 + 8
+    d = render.plan(half)["consts"]
+    assert (d["DOWN_SMEM"], d["DW_KT"], d["SMEM_DW"]) == (0, 0, 0)
+    for ov, why in [({"DOWN_NWG": 8}, r"down_proj in one group a block \(DOWN_NWG 16; this plan: 8\)$"),
+                    ({"DOWN_KSPLIT": 2}, "DOWN_KSPLIT 1 and DOWN_TM 1$"),
+                    ({"DOWN_PRE": 1}, r"DOWN_PRE 0 \(its first step comes from shared memory\)$")]:
+        with pytest.raises(PlanError, match="DOWN_SMEM=1 needs " + why):
+            render.plan(half, overrides={"DOWN_SMEM": 1, **ov})
+    with pytest.raises(PlanError, match=r"DOWN_SMEM=1 needs .*one GPU \(tp 2\)"):
+        render.plan(dataclasses.replace(named["llama3.2-1b_decode_b1_s4096_bf16"], tp=2), overrides={"DOWN_SMEM": 1})
+    with pytest.raises(PlanError, match=r"DOWN_SMEM=1 needs sm_90\+"):
+        plan(half, "86", overrides={"DOWN_SMEM": 1})
+    with pytest.raises(PlanError, match="DOWN_SMEM=2: must be 0 or 1"):
+        render.plan(half, overrides={"DOWN_SMEM": 2})
+
+
 def test_qkv_splits_keep_the_ll_hand_off():
     """QKV_KSPLIT > 1 with QKV_FLOW 2: qkv's splits are not reduced (gemv's RawSplits: no part buffer, no counter) but
     written as words of their own, one set a split (the workspace's qkv grows by the splits), and summed by attention;
@@ -1506,6 +1538,63 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             assert [g & 0xFFFFFFFF for g in got] == [launches * 2 * min(step, kt - ch * step) & 0xFFFFFFFF
                                                      for ch in range(k["ACT_CHUNKS"])], (c.name, launches, got)
         del layer, base, twin
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
+    """DOWN_SMEM 1 (down_proj's first task's weights bulk-copied into shared memory from gate_up's start): bit-equal
+    to the same plan without it over six trials (row 191, a refused position, a third of the grid: tasks past the
+    first round from global memory), against the fp32 reference at two seeds, three launches back to back, and 300
+    graph replays before a checked step; on Qwen2.5-0.5B b1 (its whole task staged, DOWN_FLOW 2), Llama-3.2-1B b1 (a
+    part staged, DOWN_FLOW 1's counters) and Qwen2.5-0.5B b8 (the barrier, rows of 8)."""
+    import torch
+
+    from bench.timing import graph_of
+    from bench.tune import renamed
+    from generator import compile as gcompile, reference, verify
+    from generator.loader import load
+    named = {v.name: v for v in declared()}
+    cases = [(named[n], {"DOWN_SMEM": 1}) for n in ("qwen2.5-0.5b_decode_b1_s4096_bf16",
+                                                      "llama3.2-1b_decode_b1_s4096_bf16",
+                                                      "qwen2.5-0.5b_decode_b8_s4096_bf16")]
+    twins = [(renamed(v, f"dsb{i}"), {"DOWN_SMEM": 0}) for i, (v, _) in enumerate(cases)]
+    res = gcompile.build([c for c, _ in twins], tmp_path, overrides={c.name: o for c, o in twins})
+    assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
+    _overrides_match_the_reference(tmp_path, cases, "ds", 41, {"DOWN_SMEM": 1}, repeat=True)
+    for i, (v, ov) in enumerate(cases):
+        W = reference.random_weights(v.model, seed=42, device="cuda")
+        layer = load(renamed(v, f"ds{i}").name, W, build_dir=tmp_path)
+        steps_track_the_reference(layer, W, v, 42)
+        base = load(twins[i][0].name, None, build_dir=tmp_path, packed=layer.packed,
+                    caches=(layer.k_cache, layer.v_cache))
+        g = torch.Generator(device="cuda").manual_seed(43)
+        for trial in range(6):
+            x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
+            pos = torch.randint(0, v.seq_len, (v.batch,), device="cuda", generator=g, dtype=torch.int32)
+            if trial == 1:
+                pos.fill_(191)
+            if trial == 4:
+                pos[-1] = -1
+            grids = (layer.grid, base.grid)
+            if trial == 3:
+                layer.grid = base.grid = base.grid // 3
+            want = base(x, pos, validate=False)
+            got = layer(x, pos, validate=False)
+            layer.grid, base.grid = grids
+            torch.cuda.synchronize()
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
+                (v.name, trial)
+        xg, pg = x.clone(), torch.full_like(pos, v.seq_len - 1)
+        graph = graph_of(lambda: layer(xg, pg, validate=False))
+        for _ in range(300):
+            graph.replay()
+        torch.cuda.synchronize()
+        x, pos = verify.random_inputs(layer, 44)
+        r = verify.check_step(layer, x, pos, weights=W)
+        assert verify.passed(r, v.model.dtype), (v.name, r["rel_err"], r["first_bad_stage"])
+        del layer, base
         torch.cuda.synchronize()
 
 

@@ -83,33 +83,56 @@ class _SafeFile:
 
 class _TorchFile:
     """A PyTorch checkpoint file's tensors as transformers reads one (modeling_utils.load_state_dict: torch.load with
-    weights_only=True, on the CPU, memory-mapped: a tensor's bytes are read when it is used)."""
+    weights_only=True on the CPU, memory-mapped where the file is a zip archive, torch.save's format since 1.6: a
+    tensor's bytes are read when it is used; a legacy file is read whole here). Entries that are not tensors are
+    named with the tensors (so unused, they are warned as transformers reports unexpected keys) and refused if a
+    weight's name holds one."""
 
     def __init__(self, file: Path):
+        import zipfile
+
         import torch
-        try:
-            sd = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):  # (the legacy, pre-zip format cannot be mapped: read whole)
-                raise
-            sd = torch.load(str(file), map_location="cpu", weights_only=True)
-        if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
-                                               for k, t in sd.items()):
+        sd = torch.load(str(file), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+        if not isinstance(sd, dict) or not any(isinstance(t, torch.Tensor) for t in sd.values()):
             raise ValueError("not a state dict of named tensors")
-        self._sd = sd
+        self.file, self._sd = file, sd
 
     def keys(self):
         return self._sd.keys()
 
+    def _tensor(self, tensor: str):
+        import torch
+        t = self._sd[tensor]
+        if not isinstance(t, torch.Tensor):
+            raise HFCheckpointError(f"{self.file}: entry '{tensor}' holds a {type(t).__name__}, not a tensor")
+        return t
+
     def shape(self, tensor: str) -> tuple[int, ...]:
-        return tuple(self._sd[tensor].shape)
+        return tuple(self._tensor(tensor).shape)
 
     def dtype(self, tensor: str) -> str:
-        t = str(self._sd[tensor].dtype).removeprefix("torch.")
+        t = str(self._tensor(tensor).dtype).removeprefix("torch.")
         return _ST_DTYPE.get(t, t.upper())
 
     def get(self, tensor: str):
-        return self._sd[tensor]
+        return self._tensor(tensor)
+
+
+def _why_unreadable(file: Path, exc: Exception) -> str:
+    """One line on why a weights file did not open: a Git LFS pointer said as such (the weights not fetched), else
+    the library's message without terminal colours, for torch.load's weights_only refusal its "Unsupported ..." line
+    (the cause; its advice to load unsafely is not ours to give)."""
+    import re
+    try:
+        with open(file, "rb") as f:
+            if f.read(24).startswith(b"version https://git-lfs"):
+                return "a Git LFS pointer, not the weights (fetch them: git lfs pull)"
+    except OSError:
+        pass
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if m := re.search(r"Unsupported .*?(?: by default|$)", text, re.M):  # (torch's WeightsUnpickler line)
+        return m.group(0)
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
 
 
 class _Checkpoint:
@@ -147,15 +170,14 @@ class _Checkpoint:
         if why := _unusable(file):
             raise HFCheckpointError(f"{file}: {why}" + (f" (a shard listed in {self.index_path.name})"
                                                          if file != self.index_path else ""))
-        torch_file = file.name.endswith(".bin")  # (transformers: the weights name or its index's shards)
+        torch_file = not file.name.endswith(".safetensors")  # (as transformers' load_state_dict decides)
         try:
             return _TorchFile(file) if torch_file else _SafeFile(file)
         except FileNotFoundError:
             raise HFCheckpointError(f"{file}: shard listed in {self.index_path.name} is missing") from None
         except Exception as exc:  # safetensors and torch.load raise their own error types for a corrupt file
             what = "PyTorch checkpoint (loaded as transformers does: weights_only)" if torch_file else "safetensors file"
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise HFCheckpointError(f"{file}: not a readable {what}: {first}") from None
+            raise HFCheckpointError(f"{file}: not a readable {what}: {_why_unreadable(file, exc)}") from None
 
     def handle(self, file: Path):
         if file not in self._handles:

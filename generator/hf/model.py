@@ -120,7 +120,8 @@ def _load_layer(ck: _Checkpoint, layer_idx: int, name: str, v, build_dir, device
 
 
 def load_hf(path, layer_idx: int, variant, build_dir="build", device="cuda"):
-    """Layer `layer_idx` of a safetensors checkpoint as a FusedDecoderLayer of the built variant `variant`.
+    """Layer `layer_idx` of a checkpoint (safetensors, or PyTorch's) as a FusedDecoderLayer of the built variant
+    `variant`.
 
     Checks, in order and before touching CUDA: the config maps (HFConfigError), every tensor of the layer exists
     with the shape the config gives (HFCheckpointError naming the tensor and the file), the variant is built and

@@ -34,8 +34,8 @@ STEPS = (
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu, ln2_w, smem)"),
-    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, ws_act, ws_status, ws_split, ws_count, "
-                    "ws_ready, ws_epoch, gu_pre, smem)",
+    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, w_down, ws_act, ws_status, ws_split, "
+                    "ws_count, ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, "
                       "ws_epoch, down_pre, smem)",
@@ -67,6 +67,8 @@ STEPS = (
 # 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters
 # are not taken): no counters, act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll
 # as o_proj's poll attention's under ATT_LL);
+# DOWN_SMEM (an override): the block's first down_proj task's weights bulk-copied into shared memory from gate_up's
+# start, down_proj reading them there (plan: down_smem);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
@@ -94,7 +96,7 @@ PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE", "COOP"))
+            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -129,7 +131,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP")
+        on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -731,7 +733,27 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                     "; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits{glob}" if fits else "lower hidden")
+    # DOWN_SMEM (an override, not yet measured): the block's first down_proj task's weights (its first DW_KT k-tiles,
+    # as many as fit past the norm + projection stage's bytes) copied into shared memory by the TMA unit from
+    # gate_up's start, counted on an mbarrier, so down_proj reads them there: down_proj's tiles fill few SMs at small
+    # hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their 155 KB each only once act was in (bench/NOTES.md
+    # session 56); one bulk copy brings them while gate_up streams its own, no registers held
+    down_smem = ov.get("DOWN_SMEM", 0)
+    dn = gemv["down"]
+    # (1 KB left for the kernel's static shared memory: split-K's, DOWN_FLOW's words)
+    dw_kt = min(m.intermediate // 16, (arch.smem_per_block - 1024 - align(gemv_bytes, 128) - 16) // 512) \
+        if down_smem else 0
+    if down_smem:
+        _needs(v.name, "DOWN_SMEM", down_smem, [
+            (arch.number >= 90, f"sm_90+ (TMA bulk copies; sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
+            (dn["NWG"] == nw, f"down_proj in one group a block (DOWN_NWG {nw}; this plan: {dn['NWG']})"),
+            (dn["KSPLIT"] == 1 and dn["TM"] == 1, "DOWN_KSPLIT 1 and DOWN_TM 1"),
+            (not ov.get("DOWN_PRE"), "DOWN_PRE 0 (its first step comes from shared memory)"),
+            (dw_kt >= 1, "a k-tile's 512 B of shared memory past the norm + projection stage's")])
+    smem["SMEM_DW"] = align(gemv_bytes, 128) if down_smem else 0  # the staged weights, then their mbarrier
+    smem["SMEM_DWBAR"] = smem["SMEM_DW"] + dw_kt * 512 if down_smem else 0
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
+        "down_proj's staged weights": (smem["SMEM_DWBAR"] + 8 if down_smem else 0, ""),
         "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
@@ -859,6 +881,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
         "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,
+        "DOWN_SMEM": down_smem, "DW_KT": dw_kt,
         **smem,
     }
     for prefix, key in PROJECTIONS:

@@ -59,6 +59,18 @@ struct ActWait {
         }
     }
 };
+// DOWN_SMEM: the block's first-round task (one group a block: task blockIdx.x), its first DW_KT k-tiles in shared
+// memory (SMEM_DW), copied there from gate_up's start (gate_up.cuh down_weights_to_smem) and counted on the mbarrier
+// at SMEM_DWBAR (phase 0: one copy a launch)
+struct DownStaged {
+    static constexpr bool active = DOWN_SMEM != 0;
+    static constexpr int kt = DW_KT;
+    const uint4* w;
+    unsigned long long* bar;
+    __device__ bool covers(int task) const { return active && task == (int)blockIdx.x; }
+    __device__ void wait() const { mbar_wait(bar, 0u); }
+    __device__ uint4 load(int k, int lane) const { return w[k * 32 + lane]; }
+};
 __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
                           int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch,
                           const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
@@ -79,7 +91,13 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
                 count_overflow(o, ws_status);
                 out[(size_t)b * HIDDEN + n] = from_f(o);
             }
-        }, NoDone{}, nullptr, &pre, ActWait{ws_ready}, DOWN_FLOW == 2 ? act_epoch : 0u);
+        }, NoDone{}, nullptr, &pre, ActWait{ws_ready}, DOWN_FLOW == 2 ? act_epoch : 0u,
+        DownStaged{reinterpret_cast<const uint4*>(smem + SMEM_DW),
+                   reinterpret_cast<unsigned long long*>(smem + SMEM_DWBAR)});
+    if constexpr (DOWN_SMEM) {  // (every warp past its waits: the mbarrier's memory may go back to other use)
+        __syncthreads();
+        if (threadIdx.x == 0 && blockIdx.x < HIDDEN / 16) mbar_inval(reinterpret_cast<unsigned long long*>(smem + SMEM_DWBAR));
+    }
     if constexpr (H_LL) {
         __syncthreads();  // (every warp's waits before thread 0's advance of the epoch)
         next_launch(ws_ready, ws_epoch);

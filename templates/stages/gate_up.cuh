@@ -38,10 +38,31 @@ struct ActReady {  // gemv's `done`: one more gate_up tile of its chunk is writt
                          :: "l"(ready + KV_HEADS + tile / ACT_CHUNK_TILES * ACT_STRIDE) : "memory");
     }
 };
+// DOWN_SMEM: the block's first down_proj task's first DW_KT k-tiles (tile blockIdx.x: one down_proj group a block;
+// packed contiguously) copied into shared memory (SMEM_DW) by thread 0's bulk copies, counted on one mbarrier
+// (SMEM_DWBAR); the region was attention's (its ring): every thread's accesses to it are ordered before the copies
+// (a proxy fence, then the block barrier). down_proj.cuh DownStaged reads them.
+__device__ __forceinline__ void down_weights_to_smem(const T* w_down, unsigned char* smem) {
+    if constexpr (DOWN_SMEM) {
+        fence_proxy_async_smem();
+        __syncthreads();
+        if (threadIdx.x == 0 && blockIdx.x < HIDDEN / 16) {
+            auto* bar = reinterpret_cast<unsigned long long*>(smem + SMEM_DWBAR);
+            mbar_init(bar, 1);
+            mbar_init_fence();
+            constexpr unsigned BYTES = DW_KT * 512u, PIECE = 32768u;  // (pieces of 32 KB: one instruction each)
+            mbar_expect_tx(bar, BYTES);
+            const unsigned char* src =
+                reinterpret_cast<const unsigned char*>(w_down + (size_t)blockIdx.x * (INTER / 16) * 256);
+            for (unsigned at = 0; at < BYTES; at += PIECE)
+                bulk_copy(smem + SMEM_DW + at, src + at, min(PIECE, BYTES - at), bar);
+        }
+    }
+}
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh), or with H_STATS o_proj's epilogue; xn holds the (H_STATS:
 // not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
-                        const T* xn, const T* w_gu, T* ws_act, unsigned* ws_status, float* ws_split,
+                        const T* xn, const T* w_gu, const T* w_down, T* ws_act, unsigned* ws_status, float* ws_split,
                         unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
@@ -49,6 +70,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     // H_LL: no grid barrier before this stage (the norm polls o_proj's words): the block's own o_proj epilogue is
     // done with the shared memory the norm writes
     if constexpr (H_LL) __syncthreads();
+    down_weights_to_smem(w_down, smem);
     if (DOWN_FLOW == 1 && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
     if (DOWN_FLOW == 2 && threadIdx.x == 0) act_epoch = ll_epoch(ws_epoch);  // (the norm's barriers publish it)
     if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's
