@@ -34,7 +34,8 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_dsmem() {  # session 56: DOWN_SMEM 1 (built, compiled clean, not yet run on a GPU): the block's first down_proj
+part_dsmem() {  # session 56: DOWN_SMEM 1 (its GPU test passed on an H100; there +4.8 % at 0.5B b1 row 191: run it on
+  # an H200, whose gate_up left the DRAM room, ~2.7 of 4 TB/s): the block's first down_proj
   # task's weights bulk-copied into shared memory from gate_up's start (one mbarrier), so down_proj reads them there.
   # Reading (session 55's H200 timeline, 0.5B b1 row 191): gate_up ends at 20.8 us (median), the 56 down_proj blocks
   # at 25.5 (8.7 MB streamed by 56 SMs once act is in: ~35 GB/s an SM); the MLP's 26 MB need 6.5 us of DRAM, it took
