@@ -463,6 +463,26 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
 
 
+def test_partial_rotary_factor_without_scaling_is_ignored_as_transformers_ignores_it(tmp_path):
+    """partial_rotary_factor with default RoPE: the model classes' compute_default_rope_parameters rotate the whole
+    head_dim (the field unread), so the checkpoint is served as transformers runs it, with a note; with RoPE scaling
+    (which would rotate that fraction) it stays refused in one line."""
+    T = transformers
+    d = tmp_path / "prf"
+    hfm = make_llama(d, seed=13, partial_rotary_factor=0.5)
+    entry = hf.variant_entry_yaml(d)
+    assert "partial_rotary_factor 0.5 ignored: transformers' default RoPE" in entry
+    model = cpu_model(d)
+    prompts = [[4, 5, 6, 7, 8, 9], [2]]
+    for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, hfm, prompts, 8)):
+        assert tokens == ref[0, len(prompts[b]):].tolist() and rel(ours, ref_logits) <= 1e-4, b
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.HFConfigError, match="partial_rotary_factor' is 0.5: partial RoPE is not supported"):
+        hf.variant_entry_yaml(d)
+
+
 @pytest.mark.parametrize("shard,legacy,tied", [(False, False, True), (False, True, False), (True, False, False)])
 def test_a_pytorch_checkpoint_generates_as_transformers(tmp_path, shard, legacy, tied):
     """A checkpoint saved as PyTorch files (pytorch_model.bin in torch.save's zip format or the legacy one, or shards

@@ -178,14 +178,17 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
 
     prf_field = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if prf is not None and prf != 1 and prf != 1.0:
-        raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: partial RoPE is not supported (transformers' "
-                            "default RoPE for these models ignores the field: without RoPE scaling, remove it to run "
-                            "full-width RoPE as transformers does)")
+    partial = prf is not None and prf != 1 and prf != 1.0
     type_key = "rope_type" if "rope_type" in params else "type"
     rtype = params.get(type_key)
     if rtype in (None, "default"):
+        if partial:  # (the model classes' compute_default_rope_parameters: dim = head_dim, the field unread)
+            notes.append(f"{prf_field} {prf!r} ignored: transformers' default RoPE for these models rotates the whole "
+                         "head_dim")
         return theta, None
+    if partial:
+        raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: partial RoPE is not supported (with RoPE "
+                            f"scaling transformers rotates that fraction of head_dim)")
     if rtype not in gvariants.ROPE_SCALING_TYPES:
         raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: supported RoPE scaling: "
                             f"{', '.join(gvariants.ROPE_SCALING_TYPES)} (or none)")
