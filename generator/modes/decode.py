@@ -734,11 +734,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits{glob}" if fits else "lower hidden")
     # DOWN_SMEM (an override; +4.8 % at Qwen2.5-0.5B b1 on an H100, not yet timed on an H200): the block's first
-    # down_proj task's weights (its first DW_KT k-tiles,
-    # as many as fit past the norm + projection stage's bytes) copied into shared memory by the TMA unit from
-    # gate_up's start, counted on an mbarrier, so down_proj reads them there: down_proj's tiles fill few SMs at small
-    # hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their 155 KB each only once act was in (bench/NOTES.md
-    # session 56); one bulk copy brings them while gate_up streams its own, no registers held
+    # down_proj task's weights (its first DW_KT k-tiles, as many as fit past the norm + projection stage's bytes)
+    # copied into shared memory by the TMA unit from gate_up's start, counted on an mbarrier, so down_proj reads them
+    # there: down_proj's tiles fill few SMs at small hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their
+    # 155 KB each only once act was in (bench/NOTES.md session 56); one bulk copy brings them while gate_up streams
+    # its own, no registers held
     down_smem = ov.get("DOWN_SMEM", 0)
     dn = gemv["down"]
     # (1 KB left for the kernel's static shared memory: split-K's, DOWN_FLOW's words)
