@@ -119,14 +119,17 @@ class _TorchFile:
 
 
 def _why_unreadable(file: Path, exc: Exception) -> str:
-    """One line on why a weights file did not open: a Git LFS pointer said as such (the weights not fetched), else
-    the library's message without terminal colours, for torch.load's weights_only refusal its "Unsupported ..." line
-    (the cause; its advice to load unsafely is not ours to give)."""
+    """One line on why a weights file did not open: an empty file or a Git LFS pointer said as such (the weights not
+    fetched), else the library's message without terminal colours, for torch.load's weights_only refusal its
+    "Unsupported ..." line (the cause; its advice to load unsafely is not ours to give)."""
     import re
     try:
         with open(file, "rb") as f:
-            if f.read(24).startswith(b"version https://git-lfs"):
-                return "a Git LFS pointer, not the weights (fetch them: git lfs pull)"
+            head = f.read(24)
+        if not head:
+            return "an empty file (0 bytes)"
+        if head.startswith(b"version https://git-lfs"):
+            return "a Git LFS pointer, not the weights (fetch them: git lfs pull)"
     except OSError:
         pass
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
