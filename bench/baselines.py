@@ -47,7 +47,10 @@ class TorchLayer:
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         self.k_cache[self.bidx, :, pos.long()] = k[:, :, 0]
         self.v_cache[self.bidx, :, pos.long()] = v[:, :, 0]
-        mask = (self.arange[None, :] <= pos[:, None].long())[:, None, None, :]
+        mask = self.arange[None, :] <= pos[:, None].long()
+        if m.sliding_window is not None:  # (transformers' sliding_window_causal mask)
+            mask = mask & (self.arange[None, :] > pos[:, None].long() - m.sliding_window)
+        mask = mask[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
         x = x + F.linear(attn.reshape(B, m.heads * m.head_dim), W["self_attn.o_proj.weight"])
         h = self._norm(x, "post_attention_layernorm")

@@ -292,7 +292,8 @@ def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
     try:
         mapped = hf.map_config(ckpt)
         want = mapped.model()
-        hf.check_window(mapped.window, seq_len, f"{mapped.cfg_path}: --seq-len", want.layers)  # (as serve would)
+        hf.check_window(mapped.window, seq_len, f"{mapped.cfg_path}: --seq-len", want.layers, None,
+                        want.sliding_window)  # (as serve would)
         same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
                 and gvariants.same_layer(v.model, want)]
         vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]

@@ -157,8 +157,10 @@ class FlashInferLayer:
             raise ValueError(f"positions must be [{self.batch}] in [0, {self.seq_len})")
         indptr, indices, last = page_table(pos, self.pages_per_seq)
         m = self.m
+        # (a sliding window: its window_left, the keys left of the query's own)
         self.wrapper.plan(indptr, indices, last, m.heads, m.kv_heads, m.head_dim, PAGE_SIZE,
-                          pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                          pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                          window_left=-1 if m.sliding_window is None else m.sliding_window - 1)
         torch.cuda.current_stream(self.indptr.device).synchronize()  # the plan's copies are non-blocking
         self._positions = pos.int()
 

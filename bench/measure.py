@@ -421,7 +421,8 @@ def check_prefill(v, build_dir: str, seed: int) -> dict:
     from generator.unfused import UnfusedLayer
     m = v.model
     row = {"variant": v.name, "mode": "prefill"}
-    cache_len = max(PREFILL_CACHE, v.seq_len)
+    # (a sliding window: a cache past it, so that the check's last chunk attends through it)
+    cache_len = max(PREFILL_CACHE, v.seq_len, 2 * (m.sliding_window or 0))
     W = reference.random_weights(m, seed=seed, device="cuda")
     layer = load(v.name, W, build_dir=build_dir, cache_len=cache_len)
     row["knobs"] = knob_dict(layer.plan)  # the plan timed (the report flags a build that plans otherwise)

@@ -94,11 +94,16 @@ class ServingLayer:
         m, B, S = self.m, q.shape[0], self.seq_len
         if self.attention == "flash_varlen":  # as vLLM's FlashAttention backend: FA2 varlen, seqused_k
             k, v = self._k.view(B * S, m.kv_heads, m.head_dim), self._v.view(B * S, m.kv_heads, m.head_dim)
+            left = None if m.sliding_window is None else m.sliding_window - 1  # (the query's own key aside)
             return torch.ops.aten._flash_attention_forward(
-                q, k, v, self.cu_q, self.cu_k, 1, S, 0.0, False, False, seqused_k=(pos + 1).to(torch.int32))[0]
+                q, k, v, self.cu_q, self.cu_k, 1, S, 0.0, False, False, seqused_k=(pos + 1).to(torch.int32),
+                window_size_left=left, window_size_right=None if left is None else 0)[0]
         # GQA without expanding K/V: the group's query heads are the "query length" of their KV head
         qg = q.view(B, m.kv_heads, m.group, m.head_dim)
-        mask = (self.rows[None, :] <= p[:, None])[:, None, None, :]                   # [B, 1, 1, seq_len]
+        mask = self.rows[None, :] <= p[:, None]
+        if m.sliding_window is not None:  # (transformers' sliding_window_causal mask)
+            mask = mask & (self.rows[None, :] > p[:, None] - m.sliding_window)
+        mask = mask[:, None, None, :]                                                   # [B, 1, 1, seq_len]
         # (the storage's own views: passing k_cache/v_cache, aliases of the written _k/_v, made torch.compile copy
         # the whole caches in and out every step)
         return F.scaled_dot_product_attention(qg, self._k.transpose(1, 2), self._v.transpose(1, 2), attn_mask=mask)

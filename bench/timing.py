@@ -82,11 +82,12 @@ def time_replays(run, n_layers: int, reps: int = 30, warmup: int = 3, *, queued:
 
 
 def layer_bytes(m, batch: int, pos) -> int:
-    """Bytes one decode step must move: every weight once, the KV rows 0..pos read, activations in and out,
-    the new KV row written."""
+    """Bytes one decode step must move: every weight once, the KV rows 0..pos read (a sliding window's last rows
+    only), activations in and out, the new KV row written."""
     from generator.reference import weight_shapes
     esize = 2
     weights = sum(torch.Size(s).numel() for s in weight_shapes(m).values()) * esize
     kv_row = 2 * m.kv_heads * m.head_dim * esize
-    kv = sum(int(p) + 1 for p in pos) * kv_row + batch * kv_row
+    w = getattr(m, "sliding_window", None) or 1 << 62
+    kv = sum(min(int(p) + 1, w) for p in pos) * kv_row + batch * kv_row
     return weights + kv + 2 * batch * m.hidden * esize

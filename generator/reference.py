@@ -80,7 +80,8 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, m: Model,
               seq: torch.Tensor | None = None):
     """q [R, heads, hd] of token rows at positions pos [R] of sequences seq [R] (default: row r is sequence r):
-    each attends to cache rows 0..pos[r] of its sequence's KV head (causal); softmax in fp32. Returns [R, heads*hd]."""
+    each attends to cache rows 0..pos[r] of its sequence's KV head (causal; with m.sliding_window W rows
+    pos[r] - W + 1..pos[r], transformers' sliding_window_causal mask); softmax in fp32. Returns [R, heads*hd]."""
     R = q.shape[0]
     seq = torch.arange(R, device=q.device) if seq is None else seq.to(q.device).long()
     pos = pos.to(q.device).long()
@@ -91,7 +92,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         k = k_cache[b, :, :n].float().repeat_interleave(m.group, dim=0)  # [heads, n, hd]
         v = v_cache[b, :, :n].float().repeat_interleave(m.group, dim=0)
         s = torch.einsum("rhd,hnd->rhn", q[idx].float(), k) / math.sqrt(m.head_dim)
-        s = s.masked_fill(torch.arange(n, device=q.device)[None, None, :] > pos[idx][:, None, None], float("-inf"))
+        rows, p = torch.arange(n, device=q.device)[None, None, :], pos[idx][:, None, None]
+        out_of = rows > p if m.sliding_window is None else (rows > p) | (rows <= p - m.sliding_window)
+        s = s.masked_fill(out_of, float("-inf"))
         out[idx] = torch.einsum("rhn,hnd->rhd", torch.softmax(s, dim=-1), v).reshape(len(idx), -1)
     return out
 

@@ -665,9 +665,10 @@ class Model:
         except ValueError as exc:
             raise ServeError(f"group: {exc}") from None
         if variants is None:
+            def fits(v):  # (a decode variant's window compared where its cache lets it apply)
+                return same_layer(v.model, shape, v.seq_len if v.mode == "decode" else None) and v.tp == tp
             chosen = [] if not offered else sorted(
-                n for n, e in entries.items() if same_layer(manifest.variant_from_entry(e).model, shape)
-                and manifest.variant_from_entry(e).tp == tp)
+                n for n, e in entries.items() if fits(manifest.variant_from_entry(e)))
         else:
             if isinstance(variants, str):
                 raise ServeError("variants: a list of variant names, got a single string")
@@ -742,7 +743,13 @@ class Model:
                 raise ServeError(f"cache_len: rows per sequence, an integer >= 2, got {cache_len!r}")
             raise ServeError(f"cache_len: no decode variant fixes the cache length: pass cache_len (rows per "
                              f"sequence, >= 2; the CLI's --cache-len), got {cache_len!r}")
-        check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers)
+        # the unfused layers compute the model's own window; a prefill variant's must be it where the cache is longer
+        check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers, None,
+                     shape.sliding_window)
+        for v in vs:
+            if v.mode == "prefill":
+                check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len {cache_len} with variant "
+                             f"'{v.name}'", shape.layers, None, v.model.sliding_window)
         # a prefill chunk longer than the cache can never run (the loader refuses it): named ones are an error, of
         # every built variant offered they are left out, said in one warning
         kept, long = drop_long_prefill(vs, cache_len)

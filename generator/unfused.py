@@ -122,6 +122,12 @@ class UnfusedLayer:
         cos, sin = self.cos[p].unsqueeze(-2), self.sin[p].unsqueeze(-2)
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
+    def _mask(self, rows, p):
+        """Which cache rows (broadcast against positions p) a query attends to: rows <= p, and with a sliding window
+        W rows > p - W (transformers' sliding_window_causal mask)."""
+        ok = rows <= p
+        return ok if self.m.sliding_window is None else ok & (rows > p - self.m.sliding_window)
+
     # -- steps --
     def decode(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """One decode step: x [B, hidden] (B <= max_batch, the layer's dtype and device), pos int32/int64 [B] on the
@@ -141,7 +147,7 @@ class UnfusedLayer:
         kc[bidx, :, p] = k
         vc[bidx, :, p] = v
         qg = q.view(B, m.kv_heads, m.group, m.head_dim)  # a KV head's query heads are its "query length"
-        mask = (self.rows[None, :L] <= p[:, None])[:, None, None, :]
+        mask = self._mask(self.rows[None, :L], p[:, None])[:, None, None, :]
         attn = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mask)
         h = x + self._reduce(F.linear(attn.reshape(B, self.q_size), self.w_o))
         return self._mlp(h)
@@ -166,14 +172,15 @@ class UnfusedLayer:
         # [B, kv, C * group, hd]: query rows (t, g) of one KV head
         qg = q.view(B, C, m.kv_heads, m.group, m.head_dim).permute(0, 2, 1, 3, 4).reshape(B, m.kv_heads, C * m.group,
                                                                                           m.head_dim)
-        if L == C:  # every start is 0 (the first chunk of a prompt): causal over the chunk, SDPA's flash kernel
+        if L == C and (m.sliding_window is None or C <= m.sliding_window):
+            # every start is 0 (the first chunk of a prompt): causal over the chunk, SDPA's flash kernel
             q4 = q.transpose(1, 2)  # [B, heads, C, hd]
             attn = F.scaled_dot_product_attention(q4, kc[:, :, :C], vc[:, :, :C], is_causal=True, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(B, C, self.q_size)
             h = x + self._reduce(F.linear(attn, self.w_o))
             return self._mlp(h)
         prow = p.repeat_interleave(m.group, dim=1)  # [B, C * group]
-        mask = (self.rows[None, None, :L] <= prow[:, :, None])[:, None]  # [B, 1, C * group, L]
+        mask = self._mask(self.rows[None, None, :L], prow[:, :, None])[:, None]  # [B, 1, C * group, L]
         attn = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mask)
         attn = attn.view(B, m.kv_heads, C, m.group, m.head_dim).permute(0, 2, 1, 3, 4).reshape(B, C, self.q_size)
         h = x + self._reduce(F.linear(attn, self.w_o))

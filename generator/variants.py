@@ -38,6 +38,7 @@ MODEL_FIELDS: dict[str, tuple[tuple[type, ...], bool, object]] = {
     "norm_eps": ((float, int), True, None),
     "rope_theta": ((float, int), True, None),
     "rope_scaling": ((dict, type(None)), False, None),
+    "sliding_window": ((int, type(None)), False, None),
     "activation": ((str,), True, None),
     "qkv_bias": ((bool,), True, None),
     "qk_norm": ((bool,), True, None),
@@ -58,12 +59,21 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # the fields that fix what a layer computes (a built variant serves a checkpoint only where all of them agree; the
 # dtype may differ: weights are cast)
 LAYER_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
-                "rope_scaling", "activation", "qkv_bias", "qk_norm")
+                "rope_scaling", "activation", "qkv_bias", "qk_norm", "sliding_window")
 
 
-def same_layer(a, b) -> bool:
-    """Whether two Models compute the same layer (every LAYER_FIELDS field equal; names, layers and dtype aside)."""
-    return all(getattr(a, f) == getattr(b, f) for f in LAYER_FIELDS)
+def window_at(window: int | None, rows: int | None) -> int | None:
+    """The sliding window (tokens a query attends to, itself included) that takes effect over a KV cache of `rows`
+    rows: None where there is none or the cache is no longer than it (a query then sees every row either way);
+    rows None (not known yet: a prefill chunk's cache is given at run time): the window."""
+    return None if window is None or rows is not None and rows <= window else window
+
+
+def same_layer(a, b, rows: int | None = None) -> bool:
+    """Whether two Models compute the same layer (every LAYER_FIELDS field equal; names, layers and dtype aside);
+    their sliding windows compared as they take effect over a cache of `rows` rows (window_at)."""
+    return all(getattr(a, f) == getattr(b, f) for f in LAYER_FIELDS if f != "sliding_window") and \
+        window_at(a.sliding_window, rows) == window_at(b.sliding_window, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +94,9 @@ class Model:
     qk_norm: bool
     dtype: str
     rope_scaling: tuple | None = None  # sorted (key, value) pairs, hashable
+    # query p attends to cache rows p - sliding_window + 1 .. p (Mistral's sliding-window attention, transformers'
+    # sliding_window_causal mask); None: rows 0 .. p
+    sliding_window: int | None = None
 
     @property
     def group(self) -> int:
@@ -113,6 +126,8 @@ class Variant:
     def params(self) -> dict:
         d = dataclasses.asdict(self.model)
         d["rope_scaling"] = dict(self.model.rope_scaling) if self.model.rope_scaling else None
+        if d["sliding_window"] is None:  # (absent, so that builds and tuned plans of before the field keep their
+            del d["sliding_window"]      # identity: manifest.identity hashes these)
         d.update(mode=self.mode, batch=self.batch, seq_len=self.seq_len, tp=self.tp)
         return d
 
@@ -283,6 +298,9 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
         if raw[key] > INT_MAX:
             raise VariantError(f"{where}: field '{key}' must be at most {INT_MAX} (a C int in the kernel), got "
                                f"{raw[key]}")
+    w = raw.get("sliding_window")
+    if w is not None and not 1 <= w <= INT_MAX:
+        raise VariantError(f"{where}: field 'sliding_window' must be a positive number of tokens (or null), got {w}")
     for key in ("norm_eps", "rope_theta"):
         if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
             raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")
@@ -300,8 +318,8 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
     for key, allowed in (("dtype", DTYPES), ("norm", NORMS), ("activation", ACTIVATIONS)):
         if raw[key] not in allowed:
             raise VariantError(f"{where}: field '{key}' must be one of {', '.join(allowed)}, got {raw[key]!r}")
-    model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS if k not in ("matrix", "rope_scaling")},
-                  rope_scaling=_parse_rope_scaling(where, raw.get("rope_scaling")))
+    model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS if k not in ("matrix", "rope_scaling", "sliding_window")},
+                  rope_scaling=_parse_rope_scaling(where, raw.get("rope_scaling")), sliding_window=w)
     model = dataclasses.replace(model, norm_eps=float(model.norm_eps), rope_theta=float(model.rope_theta))
     matrix = _parse_matrices(where, raw["matrix"]) if "matrix" in raw else None
     return model, matrix

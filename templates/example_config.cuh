@@ -11,6 +11,7 @@ constexpr int INTER = 8192;
 constexpr int TP = 1;
 constexpr int BATCH = 1;
 constexpr int SEQ_LEN = 4096;
+constexpr int WINDOW = 0;
 constexpr int THREADS = 512;
 constexpr int GROUP = 4;
 constexpr int Q_DIM = 2048;

@@ -11,6 +11,7 @@ constexpr int INTER = 8192;
 constexpr int BATCH = 1;
 constexpr int CHUNK = 64;
 constexpr int ROWS = 64;
+constexpr int WINDOW = 0;
 constexpr int THREADS = 384;
 constexpr int GROUP = 4;
 constexpr int Q_DIM = 2048;

@@ -43,6 +43,22 @@ models:
 """
 TINY_NAMES = ("tiny-a_decode_b1_s64_bf16", "tiny-b_decode_b1_s64_bf16", "tiny-c_decode_b2_s128_fp16")
 
+# sliding-window shapes (Mistral's): static splits with the LL hand-offs (b1), fp16 head_dim 96 (b3), ATT_TMA with the
+# run-time split (b16), both run-time splits (b4 at KV 32768, below), prefill chunks shorter and longer than the window
+WINDOW_YAML = """
+models:
+  user-window:
+    {hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, layers: 4, norm: rmsnorm,
+     norm_eps: 1.0e-5, rope_theta: 1000000.0, sliding_window: 1000, activation: silu, qkv_bias: false,
+     qk_norm: false, dtype: bf16,
+     matrix: [{mode: [decode], batch: [1, 16], seq_len: [4096]}, {mode: [decode], batch: [4], seq_len: [32768]},
+              {mode: [prefill], batch: [2], seq_len: [64, 1200]}]}
+  user-window-fp16:
+    {hidden: 512, heads: 8, kv_heads: 2, head_dim: 96, intermediate: 1376, layers: 4, norm: layernorm,
+     norm_eps: 1.0e-5, rope_theta: 10000.0, sliding_window: 100, activation: gelu, qkv_bias: true, qk_norm: false,
+     dtype: fp16, matrix: {mode: [decode], batch: [3], seq_len: [300]}}
+"""
+
 
 def cli_env() -> dict:
     """Environment for CLI subprocesses: the repository importable even without `pip install -e .`, no colour."""

@@ -46,7 +46,9 @@ def hf_decode_step(model, ids: torch.Tensor, P: int):
     and output. -> (inputs, outputs, cache before the step, cache after), per layer."""
     from transformers import DynamicCache
     layers = model.model.layers
-    cache = DynamicCache(config=model.config)
+    # (a sliding window: a cache of every row, which the config's would trim to the window; the model's mask
+    # applies the window either way)
+    cache = DynamicCache() if getattr(model.config, "sliding_window", None) else DynamicCache(config=model.config)
     kw = cache_kwarg(model)
     ins, outs, hooks = {}, {}, []
 

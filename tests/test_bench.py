@@ -413,10 +413,10 @@ def test_e2e_serves_a_checkpoints_declared_variants_else_its_own_entry(tmp_path,
     from generator import manifest
     assert manifest.foreign_entries(tmp_path / "b") == []  # (`megakernel clean` takes the directory)
     n = len(built)
-    mistral = tmp_path / "sw"  # a sliding window shorter than the cache: from-hf's refusal, in one line
+    mistral = tmp_path / "sw"  # a sliding window shorter than the cache that is not computed (llama's): one line
     _e2e_config(mistral)
     cfg = json.loads((mistral / "config.json").read_text())
-    (mistral / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 1024}))
+    (mistral / "config.json").write_text(json.dumps({**cfg, "sliding_window": 1024}))
     for ckpt, word in ((_e2e_config(tmp_path / "bad", hidden_act="relu"), "hidden_act"), (mistral, "sliding_window")):
         with pytest.raises(SystemExit) as exc:
             e2e.variants_for(ckpt, 4096, str(tmp_path / "b2"))

@@ -25,7 +25,7 @@ from generator.targets import ARCHS
 from generator import compile as gcompile, render as grender, tune as gtune, variants as gvariants
 SM90_SMEM = ARCHS["90"].smem_per_block
 
-from conftest import ROOT, TINY_NAMES, cli_env, run_cli, sha256
+from conftest import ROOT, TINY_NAMES, WINDOW_YAML, cli_env, run_cli, sha256
 
 ELF = b"\x7fELF"
 RESOURCE_KEYS = ("cubin_bytes", "ptx_bytes", "registers", "spill_stores", "spill_loads", "stack_frame",
@@ -681,3 +681,15 @@ models:
     e, = r["entries"]
     assert e["status"] == "ok", e.get("error")
     assert e["resources"]["spill_stores"] == 0 and e["resources"]["spill_loads"] == 0, e["resources"]
+
+
+def test_sliding_window_variants_compile_without_spills(tmp_path):
+    """The sliding-window shapes of the GPU test (tests/test_gpu.py test_sliding_window_matches_the_reference) compile
+    for sm_90 with WINDOW set, no spill and the shared memory within the block's limit."""
+    vs = gvariants.parse(WINDOW_YAML, "window.yaml")
+    res = gcompile.build(vs, tmp_path)
+    assert not res["errors"], res["errors"][0]["error"][:500]
+    for e in res["entries"]:
+        assert e["plan"]["consts"]["WINDOW"] == e["params"]["sliding_window"], e["name"]
+        r = e["resources"]
+        assert r["spill_stores"] == r["spill_loads"] == 0 and r["smem_total"] <= r["smem_limit"], (e["name"], r)

@@ -3,6 +3,7 @@ positions and cache; `megakernel from-hf` maps the published configs of real mod
 refuses what the kernel does not compute; load_hf finds checkpoint problems before anything touches CUDA."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -168,9 +169,9 @@ def test_mistral_without_sliding_window_maps(tmp_path):
     assert fields == {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
                       "layers": 32, "norm": "rmsnorm", "norm_eps": 1e-5, "rope_theta": 1e6, "activation": "silu",
                       "qkv_bias": False, "qk_norm": False, "dtype": "bf16"}
-    # a window as long as the model's context never slides
+    # a window (transformers' Mistral applies it on every layer) is the entry's sliding_window field
     d2 = write_config(tmp_path, "m2", {**MISTRAL_7B_V0_3, "sliding_window": 32768})
-    assert hf.model_entry(d2)[1] == fields
+    assert hf.model_entry(d2)[1] == {**fields, "sliding_window": 32768}
 
 
 def test_transformers5_rope_parameters_layout(tmp_path):
@@ -542,6 +543,8 @@ def tiny_models():
             TINY, num_attention_heads=8, rms_norm_eps=1e-6, **rope_kwargs(T.Qwen3Config, 1e6))),
         "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(
             TINY, sliding_window=None, **rope_kwargs(T.MistralConfig, 1e6))),
+        "mistral-window": (T.MistralConfig, T.MistralForCausalLM, dict(  # (the step at 37 sees rows 22 .. 37)
+            TINY, sliding_window=16, **rope_kwargs(T.MistralConfig, 1e6))),
     }
 
 
@@ -590,6 +593,45 @@ def test_reference_layer_equals_transformers(tmp_path, kind):
         assert rel(kc[:, :, P], after[i][0][:, :, P]) <= 1e-5
         assert rel(vc[:, :, P], after[i][1][:, :, P]) <= 1e-5
         assert kc[:, :, P + 1:].abs().sum() == 0
+
+
+def test_reference_sliding_window_equals_transformers(tmp_path):
+    """Mistral's sliding window (transformers' sliding_window_causal mask: query p sees keys p - 15 .. p), in effect
+    from position 16: the reference's prompt pass and its decode step at position 40 equal transformers' layers
+    (a whole forward, hooks on every layer); full attention gives another output (the case is not vacuous)."""
+    T = transformers
+    d = tmp_path / "tiny-mistral-window"
+    torch.manual_seed(0)
+    model = T.MistralForCausalLM(T.MistralConfig(**dict(TINY, sliding_window=16,
+                                                        **rope_kwargs(T.MistralConfig, 1e6)))).eval()
+    randomize(model, 0)
+    model.save_pretrained(d)
+    m = hf.model_from_hf(d)
+    assert m.sliding_window == 16
+    B, P = 2, 40
+    ids = torch.randint(0, model.config.vocab_size, (B, P + 1), generator=torch.Generator().manual_seed(1))
+    ins, outs, hooks = {}, {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda mod, a, kw, i=i: ins.__setitem__(i, (a[0] if a else kw["hidden_states"]).detach().clone()),
+            with_kwargs=True))
+        hooks.append(layer.register_forward_hook(
+            lambda mod, a, kw, out, i=i: outs.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach()),
+            with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    for i, layer in enumerate(model.model.layers):
+        W = layer.state_dict()
+        res = {}
+        for label, mm in (("window", m), ("full", dataclasses.replace(m, sliding_window=None))):
+            kc = torch.zeros(B, m.kv_heads, 64, m.head_dim)
+            vc = torch.zeros_like(kc)
+            prompt = reference.prefill_layer(ins[i][:, :P], torch.zeros(B, dtype=torch.int32), W, kc, vc, mm)
+            step = reference.decoder_layer(ins[i][:, P], torch.full((B,), P), W, kc, vc, mm)
+            res[label] = (rel(prompt, outs[i][:, :P]), rel(step, outs[i][:, P]))
+        assert max(res["window"]) <= 1e-5 < 1e-3 < min(res["full"]), (i, res)
 
 
 @pytest.mark.parametrize("kind", list(SCALING))
@@ -887,7 +929,10 @@ def test_from_hf_gives_the_entry_its_own_matrix(tmp_path):
     """from-hf --batch/--seq-len/--prefill-chunks: the entry carries its own matrix (printed and --write), checked
     as variants.yaml checks one and against the sliding window; bad values are one line, nothing written; a window
     shorter than the file's matrix says how to give the entry its own."""
-    d = write_config(tmp_path, "mistral", {**MISTRAL_7B_V0_3, "sliding_window": 4096})
+    # (llama's window, which transformers' forward ignores and generate()'s cache applies, is still refused
+    # beyond it: the matrix's checks against a window below)
+    d = write_config(tmp_path, "mistral", {**MISTRAL_7B_V0_3, "model_type": "llama",
+                                           "architectures": ["LlamaForCausalLM"], "sliding_window": 4096})
     r = run_cli("from-hf", d, "--batch", "1,4", "--seq-len", "2048")
     assert r.returncode == 0 and "    matrix: {mode: [decode], batch: [1, 4], seq_len: [2048]}" in r.stdout, r.stderr
     f = tmp_path / "v.yaml"
@@ -923,8 +968,7 @@ def test_own_matrix_checks_chunks_against_the_cache_and_hints_the_default_seq_le
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "a chunk of 4096 tokens does not fit the decode variants' cache of 1000 rows" in r.stderr
     assert run_cli("from-hf", d, "--seq-len", "1000", "--prefill-chunks", "512").returncode == 0
-    d = write_config(tmp_path, "sw", {**LLAMA_3_2_1B, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                                      "sliding_window": 2048})
+    d = write_config(tmp_path, "sw", {**LLAMA_3_2_1B, "sliding_window": 2048})
     r = run_cli("from-hf", d, "--prefill-chunks", "1024")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "sliding_window 2048" in r.stderr and "default --seq-len 4096: pass --seq-len" in r.stderr

@@ -45,6 +45,26 @@ def test_mistral_without_sliding_window_key_has_transformers_default_window(tmp_
     cfg = {k: v for k, v in MISTRAL_7B_V0_3.items() if k != "sliding_window"}
     d = write_config(tmp_path, "mistral-v0.1-like", cfg)
     assert hf_config(d).sliding_window == 4096  # MistralConfig's default, applied by transformers
+    # computed on every layer (the entry's field): any seq_len is exact
+    text = hf.variant_entry_yaml(d)
+    assert "    sliding_window: 4096\n" in text and "# sliding_window" not in text
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(MATRIX.format(seq=[1024, 4096, 32768]))
+    hf.append_entry(ok, text)
+    assert [(v.seq_len, v.model.sliding_window) for v in gvariants.load(ok)] == [(1024, 4096), (4096, 4096),
+                                                                                   (32768, 4096)]
+    m = hf.map_config(d)
+    assert m.window.size == 4096 and m.window.layers == tuple(range(32)) and "absent" in m.window.source
+    assert m.window.every_layer
+    # an explicit null is full attention (Mistral-7B-v0.3)
+    assert hf.map_config(write_config(tmp_path, "v03", MISTRAL_7B_V0_3)).window is None
+
+
+def test_llama_window_is_checked_against_seq_len(tmp_path):
+    """llama's sliding_window: transformers' LlamaModel ignores it in the forward and generate()'s cache applies it,
+    so it is not computed: a seq_len past it is refused."""
+    d = write_config(tmp_path, "llama-window", {**MISTRAL_7B_V0_3, "model_type": "llama",
+                                                "architectures": ["LlamaForCausalLM"], "sliding_window": 4096})
     text = hf.variant_entry_yaml(d)
     assert "# sliding_window 4096 (" in text and "seq_len <= 4096 is exact" in text
     # a window >= every seq_len never takes effect: appended
@@ -64,10 +84,7 @@ def test_mistral_without_sliding_window_key_has_transformers_default_window(tmp_
     assert bad.read_text() == before
     r = run_cli("from-hf", d, "--write", bad)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "sliding_window 4096" in r.stderr
-    m = hf.map_config(d)
-    assert m.window.size == 4096 and m.window.layers == tuple(range(32)) and "absent" in m.window.source
-    # an explicit null is full attention (Mistral-7B-v0.3)
-    assert hf.map_config(write_config(tmp_path, "v03", MISTRAL_7B_V0_3)).window is None
+    assert not hf.map_config(d).window.every_layer
 
 
 @pytest.mark.parametrize("over,window_layers", [

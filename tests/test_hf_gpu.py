@@ -19,6 +19,9 @@ from generator.verify import rel_err as rel  # noqa: E402
 from hf_util import hf_decode_step, randomize, rope_kwargs  # noqa: E402
 
 LAYER_TOL = 1e-2    # fused layer vs transformers' bf16 layer
+# the appended k/v rows vs transformers' bf16 rows: its k is rounded after k_proj, cos/sin and each RoPE product and sum
+# (ours once, from fp32); measured 1.01e-2 on the Mistral kind (session 57, H100), ours 2.1e-3 from the fp32 reference
+CACHE_TOL = 2e-2
 LOGITS_TOL = 2e-2   # fused model (bf16) vs transformers' fp32 copy of the same weights
 BATCH, SEQ_LEN, PROMPT, NEW = 1, 64, 8, 32
 
@@ -43,6 +46,9 @@ def kinds():
         # head_dim 128 (q_dim 512 != hidden), q/k norm
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(COMMON, head_dim=128, rms_norm_eps=1e-6,
                                                           **rope_kwargs(T.Qwen3Config, 1e6))),
+        # a sliding window of 16 over the 64-row cache (the decode step at 41, the generation's 40 positions)
+        "mistral-window": (T.MistralConfig, T.MistralForCausalLM, dict(COMMON, head_dim=64, sliding_window=16,
+                                                                       **rope_kwargs(T.MistralConfig, 1e6))),
     }
 
 
@@ -95,8 +101,8 @@ def test_load_hf_layer_matches_transformers(tiny, kind):
         torch.cuda.synchronize()
         err = rel(out, outs[i][:, 0])
         assert err <= LAYER_TOL, f"{kind} layer {i}: relative error {err:.2e} vs transformers"
-        assert rel(layer.k_cache[:, :, P], after[i][0][:, :, P]) <= LAYER_TOL
-        assert rel(layer.v_cache[:, :, P], after[i][1][:, :, P]) <= LAYER_TOL
+        assert rel(layer.k_cache[:, :, P], after[i][0][:, :, P]) <= CACHE_TOL
+        assert rel(layer.v_cache[:, :, P], after[i][1][:, :, P]) <= CACHE_TOL
         assert torch.equal(layer.k_cache[:, :, :P], k0) and torch.equal(layer.v_cache[:, :, :P], v0)
 
 

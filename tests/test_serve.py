@@ -463,6 +463,30 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
 
 
+def test_sliding_window_generates_as_transformers(tmp_path):
+    """A Mistral checkpoint whose window (8 tokens) is shorter than its prompts and the cache (48 rows): the prompt
+    pieces and decode steps attend to the last 8 rows, as transformers' sliding_window_causal mask and its sliding
+    cache do (tokens and logits equal its generate); the same weights with full attention give other logits."""
+    T = transformers
+    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=96, max_position_embeddings=256, rms_norm_eps=1e-5,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None, **rope_kwargs(T.MistralConfig, 10000.0))
+    hfms = {}
+    for window in (8, None):
+        torch.manual_seed(9)
+        hfms[window] = T.MistralForCausalLM(T.MistralConfig(**kw, sliding_window=window)).eval()
+        randomize(hfms[window], 9)
+        hfms[window].save_pretrained(tmp_path / f"w{window}")
+    model = cpu_model(tmp_path / "w8")
+    assert model.shape.sliding_window == 8
+    prompts = [list(range(3, 17)), [5, 1, 4]]  # 14 tokens: past the window already in the prompt
+    for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, hfms[8], prompts, 12)):
+        with torch.no_grad():
+            full_logits = hfms[None](input_ids=ref[:, :-1]).logits[0, len(prompts[b]) - 1:]
+        assert tokens == ref[0, len(prompts[b]):].tolist(), b
+        assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(full_logits, ref_logits), b
+
+
 def test_partial_rotary_factor_without_scaling_is_ignored_as_transformers_ignores_it(tmp_path):
     """partial_rotary_factor with default RoPE: the model classes' compute_default_rope_parameters rotate the whole
     head_dim (the field unread), so the checkpoint is served as transformers runs it, with a note; with RoPE scaling

@@ -774,13 +774,14 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
         if v.batch == 1 or v.tp > 1:
             assert c["ATT_DYN"] == 0, v.name
             continue
-        assert c["ATT_DYN"] in (2, int(v.seq_len >= 8192)), v.name  # 2: stream-K (test_stream_attention_...)
+        rows = min(v.seq_len, v.model.sliding_window or v.seq_len)  # the rows attended (a sliding window's)
+        assert c["ATT_DYN"] in (2, int(rows >= 8192)), v.name  # 2: stream-K (test_stream_attention_...)
         c = render.plan(v, "90", overrides={**gtune.resolve(v, "90", gtune.default_tuning_file())[0],
                                             "ATT_DYN": 1})["consts"]
         n_dyn += 1
-        assert attention_split([v.seq_len] * v.batch, c, 132) == c["ATT_C"], v.name
+        assert attention_split([rows] * v.batch, c, 132) == c["ATT_C"], v.name
         for _ in range(20):
-            lengths = [rng.choice([0, 1, v.seq_len, rng.randint(1, v.seq_len)]) for _ in range(v.batch)]
+            lengths = [rng.choice([0, 1, rows, rng.randint(1, rows)]) for _ in range(v.batch)]
             split = attention_split(lengths, c, 132)
             assert split % (16 * c["ATT_WARPS"]) == 0 and split <= max(c["ATT_C"], 16 * c["ATT_WARPS"]), (v, lengths)
             assert max(-(-n // split) for n in lengths) <= c["ATT_NSPLIT"], (v.name, lengths, split)

@@ -5,6 +5,7 @@ BAD_CASES is also used by test_cli.py (the CLI must turn each into exit 2 and le
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import re
 
@@ -317,3 +318,47 @@ def test_derived_sizes_over_a_c_int_are_refused():
     v = gvariants.parse(text, "t.yaml")[0]
     with pytest.raises(grender.PlanError, match=r"ROWS = 4294967296 is over a C int .* smaller shape"):
         grender.plan(v)
+
+
+def test_sliding_window_field():
+    """sliding_window: a positive number of tokens or null (full attention); one line otherwise. It takes effect only
+    over a cache longer than itself (window_at), and same_layer compares windows there; a model without one keeps
+    the parameters (and so the build identity and tuned plans) it had before the field existed."""
+    v = gvariants.parse(doc_text(sliding_window=48), "w.yaml")[0]
+    assert v.model.sliding_window == 48 and v.params()["sliding_window"] == 48
+    plain = gvariants.parse(GOOD_TEXT, "g.yaml")[0]
+    assert plain.model.sliding_window is None and "sliding_window" not in plain.params()
+    null = GOOD_TEXT.replace("  tiny:\n", "  tiny:\n    sliding_window: null\n")
+    assert "sliding_window: null" in null and gvariants.parse(null, "n.yaml")[0].model == plain.model
+    for bad, want in ((0, "must be a positive number of tokens"), (-3, "must be a positive number of tokens"),
+                      (True, "must be"), ("64", "must be"), (2.5, "must be")):
+        with pytest.raises(VariantError) as exc:
+            gvariants.parse(doc_text(sliding_window=bad), "b.yaml")
+        assert "sliding_window" in str(exc.value) and want in str(exc.value) and "\n" not in str(exc.value), bad
+    assert [gvariants.window_at(48, r) for r in (32, 48, 49, None)] == [None, None, 48, 48]
+    assert gvariants.window_at(None, 10) is None
+    assert gvariants.same_layer(v.model, plain.model, 48) and not gvariants.same_layer(v.model, plain.model, 64)
+    assert not gvariants.same_layer(v.model, plain.model)
+
+
+def test_sliding_window_plans_attention_for_its_rows():
+    """A decode variant attends to at most the window's rows: WINDOW is set where the cache is longer, and the
+    static split is planned for the window's rows (a window as long as the cache changes nothing); prefill always
+    carries it (its cache is given at run time)."""
+    from generator.modes import decode, prefill
+    from generator.targets import ARCHS
+    arch = ARCHS["90"]
+    base = gvariants.parse(doc_text(hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816), "p.yaml")[0]
+    win = gvariants.parse(doc_text(hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816,
+                                   sliding_window=1000), "w.yaml")[0]
+    at = {}
+    for name, v in (("base", base), ("win", win)):
+        for seq in (1000, 8192):
+            c = decode.plan(dataclasses.replace(v, seq_len=seq), arch)["consts"]
+            at[name, seq] = (c["WINDOW"], c["ATT_C"], c["ATT_NSPLIT"])
+    assert at["win", 1000] == at["base", 1000] and at["win", 1000][0] == 0
+    assert at["win", 8192][0] == 1000 and at["win", 8192][1:] == at["base", 1000][1:]
+    assert at["base", 8192][0] == 0 and at["base", 8192][2] > at["win", 8192][2]
+    c = prefill.plan(dataclasses.replace(win, mode="prefill", seq_len=64), arch)["consts"]
+    assert c["WINDOW"] == 1000
+    assert prefill.plan(dataclasses.replace(base, mode="prefill", seq_len=64), arch)["consts"]["WINDOW"] == 0

@@ -2,9 +2,11 @@
 
 Only what the kernel computes exactly is mapped; anything else (MoE, RoPE scalings other than llama3 / linear / yarn,
 tanh GELU, o_proj or MLP biases, quantized weights) is an HFConfigError: one line naming the file and the field. A
-sliding window is mapped with its size (Mapped.window): it takes effect only where the KV cache (seq_len) is longer
-than the window, so it is checked against seq_len wherever seq_len is known (check_window: `from-hf --write`,
-load_hf, FusedModel.from_hf).
+sliding window is mapped with its size (Mapped.window); one that transformers' forward applies on every layer
+(mistral, qwen2/qwen3) becomes the entry's `sliding_window` field, which every path computes. Any other (some layers
+only; llama's, which only generate()'s cache applies) takes effect only where the KV cache (seq_len) is longer than the
+window, so it is checked against seq_len wherever seq_len is known (check_window: `from-hf --write`, load_hf,
+FusedModel.from_hf).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Window:
     size: int
     source: str              # where it comes from, for messages: "field 'sliding_window' of /x/config.json"
     layers: tuple[int, ...]  # the layers it applies to
+    every_layer: bool = False  # on every layer, in transformers' forward too: the entry's sliding_window field
 
     def describe(self, n_layers: int) -> str:
         if len(self.layers) == n_layers:
@@ -325,16 +328,23 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict
 
 
 def check_window(window: Window | None, seq_len: int, where: str, n_layers: int | None = None,
-                 layer: int | None = None) -> None:
-    """A window takes no effect where seq_len <= its size (the cache holds at most that many keys); a shorter window
-    would mask keys the kernel attends to: HFConfigError naming `where` (file and variant), seq_len and the window.
-    `layer`: check only that layer (a layer the window does not apply to always passes); `n_layers`: the model's,
-    to say which layers the window covers (None: `window.source` says it already)."""
-    if window is None or seq_len <= window.size or (layer is not None and layer not in window.layers):
+                 layer: int | None = None, computed: int | None = None) -> None:
+    """A window takes no effect where seq_len <= its size (the cache holds at most that many keys), nor where what
+    runs computes it (`computed`: the sliding_window of the variant or layer that runs, equal to the window's size);
+    otherwise HFConfigError naming `where` (file and variant), seq_len and the window. `layer`: check only that layer
+    (a layer the window does not apply to always passes); `n_layers`: the model's, to say which layers the window
+    covers (None: `window.source` says it already)."""
+    if window is None or seq_len <= window.size or (layer is not None and layer not in window.layers) \
+            or computed == window.size:
         return
-    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} "
-                        f"({window.source if n_layers is None else window.describe(n_layers)}): sliding-window attention is not supported (every layer, "
-                        f"fused or unfused, attends to the whole cache; seq_len <= {window.size} is exact)")
+    covers = window.source if n_layers is None else window.describe(n_layers)
+    if window.every_layer:
+        raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}), "
+                            f"which it was built without: declare `sliding_window: {window.size}` in its "
+                            "variants.yaml entry (`megakernel from-hf` writes it) and build again")
+    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): a "
+                        "window on some layers only, or one transformers' forward does not apply (llama's), is not "
+                        f"supported (every layer attends to the whole cache; seq_len <= {window.size} is exact)")
 
 
 def _refuse_unsupported(cfg_path, cfg, model_type):
@@ -405,7 +415,11 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     if "vocab_size" in cfg and (cfg["vocab_size"] is None or _check_int(cfg_path, cfg, "vocab_size") is None):
         raise HFConfigError(f"{cfg_path}: field 'vocab_size' must be an integer, got None")
     window = _sliding_window(cfg_path, cfg, model_type, layers)
-    if window is not None:
+    # a window transformers' forward applies on every layer is computed (the sliding_window field); llama's model
+    # ignores its window in the forward (the prompt's pass sees every key) while generate()'s cache applies it
+    if window is not None and model_type != "llama" and len(window.layers) == layers:
+        window = dataclasses.replace(window, every_layer=True)
+    elif window is not None:
         notes.append(f"sliding_window {window.size} ({window.describe(layers)}): a window >= seq_len never takes "
                      f"effect, so seq_len <= {window.size} is exact; a longer seq_len is refused (from-hf, load_hf)")
 
@@ -442,6 +456,8 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
               "qkv_bias": qkv_bias, "qk_norm": qk_norm, "dtype": dtype}
     if rope_scaling is None:
         del fields["rope_scaling"]
+    if window is not None and window.every_layer:
+        fields["sliding_window"] = window.size
     if name is None:
         name = default_name(cfg_path, model_type)
     # the same rules as variants.yaml (divisibility, head_dim, name, ...); the message names the config file

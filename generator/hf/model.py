@@ -48,11 +48,18 @@ def _built_variant(name: str, build_dir):
 
 
 def _check_variant_fits(ck: _Checkpoint, v) -> None:
-    """The built variant must compute exactly this checkpoint's layer (its dtype may differ: weights are cast)."""
+    """The built variant must compute exactly this checkpoint's layer (its dtype may differ: weights are cast). A
+    sliding window the checkpoint has and the variant not is checked against the cache by check_window
+    (_check_variant; serve at its cache_len); one the variant applies must be the checkpoint's (a decode variant's
+    no longer than its cache never applies)."""
     for field in gvariants.LAYER_FIELDS:
         a, b = getattr(v.model, field), getattr(ck.model, field)
         if field == "rope_scaling":
             a, b = dict(a) if a else None, dict(b) if b else None
+        if field == "sliding_window":  # the variant's window where it takes effect: the checkpoint's own
+            a = gvariants.window_at(a, v.seq_len if v.mode == "decode" else None)
+            if a is None:
+                continue
         if a != b:
             raise HFConfigError(f"{ck.cfg_path}: variant '{v.name}' was built with {field}={a!r} but the config "
                                 f"gives {field}={b!r}")
@@ -88,7 +95,8 @@ def _check_variant(ck: _Checkpoint, v, layers, *, tensor_parallel: bool = False)
         raise HFConfigError(f"variant '{v.name}' is split over tp = {v.tp} GPUs: load it with "
                             "generator.serve.Model.from_hf(path, group=...) in one process per GPU")
     for i in layers:
-        check_window(ck.mapped.window, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'", ck.model.layers, i)
+        check_window(ck.mapped.window, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'", ck.model.layers, i,
+                     v.model.sliding_window)
     _warn_fp16(ck, v, f"{ck.prefix}layers.{layers[0]}.self_attn.q_proj.weight")
 
 

@@ -12,7 +12,7 @@ from .. import variants as gvariants
 from .config import HFConfigError, Window, check_window, map_config
 
 FIELD_ORDER = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "norm", "norm_eps",
-               "rope_theta", "rope_scaling", "activation", "qkv_bias", "qk_norm", "dtype")
+               "rope_theta", "rope_scaling", "sliding_window", "activation", "qkv_bias", "qk_norm", "dtype")
 # the comment variant_entry_yaml writes for a sliding window; append_entry reads the size back from it
 _WINDOW_COMMENT = re.compile(r"^\s*#\s*sliding_window (\d+) \((.*)\): ")
 

@@ -14,7 +14,7 @@ from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob
                     gemv_split_k, l1_bytes, open_barriers, plan_gemv)
 from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS
 from ..targets import DTYPES, Arch
-from ..variants import Variant
+from ..variants import Variant, window_at
 
 STEPS = (
     # NORM_GLOBAL: each norm a step of its own, its rows to global memory and a grid barrier; else (NORM_LOCAL) every
@@ -466,16 +466,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     att_warps = ov.get("ATT_WARPS", max(1, min(nw, ATT_WARPS_MAX, ring_budget // (att_stages * tile))))
     step = 16 * att_warps
     pairs = v.batch * m.kv_heads
-    att_c = max(step, math.ceil(v.seq_len / max(1, sms // pairs) / step) * step)
+    # the rows a query attends to at most: the cache, or a shorter sliding window (the kernel walks the last WINDOW
+    # rows up to the position: its splits and schedules plan for those)
+    window = window_at(m.sliding_window, v.seq_len) or 0
+    kv = window or v.seq_len
+    att_c = max(step, math.ceil(kv / max(1, sms // pairs) / step) * step)
     if "ATT_C" in ov:
         att_c = ov["ATT_C"]
         if att_c % step:
             raise PlanError(f"{v.name}: plan override ATT_C={att_c}: must be a multiple of 16 x ATT_WARPS = {step} "
                             "(whole tiles for every walker warp)")
-        if att_c > max(step, align(v.seq_len, step)):
-            raise PlanError(f"{v.name}: plan override ATT_C={att_c}: over the cache length {v.seq_len} rounded up "
+        if att_c > max(step, align(kv, step)):
+            raise PlanError(f"{v.name}: plan override ATT_C={att_c}: over the attended rows {kv} rounded up "
                             f"to {step}")
-    nsplit = math.ceil(v.seq_len / att_c)
+    nsplit = math.ceil(kv / att_c)
     # ATT_DYN (batch 2-32, one GPU): the rows per task follow the positions, so sequences at mixed positions spread
     # their actual rows over the blocks (attention_split); at full context the same split as ATT_C. The partials
     # then have room for more splits: one round's worth per KV head, at most ATT_DYN_SPLITS or the planned ones
@@ -483,8 +487,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # override): measured on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096
     # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
     # positions.
-    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= v.seq_len < 1 << 24
-                                    and "ATT_C" not in ov))
+    att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= kv
+                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
         raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one "
                         f"GPU and a cache under 2^24 rows (ATT_DYN 1's float division is exact below; this variant: "
@@ -493,7 +497,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         raise PlanError(f"{v.name}: plan overrides ATT_DYN={att_dyn} and ATT_C={ov['ATT_C']}: with ATT_DYN the rows "
                         "per task are chosen at run time (leave ATT_C out, or ATT_DYN=0)")
     if att_dyn == 1:
-        nsplit = max(nsplit, min(math.ceil(v.seq_len / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
+        nsplit = max(nsplit, min(math.ceil(kv / step), math.ceil(sms / m.kv_heads) + 1, ATT_DYN_SPLITS))
     # ATT_DYN 2 (stream-K, attention_stream): by default where the static split takes two rounds and the model above
     # gains STREAM_MIN_GAIN at full context (b20 with 8 KV heads: 160 pairs on 132 SMs), room for ATT_DYN_SPLITS
     # pieces a pair; and on sm_90 (where measured) instead of ATT_DYN 1 from STREAM_MIN_PAIRS (sequence, KV head) pairs
@@ -507,15 +511,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # read it (stream_gain keeps the bytes model's charge)
     att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
     if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
-        model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": v.seq_len, "ATT_C": att_c, "BATCH": v.batch,
-                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(v.seq_len)}
+        model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": kv, "ATT_C": att_c, "BATCH": v.batch,
+                 "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(kv)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
         if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
-                or not att_dyn and sm == 90 and v.seq_len >= 2048 and rounds == 1 \
+                or not att_dyn and sm == 90 and kv >= 2048 and rounds == 1 \
                 and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4):  # (they need the static split)
             att_dyn = 2
     if att_dyn == 2:
-        nsplit = max(nsplit, stream_room(v.seq_len))
+        nsplit = max(nsplit, stream_room(kv))
     elif "ATT_PIECE_TILES" in ov:
         raise PlanError(f"{v.name}: plan override ATT_PIECE_TILES={ov['ATT_PIECE_TILES']}: a piece's charge in "
                         f"ATT_DYN 2's runs (this plan: ATT_DYN={att_dyn})")
@@ -865,7 +869,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
 
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
-        "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "THREADS": THREADS,
+        "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "WINDOW": window,
+        "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "XS_LD": xs_ld, "ATT_C": att_c, "ATT_WARPS": att_warps, "ATT_STAGES": att_stages, "ATT_NSPLIT": nsplit,
         "ATT_COMBINE": ov.get("ATT_COMBINE", combine_default(m.group * m.head_dim, nsplit)

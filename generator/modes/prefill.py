@@ -174,7 +174,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     xrows = -(-rows // bn) * bn if wgmma else rows  # rows of the GEMMs' inputs: whole token tiles where tiled
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
-        "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows, "THREADS": THREADS,
+        "INTER": m.intermediate, "BATCH": v.batch, "CHUNK": v.seq_len, "ROWS": rows,
+        # a sliding window, if the model has one: the cache's length is given at run time, so it always applies
+        "WINDOW": m.sliding_window or 0, "THREADS": THREADS,
         "GROUP": m.group, "Q_DIM": q_dim, "KV_DIM": kv_dim, "QKV_DIM": q_dim + 2 * kv_dim,
         "ATT_NSPLIT": 0, "ATT_INLINE": ov.get("ATT_INLINE", 0),
         "GEMM_WGMMA": int(wgmma), "GEMM_WM": wm, "GEMM_GM": gm, "GEMM_TM": tm, "GEMM_TN": tn,

@@ -1,4 +1,5 @@
-// ---- stage: attention ---- decode attention of each query head over its KV head's cache rows 0..pos[b].
+// ---- stage: attention ---- decode attention of each query head over its KV head's cache rows 0..pos[b] (WINDOW:
+// the last WINDOW rows up to pos[b], a sliding window).
 // Tasks are (split, sequence, kv head) with ATT_C cache rows each, so long caches spread over all blocks
 // (flash-decoding). Inside a task each of ATT_WARPS warps walks its own 16-key tiles with its own online softmax
 // (fp32, exp2) and no block barrier. The group's query heads are the N of tensor-core products (mma m16n8k16):
@@ -79,6 +80,8 @@ __device__ __forceinline__ int att_ceil_div(int a, int c, float rc) {  // ceil(a
     else if (q > 0 && (q - 1) * c >= a) --q;
     return q;
 }
+// The rows a query at row count L (position + 1) attends to: all, or the last WINDOW (a sliding window)
+__device__ __forceinline__ int att_rows(int L) { return WINDOW ? min(L, WINDOW) : L; }
 __device__ void att_schedule(const int* pos, int* sched) {
     static_assert(!ATT_DYN || BATCH <= 32, "ATT_DYN: one warp holds a sequence a lane");
     static_assert(!ATT_DYN || SEQ_LEN < (1 << 24), "ATT_DYN: att_ceil_div is exact below 2^24 rows");
@@ -93,7 +96,7 @@ __device__ void att_schedule(const int* pos, int* sched) {
         lens[lane] = L;
     }
     __syncwarp();
-    const int lmax = (int)__reduce_max_sync(0xffffffffu, (unsigned)L);
+    const int lmax = (int)__reduce_max_sync(0xffffffffu, (unsigned)att_rows(L));
     const int klo = max(1, (max(1, (lmax + ATT_NSPLIT - 1) / ATT_NSPLIT) + STEP - 1) / STEP);
     const int khi = max(klo, (lmax + STEP - 1) / STEP);
     const int smax = max(1, min(ATT_NSPLIT, (lmax + STEP - 1) / STEP));
@@ -104,7 +107,7 @@ __device__ void att_schedule(const int* pos, int* sched) {
         int t = 0;
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
-            const int l = lens[b];
+            const int l = att_rows(lens[b]);
             t += l > 0 ? att_ceil_div(l, c, rc) : 1;
         }
         return t * KV_HEADS <= (int)gridDim.x;
@@ -125,7 +128,7 @@ __device__ void att_schedule(const int* pos, int* sched) {
     }
     const int c = k * STEP;
     // each sequence's first task (in units of KV_HEADS tasks): an inclusive scan of its task count
-    int n = lane < BATCH ? (L > 0 ? (L + c - 1) / c : 1) : 0;
+    int n = lane < BATCH ? (L > 0 ? (att_rows(L) + c - 1) / c : 1) : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
         const int u = __shfl_up_sync(0xffffffffu, n, o);
@@ -153,7 +156,7 @@ __device__ void att_stream_schedule(const int* pos, int* sched) {
         L = p >= 0 && p < SEQ_LEN ? p + 1 : 0;
         sched[3 + BATCH + lane] = L;
     }
-    const int u = lane < BATCH ? max(1, (L + 15) >> 4) : 0;
+    const int u = lane < BATCH ? max(1, (att_rows(L) + 15) >> 4) : 0;
     const int umax = (int)__reduce_max_sync(0xffffffffu, (unsigned)u);
     int n = lane < BATCH ? u + ATT_PIECE_TILES : 0;
 #pragma unroll
@@ -351,15 +354,18 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     att_out(ws_attn, b, kvh * GROUP * HEAD_DIM + t, __int_as_float(0x7fc00000), ll_e);
             continue;                                 // no cache write: the sequence's output becomes NaN
         }
-        if (row0 > p) continue;                       // the same for the whole block
+        // the walk covers rows lo .. p (WINDOW: the last WINDOW of them), row0, n and the splits counted from lo;
+        // pr: the position's row past lo
+        const int lo = WINDOW ? max(0, p + 1 - WINDOW) : 0, pr = p - lo;
+        if (row0 > pr) continue;                      // the same for the whole block
         tl(0, tl_start);
         tl(1);  // (p was used above: its load is in)
-        const int n = ATT_DYN == 2 ? min(row1, p + 1) - row0 : min(att_c, p + 1 - row0);
-        if constexpr (ATT_DYN != 2) nsplit = p / att_c + 1;
+        const int n = ATT_DYN == 2 ? min(row1, pr + 1) - row0 : min(att_c, pr + 1 - row0);
+        if constexpr (ATT_DYN != 2) nsplit = pr / att_c + 1;
         const bool appends = split == nsplit - 1;
         const size_t head_base = ((size_t)b * KV_HEADS + kvh) * SEQ_LEN * HEAD_DIM;
-        const T* kc = k_cache + head_base + (size_t)row0 * HEAD_DIM;
-        const T* vc = v_cache + head_base + (size_t)row0 * HEAD_DIM;
+        const T* kc = k_cache + head_base + (size_t)(lo + row0) * HEAD_DIM;
+        const T* vc = v_cache + head_base + (size_t)(lo + row0) * HEAD_DIM;
 
         // rows before p were written by earlier launches: streamed before the queries are ready. Row p is
         // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (plain
@@ -371,7 +377,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     if (lane == 0) {
                         unsigned long long* bar = bars + stage;
                         mbar_expect_tx(bar, 2 * TILE * (unsigned)sizeof(T));
-                        const int y = ((b * KV_HEADS + kvh) * SEQ_LEN) + row0 + t0;
+                        const int y = ((b * KV_HEADS + kvh) * SEQ_LEN) + lo + row0 + t0;
 #pragma unroll
                         for (int h = 0; h < NH; ++h) {
                             tensor_copy2(dst + h * 1024, kv_tmaps, h * 64, y, bar);
@@ -381,7 +387,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 } else {
                     for (int c = lane; c < 16 * CH; c += 32) {
                         const int r = c / CH, off = (c % CH) * 8, row = t0 + r;
-                        const bool ok = row < n && row0 + row < p;
+                        const bool ok = row < n && row0 + row < pr;
                         cp_async16(dst + r * (HEAD_DIM + 8) + off, ok ? kc + (size_t)row * HEAD_DIM + off : kc, ok);
                         cp_async16(dst + TILE + r * (HEAD_DIM + 8) + off, ok ? vc + (size_t)row * HEAD_DIM + off : vc,
                                    ok);
@@ -498,15 +504,15 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                         if (c / CH >= n - t0)
                             st16(att_at(vt, c / CH, (c % CH) * 8), make_uint4(0u, 0u, 0u, 0u));
                 }
-                if (t0 <= p - row0 && p - row0 < t0 + 16) {   // this tile holds the appended row: patch it in
-                    const int r = p - row0 - t0;                  // (each chunk by the lane that zero-filled it)
+                if (t0 <= pr - row0 && pr - row0 < t0 + 16) { // this tile holds the appended row: patch it in
+                    const int r = pr - row0 - t0;                 // (each chunk by the lane that zero-filled it)
                     for (int c = lane; c < 16 * CH; c += 32) {
                         if (c / CH != r) continue;
                         const int off = (c % CH) * 8;
                         st16(att_at(kt, r, off),
-                             *reinterpret_cast<const uint4*>(kc + (size_t)(p - row0) * HEAD_DIM + off));
+                             *reinterpret_cast<const uint4*>(kc + (size_t)(pr - row0) * HEAD_DIM + off));
                         st16(att_at(vt, r, off),
-                             *reinterpret_cast<const uint4*>(vc + (size_t)(p - row0) * HEAD_DIM + off));
+                             *reinterpret_cast<const uint4*>(vc + (size_t)(pr - row0) * HEAD_DIM + off));
                     }
                 }
                 // (ATT_TMA: the stores above, and this tile's reads below, ordered before the next tensor copy into

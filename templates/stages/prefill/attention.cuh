@@ -1,5 +1,6 @@
 // ---- stage: attention (prefill) ---- causal attention of the chunk's queries over cache rows 0 .. their own
-// position (the cache already holds the chunk's k and v: kv_append ran before the barrier), flash-attention 2
+// position (WINDOW: the last WINDOW rows up to it, a sliding window; the cache already holds the chunk's k and v:
+// kv_append ran before the barrier), flash-attention 2
 // style on the tensor cores. A task is (sequence, kv head, block of 16 x 16 query rows); query row r of a (sequence,
 // kv head) is token r / GROUP, head r % GROUP, so a GQA group's heads share every K/V tile. Each warp owns 16 query
 // rows (the M of mma m16n8k16): S = Q.K^T with K rows read by ldmatrix, an online softmax (fp32, exp2) per row,
@@ -53,7 +54,10 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
         }
         // the block's last key: the position of its last valid query row
         const int last_row = min(CHUNK * GROUP, (qb + 1) * PA_QROWS) - 1;
-        const int kend = start + last_row / GROUP + 1;          // keys 0 .. kend-1
+        const int kend = start + last_row / GROUP + 1;          // keys kbeg .. kend-1
+        // WINDOW: the block's first query row sees keys from its position - WINDOW + 1; a warp's from its own
+        const int kbeg = WINDOW ? max(0, start + qb * PA_QROWS / GROUP + 1 - WINDOW) : 0;
+        const int wbeg = WINDOW ? start + r0 / GROUP + 1 - WINDOW : 0;
         const int wlast = min(CHUNK * GROUP - 1, r0 + 15);
         const int wend = r0 < CHUNK * GROUP ? start + wlast / GROUP + 1 : 0;  // this warp's keys
         const size_t head = ((size_t)b * KV_HEADS + kvh) * cache_len * HEAD_DIM;
@@ -71,7 +75,7 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
             }
             cp_async_commit();
         };
-        issue(0, 0);
+        issue(kbeg, 0);
         // queries: the warp's 16 rows to its own tile in shared memory (zeros past the chunk), read back as A
         // fragments by ldmatrix at every 16-key step (holding them in registers would spill at head_dim 128)
         T* qs = ring + 4 * PA_TILE + warp * 16 * PA_RL;
@@ -84,22 +88,24 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
             *reinterpret_cast<uint4*>(qs + (c / CH) * PA_RL + off) = val;
         }
         __syncwarp();
-        int lim[2];   // last key each of the lane's two rows (gid, gid + 8) may see (-1: no such row)
+        int lim[2], low[2];  // keys each of the lane's two rows (gid, gid + 8) may see: low .. lim (lim -1: no row)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int rr = r0 + gid + h * 8;
             lim[h] = rr < CHUNK * GROUP ? start + rr / GROUP : -1;
+            low[h] = WINDOW ? lim[h] + 1 - WINDOW : 0;
         }
         float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
         for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-        for (int k0 = 0, it = 0; k0 < kend; k0 += PA_KT, ++it) {
+        for (int k0 = kbeg, it = 0; k0 < kend; k0 += PA_KT, ++it) {
             issue(k0 + PA_KT, (it + 1) & 1);
             cp_async_wait<1>();
             __syncthreads();
             const T* kt = ring + (it & 1) * 2 * PA_TILE;
             const T* vt = kt + PA_TILE;
             for (int s0 = 0; s0 < PA_KT && k0 + s0 < wend; s0 += 16) {   // 16 keys at a time
+                if (WINDOW && k0 + s0 + 16 <= wbeg) continue;               // wholly before the warp's window
                 float sc[2][4] = {};  // key n-tiles 0-7, 8-15
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk) {
@@ -122,7 +128,7 @@ __device__ __forceinline__ void attention_body(const int* __restrict__ pos, cons
                         for (int e = 0; e < 2; ++e) {
                             const int key = k0 + s0 + j * 8 + 2 * tig + e;
                             float& s = sc[j][h * 2 + e];
-                            if (key > lim[h]) s = -INFINITY;
+                            if (key > lim[h] || (WINDOW && key < low[h])) s = -INFINITY;
                             mx = fmaxf(mx, s);
                         }
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
