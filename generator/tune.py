@@ -192,7 +192,7 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -214,7 +214,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     and the planner did not take it),
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off (from batch 2 with O_PRE
     off) and off where on (batch <= 8, one GPU; from batch 2 with O_PRE 1 back), the cooperative launch (COOP 1,
-    QKV_PRE 0) where the planner launches without it, ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4
+    QKV_PRE 0) where the planner launches without it, GU_SKIP flipped under DOWN_FLOW 2 (down_proj's blocks off
+    gate_up: -5 % to +19 % a layer at batch 1, bench/NOTES.md session 57), ATT_COMBINE 1, 2, 3 and 4 where not planned (0 never won; 3 and 4
     where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where
     not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
@@ -271,6 +272,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries.append({**ll_off, **back} if d["ATT_LL"] else on)
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
         tries += [{"COOP": 1, "QKV_PRE": 0}] if not d["COOP"] else []  # (the cooperative launch back, batch 1's rule)
+        tries += [{"GU_SKIP": 1 - d["GU_SKIP"]}] if d["DOWN_FLOW"] == 2 else []  # (down_proj's blocks off gate_up)
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
@@ -298,12 +300,13 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{"ATT_TMA": 1 - d["ATT_TMA"], **({"NORM_GLOBAL": 1} if d["NORM_GLOBAL"] else {})}] \
             if get_arch(arch).number >= 90 else []
         tries += [{"ATT_STAGES": 3, "ATT_WARPS": n} if n != w else {"ATT_STAGES": 3} for n in range(w, 0, -1)]
+        kv = d["WINDOW"] or v.seq_len  # the rows attended (a sliding window's)
         if d["ATT_DYN"] == 2:
-            tries += [{"ATT_DYN": int(v.seq_len >= decode.ATT_DYN_MIN_SEQ)}]
+            tries += [{"ATT_DYN": int(kv >= decode.ATT_DYN_MIN_SEQ)}]
             if positions != "full":
                 tries += [{"ATT_PIECE_TILES": t} for t in (d["ATT_PIECE_TILES"] // 2, d["ATT_PIECE_TILES"] * 2)]
         elif 2 <= v.batch <= 32 and v.tp == 1 and decode.stream_gain(
-                {**d, "ATT_NSPLIT": decode.stream_room(v.seq_len)},
+                {**d, "ATT_NSPLIT": decode.stream_room(kv)},
                 get_arch(arch).sms, decode.DTYPES[v.model.dtype].bytes) >= decode.STREAM_TRY_GAIN:
             tries += [{"ATT_DYN": 2}]
         if positions != "full" and d["ATT_DYN"] == 0 and 2 <= v.batch <= 32 and v.tp == 1:

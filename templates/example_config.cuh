@@ -46,6 +46,7 @@ constexpr int TIMELINE = 0;
 constexpr int COOP = 0;
 constexpr int DOWN_SMEM = 0;
 constexpr int DW_KT = 0;
+constexpr int GU_SKIP = 0;
 constexpr int SMEM_XS = 0;
 constexpr int SMEM_RED = 4112;
 constexpr int SMEM_QS = 0;

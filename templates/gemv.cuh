@@ -127,6 +127,14 @@ struct NoWait {  // gemv's `wait` where X is complete when the stage starts (a g
     static constexpr bool active = false;
     __device__ void operator()(int) const {}
 };
+struct NoSkip {  // gemv's `skip` where every block takes tasks
+    static constexpr bool active = false;
+    int n = 0;
+};
+struct BlockSkip {  // gemv's `skip`: blocks [0, n) take no task (GU_SKIP)
+    static constexpr bool active = true;
+    int n;
+};
 struct NoStaged {  // gemv's `staged` where every weight comes from global memory (else: down_proj.cuh DownStaged)
     static constexpr bool active = false;
     __device__ bool covers(int) const { return false; }
@@ -173,14 +181,18 @@ template <int U>
 struct GemvPre {
     uint4 a[U];
 };
-template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0, int TM = 1>
-__device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
+template <int ON, int N, int K, int NWG, int U, int KSPLIT, int TILE0 = 0, int TM = 1, bool SKIPS = false>
+__device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W, int skip = 0) {
     if constexpr (!ON) {
         return GemvPre<U * TM>{};  // nothing loaded (PRE 0 never reads it)
     } else {
         GemvPre<U * TM> p;
         const int group = threadIdx.x / (32 * NWG), warp = threadIdx.x % (32 * NWG) / 32;
-        const int task = group * gridDim.x + blockIdx.x;  // the group's task in gemv's first round (its round loop)
+        // the group's task in gemv's first round (its round loop; skip: as gemv's)
+        int task = group * gridDim.x + blockIdx.x;
+        if constexpr (SKIPS)
+            task = blockIdx.x < (unsigned)skip ? 0x7fffffff
+                                               : group * (gridDim.x - (unsigned)skip) + (blockIdx.x - (unsigned)skip);
         if (task < N / 16 / TM * KSPLIT) {
             gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, warp, threadIdx.x & 31, p.a);
             if constexpr (ON == 2) {
@@ -224,12 +236,15 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W) {
 // before a round writes it (its last epilogue's reads are done), so the block needs less shared memory.
 // staged (Staged::active; KSPLIT 1, TM 1): a task it covers has its k-tiles below staged.kt in shared memory
 // (staged.wait(): until their copy is in; staged.load(kt, lane): the lane's 16 bytes), the rest from W as any task's.
+// skip (BlockSkip): blocks [0, skip.n) take no task (they return at once: no block barrier of gemv's); the tasks go
+// round the others (the decode plan's GU_SKIP: gate_up leaves down_proj's blocks free).
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, int XF = 0, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait, class Staged = NoStaged>
+          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait, class Staged = NoStaged,
+          class Skip = NoSkip>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
                                      const GemvPre<U * TM>* pre = nullptr, Wait wait = {},
-                                     unsigned ll_e = 0u, Staged staged = {}) {
+                                     unsigned ll_e = 0u, Staged staged = {}, Skip skip = {}) {
     static_assert(N % (16 * TM) == 0 && K % (16 * KSPLIT) == 0 && THREADS % (32 * NWG) == 0 && TILE0 % TM == 0,
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
@@ -411,15 +426,24 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs (the splits of a
     // tile run on different blocks); all groups of a block take the same rounds, one block barrier each. The
     // partial sums are double-buffered (DB): the next round's writes cannot race this round's epilogue.
-    const int stride = gridDim.x * NG, rounds = (TASKS + stride - 1) / stride;
+    if constexpr (Skip::active)
+        if (blockIdx.x < (unsigned)skip.n) return;
+    // the group's first-round task: over the blocks that take tasks (where none is skipped, written as before the
+    // skip existed: a variable for gridDim.x held it in a register, one more through the loop, and moved spills)
+    auto first_task = [&]() -> unsigned {
+        if constexpr (Skip::active) return group * (gridDim.x - (unsigned)skip.n) + (blockIdx.x - (unsigned)skip.n);
+        else return group * gridDim.x + blockIdx.x;
+    };
+    const int stride = (Skip::active ? gridDim.x - (unsigned)skip.n : gridDim.x) * NG;
+    const int rounds = (TASKS + stride - 1) / stride;
     if constexpr (PRE) {
 #pragma unroll
         for (int u = 0; u < U * TM; ++u) pf[u] = pre->a[u];
-    } else if (PF && group * gridDim.x + blockIdx.x < TASKS) {
-        load_step(group * gridDim.x + blockIdx.x, warp, pf);
+    } else if (PF && first_task() < TASKS) {
+        load_step(first_task(), warp, pf);
     }
     for (int rd = 0; rd < rounds; ++rd) {
-        const int task = rd * stride + group * gridDim.x + blockIdx.x;
+        const int task = rd * stride + first_task();
         const int2 tk = gemv_task<N, KSPLIT, TILE0, TM>(task);
         const int tile = tk.x, ks = tk.y;  // its first tile, its split
         const bool active = task < TASKS;

@@ -43,8 +43,8 @@ models:
 """
 TINY_NAMES = ("tiny-a_decode_b1_s64_bf16", "tiny-b_decode_b1_s64_bf16", "tiny-c_decode_b2_s128_fp16")
 
-# sliding-window shapes (Mistral's): static splits with the LL hand-offs (b1), fp16 head_dim 96 (b3), ATT_TMA with the
-# run-time split (b16), both run-time splits (b4 at KV 32768, below), prefill chunks shorter and longer than the window
+# sliding-window shapes (Mistral's): static splits with the LL hand-offs (b1), fp16 head_dim 96 (b3), ATT_TMA (b16), the
+# run-time split (b4 at KV 32768), prefill chunks shorter and longer than the window
 WINDOW_YAML = """
 models:
   user-window:

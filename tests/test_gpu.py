@@ -419,7 +419,8 @@ def test_diff_names_the_first_bad_stage(build_dir):
 
 def test_sliding_window_matches_the_reference(tmp_path):
     """A sliding window shorter than the cache (query p attends to rows p - W + 1 .. p): every decode path (static
-    splits under the LL hand-offs, ATT_TMA with ATT_DYN, ATT_DYN 1 and 2 at KV 32768, ATT_COMBINE 4) and prefill
+    splits under the LL hand-offs, ATT_TMA with the static split and with ATT_DYN 1 and 2, ATT_DYN 1 and 2 at KV
+    32768, ATT_COMBINE 2, 3 and 4) and prefill
     chunks shorter and longer than the window, at positions before, at and past the window, against the fp32
     reference (output poisoned first, every stage's workspace, the cache rows), split counters back at zero; the
     attention's result against the reference without the window fails (the case is not vacuous)."""
@@ -428,8 +429,10 @@ def test_sliding_window_matches_the_reference(tmp_path):
     vs = gvariants.parse(WINDOW_YAML, "window.yaml")
     b4 = next(v for v in vs if v.batch == 4)
     b1 = next(v for v in vs if v.batch == 1)
+    b16 = next(v for v in vs if v.batch == 16)
     extra = [(renamed(b4, "dyn1"), {"ATT_DYN": 1}), (renamed(b4, "dyn2"), {"ATT_DYN": 2}),
-             (renamed(b1, "c4"), {"ATT_COMBINE": 4})]
+             (renamed(b16, "tdyn1"), {"ATT_DYN": 1}), (renamed(b16, "tdyn2"), {"ATT_DYN": 2}),
+             *[(renamed(b1, f"c{c}"), {"ATT_COMBINE": c}) for c in (2, 3, 4)]]
     res = gcompile.build(vs + [c for c, _ in extra], tmp_path, overrides={c.name: ov for c, ov in extra})
     assert not res["errors"], res["errors"][0]["error"][:500]
     for v in vs + [c for c, _ in extra]:

@@ -3,6 +3,7 @@ here): sliding windows against seq_len, rope_scaling vs rope_parameters, tied lm
 fp16 variants of bf16 models."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -154,6 +155,52 @@ def test_window_shorter_than_seq_len_is_refused_per_layer(tmp_path, monkeypatch)
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, full(input_ids=ids).logits
     assert torch.allclose(a[:, :16], b[:, :16], atol=1e-5) and rel(a[:, 20:], b[:, 20:]) > 1e-3
+
+
+def test_a_variants_window_must_be_the_checkpoints_where_it_applies(tmp_path, monkeypatch):
+    """A Mistral checkpoint with a 16-token window on every layer and one without: a built variant serves a layer only
+    where it computes the same window over its cache (gvariants.window_at): an entry without the field (an older
+    from-hf's) up to a cache of 16 rows, and past it refused in one line saying what to declare; one with another
+    window, or a window the checkpoint lacks, refused where that window applies; through load_hf and
+    FusedModel.from_hf. A windowed variant's fused model gives transformers' logits past the window."""
+    T = transformers
+    dirs = {}
+    for window in (16, None):
+        torch.manual_seed(0)
+        model = T.MistralForCausalLM(T.MistralConfig(**TINY, sliding_window=window,
+                                                     **rope_kwargs(T.MistralConfig, 1e6))).eval()
+        randomize(model, 0)
+        d = dirs[window] = tmp_path / f"tiny-mistral-{window}"
+        model.save_pretrained(d)
+    windowed = hf.model_from_hf(dirs[16], name="tiny")
+    assert windowed.sliding_window == 16 and hf.model_from_hf(dirs[None], name="tiny").sliding_window is None
+    plain, w8 = (dataclasses.replace(windowed, sliding_window=w) for w in (None, 8))
+    cases = [(dirs[16], plain, 16, None), (dirs[16], plain, 32, "and the variant was built without it: declare "
+                                                                "`sliding_window: 16`"),
+             (dirs[16], windowed, 32, None), (dirs[16], w8, 32, "sliding_window=8 but the config gives "
+                                                               "sliding_window=16"),
+             (dirs[None], windowed, 16, None), (dirs[None], windowed, 32, "sliding_window=16 but the config gives "
+                                                                         "sliding_window=None")]
+    for d, m, seq_len, refused in cases:
+        v = gvariants.Variant(m, "decode", 2, seq_len)
+        fake_build(monkeypatch, v)
+        if refused:
+            with pytest.raises(hf.HFConfigError) as exc:
+                hf.load_hf(d, 0, variant=v.name, build_dir=tmp_path, device="cpu")
+            assert refused in one_line(exc), (d.name, m.sliding_window, seq_len)
+            with pytest.raises(hf.HFConfigError):
+                hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
+        else:
+            hf.load_hf(d, 0, variant=v.name, build_dir=tmp_path, device="cpu")
+    v = gvariants.Variant(windowed, "decode", 2, 32)
+    fake_build(monkeypatch, v)
+    monkeypatch.setitem(reference.TORCH_DTYPES, "bf16", torch.float32)
+    fm = hf.FusedModel.from_hf(dirs[16], variant=v.name, build_dir=tmp_path, device="cpu")
+    ids = torch.randint(0, fm.vocab, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = T.MistralForCausalLM.from_pretrained(dirs[16]).eval()(input_ids=ids).logits
+    for t in range(30):
+        assert rel(fm.step(ids[:, t], torch.full((2,), t, dtype=torch.int32)), ref[:, t]) <= 1e-4, t
 
 
 # ---------------------------------------------------------------------------------------------------------------

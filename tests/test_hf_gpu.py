@@ -20,8 +20,8 @@ from hf_util import hf_decode_step, randomize, rope_kwargs  # noqa: E402
 
 LAYER_TOL = 1e-2    # fused layer vs transformers' bf16 layer
 # the appended k/v rows vs transformers' bf16 rows: its k is rounded after k_proj, cos/sin and each RoPE product and sum
-# (ours once, from fp32); measured 1.01e-2 on the Mistral kind (session 57, H100), ours 2.1e-3 from the fp32 reference
-CACHE_TOL = 2e-2
+# (ours once, from fp32); measured 1.01e-2 on the mistral-window kind (session 57, H100), the others within LAYER_TOL
+CACHE_TOL = {"mistral-window": 2e-2}
 LOGITS_TOL = 2e-2   # fused model (bf16) vs transformers' fp32 copy of the same weights
 BATCH, SEQ_LEN, PROMPT, NEW = 1, 64, 8, 32
 
@@ -101,8 +101,9 @@ def test_load_hf_layer_matches_transformers(tiny, kind):
         torch.cuda.synchronize()
         err = rel(out, outs[i][:, 0])
         assert err <= LAYER_TOL, f"{kind} layer {i}: relative error {err:.2e} vs transformers"
-        assert rel(layer.k_cache[:, :, P], after[i][0][:, :, P]) <= CACHE_TOL
-        assert rel(layer.v_cache[:, :, P], after[i][1][:, :, P]) <= CACHE_TOL
+        tol = CACHE_TOL.get(kind, LAYER_TOL)
+        assert rel(layer.k_cache[:, :, P], after[i][0][:, :, P]) <= tol
+        assert rel(layer.v_cache[:, :, P], after[i][1][:, :, P]) <= tol
         assert torch.equal(layer.k_cache[:, :, :P], k0) and torch.equal(layer.v_cache[:, :, :P], v0)
 
 

@@ -463,18 +463,25 @@ def test_rope_scaling_generates_as_transformers(tmp_path, scaling):
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(plain_logits, ref_logits), b
 
 
-def test_sliding_window_generates_as_transformers(tmp_path):
-    """A Mistral checkpoint whose window (8 tokens) is shorter than its prompts and the cache (48 rows): the prompt
-    pieces and decode steps attend to the last 8 rows, as transformers' sliding_window_causal mask and its sliding
-    cache do (tokens and logits equal its generate); the same weights with full attention give other logits."""
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_generates_as_transformers(tmp_path, family):
+    """A Mistral checkpoint (or a Qwen2 one whose every layer slides: use_sliding_window, max_window_layers 0) whose
+    window (8 tokens) is shorter than its prompts and the cache (48 rows): the prompt pieces and decode steps attend
+    to the last 8 rows, as transformers' sliding_window_causal mask and its sliding cache do (tokens and logits
+    equal its generate); the same weights with full attention give other logits."""
     T = transformers
+    cfg_cls, model_cls = (T.MistralConfig, T.MistralForCausalLM) if family == "mistral" else \
+        (T.Qwen2Config, T.Qwen2ForCausalLM)
     kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, vocab_size=96, max_position_embeddings=256, rms_norm_eps=1e-5,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None, **rope_kwargs(T.MistralConfig, 10000.0))
+              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, rms_norm_eps=1e-5,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None, **rope_kwargs(cfg_cls, 10000.0))
+    if family == "qwen2":
+        kw.update(use_sliding_window=True, max_window_layers=0)
     hfms = {}
     for window in (8, None):
         torch.manual_seed(9)
-        hfms[window] = T.MistralForCausalLM(T.MistralConfig(**kw, sliding_window=window)).eval()
+        extra = {"sliding_window": window} if family == "mistral" or window else {"use_sliding_window": False}
+        hfms[window] = model_cls(cfg_cls(**{**kw, **extra})).eval()
         randomize(hfms[window], 9)
         hfms[window].save_pretrained(tmp_path / f"w{window}")
     model = cpu_model(tmp_path / "w8")

@@ -1550,23 +1550,31 @@ def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
     first round from global memory), against the fp32 reference at two seeds, three launches back to back, and 300
     graph replays before a checked step; on Qwen2.5-0.5B b1 (its whole task staged, DOWN_FLOW 2), Llama-3.2-1B b1 (a
     part staged, DOWN_FLOW 1's counters) and Qwen2.5-0.5B b8 (the barrier, rows of 8)."""
+    named = {v.name: v for v in declared()}
+    cases = [(named[n], {"DOWN_SMEM": 1}) for n in ("qwen2.5-0.5b_decode_b1_s4096_bf16",
+                                                      "llama3.2-1b_decode_b1_s4096_bf16",
+                                                      "qwen2.5-0.5b_decode_b8_s4096_bf16")]
+    _bit_equal_to_the_plan_without(tmp_path, cases, "ds", [{"DOWN_SMEM": 0}] * 3)
+
+
+def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict]) -> None:
+    """Each (variant, overrides) of `cases` (renamed `tag`<i>) against the fp32 reference (_overrides_match_the_reference,
+    a repeat bit-equal, three launches back to back) and bit-equal to its twin planned with `without`[i] over six
+    trials (random rows, row 191, a refused position, a third of the grid), then 300 graph replays before a checked
+    step."""
     import torch
 
     from bench.timing import graph_of
     from bench.tune import renamed
     from generator import compile as gcompile, reference, verify
     from generator.loader import load
-    named = {v.name: v for v in declared()}
-    cases = [(named[n], {"DOWN_SMEM": 1}) for n in ("qwen2.5-0.5b_decode_b1_s4096_bf16",
-                                                      "llama3.2-1b_decode_b1_s4096_bf16",
-                                                      "qwen2.5-0.5b_decode_b8_s4096_bf16")]
-    twins = [(renamed(v, f"dsb{i}"), {"DOWN_SMEM": 0}) for i, (v, _) in enumerate(cases)]
+    twins = [(renamed(v, f"{tag}b{i}"), without[i]) for i, (v, _) in enumerate(cases)]
     res = gcompile.build([c for c, _ in twins], tmp_path, overrides={c.name: o for c, o in twins})
     assert all(e["status"] == "ok" for e in res["entries"]), res["entries"]
-    _overrides_match_the_reference(tmp_path, cases, "ds", 41, {"DOWN_SMEM": 1}, repeat=True)
     for i, (v, ov) in enumerate(cases):
+        _overrides_match_the_reference(tmp_path, [(v, ov)], f"{tag}{i}-", 41, ov, repeat=True)
         W = reference.random_weights(v.model, seed=42, device="cuda")
-        layer = load(renamed(v, f"ds{i}").name, W, build_dir=tmp_path)
+        layer = load(renamed(v, f"{tag}{i}-0").name, W, build_dir=tmp_path)
         steps_track_the_reference(layer, W, v, 42)
         base = load(twins[i][0].name, None, build_dir=tmp_path, packed=layer.packed,
                     caches=(layer.k_cache, layer.v_cache))
@@ -1586,7 +1594,7 @@ def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
             layer.grid, base.grid = grids
             torch.cuda.synchronize()
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
-                (v.name, trial)
+                (v.name, ov, trial)
         xg, pg = x.clone(), torch.full_like(pos, v.seq_len - 1)
         graph = graph_of(lambda: layer(xg, pg, validate=False))
         for _ in range(300):
@@ -1594,9 +1602,30 @@ def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
         torch.cuda.synchronize()
         x, pos = verify.random_inputs(layer, 44)
         r = verify.check_step(layer, x, pos, weights=W)
-        assert verify.passed(r, v.model.dtype), (v.name, r["rel_err"], r["first_bad_stage"])
+        assert verify.passed(r, v.model.dtype), (v.name, ov, r["rel_err"], r["first_bad_stage"])
         del layer, base
         torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gate_up_leaving_down_proj_blocks_free_matches_the_reference(tmp_path):
+    """GU_SKIP 1 (down_proj's HIDDEN / 16 blocks take no gate_up task; gate_up's go round the others): bit-equal to
+    the same gate_up groups without it (the tiles' sums are the same, only the blocks move) at six trials, a third
+    of the grid among them (fewer blocks than down_proj's tiles: no block skipped), against the fp32 reference, 300
+    graph replays; alone and with DOWN_SMEM 1 (the skipped blocks' whole tile copied into shared memory), on
+    Qwen2.5-0.5B b1 (56 of 132 blocks skipped), a SmolLM-360M-like b1 (60) and hidden 1440 (90)."""
+    named = {v.name: v for v in declared()}
+    q05 = named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
+    cases = [(q05, {"GU_SKIP": 1, "GU_NWG": 2}), (q05, {"GU_SKIP": 1, "GU_NWG": 8, "DOWN_SMEM": 1}),
+             (named["ho-smol-360m_decode_b1_s2048_bf16"], {"GU_SKIP": 1, "DOWN_SMEM": 1}),
+             (named["ho-h1440-hd80_decode_b1_s4096_bf16"], {"GU_SKIP": 1})]
+    from generator import render
+    without = []
+    for v, ov in cases:
+        c = render.plan(v, "90", overrides=ov)["consts"]
+        without.append({k: val for k, val in {**ov, "GU_SKIP": 0, "GU_NWG": c["GU_NWG"], "GU_U": c["GU_U"]}.items()})
+    _bit_equal_to_the_plan_without(tmp_path, cases, "gs", without)
 
 
 @pytest.mark.gpu

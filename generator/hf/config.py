@@ -339,8 +339,9 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
         return
     covers = window.source if n_layers is None else window.describe(n_layers)
     if window.every_layer:
+        built = "without it" if computed is None else f"with sliding_window {computed}"
         raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}), "
-                            f"which it was built without: declare `sliding_window: {window.size}` in its "
+                            f"and the variant was built {built}: declare `sliding_window: {window.size}` in its "
                             "variants.yaml entry (`megakernel from-hf` writes it) and build again")
     raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): a "
                         "window on some layers only, or one transformers' forward does not apply (llama's), is not "

@@ -68,7 +68,8 @@ STEPS = (
 # are not taken): no counters, act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll
 # as o_proj's poll attention's under ATT_LL);
 # DOWN_SMEM (an override): the block's first down_proj task's weights bulk-copied into shared memory from gate_up's
-# start, down_proj reading them there (plan: down_smem);
+# start, down_proj reading them there (plan: down_smem); GU_SKIP (an override): down_proj's blocks take no gate_up
+# task, so their tiles stream (with DOWN_SMEM: are copied) while the other blocks run gate_up (plan: gu_skip);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
@@ -96,7 +97,7 @@ PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM"))
+            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP"))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -131,7 +132,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
             raise PlanError(f"{name}: plan override {k}={val}: must be in {ATT_STAGES_RANGE[0]}..{ATT_STAGES_RANGE[1]}")
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
-        on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM")
+        on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM",
+                  "GU_SKIP")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -176,6 +178,13 @@ STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (seque
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
 
 
+def attended(lengths: list[int], consts: dict) -> list[int]:
+    """The rows each sequence's attention walks: its `lengths` (position + 1), at most WINDOW where the plan has a
+    sliding window (templates/stages/attention.cuh att_rows)."""
+    w = consts.get("WINDOW", 0)
+    return [min(n, w) for n in lengths] if w else list(lengths)
+
+
 def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     """The cache rows per attention task C that ATT_DYN's kernel picks for one launch (templates/stages/attention.cuh
     att_schedule does the same integer arithmetic on the device): `lengths` are each sequence's rows (position + 1;
@@ -190,6 +199,7 @@ def attention_split(lengths: list[int], consts: dict, grid: int) -> int:
     session 15)."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
+    lengths = attended(lengths, consts)
     step, nsplit, kvh = 16 * consts["ATT_WARPS"], consts["ATT_NSPLIT"], consts["KV_HEADS"]
     lmax = max(lengths)
     klo = max(1, cdiv(max(1, cdiv(lmax, nsplit)), step))
@@ -222,7 +232,7 @@ def attention_stream(lengths: list[int], consts: dict, grid: int) -> tuple[int, 
     ceil((Umax - 1) / (ATT_NSPLIT - 1)), so a pair of Umax tiles spans at most ATT_NSPLIT blocks (the partials'
     room). Stream-K: Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix
     Multiplication on the GPU" (PPoPP 2023)."""
-    tiles = [max(1, -(-n // 16)) for n in lengths]
+    tiles = [max(1, -(-n // 16)) for n in attended(lengths, consts)]
     w = consts["KV_HEADS"] * sum(u + consts["ATT_PIECE_TILES"] for u in tiles)
     return max(-(-w // grid), -(-(max(tiles) - 1) // (consts["ATT_NSPLIT"] - 1))), w
 
@@ -233,6 +243,7 @@ def attention_pieces(lengths: list[int], consts: dict, grid: int) -> list[list[t
     units before each, a run that ends inside a pair's fixed cost walks nothing of it; the end row is whole tiles,
     the kernel stops at the position), for tests and the planner's model."""
     r, w = attention_stream(lengths, consts, grid)
+    lengths = attended(lengths, consts)
     kvh, pt = consts["KV_HEADS"], consts["ATT_PIECE_TILES"]
     first = [0]
     for n in lengths:
@@ -287,7 +298,8 @@ STREAM_IDLE_GAIN = 0.25
 
 def static_rounds(consts: dict, grid: int) -> int:
     """Rounds of the static split's tasks over `grid` blocks at full context (ATT_C rows a task)."""
-    return -(-consts["BATCH"] * consts["KV_HEADS"] * -(-consts["SEQ_LEN"] // consts["ATT_C"]) // grid)
+    rows = attended([consts["SEQ_LEN"]], consts)[0]
+    return -(-consts["BATCH"] * consts["KV_HEADS"] * -(-rows // consts["ATT_C"]) // grid)
 
 
 def stream_room(seq_len: int) -> int:
@@ -307,7 +319,7 @@ def stream_gain(consts: dict, grid: int, esize: int) -> float:
     ATT_PIECE_TILES the kernel's runs take: STREAM_MIN_GAIN and STREAM_IDLE_GAIN were fitted to measurements in this
     model, the latter with the kernel's 48-tile charge; 0.25 = a quarter faster)."""
     row = 2 * consts["HEAD_DIM"] * esize
-    seq, att_c = consts["SEQ_LEN"], consts["ATT_C"]
+    seq, att_c = attended([consts["SEQ_LEN"]], consts)[0], consts["ATT_C"]
     static = static_rounds(consts, grid) * (att_c * row + ATT_TASK_BYTES)
     model = {**consts, "ATT_PIECE_TILES": piece_tiles(consts["HEAD_DIM"], esize)}
     stream = max(sum((e - s) * row + ATT_TASK_BYTES for _, _, s, e, _, _ in blk)
@@ -361,13 +373,19 @@ LL_HIDDEN_MAX_BATCH = 4096
 LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
 LL_BATCH_MAX = 5
 DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule: batch 1 up to this hidden size (plan: words)
+# GU_SKIP by default (plan: gu_skip) at batch 1 where down_proj's tiles hold at most this share of the SMs and are at
+# least this many k-tiles long. Measured on the H100 (bench/NOTES.md session 57), the layer at full context / row 191:
+# Qwen2.5-0.5B (56 of 132 SMs, 304 k-tiles) -5.3 / -4.5 % at KV 4096, -5.5 / -5.5 % at 1024, -5.5 / -6.1 % at 32768;
+# a SmolLM-360M-like shape (60, 160) -1.0 / +0.7 %; hidden 1440 (90, 352) +14 / +19 % (gate_up on 42 blocks)
+SKIP_SHARE_MAX = 0.45
+SKIP_MIN_DOWN_KTILES = 256
 
 
 def _fmt(ov: dict) -> str:
     return " ".join(f"{k}={val}" for k, val in sorted(ov.items()))
 
 
-def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
+def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off: bool = False) -> dict:
     """Every constexpr of the decode kernel for variant `v` on `arch`, the shared-memory layout and the GEMV
     tiling. `overrides` {knob: int} (KNOBS; generator.tune) replace the planner's choice of those knobs before the
     constants that depend on them (ATT_NSPLIT, the shared-memory offsets) are derived. Raises PlanError when the
@@ -409,6 +427,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         return tm == 1 or (ov.get(f"{prefix}_KSPLIT", 1) == 1 and (shapes[key][0] // 16) % tm == 0  # QKV_FLOW's
                            and (prefix != "QKV" or (q_dim // 16) % tm == 0))  # first) in whole groups
 
+    # GU_SKIP's default (SKIP_SHARE_MAX), decided before gate_up is planned for the blocks it leaves: batch 1 on one
+    # sm_90 GPU under DOWN_FLOW 2's hidden bound; where the plan then lacks its requirements (overrides took them),
+    # planned again without it (skip_rule_off)
+    skip_rule = (v.batch == 1 and v.tp == 1 and arch.number == 90 and m.hidden <= DOWN_WORDS_HIDDEN_MAX
+                 and m.hidden // 16 <= SKIP_SHARE_MAX * sms and m.intermediate // 16 >= SKIP_MIN_DOWN_KTILES
+                 and not skip_rule_off)
+
     def plan_projection(prefix: str, key: str, tm: int) -> None:  # gemv[key], TM tiles a task
         n, k = shapes[key]
         ks = ov.get(f"{prefix}_KSPLIT", 1)
@@ -419,12 +444,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         # GEMV_PF 2 holds two steps' loads in registers: steps of at most 4 (the same registers as 8 unpipelined)
         # tensor parallel keeps 16-warp groups for long rows: fewest_rounds has not been measured on 2 GPUs
         # full steps (plan_gemv) on one GPU and sm_90, where measured; tensor parallel plans as before
-        g = gemv[key] = plan_gemv(n, k, sms, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1,
+        # (GU_SKIP: gate_up's tasks go round the blocks down_proj's leave it)
+        blocks = sms - m.hidden // 16 if key == "gate_up" and ov.get("GU_SKIP", skip_rule) and m.hidden // 16 < sms \
+            else sms
+        g = gemv[key] = plan_gemv(n, k, blocks, ks, umax=4 if ov.get("GEMV_PF") == 2 else 8, rebalance=v.tp == 1,
                                   tm=tm, full_steps=v.tp == 1 and arch.number == 90)
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
-        groups = sms * (THREADS // 32 // g["NWG"])
+        groups = blocks * (THREADS // 32 // g["NWG"])
         g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
 
     for prefix, key in PROJECTIONS:
@@ -867,6 +895,23 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
                         f"NORM_CLUSTER or DOWN_FLOW, 1 KB more for the static shared memory padded to the swizzle's "
                         f"1024-byte alignment: over sm_{arch.sm}'s {arch.smem_per_block} B (ATT_TMA=0 leaves it out)")
 
+    # GU_SKIP (an override): the HIDDEN / 16 blocks of down_proj's tasks take no gate_up task (gate_up's go round the
+    # others), so down_proj's tiles stream while gate_up runs instead of after it: at Qwen2.5-0.5B b1 down_proj's 56
+    # blocks ended 4.6 us after gate_up's (session 55's H200 timeline); with DOWN_SMEM their copy has the SMs to itself
+    gu_skip = ov.get("GU_SKIP", int(skip_rule))
+    if skip_rule and "GU_SKIP" not in ov and not (h_ll and down_flow == 2 and dn["NWG"] == nw and dn["KSPLIT"] == 1
+                                                   and dn["TM"] == 1 and gemv["o"]["KSPLIT"] == 1
+                                                   and gemv["o"]["TM"] == 1):
+        return plan(v, arch, overrides, skip_rule_off=True)  # (the rule's requirements went with other overrides)
+    if gu_skip:
+        go = gemv["o"]
+        _needs(v.name, "GU_SKIP", gu_skip, [
+            (h_ll == 1 or h_ll == 2, "H_LL (o_proj's h words order the skipped blocks' epoch)"),
+            (down_flow == 2, f"DOWN_FLOW 2 (act's words; this plan: {down_flow})"),
+            (dn["NWG"] == nw and dn["KSPLIT"] == 1 and dn["TM"] == 1,
+             "down_proj in one unsplit group a block (DOWN_NWG 16, DOWN_KSPLIT 1, DOWN_TM 1)"),
+            (go["KSPLIT"] == 1 and go["TM"] == 1, "O_KSPLIT 1 and O_TM 1 (an o_proj tile on each skipped block)"),
+            (m.hidden // 16 < sms, f"blocks left for gate_up (hidden / 16 = {m.hidden // 16} of {sms} SMs)")])
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "WINDOW": window,
@@ -887,7 +932,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
         "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,
-        "DOWN_SMEM": down_smem, "DW_KT": dw_kt,
+        "DOWN_SMEM": down_smem, "DW_KT": dw_kt, "GU_SKIP": gu_skip,
         **smem,
     }
     for prefix, key in PROJECTIONS:

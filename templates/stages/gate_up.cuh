@@ -3,9 +3,20 @@
 #pragma once
 #include "../gemv.cuh"
 #include "norm.cuh"
+// (o_proj.cuh: GU_SKIP's o_epoch)
+#include "o_proj.cuh"
+// GU_SKIP (H_LL, DOWN_FLOW 2, down_proj one unsplit group a block): the blocks of down_proj's HIDDEN / 16 tasks take
+// no gate_up task (where the grid has blocks left for gate_up), so their down_proj tiles stream (or, with DOWN_SMEM,
+// are copied into shared memory) while the other blocks run gate_up. Each such block also held an o_proj tile (its
+// HIDDEN / 16 tasks, one a block in the first round), so the epoch it keeps for act's words is the one its thread 0
+// read before storing that tile's h word, which gate_up's blocks wait for: read before block 0's advance at its
+// down_proj end (a read at gate_up's start could come after it)
+__device__ __forceinline__ int gu_skip() {
+    return GU_SKIP && HIDDEN / 16 < (int)gridDim.x ? HIDDEN / 16 : 0;
+}
 __device__ __forceinline__ GemvPre<GU_U * GU_TM> gate_up_pre(const T* w_gu, const T* ln_w, unsigned char* smem) {
     if constexpr (!NORM_GLOBAL && !H_STATS) norm_gain_pre(ln_w, smem);  // (NORM_FOLD 3) before o_proj's barrier, as GU_PRE
-    return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM>(w_gu);
+    return gemv_pre<GU_PRE, 2 * INTER, HIDDEN, GU_NWG, GU_U, GU_KSPLIT, 0, GU_TM, GU_SKIP != 0>(w_gu, gu_skip());
 }
 // DOWN_FLOW: no grid barrier follows; each finished 16-row tile (8 columns of act) counts in its chunk's counter,
 // ws_ready[KV_HEADS + chunk x ACT_STRIDE], a chunk being the act k-tiles of one down_proj step (DOWN_NWG x DOWN_U),
@@ -72,7 +83,13 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     if constexpr (H_LL) __syncthreads();
     down_weights_to_smem(w_down, smem);
     if (DOWN_FLOW == 1 && H_LL && threadIdx.x == 0) act_launch = ll_launch(ws_epoch);
-    if (DOWN_FLOW == 2 && threadIdx.x == 0) act_epoch = ll_epoch(ws_epoch);  // (the norm's barriers publish it)
+    const int skip = gu_skip();
+    if (DOWN_FLOW == 2 && threadIdx.x == 0)  // (the norm's barriers publish it; GU_SKIP's blocks: o_proj's epoch)
+        act_epoch = blockIdx.x < (unsigned)skip ? o_epoch : ll_epoch(ws_epoch);
+    if (blockIdx.x < (unsigned)skip) {
+        __syncthreads();  // (act_epoch to the block's down_proj warps)
+        return;
+    }
     if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's
                                                               // reads)
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
@@ -108,5 +125,8 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 else
                     ws_act[x_at<X_FRAG>(b, row0 / 2 + pr, INTER)] = from_f(a);
             }
-        }, ActReady{ws_ready}, gain, &pre);
+        }, ActReady{ws_ready}, gain, &pre, NoWait{}, 0u, NoStaged{}, [&] {
+            if constexpr (GU_SKIP != 0) return BlockSkip{skip};
+            else return NoSkip{};
+        }());
 }

@@ -9,6 +9,8 @@
 // and no pass over the rows between o_proj and gate_up.
 #pragma once
 #include "../gemv.cuh"
+// GU_SKIP: the epoch of this launch as thread 0 read it before its h word's store (gate_up.cuh gu_skip)
+__shared__ unsigned o_epoch;
 __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
@@ -34,6 +36,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
             if (h >= KV_HEADS ? DOWN_RESET : QKV_RESET)
                 ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
     const unsigned ll_e = ATT_LL || H_LL ? ll_epoch(ws_epoch) : 0u;
+    if (GU_SKIP && threadIdx.x == 0) o_epoch = ll_e;
     gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, ATT_LL ? 1 + ATT_LL : X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
