@@ -4,7 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
-#   bash bench/queue.sh dsmem     # one call (~4 min): DOWN_SMEM's GPU test, then its A/B on eight batch-1/8 shapes
+#   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -34,21 +34,19 @@ ab() {  # ab TAG ROWS --case ... : one A/B run
   step "ab-$tag" python3 bench/ab.py --rows "$rows" --build-dir "build-ab/$tag" --out "$OUT/ab-$tag.json" $BUILD "$@"
 }
 
-part_dsmem() {  # session 56: DOWN_SMEM 1 (its GPU test passed on an H100; there +4.8 % at 0.5B b1 row 191: run it on
-  # an H200, whose gate_up left the DRAM room, ~2.7 of 4 TB/s): the block's first down_proj
-  # task's weights bulk-copied into shared memory from gate_up's start (one mbarrier), so down_proj reads them there.
-  # Reading (session 55's H200 timeline, 0.5B b1 row 191): gate_up ends at 20.8 us (median), the 56 down_proj blocks
-  # at 25.5 (8.7 MB streamed by 56 SMs once act is in: ~35 GB/s an SM); the MLP's 26 MB need 6.5 us of DRAM, it took
-  # 11.7. The L2 prefetch lost (its requests doubled the L2's and queued before the chain's); a bulk copy moves each
-  # byte once, into the SM, with no register held, while gate_up streams its own. Prediction: -5 ... -12 % at 0.5B b1,
-  # -3 ... -8 % at SmolLM-360M-like and hidden 1440 b1, -1 ... -3 % at 1B / Qwen3-1.7B b1 (part of the task staged,
-  # the counters already overlap), level at 0.5B b8. First the GPU test (bit-equal to the plan without it)
-  [ -n "$BUILD" ] || step gputests-dsmem timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py -k staged_in_shared
-  local a='{"DOWN_SMEM": 1}'
-  ab dsmem full,191 --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" \
-    --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-h1440-hd80_decode_b1_s4096_bf16 "$a" \
-    --case llama3.2-1b_decode_b1_s4096_bf16 "$a" --case qwen3-1.7b_decode_b1_s4096_bf16 "$a" \
-    --case ho-yarn_decode_b1_s8192_bf16 "$a" --case qwen2.5-0.5b_decode_b8_s4096_bf16 "$a"
+part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copied into shared memory from gate_up's
+  # start) lost alone on an H100 (+4.8 % at 0.5B b1 row 191) and beside GU_SKIP (the planner's new default at
+  # Qwen2.5-0.5B b1: down_proj's 56 blocks take no gate_up task) gave -2.0 % at KV 4096 (GU_SKIP alone -5.3 %) but
+  # -7.4 % at KV 1024 (alone -5.5 %). On an H200, whose gate_up left the DRAM room (~2.7 of 4 TB/s), the copy may pay:
+  # prediction -2 ... -6 % on top of GU_SKIP at 0.5B b1, +2 ... +6 % at SmolLM-360M-like b1 (no GU_SKIP there). First
+  # the GPU tests (both bit-equal to the plan without them)
+  [ -n "$BUILD" ] || step gputests-dsmem timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
+    -k "staged_in_shared or leaving_down_proj"
+  local a='{"DOWN_SMEM": 1}' b='{"GU_SKIP": 0}'
+  ab dsmem full,191 --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$b" \
+    --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
+    --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
+    --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused

@@ -1557,11 +1557,12 @@ def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
     _bit_equal_to_the_plan_without(tmp_path, cases, "ds", [{"DOWN_SMEM": 0}] * 3)
 
 
-def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict]) -> None:
+def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict], grids=lambda v: [],
+                                   check=None) -> None:
     """Each (variant, overrides) of `cases` (renamed `tag`<i>) against the fp32 reference (_overrides_match_the_reference,
     a repeat bit-equal, three launches back to back) and bit-equal to its twin planned with `without`[i] over six
-    trials (random rows, row 191, a refused position, a third of the grid), then 300 graph replays before a checked
-    step."""
+    trials (random rows, row 191, a refused position, a third of the grid) and one more a grid of `grids`(variant)
+    blocks, then 300 graph replays before a checked step; check(layer, twin): more asserts after the trials."""
     import torch
 
     from bench.timing import graph_of
@@ -1579,22 +1580,27 @@ def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict
         base = load(twins[i][0].name, None, build_dir=tmp_path, packed=layer.packed,
                     caches=(layer.k_cache, layer.v_cache))
         g = torch.Generator(device="cuda").manual_seed(43)
-        for trial in range(6):
+        more = grids(v)
+        for trial in range(6 + len(more)):
             x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
             pos = torch.randint(0, v.seq_len, (v.batch,), device="cuda", generator=g, dtype=torch.int32)
             if trial == 1:
                 pos.fill_(191)
             if trial == 4:
                 pos[-1] = -1
-            grids = (layer.grid, base.grid)
+            full = (layer.grid, base.grid)
             if trial == 3:
                 layer.grid = base.grid = base.grid // 3
+            if trial >= 6:
+                layer.grid = base.grid = more[trial - 6]
             want = base(x, pos, validate=False)
             got = layer(x, pos, validate=False)
-            layer.grid, base.grid = grids
+            layer.grid, base.grid = full
             torch.cuda.synchronize()
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
                 (v.name, ov, trial)
+        if check is not None:
+            check(layer, base)
         xg, pg = x.clone(), torch.full_like(pos, v.seq_len - 1)
         graph = graph_of(lambda: layer(xg, pg, validate=False))
         for _ in range(300):
@@ -1611,13 +1617,16 @@ def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gate_up_leaving_down_proj_blocks_free_matches_the_reference(tmp_path):
     """GU_SKIP 1 (down_proj's HIDDEN / 16 blocks take no gate_up task; gate_up's go round the others): bit-equal to
-    the same gate_up groups without it (the tiles' sums are the same, only the blocks move) at six trials, a third
-    of the grid among them (fewer blocks than down_proj's tiles: no block skipped), against the fp32 reference, 300
-    graph replays; alone and with DOWN_SMEM 1 (the skipped blocks' whole tile copied into shared memory), on
+    the same gate_up groups without it (the tiles' sums are the same, only the blocks move) at seven trials, a third
+    of the grid (fewer blocks than down_proj's tiles: no block skipped) and HIDDEN / 16 + 2 blocks (gate_up on two:
+    many rounds) among them, against the fp32 reference, 300 graph replays; block 0 (a skipped block) spends next to
+    no time in gate_up, where its twin's does (the skip happened); alone, with gate_up's first step pre-loaded (GU_PRE
+    1 and 2: gemv_pre's mapping) and with DOWN_SMEM 1 (the skipped blocks' whole tile copied into shared memory), on
     Qwen2.5-0.5B b1 (56 of 132 blocks skipped), a SmolLM-360M-like b1 (60) and hidden 1440 (90)."""
     named = {v.name: v for v in declared()}
     q05 = named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
     cases = [(q05, {"GU_SKIP": 1, "GU_NWG": 2}), (q05, {"GU_SKIP": 1, "GU_NWG": 8, "DOWN_SMEM": 1}),
+             (q05, {"GU_SKIP": 1, "GU_PRE": 1}), (q05, {"GU_SKIP": 1, "GU_PRE": 2}),
              (named["ho-smol-360m_decode_b1_s2048_bf16"], {"GU_SKIP": 1, "DOWN_SMEM": 1}),
              (named["ho-h1440-hd80_decode_b1_s4096_bf16"], {"GU_SKIP": 1})]
     from generator import render
@@ -1625,7 +1634,16 @@ def test_gate_up_leaving_down_proj_blocks_free_matches_the_reference(tmp_path):
     for v, ov in cases:
         c = render.plan(v, "90", overrides=ov)["consts"]
         without.append({k: val for k, val in {**ov, "GU_SKIP": 0, "GU_NWG": c["GU_NWG"], "GU_U": c["GU_U"]}.items()})
-    _bit_equal_to_the_plan_without(tmp_path, cases, "gs", without)
+    def skipped(layer, twin):  # (block 0's step times: its gate_up is a block barrier with the skip)
+        import torch
+        x = torch.randn(1, layer.model.hidden, device="cuda").to(layer.dtype)
+        pos = torch.tensor([191], dtype=torch.int32, device="cuda")
+        for L in (layer, twin):
+            L(x, pos, validate=False)
+        mine, theirs = layer.stage_us()["gate_up"], twin.stage_us()["gate_up"]
+        assert mine < 0.25 * theirs, (layer.variant.name, mine, theirs)
+    _bit_equal_to_the_plan_without(tmp_path, cases, "gs", without, grids=lambda v: [v.model.hidden // 16 + 2],
+                                   check=skipped)
 
 
 @pytest.mark.gpu

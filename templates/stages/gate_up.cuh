@@ -11,6 +11,9 @@
 // HIDDEN / 16 tasks, one a block in the first round), so the epoch it keeps for act's words is the one its thread 0
 // read before storing that tile's h word, which gate_up's blocks wait for: read before block 0's advance at its
 // down_proj end (a read at gate_up's start could come after it)
+static_assert(!GU_SKIP || (H_LL && DOWN_FLOW == 2 && O_TM == 1 && O_KSPLIT == 1 && DOWN_NWG * 32 == THREADS &&
+                            DOWN_KSPLIT == 1 && DOWN_TM == 1),
+              "GU_SKIP: H_LL, DOWN_FLOW 2, an o_proj tile on each skipped block, down_proj one unsplit group a block");
 __device__ __forceinline__ int gu_skip() {
     return GU_SKIP && HIDDEN / 16 < (int)gridDim.x ? HIDDEN / 16 : 0;
 }
