@@ -300,7 +300,8 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
                                f"{raw[key]}")
     w = raw.get("sliding_window")
     if w is not None and not 1 <= w <= INT_MAX:
-        raise VariantError(f"{where}: field 'sliding_window' must be a positive number of tokens (or null), got {w}")
+        raise VariantError(f"{where}: field 'sliding_window' must be a number of tokens in 1..{INT_MAX} (or null), "
+                           f"got {w}")
     for key in ("norm_eps", "rope_theta"):
         if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
             raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")

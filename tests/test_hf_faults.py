@@ -85,7 +85,12 @@ def test_llama_window_is_checked_against_seq_len(tmp_path):
     assert bad.read_text() == before
     r = run_cli("from-hf", d, "--write", bad)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "sliding_window 4096" in r.stderr
+    assert "llama's window, which transformers' forward ignores" in r.stderr and "some layers" not in r.stderr
+    assert "llama's window, which transformers' forward ignores" in msg
     assert not hf.map_config(d).window.every_layer
+    # a window no cache can exceed never takes effect: none (transformers runs it as given)
+    huge = write_config(tmp_path, "mistral-huge", {**MISTRAL_7B_V0_3, "sliding_window": 10**12})
+    assert hf.map_config(huge).window is None and "sliding_window" not in hf.model_entry(huge)[1]
 
 
 @pytest.mark.parametrize("over,window_layers", [
@@ -131,6 +136,7 @@ def test_window_shorter_than_seq_len_is_refused_per_layer(tmp_path, monkeypatch)
                 hf.load_hf(d, 2, variant=v.name, build_dir=tmp_path, device="cpu")
             msg = one_line(exc)
             assert "seq_len 32" in msg and "sliding_window 16" in msg and str(d / "config.json") in msg
+            assert "a window on some layers only" in msg
             with pytest.raises(hf.HFConfigError, match="sliding_window 16"):
                 hf.FusedModel.from_hf(d, variant=v.name, build_dir=tmp_path, device="cpu")
         else:

@@ -330,7 +330,8 @@ def test_sliding_window_field():
     assert plain.model.sliding_window is None and "sliding_window" not in plain.params()
     null = GOOD_TEXT.replace("  tiny:\n", "  tiny:\n    sliding_window: null\n")
     assert "sliding_window: null" in null and gvariants.parse(null, "n.yaml")[0].model == plain.model
-    for bad, want in ((0, "must be a positive number of tokens"), (-3, "must be a positive number of tokens"),
+    for bad, want in ((0, "must be a number of tokens in 1..2147483647"), (-3, "in 1..2147483647"),
+                      (2**31, "in 1..2147483647"),
                       (True, "must be"), ("64", "must be"), (2.5, "must be")):
         with pytest.raises(VariantError) as exc:
             gvariants.parse(doc_text(sliding_window=bad), "b.yaml")

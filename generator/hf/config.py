@@ -48,6 +48,7 @@ class Window:
     source: str              # where it comes from, for messages: "field 'sliding_window' of /x/config.json"
     layers: tuple[int, ...]  # the layers it applies to
     every_layer: bool = False  # on every layer, in transformers' forward too: the entry's sliding_window field
+    why: str = "layers"  # why not every_layer: "layers" (some layers only) or "llama" (only generate()'s cache)
 
     def describe(self, n_layers: int) -> str:
         if len(self.layers) == n_layers:
@@ -276,7 +277,9 @@ def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise HFConfigError(f"{cfg_path}: field 'sliding_window' must be a positive integer or null, got {size!r}")
-    return Window(size, source, sliding)
+    if size >= gvariants.INT_MAX:  # (no cache holds that many rows: the window never takes effect)
+        return None
+    return Window(size, source, sliding, why="llama" if model_type == "llama" else "layers")
 
 
 def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict:
@@ -343,9 +346,11 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
         raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}), "
                             f"and the variant was built {built}: declare `sliding_window: {window.size}` in its "
                             "variants.yaml entry (`megakernel from-hf` writes it) and build again")
-    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): a "
-                        "window on some layers only, or one transformers' forward does not apply (llama's), is not "
-                        f"supported (every layer attends to the whole cache; seq_len <= {window.size} is exact)")
+    what = ("llama's window, which transformers' forward ignores while generate()'s cache applies it"
+            if window.why == "llama" else "a window on some layers only")
+    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): "
+                        f"{what}, is not supported (every layer attends to the whole cache; seq_len <= {window.size} "
+                        "is exact)")
 
 
 def _refuse_unsupported(cfg_path, cfg, model_type):

@@ -62,7 +62,9 @@ def _check_windows(text: str, name: str, expanded, where: str) -> None:
         size, source = int(window.group(1)), window.group(2)
         for v in expanded:
             if v.model.name == name:
-                check_window(Window(size, source, ()), v.seq_len, f"{where}: variant '{v.name}'")
+                # (a window noted on every layer is llama's: every other such window is the entry's field)
+                why = "llama" if source.endswith(", every layer") else "layers"
+                check_window(Window(size, source, (), why=why), v.seq_len, f"{where}: variant '{v.name}'")
 
 
 _MODELS_LINE = re.compile(r"^models:\s*(#.*)?$")
