@@ -294,6 +294,7 @@ def variants_for(ckpt: Path, seq_len: int, build_dir: str) -> tuple[list, Path]:
         want = mapped.model()
         hf.check_window(mapped.window, seq_len, f"{mapped.cfg_path}: --seq-len", want.layers, None,
                         want.sliding_window)  # (as serve would)
+        hf.check_positions(mapped.limit, seq_len, f"{mapped.cfg_path}: --seq-len")
         same = [v for v in gvariants.load(vf) if v.tp == 1 and v.model.dtype == want.dtype
                 and gvariants.same_layer(v.model, want)]
         vs = [v for v in same if v.mode == "decode" and v.seq_len == seq_len and v.batch in BATCHES]

@@ -888,7 +888,8 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
                                   ("--variant", variant_names), ("--dtype", dtype), ("--temperature", True),
                                   ("--top-k", True), ("--top-p", True), ("--seed", True), ("--device", True)) if val}
         msg = str(exc)
-        if cache_len is None and ": cache_len" in msg and ": seq_len " in msg and "sliding_window" in msg:
+        if cache_len is None and ": cache_len" in msg and ": seq_len " in msg and ("sliding_window" in msg
+                                                                                  or "dynamic RoPE" in msg):
             msg += (" (without --cache-len the cache holds the longest prompt + --max-new-tokens - 1 rows: "
                     "ask for fewer new tokens, or give a shorter prompt)")
         fail(_as_options(msg, "--ids" if tok is None else "--prompt", given))

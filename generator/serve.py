@@ -620,7 +620,7 @@ class Model:
         from . import loader, manifest, routes as groutes
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
-        from .hf.config import check_window, config_dtype
+        from .hf.config import check_positions, check_window, config_dtype
         from .hf.yaml_edit import variant_entry_yaml
 
         # numpy's integers as Python's (the checks below take ints; a bool stays refused)
@@ -746,6 +746,7 @@ class Model:
         # the unfused layers compute the model's own window; a prefill variant's must be it where the cache is longer
         check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len", shape.layers, None,
                      shape.sliding_window)
+        check_positions(ck.mapped.limit, cache_len, f"{ck.cfg_path}: cache_len")
         for v in vs:
             if v.mode == "prefill":
                 check_window(ck.mapped.window, cache_len, f"{ck.cfg_path}: cache_len {cache_len} with variant "

@@ -174,6 +174,29 @@ def test_mistral_without_sliding_window_maps(tmp_path):
     assert hf.model_entry(d2)[1] == {**fields, "sliding_window": 32768}
 
 
+def test_dynamic_rope_maps_to_default_rope_up_to_max_position_embeddings(tmp_path):
+    """rope_type dynamic: transformers' frequencies are the default ones until a position reaches
+    max_position_embeddings, so the entry has no rope_scaling and a note; a cache longer than that is refused in one
+    line by from-hf's own matrix and by --write into a file whose matrix has one, the file untouched."""
+    cfg = {**_without(LLAMA_3_1_8B, "rope_scaling"), "max_position_embeddings": 8192,
+           "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    d = write_config(tmp_path, "dyn", cfg)
+    m = hf.map_config(d)
+    assert "rope_scaling" not in m.fields and m.limit.size == 8192 and m.fields["rope_theta"] == 500000.0
+    assert any(n.startswith("rope_type dynamic: default RoPE for positions below max_position_embeddings 8192")
+               for n in m.notes)
+    assert run_cli("from-hf", d, "--seq-len", "8192").returncode == 0
+    r = run_cli("from-hf", d, "--seq-len", "4096,16384")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "seq_len 16384 is longer than max_position_embeddings 8192" in r.stderr and "dynamic" in r.stderr
+    f = tmp_path / "v.yaml"
+    f.write_text("matrix: {mode: [decode], batch: [1], seq_len: [4096, 32768]}\nmodels:\n")
+    before = f.read_text()
+    r = run_cli("from-hf", d, "--write", f)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "seq_len 32768" in r.stderr, r.stderr
+    assert f.read_text() == before
+
+
 def test_transformers5_rope_parameters_layout(tmp_path):
     old = hf.model_entry(write_config(tmp_path, "a", LLAMA_3_1_8B))[1]
     cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
@@ -339,8 +362,10 @@ REFUSED = [
     ("rope_scaling.type", {**QWEN2_5_7B, "rope_scaling": {"type": "longrope", "factor": 2.0}}),
     ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"type": "linear"}}),  # (linear: its factor needed)
     ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"rope_type": "linear", "factor": "2"}}),
-    ("rope_parameters.rope_type", {**_without(LLAMA_3_1_8B, "rope_scaling"),
-                                   "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}}),
+    ("rope_parameters.factor", {**_without(LLAMA_3_1_8B, "rope_scaling"),  # (dynamic: its factor needed)
+                                "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5}}),
+    ("max_position_embeddings", {**_without(LLAMA_3_1_8B, "rope_scaling", "max_position_embeddings"),
+                                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     ("rope_scaling.low_freq_factor", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                                         "high_freq_factor": 4.0}}),
     ("partial_rotary_factor", {**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}),

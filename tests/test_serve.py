@@ -494,6 +494,33 @@ def test_sliding_window_generates_as_transformers(tmp_path, family):
         assert rel(ours, ref_logits) <= 1e-4 < 1e-2 < rel(full_logits, ref_logits), b
 
 
+def test_dynamic_rope_generates_as_transformers_up_to_max_position_embeddings(tmp_path):
+    """rope_type dynamic (NTK scaling past max_position_embeddings, here 48): a cache no longer than that is served
+    with the default frequencies, as transformers runs it (tokens and logits equal its generate); a longer cache is
+    refused in one line, and past 48 transformers' frequencies do change (the refusal is needed)."""
+    T = transformers
+    d = tmp_path / "dynamic"
+    hfm = make_llama(d, seed=5, max_position_embeddings=48,
+                     **rope_kwargs(T.LlamaConfig, 10000.0, {"rope_type": "dynamic", "factor": 2.0}))
+    model = cpu_model(d)  # (cache_len 48)
+    entry = hf.variant_entry_yaml(d)
+    assert "rope_type dynamic: default RoPE for positions below max_position_embeddings 48" in entry
+    assert model.shape.rope_scaling is None
+    prompts = [list(range(2, 20)), [7, 3]]
+    for b, (tokens, ours, ref, ref_logits) in enumerate(generate_beside(model, hfm, prompts, 12)):
+        assert tokens == ref[0, len(prompts[b]):].tolist() and rel(ours, ref_logits) <= 1e-4, b
+    with pytest.raises(hf.HFConfigError) as exc:
+        cpu_model(d, cache_len=64)
+    msg = str(exc.value)
+    assert "\n" not in msg and "seq_len 64 is longer than max_position_embeddings 48" in msg and "dynamic" in msg
+    plain = make_llama(tmp_path / "plain", seed=5, max_position_embeddings=48)  # the same weights, default RoPE
+    ids = torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # (a forward reaching position 59 scales every position's frequencies)
+        short = rel(hfm(input_ids=ids[:, :48]).logits, plain(input_ids=ids[:, :48]).logits)
+        long = rel(hfm(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert short <= 1e-5 < 1e-3 < long
+
+
 def test_partial_rotary_factor_without_scaling_is_ignored_as_transformers_ignores_it(tmp_path):
     """partial_rotary_factor with default RoPE: the model classes' compute_default_rope_parameters rotate the whole
     head_dim (the field unread), so the checkpoint is served as transformers runs it, with a note; with RoPE scaling

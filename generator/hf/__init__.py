@@ -10,12 +10,13 @@ field, never approximated. Checkpoint problems are found from the files' headers
 metadata, memory-mapped), before any tensor is read or anything touches CUDA.
 """
 from .checkpoint import HFCheckpointError, _Checkpoint
-from .config import (HFConfigError, Mapped, Window, check_window, config_dtype, config_path, default_name,
+from .config import (HFConfigError, Mapped, Window, check_positions, check_window, config_dtype, config_path,
+                     default_name,
                      map_config, model_entry, model_from_hf, read_config)
 from .model import FusedModel, HFDowncastWarning, HFPrecisionWarning, HFUnusedTensorsWarning, load_hf
 from .yaml_edit import WARNING_MARK, append_entry, variant_entry_yaml
 
 __all__ = ["FusedModel", "HFCheckpointError", "HFConfigError", "HFDowncastWarning", "HFPrecisionWarning",
-           "HFUnusedTensorsWarning", "Mapped", "WARNING_MARK", "Window", "append_entry", "check_window",
+           "HFUnusedTensorsWarning", "Mapped", "WARNING_MARK", "Window", "append_entry", "check_positions", "check_window",
            "config_dtype", "config_path", "default_name", "load_hf", "map_config", "model_entry", "model_from_hf",
            "read_config", "variant_entry_yaml", "_Checkpoint"]

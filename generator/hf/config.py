@@ -1,7 +1,8 @@
 """A Hugging Face config.json -> the fields of a variants.yaml model entry, read as transformers 5 reads them.
 
 Only what the kernel computes exactly is mapped; anything else (MoE, RoPE scalings other than llama3 / linear / yarn,
-tanh GELU, o_proj or MLP biases, quantized weights) is an HFConfigError: one line naming the file and the field. A
+and dynamic below max_position_embeddings (Mapped.limit, check_positions), tanh GELU, o_proj or MLP biases, quantized
+weights) is an HFConfigError: one line naming the file and the field. A
 sliding window is mapped with its size (Mapped.window); one that transformers' forward applies on every layer
 (mistral, qwen2/qwen3) becomes the entry's `sliding_window` field, which every path computes. Any other (some layers
 only; llama's, which only generate()'s cache applies) takes effect only where the KV cache (seq_len) is longer than the
@@ -59,6 +60,13 @@ class Window:
         return f"{self.source}, {span}"
 
 
+class PositionLimit(NamedTuple):
+    """The longest cache (rows) a mapping is exact for: past it transformers computes something the kernels do not
+    (dynamic RoPE's frequencies follow the sequence length past max_position_embeddings)."""
+    size: int
+    source: str  # for messages: "rope_type dynamic in field 'rope_scaling' of /x/config.json"
+
+
 class Mapped(NamedTuple):
     name: str
     fields: dict          # variants.yaml model fields (rope_scaling omitted when None)
@@ -66,6 +74,7 @@ class Mapped(NamedTuple):
     cfg_path: Path
     cfg: dict             # the raw config.json
     window: Window | None
+    limit: PositionLimit | None = None
 
     def model(self, kernel: bool = True) -> gvariants.Model:
         """The validated Model (what Variant(model, "decode", batch, seq_len) needs; kernel=False: without the
@@ -150,11 +159,13 @@ def check_bool(cfg_path, cfg, field, default=False) -> bool:
     return v
 
 
-def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) as transformers 5.24 reads them (RotaryEmbeddingConfigMixin.
+def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, PositionLimit | None]:
+    """(rope_theta, rope_scaling, limit) as transformers 5.24 reads them (RotaryEmbeddingConfigMixin.
     convert_rope_params_to_dict / standardize_rope_params): a non-empty legacy `rope_scaling` replaces
     `rope_parameters` whole; a rope_theta (or partial_rotary_factor) inside the chosen dict wins over the top-level
-    one, which is only a default; the rope type is `rope_type`, else `type`, else default."""
+    one, which is only a default; the rope type is `rope_type`, else `type`, else default. `dynamic`
+    (_compute_dynamic_ntk_parameters, dynamic_rope_update): default RoPE while every position is below
+    max_position_embeddings, so mapped as default RoPE with that limit (PositionLimit)."""
     legacy, params5 = cfg.get("rope_scaling"), cfg.get("rope_parameters")
     for field, v in (("rope_scaling", legacy), ("rope_parameters", params5)):
         if v is not None and not isinstance(v, dict):
@@ -189,21 +200,36 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
         if partial:  # (the model classes' compute_default_rope_parameters: dim = head_dim, the field unread)
             notes.append(f"{prf_field} {prf!r} ignored: transformers' default RoPE for these models rotates the whole "
                          "head_dim")
-        return theta, None
+        return theta, None, None
     if partial:
         raise HFConfigError(f"{cfg_path}: field '{prf_field}' is {prf!r}: partial RoPE is not supported (with RoPE "
                             f"scaling transformers rotates that fraction of head_dim)")
+    if rtype == "dynamic":
+        # transformers: the frequencies at init (seq_len = max_position_embeddings) are the default ones, recomputed
+        # only once a position reaches max_position_embeddings (max_seq_len_cached); the factor is required
+        if params.get("factor") is None:
+            raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by dynamic RoPE scaling)")
+        _check_number(cfg_path, f"{where}.factor", params["factor"])
+        top = cfg.get("max_position_embeddings")
+        if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
+            raise HFConfigError(f"{cfg_path}: field 'max_position_embeddings' must be a positive integer (dynamic "
+                                f"RoPE scales past it), got {top!r}")
+        notes.append(f"rope_type dynamic: default RoPE for positions below max_position_embeddings {top} (transformers' "
+                     f"dynamic NTK scaling changes the frequencies only past it); a longer seq_len is refused")
+        return theta, None, PositionLimit(top, f"rope_type dynamic in field '{where}' of {cfg_path}")
     if rtype not in gvariants.ROPE_SCALING_TYPES:
         raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: supported RoPE scaling: "
-                            f"{', '.join(gvariants.ROPE_SCALING_TYPES)} (or none)")
+                            f"{', '.join(gvariants.ROPE_SCALING_TYPES)}, dynamic up to max_position_embeddings "
+                            "(or none)")
     if rtype == "linear":  # (transformers' _compute_linear_scaling_rope_parameters: only the factor)
         if params.get("factor") is None:
             raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by linear RoPE scaling)")
         if extra := sorted(set(params) - {"factor", "rope_theta", "partial_rotary_factor", "rope_type", "type"}):
             notes.append(f"{where}: {', '.join(extra)} not read by linear RoPE scaling (transformers ignores them too)")
-        return theta, {"rope_type": "linear", "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}
+        return theta, {"rope_type": "linear",
+                       "factor": _check_number(cfg_path, f"{where}.factor", params["factor"])}, None
     if rtype == "yarn":
-        return theta, _map_yarn(cfg_path, cfg, where, params, notes)
+        return theta, _map_yarn(cfg_path, cfg, where, params, notes), None
     scaling = {"rope_type": "llama3"}
     for key in LLAMA3_KEYS:
         v = params.get(key)
@@ -222,7 +248,7 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None]:
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # (transformers warns and runs it: so do we)
         notes.append(f"{where}.high_freq_factor {scaling['high_freq_factor']} is not above low_freq_factor "
                      f"{scaling['low_freq_factor']} (transformers warns and runs it: no frequency is smoothed)")
-    return theta, scaling
+    return theta, scaling, None
 
 
 def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
@@ -353,6 +379,16 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
                         "is exact)")
 
 
+def check_positions(limit: PositionLimit | None, seq_len: int, where: str) -> None:
+    """A cache (seq_len rows) no longer than the mapping's limit is exact; a longer one is an HFConfigError naming
+    `where` (file and variant), seq_len and the limit's source."""
+    if limit is None or seq_len <= limit.size:
+        return
+    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than max_position_embeddings {limit.size} "
+                        f"({limit.source}): past it transformers' dynamic RoPE changes its frequencies with the "
+                        f"sequence length, which is not supported (seq_len <= {limit.size} is exact)")
+
+
 def _refuse_unsupported(cfg_path, cfg, model_type):
     for field in MOE_FIELDS:
         v = cfg.get(field)
@@ -431,7 +467,7 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
 
     eps = cfg.get("rms_norm_eps")
     eps = 1e-6 if eps is None else _check_number(cfg_path, "rms_norm_eps", eps)
-    rope_theta, rope_scaling = _map_rope(cfg_path, cfg, notes)
+    rope_theta, rope_scaling, limit = _map_rope(cfg_path, cfg, notes)
 
     act = cfg.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in ACTIVATIONS:
@@ -474,7 +510,7 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
             raise HFConfigError(f"{exc} (head_dim {head_dim} = hidden_size {hidden} // num_attention_heads "
                                 f"{heads}: the config has no head_dim)") from None
         raise
-    return Mapped(name, fields, notes, cfg_path, cfg, window)
+    return Mapped(name, fields, notes, cfg_path, cfg, window, limit)
 
 
 def model_entry(path, name=None) -> tuple[str, dict]:

@@ -7,7 +7,7 @@ import warnings
 
 from .. import variants as gvariants
 from .checkpoint import HFCheckpointError, _Checkpoint
-from .config import VOCAB_ABSENT, HFConfigError, check_bool, check_window, config_dtype
+from .config import VOCAB_ABSENT, HFConfigError, check_bool, check_positions, check_window, config_dtype
 
 
 class HFPrecisionWarning(UserWarning):
@@ -97,6 +97,7 @@ def _check_variant(ck: _Checkpoint, v, layers, *, tensor_parallel: bool = False)
     for i in layers:
         check_window(ck.mapped.window, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'", ck.model.layers, i,
                      v.model.sliding_window)
+    check_positions(ck.mapped.limit, v.seq_len, f"{ck.cfg_path}: variant '{v.name}'")
     _warn_fp16(ck, v, f"{ck.prefix}layers.{layers[0]}.self_attn.q_proj.weight")
 
 

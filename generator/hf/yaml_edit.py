@@ -9,12 +9,15 @@ from pathlib import Path
 import yaml
 
 from .. import variants as gvariants
-from .config import HFConfigError, Window, check_window, map_config
+from .config import HFConfigError, PositionLimit, Window, check_positions, check_window, map_config
 
 FIELD_ORDER = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "norm", "norm_eps",
                "rope_theta", "rope_scaling", "sliding_window", "activation", "qkv_bias", "qk_norm", "dtype")
 # the comment variant_entry_yaml writes for a sliding window; append_entry reads the size back from it
 _WINDOW_COMMENT = re.compile(r"^\s*#\s*sliding_window (\d+) \((.*)\): ")
+# and for dynamic RoPE's limit (config._map_rope's note)
+_DYNAMIC_COMMENT = re.compile(r"^\s*#\s*rope_type dynamic: default RoPE for positions below max_position_embeddings "
+                              r"(\d+) ")
 
 
 def _yaml_line(key, value) -> str:
@@ -32,7 +35,7 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
     for the name, four for fields), with notes as comments; `matrix` ([{"mode": [...], "batch": [...], "seq_len":
     [...]}, ...]): the entry's own matrices (variants.yaml's per-model `matrix:`), checked as variants.yaml checks
     them and against the model's sliding window. HFConfigError / VariantError as map_config."""
-    name, fields, notes, cfg_path, cfg, _ = map_config(path, name)
+    name, fields, notes, cfg_path, cfg = map_config(path, name)[:5]
     lines = [f"  # from {cfg_path} (model_type {cfg['model_type']})"]
     lines.append("  " + _yaml_line(name, None).removesuffix(" null"))
     lines += [f"    # {n}" for n in notes]
@@ -55,8 +58,15 @@ WARNING_MARK = "warning:"  # a comment line of the entry that `from-hf` also pri
 
 
 def _check_windows(text: str, name: str, expanded, where: str) -> None:
-    """The entry's sliding window (its `# sliding_window N (...)` comment in `text`) against the seq_len of each
-    variant of model `name` in `expanded` (HFConfigError where a cache is longer than the window)."""
+    """The entry's sliding window (its `# sliding_window N (...)` comment in `text`) and dynamic RoPE's limit (its
+    `# rope_type dynamic: ...` comment) against the seq_len of each variant of model `name` in `expanded`
+    (HFConfigError where a cache is longer than either)."""
+    dynamic = next(filter(None, map(_DYNAMIC_COMMENT.match, text.splitlines())), None)
+    if dynamic is not None:
+        limit = PositionLimit(int(dynamic.group(1)), "rope_type dynamic")
+        for v in expanded:
+            if v.model.name == name and v.mode == "decode":
+                check_positions(limit, v.seq_len, f"{where}: variant '{v.name}'")
     window = next(filter(None, map(_WINDOW_COMMENT.match, text.splitlines())), None)
     if window is not None:
         size, source = int(window.group(1)), window.group(2)
