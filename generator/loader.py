@@ -486,8 +486,8 @@ class FusedDecoderLayer:
     def stage_us(self) -> dict[str, float]:
         """Time of each step in the last launch in µs (block 0's SM clock, barrier waits included; where per-tile
         counters replace a barrier (decode's QKV_FLOW) the step ends at block 0's own finish and the wait counts in
-        the next step (GU_SKIP: block 0 takes no gate_up task, so gate_up reads ~0 and down_proj holds the MLP); with tensor parallel, each launch's own steps: the all-reduces between launches are not in
-        it); synchronises. The
+        the next step (GU_SKIP: block 0 takes no gate_up task, so gate_up reads ~0 and down_proj holds the MLP); with
+        tensor parallel, each launch's own steps: the all-reduces between launches are not in it); synchronises. The
         clock's rate is the one measured over the last launch against the global timer (clock_mhz()): under load
         the SM clock runs below the device's nominal ClockRate (~8-10 % on the H200, whose stage times read that
         much too short before)."""

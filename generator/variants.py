@@ -319,7 +319,8 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
     for key, allowed in (("dtype", DTYPES), ("norm", NORMS), ("activation", ACTIVATIONS)):
         if raw[key] not in allowed:
             raise VariantError(f"{where}: field '{key}' must be one of {', '.join(allowed)}, got {raw[key]!r}")
-    model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS if k not in ("matrix", "rope_scaling", "sliding_window")},
+    model = Model(name=name, **{k: raw[k] for k in MODEL_FIELDS
+                                if k not in ("matrix", "rope_scaling", "sliding_window")},
                   rope_scaling=_parse_rope_scaling(where, raw.get("rope_scaling")), sliding_window=w)
     model = dataclasses.replace(model, norm_eps=float(model.norm_eps), rope_theta=float(model.rope_theta))
     matrix = _parse_matrices(where, raw["matrix"]) if "matrix" in raw else None

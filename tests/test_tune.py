@@ -1387,7 +1387,6 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     aliases) still matches the reference."""
     import torch
 
-    from bench.timing import graph_of
     from bench.tune import renamed
     from generator import compile as gcompile, reference, verify
     from generator.loader import load
@@ -1492,13 +1491,8 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
             assert bool(got[-1].isnan().all()) == (trial == 4), (c.name, trial)
         xg = x.clone()
         pg = torch.full_like(pos, v.seq_len - 1)
-        graph = graph_of(lambda: twin(layer(xg, pg, validate=False), pg, validate=False))
-        for _ in range(300):
-            graph.replay()
-        torch.cuda.synchronize()
-        x, pos = verify.random_inputs(layer, 22)
-        r = verify.check_step(layer, x, pos, weights=W)
-        assert verify.passed(r, v.model.dtype), (c.name, ov, r["rel_err"], r["first_bad_stage"])
+        _replayed_then_checked(layer, lambda: twin(layer(xg, pg, validate=False), pg, validate=False), W, 22,
+                               (c.name, ov))
         if coop0 and layer.plan["grid_syncs"]:  # every launch passed each barrier: no arrival left in the word
             (word,) = (int(t) & 0xFFFFFFFF for t in layer.buffer("gridbar"))
             assert word & 0x7FFFFFFF == 0, (c.name, hex(word))
@@ -1557,17 +1551,33 @@ def test_down_weights_staged_in_shared_memory_match_the_reference(tmp_path):
     _bit_equal_to_the_plan_without(tmp_path, cases, "ds", [{"DOWN_SMEM": 0}] * 3)
 
 
+def _replayed_then_checked(layer, step, W, seed: int, tag) -> None:
+    """`step` (a layer's launch, or launches) captured in a CUDA graph and replayed 300 times, then one checked
+    step of `layer` on fresh inputs (`seed`) against the fp32 reference (verify.check_step; `tag` names it)."""
+    import torch
+
+    from bench.timing import graph_of
+    from generator import verify
+    graph = graph_of(step)
+    for _ in range(300):
+        graph.replay()
+    torch.cuda.synchronize()
+    x, pos = verify.random_inputs(layer, seed)
+    r = verify.check_step(layer, x, pos, weights=W)
+    assert verify.passed(r, layer.model.dtype), (*tag, r["rel_err"], r["first_bad_stage"])
+
+
 def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict], grids=lambda v: [],
                                    check=None) -> None:
-    """Each (variant, overrides) of `cases` (renamed `tag`<i>) against the fp32 reference (_overrides_match_the_reference,
-    a repeat bit-equal, three launches back to back) and bit-equal to its twin planned with `without`[i] over six
+    """Each (variant, overrides) of `cases` (renamed `tag`<i>) against the fp32 reference
+    (_overrides_match_the_reference, a repeat bit-equal, three launches back to back) and bit-equal to its twin
+    planned with `without`[i] over six
     trials (random rows, row 191, a refused position, a third of the grid) and one more a grid of `grids`(variant)
     blocks, then 300 graph replays before a checked step; check(layer, twin): more asserts after the trials."""
     import torch
 
-    from bench.timing import graph_of
     from bench.tune import renamed
-    from generator import compile as gcompile, reference, verify
+    from generator import compile as gcompile, reference
     from generator.loader import load
     twins = [(renamed(v, f"{tag}b{i}"), without[i]) for i, (v, _) in enumerate(cases)]
     res = gcompile.build([c for c, _ in twins], tmp_path, overrides={c.name: o for c, o in twins})
@@ -1602,13 +1612,7 @@ def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict
         if check is not None:
             check(layer, base)
         xg, pg = x.clone(), torch.full_like(pos, v.seq_len - 1)
-        graph = graph_of(lambda: layer(xg, pg, validate=False))
-        for _ in range(300):
-            graph.replay()
-        torch.cuda.synchronize()
-        x, pos = verify.random_inputs(layer, 44)
-        r = verify.check_step(layer, x, pos, weights=W)
-        assert verify.passed(r, v.model.dtype), (v.name, ov, r["rel_err"], r["first_bad_stage"])
+        _replayed_then_checked(layer, lambda: layer(xg, pg, validate=False), W, 44, (v.name, ov))
         del layer, base
         torch.cuda.synchronize()
 

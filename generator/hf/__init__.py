@@ -17,6 +17,7 @@ from .model import FusedModel, HFDowncastWarning, HFPrecisionWarning, HFUnusedTe
 from .yaml_edit import WARNING_MARK, append_entry, variant_entry_yaml
 
 __all__ = ["FusedModel", "HFCheckpointError", "HFConfigError", "HFDowncastWarning", "HFPrecisionWarning",
-           "HFUnusedTensorsWarning", "Mapped", "WARNING_MARK", "Window", "append_entry", "check_positions", "check_window",
+           "HFUnusedTensorsWarning", "Mapped", "WARNING_MARK", "Window", "append_entry", "check_positions",
+           "check_window",
            "config_dtype", "config_path", "default_name", "load_hf", "map_config", "model_entry", "model_from_hf",
            "read_config", "variant_entry_yaml", "_Checkpoint"]

@@ -214,8 +214,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
         if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
             raise HFConfigError(f"{cfg_path}: field 'max_position_embeddings' must be a positive integer (dynamic "
                                 f"RoPE scales past it), got {top!r}")
-        notes.append(f"rope_type dynamic: default RoPE for positions below max_position_embeddings {top} (transformers' "
-                     f"dynamic NTK scaling changes the frequencies only past it); a longer seq_len is refused")
+        notes.append(f"rope_type dynamic: default RoPE for positions below max_position_embeddings {top} "
+                     "(transformers' dynamic NTK scaling changes the frequencies only past it); a longer seq_len is "
+                     "refused")
         return theta, None, PositionLimit(top, f"rope_type dynamic in field '{where}' of {cfg_path}")
     if rtype not in gvariants.ROPE_SCALING_TYPES:
         raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is {rtype!r}: supported RoPE scaling: "

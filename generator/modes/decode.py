@@ -899,19 +899,18 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # others), so down_proj's tiles stream while gate_up runs instead of after it: at Qwen2.5-0.5B b1 down_proj's 56
     # blocks ended 4.6 us after gate_up's (session 55's H200 timeline); with DOWN_SMEM their copy has the SMs to itself
     gu_skip = ov.get("GU_SKIP", int(skip_rule))
-    if skip_rule and "GU_SKIP" not in ov and not (h_ll and down_flow == 2 and dn["NWG"] == nw and dn["KSPLIT"] == 1
-                                                   and dn["TM"] == 1 and gemv["o"]["KSPLIT"] == 1
-                                                   and gemv["o"]["TM"] == 1):
+    go = gemv["o"]
+    skip_needs = [
+        (h_ll == 1 or h_ll == 2, "H_LL (o_proj's h words order the skipped blocks' epoch)"),
+        (down_flow == 2, f"DOWN_FLOW 2 (act's words; this plan: {down_flow})"),
+        (dn["NWG"] == nw and dn["KSPLIT"] == 1 and dn["TM"] == 1,
+         "down_proj in one unsplit group a block (DOWN_NWG 16, DOWN_KSPLIT 1, DOWN_TM 1)"),
+        (go["KSPLIT"] == 1 and go["TM"] == 1, "O_KSPLIT 1 and O_TM 1 (an o_proj tile on each skipped block)"),
+        (m.hidden // 16 < sms, f"blocks left for gate_up (hidden / 16 = {m.hidden // 16} of {sms} SMs)")]
+    if skip_rule and "GU_SKIP" not in ov and not all(ok for ok, _ in skip_needs):
         return plan(v, arch, overrides, skip_rule_off=True)  # (the rule's requirements went with other overrides)
     if gu_skip:
-        go = gemv["o"]
-        _needs(v.name, "GU_SKIP", gu_skip, [
-            (h_ll == 1 or h_ll == 2, "H_LL (o_proj's h words order the skipped blocks' epoch)"),
-            (down_flow == 2, f"DOWN_FLOW 2 (act's words; this plan: {down_flow})"),
-            (dn["NWG"] == nw and dn["KSPLIT"] == 1 and dn["TM"] == 1,
-             "down_proj in one unsplit group a block (DOWN_NWG 16, DOWN_KSPLIT 1, DOWN_TM 1)"),
-            (go["KSPLIT"] == 1 and go["TM"] == 1, "O_KSPLIT 1 and O_TM 1 (an o_proj tile on each skipped block)"),
-            (m.hidden // 16 < sms, f"blocks left for gate_up (hidden / 16 = {m.hidden // 16} of {sms} SMs)")])
+        _needs(v.name, "GU_SKIP", gu_skip, skip_needs)
     consts = {
         "HIDDEN": m.hidden, "HEADS": m.heads, "KV_HEADS": m.kv_heads, "HEAD_DIM": m.head_dim,
         "INTER": m.intermediate, "TP": v.tp, "BATCH": v.batch, "SEQ_LEN": v.seq_len, "WINDOW": window,
