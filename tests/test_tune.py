@@ -1438,12 +1438,13 @@ def test_ll_hand_offs_match_the_reference(tmp_path):
     # DOWN_FLOW 2 (act as LL words down_proj polls; its twin: DOWN_FLOW 1's counters): with all three (DOWN_U 4: 8
     # spills 140 B at 1B), with H_LL alone, and at Qwen2.5-0.5B b1 (gate_up in under a round; its default there),
     # with H_LL 2's spaced polls and without the cooperative launch (COOP 0)
-    cases = [(v, {**LL_OFF, **ov}) for v, ov in cases] + [
+    # (GU_SKIP off throughout: the barrier twin cannot take it, and its own test compares it with the plan without it)
+    cases = [(v, {"GU_SKIP": 0, **LL_OFF, **ov}) for v, ov in cases] + [(v, {"GU_SKIP": 0, **ov}) for v, ov in [
         (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4, "DOWN_FLOW": 2}),
         (l1, {"DOWN_FLOW": 2, "DOWN_U": 4}), (l1, {**LL_OFF, "H_LL": 1, "DOWN_FLOW": 2, "DOWN_U": 4}),
         (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2}),
         (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2, "H_LL": 2}),
-        (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2, "COOP": 0})]
+        (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2, "COOP": 0})]]
     ll = ("ATT_LL", "QKV_FLOW", "H_LL", "COOP", "QKV_PRE", "ACT_CHUNKS")  # (the twin plan: the barriers, ATT_COMBINE 4
     # as 3, DOWN_FLOW 2 as 1)
     as_twin = {("ATT_COMBINE", 4): 3, ("DOWN_FLOW", 2): 1}
