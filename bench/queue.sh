@@ -4,6 +4,7 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
+#   bash bench/queue.sh bs        # one call (~5 min): batch slices' GPU test, A/B and the large-batch rows
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -47,6 +48,21 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
+}
+
+part_bs() {  # session 58: <P>_BS (batch slices) from batch 33 (Llama-3.2-1B b64 was 0.89x FlashInfer's layer): its
+  # GPU test, the A/B against BS 1 (and 4, and 2 at batch 24-32), then the large-batch rows against the baselines.
+  # Prediction: the b64 layer's GEMV stages 97 -> ~65 us on an H100 (153 -> ~122 us a layer, ~1.1x FlashInfer)
+  local v=bench/results/gpu_check-s58-variants.yaml one='{"QKV_BS":1,"O_BS":1,"GU_BS":1,"DOWN_BS":1}'
+  local two='{"QKV_BS":2,"O_BS":2,"GU_BS":2,"DOWN_BS":2}' four='{"QKV_BS":4,"O_BS":4,"GU_BS":4,"DOWN_BS":4}'
+  [ -n "$BUILD" ] || step gputests-bs timeout 200 python3 -m pytest -q -m gpu tests/test_tune.py -k batch_slices
+  step ab-bs python3 bench/ab.py --variants $v --variants bench/heldout.yaml --rows full,mix --build-dir build-ab/bs \
+    --out "$OUT/ab-bs.json" $BUILD --case h6-l1b-b64_decode_b64_s1024_bf16 "$one" \
+    --case h6-l1b-b64_decode_b64_s1024_bf16 "$four" --case h6-l1b-b48_decode_b48_s2048_bf16 "$one" \
+    --case h6-l8b-b64_decode_b64_s1024_bf16 "$one" --case ho-l1b-b32_decode_b32_s4096_bf16 "$two" \
+    --case ho-l8b-b32_decode_b32_s4096_bf16 "$two" --case ho-tinyllama-b24_decode_b24_s2048_bf16 "$two"
+  [ -n "$BUILD" ] || step check-bs timeout 200 python3 bench/gpu_check.py --no-tests --variants $v --heldout '' \
+    --build-dir build-h6 --only 'h6-l*b-b*' --serving-budget 0
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -102,16 +118,17 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|bs|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_bs ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  bs) part_bs ;;
   first) part_first ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|bs|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

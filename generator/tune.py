@@ -227,7 +227,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     first; these and the NORM_FOLD flips with NORM_GLOBAL 0 where it is planned: they keep the rows in shared
     memory); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for one or two grid
     barriers, H_STATS as that plan defaults it; +3 % on the 1B b20 where the planner keeps the rows, session 23);
-    per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8); attention:
+    per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8) (and from
+    batch 16, last of all, its batch slices <P>_BS halved and doubled: slices of one n-tile at least); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_TMA flipped on sm_90+ (the walk's tiles by TMA tensor copies or
     cp.async: -2.4 ... +2.6 % a layer, bench/NOTES.md session 24), ATT_STAGES 3 (a deeper ring; with fewer walker
@@ -292,6 +293,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         umax = 8 // d.get(f"{prefix}_TM", 1)  # the planner's own bound: TM tiles' loads a step
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= umax else u // 2}]
+        bs = d.get(f"{prefix}_BS", 1)  # (decode from batch 16, after all others: the batch slices halved or doubled)
+        late += [{f"{prefix}_BS": b} for b in (bs // 2, bs * 2) if 1 <= b <= -(-v.batch // 8) and b != bs] \
+            if base["mode"] == "decode" and v.batch >= 16 else []
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
         tries += [{"ATT_WARPS": _half(w)}, {"ATT_C": c * 2}, {"ATT_C": _half(c)}]

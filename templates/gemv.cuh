@@ -86,13 +86,16 @@ __device__ __forceinline__ unsigned long long ll_load8(const float* buf, size_t 
     return w;
 }
 
-template <int NWG, int TM = 1>
-struct Tile {  // one of the task's TM 16 x BATCH results (buf at its first), summed over the group's warps
+template <int NWG, int TM = 1, int BS = 1>
+struct Tile {  // one of the task's TM 16 x BATCH results (buf at its first), summed over the group's warps (BS:
+    // over the NWG / BS warps of b's batch slice, warps slice x NWG / BS ...: the others did not write b's column)
     const float* buf;
     __device__ __forceinline__ float operator()(int r, int b) const {
+        constexpr int NWGK = NWG / BS, NT = (NTILE + BS - 1) / BS;
+        const int w0 = BS == 1 ? 0 : b / 8 / NT * NWGK;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < NWG; ++w) s += buf[(w * TM * 16 + r) * BATCH + b];
+        for (int w = 0; w < NWGK; ++w) s += buf[((w0 + w) * TM * 16 + r) * BATCH + b];
         return s;
     }
 };
@@ -239,8 +242,8 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W, int
 // skip (BlockSkip): blocks [0, skip.n) take no task (they return at once: no block barrier of gemv's); the tasks go
 // round the others (the decode plan's GU_SKIP: gate_up leaves down_proj's blocks free).
 template <int N, int K, int LDX, int NWG, int U, int KSPLIT, int XF = 0, int PF = 0, int TILE0 = 0, int PRE = 0,
-          int DB = 1, int TM = 1, class Epi, class Done = NoDone, class Wait = NoWait, class Staged = NoStaged,
-          class Skip = NoSkip>
+          int DB = 1, int TM = 1, int BS = 1, class Epi, class Done = NoDone, class Wait = NoWait,
+          class Staged = NoStaged, class Skip = NoSkip>
 __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float* red, float* part, unsigned* count,
                                      Epi epi, Done done = {}, const T* gs = nullptr,
                                      const GemvPre<U * TM>* pre = nullptr, Wait wait = {},
@@ -249,9 +252,16 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                   "bad GEMV plan");
     static_assert(TM == 1 || KSPLIT == 1, "tiles a task: unsplit projections");
     static_assert(XF < 2 || U * NTILE <= 32, "XF >= 2: a bit a word set of a step");
+    // BS (the decode plan's <P>_BS): the group's warps in BS batch slices of NT n-tiles, NWG / BS warps splitting K
+    // in each, so a warp holds the accumulators and B fragments of NT n-tiles, not NTILE (at batch 64 those of all 8
+    // left no registers for a step's loads in flight); each slice loads the task's weights (the same lines, from L1)
+    static_assert(NWG % BS == 0 && (BS == 1 || (XF < 2 && !PRE && !Wait::active && !Staged::active)),
+                  "batch slices: whole warps each, the weights loaded in the stage, X complete at its start");
+    constexpr int NWGK = NWG / BS, NT = (NTILE + BS - 1) / BS;
     constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES / TM * KSPLIT;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const int kw = warp % NWGK, t0 = warp / NWGK * NT;  // the warp's first k-tile and first n-tile
     constexpr int RED = NWG * TM * 16 * BATCH;  // a buffer of the group's partial sums: [warp][TM][16][BATCH]
     float* my_red = red + group * (1 + DB) * RED;
     static_assert(KSPLIT == 1 || (!Done::active && !Wait::active), "per-tile completion is for unsplit projections");
@@ -262,7 +272,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 staged.wait();
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    const int kt = k0 + u * NWG;
+                    const int kt = k0 + u * NWGK;
                     a[u] = kt >= KT ? make_uint4(0u, 0u, 0u, 0u)
                            : kt < staged.kt ? staged.load(kt, lane)
                            : ld_weight(W + ((size_t)gemv_task<N, 1, TILE0, 1>(task).x * KT + kt) * 256 + lane * 8);
@@ -270,7 +280,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 return;
             }
         }
-        gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
+        gemv_load_step<N, K, NWGK, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight
@@ -294,12 +304,12 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     auto compute = [&](int task, float* buf, int next, bool use_pf) {
         const int ks = gemv_task<N, KSPLIT, TILE0, TM>(task).y;
         const T* xk = X + ks * KT * 16;  // this split's columns of X
-        float c[TM][NTILE][4];
+        float c[TM][NT][4];  // (n-tiles t0 .. t0 + NT - 1)
 #pragma unroll
         for (int m = 0; m < TM; ++m)
 #pragma unroll
-            for (int t = 0; t < NTILE; ++t) c[m][t][0] = c[m][t][1] = c[m][t][2] = c[m][t][3] = 0.f;
-        // the mma of one step's k-tiles k0, k0 + NWG, ... with its weights a (each B fragment for the TM tiles)
+            for (int t = 0; t < NT; ++t) c[m][t][0] = c[m][t][1] = c[m][t][2] = c[m][t][3] = 0.f;
+        // the mma of one step's k-tiles k0, k0 + NWGK, ... with its weights a (each B fragment for the TM tiles)
         auto mma_step = [&](const uint4 (&a)[U * TM], int k0) {
             if constexpr (Wait::active)
                 if (k0 < KT) wait(k0 / (NWG * U));
@@ -346,7 +356,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int kt = k0 + u * NWG;
+                const int kt = k0 + u * NWGK;
                 if (kt < KT) {
                     unsigned g0 = 0u, g1 = 0u;  // the gain's two pairs this lane's B fragments take (gs only)
                     if (!XF && gs) {
@@ -355,8 +365,9 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                         g1 = *reinterpret_cast<const unsigned*>(gp + 8);
                     }
 #pragma unroll
-                    for (int t = 0; t < NTILE; ++t) {
-                        const int b = t * 8 + gid;
+                    for (int tt = 0; tt < NT; ++tt) {
+                        const int t = t0 + tt, b = t * 8 + gid;
+                        if (NT * BS != NTILE && t >= NTILE) continue;  // (the last slice's missing n-tiles)
                         unsigned b0 = 0u, b1 = 0u;
                         if constexpr (XF >= 2) {
                             b0 = xb[u][t].x;
@@ -376,38 +387,38 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                             }
                         }
 #pragma unroll
-                        for (int m = 0; m < TM; ++m) mma_bf16(c[m][t], a[m * U + u], b0, b1);
+                        for (int m = 0; m < TM; ++m) mma_bf16(c[m][tt], a[m * U + u], b0, b1);
                     }
                 }
             }
         };
-        constexpr int S = NWG * U;  // k-tiles a step of the group
+        constexpr int S = NWGK * U;  // k-tiles a step of the group's slice
         if constexpr (PF == 2) {
             uint4 nx[U * TM];  // pf holds this task's first step; the sets alternate, with no register copies
-            for (int k0 = warp; k0 < KT; k0 += 2 * S) {
+            for (int k0 = kw; k0 < KT; k0 += 2 * S) {
                 if (k0 + S < KT) load_step(task, k0 + S, nx);
                 mma_step(pf, k0);
                 if (k0 + 2 * S < KT) load_step(task, k0 + 2 * S, pf);
-                else if (next >= 0) load_step(next, warp, pf);  // the next round's first step
+                else if (next >= 0) load_step(next, kw, pf);  // the next round's first step
                 if (k0 + S < KT) mma_step(nx, k0 + S);
             }
         } else {
-            for (int k0 = warp; k0 < KT; k0 += S) {
+            for (int k0 = kw; k0 < KT; k0 += S) {
                 uint4 a[U * TM];
-                if ((PF || PRE) && use_pf && k0 == warp) {
+                if ((PF || PRE) && use_pf && k0 == kw) {
 #pragma unroll
                     for (int u = 0; u < U * TM; ++u) a[u] = pf[u];
                 } else {
                     load_step(task, k0, a);
                 }
                 if constexpr (DEFER)
-                    if (k0 == warp && pending >= 0) {
+                    if (k0 == kw && pending >= 0) {
                         release(pending);
                         pending = -1;
                     }
                 mma_step(a, k0);
             }
-            if (PF && next >= 0) load_step(next, warp, pf);
+            if (PF && next >= 0) load_step(next, kw, pf);
         }
         if constexpr (!DB) {  // one buffer: the group's last epilogue has read it (a one-warp group: its lanes)
             if constexpr (NWG == 1) __syncwarp();
@@ -416,11 +427,11 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
 #pragma unroll
         for (int m = 0; m < TM; ++m)
 #pragma unroll
-            for (int t = 0; t < NTILE; ++t)
+            for (int tt = 0; tt < NT; ++tt)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int r = gid + (j >> 1) * 8, b = t * 8 + 2 * tig + (j & 1);
-                    if (b < BATCH) buf[((warp * TM + m) * 16 + r) * BATCH + b] = c[m][t][j];
+                    const int r = gid + (j >> 1) * 8, b = (t0 + tt) * 8 + 2 * tig + (j & 1);
+                    if (b < BATCH) buf[((warp * TM + m) * 16 + r) * BATCH + b] = c[m][tt][j];
                 }
     };
     // tasks go round the blocks first, so a projection with few tiles still spreads over all SMs (the splits of a
@@ -440,7 +451,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
 #pragma unroll
         for (int u = 0; u < U * TM; ++u) pf[u] = pre->a[u];
     } else if (PF && first_task() < TASKS) {
-        load_step(first_task(), warp, pf);
+        load_step(first_task(), kw, pf);
     }
     for (int rd = 0; rd < rounds; ++rd) {
         const int task = rd * stride + first_task();
@@ -453,7 +464,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
         if constexpr (KSPLIT == 1) {
             if (active)
 #pragma unroll
-                for (int m = 0; m < TM; ++m) epi((tile + m) * 16, Tile<NWG, TM>{buf + m * 16 * BATCH}, gt);
+                for (int m = 0; m < TM; ++m) epi((tile + m) * 16, Tile<NWG, TM, BS>{buf + m * 16 * BATCH}, gt);
             if constexpr (Done::active) {
                 __syncthreads();  // the group's epilogue stores are all made: its first thread releases them
                 if (active && gt == 0) {
@@ -462,13 +473,13 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 }
             }
         } else if constexpr (std::is_same_v<Done, RawSplits>) {
-            if (active) epi(ks * N + tile * 16, Tile<NWG>{buf}, gt);  // (the consumer sums the splits)
+            if (active) epi(ks * N + tile * 16, Tile<NWG, 1, BS>{buf}, gt);  // (the consumer sums the splits)
         } else {
             __shared__ int last[NG];  // per group: its task was the tile's last split
             if (active)
                 for (int i = gt; i < 16 * BATCH; i += NWG * 32)
                     part[((size_t)ks * N + tile * 16 + i / BATCH) * BATCH + i % BATCH] =
-                        Tile<NWG>{buf}(i / BATCH, i % BATCH);
+                        Tile<NWG, 1, BS>{buf}(i / BATCH, i % BATCH);
             __threadfence();
             __syncthreads();
             if (active && gt == 0) {

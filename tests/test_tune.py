@@ -836,6 +836,27 @@ def test_fragment_ordered_activations_on_one_gpu():
         render.plan(b8, overrides={"X_FRAG": 2})
 
 
+def test_batch_slices_by_default_past_32_sequences():
+    """<P>_BS (a projection's warp group in batch slices of at most 4 n-tiles): 2 from batch 33 (uneven slices at 40:
+    3 + 2 n-tiles), 4 from 65, 1 up to 32 (the kernel as before: no BS constant moves a plan); an override where the
+    projection cannot take it is one line naming the requirement."""
+    l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
+    for batch, bs in ((1, 1), (8, 1), (32, 1), (33, 2), (40, 2), (64, 2), (65, 4), (96, 4), (128, 4)):
+        c = render.plan(_decode_layer("bsd", batch, 1024, l1b))["consts"]
+        assert [c[f"{p}_BS"] for p in ("QKV", "O", "GU", "DOWN")] == [bs] * 4, (batch, c)
+    b64 = _decode_layer("bsd", 64, 1024, l1b)
+    assert render.plan(b64, overrides={"O_PRE": 1})["consts"]["O_BS"] == 1  # (an override's requirement: the default
+    for ov, words in (({"O_BS": 2, "O_PRE": 1}, ["O_BS=2", "O_PRE 0"]),      # yields to it)
+                      ({"GU_BS": 4, "GU_NWG": 2}, ["GU_BS=4", "GU_NWG a multiple"]),
+                      ({"DOWN_BS": 3}, ["DOWN_BS=3", "must be 1, 2, 4 or 8"])):
+        with pytest.raises(PlanError) as ei:
+            render.plan(b64, overrides=ov)
+        assert "\n" not in str(ei.value) and all(w in str(ei.value) for w in words), str(ei.value)
+    b8 = next(v for v in declared() if v.name == "llama3.2-1b_decode_b8_s4096_bf16")
+    with pytest.raises(PlanError, match="DOWN_BS=2 needs .*DOWN_FLOW 0"):
+        render.plan(b8, overrides={"DOWN_BS": 2, "DOWN_FLOW": 1})
+
+
 def test_from_frag_is_the_mma_b_fragment_layout():
     """generator.interface.from_frag against element positions worked out by hand from the PTX ISA's m16n8k16 B
     fragment (lane = 4 x group + thread-in-group; b0 holds k = 2t, 2t + 1 of column group, b1 k = 2t + 8, 2t + 9)."""
@@ -1293,6 +1314,26 @@ def test_norm_fold_matches_the_reference(tmp_path):
     cases += [(b1, {}), (b1, {"H_STATS": 1}), (b5, {"NORM_FOLD": 3, "GU_KSPLIT": 2}),
               (b16, {"NORM_FOLD": 3, "NORM_CLUSTER": 2, "NORM_GLOBAL": 0})]
     _overrides_match_the_reference(tmp_path, cases, "nf", 9, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_batch_slices_match_the_reference(tmp_path):
+    """<P>_BS: each projection's warps in batch slices (each summing its own sequences' partial sums, Tile's BS):
+    the Llama-3.2-1B shape at batch 64 (its default: 2 slices of 4 n-tiles, X from global memory in fragment order)
+    and with 4 slices; batch 40 (slices of 3 and 2 n-tiles); with split-K qkv and o_proj (the splits' partial sums
+    through ws_split); batch 20 with the rows in shared memory (NORM_GLOBAL 0, slices of 2 and 1 n-tiles, NORM_FOLD's
+    gain on the B fragments); fp16 at batch 48: against the fp32 reference at two seeds, a second launch bit-equal."""
+    l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
+    b64, b40 = (_decode_layer("bs", b, 512, l1b) for b in (64, 40))
+    b20, = _qwen15_like("bsq", [20])
+    half = _decode_layer("bsh", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
+                         "dtype: fp16")
+    all_bs = lambda n: {f"{p}_BS": n for p in ("QKV", "O", "GU", "DOWN")}  # noqa: E731
+    cases = [(b64, {}), (b64, all_bs(4)), (b40, {}), (b64, {"QKV_KSPLIT": 2, "O_KSPLIT": 2, "QKV_FLOW": 0}),
+             (b20, {**all_bs(2), "NORM_GLOBAL": 0, "NORM_FOLD": 1}), (half, {})]
+    _overrides_match_the_reference(tmp_path, cases, "bs", 23, {}, repeat=True)
+    assert all(render.plan(v, overrides=ov)["consts"]["GU_BS"] > 1 for v, ov in cases)
 
 
 @pytest.mark.gpu

@@ -94,7 +94,7 @@ STEPS = (
 assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PHASES) <= TIMELINE_SLOTS, \
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM"))
+KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
             "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP"))
@@ -102,6 +102,37 @@ NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
 ATT_WARPS_MAX = 8  # the planner's most attention walker warps (an override may take up to all 16)
+
+
+# <P>_BS: a projection's warp group in BS batch slices (templates/gemv.cuh): each slice's warps split K and hold the
+# accumulators and B fragments of at most BS_NTILE_MAX n-tiles (32 sequences). At batch 64 all 8 n-tiles' left no
+# registers for a step's weight loads in flight (ptxas issued them one at a time between the mma: Llama-3.2-1B b64's
+# GEMV stages ran at 1.0-1.6 TB/s, 0.89x FlashInfer's layer on an H100; bench/NOTES.md session 58). By default from
+# batch 33 where the projection allows it: its X complete at its start (no LL words, counters or staged weights)
+# and its weights loaded in the stage (<P>_PRE 0)
+BS_NTILE_MAX = 4
+
+
+def batch_slices(name: str, consts: dict, ov: dict) -> None:
+    """Sets <P>_BS in `consts` (the plan's constants so far) for each projection: the override, refused in one line
+    (PlanError) where the projection cannot take it, else the default (BS_NTILE_MAX)."""
+    ntile = -(-consts["BATCH"] // 8)
+    for prefix, _ in PROJECTIONS:
+        needs = [(consts[f"{prefix}_NWG"] % ov.get(f"{prefix}_BS", 1) == 0,
+                  f"{prefix}_NWG a multiple of it ({consts[f'{prefix}_NWG']})"),
+                 (not consts[f"{prefix}_PRE"], f"{prefix}_PRE 0 (its first weights loaded before the stage)")]
+        if prefix == "O":
+            needs.append((not consts["ATT_LL"], "ATT_LL 0 (o_proj polls attention's words)"))
+        if prefix == "DOWN":
+            needs += [(not consts["DOWN_FLOW"], "DOWN_FLOW 0 (down_proj waits on act's counters or words)"),
+                      (not consts["DOWN_SMEM"], "DOWN_SMEM 0")]
+        if f"{prefix}_BS" in ov:
+            if ov[f"{prefix}_BS"] > 1:
+                _needs(name, f"{prefix}_BS", ov[f"{prefix}_BS"], needs)
+            consts[f"{prefix}_BS"] = ov[f"{prefix}_BS"]
+        else:
+            bs = 1 << max(0, math.ceil(ntile / BS_NTILE_MAX) - 1).bit_length()  # (a power of two)
+            consts[f"{prefix}_BS"] = bs if all(ok for ok, _ in needs[1:]) and consts[f"{prefix}_NWG"] % bs == 0 else 1
 
 
 def _needs(name: str, knob: str, val: int, needs: list[tuple[bool, str]]) -> None:
@@ -122,6 +153,8 @@ def _check_overrides(name: str, ov: dict) -> dict:
                             f"{THREADS // 32} warps)")
         if k.endswith("_TM") and val not in (1, 2, 4):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1, 2 or 4")
+        if k.endswith("_BS") and val not in (1, 2, 4, 8):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 1, 2, 4 or 8")
         if k.endswith("_KSPLIT") and not 1 <= val <= 8:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..8")
         if k.endswith("_U") and not U_RANGE[0] <= val <= U_RANGE[1]:
@@ -959,6 +992,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
+    batch_slices(v.name, consts, ov)
     # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)
     reduced = {k: g for k, g in gemv.items() if g["KSPLIT"] > 1 and not (k == "qkv" and consts["QKV_FLOW"] == 2)}
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,

@@ -82,7 +82,7 @@ __device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T
     // DOWN_FLOW 2: act's words polled (gemv XF 2) with the epoch gate_up's thread 0 read (act_epoch: the block's
     // gate_up barriers published it; a read now could see block 0's advance)
     gemv<HIDDEN, INTER, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, DOWN_FLOW == 2 ? 2 : X_FRAG, GEMV_PF, 0, DOWN_PRE, RED_DB,
-         DOWN_TM>(w_down, ws_act,
+         DOWN_TM, DOWN_BS>(w_down, ws_act,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 16 * BATCH; i += DOWN_NWG * 32) {

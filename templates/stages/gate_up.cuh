@@ -113,7 +113,7 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
         norm(ws_h, ln_w, ln_b, xs, reinterpret_cast<float*>(smem + SMEM_RED), gs, rs);
     }
     gemv<2 * INTER, HIDDEN, NORM_GLOBAL ? HIDDEN : XS_LD, GU_NWG, GU_U, GU_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, 0, GU_PRE,
-         RED_DB, GU_TM>(w_gu, NORM_GLOBAL ? xn : xs,
+         RED_DB, GU_TM, GU_BS>(w_gu, NORM_GLOBAL ? xn : xs,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             for (int i = gt; i < 8 * BATCH; i += GU_NWG * 32) {

@@ -37,7 +37,8 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                 ws_ready[h < KV_HEADS ? h : KV_HEADS + (h - KV_HEADS) * ACT_STRIDE] = 0u;
     const unsigned ll_e = ATT_LL || H_LL ? ll_epoch(ws_epoch) : 0u;
     if (GU_SKIP && threadIdx.x == 0) o_epoch = ll_e;
-    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, ATT_LL ? 1 + ATT_LL : X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM>(w_o, ws_attn,
+    gemv<HIDDEN, Q_DIM, Q_DIM, O_NWG, O_U, O_KSPLIT, ATT_LL ? 1 + ATT_LL : X_FRAG, GEMV_PF, 0, O_PRE, RED_DB, O_TM,
+         O_BS>(w_o, ws_attn,
         reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count,
         [&](int row0, auto tile, int gt) {
             // H_STATS: the group's squares [16][BATCH] for each of its O_TM tiles (the group barrier before the

@@ -56,10 +56,12 @@ __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, 
     const T* X = NORM_GLOBAL ? xn : xs;
     constexpr int LDX = NORM_GLOBAL ? HIDDEN : XS_LD;
     if constexpr (QKV_FLOW == 1)
-        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM,
+             QKV_BS>(w_qkv,
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi, QkvReady{ws_ready}, gain, &pre);
     else
-        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM>(w_qkv,
+        gemv<QKV_DIM, HIDDEN, LDX, QKV_NWG, QKV_U, QKV_KSPLIT, NORM_GLOBAL != 0, GEMV_PF, QKV_TILE0, QKV_PRE, RED_DB, QKV_TM,
+             QKV_BS>(w_qkv,
             X, reinterpret_cast<float*>(smem + SMEM_RED), ws_split, ws_count, epi,
             std::conditional_t<QKV_FLOW == 2, RawSplits, NoDone>{}, gain, &pre);
 }
