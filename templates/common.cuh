@@ -77,6 +77,13 @@ __device__ __forceinline__ uint4 ld_weight(const T* p) {
                  : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
     return u;
 }
+// the same, kept in L1: a weight line the other batch slices of a GEMV group load too (templates/gemv.cuh BS)
+__device__ __forceinline__ uint4 ld_weight_l1(const T* p) {
+    uint4 u;
+    asm volatile("ld.global.nc.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
+    return u;
+}
 // c += a (16x16, row-major fragment) x b (16x8): mma.sync m16n8k16 in T (MMA_AB), fp32 accumulators
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 "

@@ -157,8 +157,8 @@ __device__ __forceinline__ int2 gemv_task(int task) {
         return make_int2(((task / KSPLIT % TT) * TM + TILE0) % TILES, task % KSPLIT);
 }
 // one step of a task: a warp's U weight loads from k-tile k0 of each of the task's TM tiles, a[m * U + u] (all in
-// flight before any use)
-template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1>
+// flight before any use; L1: kept in L1, for the group's other batch slices)
+template <int N, int K, int NWG, int U, int KSPLIT, int TILE0, int TM = 1, bool L1 = false>
 __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task, int k0, int lane,
                                                uint4 (&a)[U * TM]) {
     constexpr int KT = K / 16 / KSPLIT;
@@ -169,9 +169,14 @@ __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            a[m * U + u] = (k0 + u * NWG < KT)
-                               ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                               : make_uint4(0u, 0u, 0u, 0u);
+            if constexpr (L1)
+                a[m * U + u] = (k0 + u * NWG < KT)
+                                   ? ld_weight_l1(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+            else
+                a[m * U + u] = (k0 + u * NWG < KT)
+                                   ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                                   : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -280,7 +285,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
                 return;
             }
         }
-        gemv_load_step<N, K, NWGK, U, KSPLIT, TILE0, TM>(W, task, k0, lane, a);
+        gemv_load_step<N, K, NWGK, U, KSPLIT, TILE0, TM, (BS > 1)>(W, task, k0, lane, a);
     };
     // PF (the decode plan's GEMV_PF) 1: the next round's first step is loaded as soon as this task's last is used,
     // before the block barrier and the epilogue, so a projection of several rounds keeps weight loads in flight

@@ -837,11 +837,11 @@ def test_fragment_ordered_activations_on_one_gpu():
 
 
 def test_batch_slices_by_default_past_32_sequences():
-    """<P>_BS (a projection's warp group in batch slices of at most 4 n-tiles): 2 from batch 33 (uneven slices at 40:
-    3 + 2 n-tiles), 4 from 65, 1 up to 32 (the kernel as before: no BS constant moves a plan); an override where the
-    projection cannot take it is one line naming the requirement."""
+    """<P>_BS (a projection's warp group in batch slices of at most 4 n-tiles): 2 from batch 41 (uneven slices at 41:
+    3 + 3 n-tiles, the last partial), 4 from 65, 1 up to 40 (up to 32 the kernel as before: no BS constant moves a
+    plan); an override where the projection cannot take it is one line naming the requirement."""
     l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
-    for batch, bs in ((1, 1), (8, 1), (32, 1), (33, 2), (40, 2), (64, 2), (65, 4), (96, 4), (128, 4)):
+    for batch, bs in ((1, 1), (8, 1), (32, 1), (33, 1), (40, 1), (41, 2), (64, 2), (65, 4), (96, 4), (128, 4)):
         c = render.plan(_decode_layer("bsd", batch, 1024, l1b))["consts"]
         assert [c[f"{p}_BS"] for p in ("QKV", "O", "GU", "DOWN")] == [bs] * 4, (batch, c)
     b64 = _decode_layer("bsd", 64, 1024, l1b)
@@ -1330,7 +1330,7 @@ def test_batch_slices_match_the_reference(tmp_path):
     half = _decode_layer("bsh", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
     all_bs = lambda n: {f"{p}_BS": n for p in ("QKV", "O", "GU", "DOWN")}  # noqa: E731
-    cases = [(b64, {}), (b64, all_bs(4)), (b40, {}), (b64, {"QKV_KSPLIT": 2, "O_KSPLIT": 2, "QKV_FLOW": 0}),
+    cases = [(b64, {}), (b64, all_bs(4)), (b40, all_bs(2)), (b64, {"QKV_KSPLIT": 2, "O_KSPLIT": 2, "QKV_FLOW": 0}),
              (b20, {**all_bs(2), "NORM_GLOBAL": 0, "NORM_FOLD": 1}), (half, {})]
     _overrides_match_the_reference(tmp_path, cases, "bs", 23, {}, repeat=True)
     assert all(render.plan(v, overrides=ov)["consts"]["GU_BS"] > 1 for v, ov in cases)

@@ -104,18 +104,21 @@ ATT_STAGES_RANGE = (2, 3)
 ATT_WARPS_MAX = 8  # the planner's most attention walker warps (an override may take up to all 16)
 
 
-# <P>_BS: a projection's warp group in BS batch slices (templates/gemv.cuh): each slice's warps split K and hold the
-# accumulators and B fragments of at most BS_NTILE_MAX n-tiles (32 sequences). At batch 64 all 8 n-tiles' left no
-# registers for a step's weight loads in flight (ptxas issued them one at a time between the mma: Llama-3.2-1B b64's
-# GEMV stages ran at 1.0-1.6 TB/s, 0.89x FlashInfer's layer on an H100; bench/NOTES.md session 58). By default from
-# batch 33 where the projection allows it: its X complete at its start (no LL words, counters or staged weights)
-# and its weights loaded in the stage (<P>_PRE 0)
+# <P>_BS: a projection's warp group in batch slices (templates/gemv.cuh): each slice's warps split K and hold the
+# accumulators and B fragments of at most BS_NTILE_MAX n-tiles (32 sequences), the weights kept in L1 for the other
+# slices. At batch 64 the 8 n-tiles' left no registers for a step's weight loads in flight (ptxas issued them one at
+# a time between the mma). Measured on an H100 (bench/NOTES.md session 58), against BS 1, full context / mix:
+# Llama-3.2-1B b64 -3.7 / -5.4 %, b48 -1.1 / -1.7 %, Llama-3-8B b64 -7.7 / -8.9 %; b32 +1.7 / +1.7 % (so from
+# BS_BATCH_MIN); with the weights read past L1 by each slice it lost (+3.4 % at b64, +6 % at b48). By default where
+# the projection allows it: its X complete at its start (no LL words, counters or staged weights) and its weights
+# loaded in the stage (<P>_PRE 0)
+BS_BATCH_MIN = 41
 BS_NTILE_MAX = 4
 
 
 def batch_slices(name: str, consts: dict, ov: dict) -> None:
     """Sets <P>_BS in `consts` (the plan's constants so far) for each projection: the override, refused in one line
-    (PlanError) where the projection cannot take it, else the default (BS_NTILE_MAX)."""
+    (PlanError) where the projection cannot take it, else the default (BS_NTILE_MAX from BS_BATCH_MIN)."""
     ntile = -(-consts["BATCH"] // 8)
     for prefix, _ in PROJECTIONS:
         needs = [(consts[f"{prefix}_NWG"] % ov.get(f"{prefix}_BS", 1) == 0,
@@ -131,7 +134,8 @@ def batch_slices(name: str, consts: dict, ov: dict) -> None:
                 _needs(name, f"{prefix}_BS", ov[f"{prefix}_BS"], needs)
             consts[f"{prefix}_BS"] = ov[f"{prefix}_BS"]
         else:
-            bs = 1 << max(0, math.ceil(ntile / BS_NTILE_MAX) - 1).bit_length()  # (a power of two)
+            bs = 1 << max(0, math.ceil(ntile / BS_NTILE_MAX) - 1).bit_length() \
+                if consts["BATCH"] >= BS_BATCH_MIN else 1  # (a power of two)
             consts[f"{prefix}_BS"] = bs if all(ok for ok, _ in needs[1:]) and consts[f"{prefix}_NWG"] % bs == 0 else 1
 
 
