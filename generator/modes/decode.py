@@ -736,9 +736,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         # (bench/NOTES.md session 23): Llama-3-8B b32 +6 %, Nemo-like b18 +5 %, 70B-like b16 +3 %, hidden-5120 b16
         # +2.8 % against the rows in shared memory; o_proj/down_proj at TM 2 beside the rows in shared memory lost
         # (its partial sums take twice the shared memory: -6 ... -12 %)
-        # (global_tm: up to batch 64)
+        # (global_tm: up to batch 64). Only where the projection has a tile an SM: at two a task fewer than half the
+        # SMs would stream (measured on an H100, bench/NOTES.md session 58: o_proj and down_proj's 128 tiles at TM 1,
+        # Llama-3.2-1B b20 / b32 / b48 / b64 -2.2 / -4.1 / -6.3 / -7.1 % at full context, -4.5 ... -8.6 % at the
+        # serving mix, TinyLlama b24 -3.8 %; Llama-3-8B b28's 256 tiles +0.9 %, b64 +5.4 %)
         for prefix, key in PROJECTIONS:
-            if f"{prefix}_TM" not in ov and global_tm > 1 and tm_ok(prefix, key, global_tm):
+            if f"{prefix}_TM" not in ov and global_tm > 1 and tm_ok(prefix, key, global_tm) \
+                    and shapes[key][0] // 16 >= sms:
                 plan_projection(prefix, key, global_tm)
         tm_max = max(g["TM"] for g in gemv.values())
         # H_STATS with NORM_GLOBAL: o_proj's epilogue writes the second norm's rows (times its gain) and their sums of
