@@ -4,7 +4,6 @@
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
-#   bash bench/queue.sh bs        # one call (~5 min): batch slices' GPU test, A/B and the large-batch rows
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -48,17 +47,6 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
-}
-
-part_bs() {  # session 58: at Llama-3.2-1B b64 o_proj and down_proj at TM 1 (128 tasks) instead of NORM_GLOBAL's TM 2 (64
-  # tasks on 132 SMs) won -7.1 / -8.6 % (8B b64, whose TM 2 has 128 tasks: +5.4 %). Is the rule "TM 2 only where it
-  # leaves at least half the SMs a task"? Its other cases: 1B-shaped b20-48 and TinyLlama b24 (o/down 64 tasks at TM
-  # 2), 8B b28 (128: should lose). Prediction: -2 ... -6 % at b48, -3 ... +3 % at b20-32, +2 ... +6 % at 8B b28
-  local v=bench/results/gpu_check-s58-variants.yaml t1='{"O_TM":1,"DOWN_TM":1}'
-  step ab-bs python3 bench/ab.py --variants $v --variants bench/heldout.yaml --rows full,mix --build-dir build-ab/bs \
-    --out "$OUT/ab-bs.json" $BUILD --case h6-l1b-b48_decode_b48_s2048_bf16 "$t1" \
-    --case ho-l1b-b32_decode_b32_s4096_bf16 "$t1" --case ho-l1b-b20_decode_b20_s4096_bf16 "$t1" \
-    --case ho-tinyllama-b24_decode_b24_s2048_bf16 "$t1" --case h6-l8b-b28_decode_b28_s2048_bf16 "$t1"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -114,17 +102,16 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|bs|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_bs ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  bs) part_bs ;;
   first) part_first ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|bs|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -90,7 +90,8 @@ def plan_fields(entry: dict) -> dict:
 def path_cell(c: dict) -> str | None:
     """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
-    barrier), TM=n (n tiles a GEMV task, the largest of the projections'),
+    barrier), TM=n (n tiles a GEMV task, the largest of the projections'), BS=n (the GEMV's warp groups in n batch
+    slices, the most of the projections'),
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
     the second norm as tagged words, no grid barrier between them: ATT_LL, QKV_FLOW 2 and H_LL; where only some,
@@ -101,6 +102,8 @@ def path_cell(c: dict) -> str | None:
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
     tm = max([c.get(f"{p}_TM", 1) for p in ("QKV", "O", "GU", "DOWN")])
     parts += [f"TM={tm}"] if tm > 1 else []
+    bs = max([c.get(f"{p}_BS", 1) for p in ("QKV", "O", "GU", "DOWN")])
+    parts += [f"BS={bs}"] if bs > 1 else []
     parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
     parts += ["ATT_TMA"] if c.get("ATT_TMA") else []
     parts += [f"ATT_COMBINE={c['ATT_COMBINE']}"] if c.get("ATT_COMBINE") in (3, 4) else []
