@@ -82,6 +82,10 @@ constexpr int DOWN_KSPLIT = 1;
 constexpr int DOWN_TM = 1;
 constexpr int DOWN_PRE = 0;
 constexpr int H_STATS = 0;
+constexpr int QKV_BS = 1;
+constexpr int O_BS = 1;
+constexpr int GU_BS = 1;
+constexpr int DOWN_BS = 1;
 constexpr int TMAP_BYTES = 128;  // a tensor map's size in w_tmaps
 // TIMELINE: a block's stamps, attention's phases from TL_ATT (generator.interface)
 constexpr int TL_SLOTS = 24, TL_ATT = 16;

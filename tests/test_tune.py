@@ -771,7 +771,7 @@ def test_dynamic_attention_split_is_the_planned_one_at_full_context(tmp_path):
     n_dyn = 0
     for v in declared():
         c = render.plan(v, "90", overrides=gtune.resolve(v, "90", gtune.default_tuning_file())[0])["consts"]
-        if v.batch == 1 or v.tp > 1:
+        if v.batch == 1 or v.batch > 32 or v.tp > 1:
             assert c["ATT_DYN"] == 0, v.name
             continue
         rows = min(v.seq_len, v.model.sliding_window or v.seq_len)  # the rows attended (a sliding window's)
