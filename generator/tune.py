@@ -294,7 +294,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= umax else u // 2}]
         bs = d.get(f"{prefix}_BS", 1)  # (decode from batch 16, after all others: the batch slices halved or doubled)
-        late += [{f"{prefix}_BS": b} for b in (bs // 2, bs * 2) if 1 <= b <= -(-v.batch // 8) and b != bs] \
+        nt = -(-v.batch // 8)  # (n-tiles; a slice count that leaves one without any is not tried)
+        late += [{f"{prefix}_BS": b} for b in (bs // 2, bs * 2) if b >= 1 and b != bs and (b - 1) * -(-nt // b) < nt] \
             if base["mode"] == "decode" and v.batch >= 16 else []
     w, c = d.get("ATT_WARPS", 0), d.get("ATT_C", 0)  # decode's attention knobs
     if base["mode"] == "decode":
@@ -413,7 +414,8 @@ def knob_dict(p: dict) -> dict:
 # (ATT_PIECE_TILES: 0 in plans without stream-K; a stream-K record without it ran the bytes model's charge: stale;
 # ATT_LL, H_LL: 0 until the LL rule of session 48)
 KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
-                "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1}
+                "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1,
+                "QKV_BS": 1, "O_BS": 1, "GU_BS": 1, "DOWN_BS": 1}  # (<P>_BS: session 58, from batch 41)
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}

@@ -838,10 +838,11 @@ def test_fragment_ordered_activations_on_one_gpu():
 
 def test_batch_slices_by_default_past_32_sequences():
     """<P>_BS (a projection's warp group in batch slices of at most 4 n-tiles): 2 from batch 41 (uneven slices at 41:
-    3 + 3 n-tiles, the last partial), 4 from 65, 1 up to 40 (up to 32 the kernel as before: no BS constant moves a
-    plan); an override where the projection cannot take it is one line naming the requirement."""
+    3 + 3 n-tiles, the last partial), 4 from 73 (at 65-72 four slices of 3 would leave one empty: 2), 1 up to 40 (up
+    to 32 the kernel as before: no BS constant moves a plan); an override where the projection cannot take it is one
+    line naming the requirement."""
     l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
-    for batch, bs in ((1, 1), (8, 1), (32, 1), (33, 1), (40, 1), (41, 2), (64, 2), (65, 4), (96, 4), (128, 4)):
+    for batch, bs in ((1, 1), (8, 1), (32, 1), (33, 1), (40, 1), (41, 2), (64, 2), (65, 2), (72, 2), (73, 4), (96, 4), (128, 4), (136, 4)):
         c = render.plan(_decode_layer("bsd", batch, 1024, l1b))["consts"]
         assert [c[f"{p}_BS"] for p in ("QKV", "O", "GU", "DOWN")] == [bs] * 4, (batch, c)
     b64 = _decode_layer("bsd", 64, 1024, l1b)

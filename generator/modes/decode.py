@@ -136,6 +136,8 @@ def batch_slices(name: str, consts: dict, ov: dict) -> None:
         else:
             bs = 1 << max(0, math.ceil(ntile / BS_NTILE_MAX) - 1).bit_length() \
                 if consts["BATCH"] >= BS_BATCH_MIN else 1  # (a power of two)
+            while bs > 1 and (bs - 1) * -(-ntile // bs) >= ntile:  # (no slice without an n-tile: batch 65-72's 4
+                bs //= 2                                                 # slices of 3 would leave one empty)
             consts[f"{prefix}_BS"] = bs if all(ok for ok, _ in needs[1:]) and consts[f"{prefix}_NWG"] % bs == 0 else 1
 
 
