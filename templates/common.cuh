@@ -70,18 +70,17 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
-// Weights are read once per launch and never written: read-only path, no L1 allocation (keeps L1 for activations).
+// Weights are read once per launch and never written: read-only path, no L1 allocation (keeps L1 for activations);
+// KEEP_L1: allocated in L1, for a line other warps of the block load too (templates/gemv.cuh's batch slices)
+template <bool KEEP_L1 = false>
 __device__ __forceinline__ uint4 ld_weight(const T* p) {
     uint4 u;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
-    return u;
-}
-// the same, kept in L1: a weight line the other batch slices of a GEMV group load too (templates/gemv.cuh BS)
-__device__ __forceinline__ uint4 ld_weight_l1(const T* p) {
-    uint4 u;
-    asm volatile("ld.global.nc.v4.u32 { %0, %1, %2, %3 }, [%4];"
-                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
+    if constexpr (KEEP_L1)
+        asm volatile("ld.global.nc.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
     return u;
 }
 // c += a (16x16, row-major fragment) x b (16x8): mma.sync m16n8k16 in T (MMA_AB), fp32 accumulators

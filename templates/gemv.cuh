@@ -169,14 +169,9 @@ __device__ __forceinline__ void gemv_load_step(const T* __restrict__ W, int task
         const uint4* wt = reinterpret_cast<const uint4*>(W) + ((size_t)(tile + m) * KSPLIT + ks) * KT * 32 + lane;
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if constexpr (L1)
-                a[m * U + u] = (k0 + u * NWG < KT)
-                                   ? ld_weight_l1(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                                   : make_uint4(0u, 0u, 0u, 0u);
-            else
-                a[m * U + u] = (k0 + u * NWG < KT)
-                                   ? ld_weight(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
-                                   : make_uint4(0u, 0u, 0u, 0u);
+            a[m * U + u] = (k0 + u * NWG < KT)
+                               ? ld_weight<L1>(reinterpret_cast<const T*>(wt + (size_t)(k0 + u * NWG) * 32))
+                               : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
