@@ -853,6 +853,8 @@ def test_batch_slices_by_default_past_32_sequences():
         with pytest.raises(PlanError) as ei:
             render.plan(b64, overrides=ov)
         assert "\n" not in str(ei.value) and all(w in str(ei.value) for w in words), str(ei.value)
+    with pytest.raises(PlanError, match=r"GU_BS=8 needs .*an n-tile of 8 sequences for every slice \(6 at batch 48\)"):
+        render.plan(_decode_layer("bsd", 48, 1024, l1b), overrides={"GU_BS": 8})  # (8 slices of 6 n-tiles)
     b8 = next(v for v in declared() if v.name == "llama3.2-1b_decode_b8_s4096_bf16")
     with pytest.raises(PlanError, match="DOWN_BS=2 needs .*DOWN_FLOW 0"):
         render.plan(b8, overrides={"DOWN_BS": 2, "DOWN_FLOW": 1})

@@ -121,8 +121,10 @@ def batch_slices(name: str, consts: dict, ov: dict) -> None:
     (PlanError) where the projection cannot take it, else the default (BS_NTILE_MAX from BS_BATCH_MIN)."""
     ntile = -(-consts["BATCH"] // 8)
     for prefix, _ in PROJECTIONS:
-        needs = [(consts[f"{prefix}_NWG"] % ov.get(f"{prefix}_BS", 1) == 0,
-                  f"{prefix}_NWG a multiple of it ({consts[f'{prefix}_NWG']})"),
+        want = ov.get(f"{prefix}_BS", 1)
+        needs = [(consts[f"{prefix}_NWG"] % want == 0 and (want - 1) * -(-ntile // want) < ntile,
+                  f"{prefix}_NWG a multiple of it ({consts[f'{prefix}_NWG']}) and an n-tile of 8 sequences for every "
+                  f"slice ({ntile} at batch {consts['BATCH']})"),
                  (not consts[f"{prefix}_PRE"], f"{prefix}_PRE 0 (its first weights loaded before the stage)")]
         if prefix == "O":
             needs.append((not consts["ATT_LL"], "ATT_LL 0 (o_proj polls attention's words)"))
