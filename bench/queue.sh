@@ -5,6 +5,7 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
+#   bash bench/queue.sh big       # one call (~1 min): gate_up split-K at batch 64 (X's K range within L1)
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -47,6 +48,18 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
+}
+
+part_big() {  # session 58's lead at batch 64 (1B level with FlashInfer's layer, 8B 4 % behind): each warp re-reads the
+  # same X k-tiles every round (its k-walk does not change with the task), 256 KB at hidden 2048 and batch 64, more
+  # than L1 holds beside the shared memory (~92 KB). Split-K keeps a block on one K range in every round (the stride
+  # of tasks is even), so GU_KSPLIT 4 leaves it 64 KB of X: L1 hits after the first round, at the cost of the split
+  # partials (4 x 16384 x 64 x 4 B = 16 MB against gate_up's 67 MB) and their reduction. Prediction: gate_up -10 ...
+  # -30 % at 1B b64 (the layer -3 ... -8 %), level or worse at 8B b64 (its K range of 1024 x 64 x 2 B = 128 KB at 4)
+  local ks4='{"GU_TM":1,"GU_KSPLIT":4}' ks2='{"GU_TM":1,"GU_KSPLIT":2}' ks8='{"GU_TM":1,"GU_KSPLIT":8}'
+  ab big full,mix --variants bench/heldout.yaml --case ho-l1b-b64_decode_b64_s1024_bf16 "$ks2" \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$ks4" --case ho-l8b-b64_decode_b64_s1024_bf16 "$ks4" \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 "$ks8"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -102,16 +115,17 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|big|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_big ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  big) part_big ;;
   first) part_first ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|big|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
