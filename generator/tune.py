@@ -228,7 +228,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     memory); at batch >= 8 NORM_GLOBAL flipped (last: the norms' rows in global memory, more L1 for one or two grid
     barriers, H_STATS as that plan defaults it; +3 % on the 1B b20 where the planner keeps the rows, session 23);
     per projection NWG halved and doubled (U as planned) and U doubled (halved where that would pass 8) (and from
-    batch 16, last of all, its batch slices <P>_BS halved and doubled: slices of one n-tile at least); attention:
+    batch 16, last of all, its batch slices <P>_BS halved and doubled: slices of one n-tile at least, and with
+    NORM_GLOBAL its <P>_TM flipped between 1 and 2); attention:
     ATT_WARPS halved (ATT_C re-derived), ATT_C doubled (half the splits) and halved (twice the splits: a static split,
     so ATT_DYN off where it is the default), ATT_TMA flipped on sm_90+ (the walk's tiles by TMA tensor copies or
     cp.async: -2.4 ... +2.6 % a layer, bench/NOTES.md session 24), ATT_STAGES 3 (a deeper ring; with fewer walker
@@ -294,6 +295,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{f"{prefix}_NWG": _half(nwg)}, {f"{prefix}_NWG": nwg * 2},
                   {f"{prefix}_U": u * 2 if u * 2 <= umax else u // 2}]
         bs = d.get(f"{prefix}_BS", 1)  # (decode from batch 16, after all others: the batch slices halved or doubled)
+        if base["mode"] == "decode" and d.get("NORM_GLOBAL"):  # (TM flipped where X comes from L2: the rule
+            late += [{f"{prefix}_TM": 1 if d[f"{prefix}_TM"] > 1 else 2}]  # measured 2 ... 7 % either way, session 58)
         nt = -(-v.batch // 8)  # (n-tiles; a slice count that leaves one without any is not tried)
         late += [{f"{prefix}_BS": b} for b in (bs // 2, bs * 2) if b >= 1 and b != bs and (b - 1) * -(-nt // b) < nt] \
             if base["mode"] == "decode" and v.batch >= 16 else []
