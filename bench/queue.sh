@@ -5,9 +5,6 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
-#   bash bench/queue.sh att       # one call (~1.5 min): stream-K attention below 64 pairs where ATT_DYN 1 idles SMs
-#   bash bench/queue.sh ll4k      # (~1.5 min): the LL hand-offs at batch 1, hidden 4096, where O_PRE and GEMV_PF are off
-#   bash bench/queue.sh b64       # (~1.5 min): eight knobs on the 8B shape at batch 64
 #   bash bench/queue.sh tunemha   # (~2.5 min): the tuner on the held-out multi-head b5
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -51,41 +48,6 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
-}
-
-part_att() {  # session 59: ATT_DYN 1 at KV >= 8192 with fewer than STREAM_MIN_PAIRS (sequence, KV head) pairs takes
-  # whole splits a pair in one round, e.g. 56 pairs x 2 = 112 tasks on 132 SMs (the sixth set's Llama-3.2-3B-like b7 KV
-  # 16384: attention at 87 % of the copy bandwidth where 64 pairs under stream-K reach 95 %). The planner now takes
-  # stream-K (ATT_DYN 2) there (STREAM_IDLE_SMS); each case times the plan before (ATT_DYN 1) against it. Prediction
-  # at full context: ATT_DYN 1 +4 ... +8 % where it leaves >= 15 % of the SMs idle (56, 48, 28 pairs); at 40 pairs
-  # (120 tasks, 9 % idle, the default stays ATT_DYN 1) stream-K level (+-1 %); at a serving mix stream-K at least as good
-  local one='{"ATT_DYN": 1}' two='{"ATT_DYN": 2}'
-  ab att full,mix --variants bench/queue-variants.yaml \
-    --case ho-l3b-b7_decode_b7_s16384_bf16 "$one" --case q-l8b-b6k16_decode_b6_s16384_bf16 "$one" \
-    --case q-l8b-b6k16_decode_b5_s16384_bf16 "$two" --case q-q7b-b7_decode_b7_s32768_bf16 "$one"
-}
-
-part_ll4k() {  # session 59: the LL hand-offs at batch 1 stop at hidden 3584 (LL_HIDDEN_MAX: Llama-3-8B b1 +0.2 % with
-  # them on the H100, its held words spilling beside O_PRE 1 / GEMV_PF 1). The held-out Yi-9B-like b1 (hidden 4096,
-  # 4 KV heads, O_PRE 0: 87.8 % of the copy bandwidth, 1.14x) and Llama-2-7B-like b1 (MHA) plan neither O_PRE nor
-  # GEMV_PF, and compile clean with the three (128 / 127 registers, no spill). Prediction: -1 ... -3 % on both (as
-  # Qwen2.5-7B b1's -1.6 %), more with DOWN_FLOW 1 (then no grid barrier: COOP 0); Llama-3-8B b1 with them and its
-  # O_PRE / GEMV_PF off: level or worse (those two won it 1-3 %)
-  local ll='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}' lld='{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "DOWN_FLOW": 1}'
-  ab ll4k full,191 --case ho-yi-9b_decode_b1_s4096_bf16 "$ll" --case ho-yi-9b_decode_b1_s4096_bf16 "$lld" \
-    --case ho-l2-7b_decode_b1_s2048_bf16 "$ll" --case ho-l2-7b_decode_b1_s2048_bf16 "$lld" \
-    --case llama3-8b_decode_b1_s4096_bf16 '{"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, "O_PRE": 0, "GEMV_PF": 0}'
-}
-
-part_b64() {  # session 59: the Llama-3-8B shape at batch 64 (0.97x FlashInfer's layer in session 59's check, H100; qkv
-  # 33 us and o 23 us at half the copy bandwidth) by hand, the knobs the tuner's first 16 leave out among them: qkv's
-  # 192 TM-2 tasks take 1.45 rounds on 132 SMs (TM 1: 2.9 rounds, twice the X reads), more batch slices. Prediction:
-  # none reaches FlashInfer's 295 us (X from L2 is the limit, NOTES session 58)
-  ab b64 full --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_TM": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_BS": 4}' --case ho-l8b-b64_decode_b64_s1024_bf16 '{"O_BS": 4}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_BS": 4}' --case ho-l8b-b64_decode_b64_s1024_bf16 '{"DOWN_BS": 4}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"ATT_C": 512}' --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GEMV_PF": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 16}'
 }
 
 part_tunemha() {  # session 59: the tuner (16 candidates) on the held-out multi-head b5 (87.4 % of the copy bandwidth,
@@ -147,14 +109,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|att|ll4k|b64|tunemha|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|tunemha|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_att; part_ll4k; part_b64 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  att) part_att ;;
-  ll4k) part_ll4k ;;
-  b64) part_b64 ;;
   tunemha) part_tunemha ;;
   first) part_first ;;
   second) part_second ;;
@@ -162,5 +121,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|att|ll4k|b64|tunemha|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|tunemha|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -101,8 +101,8 @@ def test_balance_split_fills_the_last_round_of_tasks():
 def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1, and at batch 2 .. LL_BATCH_MAX with
     O_PRE 0 (beside O_PRE 1 they spill) without q/k norms at head_dim 64 / 96 / 128 (LL_HEAD_DIMS_BATCH), on one
-    sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX (from batch 2: LL_HIDDEN_MAX_BATCH; measured, bench/NOTES.md
-    sessions 48, 50 and 51): no grid barrier between qkv_proj and gate_up (with DOWN_FLOW
+    sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX_BATCH (at batch 1 past LL_HIDDEN_MAX without B1_PRE; measured,
+    bench/NOTES.md sessions 48, 50, 51 and 59): no grid barrier between qkv_proj and gate_up (with DOWN_FLOW
     none at all); O_PRE 1 again where they are turned off; not past LL_BATCH_MAX, with q/k norms from batch 2, above
     the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on another arch; DOWN_FLOW 2's words only at batch 1
     up to hidden 3072; an override of one knob leaves the others' defaults; where the norm's rows go to global memory
@@ -117,10 +117,11 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
                  "qwen3-1.7b_decode_b1_s32768_bf16", "qwen2.5-7b_decode_b1_s4096_bf16",
                  "llama3.2-1b_decode_b4_s32768_bf16", "qwen2.5-0.5b_decode_b4_s32768_bf16",
                  "llama3.2-1b_decode_b4_s4096_bf16", "qwen2.5-7b_decode_b4_s1024_bf16",
-                 "llama3-8b_decode_b4_s1024_bf16"):
+                 "llama3-8b_decode_b4_s1024_bf16", "llama3-8b_decode_b1_s4096_bf16"):
         p = render.plan(named[name])
         assert {k: p["consts"][k] for k in ll} == ll, name
-        off = {**LL_OFF, "O_PRE": 1} if named[name].batch > 1 and not p["consts"]["ATT_DYN"] else LL_OFF
+        off = ({**LL_OFF, "O_PRE": 1} if named[name].batch > 1 and not p["consts"]["ATT_DYN"]
+               or named[name].model.hidden > LL_HIDDEN_MAX else LL_OFF)  # (B1_PRE's O_PRE 1 back at hidden 4096)
         assert off in gtune.candidates(named[name]), name
     assert render.plan(named["llama3.2-1b_decode_b1_s4096_bf16"])["grid_syncs"] == 0  # (DOWN_FLOW there too)
     assert render.plan(named["qwen2.5-7b_decode_b1_s4096_bf16"])["consts"]["DOWN_FLOW"] != 2  # (hidden 3584)
@@ -129,12 +130,19 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
         assert render.plan(named[name])["consts"]["O_PRE"] == 0, name
     b4 = named["llama3.2-1b_decode_b4_s4096_bf16"]  # (the hand-offs off: O_PRE 1 again, the old default)
     assert render.plan(b4, overrides={"ATT_LL": 0})["consts"]["O_PRE"] == 1
+    # at batch 1 past LL_HIDDEN_MAX (hidden 4096) in place of B1_PRE's O_PRE 1 and GEMV_PF 1, which come back where
+    # the hand-offs are off (the tuner's candidate: the plan before)
+    b1 = named["llama3-8b_decode_b1_s4096_bf16"]
+    c = render.plan(b1)["consts"]
+    assert (c["O_PRE"], c["GEMV_PF"]) == (0, 0) and LL_HIDDEN_MAX < b1.model.hidden <= LL_HIDDEN_MAX_BATCH
+    c = render.plan(b1, overrides=LL_OFF)["consts"]
+    assert (c["O_PRE"], c["GEMV_PF"]) == (1, 1)
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
-    big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX + 512,
-                                                           intermediate=4 * (LL_HIDDEN_MAX + 512)))
+    big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX_BATCH + 1024,
+                                                           intermediate=4 * (LL_HIDDEN_MAX_BATCH + 1024)))
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
     long4 = named["llama3.2-1b_decode_b4_s32768_bf16"]
-    b4 = named["llama3-8b_decode_b4_s1024_bf16"]  # (hidden 4096: from batch 2 only, LL_HIDDEN_MAX_BATCH)
+    b4 = named["llama3-8b_decode_b4_s1024_bf16"]  # (hidden 4096: LL_HIDDEN_MAX_BATCH)
     big4 = dataclasses.replace(b4, model=dataclasses.replace(b4.model, hidden=LL_HIDDEN_MAX_BATCH + 1024,
                                                              heads=40))
     c5 = render.plan(dataclasses.replace(long4, batch=LL_BATCH_MAX))["consts"]
@@ -143,7 +151,7 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
                       (named["qwen3-1.7b_decode_b4_s32768_bf16"], "90"),
                       (named["llama3.2-1b_decode_b8_s32768_bf16"], "90"),
                       (dataclasses.replace(long4, batch=LL_BATCH_MAX + 1), "90"),
-                      (named["llama3-8b_decode_b1_s4096_bf16"], "90"), (big4, "90"), (big, "90"),
+                      (big4, "90"), (big, "90"),
                       (dataclasses.replace(b4, batch=3, model=dataclasses.replace(b4.model, head_dim=80)), "90"), (fp16, "90"), (dataclasses.replace(v, tp=2), "90"), (v, "80")):
         c = render.plan(off, arch)["consts"]
         assert (c["ATT_LL"], c["H_LL"]) == (0, 0) and c["QKV_FLOW"] in (0, 1), (off.name, off.model.hidden, arch)
@@ -163,9 +171,10 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
     (each wins on some shapes and loses on others, bench/NOTES.md), tuner candidates; but 1 (with O_PRE 1) at batch 1
     for bf16 RMSNorm shapes of the measured (hidden, KV heads) (decode.B1_PRE_SHAPES: Llama-3.2-1B, Qwen3-1.7B,
     SmolLM2-1.7B, Llama-3-8B; not TinyLlama's 4 KV heads at hidden 2048 or Llama-2-7B's 32 at 4096)."""
+    from generator.modes.decode import LL_HIDDEN_MAX
     by = {v.name: v for v in declared()}
     for name, on in (("llama3.2-1b_decode_b1_s4096_bf16", 1), ("qwen3-1.7b_decode_b1_s32768_bf16", 1),
-                     ("llama3-8b_decode_b1_s4096_bf16", 1), ("llama3-8b_decode_b1_s32768_bf16", 1),
+                     ("llama3-8b_decode_b1_s4096_bf16", 0), ("llama3-8b_decode_b1_s32768_bf16", 0),  # (LL)
                      ("qwen2.5-7b_decode_b1_s4096_bf16", 0), ("qwen2.5-0.5b_decode_b1_s4096_bf16", 0),
                      ("ho-hd80-mha_decode_b1_s4096_bf16", 0), ("ho-h3072-g3_decode_b1_s4096_bf16", 0)):
         c = render.plan(by[name])["consts"]
@@ -181,7 +190,9 @@ def test_next_rounds_weight_loads_early_is_a_tuner_knob():
                                           ("llama3-8b_decode_b1_s4096_bf16", 16, 28672, 2, 0)):  # shard (4096, 8, 14336)
         v = by[name]
         w = dataclasses.replace(v, tp=tp, model=dataclasses.replace(v.model, kv_heads=kv_heads, intermediate=inter))
-        assert render.plan(w)["consts"]["GEMV_PF"] == on, (name, kv_heads, inter, tp)
+        # (at hidden 4096 where the LL hand-offs are off: with them the early loads give way, LL_HIDDEN_MAX)
+        ov = LL_OFF if w.model.hidden > LL_HIDDEN_MAX and tp == 1 else None
+        assert render.plan(w, overrides=ov)["consts"]["GEMV_PF"] == on, (name, kv_heads, inter, tp)
     assert render.plan(by["llama3.2-1b_decode_b4_s4096_bf16"])["consts"]["GEMV_PF"] == 0  # (O_PRE 1: batch 2-8)
     fp16 = dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"],
                                model=dataclasses.replace(by["llama3.2-1b_decode_b1_s4096_bf16"].model, dtype="fp16"))
@@ -256,16 +267,16 @@ def test_coop_0_counts_its_grid_barriers_in_the_workspace():
 def test_coop_0_with_qkv_pre_by_default_where_no_grid_barrier_is_left():
     """decode: COOP 0 and QKV_PRE 1 by default at batch 1 on one sm_90 GPU where the plan has no grid barrier (the LL
     hand-offs with DOWN_FLOW; measured, bench/NOTES.md session 51); the cooperative launch where a barrier is left
-    (Llama-3-8B b1, the hand-offs off), from batch 2, with tensor parallel or on another arch; an override COOP 1
+    (Llama-3-8B b1 with the hand-offs off), from batch 2, with tensor parallel or on another arch; an override COOP 1
     leaves QKV_PRE at 0 unless asked, COOP 0 plans the default; the tuner tries the cooperative launch back."""
     named = {v.name: v for v in declared()}
     for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
-                 "qwen3-1.7b_decode_b1_s32768_bf16"):
+                 "qwen3-1.7b_decode_b1_s32768_bf16", "llama3-8b_decode_b1_s4096_bf16"):
         p = render.plan(named[name])
         assert p["grid_syncs"] == 0 and (p["consts"]["COOP"], p["consts"]["QKV_PRE"]) == (0, 1), name
         assert {"COOP": 1, "QKV_PRE": 0} in gtune.candidates(named[name]), name
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
-    for layer, ov, arch in ((named["llama3-8b_decode_b1_s4096_bf16"], {}, "90"),
+    for layer, ov, arch in ((named["llama3-8b_decode_b1_s4096_bf16"], LL_OFF, "90"),
                             (named["llama3.2-1b_decode_b4_s4096_bf16"], {}, "90"), (v, LL_OFF, "90"),
                             (dataclasses.replace(v, tp=2), {}, "90"), (v, {}, "80"), (v, {"COOP": 1}, "90")):
         c = render.plan(layer, arch, overrides=ov)["consts"]
@@ -540,7 +551,8 @@ def test_stream_attention_covers_every_tile_once():
     a block holds few short pairs); the planner takes it by default where the static split
     takes two rounds and its model gains STREAM_MIN_GAIN (the held-out Llama-3.2-1B shape at batch 20: 160 pairs),
     and instead of ATT_DYN 1 (from KV 8192) at STREAM_MIN_PAIRS to SMs pairs (b8 with 8 KV heads: a serving mix's
-    even split), and where one round of the static split leaves SMs idle with a modelled gain of STREAM_IDLE_GAIN
+    even split) or with fewer (from STREAM_IDLE_MIN_PAIRS) where ATT_DYN 1's one round leaves STREAM_IDLE_SMS of
+    the SMs idle, and where one round of the static split leaves SMs idle with a modelled gain of STREAM_IDLE_GAIN
     (Llama-3-8B- and 1B-shaped b9: 72 pairs, the held-out Qwen2.5-7B-like b24: 96; not with an ATT_COMBINE 3
     override) but not at a smaller gain (the held-out SmolLM-like b3: 9 pairs, 99 tasks), nor with fewer pairs at KV
     32768; an override of 2 is taken, 3 refused."""
@@ -566,6 +578,17 @@ def test_stream_attention_covers_every_tile_once():
         # ATT_COMBINE 3, 4 (the static split's combines) as overrides keep the static split
         for comb in (3, 4):
             assert render.plan(u, "90", overrides={"ATT_COMBINE": comb})["consts"]["ATT_DYN"] == 0, model
+    # fewer pairs where ATT_DYN 1's whole splits leave STREAM_IDLE_SMS of the SMs idle at full context: the held-out
+    # Llama-3.2-3B-like b7 at KV 16384 (56 pairs x 2 splits = 112 tasks on 132) and the 8B shape b6 (48 x 2 = 96) and
+    # b5 (40 x 3 = 120: 9 % idle), not the declared b4 (32 x 4 = 128)
+    assert render.plan(by_name["ho-l3b-b7_decode_b7_s16384_bf16"], "90")["consts"]["ATT_DYN"] == 2
+    for batch, dyn in ((6, 2), (5, 2), (4, 1)):
+        u = dataclasses.replace(by_name["llama3-8b_decode_b4_s32768_bf16"], batch=batch, seq_len=16384)
+        assert render.plan(u, "90")["consts"]["ATT_DYN"] == dyn, batch
+    # (Qwen2.5-0.5B's 2 KV heads at b3: 6 pairs x 16 splits = 96 tasks, all that stream-K's room of 16 pieces a pair
+    # would fill too)
+    u = dataclasses.replace(by_name["qwen2.5-0.5b_decode_b4_s32768_bf16"], batch=3)
+    assert render.plan(u, "90")["consts"]["ATT_DYN"] == 1
     for name in ("llama3.2-1b_decode_b8_s32768_bf16", "llama3-8b_decode_b8_s32768_bf16"):  # 64 pairs from KV 8192
         c8 = render.plan(by_name[name], "90")["consts"]
         assert c8["ATT_DYN"] == 2 and c8["ATT_NSPLIT"] >= 2, name

@@ -216,6 +216,8 @@ FOLD_RANK = {3: 3, 1: 2, 2: 1, 0: 0}  # NORM_FOLD settings in the planner's orde
 ATT_DYN_SPLITS = 16   # ATT_DYN: the partials' room, at most this many splits a sequence (or the planned ones)
 ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (sequence, KV head) pairs (see plan)
+STREAM_IDLE_SMS = 0.05  # ... or where ATT_DYN 1's one round at full context leaves this share of the SMs idle (plan)
+STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 16 stream-K lost: many pieces a pair)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
 
 
@@ -391,14 +393,17 @@ def combine_default(outputs: int, nsplit: int) -> int:
 # Qwen3-4B-like shape at 2560 spills 16 B with both). What decides it is not established: the losers differ in KV
 # heads and also in the MLP's width (intermediate / hidden 2.7 or 5.3, every winner's 3.0-4.0), so both are required
 # (B1_PRE_MLP). Either knob alone gains less (GEMV_PF alone spilled 48 B at hidden 3072); the tuner tries each where off
-B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))
+B1_PRE_SHAPES = ((2048, 8), (2048, 32), (4096, 8))  # (hidden 4096: where the LL hand-offs are off, LL_HIDDEN_MAX)
 B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # the LL hand-offs by default (plan: ll_rule) up to this hidden size at batch 1 (batch 2-5: below). Hidden 896-3072,
 # batch 1: measured on an H100 (bench/NOTES.md session 48), the rule's plan against the same plan with the barriers
 # and counters, full context / row 191: faster in all 20 timings of 10 shapes, by 1.1 ... 6.2 % (the A/B's noise +-0.6 %); repeated on the H200
 # (session 50): the barriers +2.9 ... +10.2 % in all 20. Hidden 3584 (session 50, H200): Qwen2.5-7B b1 -1.6 / -1.2 %
-# with the three. Not at hidden 4096 (Llama-3-8B b1 +0.2 / +0.1 % on the H100: at 128 registers the held words spill
-# 72 / 144 B). At batch 2-5 they win (session 50, H200, full context / serving mix: Llama-3.2-1B b4 -3.2 / -2.9 %,
+# with the three. At hidden 4096 beside B1_PRE's O_PRE 1 and GEMV_PF 1 they lost (Llama-3-8B b1 +0.2 / +0.1 % on the
+# H100: at 128 registers the held words spill 72 / 144 B); in their place they win (session 59, H100, full context /
+# row 191: Llama-3-8B b1 -1.9 / -1.3 %, held-out Yi-9B-like -1.6 / -1.6, Llama-2-7B-like -2.0 / -1.5; no spill), so
+# at batch 1 past LL_HIDDEN_MAX up to LL_HIDDEN_MAX_BATCH they come without B1_PRE. At batch 2-5 they win (session
+# 50, H200, full context / serving mix: Llama-3.2-1B b4 -3.2 / -2.9 %,
 # Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1), but beside O_PRE 1 (o_proj's first step held through
 # attention) 8 of 11 further batch 2-5 shapes spilled 4-104 B; so from batch 2 they come with O_PRE 0 (plan: O_PRE),
 # measured against the default with O_PRE 1 (session 51, H100, bench/queue.sh llb): faster or level on all 9 such
@@ -409,7 +414,7 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # session 51, H100, none spilling): Llama-3-8B b4 KV 1024 -1.3 / -0.8 %, KV 4096 -1.1 / -1.2, held-out group-12 b2
 # -1.9 / -2.0. Batch 6-8 is mixed (session 51: Qwen2.5-0.5B b8 +2.1 / +3.2 %, hidden 960 b8 +6.7 / +7.0, hidden 1792
 # b8 -0.7 / +8.3; Llama-3-8B b8 -1.6 / -1.0, Llama-3.2-1B b8 -0.7 / -0.3, TinyLlama-like b6 -2.6 / -0.6)
-LL_HIDDEN_MAX = 3584
+LL_HIDDEN_MAX = 3584  # at batch 1 beside B1_PRE up to this hidden size; past it, up to LL_HIDDEN_MAX_BATCH, without
 LL_HIDDEN_MAX_BATCH = 4096
 LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
 LL_BATCH_MAX = 5
@@ -575,6 +580,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # sequences spread over KV 32768), which stream-K splits evenly. Measured on the H200 (bench/NOTES.md session 25),
     # against ATT_DYN 1 at KV 32768: 64 pairs (b8, 8 KV heads) +2.8 ... +7.1 % a layer at mixed positions, 0 ... +0.7 %
     # at full context; 32 pairs -0.2 / -1.0 %, 16 pairs -4.3 % (65 ... 132 pairs: not measured, the same reading);
+    # and with fewer pairs where ATT_DYN 1's whole splits a pair leave STREAM_IDLE_SMS of the SMs idle in its one round
+    # at full context (56 pairs x 2 splits = 112 tasks on 132 SMs; the 32 and 16 pairs above took 128: 3 % idle) and
+    # stream-K's room (ATT_DYN_SPLITS pieces a pair) reaches them (not 6 pairs of 16 splits: 96 either way), from
+    # STREAM_IDLE_MIN_PAIRS (fewer pairs take many pieces each, as the 16 above). Measured on an H100 (bench/NOTES.md
+    # session 59), ATT_DYN 1 against stream-K, full context / serving mix: 56 pairs (112 tasks, Llama-3.2-3B-like b7
+    # KV 16384) +4.1 / +0.5 %, 48 (96, Llama-3-8B b6 KV 16384) +6.4 / -0.6, 48 (96, 24 KV heads b2 KV 8192) +3.6 /
+    # +1.3, 40 (120, 8B b5) +1.2 / +0.8, 28 (112, Qwen2.5-7B-like b7 KV 32768) +1.4 / +1.9;
     # and below ATT_DYN_MIN_SEQ where one round of the static split leaves many SMs idle (STREAM_IDLE_GAIN)
     # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice of ATT_DYN 2 below does not
     # read it (stream_gain keeps the bytes model's charge)
@@ -583,7 +595,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": kv, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(kv)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
-        if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and STREAM_MIN_PAIRS <= pairs <= sms \
+        # ATT_DYN 1's tasks at full context, against the blocks stream-K's room for pieces can fill
+        dyn = {"ATT_WARPS": att_warps, "ATT_NSPLIT": nsplit, "KV_HEADS": m.kv_heads}
+        dyn_tasks = pairs * -(-kv // attention_split([kv] * v.batch, dyn, sms)) if att_dyn == 1 else sms
+        idle = dyn_tasks <= (1 - STREAM_IDLE_SMS) * min(sms, pairs * stream_room(kv))
+        if rounds >= 2 and gain >= STREAM_MIN_GAIN or att_dyn == 1 and sm == 90 and pairs <= sms \
+                and (pairs >= STREAM_MIN_PAIRS or idle and pairs >= STREAM_IDLE_MIN_PAIRS) \
                 or not att_dyn and sm == 90 and kv >= 2048 and rounds == 1 \
                 and gain >= STREAM_IDLE_GAIN and ov.get("ATT_COMBINE") not in (3, 4):  # (they need the static split)
             att_dyn = 2
@@ -863,8 +880,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
               and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
     # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX with O_PRE 0 (below), on
-    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX, LL_HIDDEN_MAX_BATCH: where
-    # measured)
+    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX_BATCH: where measured; at
+    # batch 1 past LL_HIDDEN_MAX without B1_PRE's O_PRE 1 and GEMV_PF 1)
     # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh, up to
     # QKV_WORDS_MAX words a lane)
     qkv_words = qkv_lane_words(m.head_dim, gemv["qkv"]["KSPLIT"])
@@ -872,7 +889,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                and (gemv["qkv"]["KSPLIT"] == 1 or qkv_words <= QKV_WORDS_MAX))
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
-               and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX
+               and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX_BATCH
                     or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_BATCH and not m.qk_norm
                     and m.head_dim in LL_HEAD_DIMS_BATCH))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
@@ -926,6 +943,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         raise PlanError(f"{v.name}: plan override TIMELINE=1: one GPU only (a launch's stamps; tensor parallel runs "
                         "several launches a layer)")
     att_ll = ov.get("ATT_LL", int(ll_rule))
+    # past LL_HIDDEN_MAX at batch 1 the hand-offs replace B1_PRE's early loads (beside them the held words spill)
+    b1_pre = b1_pre and not (att_ll and m.hidden > LL_HIDDEN_MAX)
     # (o_proj unsplit: its split-K counters share ws_count with attention's, which the barrier kept apart)
     if att_ll:
         _needs(v.name, "ATT_LL", att_ll, [
