@@ -270,14 +270,12 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         # 11 shapes, none without it: bench/NOTES.md session 50)
         on = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1, **({"O_PRE": 0} if v.batch > 1 and d["O_PRE"] else {})}
         # (off from batch 2 with the O_PRE 1 the planner takes without them, where it takes it: O_PRE 0 alone lost; at
-        # batch 1 past decode.LL_HIDDEN_MAX with B1_PRE's O_PRE 1, as the planner plans it without them)
+        # batch 1 with the O_PRE 1 the planner plans without them: B1_PRE's, past decode.LL_HIDDEN_MAX)
         try:
             off_pre = plan(v, arch, overrides=ll_off)["consts"]["O_PRE"] if d["ATT_LL"] and v.batch == 1 else 0
         except PlanError:
             off_pre = 0
-        back = {"O_PRE": 1} if (v.batch > 1 and not d["O_PRE"] and not d["ATT_DYN"]
-                                or v.batch == 1 and d["HIDDEN"] > decode.LL_HIDDEN_MAX and not d["O_PRE"]
-                                and off_pre) else {}
+        back = {"O_PRE": 1} if not d["O_PRE"] and (v.batch > 1 and not d["ATT_DYN"] or off_pre) else {}
         tries.append({**ll_off, **back} if d["ATT_LL"] else on)
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
         tries += [{"COOP": 1, "QKV_PRE": 0}] if not d["COOP"] else []  # (the cooperative launch back, batch 1's rule)
