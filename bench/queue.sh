@@ -8,6 +8,7 @@
 #   bash bench/queue.sh tunemha   # (~2.5 min): the tuner on the held-out multi-head b5
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
+#   bash bench/queue.sh seventh   # a seventh held-out set, default plans (after `first` on the same machine)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -70,6 +71,12 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
+part_seventh() {  # session 60: a seventh held-out set (bench/results/gpu_check-s60-variants.yaml: odd batches of the
+  # declared shapes, batch 48, a 65536-row cache, fp16 8B, Qwen2.5-32B-like), default plans, in the time left (S7 s)
+  step seventh timeout "${S7:-240}" python3 bench/gpu_check.py --no-tests --variants \
+    bench/results/gpu_check-s60-variants.yaml --heldout '' --build-dir build-s60 --out "$OUT/s60" --serving-budget 0
+}
+
 part_second() {  # the call after `first` (carry .whl; ~6.5 min on an H100): e2e, e2e on a checkpoint of a shape
   # variants.yaml does not declare, then the main GPU tests in the time left
   local t0=$SECONDS
@@ -109,17 +116,18 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|tunemha|first|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   tunemha) part_tunemha ;;
   first) part_first ;;
+  seventh) part_seventh ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|tunemha|first|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
