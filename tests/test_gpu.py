@@ -457,4 +457,8 @@ def test_sliding_window_matches_the_reference(tmp_path):
             full = dataclasses.replace(v.model, sliding_window=None)
             step = reference.decoder_layer if v.mode == "decode" else reference.prefill_layer
             attn_full = step(x, pos.cuda(), W, kc, vc, full, return_parts=True)[1]["attention"]
-            assert verify.rel_err(layer.buffer("attn"), attn_full) > 5 * verify.REL_TOL[v.model.dtype], msg
+            # the first sequence's rows only (its position is the last, far past the window): a sequence at position
+            # 0 attends to one row, its output ~ v (norm ~1), and outweighed the windowed one's average over ~1000
+            # rows (norm ~0.05) in a whole-batch norm (0.045, under the bar, on the H100 in session 60)
+            n = attn_full.shape[0] // v.batch
+            assert verify.rel_err(layer.buffer("attn")[:n], attn_full[:n]) > 5 * verify.REL_TOL[v.model.dtype], msg
