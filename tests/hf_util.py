@@ -1,4 +1,5 @@
-"""Helpers shared by the transformers comparisons (tests/test_hf.py on the CPU, tests/test_hf_gpu.py on a GPU)."""
+"""Helpers shared by the transformers comparisons (tests/test_hf.py on the CPU, tests/test_hf_gpu.py on a GPU) and by
+the tests that compare two greedy runs (tests/test_serve.py, tests/tp_worker.py)."""
 from __future__ import annotations
 
 import inspect
@@ -75,3 +76,26 @@ def hf_decode_step(model, ids: torch.Tensor, P: int):
                 h.remove()
         after = [tuple(t.clone() for t in cache_kv(cache, i)) for i in range(len(layers))]
     return ins, outs, before, after
+
+
+# two greedy runs that agree up to rounding may still pick different tokens where the top two logits are closer than
+# that rounding: a gap under this many rms of the step's logits is a near-tie (bf16 runs of different plans differ by
+# ~1e-2 of the rms per logit, the tails a few times that; a random-weight model's top two are ~0.2 rms apart)
+NEAR_TIE_RMS = 0.1
+
+
+def greedy_agreement(tok_a: list[int], tok_b: list[int], logits_a: torch.Tensor, logits_b: torch.Tensor) -> dict:
+    """Two greedy runs of one sequence that should agree up to rounding (e.g. a padded batch and the sequence alone):
+    tok_*: their new token ids; logits_*: [steps, vocab], row t the step that chose token t. Returns diverges_at (the
+    first step whose tokens differ, or None), logits_rel (||a - b|| / ||b|| of the logits over the steps up to and
+    including it: both computed from the same tokens) and, where they diverge, tie_gap (the two chosen tokens' logit
+    gap in run b at that step, in rms of its row: a near-tie under NEAR_TIE_RMS). Steps past a divergence follow
+    different tokens and are not compared."""
+    n = min(len(tok_a), len(tok_b))
+    t = next((i for i in range(n) if tok_a[i] != tok_b[i]), None)
+    la, lb = logits_a[: n if t is None else t + 1].float(), logits_b[: n if t is None else t + 1].float()
+    out = {"diverges_at": t, "logits_rel": float((la - lb).norm() / lb.norm())}
+    if t is not None:
+        r = logits_b[t].float()
+        out["tie_gap"] = float((r[tok_a[t]] - r[tok_b[t]]).abs() / r.pow(2).mean().sqrt())
+    return out

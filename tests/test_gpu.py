@@ -178,7 +178,8 @@ def test_stage_clock_rate_is_measured(build_dir):
     mhz = layer.clock_mhz()
     nominal = cupy.cuda.Device(layer.device.index).attributes["ClockRate"] / 1e3
     assert 500 <= mhz <= 1.05 * nominal, (mhz, nominal)
-    assert sum(layer.stage_us().values()) <= a.elapsed_time(b) * 1e3 * 1.02
+    # (block 0's span is most of the launch, so 2 % and 1 µs of slack: CUDA events resolve ~0.5 µs)
+    assert sum(layer.stage_us().values()) <= a.elapsed_time(b) * 1e3 * 1.02 + 1.0
 
 
 def test_qkv_flow_without_the_barrier_tracks_the_reference(tmp_path):
@@ -412,6 +413,10 @@ def test_diff_names_the_first_bad_stage(build_dir):
     # h by 0.4 % only, within bf16's 1e-2)
     layer.packed["w_o"][: layer.packed["w_o"].shape[0] // 2].zero_()
     x, pos = verify.random_inputs(layer, SEED + 8)
+    # every sequence at position 0 (attention of one row: its output ~ v, norm ~1): at the last row of a long cache
+    # attention averages thousands of rows (norm ~ 1 / sqrt(rows)), and half of o_proj's rows moved h by less than
+    # bf16's tolerance on some seeds at batch 1 (a third of them at Qwen2.5-0.5B b1 KV 4096, simulated on the CPU)
+    pos.zero_()
     r = verify.check_step(layer, x, pos, weights=W)
     assert r["first_bad_stage"] == "o_proj", r["stage_err"]
     assert r["stage_err"]["attention"] <= 1e-2

@@ -18,7 +18,7 @@ from generator import hf, reference, sampler, serve
 from generator.serve import Choice, ServeError, decode_choice, prefill_plan
 from generator.unfused import UnfusedLayer
 from generator.variants import Model as Shape, Variant
-from hf_util import randomize, rope_kwargs
+from hf_util import NEAR_TIE_RMS, greedy_agreement, randomize, rope_kwargs
 
 transformers = pytest.importorskip("transformers")
 
@@ -1091,12 +1091,16 @@ def test_gpu_padded_batch_equals_unpadded(built):
     _, d, build = built
     model = serve.Model.from_hf(d, build_dir=build)
     assert sorted(model.decode_variants) == [1, 4]
-    got = model.generate(PROMPTS, 16)  # batch 3 on the b4 variant: one padding sequence
+    got = model.generate(PROMPTS, 16, output_logits=True)  # batch 3 on the b4 variant: one padding sequence
     assert got.decode_choice.batch == 4 and got.decode_choice.path == "fused"
     for b, p in enumerate(PROMPTS):
-        one = model.generate([p], 16)
+        one = model.generate([p], 16, output_logits=True)
         assert one.decode_choice.batch == 1
-        assert one.tokens[0] == got.tokens[b], b
+        # the two plans round differently: equal tokens up to a near-tie (prompt [10, 11, 12, 13] meets a top-two gap
+        # of 0.0017 rms within its 16 tokens), equal logits up to it
+        a = greedy_agreement(got.tokens[b], one.tokens[0], torch.stack([lg[b] for lg in got.logits]),
+                             torch.stack([lg[0] for lg in one.logits]))
+        assert a["logits_rel"] <= 3e-2 and a.get("tie_gap", 0.0) <= NEAR_TIE_RMS, (b, a)
     st = {r["variant"]: r for r in model.stats() if r["mode"] == "decode"}
     assert st[model.decode_variants[4]]["padded_tokens"] == 15
 

@@ -19,6 +19,7 @@ from generator.variants import VariantError, shard_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from hf_util import NEAR_TIE_RMS  # noqa: E402
 from tp_worker import SHAPE  # noqa: E402
 
 ENTRY = """models:
@@ -191,7 +192,8 @@ def test_tp_model_generates_what_one_device_does_over_gloo(tiny_ckpt, tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("on 2 GPUs test_gpu_tp_model_greedy_equals_one_gpu runs the model")
     for res in _torchrun("model", tmp_path, "--ckpt", tiny_ckpt, "--build", tmp_path / "no-build"):
-        assert res["tp_tokens"] == res["one_tokens"] and res["logits_rel"] <= 1e-5, res
+        assert res["tp_tokens"] == res["one_tokens"], res  # (fp32: no near-tie is that near)
+        assert all(a["logits_rel"] <= 1e-5 for a in res["agreement"]), res
         assert (res["tp_kv_heads"], res["one_kv_heads"]) == (2, 4)
 
 
@@ -256,8 +258,9 @@ def test_gpu_tp_layers_equal_the_whole_layer_reference(tp_build, tmp_path):
 def test_gpu_tp_model_greedy_equals_one_gpu(tp_build, tiny_ckpt, tmp_path):
     _, tb, _ = tp_build
     for res in _torchrun("model", tmp_path, "--ckpt", tiny_ckpt, "--build", tb, "--new", 16):
-        assert res["tp_tokens"] == res["one_tokens"], res
-        assert res["logits_rel"] <= 2e-2, res
+        # bf16 over two plans: equal tokens up to a near-tie (prompt [8, 9, 10] meets a top-two gap of ~0.02 of a
+        # logit, about one bf16 step), equal logits up to it
+        assert all(a["logits_rel"] <= 2e-2 and a.get("tie_gap", 0.0) <= NEAR_TIE_RMS for a in res["agreement"]), res
         assert any(p.endswith("_tp2") for p in res["tp_paths"]), res  # decode ran the fused TP variant
         assert (res["tp_kv_heads"], res["one_kv_heads"]) == (2, 4)
 

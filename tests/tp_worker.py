@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from generator import reference, serve, verify  # noqa: E402
 from generator.unfused import UnfusedLayer  # noqa: E402
 from generator.variants import Model, shard_model  # noqa: E402
+from hf_util import greedy_agreement  # noqa: E402  (tests/, this script's directory)
 
 SHAPE = Model(name="tp-tiny", hidden=128, heads=8, kv_heads=4, head_dim=32, intermediate=320, layers=1,
               norm="rmsnorm", norm_eps=1e-5, rope_theta=10000.0, activation="silu", qkv_bias=True, qk_norm=False,
@@ -68,8 +69,9 @@ def task_model(dev, ckpt: Path, build: Path, new: int) -> dict:
     one = serve.Model.from_hf(ckpt, **kw)
     a = tp.generate(prompts, new, output_logits=True)
     b = one.generate(prompts, new, output_logits=True)
-    la, lb = torch.stack(a.logits), torch.stack(b.logits)
-    return {"tp_tokens": a.tokens, "one_tokens": b.tokens, "logits_rel": rel(la, lb),
+    agree = [greedy_agreement(a.tokens[i], b.tokens[i], torch.stack([lg[i] for lg in a.logits]),
+                              torch.stack([lg[i] for lg in b.logits])) for i in range(len(prompts))]
+    return {"tp_tokens": a.tokens, "one_tokens": b.tokens, "agreement": agree,
             "tp_paths": [s["variant"] for s in tp.stats()], "one_paths": [s["variant"] for s in one.stats()],
             "tp_kv_heads": tp.k_caches[0].shape[1], "one_kv_heads": one.k_caches[0].shape[1]}
 
