@@ -5,7 +5,7 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
-#   bash bench/queue.sh tunemha   # (~2.5 min): the tuner on the held-out multi-head b5
+#   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (after `first` on the same machine)
@@ -51,10 +51,13 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
 }
 
-part_tunemha() {  # session 59: the tuner (16 candidates) on the held-out multi-head b5 (87.4 % of the copy bandwidth,
-  # 1.24x; its attention at the floor of its cache, o_proj's stage attention's tail)
-  step tune-mha timeout "${TUNE_S:-150}" python3 -m generator.cli tune --variants bench/heldout.yaml \
-    --only 'ho-mha-b5*' --limit 16 --out "$OUT/tune-mha.json" --build-dir build-tune-mha
+part_tunemha() {  # sessions 59-60: the tuner (16 candidates each) on the held-out rows under issue 12's bars on the
+  # H100 (session 60's check): the multi-head b5 (1.24x, 88.5 %; its attention at the floor of its cache, o_proj's
+  # stage attention's tail), Yi-9B-like b1 (89.5 %: o_proj 16.9 us for 11.2 of bytes), the Qwen2.5-7B-like b24
+  # (1.09x, 89.7 %). A winner that is a knob away from the default on all three is a planner rule to A/B
+  step tune-mha timeout "${TUNE_S:-300}" python3 -m generator.cli tune --variants bench/heldout.yaml \
+    --only 'ho-mha-b5*' --only 'ho-yi-9b*' --only 'ho-h3584-b24*' --limit 16 --out "$OUT/tune-mha.json" \
+    --build-dir build-tune-mha
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
