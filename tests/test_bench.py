@@ -1361,6 +1361,22 @@ def test_gpu_check_table_has_the_serving_baseline_and_says_why_a_row_lacks_one(c
     assert "serving: not timed (--serving, --serving-budget) (1 rows)" in out
     assert not any(ln.startswith("flashinfer:") for ln in out)
     assert any(fnmatch.fnmatchcase("m_decode_b1_s4096_bf16", g) for g in SERVING_ROWS)
+    assert not any(ln.startswith("timing: queued") for ln in out)
+
+
+def test_gpu_check_table_names_a_queued_time_over_the_unqueued(capsys):
+    """A row whose queued (GPU-only) time exceeds its host-launched one by more than QUEUED_OVER_UNQUEUED is named
+    under the table (session 60: 54.6 against 49.7 µs on one H100 row); within it, nothing is said."""
+    from bench.gpu_check import print_tables
+    common = {"pass": True, "rel_err": 3e-3, "pct_bw": 70.0, "torch_graph_us": 150.0, "flashinfer": "ok",
+              "flashinfer_us": 80.0, "speedup_vs_best": 1.5, "stage_us": {"qkv": 5.0}}
+    rows = [{**common, "variant": "a_decode_b2_s4096_bf16", "us": 54.6, "us_unqueued": 49.7},
+            {**common, "variant": "b_decode_b2_s4096_bf16", "us": 50.5, "us_unqueued": 49.7}]
+    print_tables({"gpu": "NVIDIA H100", "date": "2026-12-06", "seed": 1, "copy_gbps": 3000.0, "tests": "skipped",
+                  "rows": rows})
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("timing: queued")]
+    assert len(out) == 1 and "on 1 rows" in out[0] and "a_decode_b2_s4096_bf16 54.6 / 49.7" in out[0], out
+    assert "b_decode" not in out[0]
 
 
 def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
