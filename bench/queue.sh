@@ -5,6 +5,7 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
+#   bash bench/queue.sh xsplit    # (~4 min): batch 32-64's GEMVs with a block's groups on one split of K (L1-shared X)
 #   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -58,6 +59,29 @@ part_tunemha() {  # sessions 59-60: the tuner (16 candidates each) on the held-o
   step tune-mha timeout "${TUNE_S:-300}" python3 -m generator.cli tune --variants bench/heldout.yaml \
     --only 'ho-mha-b5*' --only 'ho-yi-9b*' --only 'ho-h3584-b24*' --limit 16 --out "$OUT/tune-mha.json" \
     --build-dir build-tune-mha
+}
+
+part_xsplit() {  # session 60: batch 32-64's GEMVs with a block's warp groups on one split of K (NWG 2 or 4, KSPLIT 4:
+  # 132 blocks % 4 = 0, so every group of block b takes split b % 4 in every round, tasks g x 132 + b), TM 1, BS 1.
+  # The groups' X reads are then the same k-range (64 x 1024 x 2 B = 128 KB at 8B qkv), read once from L2 into L1
+  # for 8 tiles instead of once a task: X's L2 traffic ~1/4 of the default's (TM 2 reads the batch's rows at twice
+  # the weight bytes; 8B b64 qkv 33.1 us for 16.8 of weights on the H100), plus partials of 16 x 64 x 4 B a task.
+  # Session 58's smaller groups (NWG 2 / 4 / 8 unsplit: +91 / +24 / +4 %) had each group on a different tile over all
+  # of K (X ranges that no L1 holds, 128 k-tiles a warp); here a warp walks 32 (NWG 2) or 16 (NWG 4).
+  # Prediction (8B b64, H100): qkv and o_proj -25 ... -45 %, gate_up and down_proj -10 ... -25 %, the layer -5 ... -12 %;
+  # 1B b64 more (its X is 2x / 4x the weight bytes); 8B b32 -2 ... -5 %. A loss would say L1 did not keep the range
+  # between the groups (they drift apart) or the partials' round trips cost more than X's reads
+  ab xsplit full,mix --variants bench/heldout.yaml \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1}' \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 4, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1}' \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1}' \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1}' \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 '{"GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1}' \
+    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1}' \
+    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}'
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -119,11 +143,12 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|xsplit|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_xsplit ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  xsplit) part_xsplit ;;
   tunemha) part_tunemha ;;
   first) part_first ;;
   seventh) part_seventh ;;
@@ -132,5 +157,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
