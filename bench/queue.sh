@@ -9,7 +9,7 @@
 #   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
-#   bash bench/queue.sh seventh   # a seventh held-out set, default plans (after `first` on the same machine)
+#   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -30,6 +30,13 @@ step() {  # step NAME CMD...: runs CMD with its output in $OUT/NAME.log, a line 
   if "$@" >"$OUT/$name.log" 2>&1; then echo "ok   $name ($((SECONDS - t0)) s)"; else
     echo "FAIL $name ($((SECONDS - t0)) s): $(tail -1 "$OUT/$name.log")"; fi
   tail -n 25 "$OUT/$name.log"
+}
+
+flashinfer() {  # FlashInfer (a baseline) from the carried wheels (carry .whl) into ./.site, on the path for what
+  # follows; every part that times against it calls this (a part run in a call of its own has no earlier install:
+  # session 60's seventh set ran once without it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
+    .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
 }
 
 ab() {  # ab TAG ROWS --case ... : one A/B run
@@ -89,8 +96,7 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   # held-out shapes. Logs in $OUT/logs.tgz
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
-    .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
+  flashinfer
   step logs/gputests-serve timeout 230 python3 -m pytest -q -m gpu tests/test_serve.py \
     -k "kv_bucket or cache_len_no_variant or graph_replay or fallback_numerics"
   step logs/check timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 bench/gpu_check.py --no-tests \
@@ -100,6 +106,7 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
 
 part_seventh() {  # session 60: a seventh held-out set (bench/results/gpu_check-s60-variants.yaml: odd batches of the
   # declared shapes, batch 48, a 65536-row cache, fp16 8B, Qwen2.5-32B-like), default plans, in the time left (S7 s)
+  flashinfer
   step seventh timeout "${S7:-240}" python3 bench/gpu_check.py --no-tests --variants \
     bench/results/gpu_check-s60-variants.yaml --heldout '' --build-dir build-s60 --out "$OUT/s60" --serving-budget 0
 }
@@ -107,8 +114,7 @@ part_seventh() {  # session 60: a seventh held-out set (bench/results/gpu_check-
 part_second() {  # the call after `first` (carry .whl; ~6.5 min on an H100): e2e, e2e on a checkpoint of a shape
   # variants.yaml does not declare, then the main GPU tests in the time left
   local t0=$SECONDS
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$(pwd)/.site" \
-    .whl/*.whl && export PYTHONPATH="$(pwd)/.site:${PYTHONPATH:-}" FLASHINFER_USE_CUDA_NORM=1
+  flashinfer
   step e2e timeout 200 python3 -m bench.e2e --seq-len 4096
   # e2e on a checkpoint of a shape variants.yaml does not declare (session 55's variants_for: its from-hf entry's
   # decode b1/4/8 built with the default plans): a random Qwen2-style one (hidden 1536, 12/2 heads of 128, qkv bias,
