@@ -88,7 +88,8 @@ part_xsplit() {  # session 60: batch 32-64's GEMVs with a block's warp groups on
     --case ho-l1b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
     --case ho-l1b-b64_decode_b64_s1024_bf16 '{"GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1}' \
     --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1}' \
-    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}'
+    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
+    --case ho-h3584-b24_decode_b24_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}'
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
