@@ -242,7 +242,7 @@ def build_checked(vs, held, variants_file, heldout_file, build_dir) -> tuple[dic
 
 # the unqueued figure (the host's graph launch included) bounds the layers' GPU time from above, so a queued figure over
 # it by more than this carries a cost of the queueing, not of the layers: named under the table (H100s: the held-out
-# hidden-576 b3 at +4 % in six of twelve checks, session 60's hidden-1536 b2 at +9.8 % once; not explained)
+# hidden-576 b3 at +4 % in seven of twelve checks, session 60's hidden-1536 b2 at +9.8 % once; not explained)
 QUEUED_OVER_UNQUEUED = 1.03
 
 

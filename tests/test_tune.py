@@ -101,7 +101,7 @@ def test_balance_split_fills_the_last_round_of_tasks():
 def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     """decode's LL rule: ATT_LL 1, QKV_FLOW 2 and H_LL 1 by default at batch 1, and at batch 2 .. LL_BATCH_MAX with
     O_PRE 0 (beside O_PRE 1 they spill) without q/k norms at head_dim 64 / 96 / 128 (LL_HEAD_DIMS_BATCH), on one
-    sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX_BATCH (at batch 1 past LL_HIDDEN_MAX without B1_PRE; measured,
+    sm_90 GPU in bf16 up to hidden LL_HIDDEN_MAX_ANY (at batch 1 past LL_HIDDEN_MAX without B1_PRE; measured,
     bench/NOTES.md sessions 48, 50, 51 and 59): no grid barrier between qkv_proj and gate_up (with DOWN_FLOW
     none at all); O_PRE 1 again where they are turned off; not past LL_BATCH_MAX, with q/k norms from batch 2, above
     the hidden size, with tensor parallel, in fp16 (no HB_COPY) or on another arch; DOWN_FLOW 2's words only at batch 1
@@ -110,7 +110,7 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     1 from batch 2)."""
     from generator.modes.decode import LL_BATCH_MAX
     from generator.modes.decode import LL_HIDDEN_MAX
-    from generator.modes.decode import LL_HIDDEN_MAX_BATCH
+    from generator.modes.decode import LL_HIDDEN_MAX_ANY
     named = {v.name: v for v in declared()}
     ll = {"ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1}
     for name in ("llama3.2-1b_decode_b1_s4096_bf16", "qwen2.5-0.5b_decode_b1_s1024_bf16",
@@ -134,16 +134,16 @@ def test_ll_hand_offs_by_default_at_batch_1_on_small_layers():
     # the hand-offs are off (the tuner's candidate: the plan before)
     b1 = named["llama3-8b_decode_b1_s4096_bf16"]
     c = render.plan(b1)["consts"]
-    assert (c["O_PRE"], c["GEMV_PF"]) == (0, 0) and LL_HIDDEN_MAX < b1.model.hidden <= LL_HIDDEN_MAX_BATCH
+    assert (c["O_PRE"], c["GEMV_PF"]) == (0, 0) and LL_HIDDEN_MAX < b1.model.hidden <= LL_HIDDEN_MAX_ANY
     c = render.plan(b1, overrides=LL_OFF)["consts"]
     assert (c["O_PRE"], c["GEMV_PF"]) == (1, 1)
     v = named["llama3.2-1b_decode_b1_s4096_bf16"]
-    big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX_BATCH + 1024,
-                                                           intermediate=4 * (LL_HIDDEN_MAX_BATCH + 1024)))
+    big = dataclasses.replace(v, model=dataclasses.replace(v.model, hidden=LL_HIDDEN_MAX_ANY + 1024,
+                                                           intermediate=4 * (LL_HIDDEN_MAX_ANY + 1024)))
     fp16 = dataclasses.replace(v, model=dataclasses.replace(v.model, dtype="fp16"))
     long4 = named["llama3.2-1b_decode_b4_s32768_bf16"]
-    b4 = named["llama3-8b_decode_b4_s1024_bf16"]  # (hidden 4096: LL_HIDDEN_MAX_BATCH)
-    big4 = dataclasses.replace(b4, model=dataclasses.replace(b4.model, hidden=LL_HIDDEN_MAX_BATCH + 1024,
+    b4 = named["llama3-8b_decode_b4_s1024_bf16"]  # (hidden 4096: LL_HIDDEN_MAX_ANY)
+    big4 = dataclasses.replace(b4, model=dataclasses.replace(b4.model, hidden=LL_HIDDEN_MAX_ANY + 1024,
                                                              heads=40))
     c5 = render.plan(dataclasses.replace(long4, batch=LL_BATCH_MAX))["consts"]
     assert {k: c5[k] for k in ll} == ll and c5["O_PRE"] == 0

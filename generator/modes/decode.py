@@ -402,7 +402,7 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # with the three. At hidden 4096 beside B1_PRE's O_PRE 1 and GEMV_PF 1 they lost (Llama-3-8B b1 +0.2 / +0.1 % on the
 # H100: at 128 registers the held words spill 72 / 144 B); in their place they win (session 59, H100, full context /
 # row 191: Llama-3-8B b1 -1.9 / -1.3 %, held-out Yi-9B-like -1.6 / -1.6, Llama-2-7B-like -2.0 / -1.5; no spill), so
-# at batch 1 past LL_HIDDEN_MAX up to LL_HIDDEN_MAX_BATCH they come without B1_PRE. At batch 2-5 they win (session
+# at batch 1 past LL_HIDDEN_MAX up to LL_HIDDEN_MAX_ANY they come without B1_PRE. At batch 2-5 they win (session
 # 50, H200, full context / serving mix: Llama-3.2-1B b4 -3.2 / -2.9 %,
 # Qwen2.5-7B b4 -2.0 / -2.2, held-out multi-head b5 -3.3 / -3.1), but beside O_PRE 1 (o_proj's first step held through
 # attention) 8 of 11 further batch 2-5 shapes spilled 4-104 B; so from batch 2 they come with O_PRE 0 (plan: O_PRE),
@@ -410,12 +410,12 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # shapes, none spilling (TinyLlama-like b2 -4.5 / -4.6 %, SmolLM-1.7B-like MHA b3 -2.5 / -2.4, held-out hidden 2560 b3
 # -2.4 / -2.0 and 1536 b2 -2.1 / -2.1, Llama-3.2-3B-like b2 -1.5 / -1.1, hidden 960 b2 -0.9 / -0.7; hidden 576 b3,
 # head_dim 96 b5 and Llama-3.2-3B-like b5 level, -0.4 ... +0.2), while O_PRE 0 alone lost +0.2 ... +2.0 %. Not with
-# q/k norms (Qwen3-1.7B b4 -2.2 / -2.5 % but spills 8 / 4 B). From batch 2 up to hidden 4096 (LL_HIDDEN_MAX_BATCH;
+# q/k norms (Qwen3-1.7B b4 -2.2 / -2.5 % but spills 8 / 4 B). From batch 2 up to hidden 4096 (LL_HIDDEN_MAX_ANY;
 # session 51, H100, none spilling): Llama-3-8B b4 KV 1024 -1.3 / -0.8 %, KV 4096 -1.1 / -1.2, held-out group-12 b2
 # -1.9 / -2.0. Batch 6-8 is mixed (session 51: Qwen2.5-0.5B b8 +2.1 / +3.2 %, hidden 960 b8 +6.7 / +7.0, hidden 1792
 # b8 -0.7 / +8.3; Llama-3-8B b8 -1.6 / -1.0, Llama-3.2-1B b8 -0.7 / -0.3, TinyLlama-like b6 -2.6 / -0.6)
-LL_HIDDEN_MAX = 3584  # at batch 1 beside B1_PRE up to this hidden size; past it, up to LL_HIDDEN_MAX_BATCH, without
-LL_HIDDEN_MAX_BATCH = 4096
+LL_HIDDEN_MAX = 3584  # at batch 1 beside B1_PRE up to this hidden size; past it, up to LL_HIDDEN_MAX_ANY, without
+LL_HIDDEN_MAX_ANY = 4096  # the hand-offs at any batch of the rule up to this hidden size (was LL_HIDDEN_MAX_BATCH)
 LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
 LL_BATCH_MAX = 5
 DOWN_WORDS_HIDDEN_MAX = 3072  # DOWN_FLOW 2's default under the LL rule: batch 1 up to this hidden size (plan: words)
@@ -880,7 +880,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
               and B1_PRE_MLP[0] <= m.intermediate / m.hidden <= B1_PRE_MLP[1])
     # the LL hand-offs (ATT_LL 1, QKV_FLOW 2, H_LL 1: no grid barrier and no counter between qkv -> attention ->
     # o_proj -> the second norm) by default at batch 1, and at batch 2 .. LL_BATCH_MAX with O_PRE 0 (below), on
-    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX_BATCH: where measured; at
+    # one sm_90 GPU in bf16 where each is allowed and the layer is small (LL_HIDDEN_MAX_ANY: where measured; at
     # batch 1 past LL_HIDDEN_MAX without B1_PRE's O_PRE 1 and GEMV_PF 1)
     # (a split qkv keeps them: under QKV_FLOW 2 attention sums its splits' words, templates/stages/qkv_proj.cuh, up to
     # QKV_WORDS_MAX words a lane)
@@ -889,8 +889,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                and (gemv["qkv"]["KSPLIT"] == 1 or qkv_words <= QKV_WORDS_MAX))
     ll_rule = (v.tp == 1 and sm == 90 and hb_copy and x_frag and not norm_global and not h_stats
                and norm_cluster == 1 and unsplit
-               and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX_BATCH
-                    or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_BATCH and not m.qk_norm
+               and (v.batch == 1 and m.hidden <= LL_HIDDEN_MAX_ANY
+                    or 2 <= v.batch <= LL_BATCH_MAX and m.hidden <= LL_HIDDEN_MAX_ANY and not m.qk_norm
                     and m.head_dim in LL_HEAD_DIMS_BATCH))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
