@@ -6,6 +6,7 @@
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh xsplit    # (~4 min): batch 32-64's GEMVs with a block's groups on one split of K (L1-shared X)
+#   bash bench/queue.sh fixes     # (~2 min): session 60's four mended GPU checks
 #   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -131,6 +132,12 @@ T.Qwen2ForCausalLM(c).to(torch.bfloat16).save_pretrained('/tmp/qwen2-yarn-ckpt')
     tests/test_serve.py tests/test_hf_gpu.py
 }
 
+part_fixes() {  # session 60's four mended checks, never run on a GPU: the first-bad-stage fault at position 0, the
+  # stage clock's 1 us slack, the sliding window's own rows, the padded batch's near-tie rule (tests/hf_util.py)
+  step gputests-fixes timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_serve.py \
+    -k "first_bad_stage or clock_rate or sliding or padded"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -150,12 +157,13 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|xsplit|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|xsplit|fixes|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_xsplit ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   xsplit) part_xsplit ;;
+  fixes) part_fixes ;;
   tunemha) part_tunemha ;;
   first) part_first ;;
   seventh) part_seventh ;;
@@ -164,5 +172,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|fixes|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
