@@ -7,6 +7,7 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh xsplit    # (~4 min): batch 32-64's GEMVs with a block's groups on one split of K (L1-shared X)
 #   bash bench/queue.sh fixes     # (~2 min): session 60's four mended GPU checks
+#   bash bench/queue.sh pfdec     # (~3 min): decode at batch 32-64 as a chunk-1 prefill (the GEMM engine)
 #   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -138,6 +139,17 @@ part_fixes() {  # session 60's four mended checks, never run on a GPU: the first
     -k "first_bad_stage or clock_rate or sliding or padded"
 }
 
+part_pfdec() {  # session 61: decode at batch 32-64 as a prefill of chunk 1 (the GEMM engine) against the decode variant,
+  # same shape and positions, both verified (bench/pf_decode.py; bench/pf-decode.yaml built on the device)
+  step pfdec-build python3 -m generator.cli build --variants bench/pf-decode.yaml --build-dir build-pf
+  local set
+  for set in "l8b_decode_b64_s1024_bf16 l8b_prefill_b64_s1_bf16" "l1b_decode_b64_s1024_bf16 l1b_prefill_b64_s1_bf16" \
+      "l8b_decode_b32_s4096_bf16 l8b_prefill_b32_s1_bf16"; do
+    step "pfdec-${set%%_*}-$(echo "$set" | grep -o 'b[0-9]*' | head -1)" timeout 150 python3 -m bench.pf_decode \
+      build-pf bench/pf-decode.yaml $set
+  done
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -157,13 +169,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|xsplit|fixes|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|xsplit|fixes|pfdec|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_xsplit ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   xsplit) part_xsplit ;;
   fixes) part_fixes ;;
+  pfdec) part_pfdec ;;
   tunemha) part_tunemha ;;
   first) part_first ;;
   seventh) part_seventh ;;
@@ -172,5 +185,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|fixes|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|fixes|pfdec|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
