@@ -5,10 +5,6 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
-#   bash bench/queue.sh xsplit    # (~4 min): batch 32-64's GEMVs with a block's groups on one split of K (L1-shared X)
-#   bash bench/queue.sh fixes     # (~2 min): session 60's four mended GPU checks
-#   bash bench/queue.sh pfdec     # (~3 min): decode at batch 32-64 as a chunk-1 prefill (the GEMM engine)
-#   bash bench/queue.sh tunemha   # (~5 min): the tuner on three held-out rows under the bars
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
@@ -61,39 +57,6 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
 }
 
-part_tunemha() {  # sessions 59-60: the tuner (16 candidates each) on the held-out rows under issue 12's bars on the
-  # H100 (session 60's check): the multi-head b5 (1.24x, 88.5 %; its attention at the floor of its cache, o_proj's
-  # stage attention's tail), Yi-9B-like b1 (89.5 %: o_proj 16.9 us for 11.2 of bytes), the Qwen2.5-7B-like b24
-  # (1.09x, 89.7 %). A winner that is a knob away from the default on all three is a planner rule to A/B
-  step tune-mha timeout "${TUNE_S:-300}" python3 -m generator.cli tune --variants bench/heldout.yaml \
-    --only 'ho-mha-b5*' --only 'ho-yi-9b*' --only 'ho-h3584-b24*' --limit 16 --out "$OUT/tune-mha.json" \
-    --build-dir build-tune-mha
-}
-
-part_xsplit() {  # session 60: batch 32-64's GEMVs with a block's warp groups on one split of K (NWG 2 or 4, KSPLIT 4:
-  # 132 blocks % 4 = 0, so every group of block b takes split b % 4 in every round, tasks g x 132 + b), TM 1, BS 1.
-  # The groups' X reads are then the same k-range (64 x 1024 x 2 B = 128 KB at 8B qkv), read once from L2 into L1
-  # for 8 tiles instead of once a task: X's L2 traffic ~1/4 of the default's (TM 2 reads the batch's rows at twice
-  # the weight bytes; 8B b64 qkv 33.1 us for 16.8 of weights on the H100), plus partials of 16 x 64 x 4 B a task.
-  # Session 58's smaller groups (NWG 2 / 4 / 8 unsplit: +91 / +24 / +4 %) had each group on a different tile over all
-  # of K (X ranges that no L1 holds, 128 k-tiles a warp); here a warp walks 32 (NWG 2) or 16 (NWG 4).
-  # Prediction (8B b64, H100): qkv and o_proj -25 ... -45 %, gate_up and down_proj -10 ... -25 %, the layer -5 ... -12 %;
-  # 1B b64 more (its X is 2x / 4x the weight bytes); 8B b32 -2 ... -5 %. A loss would say L1 did not keep the range
-  # between the groups (they drift apart) or the partials' round trips cost more than X's reads
-  ab xsplit full,mix --variants bench/heldout.yaml \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 4, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 '{"GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1}' \
-    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1}' \
-    --case ho-l8b-b32_decode_b32_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}' \
-    --case ho-h3584-b24_decode_b24_s4096_bf16 '{"QKV_NWG": 2, "QKV_KSPLIT": 4, "QKV_TM": 1, "QKV_BS": 1, "O_NWG": 2, "O_KSPLIT": 4, "O_TM": 1, "O_BS": 1, "GU_NWG": 2, "GU_KSPLIT": 4, "GU_TM": 1, "GU_BS": 1, "DOWN_NWG": 2, "DOWN_KSPLIT": 4, "DOWN_TM": 1, "DOWN_BS": 1}'
-}
-
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
   # path's GPU tests (session 55's bounded decode step among them; ran in session 56), then the whole check with its
   # held-out shapes. Logs in $OUT/logs.tgz
@@ -133,23 +96,6 @@ T.Qwen2ForCausalLM(c).to(torch.bfloat16).save_pretrained('/tmp/qwen2-yarn-ckpt')
     tests/test_serve.py tests/test_hf_gpu.py
 }
 
-part_fixes() {  # session 60's four mended checks, never run on a GPU: the first-bad-stage fault at position 0, the
-  # stage clock's 1 us slack, the sliding window's own rows, the padded batch's near-tie rule (tests/hf_util.py)
-  step gputests-fixes timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_serve.py \
-    -k "first_bad_stage or clock_rate or sliding or padded"
-}
-
-part_pfdec() {  # session 61: decode at batch 32-64 as a prefill of chunk 1 (the GEMM engine) against the decode variant,
-  # same shape and positions, both verified (bench/pf_decode.py; bench/pf-decode.yaml built on the device)
-  step pfdec-build python3 -m generator.cli build --variants bench/pf-decode.yaml --build-dir build-pf
-  local set
-  for set in "l8b_decode_b64_s1024_bf16 l8b_prefill_b64_s1_bf16" "l1b_decode_b64_s1024_bf16 l1b_prefill_b64_s1_bf16" \
-      "l8b_decode_b32_s4096_bf16 l8b_prefill_b32_s1_bf16"; do
-    step "pfdec-${set%%_*}-$(echo "$set" | grep -o 'b[0-9]*' | head -1)" timeout 150 python3 -m bench.pf_decode \
-      build-pf bench/pf-decode.yaml $set
-  done
-}
-
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -169,15 +115,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|xsplit|fixes|pfdec|tunemha|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_xsplit ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  xsplit) part_xsplit ;;
-  fixes) part_fixes ;;
-  pfdec) part_pfdec ;;
-  tunemha) part_tunemha ;;
   first) part_first ;;
   seventh) part_seventh ;;
   second) part_second ;;
@@ -185,5 +127,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|xsplit|fixes|pfdec|tunemha|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
