@@ -93,6 +93,81 @@ def test_llama_window_is_checked_against_seq_len(tmp_path):
     assert hf.map_config(huge).window is None and "sliding_window" not in hf.model_entry(huge)[1]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_attention_chunk_size_is_the_window_generates_cache_keeps(tmp_path, model_type):
+    """attention_chunk_size (no sliding_window, no layer_types): transformers' cache makes every layer
+    chunked_attention and keeps only that many keys (cache_utils.get_layer_types_and_kwargs) while the forward's mask
+    ignores it, so it is a window that is not computed: seq_len past it refused, as llama's sliding_window."""
+    base = {**MISTRAL_7B_V0_3, "model_type": model_type, "sliding_window": None, "attention_chunk_size": 8}
+    d = write_config(tmp_path, f"{model_type}-chunk8", base)
+    types, kwargs = transformers.cache_utils.get_layer_types_and_kwargs(hf_config(d))
+    assert set(types) == {"chunked_attention"} and kwargs[0]["sliding_window"] == 8
+    m = hf.map_config(d)
+    assert m.window.size == 8 and m.window.why == "chunk" and not m.window.every_layer
+    assert "sliding_window" not in m.fields
+    text = hf.variant_entry_yaml(d)
+    assert "attention_chunk_size" in text and "seq_len <= 8 is exact" in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MATRIX.format(seq=[8, 16]))
+    before = bad.read_text()
+    with pytest.raises(hf.HFConfigError) as exc:
+        hf.append_entry(bad, text)
+    assert "chunked attention" in one_line(exc) and "seq_len 16" in one_line(exc)
+    assert bad.read_text() == before
+    # layer_types given: the cache follows it (full attention), as does a sliding_window's branch for llama
+    lt = write_config(tmp_path, f"{model_type}-chunk8-lt", {**base, "layer_types": ["full_attention"] * 32})
+    assert set(transformers.cache_utils.get_layer_types_and_kwargs(hf_config(lt))[0]) == {"full_attention"}
+    assert hf.map_config(lt).window is None
+    with pytest.raises(hf.HFConfigError, match="attention_chunk_size' must be a positive integer"):
+        hf.map_config(write_config(tmp_path, f"{model_type}-chunk0", {**base, "attention_chunk_size": 0}))
+
+
+def test_llama_sliding_window_with_layer_types_is_no_window(tmp_path):
+    """llama with layer_types (full_attention): generate()'s cache follows layer_types, the forward ignores the
+    window: full attention (it was refused past the window before)."""
+    d = write_config(tmp_path, "llama-sw-lt", {**MISTRAL_7B_V0_3, "model_type": "llama", "sliding_window": 8,
+                                               "layer_types": ["full_attention"] * 32})
+    assert set(transformers.cache_utils.get_layer_types_and_kwargs(hf_config(d))[0]) == {"full_attention"}
+    assert hf.map_config(d).window is None
+
+
+@pytest.mark.parametrize("over,model_type,field", [
+    ({"rope_theta": None}, "llama", "'rope_theta' is null"),
+    ({"rope_scaling": {"rope_type": None, "factor": 2.0}}, "llama", "'rope_scaling.rope_type' is null"),
+    ({"rms_norm_eps": None}, "mistral", "'rms_norm_eps' is null"),
+    ({"head_dim": None}, "qwen2", "'head_dim' is null"),
+    ({"hidden_size": 96 * 32 + 16, "head_dim": 128}, "llama", "not a multiple of num_attention_heads"),
+    ({"per_layer_config": {"1": {"rms_norm_eps": 0.01}}}, "llama", "'per_layer_config' is set"),
+])
+def test_configs_transformers_refuses_are_refused_in_one_line(tmp_path, over, model_type, field):
+    """A null where transformers needs a value (or a shape its config class refuses): one line, not a guess."""
+    d = write_config(tmp_path, "bad", {**MISTRAL_7B_V0_3, "model_type": model_type, **over})
+    with pytest.raises(Exception):  # transformers itself refuses it, or fails building the model
+        cfg = hf_config(d)
+        cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+               "qwen2": transformers.Qwen2ForCausalLM}[model_type]
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 1, 64, 64, 16
+        cls(cfg)
+    with pytest.raises(hf.HFConfigError) as exc:
+        hf.map_config(d)
+    assert field in one_line(exc)
+
+
+def test_config_json_nested_too_deep_is_one_line(tmp_path):
+    d = tmp_path / "deep"
+    d.mkdir()
+    (d / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(hf.HFConfigError, match="nested too deeply"):
+        hf.map_config(d)
+
+
+def test_a_path_with_a_newline_stays_in_its_comment(tmp_path):
+    d = write_config(tmp_path, "odd\n  injected: 1", {**MISTRAL_7B_V0_3, "sliding_window": 4096})
+    text = hf.variant_entry_yaml(d)
+    assert "\n  injected: 1" not in text and all(line.startswith("  ") for line in text.splitlines())
+    assert not any(line.strip().startswith("injected") for line in text.splitlines())
+
+
 @pytest.mark.parametrize("over,window_layers", [
     ({"use_sliding_window": True}, None),                            # max_window_layers 28 = every layer: none slide
     ({"use_sliding_window": True, "max_window_layers": 20}, range(20, 28)),

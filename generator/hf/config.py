@@ -49,7 +49,8 @@ class Window:
     source: str              # where it comes from, for messages: "field 'sliding_window' of /x/config.json"
     layers: tuple[int, ...]  # the layers it applies to
     every_layer: bool = False  # on every layer, in transformers' forward too: the entry's sliding_window field
-    why: str = "layers"  # why not every_layer: "layers" (some layers only) or "llama" (only generate()'s cache)
+    why: str = "layers"  # why not every_layer: "layers" (some layers only), "llama" (only generate()'s cache) or
+    # "chunk" (attention_chunk_size: only generate()'s cache, as a chunked_attention layer)
 
     def describe(self, n_layers: int) -> str:
         if len(self.layers) == n_layers:
@@ -104,6 +105,8 @@ def read_config(path) -> tuple[Path, dict]:
         cfg = json.loads(text)
     except ValueError as exc:
         raise HFConfigError(f"{cfg_path}: not valid JSON: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise HFConfigError(f"{cfg_path}: not a config.json (JSON nested too deeply to read)") from None
     if not isinstance(cfg, dict):
         raise HFConfigError(f"{cfg_path}: top level must be a JSON object, got {type(cfg).__name__}")
     return cfg_path, cfg
@@ -188,6 +191,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
         if top is not None and top != params["rope_theta"]:
             notes.append(f"top-level rope_theta {top} ignored: {where}.rope_theta {params['rope_theta']} takes "
                          "precedence, as in transformers")
+    elif top is None and "rope_theta" in cfg:  # (transformers' rotary embedding fails on None ** x)
+        raise HFConfigError(f"{cfg_path}: field 'rope_theta' is null: transformers fails on it (give a number, or "
+                            "leave the field out for the default 10000)")
     else:
         theta = 10000.0 if top is None else _check_number(cfg_path, "rope_theta", top)
 
@@ -196,6 +202,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
     partial = prf is not None and prf != 1 and prf != 1.0
     type_key = "rope_type" if "rope_type" in params else "type"
     rtype = params.get(type_key)
+    if rtype is None and type_key in params:  # (transformers looks the type up: KeyError None)
+        raise HFConfigError(f"{cfg_path}: field '{where}.{type_key}' is null: transformers fails on it (give a rope "
+                            "type, e.g. \"default\", or leave the field out)")
     if rtype in (None, "default"):
         if partial:  # (the model classes' compute_default_rope_parameters: dim = head_dim, the field unread)
             notes.append(f"{prf_field} {prf!r} ignored: transformers' default RoPE for these models rotates the whole "
@@ -259,7 +268,10 @@ def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
     masks every layer with it). qwen2/qwen3: `sliding_window` (default 4096) only if `use_sliding_window`, on the
     layers that `layer_types` marks sliding_attention; without layer_types, layers >= `max_window_layers` (default
     28) (Qwen2Config.__post_init__). llama: LlamaModel's mask ignores `sliding_window`, but generate()'s cache
-    (cache_utils.get_layer_types_and_kwargs) keeps only the last window of keys, so a non-null one counts too."""
+    (cache_utils.get_layer_types_and_kwargs) keeps only the last window of keys, so a non-null one counts too,
+    unless `layer_types` is given (the cache then follows it: full_attention only, no window). llama and mistral
+    without a window and without layer_types: a non-null `attention_chunk_size` makes every cache layer
+    chunked_attention, which keeps only that many keys (the forward's mask ignores it), a window of that size."""
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != layers:
@@ -296,17 +308,26 @@ def _sliding_window(cfg_path, cfg, model_type, layers: int) -> Window | None:
         source = f"field 'sliding_window' of {cfg_path}" if "sliding_window" in cfg else \
             f"field 'sliding_window' absent from {cfg_path}: MistralConfig's default {MISTRAL_DEFAULT_WINDOW}"
         sliding = tuple(range(layers))
+    elif layer_types is not None:  # llama: generate()'s cache follows layer_types (full_attention only, above)
+        return None
     else:
         size = cfg.get("sliding_window")
         source = f"field 'sliding_window' of {cfg_path}"
         sliding = tuple(range(layers))
+    why = "llama" if model_type == "llama" else "layers"
+    if size is None and layer_types is None and cfg.get("attention_chunk_size") is not None:
+        size, why = cfg["attention_chunk_size"], "chunk"
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise HFConfigError(f"{cfg_path}: field 'attention_chunk_size' must be a positive integer or null, got "
+                                f"{size!r}")
+        source = f"field 'attention_chunk_size' of {cfg_path}"
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise HFConfigError(f"{cfg_path}: field 'sliding_window' must be a positive integer or null, got {size!r}")
     if size >= gvariants.INT_MAX:  # (no cache holds that many rows: the window never takes effect)
         return None
-    return Window(size, source, sliding, why="llama" if model_type == "llama" else "layers")
+    return Window(size, source, sliding, why=why)
 
 
 def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict:
@@ -373,8 +394,9 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
         raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}), "
                             f"and the variant was built {built}: declare `sliding_window: {window.size}` in its "
                             "variants.yaml entry (`megakernel from-hf` writes it) and build again")
-    what = ("llama's window, which transformers' forward ignores while generate()'s cache applies it"
-            if window.why == "llama" else "a window on some layers only")
+    what = {"llama": "llama's window, which transformers' forward ignores while generate()'s cache applies it",
+            "chunk": "chunked attention, which transformers' forward ignores while generate()'s cache keeps only "
+                     "that many keys"}.get(window.why, "a window on some layers only")
     raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): "
                         f"{what}, is not supported (every layer attends to the whole cache; seq_len <= {window.size} "
                         "is exact)")
@@ -398,6 +420,9 @@ def _refuse_unsupported(cfg_path, cfg, model_type):
     if cfg.get("quantization_config") is not None:
         raise HFConfigError(f"{cfg_path}: field 'quantization_config' is set: quantized checkpoints are not "
                             "supported (bf16/fp16/fp32 weights only)")
+    if cfg.get("per_layer_config"):  # (one shape and one set of constants for every layer only)
+        raise HFConfigError(f"{cfg_path}: field 'per_layer_config' is set: per-layer config overrides are not "
+                            "supported (every layer alike only)")
     if check_bool(cfg_path, cfg, "use_mrope"):
         raise HFConfigError(f"{cfg_path}: field 'use_mrope' is true: multimodal RoPE is not supported")
     # biases the kernel does not add: o_proj (attention_bias in llama/qwen3 biases o_proj too) and the MLP's
@@ -439,9 +464,14 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         raise HFConfigError(f"{cfg_path}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
                             "(every KV head serves the same number of query heads)")
     head_default = 128 if model_type == "qwen3" else None  # Qwen3Config's default head_dim
-    if model_type == "qwen3" and "head_dim" in cfg and cfg["head_dim"] is None:
-        raise HFConfigError(f"{cfg_path}: field 'head_dim' is null: Qwen3Config refuses it (give an integer, or leave "
-                            "the field out for its default 128)")
+    if model_type in ("qwen2", "qwen3") and "head_dim" in cfg and cfg["head_dim"] is None:
+        # (Qwen3Config refuses it; Qwen2's rotary embedding fails on it)
+        raise HFConfigError(f"{cfg_path}: field 'head_dim' is null: transformers' {model_type} refuses it (give an "
+                            "integer, or leave the field out" + (" for its default 128)" if model_type == "qwen3"
+                                                                 else ")"))
+    if model_type == "llama" and hidden % heads:  # (LlamaConfig.validate_architecture, even with a head_dim)
+        raise HFConfigError(f"{cfg_path}: field 'hidden_size' ({hidden}) is not a multiple of num_attention_heads "
+                            f"({heads}): LlamaConfig refuses it")
     head_dim = _check_int(cfg_path, cfg, "head_dim", required=False, default=head_default)
     derived = head_dim is None  # as transformers does: hidden_size // num_attention_heads
     if head_dim is None:
@@ -460,13 +490,16 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     window = _sliding_window(cfg_path, cfg, model_type, layers)
     # a window transformers' forward applies on every layer is computed (the sliding_window field); llama's model
     # ignores its window in the forward (the prompt's pass sees every key) while generate()'s cache applies it
-    if window is not None and model_type != "llama" and len(window.layers) == layers:
+    if window is not None and window.why == "layers" and len(window.layers) == layers:
         window = dataclasses.replace(window, every_layer=True)
     elif window is not None:
         notes.append(f"sliding_window {window.size} ({window.describe(layers)}): a window >= seq_len never takes "
                      f"effect, so seq_len <= {window.size} is exact; a longer seq_len is refused (from-hf, load_hf)")
 
     eps = cfg.get("rms_norm_eps")
+    if eps is None and "rms_norm_eps" in cfg:  # (the config classes' strict validation refuses it)
+        raise HFConfigError(f"{cfg_path}: field 'rms_norm_eps' is null: transformers refuses it (give a number, or "
+                            "leave the field out for the default 1e-6)")
     eps = 1e-6 if eps is None else _check_number(cfg_path, "rms_norm_eps", eps)
     rope_theta, rope_scaling, limit = _map_rope(cfg_path, cfg, notes)
 

@@ -36,9 +36,11 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
     [...]}, ...]): the entry's own matrices (variants.yaml's per-model `matrix:`), checked as variants.yaml checks
     them and against the model's sliding window. HFConfigError / VariantError as map_config."""
     name, fields, notes, cfg_path, cfg = map_config(path, name)[:5]
-    lines = [f"  # from {cfg_path} (model_type {cfg['model_type']})"]
+    def one_line(text) -> str:  # a comment stays one line whatever the path holds (a newline would end it)
+        return str(text).replace("\n", "\\n").replace("\r", "\\r")
+    lines = [f"  # from {one_line(cfg_path)} (model_type {one_line(cfg['model_type'])})"]
     lines.append("  " + _yaml_line(name, None).removesuffix(" null"))
-    lines += [f"    # {n}" for n in notes]
+    lines += [f"    # {one_line(n)}" for n in notes]
     lines += ["    " + _yaml_line(k, fields[k]) for k in FIELD_ORDER if k in fields]
     text = "\n".join(lines) + "\n"
     if matrix is not None:
@@ -72,8 +74,10 @@ def _check_windows(text: str, name: str, expanded, where: str) -> None:
         size, source = int(window.group(1)), window.group(2)
         for v in expanded:
             if v.model.name == name:
-                # (a window noted on every layer is llama's: every other such window is the entry's field)
-                why = "llama" if source.endswith(", every layer") else "layers"
+                # (a window noted on every layer is llama's or attention_chunk_size's: every other such window is
+                # the entry's field)
+                why = "layers" if not source.endswith(", every layer") else \
+                    "chunk" if "'attention_chunk_size'" in source else "llama"
                 check_window(Window(size, source, (), why=why), v.seq_len, f"{where}: variant '{v.name}'")
 
 
