@@ -73,11 +73,28 @@ def fail(msg: str, code: int = 2):
     sys.exit(code)
 
 
-def load_selected(variants_file: str, only=(), exclude=()) -> list:
+def build_report_warned(build_dir, **kw) -> dict:
+    """greport.build_report with its warnings (report.json not written, a results file skipped) as one `warning:`
+    line each, said once (a results file is read once per architecture)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rep = greport.build_report(build_dir, **kw)
+    for msg in dict.fromkeys(str(w.message) for w in caught):
+        err_console.print(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
+    return rep
+
+
+def load_all(variants_file: str) -> list:
+    """Every variant the file declares (a bad file: one `error:` line, exit 2)."""
     try:
-        vs = gvariants.load(variants_file)
+        return gvariants.load(variants_file)
     except gvariants.VariantError as exc:
         fail(str(exc))
+
+
+def load_selected(variants_file: str, only=(), exclude=(), vs: list | None = None) -> list:
+    """The variants --only / --exclude select from the file's (`vs`: those already read from it)."""
+    vs = load_all(variants_file) if vs is None else vs
     selected = gvariants.select(vs, tuple(only), tuple(exclude))
     if not selected:
         kept = gvariants.select(vs, tuple(only), ()) if exclude else []
@@ -264,7 +281,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     except TargetError as exc:
         fail(str(exc))
     tfile = pick_tuning_file(tuned_for, no_tuned)
-    vs = load_selected(variants_file, only, exclude)
+    everything = load_all(variants_file)  # (read once: the file may change, or be a pipe, while the build runs)
+    vs = load_selected(variants_file, only, exclude, everything)
     bd = Path(build_dir)
     try:  # a directory of other files (a model's, a source tree) is not turned into a build; one that lost its
         # manifest (deleted, or an interrupted first build) holds only what a build writes and is built again
@@ -340,9 +358,15 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
             signal.signal(sig, signal.SIG_IGN)
         why = f" ({exc})" if str(exc) else ""
         again = shlex.join(["megakernel", *sys.argv[1:]])  # the same build: its --variants, --build-dir, --only
-        err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are as "
-                          f"before); the objects already compiled are kept, so `{again}` again reuses them",
-                          markup=False, highlight=False, soft_wrap=True)
+        if isinstance(exc, gcompile.RecordedInterrupt):  # (it came while the results were written: held off)
+            err_console.print(f"error: interrupted{why} as the build recorded its results: they are recorded whole "
+                              f"(the manifest and the cubins are this build's); `megakernel report --build-dir "
+                              f"{shlex.quote(str(build_dir))}` shows them", markup=False, highlight=False,
+                              soft_wrap=True)
+        else:
+            err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are "
+                              f"as before); the objects already compiled are kept, so `{again}` again reuses them",
+                              markup=False, highlight=False, soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
         # now: a normal exit would wait for the compile a worker thread is running (and let it write its object);
@@ -366,7 +390,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         shutil.rmtree(scratch, ignore_errors=True)
     for w in result.get("warnings", []) + result.get("replans", []):
         err_console.print(w, markup=False, highlight=False, soft_wrap=True)
-    declared = {v.name for v in gvariants.load(variants_file)}  # report.json: every declared variant built so far
+    declared = {v.name for v in everything}  # report.json: every declared variant built so far
     if tfile is not None and tuned_for:  # a file asked for by name: entries that match no declared variant are typos
         from . import tune as gtune
         unknown = sorted(set(gtune.read_tuning(Path(tfile))) - declared)
@@ -398,7 +422,7 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
     for e in result["errors"]:
         err_console.print(f"error: {e['error']}", markup=False, highlight=False, soft_wrap=True)
     names = {v.name for v in vs}
-    rep = greport.select(greport.build_report(build_dir, gpu=False, declared=declared | names, arch=arch), names)
+    rep = greport.select(build_report_warned(build_dir, gpu=False, declared=declared | names, arch=arch), names)
     if not no_report:
         greport.print_report(rep, console)
     replanned = " ".join(result.get("replans", []))  # already warned, with what was tried
@@ -493,12 +517,8 @@ def report_cmd(variants_file, build_dir, bench_dir, no_gpu, strict, wide):
             built_arch = DEFAULT_ARCH  # (build_report says what is wrong with it)
         cmd = "megakernel build" + variants_flag(variants_file) + gmanifest.build_dir_flag(build_dir) + (
             f" --arch {built_arch}" if built_arch != DEFAULT_ARCH else "")
-        with warnings.catch_warnings(record=True) as caught:  # (report.json not written: one warning line)
-            warnings.simplefilter("always")
-            rep = greport.build_report(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None,
-                                       declared=declared, build_cmd=cmd)
-        for msg in dict.fromkeys(str(w.message) for w in caught):  # (a results file is read once per architecture)
-            err_console.print(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
+        rep = build_report_warned(build_dir, bench_dir=bench_dir, gpu=not no_gpu and why is None,
+                                  declared=declared, build_cmd=cmd)
     except FileNotFoundError as exc:
         # (no variants.yaml here either: the build it suggests needs one first)
         fail(str(exc) if declared is not None else f"{exc}; and no {variants_file} here to build from (--variants "

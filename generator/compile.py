@@ -19,8 +19,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -45,6 +47,39 @@ class CompileError(RuntimeError):
 class BuildInterrupted(KeyboardInterrupt):
     """The compiler was interrupted by SIGINT, SIGTERM or SIGHUP (Ctrl-C reaches nvcc too; compiler_killed): the
     build stops, nothing is recorded for the variants not compiled (a later build compiles them)."""
+
+
+class RecordedInterrupt(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) that came while the build recorded its results (sources, cubins, manifest): held off until
+    they were all written, so the build directory holds this build's, consistent, and the build stops after."""
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """SIGINT and SIGTERM held off in the block (main thread only; elsewhere a no-op): each is recorded by a handler
+    of this block's, and at its end the handler that was in place runs for the first one, its KeyboardInterrupt
+    raised as RecordedInterrupt (Ctrl-C's default handler, or the CLI's SIGTERM one; a default SIGTERM terminates)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    was = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in was.items():
+            signal.signal(s, handler)
+        if caught:
+            s, handler = caught[0], was[caught[0]]
+            try:
+                if callable(handler):
+                    handler(s, None)
+                elif handler == signal.SIG_DFL:  # (SIGINT's default handler is callable: this is SIGTERM's)
+                    os.kill(os.getpid(), s)
+            except RecordedInterrupt:
+                raise
+            except KeyboardInterrupt as exc:
+                raise RecordedInterrupt(*exc.args) from None
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
@@ -571,7 +606,8 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
             raise
         pool.shutdown(wait=True)
 
-    with locked(build_dir):
+    # (a Ctrl-C from here on waits until the sources, cubins and manifest are all written: they stay consistent)
+    with locked(build_dir), uninterrupted():  # (waiting for the lock stays interruptible)
         manifest = read_manifest(build_dir)
         old = manifest["variants"]
         # a variant refused (or failed) for another architecture leaves that variant's good build of its own as it
@@ -582,8 +618,13 @@ def _build(variants: list[Variant], build_dir: str | Path = "build", *, jobs: in
                 return get_arch(str(entry.get("arch"))).number != target.number
             except TargetError:
                 return True
+        # and so does one whose plan failed to compile (nothing lost: its kernel.cu, cubin and entry stay together)
         kept = {n for n, e in entries.items() if e["status"] != "ok" and isinstance(old.get(n), dict)
-                and old[n].get("status") == "ok" and other_arch(old[n])}
+                and old[n].get("status") == "ok" and (other_arch(old[n]) or e["status"] == "error")}
+        for n in sorted(kept):
+            if entries[n]["status"] == "error" and not other_arch(old[n]):
+                replaced.append(f"warning: {n}: this build's plan failed to compile (below); its previous build "
+                                f"(the {old[n].get('plan_source', 'default')} plan) is kept")
         for name, src in rendered:
             if name not in kept:
                 write_if_changed(build_dir / name / "kernel.cu", src)

@@ -346,6 +346,14 @@ def select(report: dict, names) -> dict:
             "totals": totals_of(rows, loads_measured=report["totals"]["load_ms"] is not None)}
 
 
+def error_line(error: str | None) -> str:
+    """A manifest entry's reason, one line: a compile failure's first line and the compiler's first line that says
+    `error` (its whole output is in the manifest and was printed by the build), a refusal as it is."""
+    lines = [ln.strip() for ln in (error or "no reason recorded").splitlines() if ln.strip()]
+    said = next((ln for ln in lines[1:] if "error" in ln.lower()), lines[1] if len(lines) > 1 else "")
+    return f"{lines[0]} {said}".strip()[:400]
+
+
 def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | None = None, gpu: bool = True,
                  declared=None, write: bool = True, build_cmd: str | None = None, arch: str | None = None) -> dict:
     """The report of a build directory: {"rows": [one dict per variant], "totals": {...}, "not_declared": [...],
@@ -405,7 +413,7 @@ def build_report(build_dir: str | Path = "build", *, bench_dir: str | Path | Non
             sass = e["resources"].get("sass")  # None: built before counting, or no cuobjdump/nvdisasm
             row["mma_sass"] = None if not sass else sass.get("HMMA", 0) + sass.get("HGMMA", 0)
         else:
-            row["error"] = (e.get("error") or "no reason recorded").splitlines()[0]
+            row["error"] = error_line(e.get("error"))
         if name in loads:
             row["load_ms"] = loads[name]["load_ms"]
             row["attributes"] = loads[name]["attributes"]

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -328,11 +329,20 @@ def test_compile_error_names_the_variant(copy_build, tiny_build, monkeypatch):
     assert set(ok) == set(TINY_NAMES[:2]) and all(e["resources"]["cached"] for e in ok.values())
     bad_key = next(e for e in result["entries"] if e["status"] == "error")["key"]
     assert gcompile.object_meta(d / "objects" / bad_key) is None  # a failed compile is not cached
-    assert manifest(d)["variants"][TINY_NAMES[2]]["status"] == "error"
-    # the loader will not use it
+    # nothing lost: the variant's good build from before stays, source, cubin and entry together, and that is said
+    was = json.loads((Path(tiny_build["dir"]) / "manifest.json").read_text())["variants"][TINY_NAMES[2]]
+    assert manifest(d)["variants"][TINY_NAMES[2]] == was
+    assert (d / TINY_NAMES[2] / "kernel.cu").read_text() == \
+        (Path(tiny_build["dir"]) / TINY_NAMES[2] / "kernel.cu").read_text()
+    assert_objects_intact(d)
+    assert [w for w in result["replaced"] if TINY_NAMES[2] in w and "previous build" in w and "kept" in w]
+    # where there was none: the failure is recorded, and the loader will not use it
+    fresh = d.parent / "fresh"
+    result = gcompile.build([v for v in vs if v.name == TINY_NAMES[2]], fresh, jobs=2)
+    assert manifest(fresh)["variants"][TINY_NAMES[2]]["status"] == "error" and not result["replaced"]
     from generator.loader import LoadError, find_entry
     with pytest.raises(LoadError, match="error"):
-        find_entry(TINY_NAMES[2], d)
+        find_entry(TINY_NAMES[2], fresh)
     # no build at all: the advice names the build command, and --variants for a file of one's own
     with pytest.raises(LoadError, match=r"no build in .*megakernel build --build-dir .* --only .* `--variants FILE`"):
         find_entry(TINY_NAMES[2], d / "none")
@@ -359,6 +369,54 @@ def test_compile_error_through_the_cli(tiny_build, tmp_path):
     assert "megakernel_test_broken" in r.stderr and "error" in r.stderr.split("nvcc failed", 1)[1]
     assert "Traceback" not in r.stderr
     assert manifest(d)["variants"][TINY_NAMES[0]]["status"] == "error"
+
+
+def test_report_keeps_the_compilers_error_line():
+    from generator.report import error_line
+    assert error_line("v: nvcc failed:\nk.cu(3): warning: w\nk.cu(9): error: bar is undefined\n1 error") == \
+        "v: nvcc failed: k.cu(9): error: bar is undefined"
+    assert error_line("v: refused: too big") == "v: refused: too big" and error_line(None) == "no reason recorded"
+
+
+def test_a_signal_while_the_build_records_waits_for_the_record(copy_build, tiny_build, monkeypatch):
+    """Ctrl-C (or SIGTERM) as the build writes its sources, cubins and manifest is held off until all are written:
+    the directory is this build's, consistent (it had rewritten kernel.cu, then stopped before the manifest), and
+    the build then stops with RecordedInterrupt."""
+    d = copy_build()
+    real = gcompile.write_if_changed
+    sent = []
+
+    def write(path, text):
+        if not sent:
+            sent.append(path)
+            os.kill(os.getpid(), signal.SIGINT)  # (held off: the write goes on)
+        return real(path, text)
+    monkeypatch.setattr(gcompile, "write_if_changed", write)
+    real_render = gcompile.render
+    monkeypatch.setattr(gcompile, "render", lambda v, p=None: real_render(v, p) + "\n// megakernel_test_changed\n")
+    vs = gvariants.load(tiny_build["variants"])
+    with pytest.raises(gcompile.RecordedInterrupt):
+        gcompile.build(vs, d, jobs=2)
+    assert sent
+    m = manifest(d)["variants"]
+    for v in vs:  # every variant's new source, its cubin and its entry: all this build's
+        src = (d / v.name / "kernel.cu").read_text()
+        assert "megakernel_test_changed" in src and m[v.name]["source_sha256"] == sha256(d / v.name / "kernel.cu")
+    assert_objects_intact(d)
+    with gcompile.uninterrupted():  # nothing pending: the block runs and returns
+        pass
+
+
+def test_build_reads_the_variants_file_once(tiny_build, tmp_path):
+    """A variants file that cannot be read again (a pipe, an edit during the build) does not fail the build's end."""
+    d = tmp_path / "build"
+    text = Path(tiny_build["variants"]).read_text()
+    r = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m generator.cli build --variants "
+                        f"<(cat {shlex.quote(str(tiny_build['variants']))}) --build-dir {shlex.quote(str(d))} "
+                        "--only 'tiny-a*' --no-report"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and text and manifest(d)["variants"][TINY_NAMES[0]]["status"] == "ok"
 
 
 # ---------------------------------------------------------------- corruption, kill, concurrency
