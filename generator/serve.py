@@ -1317,10 +1317,11 @@ class Model:
         check_length(lens, max_new_tokens, self.cache_len)
         max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
-        if not any(temps) and (any(ks) or min(ps) < 1) and "greedy" not in self._warned:
+        seeded = seeds[0] != 0 or len(set(seeds[b] - 7919 * b for b in range(B))) > 1  # (not the default 0)
+        if not any(temps) and (any(ks) or min(ps) < 1 or seeded) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
-            given = " / ".join(f"{nm} {v}" for nm, v, on in (("top_k", top_k, any(ks)), ("top_p", top_p, min(ps) < 1))
-                               if on)  # (only the settings not off)
+            given = " / ".join(f"{nm} {v}" for nm, v, on in (("top_k", top_k, any(ks)), ("top_p", top_p, min(ps) < 1),
+                                                             ("seed", seed, seeded)) if on)  # (the settings not off)
             warnings.warn(f"temperature 0 decodes greedily: {given} {'has' if '/' not in given else 'have'} no effect "
                           "(set a temperature > 0 to sample)", stacklevel=4 + _depth)
         if isinstance(stop_tokens, (str, bytes)):  # (iterated, its characters would read as ids)

@@ -745,6 +745,13 @@ def test_one_generation_at_a_time_and_lenient_arguments(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # once a model
         model.generate([[5, 6, 7]], 2, top_p=0.5)
+    with pytest.warns(UserWarning, match="temperature 0 decodes greedily: seed 3 has no effect"):
+        cpu_model(d).generate([[5, 6, 7], [8]], 2, seed=3)  # a seed too (the default 0 is said nothing of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fresh = cpu_model(d)
+        warnings.simplefilter("ignore", serve.MissingVariantWarning)
+        fresh.generate([[5, 6, 7], [8]], 2, seed=0)
 
 
 def test_stats_and_logits_stop_with_the_sequences(tiny):

@@ -216,6 +216,20 @@ def test_exponent_floats_without_a_dot_are_numbers():
         gvariants.parse(text.replace("hidden: 64", "hidden: 6.4e1"), "t.yaml")
 
 
+@pytest.mark.parametrize("written,shown", [("4:16", "'4:16'"), ("0100", "'0100'"), ("1:4.0", "'1:4.0'")])
+def test_yaml_1_1_base_60_and_octal_numbers_are_refused(written, shown):
+    """PyYAML reads `4:16` as 256 (base 60) and `0100` as 64 (octal): taken as strings, refused in one line."""
+    with pytest.raises(VariantError, match=f"field 'hidden' must be integer, got {re.escape(shown)}"):
+        gvariants.parse(GOOD_TEXT.replace("hidden: 64", f"hidden: {written}"), "t.yaml")
+    assert gvariants.parse(GOOD_TEXT.replace("hidden: 64", "hidden: 0x40"), "t.yaml")[0].model.hidden == 64
+
+
+def test_a_yaml_error_without_a_line_has_no_empty_field():
+    with pytest.raises(VariantError) as exc:
+        gvariants.parse("models:\x00\n", "t.yaml")  # (a reader error: no line mark)
+    assert str(exc.value).startswith("t.yaml: YAML syntax error")
+
+
 def test_select_globs():
     vs = gvariants.load(ROOT / "variants.yaml")
     sel = gvariants.select
