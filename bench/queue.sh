@@ -7,6 +7,7 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
+#   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
@@ -70,6 +71,13 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
+part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
+  # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
+  flashinfer
+  step keyrows timeout "${KEY_S:-330}" python3 bench/gpu_check.py --no-tests --only '*_b1_s4096_*' \
+    --only '*_b8_s4096_*' --only 'ho-yi-9b*' --only 'ho-mha-b5*' --only 'ho-l8b-b64*' --serving-budget 60
+}
+
 part_seventh() {  # session 60: a seventh held-out set (bench/results/gpu_check-s60-variants.yaml: odd batches of the
   # declared shapes, batch 48, a 65536-row cache, fp16 8B, Qwen2.5-32B-like), default plans, in the time left (S7 s)
   flashinfer
@@ -115,17 +123,18 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   first) part_first ;;
+  keyrows) part_keyrows ;;
   seventh) part_seventh ;;
   second) part_second ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
