@@ -624,7 +624,28 @@ class Model:
         from .hf.yaml_edit import variant_entry_yaml
 
         # numpy's integers as Python's (the checks below take ints; a bool stays refused)
-        cache_len, max_batch = (int(v) if _int(v) else v for v in (cache_len, max_batch))
+        cache_len, max_batch, default_cache_len = (int(v) if _int(v) else v
+                                                   for v in (cache_len, max_batch, default_cache_len))
+        # the arguments used before (or without) the checks of what they mean: their types, each named
+        if not isinstance(path, (str, os.PathLike)):
+            raise ServeError(f"path: a model directory (or its config.json), a str or path, got {path!r}")
+        for name, val in (("build_dir", build_dir), ("routes_dir", routes_dir)):
+            if val is not None and not isinstance(val, (str, os.PathLike)):
+                raise ServeError(f"{name}: a directory, a str or path, got {val!r}")
+        if gpu_name is not None and not isinstance(gpu_name, str):
+            raise ServeError(f"gpu_name: a GPU's name as torch.cuda.get_device_name gives it, got {gpu_name!r}")
+        if not isinstance(unfused, bool):
+            raise ServeError(f"unfused: True or False, got {unfused!r}")
+        if default_cache_len is not None and not (_int(default_cache_len) and default_cache_len >= 2):
+            raise ServeError(f"default_cache_len: rows per sequence, an integer >= 2, got {default_cache_len!r}")
+        if variants is not None and not isinstance(variants, str):
+            try:
+                variants = list(variants)  # (any iterable of names, read once)
+            except TypeError:
+                raise ServeError(f"variants: built variant names (a list of str), got {variants!r}") from None
+        if group is not None and not isinstance(group, getattr(torch.distributed, "ProcessGroup", ())):
+            raise ServeError(f"group: a torch.distributed process group (e.g. torch.distributed.group.WORLD), got "
+                             f"{group!r}")
         asked = dtype
         if isinstance(dtype, str):  # the names variants.yaml and `--dtype` use, and torch's
             names = {**reference.TORCH_DTYPES, "fp32": torch.float32}
@@ -649,8 +670,6 @@ class Model:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ServeError(f"device: {device} but no CUDA GPU is visible (torch.cuda.is_available() is False); "
                              "device='cpu' serves the unfused layers on the CPU")
-        if variants is not None and not isinstance(variants, str):
-            variants = list(variants)  # (any iterable of names, read once)
         if isinstance(variants, list) and variants and dev.type != "cuda" and not no_kernel:  # (before the build is
             # read; a shape no kernel computes is said first, below)
             raise ServeError(f"device: fused variants run on CUDA, got {dev} (variants=[] serves unfused on {dev})")

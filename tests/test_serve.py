@@ -679,6 +679,25 @@ def test_bad_requests_are_one_line_errors(tiny, kwargs, match):
     assert "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize("kw,said", [
+    ({"path": None}, "^path: a model directory"),
+    ({"group": "x"}, "^group: a torch.distributed process group"),
+    ({"gpu_name": 5}, "^gpu_name: "),
+    ({"variants": 5}, "^variants: built variant names"),
+    ({"unfused": "no"}, "^unfused: True or False"),
+    ({"build_dir": 5}, "^build_dir: a directory"),
+    ({"cache_len": None, "default_cache_len": "x"}, "^default_cache_len: rows per sequence"),
+])
+def test_from_hf_arguments_are_named_when_wrong(tiny, kw, said):
+    """Each argument from_hf takes is checked for its type and named (a helper's trial found torch's and pathlib's own
+    errors for these, or none)."""
+    _, d = tiny
+    kw = {"path": d, "build_dir": d / "no-build", "device": "cpu", "cache_len": 48, **kw}
+    with pytest.raises(ServeError, match=said) as exc:
+        serve.Model.from_hf(kw.pop("path"), **kw)
+    assert "\n" not in str(exc.value)
+
+
 def test_one_generation_at_a_time_and_lenient_arguments(tiny):
     """Two streams interleaved on one model (or a generate from a callback) would share its KV caches: the second
     is refused in one line and the first goes on unharmed; an int stop token, a numpy prompt and a top_k past the
