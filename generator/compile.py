@@ -68,7 +68,7 @@ def uninterrupted():
         yield
     finally:
         for s, handler in was.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # (None: one set outside Python)
         if caught:
             s, handler = caught[0], was[caught[0]]
             try:
