@@ -359,10 +359,10 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
         why = f" ({exc})" if str(exc) else ""
         again = shlex.join(["megakernel", *sys.argv[1:]])  # the same build: its --variants, --build-dir, --only
         if isinstance(exc, gcompile.RecordedInterrupt):  # (it came while the results were written: held off)
+            shown = "megakernel report" + variants_flag(variants_file) + gmanifest.build_dir_flag(build_dir)
             err_console.print(f"error: interrupted{why} as the build recorded its results: they are recorded whole "
-                              f"(the manifest and the cubins are this build's); `megakernel report --build-dir "
-                              f"{shlex.quote(str(build_dir))}` shows them", markup=False, highlight=False,
-                              soft_wrap=True)
+                              f"(the manifest, every source and cubin written); `{shown}` shows them, each variant's "
+                              "error among them", markup=False, highlight=False, soft_wrap=True)
         else:
             err_console.print(f"error: interrupted{why}: nothing recorded (the manifest and every variant's cubin are "
                               f"as before); the objects already compiled are kept, so `{again}` again reuses them",

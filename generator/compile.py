@@ -57,8 +57,9 @@ class RecordedInterrupt(KeyboardInterrupt):
 @contextlib.contextmanager
 def uninterrupted():
     """SIGINT and SIGTERM held off in the block (main thread only; elsewhere a no-op): each is recorded by a handler
-    of this block's, and at its end the handler that was in place runs for the first one, its KeyboardInterrupt
-    raised as RecordedInterrupt (Ctrl-C's default handler, or the CLI's SIGTERM one; a default SIGTERM terminates)."""
+    of this block's, and once the block has completed the handler that was in place runs for the first one, its
+    KeyboardInterrupt raised as RecordedInterrupt (Ctrl-C's default handler, or the CLI's SIGTERM one; a default
+    SIGTERM terminates). A block that raises raises its own error (the record is not whole: no RecordedInterrupt)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -69,17 +70,17 @@ def uninterrupted():
     finally:
         for s, handler in was.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)  # (None: one set outside Python)
-        if caught:
-            s, handler = caught[0], was[caught[0]]
-            try:
-                if callable(handler):
-                    handler(s, None)
-                elif handler == signal.SIG_DFL:  # (SIGINT's default handler is callable: this is SIGTERM's)
-                    os.kill(os.getpid(), s)
-            except RecordedInterrupt:
-                raise
-            except KeyboardInterrupt as exc:
-                raise RecordedInterrupt(*exc.args) from None
+    if caught:  # (reached only when the block completed)
+        s, handler = caught[0], was[caught[0]]
+        try:
+            if callable(handler):
+                handler(s, None)
+            elif handler in (signal.SIG_DFL, None):  # (SIGINT's default handler is callable: this is SIGTERM's)
+                os.kill(os.getpid(), s)
+        except RecordedInterrupt:
+            raise
+        except KeyboardInterrupt as exc:
+            raise RecordedInterrupt(*exc.args) from None
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

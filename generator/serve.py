@@ -629,8 +629,8 @@ class Model:
         # the arguments used before (or without) the checks of what they mean: their types, each named
         if not isinstance(path, (str, os.PathLike)):
             raise ServeError(f"path: a model directory (or its config.json), a str or path, got {path!r}")
-        for name, val in (("build_dir", build_dir), ("routes_dir", routes_dir)):
-            if val is not None and not isinstance(val, (str, os.PathLike)):
+        for name, val, none_ok in (("build_dir", build_dir, False), ("routes_dir", routes_dir, True)):
+            if not (val is None and none_ok) and not isinstance(val, (str, os.PathLike)):
                 raise ServeError(f"{name}: a directory, a str or path, got {val!r}")
         if gpu_name is not None and not isinstance(gpu_name, str):
             raise ServeError(f"gpu_name: a GPU's name as torch.cuda.get_device_name gives it, got {gpu_name!r}")

@@ -171,12 +171,12 @@ def _construct_mapping(loader, node, deep=False):
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 # YAML 1.1's base-60 numbers (`hidden: 4:16` is 256) and leading-zero octal (`010` is 8) read as strings, so they are
-# refused as not numbers rather than taken as a value nobody meant: decimal (and 0x) integers, YAML 1.2's floats
+# refused as not numbers rather than taken as a value nobody meant: decimal (and 0x, 0b) integers, YAML 1.2's floats
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _UniqueKeyLoader.yaml_implicit_resolvers = {
     ch: [(tag, rx) for tag, rx in rs if tag not in (_INT, _FLOAT)]
     for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)$"),
+_UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0b[01_]+)$"),
                                        list("-+0123456789"))
 _UniqueKeyLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
     |[-+]?\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X),

@@ -405,6 +405,13 @@ def test_a_signal_while_the_build_records_waits_for_the_record(copy_build, tiny_
     assert_objects_intact(d)
     with gcompile.uninterrupted():  # nothing pending: the block runs and returns
         pass
+    # a block that fails as well raises its own error (its record is not whole), and the handlers are restored
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(OSError, match="disk full"):
+        with gcompile.uninterrupted():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError("disk full")
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_build_reads_the_variants_file_once(tiny_build, tmp_path):

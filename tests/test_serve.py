@@ -686,6 +686,7 @@ def test_bad_requests_are_one_line_errors(tiny, kwargs, match):
     ({"variants": 5}, "^variants: built variant names"),
     ({"unfused": "no"}, "^unfused: True or False"),
     ({"build_dir": 5}, "^build_dir: a directory"),
+    ({"build_dir": None}, "^build_dir: a directory"),
     ({"cache_len": None, "default_cache_len": "x"}, "^default_cache_len: rows per sequence"),
 ])
 def test_from_hf_arguments_are_named_when_wrong(tiny, kw, said):
