@@ -1336,7 +1336,8 @@ class Model:
         check_length(lens, max_new_tokens, self.cache_len)
         max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
         temps, ks, ps, seeds = self._check_sampling(B, temperature, top_k, top_p, seed)
-        seeded = seeds[0] != 0 or len(set(seeds[b] - 7919 * b for b in range(B))) > 1  # (not the default 0)
+        raw_seed = _listed(seed)  # (the argument, not _check_sampling's per-sequence seeds: any not the default 0)
+        seeded = any(raw_seed) if isinstance(raw_seed, (list, tuple)) else raw_seed != 0
         if not any(temps) and (any(ks) or min(ps) < 1 or seeded) and "greedy" not in self._warned:
             self._warned.add("greedy")  # as transformers warns where do_sample is off
             given = " / ".join(f"{nm} {v}" for nm, v, on in (("top_k", top_k, any(ks)), ("top_p", top_p, min(ps) < 1),
