@@ -7,6 +7,8 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
+#   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
+#                                 # batch 48-64 rows of the check against FlashInfer
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -71,6 +73,23 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
+part_gemm() {  # session 62: GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine from batch 48). First its
+  # GPU test (7 cases against the fp32 reference), then the A/B against the GEMVs (prediction, H100, from session 61's
+  # stage clocks: Llama-3-8B b64 -3 ... -5 %, Llama-3.2-1B b64 -6 ... -9 %; at b32 the engine +2 ... +6 %), then the
+  # check's batch 48-64 rows with FlashInfer's and the serving-style layer
+  flashinfer
+  [ -n "$BUILD" ] || step gputests-gemm timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
+    -k gemm_projections
+  local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
+  ab gemm full,mix --variants bench/queue-variants.yaml \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 "$off" --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_GSPLIT": 2}' \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" --case ho-l1b-b48_decode_b48_s2048_bf16 "$off" \
+    --case q-l8b-b128_decode_b128_s1024_bf16 "$off" --case q-q7b-b64_decode_b64_s2048_bf16 "$off" \
+    --case ho-l8b-b32_decode_b32_s4096_bf16 "$on" --case ho-l1b-b32_decode_b32_s4096_bf16 "$on"
+  [ -n "$BUILD" ] || step check-gemm timeout 240 python3 bench/gpu_check.py --no-tests --only 'ho-l8b-b64*' \
+    --only 'ho-l1b-b64*' --only 'ho-l1b-b48*' --serving-budget 60
+}
+
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
   # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
   flashinfer
@@ -123,11 +142,12 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gemm|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  gemm) part_gemm ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -136,5 +156,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

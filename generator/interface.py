@@ -42,7 +42,8 @@ TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready
 # QKV_DIM, Q_DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, ATT_NSPLIT, COUNTERS, XN_ROWS (decode: 0 unless NORM_GLOBAL), Q_ROWS
 # and SPLIT_FLOATS (0 in decode where no GEMV splits K), XF_ROWS (decode: rows of a fragment-ordered buffer; prefill:
 # the GEMM inputs' rows, whole token tiles), the decode-only HB_ROWS and HSQ_TILES, and on sm_90a prefill
-# (GEMM_WGMMA) the GEMM inputs' columns padded to 64 (their tiled layout, from_tiles).
+# (GEMM_WGMMA; decode: GEMM_PROJ, then GEMM_XROWS too) the GEMM inputs' columns padded to 64 (their tiled layout,
+# from_tiles).
 
 
 def _gemm_cols(c: dict, k: int) -> int:
@@ -64,22 +65,24 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
            "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
            "gate_up)"),
-    Buffer("attn", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),
-                                   _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL")))),
+    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if c.get("GEMM_PROJ") else
+                                   (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL"))))),
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "
-           "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
+           "value in the low half, the launch's epoch in the high; sm_90a prefill and decode GEMM_PROJ: tiled, "
+           "from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"] * (1 + bool(c.get("H_LL")))),
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
            "with H_STATS times the second norm's gain; H_LL: each a 32-bit word, the value in its low half, the "
            "launch's epoch in the high"),
-    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),
-                                  _gemm_cols(c, c["INTER"]) * (1 + (c.get("DOWN_FLOW") == 2))),
+    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),  # (decode's: down_proj's GEMV reads it, never tiled)
+                                  (c["INTER"] if "SEQ_LEN" in c else _gemm_cols(c, c["INTER"]))
+                                  * (1 + (c.get("DOWN_FLOW") == 2))),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag; DOWN_FLOW 2: each element a 32-bit word, its "
            "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
            "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles; decode NORM_GLOBAL: in "
-           "fragment order, from_frag)"),
+           "fragment order, from_frag; decode GEMM_PROJ: tiled, from_tiles)"),
     Buffer("q", "T", lambda c: (c.get("Q_ROWS", c["XN_ROWS"]), c["Q_DIM"]),
            "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),
@@ -290,8 +293,9 @@ def from_ll(raw, rows: int, k: int, frag: bool = True):
 
 
 def from_tiles(raw, rows: int, k: int, xrows: int):
-    """A prefill GEMM input stored tiled (sm_90a, templates/gemm.cuh gemm_x: [ceil(k/64)][xrows][64], row t's 16-byte
-    chunk c of a block at c ^ (t % 8), the 128-byte swizzle) -> row-major [rows, k]. raw: the flat buffer."""
+    """A GEMM engine input stored tiled (sm_90a prefill, decode GEMM_PROJ; templates/gemv.cuh gemm_x:
+    [ceil(k/64)][xrows][64], row t's 16-byte chunk c of a block at c ^ (t % 8), the 128-byte swizzle) -> row-major
+    [rows, k]. raw: the flat buffer."""
     import torch
     t = torch.arange(rows, device=raw.device)[:, None]
     c = torch.arange(k, device=raw.device)[None, :]

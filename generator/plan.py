@@ -191,6 +191,81 @@ def plan_gemv(n: int, k: int, sms: int, ksplit: int = 1, umax: int = 8, rebalanc
             "balance": round(balance, 3)}
 
 
+# ---- the GEMM engine (templates/gemm.cuh): prefill's projections, decode's GEMM_PROJ ----
+
+# the GEMM ring's depth (cp.async; sm_90a: TMA tensor and bulk copies): up to 7 chunks in flight per SM (mma.sync;
+# wgmma: 6, one stage is still being read by the mma in flight) keep HBM busy when a chunk is short (few tasks); the
+# shared memory sets it lower for large tiles (GEMM_STAGES overrides it)
+MAX_STAGES = 8
+MAX_SPLIT = 16
+MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
+# ... and this much where every tile of more than a wave is split (FULL 0, tiles > SMs: every tile's partials go
+# through L2): the model's 10.2 % for 8B down_proj at 2,048 token rows (352 tiles of 224 chunks, split 3) measured
+# x1.056-1.067 slower than no split (bench/results/tune-prefill-h200-2026-12-02-2.txt, 8B 1 x 2048 and 4 x 512); the
+# tuner still times that split (the plan's LOOSE)
+MIN_SPLIT_GAIN_WAVES = 0.15
+WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
+
+
+def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0,
+            waves_gain: float = MIN_SPLIT_GAIN_WAVES) -> tuple[int, int]:
+    """(FULL, KSPLIT) of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: FULL tiles
+    computed whole, the rest split KSPLIT ways. Minimises the busiest SM's work, rounds of tasks x chunks a task
+    (+ `split_cost` chunks where split: storing the partial tile, summing a share of the splits', the counter),
+    with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN (by `waves_gain` where
+    every tile of more than a wave would be split); the fewest splits within 5 % of the least. Plans: every tile
+    split into one wave of tasks (fewer tiles than SMs); the full waves whole and the tiles past them split over
+    one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times instead of 2 x 64); every tile
+    split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the last split to finish then sums the
+    whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more waves of long tasks won (8B
+    down_proj at 512 tokens, 88 tiles of 224 chunks, split 3: 231 -> 168 µs), of short ones lost or won by turns
+    (8B gate_up, 150 tiles of 64 chunks, split 5: 100 -> 83 µs at 16 tokens, 161 -> 182 at 128); `megakernel tune`
+    tries the others per variant."""
+    def cost(full, k):
+        rest = tiles - full
+        return full // sms * chunks + -(-rest * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
+    plans = [(0, k) for k in range(1, max(1, min(MAX_SPLIT, chunks // 4)) + 1)
+             if k == 1 or tiles * k <= sms or -(-chunks // k) >= WAVES_MIN_CHUNKS]
+    full = tiles // sms * sms
+    if 0 < full < tiles:
+        plans.append((full, max(1, min(MAX_SPLIT, chunks // 4, sms // (tiles - full)))))
+    least = min(cost(*pl) for pl in plans)
+    # the fewest partial tiles within 5 % of the least (whole waves first)
+    best = min((pl for pl in plans if cost(*pl) <= 1.05 * least), key=lambda pl: ((tiles - pl[0]) * pl[1], pl[1]))
+    need = waves_gain if best[0] == 0 and tiles > sms else MIN_SPLIT_GAIN
+    if best[1] == 1 or cost(*best) > (1 - need) * cost(0, 1):
+        return 0, 1
+    return best
+
+
+def wgmma_tile(rows: int, threads: int, bn_max: int = 128) -> tuple[int, int, int, int]:
+    """The wgmma GEMM engine's tiling (templates/gemm.cuh, GEMM_WGMMA) for `rows` token rows and `threads` threads a
+    block: (GEMM_WM, GEMM_TM, GEMM_TN, GEMM_BK). A warpgroup per 64 weight rows (threads / 128 of them: GEMM_BM =
+    threads / 2), the tokens split into equal tiles of at most `bn_max` (multiples of 16, templates/wgmma.cuh has a
+    wrapper for each up to 128), K in chunks of 64 (one 128-byte swizzled row; the ring's depth keeps the bytes in
+    flight)."""
+    token_tiles = -(-rows // bn_max)
+    return threads // 32, 1, 2 * -(-rows // token_tiles // 16), 64
+
+
+def gemm_group(sms: int, bm: int, bn: int) -> int:
+    """GEMM_GM, the weight tiles per group of the GEMM's raster (gemm.cuh): the SMs' concurrent tiles then read ~gm
+    weight tiles and ~sms / gm token tiles, least bytes at gm = sqrt(sms x token-tile bytes / weight-tile bytes)."""
+    return max(1, round((sms * bn / bm) ** 0.5))
+
+
+def gemm_stages(smem_per_block: int, stage_bytes: int) -> int:
+    """GEMM_STAGES, the ring's depth: as many chunks as three quarters of the block's shared memory hold (the rest
+    stays L1), MAX_STAGES at most, 3 at least."""
+    return max(3, min(MAX_STAGES, smem_per_block * 3 // 4 // stage_bytes))
+
+
+def gemm_split_cost(bm: int, bn: int, stage_bytes: int) -> float:
+    """split_k's cost of a split, in chunks: the partial tile stored and read back through L2 (~half HBM's cost a
+    byte), plus ~a chunk of synchronisation."""
+    return 1 + bm * bn * 4 / stage_bytes
+
+
 SMEM_RESERVED = 1024  # bytes of shared memory the system reserves per block (sm_80 and later)
 L1_ENOUGH = 60 * 1024  # bytes of L1 the decode planner keeps beside the block's shared memory where it can (l1_bytes)
 

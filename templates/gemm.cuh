@@ -28,18 +28,7 @@
 static_assert(!GEMM_WGMMA, "GEMM_WGMMA needs sm_90a (the build compiles sm_90 as sm_90a)");
 #endif
 
-// The GEMMs' token inputs (X of gemm: prefill's normed rows, attention output, act) in global memory. sm_90a
-// (GEMM_WGMMA): tiled as the ring holds them, [ceil(K/64)][GEMM_XROWS][64] with a row's 16-byte chunk c at c ^ (t %
-// 8) (the 128-byte swizzle), so a token tile's 64-wide chunk is one contiguous run: one bulk copy (the TMA unit)
-// instead of every thread's 16-byte cp.async (8B, 512 tokens: 662 -> 597 µs, bench/NOTES.md session 20). Rows past
-// the chunk (up to GEMM_XROWS, a whole token tile) and columns past K are never written: zeros from the workspace's
-// allocation. Elsewhere row-major [rows][K]. The writers keep 8-element runs (a 16-byte chunk) contiguous either way.
-__device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
-    if constexpr (GEMM_WGMMA)
-        return ((size_t)(k >> 6) * GEMM_XROWS + t) * 64 + ((((k >> 3) & 7) ^ (t & 7)) << 3) + (k & 7);
-    else
-        return (size_t)t * K + k;
-}
+// (gemm_x, the GEMMs' token-input layout: gemv.cuh)
 
 // The epilogues' unit (gemm's pre and epi): 4 consecutive T as fp32, and back, one 8-byte access each.
 __device__ __forceinline__ float4 load4(const T* p) {
@@ -118,7 +107,9 @@ __device__ __forceinline__ void gemm_finish_split(const float* tp, unsigned* cou
     // float4 a thread a round, at most 2 (2 x KSPLIT loads in flight; a share of 2 splits in one round held 64
     // registers of sums and inputs, 4 a round 32, and the kernel spilled on one shape or another)
     constexpr int UPT_ALL = ((U + KSPLIT - 1) / KSPLIT + THREADS - 1) / THREADS, UPT = UPT_ALL < 2 ? UPT_ALL : 2;
-    const int lo = scatter ? ks * U / KSPLIT : 0, hi = scatter ? (ks + 1) * U / KSPLIT : U;
+    // (a share in whole quads of units: 4 lanes of a quad hold 16 rows of one token, which decode's o_proj epilogue sums
+    // over the quad, templates/stages/o_proj.cuh)
+    const int lo = scatter ? ks * (U / 4) / KSPLIT * 4 : 0, hi = scatter ? (ks + 1) * (U / 4) / KSPLIT * 4 : U;
     for (int base = lo + (int)threadIdx.x; base < hi; base += UPT * THREADS) {
         float4 v[UPT], in[UPT];
 #pragma unroll

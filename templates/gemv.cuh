@@ -25,6 +25,28 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
         return (size_t)b * ld + k;
 }
 
+// The GEMMs' token inputs (X of gemm.cuh's engine: prefill's normed rows, attention output, act; decode's GEMM_PROJ
+// inputs) in global memory. sm_90a (GEMM_WGMMA): tiled as the ring holds them, [ceil(K/64)][GEMM_XROWS][64] with a row's 16-byte chunk c at c ^ (t %
+// 8) (the 128-byte swizzle), so a token tile's 64-wide chunk is one contiguous run: one bulk copy (the TMA unit)
+// instead of every thread's 16-byte cp.async (8B, 512 tokens: 662 -> 597 µs, bench/NOTES.md session 20). Rows past
+// the chunk (up to GEMM_XROWS, a whole token tile) and columns past K are never written: zeros from the workspace's
+// allocation. Elsewhere row-major [rows][K]. The writers keep 8-element runs (a 16-byte chunk) contiguous either way.
+__device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
+    if constexpr (GEMM_WGMMA)
+        return ((size_t)(k >> 6) * GEMM_XROWS + t) * 64 + ((((k >> 3) & 7) ^ (t & 7)) << 3) + (k & 7);
+    else
+        return (size_t)t * K + k;
+}
+
+// Element (b, k) of a decode activation that the next projection reads from global memory: gemm_x's layout where
+// that projection runs on the GEMM engine (the decode plan's GEMM_PROJ, whose plans set GEMM_WGMMA), else fragment order
+__device__ __forceinline__ size_t xg_at(int b, int k, int K) {
+    if constexpr (GEMM_WGMMA)
+        return gemm_x(b, k, K);
+    else
+        return x_at<true>(b, k, K);
+}
+
 // ATT_LL (decode): attention's output handed to o_proj with no grid barrier between them, as NCCL's LL protocol
 // hands data over: each element is a 32-bit word, its T bits in the low half and the launch's epoch in the high
 // half, written by one relaxed store; o_proj's lanes poll the words themselves (a 32-bit access is single-copy

@@ -1364,6 +1364,37 @@ def test_batch_slices_match_the_reference(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gemm_projections_match_the_reference(tmp_path):
+    """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine, their inputs in its tiled layout): the
+    Llama-3.2-1B shape at batch 64 (its default: every projection split-K, H_STATS's sums of squares over quads of
+    lanes), with o_proj split 3 ways (shares of the split tiles in whole quads) and gate_up unsplit (the staged
+    epilogue); batch 100 (two token tiles, 28 padding rows); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
+    48); hidden 1440 with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight
+    k-tiles past K); LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16
+    (its norm from fp32 h): against the fp32 reference at two seeds, a second launch bit-equal; then three launches
+    back to back against the reference step by step."""
+    from bench.tune import renamed
+    from generator import reference
+    from generator.loader import load
+    l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
+    b64, b100 = (_decode_layer("gp", b, 512, l1b) for b in (64, 100))
+    b48, = _qwen15_like("gpq", [48])
+    hd80 = _decode_layer("gph", 48, 512, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
+    ln = _decode_layer("gpl", 48, 512, f"{l1b}, norm: layernorm")
+    half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
+                         "dtype: fp16")
+    cases = [(b64, {}), (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 1}), (b100, {}), (b48, {"GEMM_PROJ": 1}),
+             (hd80, {"GEMM_PROJ": 1}), (ln, {"GEMM_PROJ": 1}), (half, {"GEMM_PROJ": 1})]
+    _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
+    assert render.plan(b64)["consts"]["GEMM_PROJ"] == 1 and render.plan(b64)["consts"]["O_GSPLIT"] > 1
+    for i in (0, 3):
+        v = cases[i][0]
+        W = reference.random_weights(v.model, seed=42, device="cuda")
+        steps_track_the_reference(load(renamed(v, f"gp{i}").name, W, build_dir=tmp_path), W, v, 43)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_qkv_splits_summed_by_attention_match_the_reference(tmp_path):
     """QKV_KSPLIT > 1 under QKV_FLOW 2 (each split's partial sums as words of their own, attention summing them as it
     polls; templates/stages/qkv_proj.cuh): Llama-3.2-1B b1 under the LL rule (2 and 4 splits, 16- and 4-warp groups),

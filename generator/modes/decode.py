@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-from ..plan import (L1_ENOUGH, THREADS, Mode, PlanError, Step, align, check_knob, check_smem, gemv_balance_split,
-                    gemv_split_k, l1_bytes, open_barriers, plan_gemv)
+from ..plan import (L1_ENOUGH, MAX_SPLIT, THREADS, Mode, PlanError, Step, align, check_knob, check_smem,
+                    gemm_group, gemm_split_cost, gemm_stages, gemv_balance_split, gemv_split_k, l1_bytes,
+                    open_barriers, plan_gemv, split_k, wgmma_tile)
 from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS
 from ..targets import DTYPES, Arch
 from ..variants import Variant, window_at
@@ -21,20 +22,20 @@ STEPS = (
     # block normalises the rows into its own shared memory inside the projection's stage: the step is empty
     Step("norm", "norm(x, ln1_w, ln1_b, ws_xn, smem)", flow="NORM_LOCAL",
          pre="const auto qkv_pre = qkv_proj_pre(w_qkv, ln1_w, smem)"),
-    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, ws_epoch, "
+    Step("qkv_proj", "qkv_proj(x, ln1_w, ln1_b, ws_xn, w_qkv, w_tmaps, b_qkv, ws_qkv, ws_split, ws_count, ws_ready, ws_epoch, "
                      "qkv_pre, smem)",
          flow="QKV_FLOW"),
     Step("attention", "attention(pos, ws_qkv, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, kv_tmaps, ws_part, "
                       "ws_count, ws_ready, ws_attn, ws_epoch, ws_timeline, smem)",
          flow="ATT_LL"),
-    Step("o_proj", "o_proj(ws_attn, w_o, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
+    Step("o_proj", "o_proj(ws_attn, w_o, w_tmaps, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, tp_rank, ws_split, ws_count, ws_ready, "
                    "ws_epoch, o_pre, smem)",
          reduce="h", flow="H_LL", pre="const auto o_pre = o_proj_pre(w_o)"),
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
     Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
          flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu, ln2_w, smem)"),
-    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, w_down, ws_act, ws_status, ws_split, "
+    Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, w_tmaps, w_down, ws_act, ws_status, ws_split, "
                     "ws_count, ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
     Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, "
@@ -94,10 +95,12 @@ STEPS = (
 assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PHASES) <= TIMELINE_SLOTS, \
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
+GEMM_PROJECTIONS = ("QKV", "O", "GU")  # GEMM_PROJ: the projections on the GEMM engine (down_proj stays a GEMV)
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP"))
+            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ")
+         + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -191,6 +194,10 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "NORM_CLUSTER" and val not in (1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 1 or 2" + (
                 " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
+        if k == "GEMM_PROJ" and val not in (0, 1):
+            raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
+        if k.endswith("_GSPLIT") and not 1 <= val <= MAX_SPLIT:
+            raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{MAX_SPLIT}")
         if k == "ATT_PIECE_TILES" and not 0 <= val <= 1024:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 0..1024 (16-row tiles)")
         if k == "ATT_C" and val < 16:
@@ -218,6 +225,9 @@ ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (sequence, KV head) pairs (see plan)
 STREAM_IDLE_SMS = 0.05  # ... or where ATT_DYN 1's one round at full context leaves this share of the SMs idle (plan)
 STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 16 stream-K lost: many pieces a pair)
+GEMM_BATCH_MIN = 48  # GEMM_PROJ by default from this batch (see plan)
+GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
+# thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
 
 
@@ -740,7 +750,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # (and, with ATT_TMA, from batch NORM_GLOBAL_MIN_BATCH on such a GPU wherever it leaves L1_ENOUGH: measured on
     # the H200 (bench/NOTES.md session 24) +0.6 ... +4.2 % on four batch 16-32 shapes whose rows fit with 60-92 KB of
     # L1; without ATT_TMA, session 23: -0.7 ... +2.8 %)
-    norm_global = ov.get("NORM_GLOBAL", int(v.tp == 1 and not pinned and (local_l1 == 0 or (
+    # (and wherever GEMM_PROJ is asked for: its GEMMs read the rows from global memory)
+    norm_global = ov.get("NORM_GLOBAL", int(ov.get("GEMM_PROJ") == 1 or v.tp == 1 and not pinned and (local_l1 == 0 or (
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global:  # (the rows normalised in global memory)
@@ -779,6 +790,47 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                         f"({sq_bytes(v.batch)} B) exceed the rows' region ({v.batch * xs_ld * esize} B): a larger "
                         "O_NWG or O_TM 1")
 
+    # GEMM_PROJ (sm_90, one GPU, NORM_GLOBAL): qkv_proj, o_proj and gate_up on the wgmma GEMM engine that prefill's
+    # projections run on (templates/gemm.cuh: the batch's rows tiled in shared memory by bulk copies, read once a
+    # 256-row tile instead of once a 16-row GEMV task from L2), their inputs (the first norm's rows, attention's
+    # output, o_proj's H_STATS rows or the second norm's) written in its tiled layout (gemv.cuh gemm_x); down_proj
+    # stays a GEMV (level at batch 64 on both engines). Measured on an H100 (bench/NOTES.md session 61, the same
+    # step as a prefill of chunk 1): at batch 64 the engine's qkv and o_proj -16 %, gate_up -8 % (Llama-3-8B) and -27
+    # % (Llama-3.2-1B) against the GEMVs; at batch 32 +6 %. By default from GEMM_BATCH_MIN
+    wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
+    gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
+                                        and not any(ov.get(k) for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL"))))
+    if gemm_proj:
+        _needs(v.name, "GEMM_PROJ", gemm_proj, [
+            (wgmma, f"sm_90 (wgmma; this build: sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
+            (norm_global, "NORM_GLOBAL 1 (the GEMM reads its rows from global memory)"),
+            *((not ov.get(k), f"{k} 0 (the GEMM's tiles are not counted or tagged)")
+              for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL"))])
+    elif any(k in ov for k in (f"{p}_GSPLIT" for p in GEMM_PROJECTIONS)):
+        raise PlanError(f"{v.name}: plan override {next(k for k in ov if k.endswith('_GSPLIT'))}: the GEMM engine's "
+                        "split-K, with GEMM_PROJ 1 only (this plan: 0)")
+    # its tiling: 4 warpgroups of 64 weight rows (256 a tile), the batch in token tiles of <= GEMM_BN_MAX; where off,
+    # the same numbers stand in (GEMM_WGMMA 0: the constants are declared, no GEMM is compiled)
+    g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, GEMM_BN_MAX)
+    g_bm, g_bn = g_wm * 16, g_tn * 8
+    g_stage = (g_bm + g_bn) * g_bk * esize
+    # (the ring, then with H_STATS gate_up's 1/rms of each row; 1 KB left for the static shared memory, padded to
+    # ATT_TMA's 1024-byte alignment)
+    rs_bytes = v.batch * 4 if h_stats else 0
+    g_stages = min(gemm_stages(arch.smem_per_block, g_stage), (arch.smem_per_block - 2048 - rs_bytes) // g_stage)
+    g_ring = g_stages * g_stage + 1024  # (+ the ring's alignment to the swizzle atom)
+    gemm = {"BM": g_bm, "BN": g_bn, "BK": g_bk, "STAGES": g_stages}
+    for prefix in GEMM_PROJECTIONS:
+        key = dict(PROJECTIONS)[prefix]
+        n, k = shapes[key]
+        tiles, chunks = -(-n // g_bm) * -(-v.batch // g_bn), -(-k // g_bk)
+        full, ks = split_k(tiles, chunks, sms, gemm_split_cost(g_bm, g_bn, g_stage)) if gemm_proj else (0, 1)
+        if f"{prefix}_GSPLIT" in ov:  # every tile split that many ways
+            full, ks = 0, ov[f"{prefix}_GSPLIT"]
+            if ks > chunks:
+                raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ks}: over {key}'s {chunks} K chunks")
+        gemm[key] = {"N": n, "K": k, "tiles": tiles, "FULL": full if ks > 1 else 0, "KSPLIT": ks}
+
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
         l1 = l1_bytes(arch, max(att_bytes, need))
@@ -788,7 +840,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     smem["SMEM_GS"] = align(gemv_need(v.batch, 0, 0, red_db)) if norm_fold in (1, 3) else 0
     # H_STATS: o_proj's squares in the rows' region (idle in its stage), with NORM_GLOBAL after the partial sums
     smem["SMEM_SQ"] = align(gemv_need(v.batch, 0, 0, red_db, False)) if h_stats and norm_global else 0
-    smem["SMEM_RS"] = (smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold in (1, 3)
+    smem["SMEM_RS"] = (align(g_ring) if gemm_proj and h_stats  # (gate_up's, past the GEMM's ring)
+                       else smem["SMEM_GS"] + align(m.hidden * esize) if norm_fold in (1, 3)
                        else smem["SMEM_SQ"] + align(sq_bytes(v.batch)) if h_stats and norm_global
                        else align(gemv_need(v.batch, 0, 0, red_db)) if h_stats or norm_fold == 2 else 0)
     gemv_bytes = gemv_need(v.batch, norm_fold, h_stats, red_db, not norm_global)
@@ -850,6 +903,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
         "down_proj's staged weights": (smem["SMEM_DWBAR"] + 8 if down_smem else 0, ""),
         "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
+        "projection GEMM": ((align(g_ring) + rs_bytes) if gemm_proj else 0,
+                            f"{g_stages} ring stages of a {g_bm} x {g_bk} weight and {g_bn} x {g_bk} token chunk "
+                            "(GEMM_PROJ 0: the GEMVs)"),
         "attention": (att_bytes, "the GQA group's query heads and warp states take (heads/kv_heads) x head_dim x "
                                  "4 B per warp: fewer query heads per KV head or a smaller head_dim"),
     })
@@ -991,11 +1047,18 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         # per head); only with qkv unsplit (its split-K counters share ws_count with attention's). Measured on the
         # H200 (bench/NOTES.md session 11): 1-3 % faster on 1B b1/b8, 0.5B b1, 8B b1. Tensor parallel keeps the
         # barrier until it runs on 2 GPUs.
-        "QKV_FLOW": ov.get("QKV_FLOW", 2 if ll_rule else int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1)),
+        "QKV_FLOW": ov.get("QKV_FLOW", 2 if ll_rule else int(v.tp == 1 and gemv["qkv"]["KSPLIT"] == 1
+                                                              and not gemm_proj)),
         "DOWN_FLOW": down_flow, "ACT_CHUNKS": act_chunks, "ACT_STRIDE": ACT_STRIDE,
         "NORM_GLOBAL": norm_global, "NORM_LOCAL": 1 - norm_global, "NORM2_LOCAL": int(not norm_global or h_stats),
         "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,
         "DOWN_SMEM": down_smem, "DW_KT": dw_kt, "GU_SKIP": gu_skip,
+        # GEMM_PROJ's engine (templates/gemm.cuh; GEMM_WGMMA 0: declared, not compiled)
+        "GEMM_PROJ": gemm_proj, "GEMM_WGMMA": gemm_proj, "GEMM_WM": g_wm, "GEMM_TM": g_tm, "GEMM_TN": g_tn,
+        "GEMM_BK": g_bk, "GEMM_STAGES": g_stages, "GEMM_XROWS": -(-v.batch // g_bn) * g_bn,
+        "GEMM_GM": gemm_group(sms, g_bm, g_bn),
+        **{f"{p}_{x}": gemm[dict(PROJECTIONS)[p]][y] for p in GEMM_PROJECTIONS for x, y in (("GSPLIT", "KSPLIT"),
+                                                                                              ("GFULL", "FULL"))},
         **smem,
     }
     for prefix, key in PROJECTIONS:
@@ -1026,17 +1089,24 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     batch_slices(v.name, consts, ov)
     # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)
     reduced = {k: g for k, g in gemv.items() if g["KSPLIT"] > 1 and not (k == "qkv" and consts["QKV_FLOW"] == 2)}
+    split_gemms = [g for key, g in gemm.items() if isinstance(g, dict) and g["KSPLIT"] > 1] if gemm_proj else []
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
-            # the attention's counters and the split GEMVs' are used in turn (each resets its own)
-            "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k in reduced]),
-                      "XN_ROWS": math.ceil(v.batch / 8) * 8 if norm_global else 0,  # fragment order
+            **({"gemm": gemm} if gemm_proj else {}),
+            # the attention's counters, the split GEMVs' and GEMMs' are used in turn (each resets its own)
+            "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k in reduced]
+                                      + [g["tiles"] for g in split_gemms]),
+                      # fragment order, or GEMM_PROJ's tiled layout (whole token tiles)
+                      "XN_ROWS": consts["GEMM_XROWS"] if gemm_proj else math.ceil(v.batch / 8) * 8 if norm_global
+                      else 0,
                       "XF_ROWS": math.ceil(v.batch / 8) * 8 if x_frag else v.batch,
                       "HB_ROWS": v.batch if hb_copy else 0,
                       "HSQ_TILES": m.hidden // 16 if h_stats else 0,
                       "TL_BLOCKS": sms if ov.get("TIMELINE") else 0,  # (the most blocks a launch has)
                       # H_LL with DOWN_FLOW: the most blocks the epoch's argument allows (one gate_up task each)
                       "LL_BLOCKS": gu_tasks if h_ll and down_flow else 0,
-                      "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in reduced.items()])},
+                      "SPLIT_FLOATS": max([0] + [g["KSPLIT"] * shapes[k][0] * v.batch for k, g in reduced.items()]
+                                          + [(g["tiles"] - g["FULL"]) * g["KSPLIT"] * g_bm * g_bn
+                                             for g in split_gemms])},
             "overrides": dict(sorted(ov.items()))}
 
 

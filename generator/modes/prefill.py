@@ -6,7 +6,8 @@ residual | norm | gate_up | down_proj + residual   ("|" = grid-wide barrier)
 """
 from __future__ import annotations
 
-from ..plan import Mode, PlanError, Step, check_knob, check_smem
+from ..plan import (MAX_SPLIT, MAX_STAGES, MIN_SPLIT_GAIN, Mode, PlanError, Step, check_knob, check_smem,  # noqa: F401
+                    gemm_group, gemm_split_cost, gemm_stages, split_k, wgmma_tile)
 from ..targets import DTYPES, Arch
 from ..variants import Variant
 
@@ -22,10 +23,6 @@ STEPS = (
          then="none"),
 )
 
-# the GEMM ring's depth (cp.async; sm_90a: TMA tensor and bulk copies): up to 7 chunks in flight per SM (mma.sync;
-# wgmma: 6, one stage is still being read by the mma in flight) keep HBM busy when a chunk is short (few tasks); the
-# shared memory sets it lower for large tiles (GEMM_STAGES overrides it)
-MAX_STAGES = 8
 # 12 warps: up to 168 registers a thread (16 warps cap it at 128, where head_dim-128 attention spills: its output
 # accumulators alone take 64)
 THREADS = 384
@@ -37,47 +34,6 @@ THREADS = 384
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 KNOBS = tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("KSPLIT", "FULL")) + ("GEMM_GM", "GEMM_STAGES",
                                                                                   "ATT_INLINE")
-MAX_SPLIT = 16
-MIN_SPLIT_GAIN = 0.1  # a split plan must cut the busiest SM's work by this fraction (its partials cost L2 traffic)
-# ... and this much where every tile of more than a wave is split (FULL 0, tiles > SMs: every tile's partials go
-# through L2): the model's 10.2 % for 8B down_proj at 2,048 token rows (352 tiles of 224 chunks, split 3) measured
-# x1.056-1.067 slower than no split (bench/results/tune-prefill-h200-2026-12-02-2.txt, 8B 1 x 2048 and 4 x 512); the
-# tuner still times that split (the plan's LOOSE)
-MIN_SPLIT_GAIN_WAVES = 0.15
-WAVES_MIN_CHUNKS = 32  # a split into more tasks than SMs keeps >= this many chunks a task
-
-
-def split_k(tiles: int, chunks: int, sms: int, split_cost: float = 2.0,
-            waves_gain: float = MIN_SPLIT_GAIN_WAVES) -> tuple[int, int]:
-    """(FULL, KSPLIT) of a GEMM with `tiles` output tiles of `chunks` K chunks each on `sms` SMs: FULL tiles
-    computed whole, the rest split KSPLIT ways. Minimises the busiest SM's work, rounds of tasks x chunks a task
-    (+ `split_cost` chunks where split: storing the partial tile, summing a share of the splits', the counter),
-    with >= 4 chunks a task, and splits only where that beats no split by MIN_SPLIT_GAIN (by `waves_gain` where
-    every tile of more than a wave would be split); the fewest splits within 5 % of the least. Plans: every tile
-    split into one wave of tasks (fewer tiles than SMs); the full waves whole and the tiles past them split over
-    one wave (a partial last wave: 150 tiles on 132 SMs take 64 + 10 chunk-times instead of 2 x 64); every tile
-    split into several waves only with >= WAVES_MIN_CHUNKS chunks a task (the last split to finish then sums the
-    whole tile alone). Measured on the H200 (bench/NOTES.md, session 6): more waves of long tasks won (8B
-    down_proj at 512 tokens, 88 tiles of 224 chunks, split 3: 231 -> 168 µs), of short ones lost or won by turns
-    (8B gate_up, 150 tiles of 64 chunks, split 5: 100 -> 83 µs at 16 tokens, 161 -> 182 at 128); `megakernel tune`
-    tries the others per variant."""
-    def cost(full, k):
-        rest = tiles - full
-        return full // sms * chunks + -(-rest * k // sms) * -(-chunks // k) + (split_cost if k > 1 else 0)
-    plans = [(0, k) for k in range(1, max(1, min(MAX_SPLIT, chunks // 4)) + 1)
-             if k == 1 or tiles * k <= sms or -(-chunks // k) >= WAVES_MIN_CHUNKS]
-    full = tiles // sms * sms
-    if 0 < full < tiles:
-        plans.append((full, max(1, min(MAX_SPLIT, chunks // 4, sms // (tiles - full)))))
-    least = min(cost(*pl) for pl in plans)
-    # the fewest partial tiles within 5 % of the least (whole waves first)
-    best = min((pl for pl in plans if cost(*pl) <= 1.05 * least), key=lambda pl: ((tiles - pl[0]) * pl[1], pl[1]))
-    need = waves_gain if best[0] == 0 and tiles > sms else MIN_SPLIT_GAIN
-    if best[1] == 1 or cost(*best) > (1 - need) * cost(0, 1):
-        return 0, 1
-    return best
-
-
 def _check_overrides(name: str, ov: dict, chunks: dict) -> dict:
     """The overrides as ints, or PlanError naming the first bad knob (unknown, not an int, out of range);
     `chunks` {knob: K chunks of that projection}."""
@@ -108,10 +64,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     # fewer fragment reads per mma; 4 x 4 spills)
     wgmma = arch.sm.startswith("90")  # sm_90 builds as sm_90a (compile.py): Hopper's warpgroup mma
     if wgmma:
-        # a warpgroup per 64 weight rows (192 a block), the tokens split into equal tiles of <= 128 (multiples of 16)
-        token_tiles = -(-rows // 128)
-        wm, tm, tn = THREADS // 32, 1, 2 * -(-rows // token_tiles // 16)
-        bk = 64  # one swizzled row; the ring's depth keeps the bytes in flight
+        wm, tm, tn, bk = wgmma_tile(rows, THREADS)  # 192 weight rows a block
     elif rows <= 32:
         wm, tm, tn, bk = 6, 2, 2, 128      # 192 x 32
     elif rows <= 96:
@@ -120,9 +73,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         wm, tm, tn, bk = 4, 2, 4, 64       # 128 x 96
     bm, bn = wm * tm * 16, (THREADS // 32 // wm) * tn * 8
     assert bn % 16 == 0 and bn <= 128, bn  # templates/wgmma.cuh has a wrapper per multiple of 16 up to 128
-    # weight tiles per group of the GEMM's raster (gemm.cuh): the SMs' concurrent tiles then read ~gm weight tiles and
-    # ~sms / gm token tiles, least bytes at gm = sqrt(sms x token-tile bytes / weight-tile bytes)
-    gm = max(1, round((arch.sms * bn / bm) ** 0.5))
+    gm = gemm_group(arch.sms, bm, bn)
     projs = {"qkv": (q_dim + 2 * kv_dim, m.hidden), "o": (m.hidden, q_dim), "gate_up": (2 * m.intermediate, m.hidden),
              "down": (m.hidden, m.intermediate)}
     def stage_of(bk):
@@ -130,7 +81,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
     while bk > 64 and 3 * stage_of(bk) + 1024 > arch.smem_per_block:  # 99 KB parts (sm_86/89/120): shorter chunks
         bk //= 2
     stage_bytes = stage_of(bk)
-    stages = max(3, min(MAX_STAGES, arch.smem_per_block * 3 // 4 // stage_bytes))
+    stages = gemm_stages(arch.smem_per_block, stage_bytes)
     counts = {key: -(-n // bm) * -(-rows // bn) for key, (n, _) in projs.items()}
     ov = _check_overrides(v.name, dict(overrides or {}),
                           {**{f"{p}_KSPLIT": -(-projs[key][1] // bk) for p, key in PROJECTIONS},
@@ -151,8 +102,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None) -> dict:
         "kv_append": (append_bytes, "a smaller head_dim, or this model's decode variants only"),
     })
     gm = ov.get("GEMM_GM", gm)
-    # a split's partial tile is stored and read back through L2 (~half HBM's cost a byte), plus ~a chunk of sync
-    split_cost = 1 + bm * bn * 4 / stage_bytes
+    split_cost = gemm_split_cost(bm, bn, stage_bytes)
     tiles = {}
     for prefix, name in PROJECTIONS:
         n, k = projs[name]

@@ -1,7 +1,7 @@
 // ---- stage: gate_up ---- post-attention norm, then gate and up projections in one GEMV over a weight whose rows
 // are interleaved (gate_i, up_i), so a 16-row tile holds both halves of act(gate) * up and writes it directly.
 #pragma once
-#include "../gemv.cuh"
+#include "../gemm.cuh"
 #include "norm.cuh"
 // (o_proj.cuh: GU_SKIP's o_epoch)
 #include "o_proj.cuh"
@@ -76,7 +76,7 @@ __device__ __forceinline__ void down_weights_to_smem(const T* w_down, unsigned c
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh), or with H_STATS o_proj's epilogue; xn holds the (H_STATS:
 // not yet scaled by 1/rms) rows in fragment order.
 __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, const T* ln_w, const T* ln_b,
-                        const T* xn, const T* w_gu, const T* w_down, T* ws_act, unsigned* ws_status, float* ws_split,
+                        const T* xn, const T* w_gu, const unsigned char* w_tmaps, const T* w_down, T* ws_act, unsigned* ws_status, float* ws_split,
                         unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch, const GemvPre<GU_U * GU_TM>& pre,
                         unsigned char* smem) {
     static_assert(!H_STATS || HB_COPY, "H_STATS: o_proj writes the norm's input (ws_hb) and its statistics");
@@ -95,6 +95,22 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     }
     if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's
                                                               // reads)
+    if constexpr (GEMM_PROJ) {  // on the GEMM engine (gemm.cuh): xn in its tiled layout, act in down_proj's order
+        static_assert(!GEMM_PROJ || (NORM_GLOBAL && DOWN_FLOW == 0), "GEMM_PROJ: NORM_GLOBAL's rows, a grid barrier");
+        // H_STATS: each row's 1/rms past the GEMM's ring (SMEM_RS), before the ring's first copy
+        float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
+        if constexpr (H_STATS) rows_rms(ws_hsq, rs, reinterpret_cast<float*>(smem + SMEM_RED));
+        gemm<2 * INTER, HIDDEN, GU_GSPLIT, GU_GFULL>(w_gu, w_tmaps + TMAP_GU * TMAP_BYTES, xn, BATCH, smem, ws_split,
+            ws_count, [](int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); },
+            [&](int n, int t, float4 v, float4) {  // rows n .. n + 3: (gate, up) of act columns n / 2 and n / 2 + 1
+                const float r = H_STATS ? rs[t] : 1.f;
+                const float a0 = activation(v.x * r) * (v.y * r), a1 = activation(v.z * r) * (v.w * r);
+                count_overflow(a0, ws_status);
+                count_overflow(a1, ws_status);
+                *reinterpret_cast<T2*>(ws_act + x_at<X_FRAG>(t, n / 2, INTER)) = from_f2(a0, a1);
+            });
+        return;
+    }
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = (NORM_FOLD == 1 || NORM_FOLD == 3) && !H_STATS ? reinterpret_cast<T*>(smem + SMEM_GS)
                                                           : nullptr;  // H_STATS: in ws_hb

@@ -8,15 +8,48 @@
 // tensor cores' fragment order (gemv.cuh x_at<true>) instead, and the second norm is no step at all: no grid barrier
 // and no pass over the rows between o_proj and gate_up.
 #pragma once
-#include "../gemv.cuh"
+#include "../gemm.cuh"
 // GU_SKIP: the epoch of this launch as thread 0 read it before its h word's store (gate_up.cuh gu_skip)
 __shared__ unsigned o_epoch;
 __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
-__device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __restrict__ ln2_w, float* ws_h, T* ws_hb,
-                       T* ws_xn, float* ws_hsq, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                       const unsigned* ws_epoch, const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
+// GEMM_PROJ (one GPU, NORM_GLOBAL): on the GEMM engine (gemm.cuh), attention's output in its tiled layout. The
+// epilogue's 4 rows of a token: h, then with H_STATS gate_up's input (h rounded to T, times the gain) in its tiled
+// layout and the 16-row tile's sum of squares, summed over the quad of lanes that holds the tile's 16 rows of the
+// token (gemm.cuh hands whole quads, a tile's 16 rows of one token, to consecutive lanes, all or none active), in a
+// fixed order; without it the T copy of h (HB_COPY) for the second norm's step.
+__device__ __forceinline__ void o_proj_gemm(const T* ws_attn, const T* w_o, const unsigned char* w_tmaps, const T* x,
+                                            const T* __restrict__ ln2_w, float* ws_h, T* ws_hb, T* ws_xn,
+                                            float* ws_hsq, float* ws_split, unsigned* ws_count, unsigned char* smem) {
+    gemm<HIDDEN, Q_DIM, O_GSPLIT, O_GFULL>(w_o, w_tmaps + TMAP_O * TMAP_BYTES, ws_attn, BATCH, smem, ws_split, ws_count,
+        [&](int n, int t) { return load4(x + (size_t)t * HIDDEN + n); },
+        [&](int n, int t, float4 v, float4 res) {
+            const float4 h = res + v;
+            *reinterpret_cast<float4*>(ws_h + (size_t)t * HIDDEN + n) = h;
+            if constexpr (H_STATS) {
+                // h as the norm reads it (transformers: the T residual, upcast)
+                const float4 f = make_float4(to_f(from_f(h.x)), to_f(from_f(h.y)), to_f(from_f(h.z)), to_f(from_f(h.w)));
+                const float4 g = load4(ln2_w + n);
+                store4(ws_xn + gemm_x(t, n, HIDDEN), make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w));
+                float s = f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+                const unsigned quad = 0xfu << (threadIdx.x & 28u);
+                s += __shfl_xor_sync(quad, s, 1);
+                s += __shfl_xor_sync(quad, s, 2);
+                if ((n & 15) == 0) ws_hsq[(size_t)(n / 16) * BATCH + t] = s;
+            } else if constexpr (HB_COPY) {
+                store4(ws_hb + (size_t)t * HIDDEN + n, h);
+            }
+        });
+}
+__device__ void o_proj(const T* ws_attn, const T* w_o, const unsigned char* w_tmaps, const T* x,
+                       const T* __restrict__ ln2_w, float* ws_h, T* ws_hb, T* ws_xn, float* ws_hsq, int tp_rank,
+                       float* ws_split, unsigned* ws_count, unsigned* ws_ready, const unsigned* ws_epoch,
+                       const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
+    if constexpr (GEMM_PROJ) {
+        o_proj_gemm(ws_attn, w_o, w_tmaps, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, ws_split, ws_count, smem);
+        return;
+    }
     const bool residual = TP == 1 || tp_rank == 0;
     static_assert(!H_STATS || (HB_COPY && THREADS / (O_NWG * 32) <= 15 &&
                                (NORM_GLOBAL || THREADS / (O_NWG * 32) * O_TM * 16 * BATCH * 4 <= SMEM_RED)),
@@ -53,7 +86,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const T* x, const T* __re
                 if constexpr (HB_COPY && H_STATS) {
                     const float f = to_f(from_f(h));  // h as the norm reads it (transformers: the T residual, upcast)
                     sq[i] = f * f;
-                    (NORM_GLOBAL ? ws_xn[x_at<true>(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
+                    (NORM_GLOBAL ? ws_xn[xg_at(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
                         from_f(f * to_f(ln2_w[n]));
                 } else if constexpr (H_LL) {  // (the word gate_up's norm polls; ws_h above is down_proj's, ordered
                     ll_store(ws_hb, (size_t)b * HIDDEN + n, from_f(h), ll_e);  // by gate_up's release or barrier)

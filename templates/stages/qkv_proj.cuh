@@ -9,7 +9,7 @@
 // the bias in split 0's), and attention sums the splits as it polls them: no reduction pass, no counter, so a split qkv
 // keeps the LL hand-off (a split balances qkv's 16-row tiles over the SMs: Llama-3.2-1B's 192 on 132).
 #pragma once
-#include "../gemv.cuh"
+#include "../gemm.cuh"
 #include "norm.cuh"
 constexpr int QKV_TILES_PER_HEAD = (GROUP + 2) * HEAD_DIM / 16;
 __device__ __forceinline__ int qkv_tile_head(int tile) {  // the KV head whose q, k or v rows a 16-row tile holds
@@ -29,9 +29,21 @@ __device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv, 
     return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0, QKV_TM>(w_qkv);
 }
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
-__device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv, const T* b_qkv,
-                         float* ws_qkv, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
-                         const unsigned* ws_epoch, const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
+// GEMM_PROJ (NORM_GLOBAL): on the GEMM engine (gemm.cuh), the norm's rows in its tiled layout; QKV_FLOW 0.
+__device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv,
+                         const unsigned char* w_tmaps, const T* b_qkv, float* ws_qkv, float* ws_split,
+                         unsigned* ws_count, unsigned* ws_ready, const unsigned* ws_epoch,
+                         const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
+    if constexpr (GEMM_PROJ) {
+        static_assert(!GEMM_PROJ || (NORM_GLOBAL && QKV_FLOW == 0), "GEMM_PROJ: NORM_GLOBAL's rows, a grid barrier");
+        gemm<QKV_DIM, HIDDEN, QKV_GSPLIT, QKV_GFULL>(w_qkv, w_tmaps + TMAP_QKV * TMAP_BYTES, xn, BATCH, smem,
+            ws_split, ws_count,
+            [&](int n, int) { return QKV_BIAS ? load4(b_qkv + n) : make_float4(0.f, 0.f, 0.f, 0.f); },
+            [&](int n, int t, float4 v, float4 bias) {
+                *reinterpret_cast<float4*>(ws_qkv + (size_t)t * QKV_DIM + n) = v + bias;
+            });
+        return;
+    }
     const unsigned ll_e = QKV_FLOW == 2 ? ll_epoch(ws_epoch) : 0u;
     T* xs = reinterpret_cast<T*>(smem + SMEM_XS);
     T* gs = NORM_FOLD == 1 || NORM_FOLD == 3 ? reinterpret_cast<T*>(smem + SMEM_GS) : nullptr;  // the gain's copy
