@@ -90,8 +90,8 @@ def plan_fields(entry: dict) -> dict:
 def path_cell(c: dict) -> str | None:
     """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
-    barrier), TM=n (n tiles a GEMV task, the largest of the projections'), BS=n (the GEMV's warp groups in n batch
-    slices, the most of the projections'),
+    barrier), GEMM_PROJ (qkv_proj, o_proj and gate_up on the GEMM engine), TM=n (n tiles a GEMV task, the largest of
+    the GEMV projections'), BS=n (the GEMV's warp groups in n batch slices, the most of the projections'),
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
     the second norm as tagged words, no grid barrier between them: ATT_LL, QKV_FLOW 2 and H_LL; where only some,
@@ -100,9 +100,11 @@ def path_cell(c: dict) -> str | None:
     COOP=0 (launched without the cooperative attribute); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
-    tm = max([c.get(f"{p}_TM", 1) for p in ("QKV", "O", "GU", "DOWN")])
+    parts += ["GEMM_PROJ"] if c.get("GEMM_PROJ") else []
+    gemv = ("DOWN",) if c.get("GEMM_PROJ") else ("QKV", "O", "GU", "DOWN")  # (the projections the GEMVs run)
+    tm = max([c.get(f"{p}_TM", 1) for p in gemv])
     parts += [f"TM={tm}"] if tm > 1 else []
-    bs = max([c.get(f"{p}_BS", 1) for p in ("QKV", "O", "GU", "DOWN")])
+    bs = max([c.get(f"{p}_BS", 1) for p in gemv])
     parts += [f"BS={bs}"] if bs > 1 else []
     parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
     parts += ["ATT_TMA"] if c.get("ATT_TMA") else []
@@ -120,13 +122,16 @@ def path_cell(c: dict) -> str | None:
 
 def split_k_cell(c: dict) -> str | None:
     """Each projection's split-K as planned, qkv/o/gate_up/down: K splits, or FULL:KSPLIT where the first FULL
-    tiles run whole (prefill); None for plans that do not say (older builds)."""
+    tiles run whole (prefill; decode GEMM_PROJ's GEMMs: <P>_GFULL, <P>_GSPLIT); None for plans that do not say (older
+    builds)."""
     parts = []
     for p in ("QKV", "O", "GU", "DOWN"):
         if f"{p}_KSPLIT" not in c:
             return None
-        full = c.get(f"{p}_FULL", 0)
-        parts.append(f"{full}:{c[f'{p}_KSPLIT']}" if full else str(c[f"{p}_KSPLIT"]))
+        g = "G" if c.get("GEMM_PROJ") and p != "DOWN" else ""  # (decode GEMM_PROJ: the GEMM engine's split)
+        full = c.get(f"{p}_{g}FULL", 0)
+        parts.append(f"{full}:{c[f'{p}_{g}SPLIT' if g else f'{p}_KSPLIT']}" if full else
+                     str(c[f"{p}_GSPLIT" if g else f"{p}_KSPLIT"]))
     return "/".join(parts)
 
 

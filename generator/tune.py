@@ -192,7 +192,7 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP", "GU_SKIP")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP", "GEMM_PROJ")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -206,7 +206,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     of the last others where the limit would cut them.
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
-    re-plan of a default that spills), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
+    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 16; where planned, each GEMM's
+    split-K halved and doubled, and no GEMV knob of the three projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
     of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG
     (o_proj's and down_proj's input in fragment order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
@@ -255,6 +256,18 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     late: list[dict] = []  # tried after every other candidate (a limited tune, a re-plan's first clean one: not them)
+    # GEMM_PROJ flipped (qkv_proj, o_proj and gate_up on the GEMM engine or the GEMVs; sm_90, one GPU, from batch 16),
+    # and where planned each GEMM's split-K halved and doubled; the GEMVs' knobs of those three then plan nothing
+    gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
+    if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 16:
+        tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
+    if gemm_on:
+        for prefix in decode.GEMM_PROJECTIONS:
+            ks, chunks = d[f"{prefix}_GSPLIT"], -(-base["gemm"][dict(decode.PROJECTIONS)[prefix]]["K"] // d["GEMM_BK"])
+            tries += [{f"{prefix}_GSPLIT": s} for s in dict.fromkeys((max(1, ks // 2), ks * 2 if ks > 1 else 2))
+                      if s != ks and s <= min(decode.MAX_SPLIT, chunks)]
+    if gemm_on:  # (the GEMVs' knobs: down_proj's only)
+        projections = tuple((p, k) for p, k in projections if p not in decode.GEMM_PROJECTIONS)
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
         # qkv's splits whose words attention sums (QKV_FLOW 2, at most `cap` splits: level to +3 % at batch 1 on an

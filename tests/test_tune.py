@@ -883,6 +883,53 @@ def test_batch_slices_by_default_past_32_sequences():
         render.plan(b8, overrides={"DOWN_BS": 2, "DOWN_FLOW": 1})
 
 
+def test_gemm_projections_from_batch_48_on_sm_90():
+    """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine): by default from GEMM_BATCH_MIN on one sm_90
+    GPU where the norms' rows are in global memory, with QKV_FLOW 0 (the engine's tiles are not counted); its tiling is
+    256 weight rows x token tiles of at most 64 (batch 100: two of 64, padded to 128 rows), split-K from the planner's
+    rule; the workspace holds the split tiles' partials, a counter a tile and the tiled inputs; where it cannot be
+    taken an override is one line naming what is missing."""
+    from generator import interface
+    l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
+    for batch, on in ((1, 0), (8, 0), (32, 0), (47, 0), (48, 1), (64, 1), (100, 1), (128, 1)):
+        p = render.plan(_decode_layer("gpd", batch, 1024, l1b))
+        c = p["consts"]
+        assert (c["GEMM_PROJ"], c["GEMM_WGMMA"]) == (on, on), (batch, c)
+        if not on:
+            assert "gemm" not in p and c["QKV_GSPLIT"] == 1
+            continue
+        assert c["NORM_GLOBAL"] == 1 and c["QKV_FLOW"] == 0 and c["GEMM_WM"] * 16 == 256
+        bn = c["GEMM_TN"] * 8
+        assert bn <= 64 and bn % 16 == 0 and c["GEMM_XROWS"] % bn == 0 and c["GEMM_XROWS"] >= batch
+        g = p["gemm"]
+        for key, pre in (("qkv", "QKV"), ("o", "O"), ("gate_up", "GU")):
+            assert (c[f"{pre}_GSPLIT"], c[f"{pre}_GFULL"]) == (g[key]["KSPLIT"], g[key]["FULL"])
+            if g[key]["KSPLIT"] > 1:
+                assert p["sizes"]["SPLIT_FLOATS"] >= (g[key]["tiles"] - g[key]["FULL"]) * g[key]["KSPLIT"] * 256 * bn
+                assert p["sizes"]["COUNTERS"] >= g[key]["tiles"]
+        # gate_up's 1/rms of each row past the ring (H_STATS), both within the block's shared memory
+        assert c["SMEM_RS"] >= c["GEMM_STAGES"] * (256 + bn) * 64 * 2 + 1024
+        assert c["SMEM_RS"] + 4 * batch <= p["smem_bytes"]
+        buf = interface.workspace_layout({**c, "ROWS": batch, **p["sizes"]})["buffers"]
+        assert buf["xn"]["shape"] == [c["GEMM_XROWS"], 2048] and buf["attn"]["shape"] == [c["GEMM_XROWS"], 2048]
+        assert buf["act"]["shape"][1] == 8192  # (down_proj's GEMV input: fragment order, not tiled)
+    assert render.plan(_decode_layer("gpd", 64, 1024, l1b), arch="80")["consts"]["GEMM_PROJ"] == 0
+    b32, b64 = (_decode_layer("gpd", b, 1024, l1b) for b in (32, 64))
+    c = render.plan(b32, overrides={"GEMM_PROJ": 1})["consts"]  # (asked for: the norms' rows in global memory)
+    assert c["GEMM_PROJ"] == 1 and c["NORM_GLOBAL"] == 1
+    assert render.plan(b64, overrides={"QKV_FLOW": 1})["consts"]["GEMM_PROJ"] == 0  # (another override's plan)
+    for v, arch, ov, words in ((b64, "80", {"GEMM_PROJ": 1}, "needs sm_90"),
+                               (b64, "90", {"GEMM_PROJ": 1, "NORM_GLOBAL": 0}, "needs NORM_GLOBAL 1"),
+                               (b64, "90", {"GEMM_PROJ": 1, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
+                               (b32, "90", {"GU_GSPLIT": 2}, "with GEMM_PROJ 1 only"),
+                               (b64, "90", {"O_GSPLIT": 40}, "must be in 1..16"),
+                               (_decode_layer("gpd", 64, 1024, "hidden: 512, heads: 8, kv_heads: 8, head_dim: 64, "
+                                              "intermediate: 1024"), "90", {"QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):
+        with pytest.raises(PlanError) as ei:
+            render.plan(v, arch=arch, overrides=ov)
+        assert "\n" not in str(ei.value) and words in str(ei.value), str(ei.value)
+
+
 def test_from_frag_is_the_mma_b_fragment_layout():
     """generator.interface.from_frag against element positions worked out by hand from the PTX ISA's m16n8k16 B
     fragment (lane = 4 x group + thread-in-group; b0 holds k = 2t, 2t + 1 of column group, b1 k = 2t + 8, 2t + 9)."""

@@ -1,6 +1,8 @@
 // ---- stage: gate_up ---- post-attention norm, then gate and up projections in one GEMV over a weight whose rows
 // are interleaved (gate_i, up_i), so a 16-row tile holds both halves of act(gate) * up and writes it directly.
 #pragma once
+#include "../gemv.cuh"
+// (after gemv.cuh: opened alone, the decode example config, not gemm.cuh's prefill one)
 #include "../gemm.cuh"
 #include "norm.cuh"
 // (o_proj.cuh: GU_SKIP's o_epoch)

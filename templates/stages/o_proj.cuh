@@ -8,6 +8,8 @@
 // tensor cores' fragment order (gemv.cuh x_at<true>) instead, and the second norm is no step at all: no grid barrier
 // and no pass over the rows between o_proj and gate_up.
 #pragma once
+#include "../gemv.cuh"
+// (after gemv.cuh: opened alone, the decode example config, not gemm.cuh's prefill one)
 #include "../gemm.cuh"
 // GU_SKIP: the epoch of this launch as thread 0 read it before its h word's store (gate_up.cuh gu_skip)
 __shared__ unsigned o_epoch;

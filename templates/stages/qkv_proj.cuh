@@ -9,6 +9,8 @@
 // the bias in split 0's), and attention sums the splits as it polls them: no reduction pass, no counter, so a split qkv
 // keeps the LL hand-off (a split balances qkv's 16-row tiles over the SMs: Llama-3.2-1B's 192 on 132).
 #pragma once
+#include "../gemv.cuh"
+// (after gemv.cuh: opened alone, the decode example config, not gemm.cuh's prefill one)
 #include "../gemm.cuh"
 #include "norm.cuh"
 constexpr int QKV_TILES_PER_HEAD = (GROUP + 2) * HEAD_DIM / 16;
