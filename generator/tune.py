@@ -206,7 +206,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     of the last others where the limit would cut them.
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
-    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 16; where planned, each GEMM's
+    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 32; where planned, each GEMM's
     split-K halved and doubled, and no GEMV knob of the three projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
     of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG
@@ -256,10 +256,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     late: list[dict] = []  # tried after every other candidate (a limited tune, a re-plan's first clean one: not them)
-    # GEMM_PROJ flipped (qkv_proj, o_proj and gate_up on the GEMM engine or the GEMVs; sm_90, one GPU, from batch 16),
-    # and where planned each GEMM's split-K halved and doubled; the GEMVs' knobs of those three then plan nothing
+    # GEMM_PROJ flipped (qkv_proj, o_proj and gate_up on the GEMM engine or the GEMVs; sm_90, one GPU, from batch 32:
+    # +3.5 ... +8.7 % a layer there, the default from decode.GEMM_BATCH_MIN), and where planned each GEMM's split-K
+    # halved and doubled; the GEMVs' knobs of those three then plan nothing
     gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
-    if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 16:
+    if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 32:
         tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
     if gemm_on:
         for prefix in decode.GEMM_PROJECTIONS:

@@ -887,11 +887,11 @@ def test_gemm_projections_from_batch_48_on_sm_90():
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine): by default from GEMM_BATCH_MIN on one sm_90
     GPU where the norms' rows are in global memory, with QKV_FLOW 0 (the engine's tiles are not counted); its tiling is
     256 weight rows x token tiles of at most 64 (batch 100: two of 64, padded to 128 rows), split-K from the planner's
-    rule; the workspace holds the split tiles' partials, a counter a tile and the tiled inputs; where it cannot be
+    rule but for a projection with GEMM_UNSPLIT_SHARE of the SMs' worth of tiles or more (up to one a block: whole); the workspace holds the split tiles' partials, a counter a tile and the tiled inputs; where it cannot be
     taken an override is one line naming what is missing."""
     from generator import interface
     l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
-    for batch, on in ((1, 0), (8, 0), (32, 0), (47, 0), (48, 1), (64, 1), (100, 1), (128, 1)):
+    for batch, on in ((1, 0), (8, 0), (32, 0), (48, 0), (63, 0), (64, 1), (100, 1), (128, 1)):
         p = render.plan(_decode_layer("gpd", batch, 1024, l1b))
         c = p["consts"]
         assert (c["GEMM_PROJ"], c["GEMM_WGMMA"]) == (on, on), (batch, c)
@@ -902,6 +902,7 @@ def test_gemm_projections_from_batch_48_on_sm_90():
         bn = c["GEMM_TN"] * 8
         assert bn <= 64 and bn % 16 == 0 and c["GEMM_XROWS"] % bn == 0 and c["GEMM_XROWS"] >= batch
         g = p["gemm"]
+        assert g["gate_up"]["KSPLIT"] == 1 and g["o"]["KSPLIT"] > 1  # (64-128 tiles whole; 8 split)
         for key, pre in (("qkv", "QKV"), ("o", "O"), ("gate_up", "GU")):
             assert (c[f"{pre}_GSPLIT"], c[f"{pre}_GFULL"]) == (g[key]["KSPLIT"], g[key]["FULL"])
             if g[key]["KSPLIT"] > 1:
@@ -1413,9 +1414,9 @@ def test_batch_slices_match_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gemm_projections_match_the_reference(tmp_path):
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine, their inputs in its tiled layout): the
-    Llama-3.2-1B shape at batch 64 (its default: every projection split-K, H_STATS's sums of squares over quads of
-    lanes), with o_proj split 3 ways (shares of the split tiles in whole quads) and gate_up unsplit (the staged
-    epilogue); batch 100 (two token tiles, 28 padding rows); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
+    Llama-3.2-1B shape at batch 64 (its default: qkv and o_proj split-K, H_STATS's sums of squares over quads of
+    lanes, gate_up's tiles whole: the staged epilogue), with o_proj split 3 ways (shares of the split tiles in whole
+    quads) and gate_up split 2; batch 100 (two token tiles, 28 padding rows); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
     48); hidden 1440 with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight
     k-tiles past K); LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16
     (its norm from fp32 h): against the fp32 reference at two seeds, a second launch bit-equal; then three launches
@@ -1430,7 +1431,7 @@ def test_gemm_projections_match_the_reference(tmp_path):
     ln = _decode_layer("gpl", 48, 512, f"{l1b}, norm: layernorm")
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
-    cases = [(b64, {}), (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 1}), (b100, {}), (b48, {"GEMM_PROJ": 1}),
+    cases = [(b64, {}), (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 2}), (b100, {}), (b48, {"GEMM_PROJ": 1}),
              (hd80, {"GEMM_PROJ": 1}), (ln, {"GEMM_PROJ": 1}), (half, {"GEMM_PROJ": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     assert render.plan(b64)["consts"]["GEMM_PROJ"] == 1 and render.plan(b64)["consts"]["O_GSPLIT"] > 1

@@ -225,7 +225,16 @@ ATT_DYN_MIN_SEQ = 8192  # ATT_DYN by default from this KV length (see plan)
 STREAM_MIN_PAIRS = 64  # ATT_DYN 2 instead of 1 by default from this many (sequence, KV head) pairs (see plan)
 STREAM_IDLE_SMS = 0.05  # ... or where ATT_DYN 1's one round at full context leaves this share of the SMs idle (plan)
 STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 16 stream-K lost: many pieces a pair)
-GEMM_BATCH_MIN = 48  # GEMM_PROJ by default from this batch (see plan)
+# GEMM_PROJ by default from this batch (see plan). Measured on an H100 (bench/NOTES.md session 62), the engine against
+# the GEMVs, full context / serving mix: batch 64 Llama-3-8B -4.4 / -5.6 %, Qwen2.5-7B-like -4.1 / -4.6, Llama-3.2-3B-like
+# -0.3 / -1.0, Llama-3.2-1B -2.2 / -3.1 (gate_up unsplit); batch 96-128 -16 ... -33 % (Llama-3.2-1B, 3B-like, 8B);
+# batch 48 +1.6 % (8B), 0.0 (Mistral-Nemo-like), +7.5 % (1B); batch 32 +3.5 % (8B), +8.7 % (1B)
+GEMM_BATCH_MIN = 64
+# GEMM_PROJ's split-K: a projection with at least this share of the SMs' worth of 256-row tiles (and at most one a
+# block) runs them whole, its blocks streaming faster than split_k's busiest-SM model credits (measured, H100: the
+# Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.5 / -5.3
+# % against 2); fewer take split_k's rule (qkv's and o_proj's 8-24 tiles: 8 splits +0.6 / +1.7 % faster than 4)
+GEMM_UNSPLIT_SHARE = 0.45
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
 # thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
@@ -796,7 +805,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # output, o_proj's H_STATS rows or the second norm's) written in its tiled layout (gemv.cuh gemm_x); down_proj
     # stays a GEMV (level at batch 64 on both engines). Measured on an H100 (bench/NOTES.md session 61, the same
     # step as a prefill of chunk 1): at batch 64 the engine's qkv and o_proj -16 %, gate_up -8 % (Llama-3-8B) and -27
-    # % (Llama-3.2-1B) against the GEMVs; at batch 32 +6 %. By default from GEMM_BATCH_MIN
+    # % (Llama-3.2-1B) against the GEMVs; at batch 32 +6 %. By default from GEMM_BATCH_MIN (measured there)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
     gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
                                         and not any(ov.get(k) for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL"))))
@@ -824,7 +833,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         key = dict(PROJECTIONS)[prefix]
         n, k = shapes[key]
         tiles, chunks = -(-n // g_bm) * -(-v.batch // g_bn), -(-k // g_bk)
-        full, ks = split_k(tiles, chunks, sms, gemm_split_cost(g_bm, g_bn, g_stage)) if gemm_proj else (0, 1)
+        # (from GEMM_UNSPLIT_SHARE of the SMs' worth of tiles up to one a block, whole tiles: see GEMM_UNSPLIT_SHARE)
+        full, ks = (0, 1) if not gemm_proj or GEMM_UNSPLIT_SHARE * sms <= tiles <= sms else \
+            split_k(tiles, chunks, sms, gemm_split_cost(g_bm, g_bn, g_stage))
         if f"{prefix}_GSPLIT" in ov:  # every tile split that many ways
             full, ks = 0, ov[f"{prefix}_GSPLIT"]
             if ks > chunks:
