@@ -883,7 +883,7 @@ def test_batch_slices_by_default_past_32_sequences():
         render.plan(b8, overrides={"DOWN_BS": 2, "DOWN_FLOW": 1})
 
 
-def test_gemm_projections_from_batch_48_on_sm_90():
+def test_gemm_projections_from_batch_64_on_sm_90():
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine): by default from GEMM_BATCH_MIN on one sm_90
     GPU where the norms' rows are in global memory, with QKV_FLOW 0 (the engine's tiles are not counted); its tiling is
     256 weight rows x token tiles of at most 64 (batch 100: two of 64, padded to 128 rows), split-K from the planner's
