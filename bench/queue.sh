@@ -73,7 +73,7 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_gemm() {  # session 62: GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine from batch 48). First its
+part_gemm() {  # session 62 (ran): GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine from batch 64). First its
   # GPU test (7 cases against the fp32 reference), then the A/B against the GEMVs (prediction, H100, from session 61's
   # stage clocks: Llama-3-8B b64 -3 ... -5 %, Llama-3.2-1B b64 -6 ... -9 %; at b32 the engine +2 ... +6 %), then the
   # check's batch 48-64 rows with FlashInfer's and the serving-style layer
@@ -83,7 +83,7 @@ part_gemm() {  # session 62: GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmm
   local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
   ab gemm full,mix --variants bench/queue-variants.yaml \
     --case ho-l8b-b64_decode_b64_s1024_bf16 "$off" --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_GSPLIT": 2}' \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" --case ho-l1b-b48_decode_b48_s2048_bf16 "$off" \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" --case ho-l1b-b48_decode_b48_s2048_bf16 "$on" \
     --case q-l8b-b128_decode_b128_s1024_bf16 "$off" --case q-q7b-b64_decode_b64_s2048_bf16 "$off" \
     --case ho-l8b-b32_decode_b32_s4096_bf16 "$on" --case ho-l1b-b32_decode_b32_s4096_bf16 "$on"
   [ -n "$BUILD" ] || step check-gemm timeout 240 python3 bench/gpu_check.py --no-tests --only 'ho-l8b-b64*' \

@@ -47,7 +47,8 @@ TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready
 
 
 def _gemm_cols(c: dict, k: int) -> int:
-    """Columns of a prefill GEMM's input buffer: whole 64-wide blocks where tiled (sm_90a)."""
+    """Columns of a GEMM engine's input buffer (prefill's; decode GEMM_PROJ's xn and attn): whole 64-wide blocks where
+    tiled (sm_90a, GEMM_WGMMA)."""
     return -(-k // 64) * 64 if c.get("GEMM_WGMMA") else k
 
 
@@ -75,8 +76,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
            "with H_STATS times the second norm's gain; H_LL: each a 32-bit word, the value in its low half, the "
            "launch's epoch in the high"),
-    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),  # (decode's: down_proj's GEMV reads it, never tiled)
-                                  (c["INTER"] if "SEQ_LEN" in c else _gemm_cols(c, c["INTER"]))
+    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ: down_proj's GEMV reads it, not tiled)
+                                  (c["INTER"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["INTER"]))
                                   * (1 + (c.get("DOWN_FLOW") == 2))),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag; DOWN_FLOW 2: each element a 32-bit word, its "
            "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),

@@ -305,8 +305,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
                   # (O_PRE turned on beside the hand-offs from batch 2: with them off, the pair spills)
-                  {"O_PRE": 1 - d["O_PRE"], **(ll_off if v.batch > 1 and d["ATT_LL"] and not d["O_PRE"] else {})},
-                  {"GU_PRE": 1 - d["GU_PRE"]}, {"H_STATS": 1 - d["H_STATS"]}]
+                  *([] if gemm_on else  # (their first weight steps: the GEMVs')
+                    [{"O_PRE": 1 - d["O_PRE"], **(ll_off if v.batch > 1 and d["ATT_LL"] and not d["O_PRE"] else {})},
+                     {"GU_PRE": 1 - d["GU_PRE"]}]),
+                  {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:
         nwg, u = d[f"{prefix}_NWG"], d[f"{prefix}_U"]
@@ -383,6 +385,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             continue
         if "NORM_GLOBAL" not in ov and p["consts"].get("NORM_GLOBAL") != d.get("NORM_GLOBAL"):
             continue  # a knob whose rows no longer fit moved them to global memory: two changes, not one
+        if "GEMM_PROJ" not in ov and p["consts"].get("GEMM_PROJ") != d.get("GEMM_PROJ"):
+            continue  # a knob GEMM_PROJ cannot run with (QKV_FLOW, DOWN_FLOW) turned it off: two changes, not one
         key = knob_values(p)
         if key in seen:
             continue

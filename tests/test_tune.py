@@ -919,10 +919,17 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     c = render.plan(b32, overrides={"GEMM_PROJ": 1})["consts"]  # (asked for: the norms' rows in global memory)
     assert c["GEMM_PROJ"] == 1 and c["NORM_GLOBAL"] == 1
     assert render.plan(b64, overrides={"QKV_FLOW": 1})["consts"]["GEMM_PROJ"] == 0  # (another override's plan)
+    # asked for at batch 8 (one token tile of 16): the counters and LL words the planner takes there give way to it
+    c = render.plan(_decode_layer("gpd", 8, 1024, l1b), overrides={"GEMM_PROJ": 1})["consts"]
+    assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
+    hd80 = _decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
+    assert render.plan(hd80)["consts"]["GEMM_PROJ"] == 0  # (head_dim 80 spills with it: not by default)
     for v, arch, ov, words in ((b64, "80", {"GEMM_PROJ": 1}, "needs sm_90"),
                                (b64, "90", {"GEMM_PROJ": 1, "NORM_GLOBAL": 0}, "needs NORM_GLOBAL 1"),
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
                                (b32, "90", {"GU_GSPLIT": 2}, "with GEMM_PROJ 1 only"),
+                               (b64, "90", {"GEMM_PROJ": 1, "DOWN_SMEM": 1}, "needs DOWN_SMEM 0"),
+                               (b64, "90", {"GEMM_PROJ": 1, "QKV_NWG": 8, "GU_U": 2}, "QKV_NWG, GU_U: those run on"),
                                (b64, "90", {"O_GSPLIT": 40}, "must be in 1..16"),
                                (_decode_layer("gpd", 64, 1024, "hidden: 512, heads: 8, kv_heads: 8, head_dim: 64, "
                                               "intermediate: 1024"), "90", {"QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):

@@ -227,7 +227,7 @@ STREAM_IDLE_SMS = 0.05  # ... or where ATT_DYN 1's one round at full context lea
 STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 16 stream-K lost: many pieces a pair)
 # GEMM_PROJ by default from this batch (see plan). Measured on an H100 (bench/NOTES.md session 62), the engine against
 # the GEMVs, full context / serving mix: batch 64 Llama-3-8B -4.4 / -5.6 %, Qwen2.5-7B-like -4.1 / -4.6, Llama-3.2-3B-like
-# -0.3 / -1.0, Llama-3.2-1B -2.2 / -3.1 (gate_up unsplit); batch 96-128 -16 ... -33 % (Llama-3.2-1B, 3B-like, 8B);
+# -0.3 / -1.0, Llama-3.2-1B -1.6 / -3.4 (gate_up whole); batch 96-128 -16 ... -33 % (Llama-3.2-1B, 3B-like, 8B);
 # batch 48 +1.6 % (8B), 0.0 (Mistral-Nemo-like), +7.5 % (1B); batch 32 +3.5 % (8B), +8.7 % (1B)
 GEMM_BATCH_MIN = 64
 # GEMM_PROJ's split-K: a projection with at least this share of the SMs' worth of 256-row tiles (and at most one a
@@ -803,18 +803,24 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # projections run on (templates/gemm.cuh: the batch's rows tiled in shared memory by bulk copies, read once a
     # 256-row tile instead of once a 16-row GEMV task from L2), their inputs (the first norm's rows, attention's
     # output, o_proj's H_STATS rows or the second norm's) written in its tiled layout (gemv.cuh gemm_x); down_proj
-    # stays a GEMV (level at batch 64 on both engines). Measured on an H100 (bench/NOTES.md session 61, the same
-    # step as a prefill of chunk 1): at batch 64 the engine's qkv and o_proj -16 %, gate_up -8 % (Llama-3-8B) and -27
-    # % (Llama-3.2-1B) against the GEMVs; at batch 32 +6 %. By default from GEMM_BATCH_MIN (measured there)
+    # stays a GEMV (level at batch 64 on both engines, session 61). By default from GEMM_BATCH_MIN (measured there) at
+    # a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
+    gemm_off = ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")  # (overrides it cannot run with)
     gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
-                                        and not any(ov.get(k) for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL"))))
+                                        and m.head_dim % 32 == 0 and not any(ov.get(k) for k in gemm_off)))
     if gemm_proj:
+        gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
+                                             for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
         _needs(v.name, "GEMM_PROJ", gemm_proj, [
             (wgmma, f"sm_90 (wgmma; this build: sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
             (norm_global, "NORM_GLOBAL 1 (the GEMM reads its rows from global memory)"),
             *((not ov.get(k), f"{k} 0 (the GEMM's tiles are not counted or tagged)")
-              for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL"))])
+              for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL")),
+            (not ov.get("DOWN_SMEM"), "DOWN_SMEM 0 (the GEMM's ring holds gate_up's shared memory)"),
+            (not ov.get("GU_SKIP"), "GU_SKIP 0"),
+            (not gemv_knobs, f"no GEMV knob of qkv_proj, o_proj or gate_up ({', '.join(gemv_knobs)}: those run on "
+                             "the GEMM engine; <P>_GSPLIT sets its split-K)")])
     elif any(k in ov for k in (f"{p}_GSPLIT" for p in GEMM_PROJECTIONS)):
         raise PlanError(f"{v.name}: plan override {next(k for k in ov if k.endswith('_GSPLIT'))}: the GEMM engine's "
                         "split-K, with GEMM_PROJ 1 only (this plan: 0)")
@@ -961,7 +967,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                     and m.head_dim in LL_HEAD_DIMS_BATCH))
     gu_tasks = 2 * m.intermediate // 16 // gemv["gate_up"]["TM"]
     # (an override DOWN_FLOW=1 with a split gate_up or down_proj was refused above: splits come from overrides only)
-    flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1
+    flow_ok = (sm == 90 and v.tp == 1 and v.batch <= 8 and gu["KSPLIT"] == 1 and dn["KSPLIT"] == 1 and not gemm_proj
                and not (att_tma and smem_bytes > arch.smem_per_block - 1024))
     words = (flow_ok and ll_rule and v.batch == 1 and m.hidden <= DOWN_WORDS_HIDDEN_MAX and gu_tasks >= sms
              and ov.get("H_LL", 1) != 0
@@ -1098,6 +1104,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
     batch_slices(v.name, consts, ov)
+    if gemm_proj and (planned := [k for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")
+                                  if consts[k]]):  # (what the planner took beside it: an override's knob above)
+        raise PlanError(f"{v.name}: plan override GEMM_PROJ=1 needs {', '.join(f'{k} 0' for k in planned)} (this plan: "
+                        f"{', '.join(f'{k} {consts[k]}' for k in planned)}; the GEMM's tiles are not counted or tagged)")
     # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)
     reduced = {k: g for k, g in gemv.items() if g["KSPLIT"] > 1 and not (k == "qkv" and consts["QKV_FLOW"] == 2)}
     split_gemms = [g for key, g in gemm.items() if isinstance(g, dict) and g["KSPLIT"] > 1] if gemm_proj else []
