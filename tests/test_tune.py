@@ -918,7 +918,8 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     b32, b64 = (_decode_layer("gpd", b, 1024, l1b) for b in (32, 64))
     c = render.plan(b32, overrides={"GEMM_PROJ": 1})["consts"]  # (asked for: the norms' rows in global memory)
     assert c["GEMM_PROJ"] == 1 and c["NORM_GLOBAL"] == 1
-    assert render.plan(b64, overrides={"QKV_FLOW": 1})["consts"]["GEMM_PROJ"] == 0  # (another override's plan)
+    for ov in ({"QKV_FLOW": 1}, {"O_PRE": 1}, {"GU_NWG": 8}):  # (an override of the GEMVs' plan: GEMM_PROJ 0)
+        assert render.plan(b64, overrides=ov)["consts"]["GEMM_PROJ"] == 0, ov
     # asked for at batch 8 (one token tile of 16): the counters and LL words the planner takes there give way to it
     c = render.plan(_decode_layer("gpd", 8, 1024, l1b), overrides={"GEMM_PROJ": 1})["consts"]
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)

@@ -807,11 +807,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
     gemm_off = ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")  # (overrides it cannot run with)
+    # (the GEMV knobs of the three projections, overridden: a plan of their GEMVs)
+    gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
+                                       for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
     gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
-                                        and m.head_dim % 32 == 0 and not any(ov.get(k) for k in gemm_off)))
+                                        and m.head_dim % 32 == 0 and not any(ov.get(k) for k in gemm_off)
+                                        and not gemv_knobs))
     if gemm_proj:
-        gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
-                                             for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
         _needs(v.name, "GEMM_PROJ", gemm_proj, [
             (wgmma, f"sm_90 (wgmma; this build: sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
             (norm_global, "NORM_GLOBAL 1 (the GEMM reads its rows from global memory)"),
