@@ -925,6 +925,9 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
     hd80 = _decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
     assert render.plan(hd80)["consts"]["GEMM_PROJ"] == 0  # (head_dim 80 spills with it: not by default)
+    small = _decode_layer("gpd", 128, 1024, "hidden: 896, heads: 14, kv_heads: 2, head_dim: 64, intermediate: 4864")
+    assert render.plan(small)["consts"]["GEMM_PROJ"] == 0  # (hidden under GEMM_HIDDEN_MIN: not measured)
+    assert render.plan(small, overrides={"GEMM_PROJ": 1})["consts"]["GEMM_PROJ"] == 1
     for v, arch, ov, words in ((b64, "80", {"GEMM_PROJ": 1}, "needs sm_90"),
                                (b64, "90", {"GEMM_PROJ": 1, "NORM_GLOBAL": 0}, "needs NORM_GLOBAL 1"),
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
@@ -933,7 +936,7 @@ def test_gemm_projections_from_batch_64_on_sm_90():
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_NWG": 8, "GU_U": 2}, "QKV_NWG, GU_U: those run on"),
                                (b64, "90", {"O_GSPLIT": 40}, "must be in 1..16"),
                                (_decode_layer("gpd", 64, 1024, "hidden: 512, heads: 8, kv_heads: 8, head_dim: 64, "
-                                              "intermediate: 1024"), "90", {"QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):
+                                              "intermediate: 1024"), "90", {"GEMM_PROJ": 1, "QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):
         with pytest.raises(PlanError) as ei:
             render.plan(v, arch=arch, overrides=ov)
         assert "\n" not in str(ei.value) and words in str(ei.value), str(ei.value)

@@ -230,6 +230,7 @@ STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 
 # -0.3 / -1.0, Llama-3.2-1B -1.6 / -3.4 (gate_up whole); batch 96-128 -16 ... -33 % (Llama-3.2-1B, 3B-like, 8B);
 # batch 48 +1.6 % (8B), 0.0 (Mistral-Nemo-like), +7.5 % (1B); batch 32 +3.5 % (8B), +8.7 % (1B)
 GEMM_BATCH_MIN = 64
+GEMM_HIDDEN_MIN = 2048  # ... at a hidden size where measured (2048-4096; smaller: 256-row tiles few, not timed)
 # GEMM_PROJ's split-K: a projection with at least this share of the SMs' worth of 256-row tiles (and at most one a
 # block) runs them whole, its blocks streaming faster than split_k's busiest-SM model credits (measured, H100: the
 # Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.5 / -5.3
@@ -803,15 +804,17 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # projections run on (templates/gemm.cuh: the batch's rows tiled in shared memory by bulk copies, read once a
     # 256-row tile instead of once a 16-row GEMV task from L2), their inputs (the first norm's rows, attention's
     # output, o_proj's H_STATS rows or the second norm's) written in its tiled layout (gemv.cuh gemm_x); down_proj
-    # stays a GEMV (level at batch 64 on both engines, session 61). By default from GEMM_BATCH_MIN (measured there) at
-    # a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B without: not timed)
+    # stays a GEMV (level at batch 64 on both engines, session 61). By default from GEMM_BATCH_MIN and GEMM_HIDDEN_MIN
+    # (measured there) at a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B
+    # without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
     gemm_off = ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")  # (overrides it cannot run with)
     # (the GEMV knobs of the three projections, overridden: a plan of their GEMVs)
     gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
                                        for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
     gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
-                                        and m.head_dim % 32 == 0 and not any(ov.get(k) for k in gemm_off)
+                                        and m.head_dim % 32 == 0 and m.hidden >= GEMM_HIDDEN_MIN
+                                        and not any(ov.get(k) for k in gemm_off)
                                         and not gemv_knobs))
     if gemm_proj:
         _needs(v.name, "GEMM_PROJ", gemm_proj, [
