@@ -9,6 +9,7 @@
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
 #                                 # batch 48-64 rows of the check against FlashInfer
+#   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -90,6 +91,16 @@ part_gemm() {  # session 62 (ran): GEMM_PROJ (qkv_proj, o_proj and gate_up on th
     --only 'ho-l1b-b64*' --only 'ho-l1b-b48*' --serving-budget 60
 }
 
+part_gemm2() {  # session 62 (not yet run): GEMM_PROJ at hidden < 2048 (off by default there: not measured) and the
+  # Llama-3.2-1B b64 with gate_up's tiles whole (its default now) against the GEMVs. Prediction (H100): Qwen2.5-1.5B-like
+  # b64 -2 ... +4 %, Qwen2.5-0.5B-like and SmolLM-360M-like b64 +0 ... +10 % (qkv / o_proj 4-6 tiles), 1B b64 -1 ... -3 %
+  flashinfer
+  local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
+  ab gemm2 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" \
+    --case q-q05-b64_decode_b64_s2048_bf16 "$on" --case q-q15-b64_decode_b64_s2048_bf16 "$on" \
+    --case q-smol-b64_decode_b64_s2048_bf16 "$on"
+}
+
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
   # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
   flashinfer
@@ -142,12 +153,13 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gemm|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2 ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   gemm) part_gemm ;;
+  gemm2) part_gemm2 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -156,5 +168,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
