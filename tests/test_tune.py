@@ -925,6 +925,14 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
     hd80 = _decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
     assert render.plan(hd80)["consts"]["GEMM_PROJ"] == 0  # (head_dim 80 spills with it: not by default)
+    # its static shared memory counted: Llama-3-8B b227 (the GEMVs' 227 KB exactly) planned without it, asked: refused
+    b227 = _decode_layer("gpd", 227, 1024, "hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, intermediate: 14336")
+    p = render.plan(b227)
+    assert p["consts"]["GEMM_PROJ"] == 0 and p["overrides"] == {} and p["smem_bytes"] == 232448
+    assert render.plan(_decode_layer("gpd", 226, 1024, "hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, "
+                                     "intermediate: 14336"))["consts"]["GEMM_PROJ"] == 1
+    with pytest.raises(PlanError, match=r"GEMM_PROJ=1: needs 232448 B .* 1 KB more for the GEMMs' static"):
+        render.plan(b227, overrides={"GEMM_PROJ": 1})
     small = _decode_layer("gpd", 128, 1024, "hidden: 896, heads: 14, kv_heads: 2, head_dim: 64, intermediate: 4864")
     assert render.plan(small)["consts"]["GEMM_PROJ"] == 0  # (hidden under GEMM_HIDDEN_MIN: not measured)
     assert render.plan(small, overrides={"GEMM_PROJ": 1})["consts"]["GEMM_PROJ"] == 1

@@ -451,7 +451,8 @@ def _fmt(ov: dict) -> str:
     return " ".join(f"{k}={val}" for k, val in sorted(ov.items()))
 
 
-def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off: bool = False) -> dict:
+def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off: bool = False,
+         gemm_rule_off: bool = False) -> dict:
     """Every constexpr of the decode kernel for variant `v` on `arch`, the shared-memory layout and the GEMV
     tiling. `overrides` {knob: int} (KNOBS; generator.tune) replace the planner's choice of those knobs before the
     constants that depend on them (ATT_NSPLIT, the shared-memory offsets) are derived. Raises PlanError when the
@@ -812,7 +813,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # (the GEMV knobs of the three projections, overridden: a plan of their GEMVs)
     gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
                                        for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
-    gemm_proj = ov.get("GEMM_PROJ", int(wgmma and v.tp == 1 and norm_global and v.batch >= GEMM_BATCH_MIN
+    gemm_proj = ov.get("GEMM_PROJ", int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
+                                        and v.batch >= GEMM_BATCH_MIN
                                         and m.head_dim % 32 == 0 and m.hidden >= GEMM_HIDDEN_MIN
                                         and not any(ov.get(k) for k in gemm_off)
                                         and not gemv_knobs))
@@ -1031,6 +1033,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             (gemv["o"]["KSPLIT"] == 1, f"O_KSPLIT 1 (this plan: {gemv['o']['KSPLIT']})")])
     # ATT_TMA aligns the dynamic shared memory at 1024 B (the swizzle's atom), so the static shared memory that split-K,
     # NORM_CLUSTER and DOWN_FLOW declare (a few bytes) is padded to 1 KB ahead of it: both must fit in the block's limit
+    # GEMM_PROJ: the GEMMs' static shared memory (their mbarriers; with ATT_TMA padded to 1 KB) beside the dynamic: where
+    # they would not fit, planned without it (asked for: refused)
+    if gemm_proj and smem_bytes > arch.smem_per_block - 1024:
+        if "GEMM_PROJ" not in ov:
+            return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=True)
+        raise PlanError(f"{v.name}: plan override GEMM_PROJ=1: needs {smem_bytes} B of shared memory per block and 1 KB "
+                        f"more for the GEMMs' static shared memory: over sm_{arch.sm}'s {arch.smem_per_block} B "
+                        "(GEMM_PROJ=0 plans the GEMVs)")
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
             and smem_bytes > arch.smem_per_block - 1024:
         raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K, "
@@ -1050,7 +1060,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         (go["KSPLIT"] == 1 and go["TM"] == 1, "O_KSPLIT 1 and O_TM 1 (an o_proj tile on each skipped block)"),
         (m.hidden // 16 < sms, f"blocks left for gate_up (hidden / 16 = {m.hidden // 16} of {sms} SMs)")]
     if skip_rule and "GU_SKIP" not in ov and not all(ok for ok, _ in skip_needs):
-        return plan(v, arch, overrides, skip_rule_off=True)  # (the rule's requirements went with other overrides)
+        return plan(v, arch, overrides, skip_rule_off=True,  # (the rule's requirements went with other overrides)
+                    gemm_rule_off=gemm_rule_off)
     if gu_skip:
         _needs(v.name, "GU_SKIP", gu_skip, skip_needs)
     consts = {
