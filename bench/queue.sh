@@ -91,7 +91,7 @@ part_gemm() {  # session 62 (ran): GEMM_PROJ (qkv_proj, o_proj and gate_up on th
     --only 'ho-l1b-b64*' --only 'ho-l1b-b48*' --serving-budget 60
 }
 
-part_gemm2() {  # session 62 (not yet run): GEMM_PROJ at hidden < 2048 (off by default there: not measured) and the
+part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9, 896 +18 / +22, 960 +10 / +14): GEMM_PROJ at hidden < 2048 and the
   # Llama-3.2-1B b64 with gate_up's tiles whole (its default now) against the GEMVs. Prediction (H100): Qwen2.5-1.5B-like
   # b64 -2 ... +4 %, Qwen2.5-0.5B-like and SmolLM-360M-like b64 +0 ... +10 % (qkv / o_proj 4-6 tiles), 1B b64 -1 ... -3 %
   flashinfer

@@ -934,7 +934,7 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     with pytest.raises(PlanError, match=r"GEMM_PROJ=1: needs 232448 B .* 1 KB more for the GEMMs' static"):
         render.plan(b227, overrides={"GEMM_PROJ": 1})
     small = _decode_layer("gpd", 128, 1024, "hidden: 896, heads: 14, kv_heads: 2, head_dim: 64, intermediate: 4864")
-    assert render.plan(small)["consts"]["GEMM_PROJ"] == 0  # (hidden under GEMM_HIDDEN_MIN: not measured)
+    assert render.plan(small)["consts"]["GEMM_PROJ"] == 0  # (hidden under GEMM_HIDDEN_MIN: lost there)
     assert render.plan(small, overrides={"GEMM_PROJ": 1})["consts"]["GEMM_PROJ"] == 1
     for v, arch, ov, words in ((b64, "80", {"GEMM_PROJ": 1}, "needs sm_90"),
                                (b64, "90", {"GEMM_PROJ": 1, "NORM_GLOBAL": 0}, "needs NORM_GLOBAL 1"),
