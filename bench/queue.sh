@@ -97,7 +97,7 @@ part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9
   flashinfer
   local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
   ab gemm2 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" \
-    --case q-q05-b64_decode_b64_s2048_bf16 "$on" --case q-q15-b64_decode_b64_s2048_bf16 "$on" \
+    --case q-q05-b64_decode_b64_s2048_bf16 "$on" --case q-q15-b64_decode_b64_s2048_bf16 "$off" \
     --case q-smol-b64_decode_b64_s2048_bf16 "$on"
 }
 
