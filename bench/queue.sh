@@ -67,6 +67,9 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   local t0=$SECONDS logs="$OUT/logs"
   mkdir -p "$logs"
   flashinfer
+  # (session 62: gemm.cuh's split shares changed, prefill's split-K not yet run on a GPU since)
+  step logs/gputests-split timeout 200 python3 -m pytest -q -m gpu tests/test_prefill.py tests/test_tune.py \
+    -k "split_k_on_a_smaller_grid or gemm_projections_match"
   step logs/gputests-serve timeout 230 python3 -m pytest -q -m gpu tests/test_serve.py \
     -k "kv_bucket or cache_len_no_variant or graph_replay or fallback_numerics"
   step logs/check timeout $((${BUDGET:-560} - (SECONDS - t0))) python3 bench/gpu_check.py --no-tests \
