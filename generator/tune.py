@@ -441,7 +441,8 @@ def knob_dict(p: dict) -> dict:
 # ATT_LL, H_LL: 0 until the LL rule of session 48)
 KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
                 "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1,
-                "QKV_BS": 1, "O_BS": 1, "GU_BS": 1, "DOWN_BS": 1}  # (<P>_BS: session 58, from batch 41)
+                "QKV_BS": 1, "O_BS": 1, "GU_BS": 1, "DOWN_BS": 1,  # (<P>_BS: session 58, from batch 41)
+                "GEMM_PROJ": 0, "QKV_GSPLIT": 1, "O_GSPLIT": 1, "GU_GSPLIT": 1}  # (session 62, from batch 64)
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}
