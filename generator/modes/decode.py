@@ -96,6 +96,10 @@ assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PH
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 GEMM_PROJECTIONS = ("QKV", "O", "GU")  # GEMM_PROJ: the projections on the GEMM engine (down_proj stays a GEMV)
+# GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why
+GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged", "DOWN_FLOW": "the GEMM's tiles are not counted",
+            "ATT_LL": "o_proj's GEMM does not poll words", "H_LL": "gate_up's GEMM does not poll words",
+            "DOWN_SMEM": "the GEMM's ring holds gate_up's shared memory", "GU_SKIP": "gate_up's GEMM takes every block"}
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
@@ -235,7 +239,7 @@ GEMM_BATCH_MIN = 64
 GEMM_HIDDEN_MIN = 1536
 # GEMM_PROJ's split-K: a projection with at least this share of the SMs' worth of 256-row tiles (and at most one a
 # block) runs them whole, its blocks streaming faster than split_k's busiest-SM model credits (measured, H100: the
-# Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.5 / -5.3
+# Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.3 / -5.0
 # % against 2); fewer take split_k's rule (qkv's and o_proj's 8-24 tiles: 8 splits +0.6 / +1.7 % faster than 4)
 GEMM_UNSPLIT_SHARE = 0.45
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
@@ -811,23 +815,19 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # (measured there) at a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B
     # without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
-    gemm_off = ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")  # (overrides it cannot run with)
     # (the GEMV knobs of the three projections, overridden: a plan of their GEMVs)
     gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
                                        for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
     gemm_proj = ov.get("GEMM_PROJ", int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
                                         and v.batch >= GEMM_BATCH_MIN
                                         and m.head_dim % 32 == 0 and m.hidden >= GEMM_HIDDEN_MIN
-                                        and not any(ov.get(k) for k in gemm_off)
+                                        and not any(ov.get(k) for k in GEMM_OFF)
                                         and not gemv_knobs))
     if gemm_proj:
         _needs(v.name, "GEMM_PROJ", gemm_proj, [
             (wgmma, f"sm_90 (wgmma; this build: sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
             (norm_global, "NORM_GLOBAL 1 (the GEMM reads its rows from global memory)"),
-            *((not ov.get(k), f"{k} 0 (the GEMM's tiles are not counted or tagged)")
-              for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL")),
-            (not ov.get("DOWN_SMEM"), "DOWN_SMEM 0 (the GEMM's ring holds gate_up's shared memory)"),
-            (not ov.get("GU_SKIP"), "GU_SKIP 0"),
+            *((not ov.get(k), f"{k} 0 ({why})") for k, why in GEMM_OFF.items()),
             (not gemv_knobs, f"no GEMV knob of qkv_proj, o_proj or gate_up ({', '.join(gemv_knobs)}: those run on "
                              "the GEMM engine; <P>_GSPLIT sets its split-K)")])
     elif any(k in ov for k in (f"{p}_GSPLIT" for p in GEMM_PROJECTIONS)):
@@ -843,7 +843,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     rs_bytes = v.batch * 4 if h_stats else 0
     g_stages = min(gemm_stages(arch.smem_per_block, g_stage), (arch.smem_per_block - 2048 - rs_bytes) // g_stage)
     g_ring = g_stages * g_stage + 1024  # (+ the ring's alignment to the swizzle atom)
-    gemm = {"BM": g_bm, "BN": g_bn, "BK": g_bk, "STAGES": g_stages}
+    gemm_tiles = {}  # {prefix: its GEMM's N, K, tiles, FULL, KSPLIT}
     for prefix in GEMM_PROJECTIONS:
         key = dict(PROJECTIONS)[prefix]
         n, k = shapes[key]
@@ -855,7 +855,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             full, ks = 0, ov[f"{prefix}_GSPLIT"]
             if ks > chunks:
                 raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ks}: over {key}'s {chunks} K chunks")
-        gemm[key] = {"N": n, "K": k, "tiles": tiles, "FULL": full if ks > 1 else 0, "KSPLIT": ks}
+        gemm_tiles[prefix] = {"N": n, "K": k, "tiles": tiles, "FULL": full if ks > 1 else 0, "KSPLIT": ks}
 
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
@@ -1092,8 +1092,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         "GEMM_PROJ": gemm_proj, "GEMM_WGMMA": gemm_proj, "GEMM_WM": g_wm, "GEMM_TM": g_tm, "GEMM_TN": g_tn,
         "GEMM_BK": g_bk, "GEMM_STAGES": g_stages, "GEMM_XROWS": -(-v.batch // g_bn) * g_bn,
         "GEMM_GM": gemm_group(sms, g_bm, g_bn),
-        **{f"{p}_{x}": gemm[dict(PROJECTIONS)[p]][y] for p in GEMM_PROJECTIONS for x, y in (("GSPLIT", "KSPLIT"),
-                                                                                              ("GFULL", "FULL"))},
+        **{f"{p}_{x}": g[y] for p, g in gemm_tiles.items() for x, y in (("GSPLIT", "KSPLIT"), ("GFULL", "FULL"))},
         **smem,
     }
     for prefix, key in PROJECTIONS:
@@ -1122,15 +1121,15 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
     batch_slices(v.name, consts, ov)
-    if gemm_proj and (planned := [k for k in ("QKV_FLOW", "DOWN_FLOW", "ATT_LL", "H_LL", "DOWN_SMEM", "GU_SKIP")
-                                  if consts[k]]):  # (what the planner took beside it: an override's knob above)
+    if gemm_proj and (planned := [k for k in GEMM_OFF if consts[k]]):  # (what the planner took beside it)
         raise PlanError(f"{v.name}: plan override GEMM_PROJ=1 needs {', '.join(f'{k} 0' for k in planned)} (this plan: "
-                        f"{', '.join(f'{k} {consts[k]}' for k in planned)}; the GEMM's tiles are not counted or tagged)")
+                        f"{', '.join(f'{k} {consts[k]}' for k in planned)}; {GEMM_OFF[planned[0]]})")
     # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)
     reduced = {k: g for k, g in gemv.items() if g["KSPLIT"] > 1 and not (k == "qkv" and consts["QKV_FLOW"] == 2)}
-    split_gemms = [g for key, g in gemm.items() if isinstance(g, dict) and g["KSPLIT"] > 1] if gemm_proj else []
+    split_gemms = [g for g in gemm_tiles.values() if g["KSPLIT"] > 1]
     return {"consts": consts, "rows": v.batch, "gemv": gemv, "threads": THREADS, "smem_bytes": smem_bytes,
-            **({"gemm": gemm} if gemm_proj else {}),
+            **({"gemm": {"BM": g_bm, "BN": g_bn, "BK": g_bk, "STAGES": g_stages,
+                         **{dict(PROJECTIONS)[p]: g for p, g in gemm_tiles.items()}}} if gemm_proj else {}),
             # the attention's counters, the split GEMVs' and GEMMs' are used in turn (each resets its own)
             "sizes": {"COUNTERS": max([v.batch * m.kv_heads] + [shapes[k][0] // 16 for k in reduced]
                                       + [g["tiles"] for g in split_gemms]),
