@@ -628,7 +628,8 @@ def _delegate(command: click.Command, args: list, prog: str) -> None:
               "the directory / model_type]")
 @click.option("--batch", "batches", default=None, help="the entry's own matrix: batch sizes, comma-separated [1,8]")
 @click.option("--seq-len", "seq_lens", default=None,
-              help="the entry's own matrix: decode variants' KV rows a sequence, comma-separated [4096]")
+              help="the entry's own matrix: decode variants' KV rows a sequence, comma-separated [4096, or the "
+                   "model's max_position_embeddings where shorter]")
 @click.option("--prefill-chunks", default=None,
               help="the entry's own matrix: prefill variants too, of these chunk lengths (comma-separated; they "
                    "use the decode variants' cache)")
@@ -647,16 +648,20 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         if min(out) < 1:
             fail(f"{opt}: positive integers, got {text!r}")
         return out
+    try:  # (the default cache: 4096 rows, or max_position_embeddings where shorter)
+        seq_len = hf.default_seq_len(hf.read_config(path)[1])
+    except hf.HFConfigError as exc:
+        fail(str(exc))
     matrix = None
     if batches is not None or seq_lens is not None or prefill_chunks is not None:
         b = ints("--batch", batches, [1, 8])
-        matrix = [{"mode": ["decode"], "batch": b, "seq_len": ints("--seq-len", seq_lens, [4096])}]
+        matrix = [{"mode": ["decode"], "batch": b, "seq_len": ints("--seq-len", seq_lens, [seq_len])}]
         if prefill_chunks is not None:
             chunks = ints("--prefill-chunks", prefill_chunks, [])
             cache = max(matrix[0]["seq_len"])
             if any(c > cache for c in chunks):  # a prompt chunk lands in the decode variants' cache
                 fail(f"--prefill-chunks: a chunk of {max(chunks)} tokens does not fit the decode variants' cache of "
-                     f"{cache} rows (--seq-len{'' if seq_lens else ', default 4096'}): chunks up to {cache}")
+                     f"{cache} rows (--seq-len{'' if seq_lens else f', default {seq_len}'}): chunks up to {cache}")
             matrix.append({"mode": ["prefill"], "batch": b, "seq_len": chunks})
     try:
         text = hf.variant_entry_yaml(path, name=name, matrix=matrix)
@@ -680,7 +685,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
                 started = True
             except (OSError, UnicodeDecodeError):
                 started = False  # append_entry says what is wrong with it
-            hf.append_entry(write_file, text)
+            hf.append_entry(write_file, text, seq_len=seq_len)
             err_console.print(f"started {write_file} (a default matrix) with the entry" if started
                               else f"appended to {write_file}", highlight=False)
             if matrix is None:  # the file's matrix applies: its variants of this entry
@@ -696,8 +701,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
         else:
             click.echo(text, nl=False)
     except (hf.HFConfigError, gvariants.VariantError) as exc:
-        hint = ("; the entry's own matrix took the default --seq-len 4096: pass --seq-len"
-                if matrix is not None and seq_lens is None and "seq_len 4096" in str(exc) else "")
+        hint = (f"; the entry's own matrix took the default --seq-len {seq_len}: pass --seq-len"
+                if matrix is not None and seq_lens is None and f"seq_len {seq_len}" in str(exc) else "")
         fail(str(exc) + hint)
 
 

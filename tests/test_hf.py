@@ -197,6 +197,26 @@ def test_dynamic_rope_maps_to_default_rope_up_to_max_position_embeddings(tmp_pat
     assert f.read_text() == before
 
 
+def test_from_hf_default_cache_stops_at_max_position_embeddings(tmp_path):
+    """Unless told (--seq-len), from-hf's caches are 4096 rows or max_position_embeddings where shorter: in the file
+    --write starts and in the entry's own matrix, so a short-context model is neither warned of untrained positions
+    nor, under dynamic RoPE, refused; a longer one keeps 4096 (a trial found 4096 everywhere)."""
+    for mpe, want in ((256, 256), (131072, 4096)):
+        d = write_config(tmp_path, f"m{mpe}", {**LLAMA_3_2_1B, "max_position_embeddings": mpe})
+        r = run_cli("from-hf", d, "--write", tmp_path / f"m{mpe}.yaml")
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+        assert {v.seq_len for v in gvariants.load(tmp_path / f"m{mpe}.yaml")} == {want}
+        r = run_cli("from-hf", d, "--batch", "2")
+        assert r.returncode == 0 and f"seq_len: [{want}]" in r.stdout and "warning" not in r.stderr, r.stderr
+    dyn = write_config(tmp_path, "dyn", {**_without(LLAMA_3_1_8B, "rope_scaling"), "max_position_embeddings": 128,
+                                         "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    r = run_cli("from-hf", dyn, "--write", tmp_path / "dyn.yaml")
+    assert r.returncode == 0, r.stderr
+    assert {v.seq_len for v in gvariants.load(tmp_path / "dyn.yaml")} == {128}
+    r = run_cli("from-hf", dyn, "--batch", "1", "--prefill-chunks", "256")  # (the message names that default)
+    assert r.returncode == 2 and "default 128" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_transformers5_rope_parameters_layout(tmp_path):
     old = hf.model_entry(write_config(tmp_path, "a", LLAMA_3_1_8B))[1]
     cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}

@@ -46,8 +46,9 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
     if matrix is not None:
         flows = [_yaml_line("m", m).removeprefix("m: ") for m in matrix]
         text += "    matrix: " + (flows[0] if len(flows) == 1 else "[" + ", ".join(flows) + "]") + "\n"
-        _check_windows(text, name, gvariants.parse(NEW_FILE + text, f"{cfg_path}: --batch/--seq-len/--prefill-chunks"),
-                       f"{cfg_path}")
+        expanded = gvariants.parse(NEW_FILE.format(seq_len=DEFAULT_SEQ_LEN) + text,
+                                   f"{cfg_path}: --batch/--seq-len/--prefill-chunks")
+        _check_windows(text, name, expanded, f"{cfg_path}")
         trained = cfg.get("max_position_embeddings")
         longest = max((n for m in matrix if "decode" in m.get("mode", ()) for n in m.get("seq_len", ())), default=0)
         if isinstance(trained, int) and longest > trained:  # built and run as asked, but past what the model learned
@@ -83,10 +84,22 @@ def _check_windows(text: str, name: str, expanded, where: str) -> None:
 
 _MODELS_LINE = re.compile(r"^models:\s*(#.*)?$")
 _EMPTY_MODELS_LINE = re.compile(r"^models:\s*\{\s*\}\s*(#.*)?$")
-# a variants file that --write starts: decode at batch 1 and 8 over a 4,096-row cache (edit the matrix to taste)
+DEFAULT_SEQ_LEN = 4096  # a decode variant's KV rows a sequence where from-hf is given none
+
+
+def default_seq_len(cfg: dict) -> int:
+    """The KV rows (tokens) a sequence that from-hf gives a model's decode variants unless told: DEFAULT_SEQ_LEN, or
+    config.json's max_position_embeddings where that is shorter (positions past it were never trained, and dynamic
+    RoPE refuses them)."""
+    trained = cfg.get("max_position_embeddings")
+    return min(DEFAULT_SEQ_LEN, trained) if isinstance(trained, int) and not isinstance(trained, bool) \
+        and trained > 0 else DEFAULT_SEQ_LEN
+
+
+# a variants file that --write starts: decode at batch 1 and 8 over a cache of {seq_len} rows (edit it to taste)
 NEW_FILE = ("# variants started by `megakernel from-hf --write`: every model below is built for each combination of\n"
             "# the matrix (a model may give its own `matrix:`); see the project's variants.yaml for more\n"
-            "matrix: {mode: [decode], batch: [1, 8], seq_len: [4096]}\n"
+            "matrix: {{mode: [decode], batch: [1, 8], seq_len: [{seq_len}]}}\n"
             "models:\n")
 
 
@@ -117,9 +130,10 @@ def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
         raise
 
 
-def append_entry(variants_file, text: str) -> None:
+def append_entry(variants_file, text: str, seq_len: int = DEFAULT_SEQ_LEN) -> None:
     """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping, atomically;
-    a file that does not exist (or is empty) is started with NEW_FILE's default matrix. Writes nothing, raising
+    a file that does not exist (or is empty) is started with NEW_FILE's default matrix (decode, batch 1 and 8, caches
+    of `seq_len` rows: default_seq_len of the model). Writes nothing, raising
     HFConfigError / VariantError (one line), when the name is already there, the result does not parse as a
     variants file, or the entry's sliding window (its `# sliding_window N (...)` comment) is shorter than a
     seq_len the file's matrix gives it."""
@@ -133,7 +147,7 @@ def append_entry(variants_file, text: str) -> None:
     except UnicodeDecodeError as exc:
         raise HFConfigError(f"{path}: cannot read variants file: not UTF-8 text (byte {exc.start})") from None
     if not old.strip():
-        old = NEW_FILE  # a new (or empty) variants file: a default matrix, then the entry
+        old = NEW_FILE.format(seq_len=seq_len)  # a new (or empty) variants file: a default matrix, then the entry
     # `models: {}` (an empty flow mapping) becomes a block the entry goes under
     old = "".join(re.sub(r"\{\s*\}", "", ln, count=1) if _EMPTY_MODELS_LINE.match(ln.rstrip("\n")) else ln
                   for ln in old.splitlines(keepends=True))
