@@ -738,8 +738,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
 def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k, top_p, seed, stops,
                  variant_names, cache_len, device, dtype, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
-    prints the text (or token ids), tokens/s, time to first token and the path that served each layer. Under
-    torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo on the
+    prints the text (--prompt) or token ids (--ids), tokens/s, time to first token and the path that served each
+    layer. Under torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo on the
     CPU: --device cpu, or auto where torch sees no GPU) on the variants built with that tp; rank 0 prints."""
     import os
 
@@ -764,6 +764,13 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         fail(f"--device {device}: the model runs on cuda, cuda:N or cpu (or auto)")
     if dev.type == "cuda" and (why := cuda_unavailable()):
         fail(f"generate: {why} (--device cpu runs the unfused layers on the CPU)")
+    given = click.get_current_context().get_parameter_source("build_dir") != click.core.ParameterSource.DEFAULT
+    if os.environ.get("RANK", "0") == "0" and (given if dev.type == "cpu" else not Path(build_dir).is_dir()):
+        # (a build directory mistyped, or one the CPU does not read: said, not silently unused)
+        err_console.print(f"note: --build-dir {build_dir}: " + (
+            "not read on the CPU (fused kernels run on CUDA)" if dev.type == "cpu" else
+            "no such directory: no built variant serves this model (each layer shape is warned below)"),
+                          markup=False, highlight=False, soft_wrap=True)
     group, echo, info = None, click.echo, err_console.print
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU, tensor parallel
         import datetime

@@ -875,6 +875,8 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "time to first token" in r.stderr and "tokens/s" in r.stderr and "every layer" in r.stderr
     assert "[0] " in r.stdout and "[1] " in r.stdout
+    # a --build-dir that the CPU does not read is said (a trial found it silently unused)
+    assert f"note: --build-dir {tmp_path / 'b'}: not read on the CPU" in r.stderr, r.stderr
     r = cli(["generate", d, "--ids", "1,x", "--device", "cpu", "--cache-len", "32"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --ids")
     r = cli(["generate", d, "--ids", "1", "--max-new-tokens", "40", "--device", "cpu", "--cache-len", "32"],
