@@ -78,8 +78,9 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
 part_tunerest() {  # session 63: the plan-override GPU tests that session 63's call did not reach (its time ran out at
   # the LL hand-offs' test, which failed: its barrier twin planned GEMV_PF 1 at Llama-3-8B b1 since session 59, mended
   # in 6b20c40; the tests after it have not run on a GPU since session 57 or earlier). (~6 min on an H100: timeout_s
-  # 600; the whole log in $OUT, its failures' details at its end)
-  step gputests-tunerest timeout "${TR_S:-570}" python3 -m pytest -q -m gpu tests/test_tune.py -k "ll_hand_offs or \
+  # 600; the whole log in $OUT: -v names each test's outcome as it ends, the failures' details come at the end, lost
+  # if the timeout cuts it)
+  step gputests-tunerest timeout "${TR_S:-570}" python3 -m pytest -v -m gpu tests/test_tune.py -k "ll_hand_offs or \
 staged_in_shared or leaving_down_proj or single_buffered or norm_cluster or pre_loaded or norm_global or \
 attention_by_tma or tiles_a_task or h_stats_matches or split_parallel or combine_over"
 }

@@ -692,9 +692,9 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
                 entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
                 mine = [v for v in gvariants.load(write_file) if v.model.name == entry]
                 warn_refused(mine)
-                trained = hf.read_config(path)[1].get("max_position_embeddings")
+                trained = hf.trained_positions(hf.read_config(path)[1])
                 longest = max((v.seq_len for v in mine if v.mode == "decode"), default=0)
-                if isinstance(trained, int) and longest > trained and ("# " + hf.WARNING_MARK) not in text:
+                if trained is not None and longest > trained and ("# " + hf.WARNING_MARK) not in text:
                     err_console.print(f"warning: seq_len {longest} (the matrix of {write_file}) is longer than "
                                       f"max_position_embeddings {trained}: positions past it were never trained",
                                       markup=False, highlight=False, soft_wrap=True)
@@ -770,7 +770,7 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
         # (a build directory mistyped, or one the CPU does not read: said, not silently unused)
         err_console.print(f"note: --build-dir {build_dir}: " + (
             "not read on the CPU (fused kernels run on CUDA)" if dev.type == "cpu" else
-            "no such directory: no built variant serves this model (each layer shape is warned below)"),
+            "no such directory: no built variant is read from it"),
                           markup=False, highlight=False, soft_wrap=True)
     group, echo, info = None, click.echo, err_console.print
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU, tensor parallel

@@ -49,9 +49,9 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
         expanded = gvariants.parse(NEW_FILE.format(seq_len=DEFAULT_SEQ_LEN) + text,
                                    f"{cfg_path}: --batch/--seq-len/--prefill-chunks")
         _check_windows(text, name, expanded, f"{cfg_path}")
-        trained = cfg.get("max_position_embeddings")
+        trained = trained_positions(cfg)
         longest = max((n for m in matrix if "decode" in m.get("mode", ()) for n in m.get("seq_len", ())), default=0)
-        if isinstance(trained, int) and longest > trained:  # built and run as asked, but past what the model learned
+        if trained is not None and longest > trained:  # built and run as asked, but past what the model learned
             text += (f"    # {WARNING_MARK} seq_len {longest} is longer than max_position_embeddings {trained}: "
                      "positions past it were never trained\n")
     return text
@@ -87,13 +87,18 @@ _EMPTY_MODELS_LINE = re.compile(r"^models:\s*\{\s*\}\s*(#.*)?$")
 DEFAULT_SEQ_LEN = 4096  # a decode variant's KV rows a sequence where from-hf is given none
 
 
+def trained_positions(cfg: dict) -> int | None:
+    """config.json's max_position_embeddings (positions the model was trained on) where it is a positive integer,
+    else None (absent, null or not a count: nothing to compare a cache with)."""
+    trained = cfg.get("max_position_embeddings")
+    return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None
+
+
 def default_seq_len(cfg: dict) -> int:
     """The KV rows (tokens) a sequence that from-hf gives a model's decode variants unless told: DEFAULT_SEQ_LEN, or
     config.json's max_position_embeddings where that is shorter (positions past it were never trained, and dynamic
     RoPE refuses them)."""
-    trained = cfg.get("max_position_embeddings")
-    return min(DEFAULT_SEQ_LEN, trained) if isinstance(trained, int) and not isinstance(trained, bool) \
-        and trained > 0 else DEFAULT_SEQ_LEN
+    return min(DEFAULT_SEQ_LEN, trained_positions(cfg) or DEFAULT_SEQ_LEN)
 
 
 # a variants file that --write starts: decode at batch 1 and 8 over a cache of {seq_len} rows (edit it to taste)
@@ -133,7 +138,7 @@ def _atomic_write_text(path: Path, text: str, newline: str = "\n") -> None:
 def append_entry(variants_file, text: str, seq_len: int = DEFAULT_SEQ_LEN) -> None:
     """Append a models entry (variant_entry_yaml's text) under the file's top-level block `models:` mapping, atomically;
     a file that does not exist (or is empty) is started with NEW_FILE's default matrix (decode, batch 1 and 8, caches
-    of `seq_len` rows: default_seq_len of the model). Writes nothing, raising
+    of `seq_len` rows: pass default_seq_len(config) as from-hf does, else 4096). Writes nothing, raising
     HFConfigError / VariantError (one line), when the name is already there, the result does not parse as a
     variants file, or the entry's sliding window (its `# sliding_window N (...)` comment) is shorter than a
     seq_len the file's matrix gives it."""
