@@ -649,7 +649,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
             fail(f"{opt}: positive integers, got {text!r}")
         return out
     try:  # (the default cache: 4096 rows, or max_position_embeddings where shorter)
-        seq_len = hf.default_seq_len(hf.read_config(path)[1])
+        cfg = hf.read_config(path)[1]
+        seq_len = hf.default_seq_len(cfg)
     except hf.HFConfigError as exc:
         fail(str(exc))
     matrix = None
@@ -692,7 +693,7 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
                 entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
                 mine = [v for v in gvariants.load(write_file) if v.model.name == entry]
                 warn_refused(mine)
-                trained = hf.trained_positions(hf.read_config(path)[1])
+                trained = hf.trained_positions(cfg)
                 longest = max((v.seq_len for v in mine if v.mode == "decode"), default=0)
                 if trained is not None and longest > trained and ("# " + hf.WARNING_MARK) not in text:
                     err_console.print(f"warning: seq_len {longest} (the matrix of {write_file}) is longer than "
