@@ -11,6 +11,7 @@
 #   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
 #                                 # batch 48-64 rows of the check against FlashInfer
 #   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
+#   bash bench/queue.sh pproj     # session 64 (carry .whl; ~5 min): GEMM_PROJ per projection's GPU test and A/B
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -112,6 +113,23 @@ part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9
     --case q-smol-b64_decode_b64_s2048_bf16 "$on"
 }
 
+part_pproj() {  # session 64: GEMM_PROJ per projection (qkv_proj and o_proj GEMVs where a task of the engine's split
+  # holds < GEMM_TASK_CHUNKS_MIN K chunks at batch <= 64; QKV_GEMM, O_GEMM). First its GPU test (10 cases), then the
+  # A/B against all three on the engine (session 62's default) and the GEMVs' QKV_FLOW 1 beside it. Prediction (H100,
+  # from session 62's stage clocks): Llama-3.2-1B b64 -1.5 ... -3 % (qkv 13.9 -> 12.2, o_proj 12.3 -> 10.9 us; QKV_FLOW 1
+  # a grid barrier less, -0 ... -1.5 % more), Llama-3.2-3B-like b64 (o_proj a GEMV) -0.5 ... -2 %, Qwen2.5-1.5B-like b64
+  # -1 ... -4 %; Qwen2.5-7B-like b64 with o_proj a GEMV (7 chunks a task) +0 ... +3 %, Llama-3-8B b64's (8) +1 ... +4 %
+  flashinfer
+  [ -n "$BUILD" ] || step gputests-pproj timeout 300 python3 -m pytest -v -m gpu tests/test_tune.py \
+    -k gemm_projections_match
+  local all='{"QKV_GEMM": 1, "O_GEMM": 1}' flow='{"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}' og='{"O_GEMM": 0}'
+  ab pproj full,mix --variants bench/queue-variants.yaml \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$all" --case ho-l1b-b64_decode_b64_s1024_bf16 "$flow" \
+    --case q-l3b-b64_decode_b64_s1024_bf16 "$all" --case q-q15-b64_decode_b64_s2048_bf16 "$all" \
+    --case q-q15-b64_decode_b64_s2048_bf16 "$flow" --case q-q7b-b64_decode_b64_s2048_bf16 "$og" \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 "$og" --case q-l1b-b128_decode_b128_s1024_bf16 "$og"
+}
+
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
   # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
   flashinfer
@@ -164,13 +182,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gemm|gemm2|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gemm|gemm2|pproj|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2; part_pproj ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   gemm) part_gemm ;;
   gemm2) part_gemm2 ;;
+  pproj) part_pproj ;;
   first) part_first ;;
   tunerest) part_tunerest ;;
   keyrows) part_keyrows ;;
@@ -180,5 +199,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|pproj|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

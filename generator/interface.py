@@ -66,11 +66,13 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
            "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
            "gate_up)"),
-    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if c.get("GEMM_PROJ") else
-                                   (c.get("XF_ROWS", c["ROWS"]), _gemm_cols(c, c["Q_DIM"]) * (1 + bool(c.get("ATT_LL"))))),
+    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if c.get("GEMM_PROJ") and c.get("O_GEMM", 1)
+                                   else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, O_GEMM 0: not tiled)
+                                         (c["Q_DIM"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["Q_DIM"]))
+                                         * (1 + bool(c.get("ATT_LL"))))),
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "
-           "value in the low half, the launch's epoch in the high; sm_90a prefill and decode GEMM_PROJ: tiled, "
-           "from_tiles)"),
+           "value in the low half, the launch's epoch in the high; sm_90a prefill and decode GEMM_PROJ's o_proj on the "
+           "engine (O_GEMM): tiled, from_tiles)"),
     Buffer("h", "float", lambda c: (c["ROWS"], c["HIDDEN"]), "residual after o_proj (fp32)"),
     Buffer("hb", "T", lambda c: (c.get("HB_ROWS", 0), c["HIDDEN"] * (1 + bool(c.get("H_LL")))),
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
@@ -83,7 +85,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
            "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles; decode NORM_GLOBAL: in "
-           "fragment order, from_frag; decode GEMM_PROJ: tiled, from_tiles)"),
+           "fragment order, from_frag; decode GEMM_PROJ: tiled, from_tiles: gate_up's rows, sharing the buffer with the "
+           "first norm's, which are in qkv_proj's layout: tiled where QKV_GEMM, else fragment order)"),
     Buffer("q", "T", lambda c: (c.get("Q_ROWS", c["XN_ROWS"]), c["Q_DIM"]),
            "prepared queries (prefill: normed, RoPE, scaled)"),
     Buffer("split", "float", lambda c: (c["SPLIT_FLOATS"],),

@@ -458,10 +458,10 @@ class FusedDecoderLayer:
         """A view of workspace buffer `name` (interface.WORKSPACE) with its dtype (T = the variant's dtype, "float"
         fp32, "unsigned" int32) and shape, rows = the launch's token rows (decode: batch; prefill: batch x chunk,
         sequence-major), e.g. "qkv" fp32 [rows, q_dim + 2 kv_dim], "attn" [rows, q_dim], "h" fp32 [rows, hidden],
-        "act" [rows, intermediate] ("attn" and "act" of a decode plan with X_FRAG, "attn" and "xn" of one with GEMM_PROJ,
-        and "attn", "act", "xn" of an sm_90a prefill plan: a row-major copy of the fragment-ordered or tiled buffer,
-        [rows, columns]). Raises
-        ValueError naming the buffers for an unknown name."""
+        "act" [rows, intermediate] ("attn" and "act" of a decode plan with X_FRAG, "xn" of one with GEMM_PROJ and
+        "attn" where its o_proj is on the engine (O_GEMM), and "attn", "act", "xn" of an sm_90a prefill plan: a
+        row-major copy of the fragment-ordered or tiled buffer, [rows, columns]). Raises ValueError naming the buffers
+        for an unknown name."""
         if name not in self._buffers:
             raise ValueError(f"buffer: no workspace buffer {name!r}; there are {', '.join(self._buffers)}")
         b = self._buffers[name]
@@ -477,7 +477,9 @@ class FusedDecoderLayer:
         if name == "qkv" and self.mode == "decode" and consts.get("QKV_FLOW") == 2:  # (QKV_KSPLIT: splits summed)
             ks, rows = consts.get("QKV_KSPLIT", 1), self.plan["rows"]
             return from_ll(raw, ks * rows, consts["QKV_DIM"], frag=False).view(ks, rows, -1).sum(0)
-        if name in ("attn", "xn") and self.mode == "decode" and consts.get("GEMM_PROJ"):  # the GEMM engine's inputs
+        # the GEMM engine's inputs (decode GEMM_PROJ: xn holds gate_up's rows last; attn o_proj's where O_GEMM)
+        if self.mode == "decode" and consts.get("GEMM_PROJ") and (name == "xn" or name == "attn" and consts.get(
+                "O_GEMM", 1)):
             k = {"attn": consts["Q_DIM"], "xn": consts["HIDDEN"]}[name]
             return from_tiles(raw, self.plan["rows"], k, consts["GEMM_XROWS"])
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):

@@ -19,6 +19,7 @@ from rich.table import Table
 from .compile import atomic_write, read_manifest
 from .interface import weight_shapes
 from .manifest import build_dir_flag, cubin_problem, kernel_sources_digest, status as build_status, variant_from_entry
+from .modes import decode
 from .plan import L1_ENOUGH
 from .targets import DEFAULT_ARCH, DTYPES, arch as get_arch, gpu_arch
 from .tune import knob_dict, knobs_differ
@@ -90,7 +91,8 @@ def plan_fields(entry: dict) -> dict:
 def path_cell(c: dict) -> str | None:
     """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
-    barrier), GEMM_PROJ (qkv_proj, o_proj and gate_up on the GEMM engine), TM=n (n tiles a GEMV task, the largest of
+    barrier), GEMM_PROJ (qkv_proj, o_proj and gate_up on the GEMM engine; GEMM_PROJ=qkv+gu and the like where some
+    stay GEMVs: QKV_GEMM, O_GEMM), TM=n (n tiles a GEMV task, the largest of
     the GEMV projections'), BS=n (the GEMV's warp groups in n batch slices, the most of the projections'),
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
@@ -100,8 +102,10 @@ def path_cell(c: dict) -> str | None:
     COOP=0 (launched without the cooperative attribute); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
-    parts += ["GEMM_PROJ"] if c.get("GEMM_PROJ") else []
-    gemv = ("DOWN",) if c.get("GEMM_PROJ") else ("QKV", "O", "GU", "DOWN")  # (the projections the GEMVs run)
+    engine = [p for p in ("QKV", "O", "GU") if decode.on_engine(c, p)]
+    parts += (["GEMM_PROJ"] if len(engine) == 3 else [f"GEMM_PROJ={'+'.join(p.lower() for p in engine)}"]
+              if engine else [])
+    gemv = [p for p in ("QKV", "O", "GU", "DOWN") if not decode.on_engine(c, p)]  # (the projections the GEMVs run)
     tm = max([c.get(f"{p}_TM", 1) for p in gemv])
     parts += [f"TM={tm}"] if tm > 1 else []
     bs = max([c.get(f"{p}_BS", 1) for p in gemv])
@@ -128,7 +132,7 @@ def split_k_cell(c: dict) -> str | None:
     for p in ("QKV", "O", "GU", "DOWN"):
         if f"{p}_KSPLIT" not in c:
             return None
-        g = "G" if c.get("GEMM_PROJ") and p != "DOWN" else ""  # (decode GEMM_PROJ: the GEMM engine's split)
+        g = "G" if decode.on_engine(c, p) else ""  # (decode GEMM_PROJ: the GEMM engine's split)
         full = c.get(f"{p}_{g}FULL", 0)
         parts.append(f"{full}:{c[f'{p}_{g}SPLIT' if g else f'{p}_KSPLIT']}" if full else
                      str(c[f"{p}_GSPLIT" if g else f"{p}_KSPLIT"]))

@@ -206,8 +206,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     of the last others where the limit would cut them.
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
-    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 32; where planned, each GEMM's
-    split-K halved and doubled, and no GEMV knob of the three projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
+    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 32; where planned, QKV_GEMM and
+    O_GEMM flipped, each GEMM's split-K halved and doubled, and no GEMV knob of the projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
     of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG
     (o_proj's and down_proj's input in fragment order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
@@ -262,13 +262,14 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
     if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 32:
         tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
-    if gemm_on:
-        for prefix in decode.GEMM_PROJECTIONS:
+    if gemm_on:  # (qkv_proj's and o_proj's engine flipped: decode.GEMM_TASK_CHUNKS_MIN's rule)
+        tries += [{f"{prefix}_GEMM": 1 - d[f"{prefix}_GEMM"]} for prefix in decode.GEMM_OPTIONAL]
+        for prefix in (p for p in decode.GEMM_PROJECTIONS if decode.on_engine(d, p)):
             ks, chunks = d[f"{prefix}_GSPLIT"], -(-base["gemm"][dict(decode.PROJECTIONS)[prefix]]["K"] // d["GEMM_BK"])
             tries += [{f"{prefix}_GSPLIT": s} for s in dict.fromkeys((max(1, ks // 2), ks * 2 if ks > 1 else 2))
                       if s != ks and s <= min(decode.MAX_SPLIT, chunks)]
-    if gemm_on:  # (the GEMVs' knobs: down_proj's only)
-        projections = tuple((p, k) for p, k in projections if p not in decode.GEMM_PROJECTIONS)
+    if gemm_on:  # (the GEMVs' knobs: down_proj's, and those of qkv_proj and o_proj where they stay GEMVs)
+        projections = tuple((p, k) for p, k in projections if not decode.on_engine(d, p))
     for prefix, key in projections:  # split-K first: where it applies, the largest measured effects
         splits = [base["gemv"][key]["split_k"], base["gemv"][key]["split_balance"]]
         # qkv's splits whose words attention sums (QKV_FLOW 2, at most `cap` splits: level to +3 % at batch 1 on an
@@ -456,6 +457,9 @@ def knobs_differ(recorded: dict, now: dict) -> list[str]:
     if not recorded:
         return []
     rec = {**{k: val for k, val in KNOBS_BEFORE.items() if k in now}, **recorded}
+    for p in decode.GEMM_OPTIONAL:  # (<P>_GEMM: session 64; a record from before ran all three as GEMM_PROJ said)
+        if f"{p}_GEMM" in now:
+            rec.setdefault(f"{p}_GEMM", rec.get("GEMM_PROJ", 0))
     inert = {"ATT_PIECE_TILES"} if now.get("ATT_DYN") != 2 else set()  # read by stream-K's kernel only
     return sorted(k for k in rec if now.get(k) != rec[k] and k not in inert
                   and not (k not in now and k in KNOBS_RETIRED and KNOBS_RETIRED[k] == rec[k]))

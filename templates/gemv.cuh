@@ -39,9 +39,11 @@ __device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
 }
 
 // Element (b, k) of a decode activation that the next projection reads from global memory: gemm_x's layout where
-// that projection runs on the GEMM engine (the decode plan's GEMM_PROJ, whose plans set GEMM_WGMMA), else fragment order
+// that projection runs on the GEMM engine (ENGINE: the decode plan's GEMM_PROJ for gate_up, QKV_GEMM for qkv_proj),
+// else fragment order
+template <bool ENGINE>
 __device__ __forceinline__ size_t xg_at(int b, int k, int K) {
-    if constexpr (GEMM_WGMMA)
+    if constexpr (ENGINE)
         return gemm_x(b, k, K);
     else
         return x_at<true>(b, k, K);

@@ -902,7 +902,11 @@ def test_gemm_projections_from_batch_64_on_sm_90():
         bn = c["GEMM_TN"] * 8
         assert bn <= 64 and bn % 16 == 0 and c["GEMM_XROWS"] % bn == 0 and c["GEMM_XROWS"] >= batch
         g = p["gemm"]
-        assert g["gate_up"]["KSPLIT"] == 1 and g["o"]["KSPLIT"] > 1  # (64-128 tiles whole; 8 split)
+        # qkv_proj and o_proj: GEMVs at batch 64 (their 12 and 8 tiles split 8 ways: 4 K chunks a task, under
+        # GEMM_TASK_CHUNKS_MIN), on the engine past one token tile (batch 100, 128: o_proj's 16 tiles split 8 ways)
+        engine = int(batch > 64)
+        assert (c["QKV_GEMM"], c["O_GEMM"]) == (engine, engine), (batch, c)
+        assert g["gate_up"]["KSPLIT"] == 1 and g["o"]["KSPLIT"] == (8 if engine else 1)
         for key, pre in (("qkv", "QKV"), ("o", "O"), ("gate_up", "GU")):
             assert (c[f"{pre}_GSPLIT"], c[f"{pre}_GFULL"]) == (g[key]["KSPLIT"], g[key]["FULL"])
             if g[key]["KSPLIT"] > 1:
@@ -912,14 +916,25 @@ def test_gemm_projections_from_batch_64_on_sm_90():
         assert c["SMEM_RS"] >= c["GEMM_STAGES"] * (256 + bn) * 64 * 2 + 1024
         assert c["SMEM_RS"] + 4 * batch <= p["smem_bytes"]
         buf = interface.workspace_layout({**c, "ROWS": batch, **p["sizes"]})["buffers"]
-        assert buf["xn"]["shape"] == [c["GEMM_XROWS"], 2048] and buf["attn"]["shape"] == [c["GEMM_XROWS"], 2048]
+        assert buf["xn"]["shape"] == [c["GEMM_XROWS"], 2048]
+        assert buf["attn"]["shape"] == [c["GEMM_XROWS"] if engine else -(-batch // 8) * 8, 2048]
         assert buf["act"]["shape"][1] == 8192  # (down_proj's GEMV input: fragment order, not tiled)
     assert render.plan(_decode_layer("gpd", 64, 1024, l1b), arch="80")["consts"]["GEMM_PROJ"] == 0
     b32, b64 = (_decode_layer("gpd", b, 1024, l1b) for b in (32, 64))
     c = render.plan(b32, overrides={"GEMM_PROJ": 1})["consts"]  # (asked for: the norms' rows in global memory)
     assert c["GEMM_PROJ"] == 1 and c["NORM_GLOBAL"] == 1
-    for ov in ({"QKV_FLOW": 1}, {"O_PRE": 1}, {"GU_NWG": 8}):  # (an override of the GEMVs' plan: GEMM_PROJ 0)
+    for ov in ({"QKV_FLOW": 1}, {"GU_NWG": 8}):  # (an override of the GEMVs' plan: GEMM_PROJ 0)
         assert render.plan(b64, overrides=ov)["consts"]["GEMM_PROJ"] == 0, ov
+    # per projection: a GEMV knob of qkv_proj or o_proj keeps it a GEMV (the engine takes the others), a split of
+    # the engine's puts it there; QKV_FLOW's counters beside the engine where both are asked to stay GEMVs
+    b100 = _decode_layer("gpd", 100, 1024, l1b)
+    for v, ov, want in ((b100, {"O_PRE": 1}, (1, 1, 0)), (b100, {"QKV_NWG": 8}, (1, 0, 1)),
+                        (b64, {"O_GSPLIT": 4}, (1, 0, 1)), (b64, {"QKV_GEMM": 1, "O_GEMM": 1}, (1, 1, 1)),
+                        (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}, (1, 0, 0))):
+        c = render.plan(v, overrides=ov)["consts"]
+        assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == want and all(c[k] == x for k, x in ov.items()), ov
+    c = render.plan(b64, overrides={"O_GEMM": 1})["consts"]
+    assert (c["O_GSPLIT"], c["QKV_GSPLIT"]) == (8, 1)  # (the planner's split for the one asked onto the engine)
     # asked for at batch 8 (one token tile of 16): the counters and LL words the planner takes there give way to it
     c = render.plan(_decode_layer("gpd", 8, 1024, l1b), overrides={"GEMM_PROJ": 1})["consts"]
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
@@ -941,7 +956,12 @@ def test_gemm_projections_from_batch_64_on_sm_90():
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
                                (b32, "90", {"GU_GSPLIT": 2}, "with GEMM_PROJ 1 only"),
                                (b64, "90", {"GEMM_PROJ": 1, "DOWN_SMEM": 1}, "needs DOWN_SMEM 0"),
-                               (b64, "90", {"GEMM_PROJ": 1, "QKV_NWG": 8, "GU_U": 2}, "QKV_NWG, GU_U: those run on"),
+                               (b64, "90", {"GEMM_PROJ": 1, "QKV_NWG": 8, "GU_U": 2}, "GU_U: it runs on"),
+                               (b64, "90", {"QKV_GEMM": 1, "QKV_NWG": 8}, "no GEMV knob of qkv (QKV_NWG: it runs on"),
+                               (b64, "90", {"QKV_GEMM": 0, "QKV_GSPLIT": 2}, "QKV_GSPLIT=2: the GEMM engine's split-K of"),
+                               (b64, "90", {"GEMM_PROJ": 0, "O_GEMM": 1}, "O_GEMM=1: the GEMM engine's, with GEMM_PROJ 1"),
+                               (b64, "90", {"GEMM_PROJ": 1, "QKV_GEMM": 0, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
+                               (b64, "90", {"QKV_GEMM": 2}, "must be 0 or 1"),
                                (b64, "90", {"O_GSPLIT": 40}, "must be in 1..16"),
                                (_decode_layer("gpd", 64, 1024, "hidden: 512, heads: 8, kv_heads: 8, head_dim: 64, "
                                               "intermediate: 1024"), "90", {"GEMM_PROJ": 1, "QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):
@@ -1433,9 +1453,12 @@ def test_batch_slices_match_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gemm_projections_match_the_reference(tmp_path):
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine, their inputs in its tiled layout): the
-    Llama-3.2-1B shape at batch 64 (its default: qkv and o_proj split-K, H_STATS's sums of squares over quads of
-    lanes, gate_up's tiles whole: the staged epilogue), with o_proj split 3 ways (shares of the split tiles in whole
-    quads) and gate_up split 2; batch 100 (two token tiles, 28 padding rows); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
+    Llama-3.2-1B shape at batch 64 (its default: gate_up's tiles whole on the engine, the staged epilogue, qkv_proj
+    and o_proj GEMVs, o_proj's H_STATS epilogue writing gate_up's rows tiled), with all three on it (qkv and o_proj
+    split-K, H_STATS's sums of squares over quads of lanes), with o_proj alone beside gate_up, split 3 ways (shares of
+    the split tiles in whole quads) and gate_up split 2, and with QKV_FLOW's counters beside the GEMVs; batch 100
+    (two token tiles, 28 padding rows; and with qkv_proj and o_proj GEMVs: xn's fragment-ordered rows under gate_up's
+    tiled ones); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
     48); hidden 1440 with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight
     k-tiles past K); LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16
     (its norm from fp32 h): against the fp32 reference at two seeds, a second launch bit-equal; then three launches
@@ -1450,11 +1473,15 @@ def test_gemm_projections_match_the_reference(tmp_path):
     ln = _decode_layer("gpl", 48, 512, f"{l1b}, norm: layernorm")
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
-    cases = [(b64, {}), (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 2}), (b100, {}), (b48, {"GEMM_PROJ": 1}),
-             (hd80, {"GEMM_PROJ": 1}), (ln, {"GEMM_PROJ": 1}), (half, {"GEMM_PROJ": 1})]
+    cases = [(b64, {}), (b64, {"QKV_GEMM": 1, "O_GEMM": 1}), (b48, {"GEMM_PROJ": 1}),
+             (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}), (b100, {}),
+             (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, {"GEMM_PROJ": 1}), (ln, {"GEMM_PROJ": 1}),
+             (half, {"GEMM_PROJ": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
-    assert render.plan(b64)["consts"]["GEMM_PROJ"] == 1 and render.plan(b64)["consts"]["O_GSPLIT"] > 1
-    for i in (0, 3):
+    c = render.plan(b64)["consts"]
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 0, 0)
+    assert render.plan(b64, overrides={"QKV_GEMM": 1, "O_GEMM": 1})["consts"]["O_GSPLIT"] > 1
+    for i in (0, 1, 2):
         v = cases[i][0]
         W = reference.random_weights(v.model, seed=42, device="cuda")
         steps_track_the_reference(load(renamed(v, f"gp{i}").name, W, build_dir=tmp_path), W, v, 43)

@@ -32,7 +32,8 @@ STEPS = (
                    "ws_epoch, o_pre, smem)",
          reduce="h", flow="H_LL", pre="const auto o_pre = o_proj_pre(w_o)"),
     # (NORM2_LOCAL: also empty with NORM_GLOBAL and H_STATS, o_proj's epilogue writing the rows and their statistics)
-    Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{})",
+    Step("norm", "norm(norm_src(ws_hb, ws_h), ln2_w, ln2_b, ws_xn, smem, std::bool_constant<!NORM2_LOCAL>{}, "
+                 "std::bool_constant<GEMM_PROJ != 0>{})",
          flow="NORM2_LOCAL",
          pre="const auto gu_pre = gate_up_pre(w_gu, ln2_w, smem)"),
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, w_tmaps, w_down, ws_act, ws_status, ws_split, "
@@ -96,6 +97,16 @@ assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PH
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 GEMM_PROJECTIONS = ("QKV", "O", "GU")  # GEMM_PROJ: the projections on the GEMM engine (down_proj stays a GEMV)
+GEMM_OPTIONAL = ("QKV", "O")  # ... of which these each by a knob of their own (<P>_GEMM 0: a GEMV; gate_up always)
+
+
+def on_engine(c: dict, prefix: str) -> bool:
+    """Whether a decode plan's constants `c` run projection `prefix` (PROJECTIONS: "QKV", "O", "GU", "DOWN") on the
+    GEMM engine: under GEMM_PROJ gate_up always, qkv_proj and o_proj by <P>_GEMM (a plan from before those knobs:
+    all three), down_proj never."""
+    return bool(c.get("GEMM_PROJ")) and prefix in GEMM_PROJECTIONS and bool(c.get(f"{prefix}_GEMM", 1))
+
+
 # GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why
 GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged", "DOWN_FLOW": "the GEMM's tiles are not counted",
             "ATT_LL": "o_proj's GEMM does not poll words", "H_LL": "gate_up's GEMM does not poll words",
@@ -104,7 +115,7 @@ KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
             "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ")
-         + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS))
+         + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS) + tuple(f"{p}_GEMM" for p in GEMM_OPTIONAL))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
 ATT_STAGES_RANGE = (2, 3)
@@ -181,7 +192,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM",
-                  "GU_SKIP")
+                  "GU_SKIP", "QKV_GEMM", "O_GEMM")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -242,6 +253,13 @@ GEMM_HIDDEN_MIN = 1536
 # Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.3 / -5.0
 # % against 2); fewer take split_k's rule (qkv's and o_proj's 8-24 tiles: 8 splits +0.6 / +1.7 % faster than 4)
 GEMM_UNSPLIT_SHARE = 0.45
+# GEMM_PROJ: qkv_proj and o_proj on the engine (QKV_GEMM, O_GEMM) where a task of their split holds at least this many
+# 64-wide K chunks, else GEMVs (at batch <= GEMM_BN_MAX). Measured on an H100 (bench/NOTES.md session 62, stage
+# clocks): Llama-3.2-1B b64's qkv (12 tiles split 8 ways: 4 chunks a task) 13.9 us on the engine against 12.2 as a
+# GEMV, its o_proj (8 tiles, 4 chunks) 12.3 against 10.9 (the ring's fill and the partials' round trip not hidden);
+# Llama-3-8B b64 (qkv 12 chunks a task, o_proj 8) won with them on it (-4.4 % a layer; session 61: the engine's qkv
+# -16 %, o_proj -16 % as a chunk-1 prefill)
+GEMM_TASK_CHUNKS_MIN = 6
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
 # thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
@@ -815,24 +833,27 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # (measured there) at a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B
     # without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
-    # (the GEMV knobs of the three projections, overridden: a plan of their GEMVs)
-    gemv_knobs = [k for k in ov if any(k == f"{g}_{x}" for g in GEMM_PROJECTIONS
-                                       for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
+    # (a projection's GEMV knobs, overridden: a plan of its GEMV; gate_up's: of the GEMVs)
+    gemv_knobs = {g: [k for k in ov if k in (f"{g}_{x}" for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
+                  for g in GEMM_PROJECTIONS}
+    # QKV_FLOW's counters beside it where qkv_proj and o_proj are both asked to stay GEMVs (o_proj's GEMV resets them)
+    gemm_off = {k: why for k, why in GEMM_OFF.items()
+                if k != "QKV_FLOW" or not all(ov.get(f"{p}_GEMM") == 0 for p in GEMM_OPTIONAL)}
     gemm_proj = ov.get("GEMM_PROJ", int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
                                         and v.batch >= GEMM_BATCH_MIN
                                         and m.head_dim % 32 == 0 and m.hidden >= GEMM_HIDDEN_MIN
-                                        and not any(ov.get(k) for k in GEMM_OFF)
-                                        and not gemv_knobs))
+                                        and not any(ov.get(k) for k in gemm_off)
+                                        and not gemv_knobs["GU"]))
     if gemm_proj:
         _needs(v.name, "GEMM_PROJ", gemm_proj, [
             (wgmma, f"sm_90 (wgmma; this build: sm_{arch.sm})"), (v.tp == 1, f"one GPU (tp {v.tp})"),
             (norm_global, "NORM_GLOBAL 1 (the GEMM reads its rows from global memory)"),
-            *((not ov.get(k), f"{k} 0 ({why})") for k, why in GEMM_OFF.items()),
-            (not gemv_knobs, f"no GEMV knob of qkv_proj, o_proj or gate_up ({', '.join(gemv_knobs)}: those run on "
-                             "the GEMM engine; <P>_GSPLIT sets its split-K)")])
-    elif any(k in ov for k in (f"{p}_GSPLIT" for p in GEMM_PROJECTIONS)):
-        raise PlanError(f"{v.name}: plan override {next(k for k in ov if k.endswith('_GSPLIT'))}: the GEMM engine's "
-                        "split-K, with GEMM_PROJ 1 only (this plan: 0)")
+            *((not ov.get(k), f"{k} 0 ({why})") for k, why in gemm_off.items()),
+            (not gemv_knobs["GU"], f"no GEMV knob of gate_up ({', '.join(gemv_knobs['GU'])}: it runs on the GEMM "
+                                   "engine; GU_GSPLIT sets its split-K)")])
+    elif asked := [k for k in ov if k.endswith("_GSPLIT") or k in (f"{p}_GEMM" for p in GEMM_OPTIONAL) and ov[k]]:
+        raise PlanError(f"{v.name}: plan override {asked[0]}={ov[asked[0]]}: the GEMM engine's, with GEMM_PROJ 1 only "
+                        "(this plan: 0)")
     # its tiling: 4 warpgroups of 64 weight rows (256 a tile), the batch in token tiles of <= GEMM_BN_MAX; where off,
     # the same numbers stand in (GEMM_WGMMA 0: the constants are declared, no GEMM is compiled)
     g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, GEMM_BN_MAX)
@@ -843,7 +864,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     rs_bytes = v.batch * 4 if h_stats else 0
     g_stages = min(gemm_stages(arch.smem_per_block, g_stage), (arch.smem_per_block - 2048 - rs_bytes) // g_stage)
     g_ring = g_stages * g_stage + 1024  # (+ the ring's alignment to the swizzle atom)
-    gemm_tiles = {}  # {prefix: its GEMM's N, K, tiles, FULL, KSPLIT}
+    gemm_tiles = {}  # {prefix: its GEMM's N, K, tiles, FULL, KSPLIT} (a projection off the engine: unsplit)
+    on_gemm = {"GU": gemm_proj}  # {prefix: whether it runs on the engine}
     for prefix in GEMM_PROJECTIONS:
         key = dict(PROJECTIONS)[prefix]
         n, k = shapes[key]
@@ -855,7 +877,24 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             full, ks = 0, ov[f"{prefix}_GSPLIT"]
             if ks > chunks:
                 raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ks}: over {key}'s {chunks} K chunks")
+        if prefix in GEMM_OPTIONAL:
+            # qkv_proj and o_proj stay GEMVs where one token tile holds the batch (past it the GEMVs run it in batch
+            # slices and fall away) and the split leaves a task fewer than GEMM_TASK_CHUNKS_MIN K chunks (see there)
+            on = ov.get(f"{prefix}_GEMM", int(gemm_proj and not gemv_knobs[prefix] and (
+                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or chunks // ks >= GEMM_TASK_CHUNKS_MIN)))
+            if on:
+                _needs(v.name, f"{prefix}_GEMM", on, [
+                    (not gemv_knobs[prefix], f"no GEMV knob of {key} ({', '.join(gemv_knobs[prefix])}: it runs on the "
+                                             f"GEMM engine; {prefix}_GSPLIT sets its split-K)")])
+            elif f"{prefix}_GSPLIT" in ov:
+                raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ov[f'{prefix}_GSPLIT']}: the GEMM engine's "
+                                f"split-K of {key}, with {prefix}_GEMM 1 only (this plan: 0, a GEMV)")
+            on_gemm[prefix] = on
+        if not on_gemm[prefix]:
+            full, ks = 0, 1
         gemm_tiles[prefix] = {"N": n, "K": k, "tiles": tiles, "FULL": full if ks > 1 else 0, "KSPLIT": ks}
+    if on_gemm["O"] and not gemm_proj:  # (o_proj's GEMM epilogue writes gate_up's rows in the engine's layout)
+        raise PlanError(f"{v.name}: plan override O_GEMM=1 needs gate_up on the GEMM engine (GEMM_PROJ 1)")
 
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
@@ -1089,7 +1128,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         "ATT_LL": att_ll, "H_LL": h_ll, "TIMELINE": ov.get("TIMELINE", 0), "COOP": coop,
         "DOWN_SMEM": down_smem, "DW_KT": dw_kt, "GU_SKIP": gu_skip,
         # GEMM_PROJ's engine (templates/gemm.cuh; GEMM_WGMMA 0: declared, not compiled)
-        "GEMM_PROJ": gemm_proj, "GEMM_WGMMA": gemm_proj, "GEMM_WM": g_wm, "GEMM_TM": g_tm, "GEMM_TN": g_tn,
+        "GEMM_PROJ": gemm_proj, **{f"{p}_GEMM": on_gemm[p] for p in GEMM_OPTIONAL},
+        "GEMM_WGMMA": gemm_proj, "GEMM_WM": g_wm, "GEMM_TM": g_tm, "GEMM_TN": g_tn,
         "GEMM_BK": g_bk, "GEMM_STAGES": g_stages, "GEMM_XROWS": -(-v.batch // g_bn) * g_bn,
         "GEMM_GM": gemm_group(sms, g_bm, g_bn),
         **{f"{p}_{x}": g[y] for p, g in gemm_tiles.items() for x, y in (("GSPLIT", "KSPLIT"), ("GFULL", "FULL"))},
@@ -1121,7 +1161,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
     consts["H_STATS"] = h_stats
     batch_slices(v.name, consts, ov)
-    if gemm_proj and (planned := [k for k in GEMM_OFF if consts[k]]):  # (what the planner took beside it)
+    if gemm_proj and (planned := [k for k in gemm_off if consts[k]]):  # (what the planner took beside it)
         raise PlanError(f"{v.name}: plan override GEMM_PROJ=1 needs {', '.join(f'{k} 0' for k in planned)} (this plan: "
                         f"{', '.join(f'{k} {consts[k]}' for k in planned)}; {GEMM_OFF[planned[0]]})")
     # the split GEMVs that reduce through ws_split and ws_count (not qkv under QKV_FLOW 2: attention sums its splits)

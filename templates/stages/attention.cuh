@@ -227,11 +227,11 @@ __device__ __forceinline__ void qkv_values(QkvWords q, const float* ws_qkv, size
     }
 }
 
-// attention's output element (b, k), normalised: T in X_FRAG's or row-major order (GEMM_PROJ: the GEMM engine's,
+// attention's output element (b, k), normalised: T in X_FRAG's or row-major order (O_GEMM: the GEMM engine's,
 // gemm_x), or with ATT_LL o_proj's word (templates/gemv.cuh ll_store; ll_e: this launch's epoch)
 __device__ __forceinline__ void att_out(T* ws_attn, int b, int k, float v, unsigned ll_e) {
     if constexpr (ATT_LL) ll_store(ws_attn, x_at<true>(b, k, Q_DIM), from_f(v), ll_e);
-    else if constexpr (GEMM_PROJ) ws_attn[gemm_x(b, k, Q_DIM)] = from_f(v);
+    else if constexpr (O_GEMM) ws_attn[gemm_x(b, k, Q_DIM)] = from_f(v);
     else ws_attn[x_at<X_FRAG>(b, k, Q_DIM)] = from_f(v);
 }
 

@@ -291,14 +291,15 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
 // NORM_GLOBAL (the decode plan's knob; where BATCH rows of HIDDEN do not fit in shared memory beside the projection's
 // partial sums, or leave it too little L1): the norm as a step of its own. The BATCH rows of src (T, or fp32 h with
 // tensor parallel) normalised (as the scale pass above: (x - mean) x rstd x gain (+ bias), rounded once to T) into
-// xn in the tensor cores' B-fragment order (gemv.cuh x_at<true>; GEMM_PROJ: the GEMM engine's layout, xg_at), read
+// xn in the tensor cores' B-fragment order (gemv.cuh x_at<true>; the GEMM engine's layout where the projection it
+// feeds runs there: Engine, qkv_proj's QKV_GEMM by default, gate_up's GEMM_PROJ passed by the second norm; xg_at), read
 // from there by the projection after a grid barrier, as o_proj and down_proj read theirs. Each row's statistics need the whole row, so a row is split over
 // P = max(1, blocks / BATCH) blocks, each reading the row for its sums and writing 1/P of its columns.
 // on: whether this step runs (NORM_GLOBAL; the second norm's call passes !NORM2_LOCAL: with H_STATS o_proj's
 // epilogue writes xn and the statistics, templates/stages/o_proj.cuh).
-template <class S, class On = std::bool_constant<NORM_GLOBAL != 0>>
+template <class S, class On = std::bool_constant<NORM_GLOBAL != 0>, class Engine = std::bool_constant<QKV_GEMM != 0>>
 __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict__ bias, T* xn, unsigned char* smem,
-                     On = {}) {
+                     On = {}, Engine = {}) {
     if constexpr (On::value) {
         // two passes over the row (the second from L1/L2): the row held in registers between them took 48 more
         // (NPT x 8 values and gains a thread at hidden 5120) and the kernel spilled 80 B (bench/NOTES.md session 23)
@@ -344,7 +345,7 @@ __device__ void norm(const S* src, const T* __restrict__ w, const T* __restrict_
                         y[j] = (to_f(from_f(f[i + j])) - mean) * rstd * g[i + j];
                         if constexpr (NORM_LAYERNORM) y[j] += bb[i + j];
                     }
-                    *reinterpret_cast<T2*>(xn + xg_at(b, c * 8 + i, HIDDEN)) = from_f2(y[0], y[1]);
+                    *reinterpret_cast<T2*>(xn + xg_at<Engine::value>(b, c * 8 + i, HIDDEN)) = from_f2(y[0], y[1]);
                 }
             }
             __syncthreads();  // scratch is reused by the next row

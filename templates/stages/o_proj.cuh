@@ -16,7 +16,7 @@ __shared__ unsigned o_epoch;
 __device__ __forceinline__ GemvPre<O_U * O_TM> o_proj_pre(const T* w_o) {  // O_PRE: before attention's grid barrier
     return gemv_pre<O_PRE, HIDDEN, Q_DIM, O_NWG, O_U, O_KSPLIT, 0, O_TM>(w_o);
 }
-// GEMM_PROJ (one GPU, NORM_GLOBAL): on the GEMM engine (gemm.cuh), attention's output in its tiled layout. The
+// O_GEMM (GEMM_PROJ; one GPU, NORM_GLOBAL): on the GEMM engine (gemm.cuh), attention's output in its tiled layout. The
 // epilogue's 4 rows of a token: h, then with H_STATS gate_up's input (h rounded to T, times the gain) in its tiled
 // layout and the 16-row tile's sum of squares, summed over the quad of lanes that holds the tile's 16 rows of the
 // token (gemm.cuh hands whole quads, a tile's 16 rows of one token, to consecutive lanes, all or none active), in a
@@ -48,7 +48,8 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const unsigned char* w_tm
                        const T* __restrict__ ln2_w, float* ws_h, T* ws_hb, T* ws_xn, float* ws_hsq, int tp_rank,
                        float* ws_split, unsigned* ws_count, unsigned* ws_ready, const unsigned* ws_epoch,
                        const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
-    if constexpr (GEMM_PROJ) {
+    if constexpr (O_GEMM) {
+        static_assert(!O_GEMM || GEMM_PROJ, "O_GEMM: gate_up on the engine too (the epilogue writes its tiled rows)");
         o_proj_gemm(ws_attn, w_o, w_tmaps, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, ws_split, ws_count, smem);
         return;
     }
@@ -88,7 +89,7 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const unsigned char* w_tm
                 if constexpr (HB_COPY && H_STATS) {
                     const float f = to_f(from_f(h));  // h as the norm reads it (transformers: the T residual, upcast)
                     sq[i] = f * f;
-                    (NORM_GLOBAL ? ws_xn[xg_at(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
+                    (NORM_GLOBAL ? ws_xn[xg_at<GEMM_PROJ != 0>(b, n, HIDDEN)] : ws_hb[(size_t)b * HIDDEN + n]) =
                         from_f(f * to_f(ln2_w[n]));
                 } else if constexpr (H_LL) {  // (the word gate_up's norm polls; ws_h above is down_proj's, ordered
                     ll_store(ws_hb, (size_t)b * HIDDEN + n, from_f(h), ll_e);  // by gate_up's release or barrier)

@@ -31,13 +31,14 @@ __device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv, 
     return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0, QKV_TM>(w_qkv);
 }
 // NORM_GLOBAL: the norm was a step of its own (norm.cuh); xn holds the normalised rows in fragment order.
-// GEMM_PROJ (NORM_GLOBAL): on the GEMM engine (gemm.cuh), the norm's rows in its tiled layout; QKV_FLOW 0.
+// QKV_GEMM (GEMM_PROJ; NORM_GLOBAL): on the GEMM engine (gemm.cuh), the norm's rows in its tiled layout; QKV_FLOW 0.
 __device__ void qkv_proj(const T* x, const T* ln_w, const T* ln_b, const T* xn, const T* w_qkv,
                          const unsigned char* w_tmaps, const T* b_qkv, float* ws_qkv, float* ws_split,
                          unsigned* ws_count, unsigned* ws_ready, const unsigned* ws_epoch,
                          const GemvPre<QKV_U * QKV_TM>& pre, unsigned char* smem) {
-    if constexpr (GEMM_PROJ) {
-        static_assert(!GEMM_PROJ || (NORM_GLOBAL && QKV_FLOW == 0), "GEMM_PROJ: NORM_GLOBAL's rows, a grid barrier");
+    if constexpr (QKV_GEMM) {
+        static_assert(!QKV_GEMM || (GEMM_PROJ && NORM_GLOBAL && QKV_FLOW == 0),
+                      "QKV_GEMM: the engine (GEMM_PROJ), NORM_GLOBAL's rows, a grid barrier");
         gemm<QKV_DIM, HIDDEN, QKV_GSPLIT, QKV_GFULL>(w_qkv, w_tmaps + TMAP_QKV * TMAP_BYTES, xn, BATCH, smem,
             ws_split, ws_count,
             [&](int n, int) { return QKV_BIAS ? load4(b_qkv + n) : make_float4(0.f, 0.f, 0.f, 0.f); },
