@@ -192,7 +192,7 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP", "GU_SKIP", "GEMM_PROJ")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -256,9 +256,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     late: list[dict] = []  # tried after every other candidate (a limited tune, a re-plan's first clean one: not them)
-    # GEMM_PROJ flipped (qkv_proj, o_proj and gate_up on the GEMM engine or the GEMVs; sm_90, one GPU, from batch 32:
-    # +3.5 ... +8.7 % a layer there, the default from decode.GEMM_BATCH_MIN), and where planned each GEMM's split-K
-    # halved and doubled; the GEMVs' knobs of those three then plan nothing
+    # GEMM_PROJ flipped (gate_up, and qkv_proj / o_proj by the planner's rule, on the GEMM engine or the GEMVs; sm_90,
+    # one GPU, from batch 32: +3.5 ... +8.7 % a layer there, the default from decode.GEMM_BATCH_MIN), and where planned
+    # QKV_GEMM and O_GEMM flipped and each engine GEMM's split-K halved and doubled; the GEMV knobs of the projections
+    # on the engine plan nothing
     gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
     if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 32:
         tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
@@ -299,16 +300,18 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
     if base["mode"] == "decode":
+        # (QKV_FLOW 1 beside GEMM_PROJ: where qkv_proj and o_proj are GEMVs, asked to stay so: decode.GEMM_OFF)
+        flow = {"QKV_GEMM": 0, "O_GEMM": 0} if gemm_on and not (d["QKV_GEMM"] or d["O_GEMM"]) else {}
         tries += [{"X_FRAG": 1 - d["X_FRAG"]}, {"GEMV_PF": 1 if d["GEMV_PF"] != 1 else 0},
-                  {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 if d["QKV_FLOW"] != 1 else 0},
+                  {"GEMV_PF": 2 if d["GEMV_PF"] != 2 else 0}, {"QKV_FLOW": 1 if d["QKV_FLOW"] != 1 else 0, **flow},
                   *([{"DOWN_FLOW": 1}] if d["DOWN_FLOW"] != 1 else []),
                   *({"ATT_COMBINE": c} for c in (1, 2, 3, 4) if c != d["ATT_COMBINE"]),
                   *({**local, "NORM_FOLD": f} for f in (0, 1) if f != d["NORM_FOLD"]),
                   *([{"NORM_FOLD": 3}] if d["NORM_FOLD"] != 3 and v.batch <= 2 and not d.get("NORM_GLOBAL") else []),
                   # (O_PRE turned on beside the hand-offs from batch 2: with them off, the pair spills)
-                  *([] if gemm_on else  # (their first weight steps: the GEMVs')
-                    [{"O_PRE": 1 - d["O_PRE"], **(ll_off if v.batch > 1 and d["ATT_LL"] and not d["O_PRE"] else {})},
-                     {"GU_PRE": 1 - d["GU_PRE"]}]),
+                  *([] if decode.on_engine(d, "O") else  # (their first weight steps: the GEMVs')
+                    [{"O_PRE": 1 - d["O_PRE"], **(ll_off if v.batch > 1 and d["ATT_LL"] and not d["O_PRE"] else {})}]),
+                  *([] if gemm_on else [{"GU_PRE": 1 - d["GU_PRE"]}]),
                   {"H_STATS": 1 - d["H_STATS"]}]
         tries += [{"RED_DB": 1}] if d["RED_DB"] == 0 else []
     for prefix, key in projections:

@@ -1,4 +1,5 @@
-// ---- GEMM engine of the prefill projections and of decode's GEMM_PROJ (qkv_proj, o_proj, gate_up; not a stage) ----
+// ---- GEMM engine of the prefill projections and of decode's GEMM_PROJ (gate_up, qkv_proj / o_proj where QKV_GEMM /
+// O_GEMM; not a stage) ----
 // C[n][t] = sum_k W[n][k] * X[t][k] for N weight rows and `rows` tokens on the tensor cores (mma.sync m16n8k16):
 // weight rows are M, tokens are N. A block task is a GEMM_BM x GEMM_BN tile (weight rows x tokens) over the whole
 // of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the

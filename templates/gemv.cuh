@@ -30,7 +30,10 @@ __device__ __forceinline__ size_t x_at(int b, int k, int ld) {
 // 8) (the 128-byte swizzle), so a token tile's 64-wide chunk is one contiguous run: one bulk copy (the TMA unit)
 // instead of every thread's 16-byte cp.async (8B, 512 tokens: 662 -> 597 µs, bench/NOTES.md session 20). Rows past
 // the chunk (up to GEMM_XROWS, a whole token tile) and columns past K are never written: zeros from the workspace's
-// allocation. Elsewhere row-major [rows][K]. The writers keep 8-element runs (a 16-byte chunk) contiguous either way.
+// allocation (decode GEMM_PROJ with QKV_GEMM 0: xn's padding rows hold the first norm's fragment-ordered ones, whose
+// columns give only their own, unused, results; the planner keeps qkv_proj on the engine where HIDDEN % 64 would put
+// them in padding columns). Elsewhere row-major [rows][K]. The writers keep 8-element runs (a 16-byte chunk)
+// contiguous either way.
 __device__ __forceinline__ size_t gemm_x(int t, int k, int K) {
     if constexpr (GEMM_WGMMA)
         return ((size_t)(k >> 6) * GEMM_XROWS + t) * 64 + ((((k >> 3) & 7) ^ (t & 7)) << 3) + (k & 7);

@@ -933,8 +933,16 @@ def test_gemm_projections_from_batch_64_on_sm_90():
                         (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}, (1, 0, 0))):
         c = render.plan(v, overrides=ov)["consts"]
         assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == want and all(c[k] == x for k, x in ov.items()), ov
+    c = render.plan(b32, overrides={"GU_GSPLIT": 2})["consts"]  # (the engine's knob asked: GEMM_PROJ with it)
+    assert (c["GEMM_PROJ"], c["NORM_GLOBAL"], c["GU_GSPLIT"]) == (1, 1, 2)
     c = render.plan(b64, overrides={"O_GEMM": 1})["consts"]
     assert (c["O_GSPLIT"], c["QKV_GSPLIT"]) == (8, 1)  # (the planner's split for the one asked onto the engine)
+    # qkv_proj on the engine where hidden is not whole 64-column blocks (its GEMV's rows would fill gate_up's padding
+    # columns of the shared xn); o_proj's first weight step not pre-loaded where it runs on the engine (batch 2-8)
+    hd80 = _decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
+    assert render.plan(hd80, overrides={"GEMM_PROJ": 1})["consts"]["QKV_GEMM"] == 1
+    c = render.plan(_decode_layer("gpd", 8, 1024, l1b), overrides={"O_GEMM": 1})["consts"]
+    assert (c["GEMM_PROJ"], c["O_GEMM"], c["O_PRE"]) == (1, 1, 0)
     # asked for at batch 8 (one token tile of 16): the counters and LL words the planner takes there give way to it
     c = render.plan(_decode_layer("gpd", 8, 1024, l1b), overrides={"GEMM_PROJ": 1})["consts"]
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
@@ -954,7 +962,7 @@ def test_gemm_projections_from_batch_64_on_sm_90():
     for v, arch, ov, words in ((b64, "80", {"GEMM_PROJ": 1}, "needs sm_90"),
                                (b64, "90", {"GEMM_PROJ": 1, "NORM_GLOBAL": 0}, "needs NORM_GLOBAL 1"),
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
-                               (b32, "90", {"GU_GSPLIT": 2}, "with GEMM_PROJ 1 only"),
+                               (b32, "90", {"GEMM_PROJ": 0, "GU_GSPLIT": 2}, "with GEMM_PROJ 1 only"),
                                (b64, "90", {"GEMM_PROJ": 1, "DOWN_SMEM": 1}, "needs DOWN_SMEM 0"),
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_NWG": 8, "GU_U": 2}, "GU_U: it runs on"),
                                (b64, "90", {"QKV_GEMM": 1, "QKV_NWG": 8}, "no GEMV knob of qkv (QKV_NWG: it runs on"),
@@ -962,6 +970,11 @@ def test_gemm_projections_from_batch_64_on_sm_90():
                                (b64, "90", {"GEMM_PROJ": 0, "O_GEMM": 1}, "O_GEMM=1: the GEMM engine's, with GEMM_PROJ 1"),
                                (b64, "90", {"GEMM_PROJ": 1, "QKV_GEMM": 0, "QKV_FLOW": 1}, "needs QKV_FLOW 0"),
                                (b64, "90", {"QKV_GEMM": 2}, "must be 0 or 1"),
+                               (b64, "90", {"QKV_GEMM": 1, "GU_NWG": 8}, "no GEMV knob of gate_up (GU_NWG: it runs"),
+                               (b64, "90", {"GEMM_PROJ": 1, "QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 2}, "needs QKV_FLOW 0"),
+                               (_decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, "
+                                              "intermediate: 3840"), "90", {"GEMM_PROJ": 1, "QKV_GEMM": 0},
+                                "QKV_GEMM=0 beside GEMM_PROJ 1 needs hidden a multiple of 64"),
                                (b64, "90", {"O_GSPLIT": 40}, "must be in 1..16"),
                                (_decode_layer("gpd", 64, 1024, "hidden: 512, heads: 8, kv_heads: 8, head_dim: 64, "
                                               "intermediate: 1024"), "90", {"GEMM_PROJ": 1, "QKV_GSPLIT": 16}, "over qkv's 8 K chunks")):
@@ -1458,11 +1471,11 @@ def test_gemm_projections_match_the_reference(tmp_path):
     split-K, H_STATS's sums of squares over quads of lanes), with o_proj alone beside gate_up, split 3 ways (shares of
     the split tiles in whole quads) and gate_up split 2, and with QKV_FLOW's counters beside the GEMVs; batch 100
     (two token tiles, 28 padding rows; and with qkv_proj and o_proj GEMVs: xn's fragment-ordered rows under gate_up's
-    tiled ones); a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of
-    48); hidden 1440 with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight
-    k-tiles past K); LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16
-    (its norm from fp32 h): against the fp32 reference at two seeds, a second launch bit-equal; then three launches
-    back to back against the reference step by step."""
+    tiled ones); all three on the engine at: a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of 48); hidden 1440
+    with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight k-tiles past K);
+    LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16 (its norm from fp32
+    h; and with gate_up alone on it: the second norm's step writing its tiled rows): against the fp32 reference at two
+    seeds, a second launch bit-equal; then three launches back to back against the reference step by step."""
     from bench.tune import renamed
     from generator import reference
     from generator.loader import load
@@ -1473,10 +1486,10 @@ def test_gemm_projections_match_the_reference(tmp_path):
     ln = _decode_layer("gpl", 48, 512, f"{l1b}, norm: layernorm")
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
-    cases = [(b64, {}), (b64, {"QKV_GEMM": 1, "O_GEMM": 1}), (b48, {"GEMM_PROJ": 1}),
+    every = {"QKV_GEMM": 1, "O_GEMM": 1}  # (all three on the engine: asked, it brings GEMM_PROJ)
+    cases = [(b64, {}), (b64, every), (b48, every),
              (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}), (b100, {}),
-             (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, {"GEMM_PROJ": 1}), (ln, {"GEMM_PROJ": 1}),
-             (half, {"GEMM_PROJ": 1})]
+             (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
     assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 0, 0)

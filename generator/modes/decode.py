@@ -107,8 +107,10 @@ def on_engine(c: dict, prefix: str) -> bool:
     return bool(c.get("GEMM_PROJ")) and prefix in GEMM_PROJECTIONS and bool(c.get(f"{prefix}_GEMM", 1))
 
 
-# GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why
-GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged", "DOWN_FLOW": "the GEMM's tiles are not counted",
+# GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why (QKV_FLOW
+# 1: where qkv_proj and o_proj are asked to stay GEMVs, plan)
+GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged; 1 where QKV_GEMM 0 and O_GEMM 0 are asked",
+            "DOWN_FLOW": "the GEMM's tiles are not counted",
             "ATT_LL": "o_proj's GEMM does not poll words", "H_LL": "gate_up's GEMM does not poll words",
             "DOWN_SMEM": "the GEMM's ring holds gate_up's shared memory", "GU_SKIP": "gate_up's GEMM takes every block"}
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
@@ -785,8 +787,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # (and, with ATT_TMA, from batch NORM_GLOBAL_MIN_BATCH on such a GPU wherever it leaves L1_ENOUGH: measured on
     # the H200 (bench/NOTES.md session 24) +0.6 ... +4.2 % on four batch 16-32 shapes whose rows fit with 60-92 KB of
     # L1; without ATT_TMA, session 23: -0.7 ... +2.8 %)
-    # (and wherever GEMM_PROJ is asked for: its GEMMs read the rows from global memory)
-    norm_global = ov.get("NORM_GLOBAL", int(ov.get("GEMM_PROJ") == 1 or v.tp == 1 and not pinned and (local_l1 == 0 or (
+    # (and wherever GEMM_PROJ is asked for, or the engine's own knobs, which bring it: its GEMMs read the rows from
+    # global memory)
+    engine_asked = [k for k in ov if k.endswith("_GSPLIT") or k in (f"{p}_GEMM" for p in GEMM_OPTIONAL) and ov[k]]
+    norm_global = ov.get("NORM_GLOBAL", int(ov.get("GEMM_PROJ", 1 if engine_asked else 0) == 1 or v.tp == 1 and not pinned and (local_l1 == 0 or (
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
     if norm_global:  # (the rows normalised in global memory)
@@ -825,21 +829,23 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                         f"({sq_bytes(v.batch)} B) exceed the rows' region ({v.batch * xs_ld * esize} B): a larger "
                         "O_NWG or O_TM 1")
 
-    # GEMM_PROJ (sm_90, one GPU, NORM_GLOBAL): qkv_proj, o_proj and gate_up on the wgmma GEMM engine that prefill's
-    # projections run on (templates/gemm.cuh: the batch's rows tiled in shared memory by bulk copies, read once a
-    # 256-row tile instead of once a 16-row GEMV task from L2), their inputs (the first norm's rows, attention's
-    # output, o_proj's H_STATS rows or the second norm's) written in its tiled layout (gemv.cuh gemm_x); down_proj
-    # stays a GEMV (level at batch 64 on both engines, session 61). By default from GEMM_BATCH_MIN and GEMM_HIDDEN_MIN
+    # GEMM_PROJ (sm_90, one GPU, NORM_GLOBAL): gate_up, and qkv_proj and o_proj where QKV_GEMM / O_GEMM (see
+    # GEMM_TASK_CHUNKS_MIN), on the wgmma GEMM engine that prefill's projections run on (templates/gemm.cuh: the
+    # batch's rows tiled in shared memory by bulk copies, read once a 256-row tile instead of once a 16-row GEMV task
+    # from L2), the inputs of those (the first norm's rows, attention's output, o_proj's H_STATS rows or the second
+    # norm's) written in its tiled layout (gemv.cuh gemm_x, xg_at); down_proj stays a GEMV (level at batch 64 on both
+    # engines, session 61). By default from GEMM_BATCH_MIN and GEMM_HIDDEN_MIN
     # (measured there) at a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B
     # without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
     # (a projection's GEMV knobs, overridden: a plan of its GEMV; gate_up's: of the GEMVs)
     gemv_knobs = {g: [k for k in ov if k in (f"{g}_{x}" for x in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))]
                   for g in GEMM_PROJECTIONS}
-    # QKV_FLOW's counters beside it where qkv_proj and o_proj are both asked to stay GEMVs (o_proj's GEMV resets them)
-    gemm_off = {k: why for k, why in GEMM_OFF.items()
-                if k != "QKV_FLOW" or not all(ov.get(f"{p}_GEMM") == 0 for p in GEMM_OPTIONAL)}
-    gemm_proj = ov.get("GEMM_PROJ", int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
+    # (engine_asked, the engine's own knobs, a projection on it or a split of its: GEMM_PROJ 1 unless asked off)
+    # QKV_FLOW's counters (1) beside it where qkv_proj and o_proj are both asked to stay GEMVs (o_proj's GEMV resets them)
+    flow_ok = all(ov.get(f"{p}_GEMM") == 0 for p in GEMM_OPTIONAL) and ov.get("QKV_FLOW", 0) <= 1
+    gemm_off = {k: why for k, why in GEMM_OFF.items() if k != "QKV_FLOW" or not flow_ok}
+    gemm_proj = ov.get("GEMM_PROJ", 1 if engine_asked else int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
                                         and v.batch >= GEMM_BATCH_MIN
                                         and m.head_dim % 32 == 0 and m.hidden >= GEMM_HIDDEN_MIN
                                         and not any(ov.get(k) for k in gemm_off)
@@ -851,9 +857,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             *((not ov.get(k), f"{k} 0 ({why})") for k, why in gemm_off.items()),
             (not gemv_knobs["GU"], f"no GEMV knob of gate_up ({', '.join(gemv_knobs['GU'])}: it runs on the GEMM "
                                    "engine; GU_GSPLIT sets its split-K)")])
-    elif asked := [k for k in ov if k.endswith("_GSPLIT") or k in (f"{p}_GEMM" for p in GEMM_OPTIONAL) and ov[k]]:
-        raise PlanError(f"{v.name}: plan override {asked[0]}={ov[asked[0]]}: the GEMM engine's, with GEMM_PROJ 1 only "
-                        "(this plan: 0)")
+    elif engine_asked:
+        raise PlanError(f"{v.name}: plan override {engine_asked[0]}={ov[engine_asked[0]]}: the GEMM engine's, with "
+                        "GEMM_PROJ 1 only (asked: 0)")
     # its tiling: 4 warpgroups of 64 weight rows (256 a tile), the batch in token tiles of <= GEMM_BN_MAX; where off,
     # the same numbers stand in (GEMM_WGMMA 0: the constants are declared, no GEMM is compiled)
     g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, GEMM_BN_MAX)
@@ -879,13 +885,21 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                 raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ks}: over {key}'s {chunks} K chunks")
         if prefix in GEMM_OPTIONAL:
             # qkv_proj and o_proj stay GEMVs where one token tile holds the batch (past it the GEMVs run it in batch
-            # slices and fall away) and the split leaves a task fewer than GEMM_TASK_CHUNKS_MIN K chunks (see there)
-            on = ov.get(f"{prefix}_GEMM", int(gemm_proj and not gemv_knobs[prefix] and (
-                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or chunks // ks >= GEMM_TASK_CHUNKS_MIN)))
+            # slices and fall away) and the split leaves a task fewer than GEMM_TASK_CHUNKS_MIN K chunks (see there);
+            # qkv_proj on the engine wherever hidden is not whole 64-column blocks: as a GEMV the first norm's
+            # fragment-ordered rows would land in the tiled layout's padding columns, which gate_up's GEMM reads from
+            # the shared xn (times zero weights: a NaN of one sequence would cross to the others)
+            whole = prefix != "QKV" or m.hidden % 64 == 0
+            on = ov.get(f"{prefix}_GEMM", int(gemm_proj and (not whole or not gemv_knobs[prefix] and (
+                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or chunks // ks >= GEMM_TASK_CHUNKS_MIN))))
             if on:
                 _needs(v.name, f"{prefix}_GEMM", on, [
                     (not gemv_knobs[prefix], f"no GEMV knob of {key} ({', '.join(gemv_knobs[prefix])}: it runs on the "
-                                             f"GEMM engine; {prefix}_GSPLIT sets its split-K)")])
+                                             f"GEMM engine; {prefix}_GSPLIT sets its split-K)"
+                                             + ("" if whole else f"; hidden {m.hidden} is not a multiple of 64"))])
+            elif gemm_proj and not whole:
+                raise PlanError(f"{v.name}: plan override QKV_GEMM=0 beside GEMM_PROJ 1 needs hidden a multiple of 64 "
+                                f"({m.hidden}: the first norm's rows would fill gate_up's padding columns)")
             elif f"{prefix}_GSPLIT" in ov:
                 raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ov[f'{prefix}_GSPLIT']}: the GEMM engine's "
                                 f"split-K of {key}, with {prefix}_GEMM 1 only (this plan: 0, a GEMV)")
@@ -893,8 +907,6 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         if not on_gemm[prefix]:
             full, ks = 0, 1
         gemm_tiles[prefix] = {"N": n, "K": k, "tiles": tiles, "FULL": full if ks > 1 else 0, "KSPLIT": ks}
-    if on_gemm["O"] and not gemm_proj:  # (o_proj's GEMM epilogue writes gate_up's rows in the engine's layout)
-        raise PlanError(f"{v.name}: plan override O_GEMM=1 needs gate_up on the GEMM engine (GEMM_PROJ 1)")
 
     def pick(c: tuple[int, int]) -> tuple:
         need = gemv_need(v.batch, c[0], h_stats, c[1], not norm_global)
@@ -1149,7 +1161,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # with ATT_DYN (KV >= 8192) not timed; not beside the LL hand-offs from batch 2 (LL_BATCH_MAX: the pair spills)
     if "O_PRE" not in ov:
         consts["O_PRE"] = int((2 <= v.batch <= 8 and not att_dyn and not (ll_rule and att_ll) or b1_pre)
-                              and v.tp == 1 and sm == 90)
+                              and v.tp == 1 and sm == 90 and not on_gemm["O"])
     # COOP 0 with QKV_PRE 1 by default at batch 1 on one sm_90 GPU where the plan has no grid barrier left (the LL
     # hand-offs with DOWN_FLOW: COOP 0's workspace barrier never runs): the next layer's blocks enter as this one's
     # leave and load their first qkv step before the launch's wait. Measured on an H100 (bench/NOTES.md session 51),

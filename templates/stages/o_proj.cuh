@@ -5,8 +5,8 @@
 // that input already multiplied by the second norm's gain (ln2_w) and, per 16-row tile and row, the sum of squares of
 // h rounded to T (ws_hsq [HIDDEN/16][BATCH], in a fixed order: deterministic): the norm then makes no pass over its
 // rows (templates/stages/norm.cuh), gate_up scales its sums by 1/rms. With NORM_GLOBAL that input goes to ws_xn in the
-// tensor cores' fragment order (gemv.cuh x_at<true>) instead, and the second norm is no step at all: no grid barrier
-// and no pass over the rows between o_proj and gate_up.
+// tensor cores' fragment order (gemv.cuh x_at<true>; GEMM_PROJ: the GEMM engine's tiled layout, gate_up's) instead,
+// and the second norm is no step at all: no grid barrier and no pass over the rows between o_proj and gate_up.
 #pragma once
 #include "../gemv.cuh"
 // (after gemv.cuh: opened alone, the decode example config, not gemm.cuh's prefill one)
@@ -49,7 +49,9 @@ __device__ void o_proj(const T* ws_attn, const T* w_o, const unsigned char* w_tm
                        float* ws_split, unsigned* ws_count, unsigned* ws_ready, const unsigned* ws_epoch,
                        const GemvPre<O_U * O_TM>& pre, unsigned char* smem) {
     if constexpr (O_GEMM) {
-        static_assert(!O_GEMM || GEMM_PROJ, "O_GEMM: gate_up on the engine too (the epilogue writes its tiled rows)");
+        static_assert(!O_GEMM || (GEMM_PROJ && QKV_FLOW != 1),
+                      "O_GEMM: gate_up on the engine too (the epilogue writes its tiled rows); QKV_FLOW 1's counters "
+                      "are reset by o_proj's GEMV");
         o_proj_gemm(ws_attn, w_o, w_tmaps, x, ln2_w, ws_h, ws_hb, ws_xn, ws_hsq, ws_split, ws_count, smem);
         return;
     }
