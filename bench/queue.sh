@@ -11,7 +11,8 @@
 #   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
 #                                 # batch 48-64 rows of the check against FlashInfer
 #   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
-#   bash bench/queue.sh pproj     # session 64 (carry .whl; ~5 min): GEMM_PROJ per projection's GPU test and A/B
+#   bash bench/queue.sh pproj     # session 64 (carry nothing; ~5 min, PT_S s): GEMM_PROJ per projection's A/B, then its
+#                                 # GPU test
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -113,19 +114,19 @@ part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9
     --case q-smol-b64_decode_b64_s2048_bf16 "$on"
 }
 
-part_pproj() {  # session 64: GEMM_PROJ per projection (qkv_proj and o_proj GEMVs where a task of the engine's split
-  # holds < GEMM_TASK_CHUNKS_MIN K chunks at batch <= 64; QKV_GEMM, O_GEMM). First its GPU test (10 cases), then the
-  # A/B against all three on the engine (session 62's default) and the GEMVs' QKV_FLOW 1 beside it. Prediction (H100,
+part_pproj() {  # session 64 (built, not yet run: no GPU came): GEMM_PROJ per projection (QKV_GEMM, O_GEMM: qkv_proj
+  # and o_proj GEMVs beside gate_up on the engine) against the default (all three on it: GEMM_TASK_CHUNKS_MIN 0 until
+  # this runs), as decode.GEMM_TASK_CHUNKS_MIN 6 would plan them, and the GEMVs' QKV_FLOW 1 beside it. Prediction (H100,
   # from session 62's stage clocks): Llama-3.2-1B b64 -1.5 ... -3 % (qkv 13.9 -> 12.2, o_proj 12.3 -> 10.9 us; QKV_FLOW 1
   # a grid barrier less, -0 ... -1.5 % more), Llama-3.2-3B-like b64 (o_proj a GEMV) -0.5 ... -2 %, Qwen2.5-1.5B-like b64
-  # -1 ... -4 %; Qwen2.5-7B-like b64 with o_proj a GEMV (7 chunks a task) +0 ... +3 %, Llama-3-8B b64's (8) +1 ... +4 %
-  # (the A/B first, every plan verified against the fp32 reference before it is timed; the GPU test's eleven
-  # sequential compiles in the time left, PT_S s)
+  # -1 ... -4 %; Llama-3-8B b64 with o_proj a GEMV (8 chunks a task) +1 ... +4 %. If it holds: GEMM_TASK_CHUNKS_MIN 6
+  # (tests/test_tune.py's GEMM_PROJ CPU test checks its plans). The A/B first, every plan verified against the fp32
+  # reference before it is timed; then the GPU test (11 sequential compiles) in the time left, PT_S s
   local t0=$SECONDS
-  local all='{"QKV_GEMM": 1, "O_GEMM": 1}' flow='{"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}' og='{"O_GEMM": 0}'
+  local gemv='{"QKV_GEMM": 0, "O_GEMM": 0}' flow='{"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}' og='{"O_GEMM": 0}'
   ab pproj full,mix --variants bench/queue-variants.yaml \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 "$all" --case ho-l1b-b64_decode_b64_s1024_bf16 "$flow" \
-    --case q-l3b-b64_decode_b64_s1024_bf16 "$all" --case q-q15-b64_decode_b64_s2048_bf16 "$all" \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$gemv" --case ho-l1b-b64_decode_b64_s1024_bf16 "$flow" \
+    --case q-l3b-b64_decode_b64_s1024_bf16 "$og" --case q-q15-b64_decode_b64_s2048_bf16 "$gemv" \
     --case ho-l8b-b64_decode_b64_s1024_bf16 "$og"
   local left=$((${PT_S:-560} - (SECONDS - t0)))
   [ -n "$BUILD" ] || [ "$left" -lt 60 ] || step gputests-pproj timeout "$left" python3 -m pytest -v -m gpu \

@@ -883,14 +883,20 @@ def test_batch_slices_by_default_past_32_sequences():
         render.plan(b8, overrides={"DOWN_BS": 2, "DOWN_FLOW": 1})
 
 
-def test_gemm_projections_from_batch_64_on_sm_90():
+def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine): by default from GEMM_BATCH_MIN on one sm_90
     GPU where the norms' rows are in global memory, with QKV_FLOW 0 (the engine's tiles are not counted); its tiling is
     256 weight rows x token tiles of at most 64 (batch 100: two of 64, padded to 128 rows), split-K from the planner's
     rule but for a projection with GEMM_UNSPLIT_SHARE of the SMs' worth of tiles or more (up to one a block: whole); the workspace holds the split tiles' partials, a counter a tile and the tiled inputs; where it cannot be
     taken an override is one line naming what is missing."""
     from generator import interface
+    from generator.modes import decode
     l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
+    # the shipped rule (GEMM_TASK_CHUNKS_MIN 0, until timed): all three on the engine at batch 64; then the predicted
+    # one (6 chunks a task) for the rest of the test
+    c = render.plan(_decode_layer("gpd", 64, 1024, l1b))["consts"]
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["O_GSPLIT"]) == (1, 1, 1, 8)
+    monkeypatch.setattr(decode, "GEMM_TASK_CHUNKS_MIN", 6)
     for batch, on in ((1, 0), (8, 0), (32, 0), (48, 0), (63, 0), (64, 1), (100, 1), (128, 1)):
         p = render.plan(_decode_layer("gpd", batch, 1024, l1b))
         c = p["consts"]
@@ -1466,10 +1472,10 @@ def test_batch_slices_match_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gemm_projections_match_the_reference(tmp_path):
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine, their inputs in its tiled layout): the
-    Llama-3.2-1B shape at batch 64 (its default: gate_up's tiles whole on the engine, the staged epilogue, qkv_proj
-    and o_proj GEMVs, o_proj's H_STATS epilogue writing gate_up's rows tiled), with all three on it (qkv and o_proj
-    split-K, H_STATS's sums of squares over quads of lanes), with o_proj alone beside gate_up, split 3 ways (shares of
-    the split tiles in whole quads) and gate_up split 2, and with QKV_FLOW's counters beside the GEMVs; batch 100
+    Llama-3.2-1B shape at batch 64 (its default: all three on it, qkv and o_proj split-K, H_STATS's sums of squares
+    over quads of lanes, gate_up's tiles whole: the staged epilogue), with gate_up alone on it (qkv_proj and o_proj
+    GEMVs, o_proj's H_STATS epilogue writing gate_up's rows tiled), with o_proj alone beside gate_up, split 3 ways
+    (shares of the split tiles in whole quads) and gate_up split 2, and with QKV_FLOW's counters beside the GEMVs; batch 100
     (two token tiles, 28 padding rows; and with qkv_proj and o_proj GEMVs: xn's fragment-ordered rows under gate_up's
     tiled ones); all three on the engine at: a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of 48); hidden 1440
     with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight k-tiles past K);
@@ -1487,13 +1493,13 @@ def test_gemm_projections_match_the_reference(tmp_path):
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
     every = {"QKV_GEMM": 1, "O_GEMM": 1}  # (all three on the engine: asked, it brings GEMM_PROJ)
-    cases = [(b64, {}), (b64, every), (b48, every),
-             (b64, {"O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}), (b100, {}),
+    cases = [(b64, {}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0}), (b48, every),
+             (b64, {"QKV_GEMM": 0, "O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}),
+             (b100, {}),
              (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
-    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 0, 0)
-    assert render.plan(b64, overrides={"QKV_GEMM": 1, "O_GEMM": 1})["consts"]["O_GSPLIT"] > 1
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 1, 1) and c["O_GSPLIT"] > 1
     for i in (0, 1, 2):
         v = cases[i][0]
         W = reference.random_weights(v.model, seed=42, device="cuda")

@@ -256,12 +256,13 @@ GEMM_HIDDEN_MIN = 1536
 # % against 2); fewer take split_k's rule (qkv's and o_proj's 8-24 tiles: 8 splits +0.6 / +1.7 % faster than 4)
 GEMM_UNSPLIT_SHARE = 0.45
 # GEMM_PROJ: qkv_proj and o_proj on the engine (QKV_GEMM, O_GEMM) where a task of their split holds at least this many
-# 64-wide K chunks, else GEMVs (at batch <= GEMM_BN_MAX). Measured on an H100 (bench/NOTES.md session 62, stage
-# clocks): Llama-3.2-1B b64's qkv (12 tiles split 8 ways: 4 chunks a task) 13.9 us on the engine against 12.2 as a
-# GEMV, its o_proj (8 tiles, 4 chunks) 12.3 against 10.9 (the ring's fill and the partials' round trip not hidden);
-# Llama-3-8B b64 (qkv 12 chunks a task, o_proj 8) won with them on it (-4.4 % a layer; session 61: the engine's qkv
-# -16 %, o_proj -16 % as a chunk-1 prefill)
-GEMM_TASK_CHUNKS_MIN = 6
+# 64-wide K chunks, else GEMVs (at batch <= GEMM_BN_MAX). 0 (both on the engine, as session 62 measured the whole
+# layer) until the rule is timed as a whole (bench/queue.sh pproj): 6 is predicted from the stage clocks on an H100
+# (bench/NOTES.md sessions 62, 64): Llama-3.2-1B b64's qkv (12 tiles split 8 ways: 4 chunks a task) 13.9 us on the
+# engine against 12.2 as a GEMV, its o_proj (8 tiles, 4 chunks) 12.3 against 10.9 (the ring's fill and the partials'
+# round trip not hidden); Llama-3-8B b64 (qkv 12 chunks a task, o_proj 8) won with them on it (-4.4 % a layer;
+# session 61: the engine's qkv -16 %, o_proj -16 % as a chunk-1 prefill). The tuner flips both either way
+GEMM_TASK_CHUNKS_MIN = 0
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
 # thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
