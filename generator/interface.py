@@ -47,8 +47,8 @@ TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready
 
 
 def _gemm_cols(c: dict, k: int) -> int:
-    """Columns of a GEMM engine's input buffer (prefill's; decode GEMM_PROJ's xn and attn): whole 64-wide blocks where
-    tiled (sm_90a, GEMM_WGMMA)."""
+    """Columns of a GEMM engine's input buffer (prefill's; decode GEMM_PROJ's xn, and attn where O_GEMM): whole
+    64-wide blocks where tiled (sm_90a, GEMM_WGMMA)."""
     return -(-k // 64) * 64 if c.get("GEMM_WGMMA") else k
 
 
