@@ -46,6 +46,13 @@ TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready
 # from_tiles).
 
 
+def on_engine(c: dict, prefix: str) -> bool:
+    """Whether a decode plan's constants `c` run projection `prefix` ("QKV", "O", "GU", "DOWN") on the GEMM engine:
+    under GEMM_PROJ gate_up always, qkv_proj and o_proj by <P>_GEMM (a plan from before those knobs: all three),
+    down_proj never (generator.modes.decode GEMM_PROJECTIONS, GEMM_OPTIONAL)."""
+    return bool(c.get("GEMM_PROJ")) and prefix != "DOWN" and bool(c.get(f"{prefix}_GEMM", 1))
+
+
 def _gemm_cols(c: dict, k: int) -> int:
     """Columns of a GEMM engine's input buffer (prefill's; decode GEMM_PROJ's xn, and attn where O_GEMM): whole
     64-wide blocks where tiled (sm_90a, GEMM_WGMMA)."""
@@ -66,8 +73,7 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
            "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
            "gate_up)"),
-    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if c.get("GEMM_PROJ") and c.get("O_GEMM", 1)
-                                   else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, O_GEMM 0: not tiled)
+    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if on_engine(c, "O") else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, O_GEMM 0: not tiled)
                                          (c["Q_DIM"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["Q_DIM"]))
                                          * (1 + bool(c.get("ATT_LL"))))),
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "

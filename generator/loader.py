@@ -23,7 +23,7 @@ import torch
 from .collectives import AllReduce
 from .host import inv_freq
 from .interface import (ARGS, CLOCK_SLOTS, KV_TENSOR_MAPS, PACKED, TENSOR_MAP_BYTES, TENSOR_MAPS, from_frag, from_ll,
-                        from_tiles, pack_weights,
+                        from_tiles, on_engine, pack_weights,
                         packed_shapes, shard_weights, unpack_weights, weight_shapes)
 from .interface import from_fragments, to_fragments  # noqa: F401  (re-exported: callers import them from here)
 from .manifest import LoadError, build_dir_flag, find_entry, variant_from_entry
@@ -478,8 +478,8 @@ class FusedDecoderLayer:
             ks, rows = consts.get("QKV_KSPLIT", 1), self.plan["rows"]
             return from_ll(raw, ks * rows, consts["QKV_DIM"], frag=False).view(ks, rows, -1).sum(0)
         # the GEMM engine's inputs (decode GEMM_PROJ: xn holds gate_up's rows last; attn o_proj's where O_GEMM)
-        if self.mode == "decode" and consts.get("GEMM_PROJ") and (name == "xn" or name == "attn" and consts.get(
-                "O_GEMM", 1)):
+        consumer = {"xn": "GU", "attn": "O"}.get(name)  # (the projection that reads it last)
+        if self.mode == "decode" and consumer and on_engine(consts, consumer):
             k = {"attn": consts["Q_DIM"], "xn": consts["HIDDEN"]}[name]
             return from_tiles(raw, self.plan["rows"], k, consts["GEMM_XROWS"])
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):

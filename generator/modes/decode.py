@@ -13,7 +13,7 @@ import math
 from ..plan import (L1_ENOUGH, MAX_SPLIT, THREADS, Mode, PlanError, Step, align, check_knob, check_smem,
                     gemm_group, gemm_split_cost, gemm_stages, gemv_balance_split, gemv_split_k, l1_bytes,
                     open_barriers, plan_gemv, split_k, wgmma_tile)
-from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS
+from ..interface import TIMELINE_ATT, TIMELINE_ATT_PHASES, TIMELINE_SLOTS, on_engine  # noqa: F401  (re-exported)
 from ..targets import DTYPES, Arch
 from ..variants import Variant, window_at
 
@@ -97,14 +97,8 @@ assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PH
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
 GEMM_PROJECTIONS = ("QKV", "O", "GU")  # GEMM_PROJ: the projections on the GEMM engine (down_proj stays a GEMV)
-GEMM_OPTIONAL = ("QKV", "O")  # ... of which these each by a knob of their own (<P>_GEMM 0: a GEMV; gate_up always)
-
-
-def on_engine(c: dict, prefix: str) -> bool:
-    """Whether a decode plan's constants `c` run projection `prefix` (PROJECTIONS: "QKV", "O", "GU", "DOWN") on the
-    GEMM engine: under GEMM_PROJ gate_up always, qkv_proj and o_proj by <P>_GEMM (a plan from before those knobs:
-    all three), down_proj never."""
-    return bool(c.get("GEMM_PROJ")) and prefix in GEMM_PROJECTIONS and bool(c.get(f"{prefix}_GEMM", 1))
+GEMM_OPTIONAL = ("QKV", "O")  # ... of which these each by a knob of their own (<P>_GEMM 0: a GEMV; gate_up always;
+# interface.on_engine reads a plan's)
 
 
 # GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why (QKV_FLOW
