@@ -167,8 +167,8 @@ def _plan_cell(r: dict, k: str) -> str:
     if not src.startswith("tuned"):
         return src + (f" ({ov})" if ov else "") + path + other
     # a tuning entry without the tuner's times (one written by hand) is built but was never timed
-    gain = f" ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else ", not timed"
-    return "tuned" + gain + (f" ({ov})" if ov else "") + path + other
+    head = f"tuned ×{r['tuned_gain']:.2f}" if r.get("tuned_gain") else "override, not timed"
+    return head + (f" ({ov})" if ov else "") + path + other
 
 
 def measure_load_times(manifest: dict, build_dir: Path) -> dict[str, dict]:

@@ -1167,7 +1167,7 @@ def test_build_uses_tuning_file_and_no_tuned_ignores_it(tmp_path, tiny_variants_
     from generator.report import _plan_cell
     assert _plan_cell(row, "plan") == "tuned ×1.20 (DOWN_U=2 QKV_NWG=2) [LL]"  # (the LL rule's hand-offs)
     # an entry written by hand (no tuner times): built, said not timed
-    assert _plan_cell({"plan": "tuned (x.json)", "overrides": {"H_STATS": 1}}, "plan") == "tuned, not timed (H_STATS=1)"
+    assert _plan_cell({"plan": "tuned (x.json)", "overrides": {"H_STATS": 1}}, "plan") == "override, not timed (H_STATS=1)"
 
     # the tuning entry changes: the build is stale until rebuilt
     (tdir / "nvidia-h200.json").write_text(json.dumps({v.name: {"overrides": {"QKV_NWG": 4},
