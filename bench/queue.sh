@@ -7,12 +7,9 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
-#   bash bench/queue.sh tunerest  # the plan-override GPU tests from the LL hand-offs' on (carry nothing; ~6 min)
 #   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
 #                                 # batch 48-64 rows of the check against FlashInfer
 #   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
-#   bash bench/queue.sh pproj     # session 64 (carry nothing; ~5 min, PT_S s): GEMM_PROJ per projection's A/B, then its
-#                                 # GPU test
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -77,16 +74,6 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_tunerest() {  # session 63: the plan-override GPU tests that session 63's call did not reach (its time ran out at
-  # the LL hand-offs' test, which failed: its barrier twin planned GEMV_PF 1 at Llama-3-8B b1 since session 59, mended
-  # in 6b20c40; the tests after it have not run on a GPU since session 57 or earlier). (~6 min on an H100: timeout_s
-  # 600; the whole log in $OUT: -v names each test's outcome as it ends, the failures' details come at the end, lost
-  # if the timeout cuts it)
-  step gputests-tunerest timeout "${TR_S:-570}" python3 -m pytest -v -m gpu tests/test_tune.py -k "ll_hand_offs or \
-staged_in_shared or leaving_down_proj or single_buffered or norm_cluster or pre_loaded or norm_global or \
-attention_by_tma or tiles_a_task or h_stats_matches or split_parallel or combine_over"
-}
-
 part_gemm() {  # session 62 (ran): GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine from batch 64). First its
   # GPU test (7 cases against the fp32 reference), then the A/B against the GEMVs (prediction, H100, from session 61's
   # stage clocks: Llama-3-8B b64 -3 ... -5 %, Llama-3.2-1B b64 -6 ... -9 %; at b32 the engine +2 ... +6 %), then the
@@ -112,25 +99,6 @@ part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9
   ab gemm2 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" \
     --case q-q05-b64_decode_b64_s2048_bf16 "$on" --case q-q15-b64_decode_b64_s2048_bf16 "$off" \
     --case q-smol-b64_decode_b64_s2048_bf16 "$on"
-}
-
-part_pproj() {  # session 64 (built, not yet run: no GPU came): GEMM_PROJ per projection (QKV_GEMM, O_GEMM: qkv_proj
-  # and o_proj GEMVs beside gate_up on the engine) against the default (all three on it: GEMM_TASK_CHUNKS_MIN 0 until
-  # this runs), as decode.GEMM_TASK_CHUNKS_MIN 6 would plan them, and the GEMVs' QKV_FLOW 1 beside it. Prediction (H100,
-  # from session 62's stage clocks): Llama-3.2-1B b64 -1.5 ... -3 % (qkv 13.9 -> 12.2, o_proj 12.3 -> 10.9 us; QKV_FLOW 1
-  # a grid barrier less, -0 ... -1.5 % more), Llama-3.2-3B-like b64 (o_proj a GEMV) -0.5 ... -2 %, Qwen2.5-1.5B-like b64
-  # -1 ... -4 %; Llama-3-8B b64 with o_proj a GEMV (8 chunks a task) +1 ... +4 %. If it holds: GEMM_TASK_CHUNKS_MIN 6
-  # (tests/test_tune.py's GEMM_PROJ CPU test checks its plans). The A/B first, every plan verified against the fp32
-  # reference before it is timed; then the GPU test (11 sequential compiles) in the time left, PT_S s
-  local t0=$SECONDS
-  local gemv='{"QKV_GEMM": 0, "O_GEMM": 0}' flow='{"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}' og='{"O_GEMM": 0}'
-  ab pproj full,mix --variants bench/queue-variants.yaml \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 "$gemv" --case ho-l1b-b64_decode_b64_s1024_bf16 "$flow" \
-    --case q-l3b-b64_decode_b64_s1024_bf16 "$og" --case q-q15-b64_decode_b64_s2048_bf16 "$gemv" \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 "$og"
-  local left=$((${PT_S:-560} - (SECONDS - t0)))
-  [ -n "$BUILD" ] || [ "$left" -lt 60 ] || step gputests-pproj timeout "$left" python3 -m pytest -v -m gpu \
-    tests/test_tune.py -k gemm_projections_match
 }
 
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
@@ -185,16 +153,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gemm|gemm2|pproj|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2; part_pproj ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2 ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   gemm) part_gemm ;;
   gemm2) part_gemm2 ;;
-  pproj) part_pproj ;;
   first) part_first ;;
-  tunerest) part_tunerest ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
   second) part_second ;;
@@ -202,5 +168,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|pproj|first|tunerest|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -263,7 +263,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
     if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 32:
         tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
-    if gemm_on:  # (qkv_proj's and o_proj's engine flipped: decode.GEMM_TASK_CHUNKS_MIN's rule)
+    if gemm_on:  # (qkv_proj's and o_proj's engine flipped: decode.GEMM_TASKS_MIN_SHARE's rule)
         tries += [{f"{prefix}_GEMM": 1 - d[f"{prefix}_GEMM"]} for prefix in decode.GEMM_OPTIONAL]
         for prefix in (p for p in decode.GEMM_PROJECTIONS if decode.on_engine(d, p)):
             ks, chunks = d[f"{prefix}_GSPLIT"], -(-base["gemm"][dict(decode.PROJECTIONS)[prefix]]["K"] // d["GEMM_BK"])

@@ -892,11 +892,18 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
     from generator import interface
     from generator.modes import decode
     l1b = "hidden: 2048, heads: 32, kv_heads: 8, head_dim: 64, intermediate: 8192"
-    # the shipped rule (GEMM_TASK_CHUNKS_MIN 0, until timed): all three on the engine at batch 64; then the predicted
-    # one (6 chunks a task) for the rest of the test
+    # qkv_proj and o_proj on the engine where their split gives GEMM_TASKS_MIN_SHARE of the SMs a task: Llama-3.2-3B-
+    # like b64 (120 and 120 on 132 SMs) and Llama-3-8B b64 (120, 128) all three; Qwen2.5-1.5B-like b64 (48, 36)
+    # GEMVs beside gate_up's GEMM
+    for shape, want in (("hidden: 3072, heads: 24, kv_heads: 8, head_dim: 128, intermediate: 8192", (1, 1, 6, 10)),
+                        ("hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, intermediate: 14336", (1, 1, 5, 8)),
+                        ("hidden: 1536, heads: 12, kv_heads: 2, head_dim: 128, intermediate: 8960", (0, 0, 1, 1))):
+        c = render.plan(_decode_layer("gpd", 64, 1024, shape))["consts"]
+        assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["QKV_GSPLIT"], c["O_GSPLIT"]) == (1, *want), shape
+    monkeypatch.setattr(decode, "GEMM_TASKS_MIN_SHARE", 0)  # (the rule off: all three on the engine)
     c = render.plan(_decode_layer("gpd", 64, 1024, l1b))["consts"]
-    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["O_GSPLIT"]) == (1, 1, 1, 8)
-    monkeypatch.setattr(decode, "GEMM_TASK_CHUNKS_MIN", 6)
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["QKV_GSPLIT"], c["O_GSPLIT"]) == (1, 1, 1, 8, 8)
+    monkeypatch.undo()
     for batch, on in ((1, 0), (8, 0), (32, 0), (48, 0), (63, 0), (64, 1), (100, 1), (128, 1)):
         p = render.plan(_decode_layer("gpd", batch, 1024, l1b))
         c = p["consts"]
@@ -908,8 +915,8 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
         bn = c["GEMM_TN"] * 8
         assert bn <= 64 and bn % 16 == 0 and c["GEMM_XROWS"] % bn == 0 and c["GEMM_XROWS"] >= batch
         g = p["gemm"]
-        # qkv_proj and o_proj: GEMVs at batch 64 (their 12 and 8 tiles split 8 ways: 4 K chunks a task, under
-        # GEMM_TASK_CHUNKS_MIN), on the engine past one token tile (batch 100, 128: o_proj's 16 tiles split 8 ways)
+        # qkv_proj and o_proj: GEMVs at batch 64 (their 12 and 8 tiles split 8 ways: 96 and 64 tasks, under
+        # GEMM_TASKS_MIN_SHARE of 132 SMs), on the engine past one token tile (batch 100, 128: o_proj's 16 tiles split 8 ways)
         engine = int(batch > 64)
         assert (c["QKV_GEMM"], c["O_GEMM"]) == (engine, engine), (batch, c)
         assert g["gate_up"]["KSPLIT"] == 1 and g["o"]["KSPLIT"] == (8 if engine else 1)
@@ -1472,8 +1479,8 @@ def test_batch_slices_match_the_reference(tmp_path):
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gemm_projections_match_the_reference(tmp_path):
     """GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine, their inputs in its tiled layout): the
-    Llama-3.2-1B shape at batch 64 (its default: all three on it, qkv and o_proj split-K, H_STATS's sums of squares
-    over quads of lanes, gate_up's tiles whole: the staged epilogue), with gate_up alone on it (qkv_proj and o_proj
+    Llama-3.2-1B shape at batch 64 with all three on it (qkv and o_proj split-K, H_STATS's sums of squares over quads
+    of lanes, gate_up's tiles whole: the staged epilogue), with gate_up alone on it (its default: qkv_proj and o_proj
     GEMVs, o_proj's H_STATS epilogue writing gate_up's rows tiled), with o_proj alone beside gate_up, split 3 ways
     (shares of the split tiles in whole quads) and gate_up split 2, and with QKV_FLOW's counters beside the GEMVs; batch 100
     (two token tiles, 28 padding rows; and with qkv_proj and o_proj GEMVs: xn's fragment-ordered rows under gate_up's
@@ -1493,13 +1500,14 @@ def test_gemm_projections_match_the_reference(tmp_path):
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
     every = {"QKV_GEMM": 1, "O_GEMM": 1}  # (all three on the engine: asked, it brings GEMM_PROJ)
-    cases = [(b64, {}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0}), (b48, every),
+    cases = [(b64, every), (b64, {}), (b48, every),
              (b64, {"QKV_GEMM": 0, "O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}),
              (b100, {}),
              (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
-    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 1, 1) and c["O_GSPLIT"] > 1
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 0, 0)
+    assert render.plan(b64, overrides=every)["consts"]["O_GSPLIT"] > 1
     for i in (0, 1, 2):
         v = cases[i][0]
         W = reference.random_weights(v.model, seed=42, device="cuda")

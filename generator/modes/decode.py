@@ -249,14 +249,15 @@ GEMM_HIDDEN_MIN = 1536
 # Llama-3.2-1B b64 gate_up's 64 tiles whole -2.2 / -2.8 % a layer against 2 splits, Llama-3-8B's 112 whole -4.3 / -5.0
 # % against 2); fewer take split_k's rule (qkv's and o_proj's 8-24 tiles: 8 splits +0.6 / +1.7 % faster than 4)
 GEMM_UNSPLIT_SHARE = 0.45
-# GEMM_PROJ: qkv_proj and o_proj on the engine (QKV_GEMM, O_GEMM) where a task of their split holds at least this many
-# 64-wide K chunks, else GEMVs (at batch <= GEMM_BN_MAX). 0 (both on the engine, as session 62 measured the whole
-# layer) until the rule is timed as a whole (bench/queue.sh pproj): 6 is predicted from the stage clocks on an H100
-# (bench/NOTES.md sessions 62, 64): Llama-3.2-1B b64's qkv (12 tiles split 8 ways: 4 chunks a task) 13.9 us on the
-# engine against 12.2 as a GEMV, its o_proj (8 tiles, 4 chunks) 12.3 against 10.9 (the ring's fill and the partials'
-# round trip not hidden); Llama-3-8B b64 (qkv 12 chunks a task, o_proj 8) won with them on it (-4.4 % a layer;
-# session 61: the engine's qkv -16 %, o_proj -16 % as a chunk-1 prefill). The tuner flips both either way
-GEMM_TASK_CHUNKS_MIN = 0
+# GEMM_PROJ: qkv_proj and o_proj on the engine (QKV_GEMM, O_GEMM) where their split gives at least this share of the
+# SMs a task (whole tiles + split tiles x split-K; or whole tiles from GEMM_UNSPLIT_SHARE of the SMs), else GEMVs
+# (at batch <= GEMM_BN_MAX), which run on every SM: K runs out before the split fills the grid (small hidden sizes;
+# split_k keeps >= 4 K chunks a task). Timed on an H100 (bench/NOTES.md session 65), against all three on the
+# engine: Llama-3.2-1B b64 (qkv 96 tasks, o_proj 64) -2.4 / -2.6 % a layer as GEMVs, Qwen2.5-1.5B-like b64 (48, 36)
+# -4.5 / -5.8 %; o_proj a GEMV at Llama-3.2-3B-like b64 (120 tasks) +1.7 / +2.3 %, at Llama-3-8B b64 (128) +0.9 /
+# +1.2 %. (A rule on K chunks a task, 6, was predicted and missed: the 3B's o_proj has 4 a task and wins on the
+# engine.) The tuner flips both either way
+GEMM_TASKS_MIN_SHARE = 0.8
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
 # thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
@@ -825,7 +826,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                         "O_NWG or O_TM 1")
 
     # GEMM_PROJ (sm_90, one GPU, NORM_GLOBAL): gate_up, and qkv_proj and o_proj where QKV_GEMM / O_GEMM (see
-    # GEMM_TASK_CHUNKS_MIN), on the wgmma GEMM engine that prefill's projections run on (templates/gemm.cuh: the
+    # GEMM_TASKS_MIN_SHARE), on the wgmma GEMM engine that prefill's projections run on (templates/gemm.cuh: the
     # batch's rows tiled in shared memory by bulk copies, read once a 256-row tile instead of once a 16-row GEMV task
     # from L2), the inputs of those (the first norm's rows, attention's output, o_proj's H_STATS rows or the second
     # norm's) written in its tiled layout (gemv.cuh gemm_x, xg_at); down_proj stays a GEMV (level at batch 64 on both
@@ -880,13 +881,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                 raise PlanError(f"{v.name}: plan override {prefix}_GSPLIT={ks}: over {key}'s {chunks} K chunks")
         if prefix in GEMM_OPTIONAL:
             # qkv_proj and o_proj stay GEMVs where one token tile holds the batch (past it the GEMVs run it in batch
-            # slices and fall away) and the split leaves a task fewer than GEMM_TASK_CHUNKS_MIN K chunks (see there);
+            # slices and fall away) and their split leaves SMs without a task (GEMM_TASKS_MIN_SHARE);
             # qkv_proj on the engine wherever hidden is not whole 64-column blocks: as a GEMV the first norm's
             # fragment-ordered rows would land in the tiled layout's padding columns, which gate_up's GEMM reads from
             # the shared xn (times zero weights: a NaN of one sequence would cross to the others)
             whole = prefix != "QKV" or m.hidden % 64 == 0
             on = ov.get(f"{prefix}_GEMM", int(gemm_proj and (not whole or not gemv_knobs[prefix] and (
-                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or chunks // ks >= GEMM_TASK_CHUNKS_MIN))))
+                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or tiles >= GEMM_UNSPLIT_SHARE * sms
+                or full + (tiles - full) * ks >= GEMM_TASKS_MIN_SHARE * sms))))
             if on:
                 _needs(v.name, f"{prefix}_GEMM", on, [
                     (not gemv_knobs[prefix], f"no GEMV knob of {key} ({', '.join(gemv_knobs[prefix])}: it runs on the "
