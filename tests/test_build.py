@@ -378,10 +378,14 @@ def test_report_keeps_the_compilers_error_line():
     assert error_line("v: refused: too big") == "v: refused: too big" and error_line(None) == "no reason recorded"
 
 
-def test_a_signal_while_the_build_records_waits_for_the_record(copy_build, tiny_build, monkeypatch):
+def test_a_signal_while_the_build_records_waits_for_the_record(copy_build, tiny_build, monkeypatch, request):
     """Ctrl-C (or SIGTERM) as the build writes its sources, cubins and manifest is held off until all are written:
     the directory is this build's, consistent (it had rewritten kernel.cu, then stopped before the manifest), and
     the build then stops with RecordedInterrupt."""
+    # Ctrl-C's handler in place: a shell's background job inherits SIGINT ignored, and the build (rightly) keeps
+    # that, so the signal would do nothing
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, prev))
     d = copy_build()
     real = gcompile.write_if_changed
     sent = []
