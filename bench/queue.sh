@@ -10,6 +10,8 @@
 #   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
 #                                 # batch 48-64 rows of the check against FlashInfer
 #   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
+#   bash bench/queue.sh gu48      # session 65 (carry build-ab/gu48 after `BUILD=--compile-only bash bench/queue.sh gu48`
+#                                 # here; ~2 min): gate_up alone on the engine at batch 32-48 against the GEMVs
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -101,6 +103,17 @@ part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9
     --case q-smol-b64_decode_b64_s2048_bf16 "$on"
 }
 
+part_gu48() {  # session 65 (not yet run): gate_up alone on the GEMM engine (qkv_proj and o_proj GEMVs) at batch 32-48,
+  # where GEMM_PROJ is off by default (GEMM_BATCH_MIN 64: all three on it lost there in session 62, +1.6 ... +10 %, with
+  # gate_up split 2 then and qkv / o_proj on the engine at 4 K chunks a task, both since changed). Prediction (H100):
+  # Llama-3.2-1B b48 -1 ... +3 %, Llama-3-8B b48 and Mistral-Nemo-like b48 -2 ... +1 %, b32 (1B, 8B) +1 ... +5 %. If
+  # b48 wins on all three: GEMM_BATCH_MIN 48 with the per-projection rule
+  local gu='{"GEMM_PROJ": 1, "QKV_GEMM": 0, "O_GEMM": 0}'
+  ab gu48 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b48_decode_b48_s2048_bf16 "$gu" \
+    --case q-l8b-b128_decode_b48_s1024_bf16 "$gu" --case q-nemo-b48_decode_b48_s2048_bf16 "$gu" \
+    --case ho-l1b-b32_decode_b32_s4096_bf16 "$gu" --case ho-l8b-b32_decode_b32_s4096_bf16 "$gu"
+}
+
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
   # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
   flashinfer
@@ -153,13 +166,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gemm|gemm2|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2; part_gu48 ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   gemm) part_gemm ;;
   gemm2) part_gemm2 ;;
+  gu48) part_gu48 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -168,5 +182,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
