@@ -854,8 +854,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             (not gemv_knobs["GU"], f"no GEMV knob of gate_up ({', '.join(gemv_knobs['GU'])}: it runs on the GEMM "
                                    "engine; GU_GSPLIT sets its split-K)")])
     elif engine_asked:
-        raise PlanError(f"{v.name}: plan override {engine_asked[0]}={ov[engine_asked[0]]}: the GEMM engine's, with "
-                        "GEMM_PROJ 1 only (asked: 0)")
+        raise PlanError(f"{v.name}: plan override {engine_asked[0]}={ov[engine_asked[0]]}: a knob of the GEMM engine, "
+                        "which needs GEMM_PROJ 1 (asked: 0)")
     # its tiling: 4 warpgroups of 64 weight rows (256 a tile), the batch in token tiles of <= GEMM_BN_MAX; where off,
     # the same numbers stand in (GEMM_WGMMA 0: the constants are declared, no GEMM is compiled)
     g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, GEMM_BN_MAX)
