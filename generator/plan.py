@@ -6,6 +6,7 @@ turns a Variant into every compile-time constant of the kernel. Nothing here kno
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from typing import Callable
@@ -23,8 +24,10 @@ class PlanError(ValueError):
 def check_knob(name: str, knob: str, val, knobs: tuple) -> None:
     """A plan override's knob is one of the mode's `knobs` and its value an int, else PlanError (one line naming
     variant `name`); the mode checks the value's range."""
-    if knob not in knobs:
-        raise PlanError(f"{name}: plan override {knob}: unknown knob (one of {', '.join(knobs)})")
+    if knob not in knobs:  # (a near miss named, the whole list otherwise)
+        near = difflib.get_close_matches(str(knob), knobs, n=1)
+        raise PlanError(f"{name}: plan override {knob}: unknown knob ("
+                        + (f"did you mean {near[0]}?" if near else f"one of {', '.join(knobs)}") + ")")
     if isinstance(val, bool) or not isinstance(val, int):
         raise PlanError(f"{name}: plan override {knob}={json.dumps(val)}: must be an integer")
 

@@ -1011,7 +1011,8 @@ def test_from_frag_is_the_mma_b_fragment_layout():
 
 
 @pytest.mark.parametrize("ov,words", [
-    ({"FOO": 1}, ["FOO", "unknown knob"]),
+    ({"FOO": 1}, ["FOO", "unknown knob (one of QKV_NWG,"]),
+    ({"QKV_GEM": 1}, ["QKV_GEM", "unknown knob (did you mean QKV_GEMM?)"]),
     ({"DOWN_KSPLIT": 3}, ["DOWN_KSPLIT=3", "must divide"]),
     ({"O_KSPLIT": 9}, ["O_KSPLIT=9", "1..8"]),
     ({"QKV_NWG": 3}, ["QKV_NWG=3", "divides"]),
