@@ -73,7 +73,8 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode QKV_FLOW: qkv tiles written per KV head (attention waits on its head's); DOWN_FLOW: then gate_up "
            "tiles written per chunk of act (down_proj waits on a chunk's); o_proj zeroes them (ATT_LL: QKV_FLOW's in "
            "gate_up)"),
-    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if on_engine(c, "O") else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, O_GEMM 0: not tiled)
+    Buffer("attn", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["Q_DIM"])) if on_engine(c, "O")
+                                   else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, O_GEMM 0: not tiled)
                                          (c["Q_DIM"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["Q_DIM"]))
                                          * (1 + bool(c.get("ATT_LL"))))),
            "attention output (decode X_FRAG: in fragment order, from_frag; ATT_LL: each element a 32-bit word, its "

@@ -916,7 +916,8 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
         assert bn <= 64 and bn % 16 == 0 and c["GEMM_XROWS"] % bn == 0 and c["GEMM_XROWS"] >= batch
         g = p["gemm"]
         # qkv_proj and o_proj: GEMVs at batch 64 (their 12 and 8 tiles split 8 ways: 96 and 64 tasks, under
-        # GEMM_TASKS_MIN_SHARE of 132 SMs), on the engine past one token tile (batch 100, 128: o_proj's 16 tiles split 8 ways)
+        # GEMM_TASKS_MIN_SHARE of 132 SMs), on the engine past one token tile (batch 100, 128: o_proj's 16 tiles
+        # split 8 ways)
         engine = int(batch > 64)
         assert (c["QKV_GEMM"], c["O_GEMM"]) == (engine, engine), (batch, c)
         assert g["gate_up"]["KSPLIT"] == 1 and g["o"]["KSPLIT"] == (8 if engine else 1)
