@@ -7,9 +7,6 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
-#   bash bench/queue.sh gemm      # session 62 (carry .whl; ~5 min): GEMM_PROJ's GPU test, its A/B at batch 32-128, the
-#                                 # batch 48-64 rows of the check against FlashInfer
-#   bash bench/queue.sh gemm2     # GEMM_PROJ at hidden < 2048 and 1B b64 against the GEMVs (carry .whl; ~1.5 min)
 #   bash bench/queue.sh gu48      # session 65 (carry build-ab/gu48 after `BUILD=--compile-only bash bench/queue.sh gu48`
 #                                 # here; ~2 min): gate_up alone on the engine at batch 32-48 against the GEMVs
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
@@ -76,33 +73,6 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_gemm() {  # session 62 (ran): GEMM_PROJ (qkv_proj, o_proj and gate_up on the wgmma GEMM engine from batch 64). First its
-  # GPU test (7 cases against the fp32 reference), then the A/B against the GEMVs (prediction, H100, from session 61's
-  # stage clocks: Llama-3-8B b64 -3 ... -5 %, Llama-3.2-1B b64 -6 ... -9 %; at b32 the engine +2 ... +6 %), then the
-  # check's batch 48-64 rows with FlashInfer's and the serving-style layer
-  flashinfer
-  [ -n "$BUILD" ] || step gputests-gemm timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
-    -k gemm_projections
-  local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
-  ab gemm full,mix --variants bench/queue-variants.yaml \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 "$off" --case ho-l8b-b64_decode_b64_s1024_bf16 '{"GU_GSPLIT": 2}' \
-    --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" --case ho-l1b-b48_decode_b48_s2048_bf16 "$on" \
-    --case q-l8b-b128_decode_b128_s1024_bf16 "$off" --case q-q7b-b64_decode_b64_s2048_bf16 "$off" \
-    --case ho-l8b-b32_decode_b32_s4096_bf16 "$on" --case ho-l1b-b32_decode_b32_s4096_bf16 "$on"
-  [ -n "$BUILD" ] || step check-gemm timeout 240 python3 bench/gpu_check.py --no-tests --only 'ho-l8b-b64*' \
-    --only 'ho-l1b-b64*' --only 'ho-l1b-b48*' --serving-budget 60
-}
-
-part_gemm2() {  # session 62 (ran: 1B b64 -1.3 / -2.4 %, hidden 1536 -2.8 / -2.9, 896 +18 / +22, 960 +10 / +14): GEMM_PROJ at hidden < 2048 and the
-  # Llama-3.2-1B b64 with gate_up's tiles whole (its default now) against the GEMVs. Prediction (H100): Qwen2.5-1.5B-like
-  # b64 -2 ... +4 %, Qwen2.5-0.5B-like and SmolLM-360M-like b64 +0 ... +10 % (qkv / o_proj 4-6 tiles), 1B b64 -1 ... -3 %
-  flashinfer
-  local off='{"GEMM_PROJ": 0}' on='{"GEMM_PROJ": 1}'
-  ab gemm2 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b64_decode_b64_s1024_bf16 "$off" \
-    --case q-q05-b64_decode_b64_s2048_bf16 "$on" --case q-q15-b64_decode_b64_s2048_bf16 "$off" \
-    --case q-smol-b64_decode_b64_s2048_bf16 "$on"
-}
-
 part_gu48() {  # session 65 (not yet run): gate_up alone on the GEMM engine (qkv_proj and o_proj GEMVs) at batch 32-48,
   # where GEMM_PROJ is off by default (GEMM_BATCH_MIN 64: all three on it lost there in session 62, +1.6 ... +10 %, with
   # gate_up split 2 then and qkv / o_proj on the engine at 4 K chunks a task, both since changed). Prediction (H100):
@@ -166,13 +136,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gemm|gemm2|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gemm; part_gemm2; part_gu48 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gu48 ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  gemm) part_gemm ;;
-  gemm2) part_gemm2 ;;
   gu48) part_gu48 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
@@ -182,5 +150,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gemm|gemm2|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
