@@ -7,8 +7,6 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
-#   bash bench/queue.sh gu48      # session 65 (carry build-ab/gu48 after `BUILD=--compile-only bash bench/queue.sh gu48`
-#                                 # here; ~2 min): gate_up alone on the engine at batch 32-48 against the GEMVs
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
@@ -73,17 +71,6 @@ part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100:
   tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$logs"
 }
 
-part_gu48() {  # session 65 (not yet run): gate_up alone on the GEMM engine (qkv_proj and o_proj GEMVs) at batch 32-48,
-  # where GEMM_PROJ is off by default (GEMM_BATCH_MIN 64: all three on it lost there in session 62, +1.6 ... +10 %, with
-  # gate_up split 2 then and qkv / o_proj on the engine at 4 K chunks a task, both since changed). Prediction (H100):
-  # Llama-3.2-1B b48 -1 ... +3 %, Llama-3-8B b48 and Mistral-Nemo-like b48 -2 ... +1 %, b32 (1B, 8B) +1 ... +5 %. If
-  # b48 wins on all three: GEMM_BATCH_MIN 48 with the per-projection rule
-  local gu='{"GEMM_PROJ": 1, "QKV_GEMM": 0, "O_GEMM": 0}'
-  ab gu48 full,mix --variants bench/queue-variants.yaml --case ho-l1b-b48_decode_b48_s2048_bf16 "$gu" \
-    --case q-l8b-b128_decode_b48_s1024_bf16 "$gu" --case q-nemo-b48_decode_b48_s2048_bf16 "$gu" \
-    --case ho-l1b-b32_decode_b32_s4096_bf16 "$gu" --case ho-l8b-b32_decode_b32_s4096_bf16 "$gu"
-}
-
 part_keyrows() {  # session 61 (device time short): the H200 targets' rows only (declared b1 / b8 at KV 4096, the held-out
   # rows under the bars) with FlashInfer and the serving-style layer, in KEY_S s (~3-4 min)
   flashinfer
@@ -136,12 +123,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_gu48 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  gu48) part_gu48 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -150,5 +136,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|gu48|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -239,7 +239,8 @@ STREAM_IDLE_MIN_PAIRS = 28  # ... from this many pairs (the fewest measured; at 
 # GEMM_PROJ by default from this batch (see plan). Measured on an H100 (bench/NOTES.md session 62), the engine against
 # the GEMVs, full context / serving mix: batch 64 Llama-3-8B -4.4 / -5.6 %, Qwen2.5-7B-like -4.1 / -4.6, Llama-3.2-3B-like
 # -0.3 / -1.0, Llama-3.2-1B -1.3 / -2.4 (gate_up whole); batch 96-128 -16 ... -33 % (Llama-3.2-1B, 3B-like, 8B);
-# batch 48 +1.6 % (8B), 0.0 (Mistral-Nemo-like), +7.5 % (1B); batch 32 +3.5 % (8B), +8.7 % (1B)
+# batch 48 +1.6 % (8B), 0.0 (Mistral-Nemo-like), +7.5 % (1B); batch 32 +3.5 % (8B), +8.7 % (1B); gate_up alone on it
+# (qkv_proj and o_proj GEMVs, session 66): batch 48 +1.5 … +7.6 %, batch 32 +2.8 … +9.1 % (1B, 8B, Nemo-like)
 GEMM_BATCH_MIN = 64
 # ... at a hidden size where it won: batch 64, H100 (session 62), hidden 1536 (Qwen2.5-1.5B-like) -2.8 / -2.9 %, 2048-4096
 # above; 896 (Qwen2.5-0.5B-like) +18 / +22 %, 960 (SmolLM-360M-like) +10 / +14 % (qkv's and o_proj's 4-6 tiles)
