@@ -239,7 +239,9 @@ def bench_hf(model, args) -> dict:
 def _against_fp32(tokens: list[int], logits: torch.Tensor, ids: torch.Tensor, ref_fp32, n_new: int) -> dict:
     """A model's greedy `tokens` (n_new) and its step `logits` [n_new, vocab] after the prompt `ids` [1, 32] against
     transformers fp32: tokens equal before the first divergence, logits rel. error and argmax agreement, fp32
-    teacher-forced on those tokens."""
+    teacher-forced on those tokens; where they diverge, tie_gap_rms: fp32's logit gap between its token and ours at
+    that step, in rms of its row (the prefixes are equal there; a near-tie reads ~0.1 or less, tests/hf_util.py's
+    NEAR_TIE_RMS)."""
     with torch.no_grad():
         ref_tokens = ref_fp32.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
                                        min_new_tokens=n_new, do_sample=False, pad_token_id=0)[0, 32:].tolist()
@@ -247,9 +249,13 @@ def _against_fp32(tokens: list[int], logits: torch.Tensor, ids: torch.Tensor, re
         ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
     ours = logits.float()
     same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), n_new)
-    return {"greedy_tokens_equal_before_divergence": same, "of": n_new,
-            "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
-            "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+    out = {"greedy_tokens_equal_before_divergence": same, "of": n_new,
+           "logits_rel_err": float((ours - ref_logits).norm() / ref_logits.norm()),
+           "argmax_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+    if same < n_new:
+        r = ref_logits[same]
+        out["tie_gap_rms"] = float((r[tokens[same]] - r[ref_tokens[same]]).abs() / r.pow(2).mean().sqrt())
+    return out
 
 
 def agreement(served, ref_fp32, n_new: int) -> dict:
