@@ -306,25 +306,34 @@ def print_tables(doc: dict, routes_path=None) -> None:
 def markdown_tables(doc: dict) -> str:
     """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content) as the README's markdown
     tables: µs a layer, % of the copy bandwidth, each baseline's µs ("–" where not timed), × the best baseline and
-    which it was, the serving mix's figures; held-out rows marked. Failed rows are listed with their error."""
+    which it was, the serving mix's figures, the plan (its kernel-shaping knobs, `report.path_cell`; "tuned" where
+    the tuning file's entry ran, as recorded since session 66); held-out rows marked. Failed rows are listed with
+    their error."""
+    from generator.report import path_cell
+
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else "–"
+
+    def plan(r):
+        shape = path_cell(r["knobs"]) if r.get("knobs") else None
+        tuned = ["tuned"] if str(r.get("plan_source", "")).startswith("tuned") else []
+        return " ".join([shape] * bool(shape) + tuned) or "–"
     out = ["| variant | rel. err | fused µs | % of copy BW | torch + graph µs | serving µs | FlashInfer layer µs | "
-           "× best baseline | best | mixed positions: fused µs | × FlashInfer (mixed) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "× best baseline | best | mixed positions: fused µs | × FlashInfer (mixed) | plan |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [r for r in doc["rows"] if r.get("mode") != "prefill"]
     for r in rows:
         name = r["variant"] + (" (held out)" if r.get("heldout") else "")
         if "error" in r or not r.get("pass"):
             out.append(f"| {name} | {r.get('error') or 'FAILED its check: ' + f(r.get('rel_err'), '.1e')} |"
-                       + " |" * 9)
+                       + " |" * 10)
             continue
         mix_fi = r["flashinfer_us_mixed"] / r["us_mixed"] if r.get("flashinfer_us_mixed") and r.get("us_mixed") \
             else None
         out.append(f"| {name} | {r['rel_err']:.1e} | {r['us']:.1f} | {r['pct_bw']:.1f} | {r['torch_graph_us']:.1f} | "
                    f"{f(r.get('serving_us'), '.1f')} | {f(r.get('flashinfer_us'), '.1f')} | "
                    f"{r['speedup_vs_best']:.2f} | {r.get('best_baseline') or '–'} | {f(r.get('us_mixed'), '.1f')} | "
-                   f"{f(mix_fi, '.2f')} |")
+                   f"{f(mix_fi, '.2f')} | {plan(r)} |")
     pre = [r for r in doc["rows"] if r.get("mode") == "prefill"]
     if pre:
         out += ["", "| variant | rel. err | fused µs | TFLOP/s | unfused µs | unfused TFLOP/s | × unfused | route |",
@@ -411,6 +420,7 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw:.0f} GB/s (read + write)", flush=True)
     ok_names = {e["name"] for e in entries if e["status"] == "ok"}
+    sources = {e["name"]: e.get("plan_source", "default") for e in entries}
     doc = {"gpu": torch.cuda.get_device_name(), "arch": "%d%d" % torch.cuda.get_device_capability(),
            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
            "seed": seed, "copy_gbps": round(bw, 1), "tests": tests, "timing": TIMING, "rows": []}
@@ -430,6 +440,7 @@ def main(variants_file, heldout_file, only, build_dir, out, seed, no_tests, test
                 serving_s += row.get("serving_compile_s", 0.0)
                 most = max(most, row.get("serving_compile_s", 0.0))
                 row["heldout"] = v in held
+                row["plan_source"] = sources.get(v.name, "default")  # (tuned, override, default or re-planned)
             except Exception as exc:  # keep going: one broken variant must not hide the others
                 row = {"variant": v.name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows[v.name] = row

@@ -1388,16 +1388,18 @@ def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
           "flashinfer_us": 74.1, "speedup_vs_best": 1.31, "best_baseline": "serving"}
     doc = {"rows": [{**ok, "variant": "a_decode_b1_s4096_bf16"},
                     {**ok, "variant": "h_decode_b4_s4096_bf16", "heldout": True, "serving_us": None,
-                     "us_mixed": 40.0, "flashinfer_us_mixed": 60.0, "best_baseline": "flashinfer"},
+                     "us_mixed": 40.0, "flashinfer_us_mixed": 60.0, "best_baseline": "flashinfer",
+                     "knobs": {"NORM_GLOBAL": 1, "QKV_TM": 2, "ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1},
+                     "plan_source": "tuned (nvidia-h200)"},
                     {"variant": "x_decode_b1_s64_bf16", "pass": False, "error": "not built"},
                     {"variant": "p_prefill_b1_s64_bf16", "mode": "prefill", "pass": True, "rel_err": 1.9e-3,
                      "us": 79.6, "tflops": 98.0, "unfused_us": 159.1, "unfused_tflops": 49.0, "speedup": 2.0,
                      "route": "fused"}]}
     md = markdown_tables(doc).splitlines()
     assert md[2] == ("| a_decode_b1_s4096_bf16 | 3.3e-03 | 44.5 | 69.9 | 155.4 | 58.2 | 74.1 | 1.31 | serving | – | "
-                     "– |")
+                     "– | – |")  # (a row of before session 66: no knobs or plan source recorded)
     assert md[3] == ("| h_decode_b4_s4096_bf16 (held out) | 3.3e-03 | 44.5 | 69.9 | 155.4 | – | 74.1 | 1.31 | "
-                     "flashinfer | 40.0 | 1.50 |")
+                     "flashinfer | 40.0 | 1.50 | NORM_GLOBAL TM=2 LL tuned |")
     assert md[4].startswith("| x_decode_b1_s64_bf16 | not built |") and md[4].count("|") == md[0].count("|")
     assert md[-1] == "| p_prefill_b1_s64_bf16 | 1.9e-03 | 79.6 | 98.0 | 159.1 | 49.0 | 2.00 | fused |"
     f = tmp_path / "g.json"
