@@ -2460,6 +2460,20 @@ def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
     assert all(ov.get("O_PRE", 0) == 0 for ov in cands if "O_PRE" not in ov or len(ov) > 1)
 
 
+def test_candidates_try_down_smem_where_the_planner_takes_it():
+    """DOWN_SMEM 1 (down_proj's first task staged in shared memory; never planned) is a candidate at batch <= 8 on one
+    GPU where the planner accepts it (Qwen2.5-0.5B b1, Llama-3.2-1B b8), and never from batch 16, with tensor
+    parallel or on sm_80 (no bulk copies): the limited tune's default cut included."""
+    named = {v.name: v for v in declared()}
+    for name in ("qwen2.5-0.5b_decode_b1_s4096_bf16", "llama3.2-1b_decode_b8_s4096_bf16"):
+        cands = gtune.candidates(named[name])
+        assert {"DOWN_SMEM": 1} in cands, name
+        assert render.plan(named[name], overrides={"DOWN_SMEM": 1})["consts"]["DOWN_SMEM"] == 1
+    q05 = named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
+    for v, arch in ((_layer(2048, 16), "90"), (_layer(4096, 1, tp=2), "90"), (q05, "80")):
+        assert not any("DOWN_SMEM" in ov for ov in gtune.candidates(v, arch, limit=100)), (v.name, arch)
+
+
 def _layer(hidden, batch, norm="rmsnorm", dtype="bf16", qk_norm="false", tp=1):
     return gvariants.parse(f"""
 matrix: {{mode: [decode], batch: [{batch}], seq_len: [1024], tp: [{tp}]}}

@@ -955,7 +955,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                     "; NORM_GLOBAL=1 (the default where they do not fit) keeps them in global memory")
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits{glob}" if fits else "lower hidden")
-    # DOWN_SMEM (an override; +4.8 % at Qwen2.5-0.5B b1 on an H100, not yet timed on an H200): the block's first
+    # DOWN_SMEM (an override and a tuner candidate; Qwen2.5-0.5B b1 on an H100 -3.6 ... +3.9 % a layer by KV length,
+    # session 66; not yet timed on an H200): the block's first
     # down_proj task's weights (its first DW_KT k-tiles, as many as fit past the norm + projection stage's bytes)
     # copied into shared memory by the TMA unit from gate_up's start, counted on an mbarrier, so down_proj reads them
     # there: down_proj's tiles fill few SMs at small hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their
