@@ -217,7 +217,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     off) and off where on (batch <= 8, one GPU; from batch 2 with O_PRE 1 back), the cooperative launch (COOP 1,
     QKV_PRE 0) where the planner launches without it, GU_SKIP flipped under DOWN_FLOW 2 (down_proj's blocks off
     gate_up: -5 % to +19 % a layer at batch 1, bench/NOTES.md session 57), DOWN_SMEM 1 where the planner accepts it
-    (down_proj's first task bulk-copied into shared memory: -3.6 ... +3.9 % by KV length, session 66), ATT_COMBINE 1, 2, 3 and 4 where not
+    (down_proj's first task bulk-copied into shared memory: -3.6 ... +3.9 % by KV length, session 66),
+    ATT_COMBINE 1, 2, 3 and 4 where not
     planned (0 never won; 3 and 4 where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where
     not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
