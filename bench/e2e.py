@@ -242,10 +242,11 @@ def _against_fp32(tokens: list[int], logits: torch.Tensor, ids: torch.Tensor, re
     teacher-forced on those tokens; where they diverge, tie_gap_rms: fp32's logit gap between its token and ours at
     that step, in rms of its row (the prefixes are equal there; a near-tie reads ~0.1 or less, tests/hf_util.py's
     NEAR_TIE_RMS)."""
+    dev = ref_fp32.device
     with torch.no_grad():
-        ref_tokens = ref_fp32.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=n_new,
+        ref_tokens = ref_fp32.generate(ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), max_new_tokens=n_new,
                                        min_new_tokens=n_new, do_sample=False, pad_token_id=0)[0, 32:].tolist()
-        seq = torch.tensor([ids[0].tolist() + tokens[:-1]], device="cuda")
+        seq = torch.tensor([ids[0].tolist() + tokens[:-1]], device=dev)
         ref_logits = ref_fp32(input_ids=seq).logits[0, 31:].float()
     ours = logits.float()
     same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), n_new)

@@ -34,6 +34,7 @@ from bench.measure import check_prefill, mixed_positions, n_layers_for  # noqa: 
 from bench.timing import copy_bandwidth, graph_of, layer_bytes, time_replays  # noqa: E402
 from generator import compile as gcompile, reference, variants as gvariants, verify  # noqa: E402
 from generator.loader import load  # noqa: E402
+from generator.report import path_cell  # noqa: E402
 from generator.tune import knob_dict  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def check_variant(v, build_dir: str, seed: int, bw: float, serving: bool = False
     layer = load(v.name, W, build_dir=build_dir)
     row["load_ms"] = round(layer.load_ms, 2)
     row["knobs"] = knob_dict(layer.plan)
+    row["path"] = path_cell(layer.plan["consts"]) or ""  # (the plan column's; WINDOW too, which knobs lack)
     x, pos = verify.random_inputs(layer, seed)
     res = verify.check_step(layer, x, pos, weights=W)
     row.update({k: res[k] for k in ("rel_err", "unwritten", "k_err", "v_err", "cache_untouched", "first_bad_stage",
@@ -306,16 +308,14 @@ def print_tables(doc: dict, routes_path=None) -> None:
 def markdown_tables(doc: dict) -> str:
     """The decode and prefill tables of a gpu_check result (`doc`: gpu_check.json's content) as the README's markdown
     tables: µs a layer, % of the copy bandwidth, each baseline's µs ("–" where not timed), × the best baseline and
-    which it was, the serving mix's figures, the plan (its kernel-shaping knobs, `report.path_cell`; "tuned" where
-    the tuning file's entry ran, as recorded since session 66); held-out rows marked. Failed rows are listed with
-    their error."""
-    from generator.report import path_cell
-
+    which it was, the serving mix's figures, the plan (its kernel-shaping knobs as `report.path_cell` names them,
+    "–" for none, "?" where the row recorded no plan; "tuned" where the tuning file's entry ran, as recorded since
+    session 66); held-out rows marked. Failed rows are listed with their error."""
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else "–"
 
-    def plan(r):
-        shape = path_cell(r["knobs"]) if r.get("knobs") else None
+    def plan(r):  # (rows of before session 66 recorded the knobs only: their path from those, WINDOW unnamed)
+        shape = r["path"] if "path" in r else path_cell(r["knobs"]) if r.get("knobs") else "?"
         tuned = ["tuned"] if str(r.get("plan_source", "")).startswith("tuned") else []
         return " ".join([shape] * bool(shape) + tuned) or "–"
     out = ["| variant | rel. err | fused µs | % of copy BW | torch + graph µs | serving µs | FlashInfer layer µs | "

@@ -216,9 +216,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     the LL hand-offs (ATT_LL, QKV_FLOW 2, H_LL) together on where the planner has them off (from batch 2 with O_PRE
     off) and off where on (batch <= 8, one GPU; from batch 2 with O_PRE 1 back), the cooperative launch (COOP 1,
     QKV_PRE 0) where the planner launches without it, GU_SKIP flipped under DOWN_FLOW 2 (down_proj's blocks off
-    gate_up: -5 % to +19 % a layer at batch 1, bench/NOTES.md session 57), DOWN_SMEM 1 where the planner accepts it
-    (down_proj's first task bulk-copied into shared memory: -3.6 ... +3.9 % by KV length, session 66),
-    ATT_COMBINE 1, 2, 3 and 4 where not
+    gate_up: -5 % to +19 % a layer at batch 1, bench/NOTES.md session 57), DOWN_SMEM 1 where down_proj's tiles
+    are fewer than the SMs and the planner accepts it (down_proj's first task bulk-copied into shared memory: -3.6 ...
+    +3.9 % by KV length, session 66; last of all), ATT_COMBINE 1, 2, 3 and 4 where not
     planned (0 never won; 3 and 4 where the planner takes them: no ATT_DYN, one GPU, every attention task in one round), NORM_FOLD 0 and 1 where
     not planned and 3 at batch 1-2 (RMSNorm in bf16 only), GEMV_PF 1 (the next round's weight
     loads early) and 2 (every step's loads a step early), O_PRE and GU_PRE flipped (o_proj's / gate_up's first weights
@@ -258,6 +258,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     if base["mode"] == "decode" and d["DOWN_FLOW"]:  # (the re-plan of a spilling default: the
         tries.append({"DOWN_FLOW": 0})  # counters' registers first, as the newest default's)
     late: list[dict] = []  # tried after every other candidate (a limited tune, a re-plan's first clean one: not them)
+    last: list[dict] = []  # ... and after those (untimed beyond the shapes they were built for)
     # GEMM_PROJ flipped (gate_up, and qkv_proj / o_proj by the planner's rule, on the GEMM engine or the GEMVs; sm_90,
     # one GPU, from batch 32: +3.5 ... +8.7 % a layer there, the default from decode.GEMM_BATCH_MIN), and where planned
     # QKV_GEMM and O_GEMM flipped and each engine GEMM's split-K halved and doubled; the GEMV knobs of the projections
@@ -298,9 +299,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
         tries += [{"COOP": 1, "QKV_PRE": 0}] if not d["COOP"] else []  # (the cooperative launch back, batch 1's rule)
         tries += [{"GU_SKIP": 1 - d["GU_SKIP"]}] if d["DOWN_FLOW"] == 2 else []  # (down_proj's blocks off gate_up)
-        # down_proj's first task copied into shared memory from gate_up's start where the planner allows it (an
-        # override, never planned: H100, session 66, Qwen2.5-0.5B b1 -3.6 ... +3.9 % a layer by KV length)
-        tries += [{"DOWN_SMEM": 1}] if not d["DOWN_SMEM"] and v.batch <= 8 and v.tp == 1 else []
+        # down_proj's first task copied into shared memory from gate_up's start (never planned; H100, session 66:
+        # Qwen2.5-0.5B b1 -3.6 ... +3.9 % a layer by KV length), where down_proj's tiles leave SMs idle, the case it
+        # was built for; after every other candidate (untimed elsewhere: a limited tune cuts it first)
+        last += [{"DOWN_SMEM": 1}] if not d["DOWN_SMEM"] and d["HIDDEN"] // 16 < get_arch(arch).sms else []
     # (NORM_FOLD, NORM_CLUSTER: they keep the rows in shared memory, so where NORM_GLOBAL is planned (from batch 16)
     # they come with NORM_GLOBAL 0, said explicitly: a candidate that moves NORM_GLOBAL unasked is skipped below)
     local = {"NORM_GLOBAL": 0} if d.get("NORM_GLOBAL") else {}
@@ -354,7 +356,7 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []
         tries += [{**local, "NORM_CLUSTER": 2}] if v.batch >= 16 else []
         tries += [{"NORM_GLOBAL": 1 - d["NORM_GLOBAL"]}] if v.batch >= 8 else []
-    tries += late
+    tries += late + last
     out, seen, stage3 = [{}], {knob_values(base)}, False
     for ov in tries:  # (every try planned: the limit is applied below)
         if "ATT_STAGES" in ov and stage3:

@@ -384,6 +384,43 @@ def _e2e_config(d: Path, **over) -> Path:
     return d
 
 
+def test_e2e_agreement_names_the_tie_gap_where_greedy_tokens_diverge():
+    """bench/e2e.py's agreement with transformers fp32 (`_against_fp32`, CPU, a stub model): tokens equal before the
+    first divergence, and there `tie_gap_rms`, fp32's gap between its token and ours at that step in rms of its row
+    (teacher-forced on our tokens: the prefix is shared up to it); no gap where all agree."""
+    import types
+    from bench import e2e
+    V, n = 8, 4
+    base = torch.arange(V, dtype=torch.float32)  # the argmax is V - 1 at every step but the divergent one
+
+    class Stub:
+        device = torch.device("cpu")
+
+        def __init__(self, diverge_at, ref_pick):
+            self.at, self.pick = diverge_at, ref_pick
+
+        def _row(self, t):
+            r = base.clone()
+            if t == self.at:  # fp32 picks ref_pick by a margin of 0.25 over token 6
+                r[self.pick], r[6] = 10.0, 9.75
+            return r
+
+        def generate(self, ids, **kw):
+            return torch.cat([ids, torch.tensor([[int(self._row(t).argmax()) for t in range(n)]])], 1)
+
+        def __call__(self, input_ids):
+            # (logits of every position; step t's, after the prompt of 32, at position 31 + t)
+            return types.SimpleNamespace(logits=torch.stack([self._row(t - 31) if t >= 31 else base
+                                                             for t in range(input_ids.shape[1])])[None])
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    ours = [7, 7, 6, 7]  # diverges at step 2 (fp32: token 5)
+    got = e2e._against_fp32(ours, torch.stack([base] * n), ids, Stub(2, 5), n)
+    rms = float(torch.tensor([0, 1, 2, 3, 4, 10.0, 9.75, 7]).pow(2).mean().sqrt())
+    assert got["greedy_tokens_equal_before_divergence"] == 2 and got["tie_gap_rms"] == pytest.approx(0.25 / rms)
+    same = e2e._against_fp32([7] * n, torch.stack([base] * n), ids, Stub(-1, 5), n)
+    assert same["greedy_tokens_equal_before_divergence"] == n and "tie_gap_rms" not in same
+
+
 def test_e2e_serves_a_checkpoints_declared_variants_else_its_own_entry(tmp_path, monkeypatch, capsys):
     """bench/e2e.py builds what it serves first (a fresh machine needs no build step of its own): for its own
     Llama-3.2-1B-shaped checkpoint the declared decode b1/4/8 and prefill variants; for a checkpoint whose layer (or
@@ -1391,22 +1428,28 @@ def test_gpu_check_markdown_renders_the_readme_tables(tmp_path):
                      "us_mixed": 40.0, "flashinfer_us_mixed": 60.0, "best_baseline": "flashinfer",
                      "knobs": {"NORM_GLOBAL": 1, "QKV_TM": 2, "ATT_LL": 1, "QKV_FLOW": 2, "H_LL": 1},
                      "plan_source": "tuned (nvidia-h200)"},
+                    {**ok, "variant": "w_decode_b2_s8192_bf16", "knobs": {"ATT_LL": 1}, "path": "LL WINDOW=4096",
+                     "plan_source": "default"},
+                    {**ok, "variant": "n_decode_b2_s8192_bf16", "knobs": {"ATT_LL": 0}, "path": "",
+                     "plan_source": "default"},
                     {"variant": "x_decode_b1_s64_bf16", "pass": False, "error": "not built"},
                     {"variant": "p_prefill_b1_s64_bf16", "mode": "prefill", "pass": True, "rel_err": 1.9e-3,
                      "us": 79.6, "tflops": 98.0, "unfused_us": 159.1, "unfused_tflops": 49.0, "speedup": 2.0,
                      "route": "fused"}]}
     md = markdown_tables(doc).splitlines()
     assert md[2] == ("| a_decode_b1_s4096_bf16 | 3.3e-03 | 44.5 | 69.9 | 155.4 | 58.2 | 74.1 | 1.31 | serving | – | "
-                     "– | – |")  # (a row of before session 66: no knobs or plan source recorded)
+                     "– | ? |")  # (a row that recorded no plan)
     assert md[3] == ("| h_decode_b4_s4096_bf16 (held out) | 3.3e-03 | 44.5 | 69.9 | 155.4 | – | 74.1 | 1.31 | "
-                     "flashinfer | 40.0 | 1.50 | NORM_GLOBAL TM=2 LL tuned |")
+                     "flashinfer | 40.0 | 1.50 | NORM_GLOBAL TM=2 LL tuned |")  # (from its knobs: before session 66)
+    assert md[4].endswith("| LL WINDOW=4096 |") and md[5].endswith("| – |")  # (its recorded path; none)
+    whole, md = md, md[:4] + md[6:]
     assert md[4].startswith("| x_decode_b1_s64_bf16 | not built |") and md[4].count("|") == md[0].count("|")
     assert md[-1] == "| p_prefill_b1_s64_bf16 | 1.9e-03 | 79.6 | 98.0 | 159.1 | 49.0 | 2.00 | fused |"
     f = tmp_path / "g.json"
     f.write_text(json.dumps(doc))
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--markdown", str(f)],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.splitlines() == md
+    assert r.returncode == 0 and r.stdout.splitlines() == whole
     for bad, says in (('{"rows": 3}', "not a gpu_check result"), ("[1]", "not a gpu_check result"),
                       ("{", "not JSON"), ('{"rows": [{"variant": "x", "pass": true}]}', "lacks 'rel_err'")):
         f.write_text(bad)

@@ -69,9 +69,10 @@ STEPS = (
 # 2 (with H_LL, X_FRAG, batch <= 8; by default under the LL rule at batch 1 up to hidden 3072 where the counters
 # are not taken): no counters, act written as 32-bit words carrying the launch's epoch, which down_proj's lanes poll
 # as o_proj's poll attention's under ATT_LL);
-# DOWN_SMEM (an override): the block's first down_proj task's weights bulk-copied into shared memory from gate_up's
-# start, down_proj reading them there (plan: down_smem); GU_SKIP (an override): down_proj's blocks take no gate_up
-# task, so their tiles stream (with DOWN_SMEM: are copied) while the other blocks run gate_up (plan: gu_skip);
+# DOWN_SMEM (an override and a tuner candidate): the block's first down_proj task's weights bulk-copied into shared
+# memory from gate_up's start, down_proj reading them there (plan: down_smem); GU_SKIP (an override): down_proj's
+# blocks take no gate_up task, so their tiles stream (with DOWN_SMEM: are copied) while the other blocks run gate_up
+# (plan: gu_skip);
 # <P>_PRE: the projection's first weight step loaded before the barrier that precedes its stage (qkv: before the
 # launch's wait for the previous layer, so the launch before must not write the weights; templates/gemv.cuh
 # gemv_pre; 2: the rest of the group's first task prefetched into L2 as well); H_STATS (RMSNorm, tp 1, bf16):
@@ -956,8 +957,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         return (f"the normalised input rows take batch x hidden x {esize} B: at hidden {m.hidden} a batch of at "
                 f"most {fits} fits{glob}" if fits else "lower hidden")
     # DOWN_SMEM (an override and a tuner candidate; Qwen2.5-0.5B b1 on an H100 -3.6 ... +3.9 % a layer by KV length,
-    # session 66; not yet timed on an H200): the block's first
-    # down_proj task's weights (its first DW_KT k-tiles, as many as fit past the norm + projection stage's bytes)
+    # session 66; not yet timed on an H200): the block's first down_proj task's weights (its first DW_KT k-tiles, as
+    # many as fit past the norm + projection stage's bytes)
     # copied into shared memory by the TMA unit from gate_up's start, counted on an mbarrier, so down_proj reads them
     # there: down_proj's tiles fill few SMs at small hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their
     # 155 KB each only once act was in (bench/NOTES.md session 56); one bulk copy brings them while gate_up streams
