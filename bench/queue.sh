@@ -5,6 +5,8 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
+#   bash bench/queue.sh rot       # session 66 (carry build-ab/rot after `BUILD=--compile-only bash bench/queue.sh rot`
+#                                 # here; ~2 min): QKV_QFIRST / ATT_ROT's GPU test, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
@@ -56,6 +58,23 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
+}
+
+part_rot() {  # session 66 (not yet run): the full-context timeline of Llama-3.2-1B b1 (H100) has qkv's second round
+  # of tiles (60 of 132 blocks) start attention's first 60 tasks 1.7 us late and hold the q words of heads 4-7. ATT_ROT
+  # moves the tasks to the blocks with one qkv tile, ATT_C 512 halves them (64: all on those blocks), QKV_QFIRST puts
+  # every q tile in qkv's first round (only the appending split then reads round two's k and v). Prediction (H100,
+  # against the tuned plan, full / row 191): 1B b1 KV 4096 ATT_ROT alone -0.5 ... +0.5 % (56 tasks still on late
+  # blocks); + ATT_C 512 -1 ... -3 %; + QKV_QFIRST -2 ... -4 %; KV 1024 (a split a head at row 191: 8 tasks, all
+  # appending) ATT_ROT + QKV_QFIRST -1 ... +2 % (k and v now in round two); Llama-3-8B b8 ATT_ROT -1 ... +1 %. The GPU
+  # test first (bit-equal to the plans without them)
+  [ -n "$BUILD" ] || step gputests-rot timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
+    -k "q_tiles_first_and_rotated"
+  local r='{"ATT_ROT": 1}' rc='{"ATT_ROT": 1, "ATT_C": 512}' rcq='{"ATT_ROT": 1, "ATT_C": 512, "QKV_QFIRST": 1}'
+  local rq='{"ATT_ROT": 1, "QKV_QFIRST": 1}'
+  ab rot full,191 --case llama3.2-1b_decode_b1_s4096_bf16 "$r" --case llama3.2-1b_decode_b1_s4096_bf16 "$rc" \
+    --case llama3.2-1b_decode_b1_s4096_bf16 "$rcq" --case llama3.2-1b_decode_b1_s1024_bf16 "$rq" \
+    --case llama3.2-1b_decode_b1_s1024_bf16 "$r" --case llama3-8b_decode_b8_s4096_bf16 "$r"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -123,11 +142,12 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|rot|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_rot ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  rot) part_rot ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -136,5 +156,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|rot|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -111,7 +111,7 @@ GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged; 1 where QKV
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ")
+            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ", "QKV_QFIRST", "ATT_ROT")
          + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS) + tuple(f"{p}_GEMM" for p in GEMM_OPTIONAL))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
@@ -189,7 +189,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM",
-                  "GU_SKIP", "QKV_GEMM", "O_GEMM")
+                  "GU_SKIP", "QKV_GEMM", "O_GEMM", "QKV_QFIRST", "ATT_ROT")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -1171,6 +1171,23 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and not open_barriers(STEPS, consts):
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
+    # QKV_QFIRST (an override, not yet timed; bench/NOTES.md session 66): under QKV_FLOW qkv's q tiles first (the k and v
+    # tiles first by default: whole heads after the first round of tiles), so that every attention split but the
+    # one holding the new row (the only one that reads k and v) waits for the first round only. ATT_ROT (an override):
+    # attention's static tasks start on the blocks that carry no second round of qkv tasks (task t on block
+    # (t + ATT_ROT_N) mod grid, ATT_ROT_N the blocks with one more qkv task than the rest), which otherwise start
+    # their tasks a qkv task late (1.7 us at Llama-3.2-1B b1 KV 4096 on an H100, session 66's timeline)
+    qkv_tasks, grid = gemv["qkv"]["tasks"], sms
+    consts["QKV_QFIRST"] = ov.get("QKV_QFIRST", 0)
+    consts["ATT_ROT"] = ov.get("ATT_ROT", 0)
+    consts["ATT_ROT_N"] = qkv_tasks % grid if consts["ATT_ROT"] and qkv_tasks > grid else 0
+    if consts["QKV_QFIRST"]:
+        _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "
+                                                                   "or words: without it no task order matters)")])
+    if consts["ATT_ROT"]:
+        _needs(v.name, "ATT_ROT", 1, [(not att_dyn, f"ATT_DYN 0 (the static split; asked or planned: {att_dyn})"),
+                                      (consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (attention starts as its block "
+                                                                "leaves qkv, not at a grid barrier)")])
     consts["H_STATS"] = h_stats
     batch_slices(v.name, consts, ov)
     if gemm_proj and (planned := [k for k in gemm_off if consts[k]]):  # (what the planner took beside it)

@@ -310,7 +310,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         su = blockIdx.x * att_c;
         su_end = min(ntask, su + att_c);
     }
-    for (int task = blockIdx.x; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
+    // ATT_ROT: task t on block (t + ATT_ROT_N) mod grid, the first tasks on the blocks with one qkv task fewer
+    const int first_task = ATT_ROT ? ((int)blockIdx.x + (int)gridDim.x - ATT_ROT_N % (int)gridDim.x) % (int)gridDim.x
+                                   : (int)blockIdx.x;
+    for (int task = first_task; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
         if constexpr (TIMELINE) tl_start = globaltimer_ns();
         int split, b, kvh, row0, row1 = 0, nsplit = 0;  // ATT_DYN 2: the piece's rows [row0, row1), its pair's pieces
         if constexpr (ATT_DYN == 2) {  // pairs sequence-major, KV head fastest: ATT_PIECE_TILES + U_b units each

@@ -25,7 +25,8 @@ struct QkvReady {  // gemv's `done`: one more tile of its KV head is written (re
         asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(ready + qkv_tile_head(tile)) : "memory");
     }
 };
-constexpr int QKV_TILE0 = QKV_FLOW ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v tiles first
+constexpr int QKV_TILE0 = QKV_FLOW && !QKV_QFIRST ? Q_DIM / 16 : 0;  // QKV_FLOW: the k and v tiles first (QKV_QFIRST:
+// the q tiles, in order)
 __device__ __forceinline__ GemvPre<QKV_U * QKV_TM> qkv_proj_pre(const T* w_qkv, const T* ln_w, unsigned char* smem) {
     if constexpr (!NORM_GLOBAL) norm_gain_pre(ln_w, smem);  // (NORM_FOLD 3) before the launch's wait, as QKV_PRE
     return gemv_pre<QKV_PRE, QKV_DIM, HIDDEN, QKV_NWG, QKV_U, QKV_KSPLIT, QKV_TILE0, QKV_TM>(w_qkv);
