@@ -100,7 +100,6 @@ constexpr int DOWN_TM = 1;
 constexpr int DOWN_PRE = 0;
 constexpr int QKV_QFIRST = 0;
 constexpr int ATT_ROT = 0;
-constexpr int ATT_ROT_N = 0;
 constexpr int H_STATS = 0;
 constexpr int QKV_BS = 1;
 constexpr int O_BS = 1;

@@ -1866,15 +1866,20 @@ def _bit_equal_to_the_plan_without(tmp_path, cases, tag: str, without: list[dict
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_q_tiles_first_and_rotated_attention_tasks_match_the_reference(tmp_path):
-    """QKV_QFIRST 1 (qkv's q tiles first) and ATT_ROT 1 (attention's static tasks from block ATT_ROT_N on): the same
-    tiles' and splits' sums on other blocks, so bit-equal to the plan without them (seven trials, a third of the grid
-    and 100 blocks among them), against the fp32 reference, 300 graph replays: Llama-3.2-1B b1 at KV 4096 (192 qkv
-    tiles on 132 blocks: rotated by 60) with ATT_C 512 and 256, at KV 1024 (one split a head: every task appends),
-    and Llama-3-8B b8 (384 qkv tiles: rotated by 120)."""
+    """QKV_QFIRST 1 (qkv's q tiles first) and ATT_ROT 1 (attention's static tasks from block qkv's tasks mod the grid
+    on): the same tiles' and splits' sums on other blocks, so bit-equal to the plan without them (seven trials, a
+    third of the grid and 100 blocks among them), against the fp32 reference, 300 graph replays: Llama-3.2-1B b1 at
+    KV 4096 (192 qkv tiles on 132 blocks: rotated by 60) with ATT_C 512 and 256, with the splits' sliced combine
+    (ATT_COMBINE 3: every split's block waits for its peers) and TMA tiles, with qkv split in two (QKV_KSPLIT 2:
+    384 tasks), at KV 1024 (QKV_NWG 8: two groups a block), Qwen2.5-0.5B b1 (72 qkv tiles: attention's tasks on the
+    blocks without one) and Llama-3-8B b8 (384 qkv tiles: rotated by 120)."""
     named = {v.name: v for v in declared()}
     l1 = named["llama3.2-1b_decode_b1_s4096_bf16"]
     cases = [(l1, {"QKV_NWG": 16, "ATT_ROT": 1, "ATT_C": 512, "QKV_QFIRST": 1}), (l1, {"QKV_NWG": 16, "ATT_ROT": 1}),
+             (l1, {"QKV_NWG": 16, "ATT_ROT": 1, "ATT_C": 512, "ATT_COMBINE": 3, "ATT_TMA": 1}),
+             (l1, {"QKV_QFIRST": 1, "QKV_KSPLIT": 2, "ATT_ROT": 1}),
              (named["llama3.2-1b_decode_b1_s1024_bf16"], {"ATT_ROT": 1, "QKV_QFIRST": 1}),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_ROT": 1}),
              (named["llama3-8b_decode_b8_s4096_bf16"], {"ATT_ROT": 1})]
     without = [{k: val for k, val in ov.items() if k not in ("ATT_ROT", "QKV_QFIRST")} for _, ov in cases]
     _bit_equal_to_the_plan_without(tmp_path, cases, "rot", without, grids=lambda v: [100])
@@ -2480,21 +2485,22 @@ def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
 
 
 def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_meaningless():
-    """QKV_QFIRST and ATT_ROT (overrides, 0 by default: the default kernels unchanged): ATT_ROT_N is the number of
-    blocks that carry one more qkv task than the rest (Llama-3.2-1B b1 at QKV_NWG 16: 192 tiles on 132 SMs, 60;
-    Qwen2.5-0.5B b1: 72 tiles, one round, 0); QKV_QFIRST renders qkv's first tile 0 (q) instead of the first k tile;
-    each refused in one line where it means nothing (ATT_ROT with the dynamic split, either without QKV_FLOW) or
-    given a value other than 0 or 1."""
+    """QKV_QFIRST and ATT_ROT (overrides, 0 by default: the default kernels unchanged): QKV_QFIRST renders qkv's first
+    tile 0 (q) instead of the first k tile; ATT_ROT's kernel starts attention's tasks at qkv's tasks mod the grid (on
+    the launch's grid); ATT_ROT plans the static split where the planner would take ATT_DYN (as an ATT_C override
+    does) and is refused in one line with ATT_DYN asked; either is refused without QKV_FLOW, or at a value other than
+    0 or 1."""
     named = {v.name: v for v in declared()}
     l1, q05 = named["llama3.2-1b_decode_b1_s4096_bf16"], named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
-    assert all(render.plan(v)["consts"][k] == 0 for v in (l1, q05) for k in ("QKV_QFIRST", "ATT_ROT", "ATT_ROT_N"))
-    assert render.plan(l1, overrides={"QKV_NWG": 16, "ATT_ROT": 1})["consts"]["ATT_ROT_N"] == 60
-    assert render.plan(q05, overrides={"ATT_ROT": 1})["consts"]["ATT_ROT_N"] == 0
-    src = render.render(l1, render.plan(l1, overrides={"QKV_QFIRST": 1}))
+    assert all(render.plan(v)["consts"][k] == 0 for v in (l1, q05) for k in ("QKV_QFIRST", "ATT_ROT"))
+    src = render.render(l1, render.plan(l1, overrides={"QKV_QFIRST": 1, "ATT_ROT": 1}))
     assert "constexpr int QKV_QFIRST = 1;" in src and "QKV_FLOW && !QKV_QFIRST ? Q_DIM / 16 : 0" in src
-    long_kv = named["llama3.2-1b_decode_b8_s32768_bf16"]  # (ATT_DYN planned)
+    assert "constexpr int ATT_ROT = 1;" in src and "QKV_TASKS % (int)gridDim.x" in src
+    long_kv = named["llama3.2-1b_decode_b8_s32768_bf16"]
+    assert render.plan(long_kv)["consts"]["ATT_DYN"] and not render.plan(long_kv, overrides={"ATT_ROT": 1})["consts"][
+        "ATT_DYN"]
     with pytest.raises(PlanError, match=r"ATT_ROT=1 needs ATT_DYN 0"):
-        render.plan(long_kv, overrides={"ATT_ROT": 1})
+        render.plan(long_kv, overrides={"ATT_ROT": 1, "ATT_DYN": 2})
     for knob in ("ATT_ROT", "QKV_QFIRST"):
         with pytest.raises(PlanError, match=rf"{knob}=1 needs QKV_FLOW 1 or 2"):
             render.plan(l1, overrides={knob: 1, "QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})

@@ -607,7 +607,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
     # positions.
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= kv
-                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov))
+                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov and not ov.get("ATT_ROT")))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
         raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one "
                         f"GPU and a cache under 2^24 rows (ATT_DYN 1's float division is exact below; this variant: "
@@ -636,7 +636,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice of ATT_DYN 2 below does not
     # read it (stream_gain keeps the bytes model's charge)
     att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
-    if "ATT_DYN" not in ov and "ATT_C" not in ov and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
+    if "ATT_DYN" not in ov and "ATT_C" not in ov and not ov.get("ATT_ROT") and 2 <= v.batch <= 32 and v.tp == 1 \
+            and v.seq_len < 1 << 24:  # (ATT_ROT: the static split)
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": kv, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(kv)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
@@ -1174,13 +1175,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # QKV_QFIRST (an override, not yet timed; bench/NOTES.md session 66): under QKV_FLOW qkv's q tiles first (the k and v
     # tiles first by default: whole heads after the first round of tiles), so that every attention split but the
     # one holding the new row (the only one that reads k and v) waits for the first round only. ATT_ROT (an override):
-    # attention's static tasks start on the blocks that carry no second round of qkv tasks (task t on block
-    # (t + ATT_ROT_N) mod grid, ATT_ROT_N the blocks with one more qkv task than the rest), which otherwise start
-    # their tasks a qkv task late (1.7 us at Llama-3.2-1B b1 KV 4096 on an H100, session 66's timeline)
-    qkv_tasks, grid = gemv["qkv"]["tasks"], sms
+    # attention's static tasks start on the blocks with one qkv task fewer than the rest (templates/stages/
+    # attention.cuh: task t on block (t + qkv's tasks mod grid) mod grid), where they would otherwise start a qkv task
+    # late (1.7 us at Llama-3.2-1B b1 KV 4096 with QKV_NWG 16 on an H100, session 66's timeline)
     consts["QKV_QFIRST"] = ov.get("QKV_QFIRST", 0)
     consts["ATT_ROT"] = ov.get("ATT_ROT", 0)
-    consts["ATT_ROT_N"] = qkv_tasks % grid if consts["ATT_ROT"] and qkv_tasks > grid else 0
     if consts["QKV_QFIRST"]:
         _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "
                                                                    "or words: without it no task order matters)")])
