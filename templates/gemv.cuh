@@ -173,6 +173,9 @@ struct NoStaged {  // gemv's `staged` where every weight comes from global memor
     static constexpr int kt = 0;
 };
 
+// a GEMV's tasks: its 16-row tiles, TM a task, each in KSPLIT splits (task t runs on block t mod grid: gemv)
+template <int N, int KSPLIT, int TM>
+constexpr int gemv_tasks = N / 16 / TM * KSPLIT;
 // a task's first tile and its split: a tile's KSPLIT splits are consecutive tasks (run in the same round, so with
 // QKV_FLOW 2's unreduced splits a whole head is in as early as unsplit), the tiles from TILE0 on (then wrapping)
 template <int N, int KSPLIT, int TILE0, int TM>
@@ -223,7 +226,7 @@ __device__ __forceinline__ GemvPre<U * TM> gemv_pre(const T* __restrict__ W, int
         if constexpr (SKIPS)
             task = blockIdx.x < (unsigned)skip ? 0x7fffffff
                                                : group * (gridDim.x - (unsigned)skip) + (blockIdx.x - (unsigned)skip);
-        if (task < N / 16 / TM * KSPLIT) {
+        if (task < gemv_tasks<N, KSPLIT, TM>) {
             gemv_load_step<N, K, NWG, U, KSPLIT, TILE0, TM>(W, task, warp, threadIdx.x & 31, p.a);
             if constexpr (ON == 2) {
                 // the rest of the task's k-tiles this warp streams, into L2: a 128-byte line a prefetch, one lane
@@ -285,7 +288,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ W, const T* X, float*
     static_assert(NWG % BS == 0 && (BS == 1 || (XF < 2 && !PRE && !Wait::active && !Staged::active)),
                   "batch slices: whole warps each, the weights loaded in the stage, X complete at its start");
     constexpr int NWGK = NWG / BS, NT = (NTILE + BS - 1) / BS;
-    constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = TILES / TM * KSPLIT;
+    constexpr int KT = K / 16 / KSPLIT, NG = THREADS / (32 * NWG), TILES = N / 16, TASKS = gemv_tasks<N, KSPLIT, TM>;
     const int group = threadIdx.x / (32 * NWG), gt = threadIdx.x % (32 * NWG);
     const int warp = gt / 32, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int kw = warp % NWGK, t0 = warp / NWGK * NT;  // the warp's first k-tile and first n-tile

@@ -959,8 +959,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                 f"most {fits} fits{glob}" if fits else "lower hidden")
     # DOWN_SMEM (an override and a tuner candidate; Qwen2.5-0.5B b1 on an H100 -3.6 ... +3.9 % a layer by KV length,
     # session 66; not yet timed on an H200): the block's first down_proj task's weights (its first DW_KT k-tiles, as
-    # many as fit past the norm + projection stage's bytes)
-    # copied into shared memory by the TMA unit from gate_up's start, counted on an mbarrier, so down_proj reads them
+    # many as fit past the norm + projection stage's bytes) copied into shared memory by the TMA unit from gate_up's
+    # start, counted on an mbarrier, so down_proj reads them
     # there: down_proj's tiles fill few SMs at small hidden sizes (Qwen2.5-0.5B: 56 of 132), which streamed their
     # 155 KB each only once act was in (bench/NOTES.md session 56); one bulk copy brings them while gate_up streams
     # its own, no registers held
@@ -1184,7 +1184,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "
                                                                    "or words: without it no task order matters)")])
     if consts["ATT_ROT"]:
-        _needs(v.name, "ATT_ROT", 1, [(not att_dyn, f"ATT_DYN 0 (the static split; asked or planned: {att_dyn})"),
+        _needs(v.name, "ATT_ROT", 1, [(not att_dyn, f"ATT_DYN 0 (the static split; asked: {att_dyn})"),
                                       (consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (attention starts as its block "
                                                                 "leaves qkv, not at a grid barrier)")])
     consts["H_STATS"] = h_stats

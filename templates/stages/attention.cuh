@@ -310,11 +310,11 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         su = blockIdx.x * att_c;
         su_end = min(ntask, su + att_c);
     }
-    // ATT_ROT: task t on block (t + r) mod grid, r = qkv's tasks mod grid (gemv.cuh's TASKS and task order: the
-    // blocks from r on carry one qkv task fewer than those before), so the first tasks start on the blocks that leave
-    // qkv first, on any grid the launch has
+    // ATT_ROT: task t on block (t + r) mod grid, r = qkv's tasks mod grid (gemv.cuh: the blocks from r on carry one
+    // qkv task fewer than those before), so the first tasks start on the blocks that leave qkv first, on any grid
+    // the launch has
     static_assert(!ATT_ROT || !ATT_DYN, "ATT_ROT: the static split (the planner refuses ATT_DYN with it)");
-    constexpr int QKV_TASKS = QKV_DIM / 16 / QKV_TM * QKV_KSPLIT;
+    constexpr int QKV_TASKS = gemv_tasks<QKV_DIM, QKV_KSPLIT, QKV_TM>;
     const int first_task = ATT_ROT ? ((int)blockIdx.x + (int)gridDim.x - QKV_TASKS % (int)gridDim.x) % (int)gridDim.x
                                    : (int)blockIdx.x;
     for (int task = first_task; ATT_DYN == 2 ? su < su_end : task < ntask; task += gridDim.x) {
