@@ -192,7 +192,7 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM", "ATT_ROT")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -239,9 +239,10 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     warps where 3 stages of all of them do not fit), ATT_DYN 2 (stream-K) where the planner did not take it and its model gains
     STREAM_TRY_GAIN (the static split leaves blocks idle or takes a second round: measured -4.5 ... +7 % a layer
     where one round leaves SMs idle, bench/NOTES.md session 22), and where it took it the split it replaced (ATT_DYN
-    0, or 1 from KV 8192). ATT_DYN 1 is tried against a static plan, and stream-K's piece charge (ATT_PIECE_TILES
-    halved and doubled) where it is planned, only where the candidates are not timed at full context (`positions`:
-    what `bench/tune.py --positions` times): both matter at mixed positions. A candidate whose split count moves the
+    0, or 1 from KV 8192). ATT_DYN 1 is tried against a static plan, stream-K's piece charge (ATT_PIECE_TILES
+    halved and doubled) where it is planned, and ATT_ROT flipped at batch <= 8 with the static split and QKV_FLOW,
+    only where the candidates are not timed at full context (`positions`: what `bench/tune.py --positions` times):
+    they matter at mixed or short positions. A candidate whose split count moves the
     planner's ATT_COMBINE default keeps the default plan's, and so does one whose ATT_DYN moves O_PRE's; one that turns
     the planner's LL hand-offs off keeps as many of them as the planner allows with it."""
     from .render import plan
@@ -351,6 +352,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             tries += [{"ATT_DYN": 2}]
         if positions != "full" and d["ATT_DYN"] == 0 and 2 <= v.batch <= 32 and v.tp == 1:
             tries += [{"ATT_DYN": 1}]
+        # ATT_ROT flipped (batch 1's default; level at full context, -0.6 ... -9.7 % at row 191 on 7 of 9 batch-1
+        # shapes, +1.1 ... -1.8 % at Llama-3.2-1B b4: bench/NOTES.md session 67), where positions short of the cache
+        # are timed: at full context it times noise
+        if positions != "full" and d["ATT_DYN"] == 0 and d["QKV_FLOW"] and v.batch <= 8 and v.tp == 1:
+            tries += [{"ATT_ROT": 1 - d["ATT_ROT"]}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []

@@ -1881,7 +1881,7 @@ def test_q_tiles_first_and_rotated_attention_tasks_match_the_reference(tmp_path)
              (named["llama3.2-1b_decode_b1_s1024_bf16"], {"ATT_ROT": 1, "QKV_QFIRST": 1}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_ROT": 1}),
              (named["llama3-8b_decode_b8_s4096_bf16"], {"ATT_ROT": 1})]
-    without = [{k: val for k, val in ov.items() if k not in ("ATT_ROT", "QKV_QFIRST")} for _, ov in cases]
+    without = [{**{k: val for k, val in ov.items() if k != "QKV_QFIRST"}, "ATT_ROT": 0} for _, ov in cases]
     _bit_equal_to_the_plan_without(tmp_path, cases, "rot", without, grids=lambda v: [100])
 
 
@@ -2485,14 +2485,21 @@ def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
 
 
 def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_meaningless():
-    """QKV_QFIRST and ATT_ROT (overrides, 0 by default: the default kernels unchanged): QKV_QFIRST renders qkv's first
-    tile 0 (q) instead of the first k tile; ATT_ROT's kernel starts attention's tasks at qkv's tasks mod the grid (on
-    the launch's grid); ATT_ROT plans the static split where the planner would take ATT_DYN (as an ATT_C override
-    does) and is refused in one line with ATT_DYN asked; either is refused without QKV_FLOW, or at a value other than
-    0 or 1."""
+    """QKV_QFIRST (an override, 0 by default) and ATT_ROT (1 by default at batch 1 on one GPU with the static split
+    and QKV_FLOW, session 67; 0 from batch 2, with ATT_DYN asked, without QKV_FLOW or with tensor parallel):
+    QKV_QFIRST renders qkv's first tile 0 (q) instead of the first k tile; ATT_ROT's kernel starts attention's tasks
+    at qkv's tasks mod the grid (on the launch's grid); ATT_ROT plans the static split where the planner would take
+    ATT_DYN (as an ATT_C override does) and is refused in one line with ATT_DYN asked; either is refused without
+    QKV_FLOW, or at a value other than 0 or 1."""
     named = {v.name: v for v in declared()}
     l1, q05 = named["llama3.2-1b_decode_b1_s4096_bf16"], named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
-    assert all(render.plan(v)["consts"][k] == 0 for v in (l1, q05) for k in ("QKV_QFIRST", "ATT_ROT"))
+    assert all(render.plan(v)["consts"]["QKV_QFIRST"] == 0 for v in (l1, q05))
+    assert all(render.plan(v)["consts"]["ATT_ROT"] == 1 for v in (l1, q05))
+    assert render.plan(named["llama3.2-1b_decode_b4_s4096_bf16"])["consts"]["ATT_ROT"] == 0
+    assert render.plan(l1, overrides={"ATT_DYN": 1})["consts"]["ATT_ROT"] == 0
+    assert render.plan(l1, overrides={"QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})["consts"]["ATT_ROT"] == 0
+    tp = next(v for v in declared() if v.mode == "decode" and v.tp > 1 and v.batch == 1)
+    assert render.plan(tp)["consts"]["ATT_ROT"] == 0
     src = render.render(l1, render.plan(l1, overrides={"QKV_QFIRST": 1, "ATT_ROT": 1}))
     assert "constexpr int QKV_QFIRST = 1;" in src and "QKV_FLOW && !QKV_QFIRST ? Q_DIM / 16 : 0" in src
     assert "constexpr int ATT_ROT = 1;" in src and "QKV_TASKS % (int)gridDim.x" in src
@@ -2850,3 +2857,8 @@ def test_candidates_off_full_context_add_to_the_full_context_ones():
     assert {"ATT_DYN": 2} in full and {"ATT_DYN": 2} in mixed and {"ATT_DYN": 1} in mixed
     assert {"ATT_DYN": 1} not in full
     assert all(c in mixed for c in full)
+    # ATT_ROT flipped (batch 1's default off, batch 2-8's on) only off full context, and only with the static split
+    for name, flip in (("llama3.2-1b_decode_b1_s4096_bf16", 0), ("llama3.2-1b_decode_b4_s4096_bf16", 1)):
+        full, short = gtune.candidates(by[name], "90", 60, "full"), gtune.candidates(by[name], "90", 60, "row 191")
+        assert {"ATT_ROT": flip} in short and not any("ATT_ROT" in c for c in full)
+    assert not any("ATT_ROT" in c for c in gtune.candidates(by["llama3.2-1b_decode_b8_s32768_bf16"], "90", 60, "mixed"))

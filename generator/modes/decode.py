@@ -1172,14 +1172,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and not open_barriers(STEPS, consts):
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
-    # QKV_QFIRST (an override, not yet timed; bench/NOTES.md session 66): under QKV_FLOW qkv's q tiles first (the k and v
-    # tiles first by default: whole heads after the first round of tiles), so that every attention split but the
-    # one holding the new row (the only one that reads k and v) waits for the first round only. ATT_ROT (an override):
-    # attention's static tasks start on the blocks with one qkv task fewer than the rest (templates/stages/
-    # attention.cuh: task t on block (t + qkv's tasks mod grid) mod grid), where they would otherwise start a qkv task
-    # late (1.7 us at Llama-3.2-1B b1 KV 4096 with QKV_NWG 16 on an H100, session 66's timeline)
+    # QKV_QFIRST (an override): under QKV_FLOW qkv's q tiles first (the k and v tiles first by default: whole heads
+    # after the first round of tiles), so that every attention split but the one holding the new row (the only one
+    # that reads k and v) waits for the first round only; level to -0.7 % beside ATT_ROT on an H100 (bench/NOTES.md
+    # session 67), not a default. ATT_ROT: attention's static tasks start on the blocks with one qkv task fewer than
+    # the rest (templates/stages/attention.cuh: task t on block (t + qkv's tasks mod grid) mod grid), where they would
+    # otherwise start a qkv task late (1.7 us at Llama-3.2-1B b1 KV 4096 with QKV_NWG 16, session 66's timeline). By
+    # default at batch 1 on one GPU with the static split and QKV_FLOW. Measured on an H100 (session 67) against the
+    # plans build gives, full context / row 191 / row 1023, over 9 batch-1 shapes: +0.03 ... +0.23 % on 5 of 27
+    # timings, the rest -0.04 ... -9.7 % (Qwen3-0.6B-like -9.7 % at row 191; Llama-3.2-1B KV 4096 -0.2 / -2.2 / -1.7,
+    # Llama-3-8B 0.0 / -1.7 / +0.1, Qwen2.5-0.5B KV 4096 -1.7 / -0.6 / +0.1; and session 66's run, Llama-3.2-1B KV 1024
+    # full / 191 -0.8 / +0.4): the appending split, alone at a short context, no longer waits behind a qkv tile. Not
+    # from batch 2: Llama-3.2-1B b4 +1.1 / +0.7 / -1.8 %
     consts["QKV_QFIRST"] = ov.get("QKV_QFIRST", 0)
-    consts["ATT_ROT"] = ov.get("ATT_ROT", 0)
+    consts["ATT_ROT"] = ov.get("ATT_ROT", int(v.batch == 1 and v.tp == 1 and not att_dyn and consts["QKV_FLOW"] != 0))
     if consts["QKV_QFIRST"]:
         _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "
                                                                    "or words: without it no task order matters)")])
