@@ -9,6 +9,8 @@
 #                                 # here; ~2 min): QKV_QFIRST / ATT_ROT's GPU test, then their A/B at batch 1
 #   bash bench/queue.sh rot2      # session 67 (carry build-ab/rot2 after `BUILD=--compile-only ...`; ~1 min): ATT_ROT
 #                                 # alone on more batch-1..4 shapes
+#   bash bench/queue.sh kvlast    # session 67 (carry build-ab/kvlast after `BUILD=--compile-only ...`): ATT_KVLAST's
+#                                 # GPU test, then its A/B beside QKV_QFIRST at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
@@ -98,6 +100,23 @@ part_rot2() {  # session 67: session 66's rot A/B (H100) found ATT_ROT alone lev
     --case llama3.2-1b_decode_b1_s4096_bf16 "$rq" --case ho-h1440-hd80_decode_b1_s4096_bf16 "$r"
 }
 
+part_kvlast() {  # session 67 (not yet run): ATT_KVLAST 1 (the appending split walks its cached rows without waiting
+  # for the new k and v: two idle warps poll, append and fold them in as a ninth warp state) beside QKV_QFIRST (q tiles
+  # in qkv's first round, k and v after), on top of batch 1's ATT_ROT default: every split starts after qkv's first
+  # round. Session 67's rot2 found QKV_QFIRST + ATT_ROT level with ATT_ROT alone (the appending split then waits for
+  # round two's k and v). Prediction (H100, full / 191 / 1023): Llama-3.2-1B b1 KV 4096 (two qkv rounds) with both
+  # -1 ... -3 % each row (KVLAST alone level +-0.5: k and v come first by default), with ATT_C 512 too -1 ... -3 %;
+  # Qwen3-1.7B b1 and Qwen3-0.6B-like b1 (256 tiles) -1 ... -3 %; Llama-3-8B b1 (384: three rounds) -0.5 ... -1.5 %;
+  # Qwen2.5-0.5B b1 (72 tiles: one round) level +-0.5 %. The GPU test first (against the reference; the caches
+  # bit-equal to the plan without it)
+  [ -n "$BUILD" ] || step gputests-kvlast timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py -k "new_row_last"
+  local qk='{"QKV_QFIRST": 1, "ATT_KVLAST": 1}' k='{"ATT_KVLAST": 1}' qkc='{"QKV_QFIRST": 1, "ATT_KVLAST": 1, "ATT_C": 512}'
+  ab kvlast full,191,1023 --case llama3.2-1b_decode_b1_s4096_bf16 "$qk" --case llama3.2-1b_decode_b1_s4096_bf16 "$k" \
+    --case llama3.2-1b_decode_b1_s4096_bf16 "$qkc" --case llama3.2-1b_decode_b1_s1024_bf16 "$qk" \
+    --case qwen3-1.7b_decode_b1_s4096_bf16 "$qk" --case ho-qwen3-0.6b_decode_b1_s4096_bf16 "$qk" \
+    --case llama3-8b_decode_b1_s4096_bf16 "$qk" --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$qk"
+}
+
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
   # path's GPU tests (session 55's bounded decode step among them; ran in session 56), then the whole check with its
   # held-out shapes. Logs in $OUT/logs.tgz
@@ -163,13 +182,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|rot|rot2|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|rot|rot2|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_rot; part_rot2 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_rot; part_rot2; part_kvlast ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   rot) part_rot ;;
   rot2) part_rot2 ;;
+  kvlast) part_kvlast ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -178,5 +198,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|rot|rot2|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|rot|rot2|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -99,6 +99,7 @@ constexpr int DOWN_KSPLIT = 1;
 constexpr int DOWN_TM = 1;
 constexpr int DOWN_PRE = 0;
 constexpr int QKV_QFIRST = 0;
+constexpr int ATT_KVLAST = 0;
 constexpr int ATT_ROT = 1;
 constexpr int H_STATS = 0;
 constexpr int QKV_BS = 1;

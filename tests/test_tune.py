@@ -1887,6 +1887,47 @@ def test_q_tiles_first_and_rotated_attention_tasks_match_the_reference(tmp_path)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_new_row_last_matches_the_reference(tmp_path):
+    """ATT_KVLAST 1 (the appending split walks its cached rows without the new k and v; two warps that do not walk
+    poll, append and fold them in as one more warp state): against the fp32 reference (two seeds, a repeat
+    bit-equal; verify.check_step also checks the appended cache rows and every other row untouched), three steps
+    back to back, at positions where the appending split holds row p alone (0, ATT_C, 2 x ATT_C: nothing walked
+    before it), one row or a tile before it, or a whole split (ATT_C - 1), row 191 and the last row, then 300 graph
+    replays: Llama-3.2-1B b1 KV 4096 with QKV_QFIRST, with ATT_C 512 and TMA tiles, with the sliced combine; KV 1024
+    (two groups a block), Qwen2.5-0.5B b1's tuned plan (ATT_COMBINE 4's tagged partials), Llama-3.2-1B b4 (an
+    appending split a sequence) and a Qwen3-0.6B-like b1 (the key's qk norm)."""
+    import torch
+
+    from bench.tune import renamed
+    from generator import reference, verify
+    from generator.loader import load
+    named = {v.name: v for v in declared()}
+    l1, qk = named["llama3.2-1b_decode_b1_s4096_bf16"], {"QKV_QFIRST": 1, "ATT_KVLAST": 1}
+    cases = [(l1, {"QKV_NWG": 16, **qk}), (l1, {"QKV_NWG": 16, **qk, "ATT_C": 512, "ATT_TMA": 1}),
+             (l1, {"QKV_NWG": 16, "ATT_KVLAST": 1, "ATT_COMBINE": 3}),
+             (named["llama3.2-1b_decode_b1_s1024_bf16"], qk),
+             (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4, "GU_PRE": 1, "QKV_NWG": 16, **qk}),
+             (named["llama3.2-1b_decode_b4_s4096_bf16"], qk), (named["ho-qwen3-0.6b_decode_b1_s4096_bf16"], qk)]
+    for i, (v, ov) in enumerate(cases):
+        _overrides_match_the_reference(tmp_path, [(v, ov)], f"kvl{i}-", 41, ov, repeat=True)
+        W = reference.random_weights(v.model, seed=42, device="cuda")
+        layer = load(renamed(v, f"kvl{i}-0").name, W, build_dir=tmp_path)
+        steps_track_the_reference(layer, W, v, 42)
+        c = layer.plan["consts"]["ATT_C"]
+        g = torch.Generator(device="cuda").manual_seed(43)
+        for p in (0, 1, 16, c - 1, c, c + 1, 2 * c, 191, v.seq_len - 1):
+            x = (torch.randn(v.batch, v.model.hidden, device="cuda", generator=g) * 2).to(layer.dtype)
+            pos = (p + 37 * torch.arange(v.batch, dtype=torch.int32)) % v.seq_len  # (batch > 1: p and others)
+            r = verify.check_step(layer, x, pos, weights=W)
+            assert verify.passed(r, v.model.dtype), (v.name, ov, p, r["rel_err"], r["first_bad_stage"])
+        xg, pg = x.clone(), torch.full_like(pos, v.seq_len - 1).cuda()
+        _replayed_then_checked(layer, lambda: layer(xg, pg, validate=False), W, 44, (v.name, ov))
+        del layer
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 def test_gate_up_leaving_down_proj_blocks_free_matches_the_reference(tmp_path):
     """GU_SKIP 1 (down_proj's HIDDEN / 16 blocks take no gate_up task; gate_up's go round the others): bit-equal to
     the same gate_up groups without it (the tiles' sums are the same, only the blocks move) at seven trials, a third
@@ -2500,6 +2541,16 @@ def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_m
     assert render.plan(l1, overrides={"QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})["consts"]["ATT_ROT"] == 0
     tp = next(v for v in declared() if v.mode == "decode" and v.tp > 1 and v.batch == 1)
     assert render.plan(tp)["consts"]["ATT_ROT"] == 0
+    # ATT_KVLAST (an override): the new row folded in last; refused without QKV_FLOW 2's words or with ATT_DYN
+    assert render.plan(l1)["consts"]["ATT_KVLAST"] == 0
+    src = render.render(l1, render.plan(l1, overrides={"ATT_KVLAST": 1}))
+    assert "constexpr int ATT_KVLAST = 1;" in src and "if constexpr (ATT_KVLAST) n -= appends;" in src
+    with pytest.raises(PlanError, match=r"ATT_KVLAST=1 needs QKV_FLOW 2"):
+        render.plan(l1, overrides={"ATT_KVLAST": 1, "QKV_FLOW": 1, "ATT_LL": 0, "H_LL": 0})
+    with pytest.raises(PlanError, match=r"ATT_KVLAST=1 needs ATT_DYN 0"):
+        render.plan(l1, overrides={"ATT_KVLAST": 1, "ATT_DYN": 1})
+    with pytest.raises(PlanError, match=r"ATT_KVLAST=1 needs two warps besides the 16 walkers"):
+        render.plan(l1, overrides={"ATT_KVLAST": 1, "ATT_WARPS": 16})
     src = render.render(l1, render.plan(l1, overrides={"QKV_QFIRST": 1, "ATT_ROT": 1}))
     assert "constexpr int QKV_QFIRST = 1;" in src and "QKV_FLOW && !QKV_QFIRST ? Q_DIM / 16 : 0" in src
     assert "constexpr int ATT_ROT = 1;" in src and "QKV_TASKS % (int)gridDim.x" in src

@@ -111,7 +111,8 @@ GEMM_OFF = {"QKV_FLOW": "the GEMM's tiles are not counted or tagged; 1 where QKV
 KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT", "PRE", "TM", "BS"))
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
-            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ", "QKV_QFIRST", "ATT_ROT")
+            "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ", "QKV_QFIRST", "ATT_ROT",
+            "ATT_KVLAST")
          + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS) + tuple(f"{p}_GEMM" for p in GEMM_OPTIONAL))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
@@ -189,7 +190,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM",
-                  "GU_SKIP", "QKV_GEMM", "O_GEMM", "QKV_QFIRST", "ATT_ROT")
+                  "GU_SKIP", "QKV_GEMM", "O_GEMM", "QKV_QFIRST", "ATT_ROT", "ATT_KVLAST")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -724,15 +725,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
                         f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
+    kvlast = ov.get("ATT_KVLAST", 0)  # (an override: its requirements below, with QKV_FLOW)
     def attention_layout(qsmem: int) -> int:  # the attention stage's offsets into smem; its bytes
-        smem["SMEM_QS"] = 0
-        smem["SMEM_QP"] = align((m.group + 1) * m.head_dim * 4)
+        smem["SMEM_QS"] = 0  # the queries, the new key (ATT_KVLAST: its value, its scores)
+        smem["SMEM_QP"] = align((m.group + 1 + kvlast) * m.head_dim * 4 + kvlast * m.group * 4)
         smem["SMEM_PT"] = smem["SMEM_QP"] + (align(math.ceil(m.group / 8) * m.head_dim * 16) if qsmem else 0)
         # (ATT_TMA: the ring at 1024 bytes, the swizzle's 8-row atom, so its pattern is each row's index mod 8)
         smem["SMEM_WST"] = align(smem["SMEM_PT"] + align(nw * math.ceil(m.group / 8) * 8 * 24 * esize),
                                  1024 if att_tma else 16)
         ring = att_warps * att_stages * tile
-        smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, att_warps * m.group * (m.head_dim + 2) * 4))
+        smem["SMEM_FLAG"] = smem["SMEM_WST"] + align(max(ring, (att_warps + kvlast) * m.group * (m.head_dim + 2) * 4))
         # ATT_DYN 1: C, the task count, each sequence's first task, its rows; 2: R, W, the units before each
         # sequence, rows
         smem["SMEM_SCHED"] = smem["SMEM_FLAG"] + 16
@@ -1185,6 +1187,18 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # full / 191 -0.8 / +0.4): the appending split, alone at a short context, no longer waits behind a qkv tile. Not
     # from batch 2: Llama-3.2-1B b4 +1.1 / +0.7 / -1.8 %
     consts["QKV_QFIRST"] = ov.get("QKV_QFIRST", 0)
+    # ATT_KVLAST (an override, not yet timed; bench/NOTES.md session 67): the appending split walks its cached rows
+    # without waiting for the new k and v, which two warps that do not walk poll, append and fold in as one more warp
+    # state; beside QKV_QFIRST (q in qkv's first round of tiles, k and v after) every split then starts after qkv's
+    # first round
+    consts["ATT_KVLAST"] = kvlast
+    if kvlast:
+        _needs(v.name, "ATT_KVLAST", 1, [(consts["QKV_FLOW"] == 2, "QKV_FLOW 2 (the head's words: with the counters "
+                                                                   "attention waits for the k and v tiles anyway)"),
+                                         (not att_dyn, f"ATT_DYN 0 (the static split; this plan: {att_dyn})"),
+                                         (att_warps <= nw - 2 and m.group <= nw - 2,
+                                          f"two warps besides the {att_warps} walkers and {m.group} query heads "
+                                          f"(of {nw})")])
     consts["ATT_ROT"] = ov.get("ATT_ROT", int(v.batch == 1 and v.tp == 1 and not att_dyn and consts["QKV_FLOW"] != 0))
     if consts["QKV_QFIRST"]:
         _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "

@@ -7,7 +7,8 @@
 // cost one n-tile. K and V tiles stream through a per-warp ATT_STAGES-deep ring in shared memory (cp.async, rows
 // padded by 16 bytes so ldmatrix is conflict-free; ATT_TMA: TMA tensor copies in the 128-byte swizzle, att_at).
 // Before the walk the task prepares its GROUP query heads (qk_norm, rope, scale) in shared memory; the task that
-// holds row pos also appends the new k and v.
+// holds row pos also appends the new k and v (ATT_KVLAST: two warps that do not walk take them during the walk, and
+// the new row joins the combine as one more warp's state, so the walk waits for the queries only).
 // Splits of one (sequence, kv head) meet through a counter: the last to finish combines the partial results
 // (max-rescaled sums) and writes the attention output, so no extra grid barrier is needed.
 // ATT_DYN 1: the rows per task are chosen at run time from this launch's positions (att_schedule), so sequences at
@@ -268,7 +269,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
     constexpr int PL = 24;                    // P^T row length (elements): 16 keys + pad, conflict-free reads
     float* qs = reinterpret_cast<float*>(smem + SMEM_QS);     // [GROUP][HEAD_DIM] prepared queries
     float* ks = qs + GROUP * HEAD_DIM;                         // [HEAD_DIM] new key
-    float* wst = reinterpret_cast<float*>(smem + SMEM_WST);   // [ATT_WARPS][GROUP][WS] warp states (aliases ring)
+    float* vs = ks + HEAD_DIM;    // ATT_KVLAST: [HEAD_DIM] the new value and [GROUP] its row's scores, as walked
+    float* wst = reinterpret_cast<float*>(smem + SMEM_WST);   // [ATT_WARPS (+1)][GROUP][WS] warp states (alias ring)
     int* flag = reinterpret_cast<int*>(smem + SMEM_FLAG);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
     T* ring = reinterpret_cast<T*>(smem + SMEM_WST) + (size_t)warp * ATT_STAGES * 2 * TILE;  // [stage][K,V] tiles
@@ -346,10 +348,12 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             kvh = rem % KV_HEADS;
         }
         // QKV_FLOW 2: warp h < GROUP + 2's head words loaded now, in flight with the position's load (the ring's
-        // first tiles wait for the position; the words are polled after them)
+        // first tiles wait for the position; the words are polled after them); ATT_KVLAST: the k and v words by
+        // warps NW - 2 and NW - 1
         QkvWords pre{};
+        const int hw = !ATT_KVLAST || warp < GROUP ? warp : warp >= NW - 2 ? GROUP + warp - (NW - 2) : GROUP + 2;
         if constexpr (QKV_FLOW == 2)
-            if (warp < GROUP + 2) pre = qkv_words(ws_qkv, qkv_at(b, kvh, warp), ll_e, lane);
+            if (hw < GROUP + 2) pre = qkv_words(ws_qkv, qkv_at(b, kvh, hw), ll_e, lane);
         // (a volatile load: with QKV_FLOW no grid barrier stops the compiler hoisting it into qkv_proj, whose
         // register peak it then raises past the cap: a spill)
         int p;  // ATT_DYN: from the schedule's copy (rows - 1; -1: refused)
@@ -368,9 +372,10 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         if (row0 > pr) continue;                      // the same for the whole block
         tl(0, tl_start);
         tl(1);  // (p was used above: its load is in)
-        const int n = ATT_DYN == 2 ? min(row1, pr + 1) - row0 : min(att_c, pr + 1 - row0);
+        int n = ATT_DYN == 2 ? min(row1, pr + 1) - row0 : min(att_c, pr + 1 - row0);  // the rows walked
         if constexpr (ATT_DYN != 2) nsplit = pr / att_c + 1;
         const bool appends = split == nsplit - 1;
+        if constexpr (ATT_KVLAST) n -= appends;  // (the appending split's last, row p: folded in after the walk)
         const size_t head_base = ((size_t)b * KV_HEADS + kvh) * SEQ_LEN * HEAD_DIM;
         const T* kc = k_cache + head_base + (size_t)(lo + row0) * HEAD_DIM;
         const T* vc = v_cache + head_base + (size_t)(lo + row0) * HEAD_DIM;
@@ -426,7 +431,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         if constexpr (QKV_FLOW != 2) tl(2);  // (QKV_FLOW 2: once warp 0's head words are in, below)
         float freqs[ROPE_K];  // (after the wait: fewer registers live across it)
         rope_freqs(inv_freq, lane, freqs);
-        for (int h = warp; h < GROUP + 2; h += NW) {
+        for (int h = warp; h < GROUP + (ATT_KVLAST ? 0 : 2); h += NW) {
             // (the head's values: QKV_FLOW 2 polls the words loaded with the position, or for a second head of
             // this warp its own)
             auto values = [&](float (&v)[QV]) {
@@ -463,6 +468,34 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
         }
         __syncthreads();  // queries ready; the appended row visible to the whole block
         tl(3);
+        // ATT_KVLAST: the new key (normed, rotated, appended; its score against each query head as the walk would
+        // take it: both rounded to T, fp32 sums) and value (appended, rounded to T) while the walkers walk
+        if (ATT_KVLAST && appends && warp >= NW - 2) {
+            float v[QV];
+            qkv_values(pre, ws_qkv, qkv_at(b, kvh, hw), ll_e, lane, v);
+            if (warp == NW - 2) {
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
+                __syncwarp();
+                qk_norm(ks, k_norm_w, lane);
+                rope(ks, p, freqs, ROPE_ATTN, lane);  // (ends in __syncwarp: ks whole for every lane)
+                kv_append(k_cache + head_base, p, ks, lane);
+                for (int h = 0; h < GROUP; ++h) {
+                    float s = 0.f;
+                    for (int d = lane; d < HEAD_DIM; d += 32)
+                        s = fmaf(to_f(from_f(qs[h * HEAD_DIM + d])), to_f(from_f(ks[d])), s);
+#pragma unroll
+                    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                    if (lane == 0) vs[HEAD_DIM + h] = s;
+                }
+            } else {
+                kv_append(v_cache + head_base, p, v, lane);
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) vs[lane + 32 * j] = to_f(from_f(v[j]));
+            }
+        }
 
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
@@ -512,7 +545,7 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                         if (c / CH >= n - t0)
                             st16(att_at(vt, c / CH, (c % CH) * 8), make_uint4(0u, 0u, 0u, 0u));
                 }
-                if (t0 <= pr - row0 && pr - row0 < t0 + 16) { // this tile holds the appended row: patch it in
+                if (!ATT_KVLAST && t0 <= pr - row0 && pr - row0 < t0 + 16) { // the tile of the appended row: patch
                     const int r = pr - row0 - t0;                 // (each chunk by the lane that zero-filled it)
                     for (int c = lane; c < 16 * CH; c += 32) {
                         if (c / CH != r) continue;
@@ -614,6 +647,15 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     }
                 }
         }
+        // ATT_KVLAST: the new row as warp ATT_WARPS's state (m its score, l 1, acc its value), by the warps that
+        // do not walk
+        constexpr int SLOTS = ATT_WARPS + (ATT_KVLAST ? 1 : 0);
+        const int slots = ATT_KVLAST && appends ? SLOTS : ATT_WARPS;
+        if (ATT_KVLAST && appends && !walker)
+            for (int i = tid - ATT_WARPS * 32; i < GROUP * WS; i += THREADS - ATT_WARPS * 32) {
+                const int g = i / WS, d = i % WS;
+                wst[(ATT_WARPS * GROUP + g) * WS + d] = d < HEAD_DIM ? vs[d] : d == HEAD_DIM ? vs[HEAD_DIM + g] : 1.f;
+            }
         __syncthreads();
         tl(5);
 
@@ -626,11 +668,13 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
             const int g = t / WS, d = t % WS;
             float M = -INFINITY;
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wst[(w * GROUP + g) * WS + HEAD_DIM]);
+            for (int w = 0; w < SLOTS; ++w)
+                if (w < slots) M = fmaxf(M, wst[(w * GROUP + g) * WS + HEAD_DIM]);
             float o = 0.f, den = 0.f;
             if (d < HEAD_DIM || d == HEAD_DIM + 1) {
 #pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) {
+                for (int w = 0; w < SLOTS; ++w) {
+                    if (w >= slots) continue;
                     const float* ww = wst + (w * GROUP + g) * WS;
                     const float e = ww[HEAD_DIM] == -INFINITY ? 0.f : exp2f(ww[HEAD_DIM] - M);
                     o = fmaf(e, ww[d], o);
