@@ -5,10 +5,6 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
-#   bash bench/queue.sh rot       # session 66 (carry build-ab/rot after `BUILD=--compile-only bash bench/queue.sh rot`
-#                                 # here; ~2 min): QKV_QFIRST / ATT_ROT's GPU test, then their A/B at batch 1
-#   bash bench/queue.sh rot2      # session 67 (carry build-ab/rot2 after `BUILD=--compile-only ...`; ~1 min): ATT_ROT
-#                                 # alone on more batch-1..4 shapes
 #   bash bench/queue.sh kvlast    # session 67 (carry build-ab/kvlast after `BUILD=--compile-only ...`): ATT_KVLAST's
 #                                 # GPU test, then its A/B beside QKV_QFIRST at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
@@ -62,42 +58,6 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
-}
-
-part_rot() {  # session 66 (not yet run): the full-context timeline of Llama-3.2-1B b1 (H100) has qkv's second round
-  # of tiles (60 of 132 blocks) start attention's first 60 tasks 1.7 us late and hold the q words of heads 4-7. ATT_ROT
-  # moves the tasks to the blocks with one qkv tile, ATT_C 512 halves them (64: all on those blocks), QKV_QFIRST puts
-  # every q tile in qkv's first round (only the appending split then reads round two's k and v). Prediction (H100,
-  # against the tuned plan, full / row 191): 1B b1 KV 4096 ATT_ROT alone -0.5 ... +0.5 % (56 tasks still on late
-  # blocks); + ATT_C 512 -1 ... -3 %; + QKV_QFIRST -2 ... -4 %; KV 1024 (its default QKV_NWG 8: the 192 qkv tasks in
-  # one round, blocks 0-59 running two groups at once, so less to gain; a split a head at row 191: 8 tasks, all
-  # appending) ATT_ROT + QKV_QFIRST -1 ... +2 % (k and v then come last), ATT_ROT alone -1 ... +1 %; Llama-3-8B b8
-  # ATT_ROT -1 ... +1 %. The GPU test first (bit-equal to the plans without them)
-  [ -n "$BUILD" ] || step gputests-rot timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
-    -k "q_tiles_first_and_rotated"
-  local r='{"ATT_ROT": 1}' rc='{"ATT_ROT": 1, "ATT_C": 512}' rcq='{"ATT_ROT": 1, "ATT_C": 512, "QKV_QFIRST": 1}'
-  local rq='{"ATT_ROT": 1, "QKV_QFIRST": 1}'
-  ab rot full,191 --case llama3.2-1b_decode_b1_s4096_bf16 "$r" --case llama3.2-1b_decode_b1_s4096_bf16 "$rc" \
-    --case llama3.2-1b_decode_b1_s4096_bf16 "$rcq" --case llama3.2-1b_decode_b1_s1024_bf16 "$rq" \
-    --case llama3.2-1b_decode_b1_s1024_bf16 "$r" --case llama3-8b_decode_b8_s4096_bf16 "$r"
-}
-
-part_rot2() {  # session 67: session 66's rot A/B (H100) found ATT_ROT alone level at full context (-0.05 %) and -2.4 % at
-  # row 191 on Llama-3.2-1B b1 KV 4096 (qkv in two rounds of one group a block: the appending splits moved to blocks
-  # with one qkv tile), +0.4 / -0.8 % at KV 1024 (two groups a block: one round). Here ATT_ROT alone on the batch-1..4
-  # shapes whose qkv tiles leave blocks idle or take rounds, rows full / 191 / 1023. Prediction (H100): Qwen2.5-0.5B
-  # b1 KV 4096 (72 qkv tiles, one group a block: the tasks move to the 60 blocks with no tile, which poll from the
-  # wait) -2 ... -4 % at 191, -1 ... -3 % full; KV 1024 (two groups) -1 ... -3 %; SmolLM-360M-like (100 tiles) -1 ...
-  # -3 %; Llama-3-8B b1 (384 tiles, 3 rounds on 12 blocks fewer) -0.3 ... -1 %; Qwen3-1.7B b1 (256: 8 blocks with
-  # one tile) and Llama-3.2-1B b4 (two groups) level +-0.5 %; Qwen3-0.6B-like b1 (256) level; Llama-3.2-1B b1 KV
-  # 32768 (two groups, 16 splits) -0.5 ... +0.5 %; with QKV_QFIRST beside it on 0.5B and 1B KV 4096 a further -0 ... -1 %
-  local r='{"ATT_ROT": 1}' rq='{"ATT_ROT": 1, "QKV_QFIRST": 1}'
-  ab rot2 full,191,1023 --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$r" --case qwen2.5-0.5b_decode_b1_s4096_bf16 "$rq" \
-    --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$r" --case ho-smol-360m_decode_b1_s2048_bf16 "$r" \
-    --case llama3-8b_decode_b1_s4096_bf16 "$r" --case qwen3-1.7b_decode_b1_s4096_bf16 "$r" \
-    --case llama3.2-1b_decode_b4_s4096_bf16 "$r" --case ho-qwen3-0.6b_decode_b1_s4096_bf16 "$r" \
-    --case llama3.2-1b_decode_b1_s32768_bf16 "$r" --case llama3.2-1b_decode_b1_s4096_bf16 "$r" \
-    --case llama3.2-1b_decode_b1_s4096_bf16 "$rq" --case ho-h1440-hd80_decode_b1_s4096_bf16 "$r"
 }
 
 part_kvlast() {  # session 67 (not yet run): ATT_KVLAST 1 (the appending split walks its cached rows without waiting
@@ -182,13 +142,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|rot|rot2|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_rot; part_rot2; part_kvlast ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_kvlast ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  rot) part_rot ;;
-  rot2) part_rot2 ;;
   kvlast) part_kvlast ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
@@ -198,5 +156,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|rot|rot2|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|kvlast|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
