@@ -107,6 +107,10 @@ def load_selected(variants_file: str, only=(), exclude=(), vs: list | None = Non
     if unmatched:  # one of several globs matches nothing: likely a typo, said rather than silently dropped
         err_console.print(f"warning: {variants_file}: --only {' '.join(unmatched)} matches no variant", markup=False,
                           highlight=False, soft_wrap=True)
+    # (an --exclude that matches nothing excludes nothing: likely a typo too)
+    if unmatched := [g for g in exclude if not gvariants.select(vs, (g,))]:
+        err_console.print(f"warning: {variants_file}: --exclude {' '.join(unmatched)} matches no variant",
+                          markup=False, highlight=False, soft_wrap=True)
     return selected
 
 
@@ -582,6 +586,8 @@ def clean_cmd(build_dir):
     except gcompile.InUse as exc:
         fail(f"{build_dir}: a build is using it ({exc.path.relative_to(p)} is locked); not removing it (try again "
              "when the build ends)")
+    except OSError as exc:  # (rmtree names the entry relative to its directory: the build directory named here)
+        fail(f"{build_dir}: could not remove it ({exc.strerror or exc}: {exc.filename}); what could be removed was")
     err_console.print(f"removed {p}/", highlight=False)
 
 
@@ -860,7 +866,13 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             why = " ".join(str(exc).split()) or type(exc).__name__  # its lines joined: one line, cut at a word
             why = why if len(why) <= 200 else why[:200].rsplit(" ", 1)[0] + " ..."
             fail(f"{needs}, and transformers could not load one ({why.rstrip(': ')}); give --ids instead")
-        seqs = [tok(p)["input_ids"] for p in prompts]
+        seqs = []
+        for p in prompts:
+            try:
+                seqs.append(tok(p)["input_ids"])
+            except Exception as exc:  # noqa: BLE001 - the tokenizer's own failure (a WordLevel one with no unk token)
+                why = " ".join(str(exc).split())[:200] or type(exc).__name__
+                fail(f"--prompt {p!r}: the tokenizer of {model_dir} could not encode it ({why}); give --ids instead")
         if empty := [i for i, sq in enumerate(seqs) if not sq]:
             if not set(tok.get_vocab()) - set(tok.all_special_tokens):  # (transformers 5 builds one of special
                 # tokens alone for some model types, Qwen2's, from a tokenizer_config.json: that is what is wrong)

@@ -93,9 +93,11 @@ def atomic_write(path: Path, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # (a write's own error, ENOSPC: the file named, so the
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc  # CLI says it in one line)
         raise
 
 
@@ -257,11 +259,14 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
             if not cached:
                 try:
                     meta = _compile_object(source, arch, obj)
-                except BaseException:  # interrupted or failed before its first file: no empty directory left
+                except BaseException:  # interrupted or failed (a full disk among its writes): no incomplete object
+                    # left, its files without the meta.json written last, nor an empty directory
                     with contextlib.suppress(OSError):  # (under the lock: a waiter re-locks, as after the sweep)
-                        if {p.name for p in obj.iterdir()} == {".lock"}:
-                            (obj / ".lock").unlink()
-                            obj.rmdir()
+                        for f in obj.iterdir():
+                            if f.name != ".lock":
+                                f.unlink()
+                        (obj / ".lock").unlink()
+                        obj.rmdir()
                     raise
         return meta, cached
 

@@ -55,6 +55,9 @@ def arch(sm: str) -> Arch:
     naming the supported ones otherwise."""
     sm = str(sm)
     base = sm[:-1] if sm.endswith("a") else sm
+    if base in ARCHS and sm != base and int(base) < 90:  # (nvcc: compute_80a and the like do not exist)
+        raise TargetError(f"--arch {sm}: sm_{base} has no arch-specific ('a') target; those start at sm_90 "
+                          f"({', '.join(a + 'a' for a in ARCHS if int(a) >= 90)}); give --arch {base}")
     if base in ARCHS:
         return dataclasses.replace(ARCHS[base], sm=sm)
     if base.isdigit() and int(base) < 80:

@@ -58,6 +58,7 @@ ROPE_SCALING_FIELDS = {"llama3": LLAMA3_SCALING_FIELDS, "linear": {"rope_type": 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # the fields that fix what a layer computes (a built variant serves a checkpoint only where all of them agree; the
 # dtype may differ: weights are cast)
+FP32_MAX, FP32_TINY = 3.4028234663852886e38, 1.401298464324817e-45  # the largest finite and the smallest positive fp32
 LAYER_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "norm", "norm_eps", "rope_theta",
                 "rope_scaling", "activation", "qkv_bias", "qk_norm", "sliding_window")
 
@@ -316,6 +317,9 @@ def parse_model(where: str, name: str, raw, kernel: bool = True) -> tuple[Model,
     for key in ("norm_eps", "rope_theta"):
         if not 0 < raw[key] < math.inf:  # also catches .nan and .inf
             raise VariantError(f"{where}: field '{key}' must be positive and finite, got {raw[key]}")
+    if not FP32_TINY <= raw["norm_eps"] <= FP32_MAX:  # (the kernel adds it in fp32: 1e300 would be inf there)
+        raise VariantError(f"{where}: field 'norm_eps' must be a positive fp32 value ({FP32_TINY:.3g} .. "
+                           f"{FP32_MAX:.3g}: the kernels add it in fp32), got {raw['norm_eps']}")
     derived = {"heads x head_dim": raw["heads"] * raw["head_dim"],
                "(heads + 2 kv_heads) x head_dim": (raw["heads"] + 2 * raw["kv_heads"]) * raw["head_dim"],
                "2 x intermediate": 2 * raw["intermediate"]}

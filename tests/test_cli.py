@@ -79,9 +79,55 @@ def test_bad_arch(workdir):
     r = run_cli(["build", "--arch", "abc"], cwd=workdir)
     assert_bad_input(r, "--arch", "'abc'")
     assert snapshot(workdir / "build") == before
+    # an arch-specific target below sm_90 (nvcc has no compute_80a): refused before nvcc runs, nothing written
+    r = run_cli(["build", "--arch", "80a"], cwd=workdir)
+    assert_bad_input(r, "--arch 80a", "no arch-specific ('a') target", "--arch 80")
+    assert snapshot(workdir / "build") == before
 
 
-def test_only_matching_nothing(workdir):
+def test_a_full_disk_is_one_line_and_leaves_no_incomplete_object(tmp_path, monkeypatch):
+    """A write that fails (ENOSPC, a full disk) names its file (atomic_write; the CLI then says it in one line) and the
+    object being written is removed whole: no objects/<key>/ of a PTX and a log without its cubin and meta.json."""
+    import errno
+    import os as _os
+
+    from generator import compile as gcompile
+    real = _os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(gcompile.os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
+    with pytest.raises(OSError) as exc:
+        gcompile.atomic_write(tmp_path / "a" / "meta.json", "{}")
+    assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(tmp_path / "a" / "meta.json")
+    assert list((tmp_path / "a").iterdir()) == []  # (its temporary file removed)
+    monkeypatch.undo()
+    writes = []
+
+    def fail_second(path, data):  # the PTX and the log written, then the disk is full
+        writes.append(Path(path).name)
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        Path(path).write_text(data if isinstance(data, str) else data.decode(errors="replace"))
+    monkeypatch.setattr(gcompile, "atomic_write", fail_second)
+    monkeypatch.setattr(gcompile, "_compile_object", lambda source, arch, obj: (
+        gcompile.atomic_write(obj / "ptxas.log", "log"), gcompile.atomic_write(obj / "kernel.ptx", "ptx")))
+    with pytest.raises(OSError, match="No space left"):
+        gcompile.compiled_object("src", "k0", "90", tmp_path / "b")
+    assert not (tmp_path / "b" / "objects" / "k0").exists()
+
+
+def test_only_matching_nothing(workdir, capsys):
     (workdir / "variants.yaml").write_text(GOOD_TEXT)
     before = snapshot(workdir / "build")
     r = run_cli(["build", "--only", "nothing*"], cwd=workdir)
@@ -97,6 +143,12 @@ def test_only_matching_nothing(workdir):
     r = run_cli(["list", "--only", "tiny*", "--only", "tyni*"], cwd=workdir)
     assert r.returncode == 0 and "tiny" in r.stdout, r.stderr
     assert r.stderr.count("\n") == 1 and "warning" in r.stderr and "--only tyni* matches no variant" in r.stderr
+    # so is an --exclude that excludes nothing (session 67's trial: it was silent)
+    from generator import cli as gcli
+    assert [v.name for v in gcli.load_selected(str(workdir / "variants.yaml"), exclude=("zzz*",))] == \
+        [v.name for v in gcli.load_selected(str(workdir / "variants.yaml"))]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning" in err and "--exclude zzz* matches no variant" in err, err
 
 
 # ---------------------------------------------------------------- list, render
@@ -268,6 +320,25 @@ def test_generate_on_the_cpu_refuses_a_fused_variant_in_one_line(tmp_path):
                                                "num_hidden_layers": 1, "vocab_size": 100}))
     assert_bad_input(run_cli(["generate", d, "--ids", "1,2", "--variant", "x", "--device", "cpu"], cwd=tmp_path),
                      "--variant: fused variants run on CUDA", "drop --variant")
+
+
+def test_clean_that_the_file_system_refuses_names_the_build_directory(copy_build, tmp_path, monkeypatch):
+    """Session 67's trial: `clean` of a build on a read-only file system said `error: kernel.cu: Read-only file
+    system` (rmtree's name relative to its directory); it names the build directory."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from generator import cli as gcli
+    copy_build(tmp_path / "build")
+
+    def refused(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", "kernel.cu")
+    monkeypatch.setattr(gcli.shutil, "rmtree", refused)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(gcli.main, ["clean"])
+    assert r.exit_code == 2 and "error: build: could not remove it (Read-only file system: kernel.cu)" in r.output, \
+        r.output
 
 
 def test_clean(copy_build, tmp_path):

@@ -1022,6 +1022,21 @@ def test_cli_prompt_tokenizer_and_checkpoint_that_disagree(tiny, cli, tmp_path):
         "checkpoint's vocab_size is 96) printed as nothing" in r.stderr, r.stderr
 
 
+def test_cli_prompt_the_tokenizer_cannot_encode(tiny, cli, tmp_path):
+    """Session 67's trial: a word-level tokenizer whose unk token is not in its vocabulary fails on an unknown word
+    (tokenizers raises): one line naming the prompt and the model directory, not a traceback."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    _, d = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    t = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1, 24)}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=t).save_pretrained(bad)
+    r = cli(["generate", bad, "--prompt", "w3 hello", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 2 and "--prompt 'w3 hello': the tokenizer of" in r.stderr and "could not encode it" in \
+        r.stderr and "give --ids" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_cli_generate_faults_of_a_new_users_trial(tiny, cli, tmp_path):
     """Session 45's trial: a model directory without tokenizer files (transformers 5 builds a tokenizer of one token
     for Qwen2's, which encodes text to nothing) said the prompt encodes to no tokens; a float64 config was refused though transformers loads it; a

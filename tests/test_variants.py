@@ -106,6 +106,7 @@ BAD_CASES = {
     "head-dim-negative": (doc_text(head_dim=-32), [V, "field 'head_dim'", "must be positive"]),
     "norm-eps-zero": (doc_text(norm_eps=0.0), [V, "field 'norm_eps'", "must be positive"]),
     "norm-eps-nan": (doc_text(norm_eps=float("nan")), [V, "field 'norm_eps'", "finite"]),
+    "norm-eps-past-fp32": (doc_text(norm_eps=1e300), [V, "field 'norm_eps'", "positive fp32 value", "got 1e+300"]),
     "batch-zero": (GOOD_TEXT.replace("batch:\n  - 1", "batch:\n  - 0"), ["matrix", "field 'matrix.batch'",
                                                                           "must be positive"]),
     "seq-len-negative": (GOOD_TEXT.replace("seq_len:\n  - 64", "seq_len:\n  - -64"),
