@@ -69,7 +69,7 @@ part_kvlast() {  # session 67 (not yet run): ATT_KVLAST 1 (the appending split w
   # Qwen3-1.7B b1 and Qwen3-0.6B-like b1 (256 tiles) -1 ... -3 %; Llama-3-8B b1 (384: three rounds) -0.5 ... -1.5 %;
   # Qwen2.5-0.5B b1 (72 tiles: one round) level +-0.5 %. The GPU test first (against the reference; the caches
   # bit-equal to the plan without it)
-  [ -n "$BUILD" ] || step gputests-kvlast timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py -k "new_row_last"
+  [ -n "$BUILD" ] || step gputests-kvlast timeout 420 python3 -m pytest -q -m gpu tests/test_tune.py -k "new_row_last"
   local qk='{"QKV_QFIRST": 1, "ATT_KVLAST": 1}' k='{"ATT_KVLAST": 1}' qkc='{"QKV_QFIRST": 1, "ATT_KVLAST": 1, "ATT_C": 512}'
   ab kvlast full,191,1023 --case llama3.2-1b_decode_b1_s4096_bf16 "$qk" --case llama3.2-1b_decode_b1_s4096_bf16 "$k" \
     --case llama3.2-1b_decode_b1_s4096_bf16 "$qkc" --case llama3.2-1b_decode_b1_s1024_bf16 "$qk" \

@@ -587,7 +587,8 @@ def clean_cmd(build_dir):
         fail(f"{build_dir}: a build is using it ({exc.path.relative_to(p)} is locked); not removing it (try again "
              "when the build ends)")
     except OSError as exc:  # (rmtree names the entry relative to its directory: the build directory named here)
-        fail(f"{build_dir}: could not remove it ({exc.strerror or exc}: {exc.filename}); what could be removed was")
+        where = f": {exc.filename}" if exc.filename else ""
+        fail(f"{build_dir}: could not remove all of it ({exc.strerror or exc}{where})")
     err_console.print(f"removed {p}/", highlight=False)
 
 

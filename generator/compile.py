@@ -262,9 +262,9 @@ def compiled_object(source: str, key: str, arch: str, build_dir: Path) -> tuple[
                 except BaseException:  # interrupted or failed (a full disk among its writes): no incomplete object
                     # left, its files without the meta.json written last, nor an empty directory
                     with contextlib.suppress(OSError):  # (under the lock: a waiter re-locks, as after the sweep)
-                        for f in obj.iterdir():
-                            if f.name != ".lock":
-                                f.unlink()
+                        for part in obj.iterdir():
+                            if part.name != ".lock":
+                                part.unlink()
                         (obj / ".lock").unlink()
                         obj.rmdir()
                     raise

@@ -337,7 +337,7 @@ def test_clean_that_the_file_system_refuses_names_the_build_directory(copy_build
     monkeypatch.setattr(gcli.shutil, "rmtree", refused)
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(gcli.main, ["clean"])
-    assert r.exit_code == 2 and "error: build: could not remove it (Read-only file system: kernel.cu)" in r.output, \
+    assert r.exit_code == 2 and "error: build: could not remove all of it (Read-only file system: kernel.cu)" in r.output, \
         r.output
 
 

@@ -608,7 +608,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
     # positions.
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= kv
-                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov and not ov.get("ATT_ROT")))
+                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov and not ov.get("ATT_ROT")
+                                    and not ov.get("ATT_KVLAST")))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
         raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one "
                         f"GPU and a cache under 2^24 rows (ATT_DYN 1's float division is exact below; this variant: "
@@ -637,8 +638,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice of ATT_DYN 2 below does not
     # read it (stream_gain keeps the bytes model's charge)
     att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
-    if "ATT_DYN" not in ov and "ATT_C" not in ov and not ov.get("ATT_ROT") and 2 <= v.batch <= 32 and v.tp == 1 \
-            and v.seq_len < 1 << 24:  # (ATT_ROT: the static split)
+    if "ATT_DYN" not in ov and "ATT_C" not in ov and not ov.get("ATT_ROT") and not ov.get("ATT_KVLAST") \
+            and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:  # (ATT_ROT, ATT_KVLAST: the static split)
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": kv, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(kv)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
@@ -1190,12 +1191,12 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # ATT_KVLAST (an override, not yet timed; bench/NOTES.md session 67): the appending split walks its cached rows
     # without waiting for the new k and v, which two warps that do not walk poll, append and fold in as one more warp
     # state; beside QKV_QFIRST (q in qkv's first round of tiles, k and v after) every split then starts after qkv's
-    # first round
+    # first round. It plans the static split, as ATT_ROT does
     consts["ATT_KVLAST"] = kvlast
     if kvlast:
         _needs(v.name, "ATT_KVLAST", 1, [(consts["QKV_FLOW"] == 2, "QKV_FLOW 2 (the head's words: with the counters "
                                                                    "attention waits for the k and v tiles anyway)"),
-                                         (not att_dyn, f"ATT_DYN 0 (the static split; this plan: {att_dyn})"),
+                                         (not att_dyn, f"ATT_DYN 0 (the static split; asked: {att_dyn})"),
                                          (att_warps <= nw - 2 and m.group <= nw - 2,
                                           f"two warps besides the {att_warps} walkers and {m.group} query heads "
                                           f"(of {nw})")])

@@ -382,7 +382,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
 
         // rows before p were written by earlier launches: streamed before the queries are ready. Row p is
         // appended by this launch: it is zero-filled here (ATT_TMA: whatever the copy brings) and patched in (plain
-        // loads) after the block barrier; so are rows past n (ATT_TMA: V's zeroed after the copy, K's scores masked)
+        // loads) after the block barrier (ATT_KVLAST: past n, never walked); so are rows past n (ATT_TMA: V's zeroed
+        // after the copy, K's scores masked)
         auto issue = [&](int t0, int stage) {
             if (walker && t0 < n) {
                 T* dst = ring + stage * 2 * TILE;
@@ -466,37 +467,8 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                 kv_append(v_cache + head_base, p, v, lane);
             }
         }
-        __syncthreads();  // queries ready; the appended row visible to the whole block
+        __syncthreads();  // queries ready; the appended row visible to the whole block (ATT_KVLAST: not yet)
         tl(3);
-        // ATT_KVLAST: the new key (normed, rotated, appended; its score against each query head as the walk would
-        // take it: both rounded to T, fp32 sums) and value (appended, rounded to T) while the walkers walk
-        if (ATT_KVLAST && appends && warp >= NW - 2) {
-            float v[QV];
-            qkv_values(pre, ws_qkv, qkv_at(b, kvh, hw), ll_e, lane, v);
-            if (warp == NW - 2) {
-#pragma unroll
-                for (int j = 0; j < QV; ++j)
-                    if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
-                __syncwarp();
-                qk_norm(ks, k_norm_w, lane);
-                rope(ks, p, freqs, ROPE_ATTN, lane);  // (ends in __syncwarp: ks whole for every lane)
-                kv_append(k_cache + head_base, p, ks, lane);
-                for (int h = 0; h < GROUP; ++h) {
-                    float s = 0.f;
-                    for (int d = lane; d < HEAD_DIM; d += 32)
-                        s = fmaf(to_f(from_f(qs[h * HEAD_DIM + d])), to_f(from_f(ks[d])), s);
-#pragma unroll
-                    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                    if (lane == 0) vs[HEAD_DIM + h] = s;
-                }
-            } else {
-                kv_append(v_cache + head_base, p, v, lane);
-#pragma unroll
-                for (int j = 0; j < QV; ++j)
-                    if (lane + 32 * j < HEAD_DIM) vs[lane + 32 * j] = to_f(from_f(v[j]));
-            }
-        }
-
         // 2. each walker warp: tiles warp, warp + ATT_WARPS, ... of 16 keys
         // Q^T as B fragments (n = head gid of each n-tile, k = dims), bf16, zero for heads past GROUP
         // ATT_QSMEM (the planner's: NT x KS >= 16, e.g. a group of more than 8 heads at head_dim >= 128, or head_dim
@@ -522,6 +494,35 @@ __device__ void attention(const int* __restrict__ pos, const float* ws_qkv, cons
                     qb[t][kk][0] = f.x;
                     qb[t][kk][1] = f.y;
                 }
+        }
+        // ATT_KVLAST: the new key (normed, rotated, appended; its score against each query head as the walk would
+        // take it: both rounded to T, fp32 sums) and value (appended, rounded to T) while the walkers walk (after
+        // the last block barrier before the walk: ATT_QSMEM's)
+        if (ATT_KVLAST && appends && warp >= NW - 2) {
+            float v[QV];
+            qkv_values(pre, ws_qkv, qkv_at(b, kvh, hw), ll_e, lane, v);
+            if (warp == NW - 2) {
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) ks[lane + 32 * j] = v[j];
+                __syncwarp();
+                qk_norm(ks, k_norm_w, lane);
+                rope(ks, p, freqs, ROPE_ATTN, lane);  // (ends in __syncwarp: ks whole for every lane)
+                kv_append(k_cache + head_base, p, ks, lane);
+                for (int h = 0; h < GROUP; ++h) {
+                    float s = 0.f;
+                    for (int d = lane; d < HEAD_DIM; d += 32)
+                        s = fmaf(to_f(from_f(qs[h * HEAD_DIM + d])), to_f(from_f(ks[d])), s);
+#pragma unroll
+                    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                    if (lane == 0) vs[HEAD_DIM + h] = s;
+                }
+            } else {
+                kv_append(v_cache + head_base, p, v, lane);
+#pragma unroll
+                for (int j = 0; j < QV; ++j)
+                    if (lane + 32 * j < HEAD_DIM) vs[lane + 32 * j] = to_f(from_f(v[j]));
+            }
         }
         // out^T accumulators: m-tile mt holds dims mt*16 + gid (+8), heads t*8 + 2*tig (+1)
         float o[NT][KS][4], m[NT][2], l[NT][2];
