@@ -747,7 +747,7 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
                  variant_names, cache_len, device, dtype, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
     prints the text (--prompt) or token ids (--ids), tokens/s, time to first token and the path that served each
-    layer. Under torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL;
+    layer. One sequence streams as it grows; several print when the run ends, one line each. Under torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL;
     gloo on the CPU: --device cpu, or auto where torch sees no GPU) on the variants built with that tp; rank 0
     prints."""
     import os
@@ -855,6 +855,11 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     from . import hf, loader, serve
     tok = None
     if prompts:
+        try:  # a config.json that is not one: said first (transformers' tokenizer loader reads it too, and its failure
+            hf.read_config(model_dir)  # would read as a missing tokenizer)
+        except hf.HFConfigError as exc:
+            fail(str(exc))
+        model_dir = str(hf.config_path(model_dir).parent)  # (config.json itself given: its directory's tokenizer)
         needs = f"{model_dir}: --prompt needs a tokenizer in the model directory (tokenizer.json, tokenizer.model ...)"
         if Path(model_dir).is_dir() and not has_tokenizer_files(model_dir):
             # (said before transformers is asked: it fails in a paragraph, or for some model types (Qwen2's) builds a
@@ -913,6 +918,24 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             if far := [t for t in sq if not 0 <= t < vocab]:
                 fail(f"--prompt {p!r}: the tokenizer gives id {far[0]}, past config.json's vocab_size {vocab} (the "
                      "model directory's tokenizer and checkpoint disagree)")
+    said = [0]  # the warnings of `caught` said so far
+
+    def say(caught) -> None:
+        """The recorded warnings not said yet, each a `warning:` line in the options' words (none of an error's run:
+        it fails before its first token)."""
+        for w in caught[said[0]:]:
+            if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
+                continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
+            if issubclass(w.category, hf.HFDowncastWarning):
+                continue  # (the note below says it with the option's name)
+            msg = str(w.message)  # (the API's words as the options')
+            for api, cli in ((r"\bcache_len[= ](\d+)\b", r"--cache-len \1"),
+                             (r"\bmax_new_tokens\b", "--max-new-tokens"),
+                             (r"\bvariants=\[\.\.\.\] or ", "--variant or "),
+                             (r"\bor (cache_len|dtype) to\b", lambda m: f"or --{m[1].replace('_', '-')} to")):
+                msg = re.sub(api, cli, msg)
+            info(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
+        said[0] = len(caught)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", serve.MissingVariantWarning)
@@ -925,6 +948,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
             stream = TextStream(tok, lambda text: echo(text, nl=False))  # one sequence: printed as it grows
 
             def show(b, t):
+                say(caught)  # (the warnings of the call's checks and planning: said as the first token comes)
                 if len(seqs) == 1:
                     stream.add(t)
                     sys.stdout.flush()
@@ -943,17 +967,7 @@ def _generate(model_dir, prompts, ids, max_new_tokens, batch, temperature, top_k
     if len(seqs) == 1:
         stream.flush()
         echo()  # ends the streamed line
-    for w in caught:
-        if dev.type == "cpu" and issubclass(w.category, serve.MissingVariantWarning):
-            continue  # the CPU runs the unfused layers by design: declaring a variant would not change that
-        if issubclass(w.category, hf.HFDowncastWarning):
-            continue  # (the note below says it with the option's name)
-        msg = str(w.message)  # (the API's words as the options')
-        for api, cli in ((r"\bcache_len[= ](\d+)\b", r"--cache-len \1"), (r"\bmax_new_tokens\b", "--max-new-tokens"),
-                         (r"\bvariants=\[\.\.\.\] or ", "--variant or "), (r"\bor (cache_len|dtype) to\b",
-                                                                       lambda m: f"or --{m[1].replace('_', '-')} to")):
-            msg = re.sub(api, cli, msg)
-        info(f"warning: {msg}", markup=False, highlight=False, soft_wrap=True)
+    say(caught)
     if len(seqs) > 1:
         for b, new in enumerate(out.tokens):
             # (as one sequence streams them: without special tokens and the clean-up of spaces, TextStream)

@@ -847,13 +847,17 @@ class Model:
 
     # -- reports --
     def stats(self) -> list[dict]:
-        """One row per (mode, path, variant) that served calls: calls, tokens (real tokens of live sequences),
-        padded_tokens (the rest of what the call's batch x length computed: padding sequences, and in prefill the
-        positions past a shorter prompt; an unfused piece's padding to a power of two is not counted)."""
+        """One row per (mode, path, variant) that served calls: mode "decode" or "prefill", path (Choice's:
+        "fused", "unfused" or "fused-decode"), variant the fused variant's name (on the unfused path "unfused bN":
+        the batch of N sequences its call computed), calls, tokens (real tokens of live sequences), padded_tokens
+        (the rest of what the call's batch x length computed: padding sequences, and in prefill the positions past a
+        shorter prompt; an unfused piece's padding to a power of two is not counted). Counted since the model was
+        made or reset_stats."""
         return [{"mode": k[0], "path": k[1], "variant": k[2], **c} for k, c in sorted(self._counters.items(),
                                                                                      key=str)]
 
     def reset_stats(self) -> None:
+        """Zero the counters stats() reads (e.g. after a warm-up, so they count the served traffic only)."""
         self._counters.clear()
 
     def _count(self, mode: str, ch: Choice, live: int, tokens_per_seq: int = 1, real: int | None = None) -> None:
@@ -1280,12 +1284,21 @@ class Model:
 
     # -- generate --
     def _check_prompts(self, prompts) -> list[list[int]]:
+        if type(prompts).__module__ == "numpy" and hasattr(prompts, "ndim") and prompts.dtype != object:
+            try:  # a numpy array is checked as a tensor (its shape and dtype said as such)
+                prompts = torch.from_numpy(prompts)
+            except TypeError:  # (a dtype torch has no counterpart of: a string array)
+                raise ServeError(f"prompts: a 2-d integer array [batch, tokens] (1-d: one sequence) or a list of "
+                                 f"token-id lists, got numpy {prompts.dtype} {prompts.shape}") from None
         if not isinstance(prompts, torch.Tensor):  # (a tensor is checked as one below)
-            prompts = _listed(prompts)  # a numpy array: as a list
+            prompts = _listed(prompts)  # (a numpy array of objects: as a list)
         if isinstance(prompts, torch.Tensor):
-            if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+            if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype.is_complex \
+                    or prompts.dtype == torch.bool:
                 raise ServeError(f"prompts: a 2-d integer tensor [batch, tokens] (1-d: one sequence) or a list of "
                                  f"token-id lists, got {prompts.dtype} {tuple(prompts.shape)}")
+            if prompts.device.type == "meta":
+                raise ServeError("prompts: a tensor on the meta device holds no ids (give one on the CPU or a GPU)")
             prompts = prompts.tolist()  # (1-d: a flat list, one sequence, as below)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ServeError("prompts: a non-empty list of token-id lists (one per sequence)")
@@ -1331,6 +1344,8 @@ class Model:
     def _stream(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits, _result,
                 _depth, release):
         prompts = self._check_prompts(prompts)
+        if not isinstance(output_logits, (bool, int)) and type(output_logits).__name__ != "bool_":
+            raise ServeError(f"output_logits: True or False, got {output_logits!r:.40}")
         B = len(prompts)
         lens = [len(p) for p in prompts]
         check_length(lens, max_new_tokens, self.cache_len)

@@ -1022,6 +1022,22 @@ def test_cli_prompt_tokenizer_and_checkpoint_that_disagree(tiny, cli, tmp_path):
         "checkpoint's vocab_size is 96) printed as nothing" in r.stderr, r.stderr
 
 
+def test_cli_prompt_reads_the_config_first_and_takes_config_json_itself(tiny, cli, tmp_path):
+    """Session 67's trial: with --prompt, a config.json that is not JSON was said as a missing tokenizer (and --ids
+    then said the real fault), and config.json given itself (as --ids takes it) found no tokenizer beside it."""
+    _, d = tiny
+    good = tmp_path / "good"
+    shutil.copytree(d, good)
+    _word_tokenizer(good, 24)
+    r = cli(["generate", good / "config.json", "--prompt", "w3 w5", "--device", "cpu", "--max-new-tokens", "2"],
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (good / "config.json").write_text("{ not json")
+    r = cli(["generate", good, "--prompt", "w3", "--device", "cpu"], cwd=tmp_path)
+    assert r.returncode == 2 and "config.json: not valid JSON" in r.stderr and "tokenizer" not in r.stderr \
+        and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_cli_prompt_the_tokenizer_cannot_encode(tiny, cli, tmp_path):
     """Session 67's trial: a word-level tokenizer whose unk token is not in its vocabulary fails on an unknown word
     (tokenizers raises): one line naming the prompt and the model directory, not a traceback."""
@@ -1094,6 +1110,16 @@ def test_model_generate_checks_its_values_and_takes_numpy_ids(tiny):
     assert model.generate(torch.tensor([1, 2, 3]), 3).tokens == a
     with pytest.raises(serve.ServeError, match="a 2-d integer tensor"):
         model.generate(torch.ones(1, 1, 3, dtype=torch.long), 3)
+    # numpy arrays as tensors (session 67's trial: a 3-d one was said as ids, a float one as a value), a meta tensor
+    # and output_logits not a bool: one ServeError each
+    assert model.generate(np.array([[1, 2, 3]]), 3).tokens == a
+    for bad, want in ((np.zeros((1, 2, 3), dtype=np.int64), "got torch.int64 (1, 2, 3)"),
+                      (np.ones((1, 2)), "got torch.float64 (1, 2)"),
+                      (torch.tensor([[3]], device="meta"), "the meta device holds no ids")):
+        with pytest.raises(serve.ServeError, match=re.escape(want)):
+            model.generate(bad, 3)
+    with pytest.raises(serve.ServeError, match="output_logits: True or False, got 'no'"):
+        model.generate([[1, 2, 3]], 3, output_logits="no")
     with pytest.raises(serve.ServeError, match="max_new_tokens: a positive integer, got True"):
         model.generate([[1, 2, 3]], True)
     _, d = tiny
