@@ -747,9 +747,9 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
                  variant_names, cache_len, device, dtype, no_graph, build_dir):
     """Generate from a Hugging Face model directory on its built variants (unfused PyTorch where none fits);
     prints the text (--prompt) or token ids (--ids), tokens/s, time to first token and the path that served each
-    layer. One sequence streams as it grows; several print when the run ends, one line each. Under torchrun (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL;
-    gloo on the CPU: --device cpu, or auto where torch sees no GPU) on the variants built with that tp; rank 0
-    prints."""
+    layer. One sequence streams as it grows; several print when the run ends, one line each. Under torchrun
+    (WORLD_SIZE > 1) the model runs tensor parallel over the processes (one GPU each, NCCL; gloo on the CPU: --device
+    cpu, or auto where torch sees no GPU) on the variants built with that tp; rank 0 prints."""
     import os
 
     import torch

@@ -607,9 +607,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # override): measured on the H200 (bench/NOTES.md session 15), the schedule costs 1-2.5 us a launch, and at KV 4096
     # it won 2-6 % at random positions but lost 2-4 % at full context; at KV 32768, batch 8, 11-23 % faster at spread
     # positions.
+    # (overrides that plan the static split: ATT_C's rows a task, ATT_ROT's and ATT_KVLAST's task placement)
+    static_asked = "ATT_C" in ov or any(ov.get(k) for k in ("ATT_ROT", "ATT_KVLAST"))
     att_dyn = ov.get("ATT_DYN", int(2 <= v.batch <= 32 and v.tp == 1 and ATT_DYN_MIN_SEQ <= kv
-                                    and v.seq_len < 1 << 24 and "ATT_C" not in ov and not ov.get("ATT_ROT")
-                                    and not ov.get("ATT_KVLAST")))
+                                    and v.seq_len < 1 << 24 and not static_asked))
     if att_dyn and (v.batch > 32 or v.tp > 1 or v.seq_len >= 1 << 24):
         raise PlanError(f"{v.name}: plan override ATT_DYN={att_dyn}: needs batch <= 32 (one warp schedules), one "
                         f"GPU and a cache under 2^24 rows (ATT_DYN 1's float division is exact below; this variant: "
@@ -638,8 +639,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # ATT_DYN 2's run charge for a piece (PIECE_RUN_TILES, or the override); the choice of ATT_DYN 2 below does not
     # read it (stream_gain keeps the bytes model's charge)
     att_piece = ov.get("ATT_PIECE_TILES", PIECE_RUN_TILES)
-    if "ATT_DYN" not in ov and "ATT_C" not in ov and not ov.get("ATT_ROT") and not ov.get("ATT_KVLAST") \
-            and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:  # (ATT_ROT, ATT_KVLAST: the static split)
+    if "ATT_DYN" not in ov and not static_asked and 2 <= v.batch <= 32 and v.tp == 1 and v.seq_len < 1 << 24:
         model = {"HEAD_DIM": m.head_dim, "SEQ_LEN": kv, "ATT_C": att_c, "BATCH": v.batch,
                  "KV_HEADS": m.kv_heads, "ATT_NSPLIT": stream_room(kv)}
         rounds, gain = static_rounds(model, sms), stream_gain(model, sms, esize)
