@@ -63,7 +63,7 @@ def arch(sm: str) -> Arch:
     if base.isdigit() and int(base) < 80:
         raise TargetError(f"--arch {sm}: sm_{sm} has no bf16/fp16 mma.sync m16n8k16 and cp.async, which the kernel "
                           f"needs (sm_80 or later: {', '.join(ARCHS)})")
-    raise TargetError(f"--arch '{sm}': not a known architecture (one of {', '.join(ARCHS)}, optionally with 'a')")
+    raise TargetError(f"--arch '{sm}': not a known architecture (one of {', '.join(ARCHS)}; from 90 optionally with 'a')")
 
 
 def gpu_arch(gpu_name: str) -> str | None:
