@@ -192,7 +192,8 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM", "ATT_ROT")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM", "ATT_ROT", "QKV_QFIRST",
+                "ATT_KVLAST")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)
@@ -242,7 +243,8 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     0, or 1 from KV 8192). ATT_DYN 1 is tried against a static plan, stream-K's piece charge (ATT_PIECE_TILES
     halved and doubled) where it is planned, and ATT_ROT flipped at batch <= 8 with the static split and QKV_FLOW,
     only where the candidates are not timed at full context (`positions`: what `bench/tune.py --positions` times):
-    they matter at mixed or short positions. A candidate whose split count moves the
+    they matter at mixed or short positions; at batch 1 QKV_QFIRST with ATT_KVLAST flipped (the pair) with QKV_FLOW 2
+    and the static split. A candidate whose split count moves the
     planner's ATT_COMBINE default keeps the default plan's, and so does one whose ATT_DYN moves O_PRE's; one that turns
     the planner's LL hand-offs off keeps as many of them as the planner allows with it."""
     from .render import plan
@@ -357,6 +359,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         # are timed: at full context it times noise
         if positions != "full" and d["ATT_DYN"] == 0 and d["QKV_FLOW"] and v.batch <= 8 and v.tp == 1:
             tries += [{"ATT_ROT": 1 - d["ATT_ROT"]}]
+        # QKV_QFIRST with ATT_KVLAST flipped, the pair (batch 1's decode.kvlast_rule: -0.1 ... -2.7 % where qkv's k and
+        # v tasks make a second round of its warp groups, +1.2 ... +2.2 % where one round holds them all; bench/NOTES.md
+        # session 68)
+        if v.batch == 1 and v.tp == 1 and d["QKV_FLOW"] == 2 and d["ATT_DYN"] == 0:
+            tries += [{"QKV_QFIRST": 1 - d["ATT_KVLAST"], "ATT_KVLAST": 1 - d["ATT_KVLAST"]}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []

@@ -459,6 +459,14 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # session 51, H100, none spilling): Llama-3-8B b4 KV 1024 -1.3 / -0.8 %, KV 4096 -1.1 / -1.2, held-out group-12 b2
 # -1.9 / -2.0. Batch 6-8 is mixed (session 51: Qwen2.5-0.5B b8 +2.1 / +3.2 %, hidden 960 b8 +6.7 / +7.0, hidden 1792
 # b8 -0.7 / +8.3; Llama-3-8B b8 -1.6 / -1.0, Llama-3.2-1B b8 -0.7 / -0.3, TinyLlama-like b6 -2.6 / -0.6)
+# QKV_QFIRST + ATT_KVLAST by default at batch 1 (kvlast_rule) where qkv's q tasks fit in one round of its warp groups
+# and all its tasks in 1 .. KVLAST_ROUNDS rounds. Measured on an H100 (bench/NOTES.md session 68) against the plans
+# build gave (ATT_ROT on), full context / row 191 / row 1023: Qwen3-1.7B b1 (256 tasks on 132 groups) -1.7 / -2.7 /
+# -1.3 %, Qwen3-0.6B-like b1 (256) -1.2 / -1.9 / -0.5, Llama-3.2-1B b1 KV 4096 (192 with its tuned QKV_NWG 16) -0.3 /
+# -0.9 / -0.1; outside it: Llama-3-8B b1 (384 tasks, q alone 256) +0.9 / -0.2 / -0.6, Qwen2.5-0.5B b1 (72: one round)
+# +1.2 / +2.2 / +2.0, Llama-3.2-1B b1 KV 1024 (192 on 264 groups) -0.4 / +0.3 / -0.6; ATT_KVLAST alone (k and v
+# first) at Llama-3.2-1B KV 4096 -0.5 / +1.0 / +0.8
+KVLAST_ROUNDS = 2
 LL_HIDDEN_MAX = 3584  # at batch 1 beside B1_PRE up to this hidden size; past it, up to LL_HIDDEN_MAX_ANY, without
 LL_HIDDEN_MAX_ANY = 4096  # the hand-offs at any batch of the rule up to this hidden size (was LL_HIDDEN_MAX_BATCH)
 LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
@@ -477,7 +485,7 @@ def _fmt(ov: dict) -> str:
 
 
 def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off: bool = False,
-         gemm_rule_off: bool = False) -> dict:
+         gemm_rule_off: bool = False, kvlast_rule_off: bool = False) -> dict:
     """Every constexpr of the decode kernel for variant `v` on `arch`, the shared-memory layout and the GEMV
     tiling. `overrides` {knob: int} (KNOBS; generator.tune) replace the planner's choice of those knobs before the
     constants that depend on them (ATT_NSPLIT, the shared-memory offsets) are derived. Raises PlanError when the
@@ -726,7 +734,16 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         raise PlanError(f"{v.name}: plan override H_STATS=1: needs o_proj in groups of >= 2 warps (O_NWG="
                         f"{gemv['o']['NWG']}: {o_groups()} warp groups a block, at most 15 named barriers)")
     smem = {"SMEM_XS": 0, "SMEM_RED": 0}  # SMEM_RED: after the rows where they are kept (NORM_GLOBAL below)
-    kvlast = ov.get("ATT_KVLAST", 0)  # (an override: its requirements below, with QKV_FLOW)
+    # QKV_QFIRST with ATT_KVLAST by default at batch 1 on one sm_90 GPU where qkv's q tasks fit in its first round of
+    # warp groups and the k and v tasks make a second (KVLAST_ROUNDS): every attention split then starts after round
+    # one (rule and measurements below, at their constants); where the plan then lacks their requirements (other
+    # overrides took them), planned again without (kvlast_rule_off)
+    gq = gemv["qkv"]
+    qkv_groups = sms * (nw // gq["NWG"])
+    kvlast_rule = (v.batch == 1 and v.tp == 1 and sm == 90 and not kvlast_rule_off and gq["KSPLIT"] == 1
+                   and q_dim // 16 // gq["TM"] <= qkv_groups < gq["tasks"] <= KVLAST_ROUNDS * qkv_groups)
+    qfirst = ov.get("QKV_QFIRST", int(kvlast_rule and ov.get("ATT_KVLAST", 1)))  # (the pair, or neither)
+    kvlast = ov.get("ATT_KVLAST", int(kvlast_rule and qfirst))  # (its requirements below, with QKV_FLOW)
     def attention_layout(qsmem: int) -> int:  # the attention stage's offsets into smem; its bytes
         smem["SMEM_QS"] = 0  # the queries, the new key (ATT_KVLAST: its value, its scores)
         smem["SMEM_QP"] = align((m.group + 1 + kvlast) * m.head_dim * 4 + kvlast * m.group * 4)
@@ -1094,7 +1111,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # they would not fit, planned without it (asked for: refused)
     if gemm_proj and smem_bytes > arch.smem_per_block - 1024:
         if "GEMM_PROJ" not in ov:
-            return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=True)
+            return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=True,
+                        kvlast_rule_off=kvlast_rule_off)
         raise PlanError(f"{v.name}: plan override GEMM_PROJ=1: needs {smem_bytes} B of shared memory per block and 1 KB "
                         f"more for the GEMMs' static shared memory: over sm_{arch.sm}'s {arch.smem_per_block} B "
                         "(GEMM_PROJ=0 plans the GEMVs)")
@@ -1118,7 +1136,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         (m.hidden // 16 < sms, f"blocks left for gate_up (hidden / 16 = {m.hidden // 16} of {sms} SMs)")]
     if skip_rule and "GU_SKIP" not in ov and not all(ok for ok, _ in skip_needs):
         return plan(v, arch, overrides, skip_rule_off=True,  # (the rule's requirements went with other overrides)
-                    gemm_rule_off=gemm_rule_off)
+                    gemm_rule_off=gemm_rule_off, kvlast_rule_off=kvlast_rule_off)
     if gu_skip:
         _needs(v.name, "GU_SKIP", gu_skip, skip_needs)
     consts = {
@@ -1175,10 +1193,10 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     if v.batch == 1 and v.tp == 1 and sm == 90 and norm_cluster == 1 and not open_barriers(STEPS, consts):
         consts["COOP"] = ov.get("COOP", 0)
         consts["QKV_PRE"] = ov.get("QKV_PRE", int(not consts["COOP"]))  # (an override COOP 0 plans the default)
-    # QKV_QFIRST (an override): under QKV_FLOW qkv's q tiles first (the k and v tiles first by default: whole heads
-    # after the first round of tiles), so that every attention split but the one holding the new row (the only one
-    # that reads k and v) waits for the first round only; level to -0.7 % beside ATT_ROT on an H100 (bench/NOTES.md
-    # session 67), not a default. ATT_ROT: attention's static tasks start on the blocks with one qkv task fewer than
+    # QKV_QFIRST: under QKV_FLOW qkv's q tiles first (the k and v tiles first otherwise: whole heads after the first
+    # round of tiles), so that every attention split but the one holding the new row (the only one that reads k and
+    # v) waits for the first round only; alone level to -0.7 % beside ATT_ROT on an H100 (bench/NOTES.md session 67),
+    # a default only with ATT_KVLAST (kvlast_rule). ATT_ROT: attention's static tasks start on the blocks with one qkv task fewer than
     # the rest (templates/stages/attention.cuh: task t on block (t + qkv's tasks mod grid) mod grid), where they would
     # otherwise start a qkv task late (1.7 us at Llama-3.2-1B b1 KV 4096 with QKV_NWG 16, session 66's timeline). By
     # default at batch 1 on one GPU with the static split and QKV_FLOW. Measured on an H100 (session 67) against the
@@ -1187,19 +1205,22 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # Llama-3-8B 0.0 / -1.7 / +0.1, Qwen2.5-0.5B KV 4096 -1.7 / -0.6 / +0.1; and session 66's run, Llama-3.2-1B KV 1024
     # full / 191 -0.8 / +0.4): the appending split, alone at a short context, no longer waits behind a qkv tile. Not
     # from batch 2: Llama-3.2-1B b4 +1.1 / +0.7 / -1.8 %
-    consts["QKV_QFIRST"] = ov.get("QKV_QFIRST", 0)
-    # ATT_KVLAST (an override, not yet timed; bench/NOTES.md session 67): the appending split walks its cached rows
-    # without waiting for the new k and v, which two warps that do not walk poll, append and fold in as one more warp
-    # state; beside QKV_QFIRST (q in qkv's first round of tiles, k and v after) every split then starts after qkv's
-    # first round. It plans the static split, as ATT_ROT does
+    consts["QKV_QFIRST"] = qfirst
+    # ATT_KVLAST: the appending split walks its cached rows without waiting for the new k and v, which two warps that
+    # do not walk poll, append and fold in as one more warp state; beside QKV_QFIRST (q in qkv's first round of tiles,
+    # k and v after) every split then starts after qkv's first round. It plans the static split, as ATT_ROT does. By
+    # default with QKV_QFIRST (kvlast_rule, KVLAST_ROUNDS)
     consts["ATT_KVLAST"] = kvlast
+    kvlast_needs = [(consts["QKV_FLOW"] == 2, "QKV_FLOW 2 (the head's words: with the counters "
+                                               "attention waits for the k and v tiles anyway)"),
+                    (not att_dyn, f"ATT_DYN 0 (the static split; asked: {att_dyn})"),
+                    (att_warps <= nw - 2 and m.group <= nw - 2,
+                     f"two warps besides the {att_warps} walkers and {m.group} query heads (of {nw})")]
+    if kvlast and "ATT_KVLAST" not in ov and not all(ok for ok, _ in kvlast_needs):
+        return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=gemm_rule_off,
+                    kvlast_rule_off=True)
     if kvlast:
-        _needs(v.name, "ATT_KVLAST", 1, [(consts["QKV_FLOW"] == 2, "QKV_FLOW 2 (the head's words: with the counters "
-                                                                   "attention waits for the k and v tiles anyway)"),
-                                         (not att_dyn, f"ATT_DYN 0 (the static split; asked: {att_dyn})"),
-                                         (att_warps <= nw - 2 and m.group <= nw - 2,
-                                          f"two warps besides the {att_warps} walkers and {m.group} query heads "
-                                          f"(of {nw})")])
+        _needs(v.name, "ATT_KVLAST", 1, kvlast_needs)
     consts["ATT_ROT"] = ov.get("ATT_ROT", int(v.batch == 1 and v.tp == 1 and not att_dyn and consts["QKV_FLOW"] != 0))
     if consts["QKV_QFIRST"]:
         _needs(v.name, "QKV_QFIRST", 1, [(consts["QKV_FLOW"] != 0, "QKV_FLOW 1 or 2 (qkv -> attention by counters "
