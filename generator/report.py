@@ -98,7 +98,8 @@ def path_cell(c: dict) -> str | None:
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
     the second norm as tagged words, no grid barrier between them: ATT_LL, QKV_FLOW 2 and H_LL; where only some,
     those), DOWN_FLOW=2 (gate_up -> down_proj as tagged words too), GU_SKIP (down_proj's blocks take no gate_up
-    task), DOWN_SMEM (down_proj's first task copied into shared memory), WINDOW=n (a sliding window of n rows),
+    task), DOWN_SMEM (down_proj's first task copied into shared memory), KVLAST (ATT_KVLAST: the new row folded
+    into attention last by two warps that do not walk, with qkv's q tiles first), WINDOW=n (a sliding window of n rows),
     COOP=0 (launched without the cooperative attribute); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
@@ -119,6 +120,7 @@ def path_cell(c: dict) -> str | None:
     parts += ["DOWN_FLOW=2"] if c.get("DOWN_FLOW") == 2 else []
     parts += ["GU_SKIP"] if c.get("GU_SKIP") else []
     parts += ["DOWN_SMEM"] if c.get("DOWN_SMEM") else []
+    parts += ["KVLAST"] if c.get("ATT_KVLAST") else []
     parts += [f"WINDOW={c['WINDOW']}"] if c.get("WINDOW") else []
     parts += ["COOP=0"] if c.get("COOP") == 0 else []
     return " ".join(parts) or None

@@ -2538,6 +2538,37 @@ def test_full_steps_where_a_divisor_allows_them():
     assert render.plan(tp)["consts"]["GU_U"] == 7  # tensor parallel: as before (not run on 2 GPUs with it)
 
 
+def test_q_tiles_first_with_the_new_row_last_by_default_where_qkv_takes_two_rounds():
+    """decode.kvlast_rule (session 68): QKV_QFIRST + ATT_KVLAST by default at batch 1 on one sm_90 GPU where qkv's q
+    tasks fit in its first round of warp groups and its k and v tasks make a second (Qwen3-1.7B: 128 + 128 tasks on
+    132 groups; the Llama-3.2-1B shape with QKV_NWG 16: 128 + 64), not where one round holds them all (Qwen2.5-0.5B,
+    the 1B at its default QKV_NWG 8), where q alone takes two (Llama-3-8B) or from batch 2; the pair or neither; where
+    other overrides take its requirements, planned without it (no error); the report's plan column says KVLAST; the
+    tuner flips the pair at batch 1."""
+    from generator.report import path_cell
+    named = {v.name: v for v in declared()}
+    q17, l1 = named["qwen3-1.7b_decode_b1_s4096_bf16"], named["llama3.2-1b_decode_b1_s1024_bf16"]
+
+    def pair(v, **ov):
+        c = render.plan(v, overrides=ov)["consts"]
+        return c["QKV_QFIRST"], c["ATT_KVLAST"]
+    assert pair(q17) == (1, 1) and pair(l1, QKV_NWG=16) == (1, 1)
+    for name in ("qwen2.5-0.5b_decode_b1_s4096_bf16", "llama3-8b_decode_b1_s4096_bf16",
+                 "qwen3-1.7b_decode_b4_s4096_bf16"):
+        assert pair(named[name]) == (0, 0), name
+    assert pair(l1) == (0, 0)
+    assert pair(q17, ATT_KVLAST=0) == (0, 0) and pair(q17, QKV_QFIRST=0) == (0, 0)
+    assert pair(q17, ATT_DYN=1) == (0, 0)  # (its requirements taken: planned without it)
+    assert pair(named["llama3.2-1b_decode_b1_s4096_bf16"], QKV_NWG=16, ATT_WARPS=16) == (0, 0)
+    assert pair(q17, QKV_FLOW=1, ATT_LL=0, H_LL=0) == (0, 0)
+    assert pair(q17, QKV_QFIRST=1, ATT_DYN=1) == (1, 0)
+    assert "KVLAST" in path_cell(render.plan(q17)["consts"]).split()
+    assert "KVLAST" not in (path_cell(render.plan(l1)["consts"]) or "").split()
+    cands = gtune.candidates(q17)
+    assert {"QKV_QFIRST": 0, "ATT_KVLAST": 0} in cands and pair(q17, QKV_QFIRST=0, ATT_KVLAST=0) == (0, 0)
+    assert {"QKV_QFIRST": 1, "ATT_KVLAST": 1} in gtune.candidates(named["qwen2.5-0.5b_decode_b1_s4096_bf16"], limit=99)
+
+
 def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
     """A tuner candidate that moves ATT_DYN (an ATT_C override turns it off) keeps the default plan's O_PRE (whose
     default depends on ATT_DYN) and ATT_COMBINE: it changes the one knob it names."""
@@ -2551,7 +2582,7 @@ def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
 
 
 def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_meaningless():
-    """QKV_QFIRST (an override, 0 by default) and ATT_ROT (1 by default at batch 1 on one GPU with the static split
+    """QKV_QFIRST (0 by default but beside ATT_KVLAST, the next test) and ATT_ROT (1 by default at batch 1 on one GPU with the static split
     and QKV_FLOW, session 67; 0 from batch 2, with ATT_DYN asked, without QKV_FLOW or with tensor parallel):
     QKV_QFIRST renders qkv's first tile 0 (q) instead of the first k tile; ATT_ROT's kernel starts attention's tasks
     at qkv's tasks mod the grid (on the launch's grid); ATT_ROT plans the static split where the planner would take
@@ -2566,7 +2597,7 @@ def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_m
     assert render.plan(l1, overrides={"QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})["consts"]["ATT_ROT"] == 0
     tp = next(v for v in declared() if v.mode == "decode" and v.tp > 1 and v.batch == 1)
     assert render.plan(tp)["consts"]["ATT_ROT"] == 0
-    # ATT_KVLAST (an override): the new row folded in last; refused without QKV_FLOW 2's words or with ATT_DYN
+    # ATT_KVLAST (off here: qkv in one round of QKV_NWG 8's groups): the new row folded in last; refused without QKV_FLOW 2's words or with ATT_DYN
     assert render.plan(l1)["consts"]["ATT_KVLAST"] == 0
     src = render.render(l1, render.plan(l1, overrides={"ATT_KVLAST": 1}))
     assert "constexpr int ATT_KVLAST = 1;" in src and "if constexpr (ATT_KVLAST) n -= appends;" in src

@@ -998,6 +998,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             (dw_kt >= 1, "a k-tile's 512 B of shared memory past the norm + projection stage's")])
     smem["SMEM_DW"] = align(gemv_bytes, 128) if down_smem else 0  # the staged weights, then their mbarrier
     smem["SMEM_DWBAR"] = smem["SMEM_DW"] + dw_kt * 512 if down_smem else 0
+    if kvlast and "ATT_KVLAST" not in ov and att_bytes > arch.smem_per_block:  # (kvlast_rule's row and state)
+        return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=gemm_rule_off,
+                    kvlast_rule_off=True)
     smem_bytes = check_smem(v.name + (f" (plan overrides {_fmt(ov)})" if ov else ""), arch, {
         "down_proj's staged weights": (smem["SMEM_DWBAR"] + 8 if down_smem else 0, ""),
         "norm+projection": (gemv_bytes, rows_advice() if gemv_bytes > arch.smem_per_block else ""),
