@@ -7,6 +7,7 @@
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh kvlast2   # session 68 (carry build-ab/kvlast2 after `BUILD=--compile-only ...`, and .whl):
 #                                 # ATT_KVLAST's GPU test, the new batch-1 default's A/B, its rows of the check
+#   bash bench/queue.sh nwg16     # session 68 (carry build-ab/nwg16): QKV_NWG 16 with the pair at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
@@ -81,6 +82,17 @@ part_kvlast2() {  # session 68: QKV_QFIRST + ATT_KVLAST, batch 1's new default w
     --only 'ho-qwen3-0.6b*' --serving-budget 40
 }
 
+part_nwg16() {  # session 68: kvlast2 found QKV_NWG 16 (one 16-warp group a block: qkv in two rounds, so the new
+  # default pair follows) -3.1 ... -3.4 % against NWG 8 at Llama-3.2-1B b1 KV 1024 (the pair's share -0.6 ... -1.1).
+  # Shapes whose planned NWG 8 holds qkv in one round but whose q tasks fit one round of 132 groups. Prediction (H100,
+  # full / 191 / 1023): NWG 16 -1 ... -3 % each row on each, the pair off +0.5 ... +1 % against NWG 16 with it
+  local n16='{"QKV_NWG": 16}' n16off='{"QKV_NWG": 16, "QKV_QFIRST": 0, "ATT_KVLAST": 0}'
+  ab nwg16 full,191,1023 --variants bench/results/gpu_check-s60-variants.yaml \
+    --case llama3.2-1b_decode_b1_s32768_bf16 "$n16" --case llama3.2-1b_decode_b1_s32768_bf16 "$n16off" \
+    --case ho-yarn_decode_b1_s8192_bf16 "$n16" --case ho-yarn_decode_b1_s8192_bf16 "$n16off" \
+    --case h7-tinyllama-b1_decode_b1_s4096_bf16 "$n16" --case h7-tinyllama-b1_decode_b1_s4096_bf16 "$n16off"
+}
+
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
   # path's GPU tests (session 55's bounded decode step among them; ran in session 56), then the whole check with its
   # held-out shapes. Logs in $OUT/logs.tgz
@@ -146,12 +158,13 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|kvlast2|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|kvlast2|nwg16|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_kvlast2 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_kvlast2; part_nwg16 ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   kvlast2) part_kvlast2 ;;
+  nwg16) part_nwg16 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -160,5 +173,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|kvlast2|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|kvlast2|nwg16|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -705,7 +705,8 @@ def test_queued_ab_cases_each_plan_a_kernel_of_their_own():
     for name, ov in cases:
         name = re.sub(r"\$(\w+)", lambda m: shell[m.group(1)], name)
         ov = json.loads(ov.strip("'") if ov.startswith("'") else shell[ov.strip('"$')])
-        v, base, _ = find_decode(name, [str(ROOT / "bench" / "queue-variants.yaml")], "--case")
+        v, base, _ = find_decode(name, [str(ROOT / "bench" / "queue-variants.yaml"),
+                                        str(ROOT / "bench" / "results" / "gpu_check-s60-variants.yaml")], "--case")
         planned = knob_dict(render.plan(v, overrides={**base, **ov}))
         assert planned != knob_dict(render.plan(v, overrides=base)), (name, ov)
 
