@@ -299,6 +299,11 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
             off_pre = 0
         back = {"O_PRE": 1} if not d["O_PRE"] and (v.batch > 1 and not d["ATT_DYN"] or off_pre) else {}
         tries.append({**ll_off, **back} if d["ATT_LL"] else on)
+        # QKV_QFIRST with ATT_KVLAST flipped, the pair (batch 1's decode.kvlast_rule: -0.1 ... -2.7 % where qkv's k and
+        # v tasks make a second round of its warp groups, +1.2 ... +2.2 % where one round holds them all; bench/NOTES.md
+        # session 68), early: a default tune's limit reaches it
+        if v.batch == 1 and d["QKV_FLOW"] == 2 and d["ATT_DYN"] == 0:
+            tries.append({"QKV_QFIRST": 1 - d["ATT_KVLAST"], "ATT_KVLAST": 1 - d["ATT_KVLAST"]})
         tries += [{"DOWN_FLOW": 2}] if d["H_LL"] and d["DOWN_FLOW"] != 2 else []  # (act as LL words too)
         tries += [{"COOP": 1, "QKV_PRE": 0}] if not d["COOP"] else []  # (the cooperative launch back, batch 1's rule)
         tries += [{"GU_SKIP": 1 - d["GU_SKIP"]}] if d["DOWN_FLOW"] == 2 else []  # (down_proj's blocks off gate_up)
@@ -359,11 +364,6 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
         # are timed: at full context it times noise
         if positions != "full" and d["ATT_DYN"] == 0 and d["QKV_FLOW"] and v.batch <= 8 and v.tp == 1:
             tries += [{"ATT_ROT": 1 - d["ATT_ROT"]}]
-        # QKV_QFIRST with ATT_KVLAST flipped, the pair (batch 1's decode.kvlast_rule: -0.1 ... -2.7 % where qkv's k and
-        # v tasks make a second round of its warp groups, +1.2 ... +2.2 % where one round holds them all; bench/NOTES.md
-        # session 68)
-        if v.batch == 1 and v.tp == 1 and d["QKV_FLOW"] == 2 and d["ATT_DYN"] == 0:
-            tries += [{"QKV_QFIRST": 1 - d["ATT_KVLAST"], "ATT_KVLAST": 1 - d["ATT_KVLAST"]}]
         # at batch >= 16: the gain read from L1 (NORM_FOLD 2; 1B b32 +1.4 % against fold 1) and the norms' rows copied
         # once a cluster of 2 blocks (NORM_CLUSTER 2: +0.9 to +2.8 % on 5 of 6 such shapes, -1 % on one; session 17)
         tries += [{**local, "NORM_FOLD": 2}] if d["NORM_FOLD"] != 2 and v.batch >= 16 else []

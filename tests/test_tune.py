@@ -1872,7 +1872,8 @@ def test_q_tiles_first_and_rotated_attention_tasks_match_the_reference(tmp_path)
     KV 4096 (192 qkv tiles on 132 blocks: rotated by 60) with ATT_C 512 and 256, with the splits' sliced combine
     (ATT_COMBINE 3: every split's block waits for its peers) and TMA tiles, with qkv split in two (QKV_KSPLIT 2:
     384 tasks), at KV 1024 (QKV_NWG 8: two groups a block), Qwen2.5-0.5B b1 (72 qkv tiles: attention's tasks on the
-    blocks without one) and Llama-3-8B b8 (384 qkv tiles: rotated by 120)."""
+    blocks without one) and Llama-3-8B b8 (384 qkv tiles: rotated by 120); ATT_KVLAST 0 in all (the planner's pair
+    with QKV_QFIRST where qkv takes two rounds: QKV_QFIRST alone here, and off in the plans without)."""
     named = {v.name: v for v in declared()}
     l1 = named["llama3.2-1b_decode_b1_s4096_bf16"]
     cases = [(l1, {"QKV_NWG": 16, "ATT_ROT": 1, "ATT_C": 512, "QKV_QFIRST": 1}), (l1, {"QKV_NWG": 16, "ATT_ROT": 1}),
@@ -1881,6 +1882,7 @@ def test_q_tiles_first_and_rotated_attention_tasks_match_the_reference(tmp_path)
              (named["llama3.2-1b_decode_b1_s1024_bf16"], {"ATT_ROT": 1, "QKV_QFIRST": 1}),
              (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_ROT": 1}),
              (named["llama3-8b_decode_b8_s4096_bf16"], {"ATT_ROT": 1})]
+    cases = [(v, {**ov, "ATT_KVLAST": 0}) for v, ov in cases]  # (QKV_QFIRST alone: decode.kvlast_rule's pair off)
     without = [{**{k: val for k, val in ov.items() if k != "QKV_QFIRST"}, "ATT_ROT": 0} for _, ov in cases]
     _bit_equal_to_the_plan_without(tmp_path, cases, "rot", without, grids=lambda v: [100])
 
@@ -1895,7 +1897,7 @@ def test_new_row_last_matches_the_reference(tmp_path):
     row, one of them on a third of the grid (tasks in rounds), each judged by its attention step too (the layer's
     output alone hides a lost row: session 67's review, simulated on the CPU) and its caches bit-equal to the plan
     without it (the same k and v appended, nothing else touched); then 300 graph replays. Llama-3.2-1B b1 KV 4096
-    with QKV_QFIRST, with ATT_C 512 and TMA tiles, with the sliced combine; KV 1024 (two groups a block); Qwen2.5-0.5B
+    with QKV_QFIRST, with ATT_C 512 and TMA tiles, with the sliced combine and k and v first (QKV_QFIRST 0); KV 1024 (two groups a block); Qwen2.5-0.5B
     b1's default (ATT_COMBINE 2) and tuned plan (4's tagged partials); Llama-3.2-1B b4 (an appending split a
     sequence); a Qwen3-0.6B-like b1 (the key's qk norm); a GQA group of 12 at head_dim 128 (ATT_QSMEM: the query
     fragments' block barrier before the walk); a sliding window; head_dim 80 with one query head a KV head."""
@@ -1908,7 +1910,7 @@ def test_new_row_last_matches_the_reference(tmp_path):
     l1, qk = named["llama3.2-1b_decode_b1_s4096_bf16"], {"QKV_QFIRST": 1, "ATT_KVLAST": 1}
     q05 = named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
     cases = [(l1, {"QKV_NWG": 16, **qk}), (l1, {"QKV_NWG": 16, **qk, "ATT_C": 512, "ATT_TMA": 1}),
-             (l1, {"QKV_NWG": 16, "ATT_KVLAST": 1, "ATT_COMBINE": 3}),
+             (l1, {"QKV_NWG": 16, "ATT_KVLAST": 1, "QKV_QFIRST": 0, "ATT_COMBINE": 3}),
              (named["llama3.2-1b_decode_b1_s1024_bf16"], qk), (q05, qk),
              (q05, {"ATT_COMBINE": 4, "GU_PRE": 1, "QKV_NWG": 16, **qk}),
              (named["llama3.2-1b_decode_b4_s4096_bf16"], qk), (named["ho-qwen3-0.6b_decode_b1_s4096_bf16"], qk),
@@ -2581,8 +2583,8 @@ def test_single_knob_candidates_keep_the_defaults_they_do_not_tune():
     assert all(ov.get("O_PRE", 0) == 0 for ov in cands if "O_PRE" not in ov or len(ov) > 1)
 
 
-def test_q_tiles_first_and_rotated_attention_tasks_are_overrides_refused_where_meaningless():
-    """QKV_QFIRST (0 by default but beside ATT_KVLAST, the next test) and ATT_ROT (1 by default at batch 1 on one GPU with the static split
+def test_q_tiles_first_and_rotated_attention_tasks_are_refused_where_meaningless():
+    """QKV_QFIRST (0 by default but beside ATT_KVLAST, the test before) and ATT_ROT (1 by default at batch 1 on one GPU with the static split
     and QKV_FLOW, session 67; 0 from batch 2, with ATT_DYN asked, without QKV_FLOW or with tensor parallel):
     QKV_QFIRST renders qkv's first tile 0 (q) instead of the first k tile; ATT_ROT's kernel starts attention's tasks
     at qkv's tasks mod the grid (on the launch's grid); ATT_ROT plans the static split where the planner would take
