@@ -5,9 +5,6 @@
 #
 #   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
-#   bash bench/queue.sh kvlast2   # session 68 (carry build-ab/kvlast2 after `BUILD=--compile-only ...`, and .whl):
-#                                 # ATT_KVLAST's GPU test, the new batch-1 default's A/B, its rows of the check
-#   bash bench/queue.sh nwg16     # session 68 (carry build-ab/nwg16): QKV_NWG 16 with the pair at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
 #   bash bench/queue.sh keyrows   # the H200 targets' rows only (~3-4 min, carry .whl): where `first` does not fit
@@ -59,38 +56,6 @@ part_dsmem() {  # sessions 56-57: DOWN_SMEM 1 (down_proj's first task bulk-copie
     --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s1024_bf16 "$b" \
     --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$a" --case qwen2.5-0.5b_decode_b1_s32768_bf16 "$b" \
     --case ho-smol-360m_decode_b1_s2048_bf16 "$a" --case ho-smol-360m_decode_b1_s2048_bf16 '{"GU_SKIP": 1}'
-}
-
-part_kvlast2() {  # session 68: QKV_QFIRST + ATT_KVLAST, batch 1's new default where qkv's k and v tasks make a second
-  # round of its warp groups (decode.kvlast_rule; session 68's run: Qwen3-1.7B -1.7 / -2.7 / -1.3 %, Qwen3-0.6B-like
-  # -1.2 / -1.9 / -0.5, Qwen2.5-0.5B, one round, +1.2 / +2.2 / +2.0), on shapes it has not timed, then the check's rows
-  # of the shapes it takes (verified against the reference, timed against the baselines; carry .whl too).
-  # Prediction (H100, full / 191 / 1023, the pair off against the new default): Qwen3-1.7B KV 1024 +1 ... +3 % each
-  # row, KV 32768 +0.5 ... +2 %, held-out hidden 2048 16/8 heads of 128 (no q/k norm) +1 ... +3 %; the pair on where
-  # the rule leaves it (Qwen2.5-1.5B-like b1, one round) +0.5 ... +2 %; Llama-3.2-1B KV 1024 with QKV_NWG 16 (two
-  # rounds: the rule takes it) level +-1 % against NWG 8, and the pair off with NWG 16 +0.5 ... +1 %
-  [ -n "$BUILD" ] || step gputests-kvlast timeout 420 python3 -m pytest -q -m gpu tests/test_tune.py -k "new_row_last"
-  local off='{"QKV_QFIRST": 0, "ATT_KVLAST": 0}' on='{"QKV_QFIRST": 1, "ATT_KVLAST": 1}' \
-    n16='{"QKV_NWG": 16}' n16off='{"QKV_NWG": 16, "QKV_QFIRST": 0, "ATT_KVLAST": 0}'
-  ab kvlast2 full,191,1023 --variants bench/queue-variants.yaml \
-    --case qwen3-1.7b_decode_b1_s1024_bf16 "$off" --case qwen3-1.7b_decode_b1_s32768_bf16 "$off" \
-    --case q-h2048-hd128_decode_b1_s4096_bf16 "$off" --case q-h1536-g6_decode_b1_s4096_bf16 "$on" \
-    --case llama3.2-1b_decode_b1_s1024_bf16 "$n16" --case llama3.2-1b_decode_b1_s1024_bf16 "$n16off"
-  [ -n "$BUILD" ] && return
-  flashinfer
-  step kvlast-check timeout "${KEY_S:-240}" python3 bench/gpu_check.py --no-tests --only 'qwen3-1.7b*_b1_*' \
-    --only 'ho-qwen3-0.6b*' --serving-budget 40
-}
-
-part_nwg16() {  # session 68: kvlast2 found QKV_NWG 16 (one 16-warp group a block: qkv in two rounds, so the new
-  # default pair follows) -3.1 ... -3.4 % against NWG 8 at Llama-3.2-1B b1 KV 1024 (the pair's share -0.6 ... -1.1).
-  # Shapes whose planned NWG 8 holds qkv in one round but whose q tasks fit one round of 132 groups. Prediction (H100,
-  # full / 191 / 1023): NWG 16 -1 ... -3 % each row on each, the pair off +0.5 ... +1 % against NWG 16 with it
-  local n16='{"QKV_NWG": 16}' n16off='{"QKV_NWG": 16, "QKV_QFIRST": 0, "ATT_KVLAST": 0}'
-  ab nwg16 full,191,1023 --variants bench/results/gpu_check-s60-variants.yaml \
-    --case llama3.2-1b_decode_b1_s32768_bf16 "$n16" --case llama3.2-1b_decode_b1_s32768_bf16 "$n16off" \
-    --case ho-yarn_decode_b1_s8192_bf16 "$n16" --case ho-yarn_decode_b1_s8192_bf16 "$n16off" \
-    --case h7-tinyllama-b1_decode_b1_s4096_bf16 "$n16" --case h7-tinyllama-b1_decode_b1_s4096_bf16 "$n16off"
 }
 
 part_first() {  # the call a session starts with (carry .whl; ~5 min on an H100: timeout_s 600): serve's unfused
@@ -158,13 +123,11 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|kvlast2|nwg16|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_kvlast2; part_nwg16 ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
-  kvlast2) part_kvlast2 ;;
-  nwg16) part_nwg16 ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -173,5 +136,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|kvlast2|nwg16|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

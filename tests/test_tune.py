@@ -1647,7 +1647,9 @@ def _ll_cases():
     # spills 140 B at 1B), with H_LL alone, and at Qwen2.5-0.5B b1 (gate_up in under a round; its default there),
     # with H_LL 2's spaced polls and without the cooperative launch (COOP 0)
     # (GU_SKIP off throughout: the barrier twin cannot take it, and its own test compares it with the plan without it)
-    cases = [(v, {"GU_SKIP": 0, **LL_OFF, **ov}) for v, ov in cases] + [(v, {"GU_SKIP": 0, **ov}) for v, ov in [
+    # (ATT_KVLAST 0 throughout: the twin cannot take it, and its row folded in last sums attention in another order)
+    cases = [(v, {"GU_SKIP": 0, "ATT_KVLAST": 0, **LL_OFF, **ov}) for v, ov in cases] + [
+        (v, {"GU_SKIP": 0, "ATT_KVLAST": 0, **ov}) for v, ov in [
         (named["qwen2.5-0.5b_decode_b1_s4096_bf16"], {"ATT_COMBINE": 4, "DOWN_FLOW": 2}),
         (l1, {"DOWN_FLOW": 2, "DOWN_U": 4}), (l1, {**LL_OFF, "H_LL": 1, "DOWN_FLOW": 2, "DOWN_U": 4}),
         (named["qwen2.5-0.5b_decode_b1_s1024_bf16"], {"DOWN_FLOW": 2}),
@@ -2558,14 +2560,19 @@ def test_q_tiles_first_with_the_new_row_last_by_default_where_qkv_takes_two_roun
     for name in ("qwen2.5-0.5b_decode_b1_s4096_bf16", "llama3-8b_decode_b1_s4096_bf16",
                  "qwen3-1.7b_decode_b4_s4096_bf16"):
         assert pair(named[name]) == (0, 0), name
-    assert pair(l1) == (0, 0)
+    # (QKV_NWG 16 by default where that makes qkv's second round >= NWG16_SECOND_MIN of the SMs: the 1B's 60 of 132,
+    # not 28 of 132 at 4 KV heads)
+    assert pair(l1) == (1, 1) and render.plan(l1)["consts"]["QKV_NWG"] == 16 and pair(l1, QKV_NWG=8) == (0, 0)
+    kv4 = dataclasses.replace(l1, model=dataclasses.replace(l1.model, kv_heads=4))
+    assert pair(kv4) == (0, 0) and render.plan(kv4)["consts"]["QKV_NWG"] == 8
+    assert render.plan(l1, overrides={"QKV_FLOW": 1, "ATT_LL": 0, "H_LL": 0})["consts"]["QKV_NWG"] == 8
     assert pair(q17, ATT_KVLAST=0) == (0, 0) and pair(q17, QKV_QFIRST=0) == (0, 0)
     assert pair(q17, ATT_DYN=1) == (0, 0)  # (its requirements taken: planned without it)
     assert pair(named["llama3.2-1b_decode_b1_s4096_bf16"], QKV_NWG=16, ATT_WARPS=16) == (0, 0)
     assert pair(q17, QKV_FLOW=1, ATT_LL=0, H_LL=0) == (0, 0)
     assert pair(q17, QKV_QFIRST=1, ATT_DYN=1) == (1, 0)
     assert "KVLAST" in path_cell(render.plan(q17)["consts"]).split()
-    assert "KVLAST" not in (path_cell(render.plan(l1)["consts"]) or "").split()
+    assert "KVLAST" not in (path_cell(render.plan(l1, overrides={"QKV_NWG": 8})["consts"]) or "").split()
     cands = gtune.candidates(q17)
     assert {"QKV_QFIRST": 0, "ATT_KVLAST": 0} in cands and pair(q17, QKV_QFIRST=0, ATT_KVLAST=0) == (0, 0)
     assert {"QKV_QFIRST": 1, "ATT_KVLAST": 1} in gtune.candidates(named["qwen2.5-0.5b_decode_b1_s4096_bf16"], limit=99)
@@ -2592,6 +2599,7 @@ def test_q_tiles_first_and_rotated_attention_tasks_are_refused_where_meaningless
     QKV_FLOW, or at a value other than 0 or 1."""
     named = {v.name: v for v in declared()}
     l1, q05 = named["llama3.2-1b_decode_b1_s4096_bf16"], named["qwen2.5-0.5b_decode_b1_s4096_bf16"]
+    l1 = dataclasses.replace(l1, model=dataclasses.replace(l1.model, kv_heads=4))  # (160 qkv tasks: no pair)
     assert all(render.plan(v)["consts"]["QKV_QFIRST"] == 0 for v in (l1, q05))
     assert all(render.plan(v)["consts"]["ATT_ROT"] == 1 for v in (l1, q05))
     assert render.plan(named["llama3.2-1b_decode_b4_s4096_bf16"])["consts"]["ATT_ROT"] == 0
@@ -2599,7 +2607,8 @@ def test_q_tiles_first_and_rotated_attention_tasks_are_refused_where_meaningless
     assert render.plan(l1, overrides={"QKV_FLOW": 0, "ATT_LL": 0, "H_LL": 0})["consts"]["ATT_ROT"] == 0
     tp = next(v for v in declared() if v.mode == "decode" and v.tp > 1 and v.batch == 1)
     assert render.plan(tp)["consts"]["ATT_ROT"] == 0
-    # ATT_KVLAST (off here: qkv in one round of QKV_NWG 8's groups): the new row folded in last; refused without QKV_FLOW 2's words or with ATT_DYN
+    # ATT_KVLAST (off here: qkv in one round of QKV_NWG 8's groups, 28 tasks past one of 16-warp groups): the new row
+    # folded in last; refused without QKV_FLOW 2's words or with ATT_DYN
     assert render.plan(l1)["consts"]["ATT_KVLAST"] == 0
     src = render.render(l1, render.plan(l1, overrides={"ATT_KVLAST": 1}))
     assert "constexpr int ATT_KVLAST = 1;" in src and "if constexpr (ATT_KVLAST) n -= appends;" in src
@@ -2888,11 +2897,12 @@ def test_split_parallel_combine_by_default_where_the_online_pass_takes_three_bat
     for c in (3, 4):
         with pytest.raises(render.PlanError, match=f"ATT_COMBINE={c}: not with ATT_DYN=1 .*ATT_DYN=0"):
             render.plan(by_name["qwen2.5-7b_decode_b4_s32768_bf16"], overrides={"ATT_COMBINE": c})
-        assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == f"ATT_COMBINE={c} LL COOP=0"
+        assert path_cell(render.plan(v, overrides={"ATT_COMBINE": c})["consts"]) == \
+            f"ATT_COMBINE={c} LL KVLAST COOP=0"
     # (no grid barrier left at batch 1: launched without the cooperative attribute, COOP=0; the barriers back: COOP 1)
-    assert path_cell(render.plan(v)["consts"]) == "LL COOP=0"
+    assert path_cell(render.plan(v)["consts"]) == "LL KVLAST COOP=0"
     assert path_cell(render.plan(v, overrides=LL_OFF)["consts"]) is None
-    assert path_cell(render.plan(v, overrides={"H_LL": 0})["consts"]) == "QKV_FLOW=2 ATT_LL"
+    assert path_cell(render.plan(v, overrides={"H_LL": 0})["consts"]) == "QKV_FLOW=2 ATT_LL KVLAST"
     part = {c: render.plan(v, overrides={"ATT_COMBINE": c})["workspace"]["buffers"]["part"]["bytes"] for c in (3, 4)}
     assert part[4] == 2 * part[3] > 0, part  # (value, launch count) words
     src = render.render(v, render.plan(v, overrides={"ATT_COMBINE": 4}))

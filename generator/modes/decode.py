@@ -467,6 +467,13 @@ B1_PRE_MLP = (3.0, 4.0)  # intermediate / hidden of every measured winner
 # +1.2 / +2.2 / +2.0, Llama-3.2-1B b1 KV 1024 (192 on 264 groups) -0.4 / +0.3 / -0.6; ATT_KVLAST alone (k and v
 # first) at Llama-3.2-1B KV 4096 -0.5 / +1.0 / +0.8
 KVLAST_ROUNDS = 2
+# ... and qkv in one 16-warp group a block (QKV_NWG 16, where the planner's 8-warp groups hold it in one round) at
+# batch 1 where that makes a second round of tasks at least this share of the SMs, so the pair above applies.
+# Measured on an H100 (session 68) against NWG 8, full / 191 / 1023, with the pair (without it): Llama-3.2-1B b1
+# (192 tasks: 60 in round two) KV 1024 -3.4 / -3.1 / -3.4 % (-2.6 / -2.5 / -2.3), KV 32768 -1.0 / -3.4 / -2.6 (-0.7 /
+# -2.5 / -2.9), and the H200 tuner took NWG 16 at KV 4096 (session 55); with 28 tasks in round two (160: a TinyLlama-like
+# b1 KV 4096 -0.4 / +1.0 / +0.2, held-out yarn hidden 2048 b1 KV 8192 -0.4 / -0.5 / -0.9) not taken
+NWG16_SECOND_MIN = 0.4
 LL_HIDDEN_MAX = 3584  # at batch 1 beside B1_PRE up to this hidden size; past it, up to LL_HIDDEN_MAX_ANY, without
 LL_HIDDEN_MAX_ANY = 4096  # the hand-offs at any batch of the rule up to this hidden size (was LL_HIDDEN_MAX_BATCH)
 LL_HEAD_DIMS_BATCH = (64, 96, 128)  # from batch 2 (head_dim 80 with 32 KV heads at b3 spills 44 B with them: not timed)
@@ -562,6 +569,14 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             raise PlanError(f"{v.name}: plan override {prefix}_KSPLIT={ks}: must divide the {k // 16} k-tiles of "
                             f"{key}")
         plan_projection(prefix, key, ov.get(f"{prefix}_TM", 1))
+    # qkv in one 16-warp group a block at batch 1 (one sm_90 GPU) where that puts its q tasks in the first round and its
+    # k and v tasks in a second at least NWG16_SECOND_MIN full, which kvlast_rule below then takes
+    gq, rule_nwg = gemv["qkv"], THREADS // 32
+    if (v.batch == 1 and v.tp == 1 and arch.number == 90 and not kvlast_rule_off and "QKV_NWG" not in ov
+            and gq["KSPLIT"] == 1 and gq["NWG"] < rule_nwg and q_dim // 16 // gq["TM"] <= sms
+            and (1 + NWG16_SECOND_MIN) * sms <= gq["tasks"] <= KVLAST_ROUNDS * sms):
+        gq["NWG"] = rule_nwg
+        gq["balance"] = round(gq["tasks"] / (math.ceil(gq["tasks"] / sms) * sms), 3)
 
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
     # shared memory (rows padded by 16 bytes; ATT_TMA: swizzled boxes, below); a task covers ATT_C rows (whole tiles for every warp), sized so a
