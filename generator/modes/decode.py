@@ -559,8 +559,20 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         g["split_k"] = gemv_split_k(n, k, sms)  # what the tuner tries
         g["split_balance"] = gemv_balance_split(n, k, sms)
         g.update({k: ov[f"{prefix}_{k}"] for k in ("NWG", "U") if f"{prefix}_{k}" in ov})
+        set_balance(g, blocks)
+
+    def set_balance(g: dict, blocks: int) -> None:  # g's tasks over its warp groups' rounds (a share of the last)
         groups = blocks * (THREADS // 32 // g["NWG"])
         g["balance"] = round(g["tasks"] / (math.ceil(g["tasks"] / groups) * groups), 3)
+
+    def qkv_two_rounds(nwg: int, second_min: float) -> bool:  # kvlast_rule's shape test at qkv's groups of nwg warps
+        # (batch 1, one sm_90 GPU, qkv unsplit): q's tasks in the first round of groups, the k and v tasks' second
+        # round more than empty and at least second_min of the groups, nothing past KVLAST_ROUNDS
+        g, groups = gemv["qkv"], sms * (THREADS // 32 // nwg)
+        second = g["tasks"] / groups - 1
+        return (v.batch == 1 and v.tp == 1 and arch.number == 90 and not kvlast_rule_off and g["KSPLIT"] == 1
+                and q_dim // 16 // g["TM"] <= groups and 0 < second and second_min <= second
+                and g["tasks"] <= KVLAST_ROUNDS * groups)
 
     for prefix, key in PROJECTIONS:
         n, k = shapes[key]
@@ -571,12 +583,9 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         plan_projection(prefix, key, ov.get(f"{prefix}_TM", 1))
     # qkv in one 16-warp group a block at batch 1 (one sm_90 GPU) where that puts its q tasks in the first round and its
     # k and v tasks in a second at least NWG16_SECOND_MIN full, which kvlast_rule below then takes
-    gq, rule_nwg = gemv["qkv"], THREADS // 32
-    if (v.batch == 1 and v.tp == 1 and arch.number == 90 and not kvlast_rule_off and "QKV_NWG" not in ov
-            and gq["KSPLIT"] == 1 and gq["NWG"] < rule_nwg and q_dim // 16 // gq["TM"] <= sms
-            and (1 + NWG16_SECOND_MIN) * sms <= gq["tasks"] <= KVLAST_ROUNDS * sms):
-        gq["NWG"] = rule_nwg
-        gq["balance"] = round(gq["tasks"] / (math.ceil(gq["tasks"] / sms) * sms), 3)
+    if "QKV_NWG" not in ov and gemv["qkv"]["NWG"] < THREADS // 32 and qkv_two_rounds(THREADS // 32, NWG16_SECOND_MIN):
+        gemv["qkv"]["NWG"] = THREADS // 32
+        set_balance(gemv["qkv"], sms)
 
     # attention: ATT_WARPS warps each walk 16-key tiles through a private ring of ATT_STAGES tiles of K and V in
     # shared memory (rows padded by 16 bytes; ATT_TMA: swizzled boxes, below); a task covers ATT_C rows (whole tiles for every warp), sized so a
@@ -753,10 +762,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # warp groups and the k and v tasks make a second (KVLAST_ROUNDS): every attention split then starts after round
     # one (rule and measurements below, at their constants); where the plan then lacks their requirements (other
     # overrides took them), planned again without (kvlast_rule_off)
-    gq = gemv["qkv"]
-    qkv_groups = sms * (nw // gq["NWG"])
-    kvlast_rule = (v.batch == 1 and v.tp == 1 and sm == 90 and not kvlast_rule_off and gq["KSPLIT"] == 1
-                   and q_dim // 16 // gq["TM"] <= qkv_groups < gq["tasks"] <= KVLAST_ROUNDS * qkv_groups)
+    kvlast_rule = qkv_two_rounds(gemv["qkv"]["NWG"], 0)
     qfirst = ov.get("QKV_QFIRST", int(kvlast_rule and ov.get("ATT_KVLAST", 1)))  # (the pair, or neither)
     kvlast = ov.get("ATT_KVLAST", int(kvlast_rule and qfirst))  # (its requirements below, with QKV_FLOW)
     def attention_layout(qsmem: int) -> int:  # the attention stage's offsets into smem; its bytes
