@@ -11,6 +11,7 @@
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
+#   bash bench/queue.sh opre      # O_PRE 1 under ATT_DYN (KV >= 8192, or stream-K pairs) at batch 2-12 (~1 min)
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -104,6 +105,17 @@ T.Qwen2ForCausalLM(c).to(torch.bfloat16).save_pretrained('/tmp/qwen2-yarn-ckpt')
     tests/test_serve.py tests/test_hf_gpu.py
 }
 
+part_opre() {  # session 69: o_proj's first weight step before attention's grid barrier (O_PRE 1) is the default at
+  # batch 2-8 but not under ATT_DYN ("not timed", session 27). Held-out OLMo-1B-like b5 (ATT_DYN 2) ran at 88.1 % of
+  # the copy bandwidth on the H100, o_proj 9.3 us for 8.4 MB; Llama-3.2-3B-like b7 KV 16384 at 89.9 %.
+  # Prediction: -0.5 ... -2 % where o_proj is a small part behind a long attention
+  local o='{"O_PRE": 1}'
+  ab opre full,mix --variants bench/queue-variants.yaml --variants bench/results/gpu_check-s60-variants.yaml \
+    --case ho-mha-b5_decode_b5_s4096_bf16 "$o" --case ho-l3b-b7_decode_b7_s16384_bf16 "$o" \
+    --case llama3.2-1b_decode_b8_s32768_bf16 "$o" --case llama3-8b_decode_b8_s32768_bf16 "$o" \
+    --case ho-l8b-b12_decode_b12_s8192_bf16 "$o" --case ho-linrope_decode_b2_s8192_bf16 "$o"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -123,11 +135,12 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_opre ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
+  opre) part_opre ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -136,5 +149,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|opre|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
