@@ -449,9 +449,12 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     hidden = _check_int(cfg_path, cfg, "hidden_size")
     heads = _check_int(cfg_path, cfg, "num_attention_heads")
     # absent: the config class's default, as transformers reads it (MistralConfig 8, Qwen2Config and Qwen3Config 32,
-    # LlamaConfig the heads); null: the heads, as LlamaConfig, Qwen2Config and Qwen3Config set it (transformers 5
-    # refuses a null for MistralConfig, 4.x took the heads: taken here)
+    # LlamaConfig the heads); null: the heads, as LlamaConfig, Qwen2Config and Qwen3Config set it; MistralConfig
+    # refuses a null (transformers 5's field validation), so it is refused here too
     absent = "num_key_value_heads" not in cfg
+    if model_type == "mistral" and not absent and cfg["num_key_value_heads"] is None:
+        raise HFConfigError(f"{cfg_path}: field 'num_key_value_heads' is null: transformers' MistralConfig refuses it "
+                            f"(give an integer, or leave the field out for its default {KV_HEADS_ABSENT['mistral']})")
     kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads",
                           default=KV_HEADS_ABSENT.get(model_type, heads) if absent else heads)
     if absent and model_type in KV_HEADS_ABSENT:
