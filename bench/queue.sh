@@ -12,6 +12,7 @@
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
 #   bash bench/queue.sh opre      # O_PRE 1 under ATT_DYN (KV >= 8192, or stream-K pairs) at batch 2-12 (~1 min)
+#   bash bench/queue.sh coop      # COOP 0 + QKV_PRE 1 at batch 1 where a grid barrier stays (~30 s)
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -116,6 +117,16 @@ part_opre() {  # session 69: o_proj's first weight step before attention's grid 
     --case ho-l8b-b12_decode_b12_s8192_bf16 "$o" --case ho-linrope_decode_b2_s8192_bf16 "$o"
 }
 
+part_coop() {  # session 69: COOP 0 (PDL's early start) with QKV_PRE 1 is the batch-1 default only where no grid
+  # barrier is left; where one stays (a partial last act chunk keeps gate_up's: Yi-9B-like, Llama-2-7B-like,
+  # Qwen2.5-14B-like) the launch is cooperative and qkv's first loads wait for the previous layer's end. COOP 0's
+  # barrier counts in ws_gridbar (one block an SM). Session 51: COOP 0 alone 0.0 ... +1.3 %, with QKV_PRE -0.8 ...
+  # -2.9 % where barrier-free. Prediction: -0.5 ... -2 %
+  local c='{"COOP": 0, "QKV_PRE": 1}'
+  ab coop full,191 --variants bench/queue-variants.yaml --case ho-yi-9b_decode_b1_s4096_bf16 "$c" \
+    --case ho-l2-7b_decode_b1_s2048_bf16 "$c" --case q-q25-14b_decode_b1_s4096_bf16 "$c"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -135,12 +146,13 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|coop|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_opre ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_opre; part_coop ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   opre) part_opre ;;
+  coop) part_coop ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -149,5 +161,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|opre|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
