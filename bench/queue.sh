@@ -13,6 +13,8 @@
 #                                 # the main GPU tests
 #   bash bench/queue.sh opre      # O_PRE 1 under ATT_DYN (KV >= 8192, or stream-K pairs) at batch 2-12 (~1 min)
 #   bash bench/queue.sh coop      # COOP 0 + QKV_PRE 1 at batch 1 where a grid barrier stays (~30 s)
+#   bash bench/queue.sh tl        # four timelines at KV 4096: Yi-9B-like and Llama-3-8B b1, Llama-3.2-1B b1 at QKV_NWG
+#                                 # 16 and 8 (~2 min; `bash bench/queue.sh build` compiles them here first: carry build-tl)
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -127,6 +129,18 @@ part_coop() {  # session 69: COOP 0 (PDL's early start) with QKV_PRE 1 is the ba
     --case ho-l2-7b_decode_b1_s2048_bf16 "$c" --case q-q25-14b_decode_b1_s4096_bf16 "$c"
 }
 
+part_tl() {  # session 69: where Yi-9B-like b1's 5 us over its floor go (qkv -> attention 22.4 us against 16.9;
+  # Llama-3-8B 25.1 / 22.4), and why QKV_NWG 16 pays at Llama-3.2-1B b1 (session 68: -3.1 ... -3.4 % at KV 1024,
+  # not established). Each timeline verifies its plan against the reference first. $BUILD: compile only
+  local i=0 a
+  for a in "ho-yi-9b_decode_b1_s4096_bf16 {}" "llama3-8b_decode_b1_s4096_bf16 {}" \
+           "llama3.2-1b_decode_b1_s4096_bf16 {}" 'llama3.2-1b_decode_b1_s4096_bf16 {"QKV_NWG":8}'; do
+    i=$((i + 1)); set -- $a
+    step "tl$i" timeout 150 python3 bench/timeline.py --variant "$1" --overrides "$2" --row full \
+      --build-dir "build-tl/$i" --out "$OUT/tl$i.json" $BUILD
+  done
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -146,13 +160,14 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|coop|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab; part_dsmem; part_opre; part_coop ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   opre) part_opre ;;
   coop) part_coop ;;
+  tl) part_tl ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
@@ -161,5 +176,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
