@@ -370,6 +370,11 @@ def _without(cfg, *keys):
 
 REFUSED = [
     ("model_type", {**LLAMA_3_2_1B, "model_type": "mixtral"}),
+    # a near-Llama type: the refusal says what keeps it out (a new user's trial: it named only the type)
+    ("'granite': supported are llama, mistral, qwen2, qwen3 (granite has embedding, residual, attention and logit "
+     "multipliers)", {**LLAMA_3_2_1B, "model_type": "granite"}),
+    ("(gemma2 has RMSNorm scaled by (1 + weight)", {**LLAMA_3_2_1B, "model_type": "gemma2"}),
+    ("(phi3 has fused qkv_proj and gate_up_proj weights)", {**LLAMA_3_2_1B, "model_type": "phi3"}),
     ("model_type", _without(LLAMA_3_2_1B, "model_type")),
     # a window is checked against seq_len where that is known (tests/test_hf_faults.py); here only a bad one
     ("sliding_window", {**MISTRAL_7B_V0_3, "sliding_window": 0}),
@@ -433,6 +438,14 @@ def test_refusals_exit_2_with_one_error_line(tmp_path, field, cfg):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert str(d / "config.json") in lines[0] and field in lines[0]
+
+
+def test_unsupported_model_types_said_are_transformers_types():
+    """Each model_type whose refusal names what keeps it out is one transformers knows, and none is supported (a
+    misspelt key would never be said)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from generator.hf.config import SUPPORTED_MODEL_TYPES, UNSUPPORTED_WHY
+    assert set(UNSUPPORTED_WHY) <= set(CONFIG_MAPPING_NAMES) and not set(UNSUPPORTED_WHY) & set(SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", None])

@@ -26,6 +26,23 @@ class HFConfigError(ValueError):
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# what keeps a near-Llama model_type out (transformers' modeling code for the type), said in its refusal: a user sees
+# the math the kernels lack, not only a name missing from a list
+UNSUPPORTED_WHY = {
+    "gemma": "RMSNorm scaled by (1 + weight), a tanh-GELU gated MLP and embeddings scaled by sqrt(hidden)",
+    "gemma2": "RMSNorm scaled by (1 + weight), norms after attention and the MLP, soft-capped logits",
+    "gemma3_text": "RMSNorm scaled by (1 + weight), norms after attention and the MLP, two RoPE bases",
+    "granite": "embedding, residual, attention and logit multipliers",
+    "phi3": "fused qkv_proj and gate_up_proj weights",
+    "olmo": "LayerNorm without weights",
+    "olmo2": "norms after attention and the MLP, q/k norms over whole projections",
+    "stablelm": "LayerNorm and a partial rotary embedding",
+    "cohere": "LayerNorm, attention and the MLP in parallel",
+    "starcoder2": "LayerNorm and a GELU MLP that is not gated",
+    "mixtral": "a mixture of experts", "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts",
+    "deepseek_v2": "multi-head latent attention and a mixture of experts",
+    "deepseek_v3": "multi-head latent attention and a mixture of experts",
+}
 # num_key_value_heads where config.json has no such key: the transformers config class's default (llama: the heads)
 KV_HEADS_ABSENT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 # vocab_size where config.json has no such key: the config class's default (transformers then refuses an embedding of
@@ -443,8 +460,9 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     if model_type is None:
         raise HFConfigError(f"{cfg_path}: missing field 'model_type'")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        why = f" ({model_type} has {UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
         raise HFConfigError(f"{cfg_path}: field 'model_type' is {model_type!r}: supported are "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}{why}")
     notes: list[str] = []
     hidden = _check_int(cfg_path, cfg, "hidden_size")
     heads = _check_int(cfg_path, cfg, "num_attention_heads")
