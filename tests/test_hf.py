@@ -326,7 +326,8 @@ def test_kv_heads_absent_or_null_read_as_transformers_reads_them(tmp_path, model
         with pytest.raises(hf.HFConfigError, match="field 'num_key_value_heads' is null: transformers' MistralConfig"):
             hf.model_entry(null)
     else:
-        assert hf.model_entry(null)[1]["kv_heads"] == transformers.AutoConfig.from_pretrained(null).num_key_value_heads == 64
+        want_null = transformers.AutoConfig.from_pretrained(null).num_key_value_heads
+        assert hf.model_entry(null)[1]["kv_heads"] == want_null == 64
     if model_type != "llama":  # a default that cannot serve these heads: said where it came from, in one line
         with pytest.raises(hf.HFConfigError, match=f"no field 'num_key_value_heads': transformers' default for "
                                                    f"{model_type}, {want}, does not divide num_attention_heads 14"):
