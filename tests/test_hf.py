@@ -323,8 +323,13 @@ def test_kv_heads_absent_or_null_read_as_transformers_reads_them(tmp_path, model
     assert ("no num_key_value_heads" in hf.variant_entry_yaml(d)) == (want != 64)
     null = write_config(tmp_path, "null", {**cfg, "num_key_value_heads": None})
     if model_type == "mistral":  # (transformers 5 refuses it: StrictDataclassFieldValidationError; 4.x took the heads)
-        with pytest.raises(hf.HFConfigError, match="field 'num_key_value_heads' is null: transformers' MistralConfig"):
+        with pytest.raises(hf.HFConfigError, match=r"field 'num_key_value_heads' is null: transformers' MistralConfig"
+                                                   r" refuses it \(give an integer, or leave the field out for its "
+                                                   r"default 8\)"):
             hf.model_entry(null)
+        with pytest.raises(hf.HFConfigError, match=r"refuses it \(give an integer\)$"):  # (8 would not divide 14)
+            hf.model_entry(write_config(tmp_path, "null14", {**cfg, "num_attention_heads": 14, "hidden_size": 224,
+                                                             "num_key_value_heads": None}))
     else:
         want_null = transformers.AutoConfig.from_pretrained(null).num_key_value_heads
         assert hf.model_entry(null)[1]["kv_heads"] == want_null == 64
@@ -372,8 +377,8 @@ def _without(cfg, *keys):
 REFUSED = [
     ("model_type", {**LLAMA_3_2_1B, "model_type": "mixtral"}),
     # a near-Llama type: the refusal says what keeps it out (a new user's trial: it named only the type)
-    ("'granite': supported are llama, mistral, qwen2, qwen3 (granite has embedding, residual, attention and logit "
-     "multipliers)", {**LLAMA_3_2_1B, "model_type": "granite"}),
+    ("'granite': supported are llama, mistral, qwen2, qwen3 (granite has embedding, residual and attention "
+     "multipliers and a logit divisor)", {**LLAMA_3_2_1B, "model_type": "granite"}),
     ("(gemma2 has RMSNorm scaled by (1 + weight)", {**LLAMA_3_2_1B, "model_type": "gemma2"}),
     ("(phi3 has fused qkv_proj and gate_up_proj weights)", {**LLAMA_3_2_1B, "model_type": "phi3"}),
     ("model_type", _without(LLAMA_3_2_1B, "model_type")),

@@ -32,7 +32,7 @@ UNSUPPORTED_WHY = {
     "gemma": "RMSNorm scaled by (1 + weight), a tanh-GELU gated MLP and embeddings scaled by sqrt(hidden)",
     "gemma2": "RMSNorm scaled by (1 + weight), norms after attention and the MLP, soft-capped logits",
     "gemma3_text": "RMSNorm scaled by (1 + weight), norms after attention and the MLP, two RoPE bases",
-    "granite": "embedding, residual, attention and logit multipliers",
+    "granite": "embedding, residual and attention multipliers and a logit divisor",
     "phi3": "fused qkv_proj and gate_up_proj weights",
     "olmo": "LayerNorm without weights",
     "olmo2": "norms after attention and the MLP, q/k norms over whole projections",
@@ -471,8 +471,10 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
     # refuses a null (transformers 5's field validation), so it is refused here too
     absent = "num_key_value_heads" not in cfg
     if model_type == "mistral" and not absent and cfg["num_key_value_heads"] is None:
+        dflt = KV_HEADS_ABSENT["mistral"]  # (the advice to leave it out only where that default serves these heads)
         raise HFConfigError(f"{cfg_path}: field 'num_key_value_heads' is null: transformers' MistralConfig refuses it "
-                            f"(give an integer, or leave the field out for its default {KV_HEADS_ABSENT['mistral']})")
+                            "(give an integer" + (f", or leave the field out for its default {dflt})" if heads % dflt == 0
+                                                  else ")"))
     kv_heads = _check_int(cfg_path, cfg, "num_key_value_heads",
                           default=KV_HEADS_ABSENT.get(model_type, heads) if absent else heads)
     if absent and model_type in KV_HEADS_ABSENT:
