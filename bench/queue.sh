@@ -15,6 +15,8 @@
 #   bash bench/queue.sh coop      # COOP 0 + QKV_PRE 1 at batch 1 where a grid barrier stays (~30 s)
 #   bash bench/queue.sh tl        # four timelines at KV 4096: Yi-9B-like and Llama-3-8B b1, Llama-3.2-1B b1 at QKV_NWG
 #                                 # 16 and 8 (~2 min; `bash bench/queue.sh build` compiles them here first: carry build-tl)
+#   bash bench/queue.sh big       # batch 64-128 held-out rows against FlashInfer and the serving-style layer (carry
+#                                 # .whl; ~3 min): never timed past batch 64 against a baseline
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -141,6 +143,16 @@ part_tl() {  # session 69: where Yi-9B-like b1's 5 us over its floor go (qkv -> 
   done
 }
 
+part_big() {  # session 70: past batch 64 the decode kernel runs qkv, o_proj and gate_up on the GEMM engine
+  # (GEMM_PROJ) and was timed only against itself (session 62: 1B b128 KV 1024 199 us, 65 % of the copy bandwidth);
+  # batch 64 ran at 1.01-1.02x FlashInfer's layer (session 69). Held-out 1B-shape b128 KV 2048 and Qwen2.5-7B-like b96
+  # beside the b64 rows, with FlashInfer and the serving-style layer. Prediction: 0.95-1.05x FlashInfer at b96-128
+  flashinfer
+  step big timeout "${BIG_S:-300}" python3 bench/gpu_check.py --no-tests --only 'ho-l1b-b128*' --only 'ho-q7b-b96*' \
+    --only 'ho-l1b-b64*' --only 'ho-l8b-b64*' --serving 'ho-l1b-b128*' --serving 'ho-q7b-b96*' --serving-budget 150 \
+    --out "$OUT/big"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -160,7 +172,7 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
@@ -172,9 +184,10 @@ case "${1:-}" in
   keyrows) part_keyrows ;;
   seventh) part_seventh ;;
   second) part_second ;;
+  big) part_big ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
