@@ -17,6 +17,8 @@
 #                                 # 16 and 8 (~2 min; `bash bench/queue.sh build` compiles them here first: carry build-tl)
 #   bash bench/queue.sh big       # batch 64-128 held-out rows against FlashInfer and the serving-style layer (carry
 #                                 # .whl; ~3 min): never timed past batch 64 against a baseline
+#   bash bench/queue.sh tune191   # on an H200: the batch-1 entries of 0.5B and 1B tuned at full context and row 191
+#                                 # together (`tune --positions full,191`; ~4 min), into $OUT/tune-191.json
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
 #   bash bench/queue.sh serving   # the serving-style layer's GPU tests (its FlashAttention varlen path, session 46)
 #   bash bench/queue.sh tp1       # the TP kernels' ranks as threads on one GPU (tests/test_tp.py)
@@ -153,6 +155,14 @@ part_big() {  # session 70: past batch 64 the decode kernel runs qkv, o_proj and
     --out "$OUT/big"
 }
 
+part_tune191() {  # session 70: e2e serves its b1 steps at rows ~128-160 with the KV-4096 variant, whose tuned plan
+  # was timed at full context only (session 55's retune); a plan for both (the mean of full and row 191, losing at
+  # neither by more than 1 %). The entries come back in $OUT/tune-191.json, merged by hand into tuning/<gpu>.json
+  # after a look (the GPU named in each entry). Prediction: 0 ... -3 % at row 191 for 1B and 0.5B, full level
+  step tune191 timeout "${TUNE_S:-420}" python3 -m generator.cli tune --only 'llama3.2-1b_decode_b1_s4096*' \
+    --only 'qwen2.5-0.5b_decode_b1_s4096*' --positions full,191 --limit 20 --out "$OUT/tune-191.json"
+}
+
 part_tests() {
   step gputests python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_lm_head.py
 }
@@ -172,7 +182,7 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tune191|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
   build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
@@ -185,9 +195,10 @@ case "${1:-}" in
   seventh) part_seventh ;;
   second) part_second ;;
   big) part_big ;;
+  tune191) part_tune191 ;;
   tests) part_tests ;;
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tune191|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -47,11 +49,14 @@ def group_of(ov: dict) -> str:
 
 
 def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int,
-            positions: list[int] | None = None, queued: bool = False) -> list[dict]:
+            positions: list[int] | None = None, queued: bool = False,
+            sets: list[list[int] | None] | None = None) -> list[dict]:
     """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
     overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context
     (every sequence at row seq_len - 1), or at `positions` (one a sequence: e.g. bench.measure.mixed_positions, a
-    serving mix). queued: GPU time only (bench.timing.time_samples)."""
+    serving mix). `sets` (decode; instead of `positions`): several such position lists (None: full context), each
+    timed on the same graphs (the kernels read the positions from the device); then "us_at" holds the median at
+    each set, in order, and "us" their geometric mean. queued: GPU time only (bench.timing.time_samples)."""
     import torch
 
     from bench.measure import PREFILL_CACHE, n_layers_for
@@ -83,13 +88,14 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
         return rows
 
     # decode: every sequence at full context; prefill: a prompt's first chunk (start 0), as gpu_check times them
-    pos_full = torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32)
-    if positions is not None and not prefill:
-        if len(positions) != v.batch or not all(0 <= q < v.seq_len for q in positions):
-            raise ValueError(f"positions: {v.batch} rows in [0, {v.seq_len}), got {positions}")
-        pos_full = torch.tensor(positions, dtype=torch.int32)
-    n = n_layers_for(layer_bytes(m, v.batch, pos_full))
-    pos_dev = pos_full.cuda()
+    at = []
+    for ps in (sets if sets is not None and not prefill else [positions if not prefill else None]):
+        if ps is not None and (len(ps) != v.batch or not all(0 <= q < v.seq_len for q in ps)):
+            raise ValueError(f"positions: {v.batch} rows in [0, {v.seq_len}), got {ps}")
+        at.append(torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32) if ps is None
+                  else torch.tensor(ps, dtype=torch.int32))
+    n = max(n_layers_for(layer_bytes(m, v.batch, p)) for p in at)  # (the fewest bytes a layer: the most layers)
+    pos_dev = at[0].cuda()
     xs = torch.randn(v.batch, *((v.seq_len,) if prefill else ()), m.hidden, device="cuda").to(
         reference.TORCH_DTYPES[m.dtype])
     firsts = []
@@ -110,27 +116,45 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
                 y = L.prefill(y, pos_dev, validate=False) if prefill else L(y, pos_dev, validate=False)
             return y
         graphs[r["name"]] = (graph_of(step), layers)
-    samples = {r["name"]: [] for r in ok}
-    for name, (g, _) in graphs.items():  # warm-up
-        for _ in range(3):
-            g.replay()
-    for _ in range(rounds):
-        for name, (g, _) in graphs.items():
-            samples[name] += time_samples(g.replay, n, reps, queued=queued)
+    meds = {r["name"]: [] for r in ok}
+    for p in at:
+        pos_dev.copy_(p)  # (the graphs read the positions from this tensor at each replay)
+        samples = {r["name"]: [] for r in ok}
+        for name, (g, _) in graphs.items():  # warm-up
+            for _ in range(3):
+                g.replay()
+        for _ in range(rounds):
+            for name, (g, _) in graphs.items():
+                samples[name] += time_samples(g.replay, n, reps, queued=queued)
+        for r in ok:
+            meds[r["name"]].append(summarize(samples[r["name"]])["median"])
     for r in ok:
-        r["us"] = round(summarize(samples[r["name"]])["median"], 3)
+        got = meds[r["name"]]
+        r["us"] = round(got[0] if len(got) == 1 else math.exp(sum(map(math.log, got)) / len(got)), 3)
+        if len(at) > 1:
+            r["us_at"] = [round(u, 3) for u in got]
         r["layers_timed"] = n
     del graphs, firsts
     torch.cuda.empty_cache()
     return rows
 
 
+def loses(r: dict, d: dict) -> bool:
+    """Candidate row r slower than the default d by more than MIN_GAIN at one of the position sets both were timed
+    at ("us_at"; False where they were timed at one set)."""
+    return any(a > b * (1 + MIN_GAIN) for a, b in zip(r.get("us_at", ()), d.get("us_at", ())))
+
+
 def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None:
     """The winner: the fastest passing candidate if it beats the default (rows[0]) by MIN_GAIN, else the default.
+    Timed at several position sets ("us_at"; "us" their geometric mean), a candidate slower than the default by more
+    than MIN_GAIN at any one of them is not a winner (a plan tuned for short contexts must not lose at full context).
     A default whose plan spills (its name in `spills`: timed as the baseline only) is never the winner: the fastest
     passing other candidate is, whatever its gain; None where there is none."""
     d = rows[0]
     ok = [r for r in rows if r["us"] is not None and r["name"] not in spills]
+    if d["name"] not in spills:
+        ok = [r for r in ok if not loses(r, d)]
     if not ok:
         return None
     best = min(ok, key=lambda r: r["us"])
@@ -157,8 +181,9 @@ def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None
 @click.option("--positions", default="full", show_default=True,
               help="where decode candidates are timed: full (every sequence at the cache's last row), mixed (a "
                    "serving mix: the batch spread evenly over the cache) or a row N (every sequence at N: a short "
-                   "context); the plan that wins at full context need not win where a model is served (bench/NOTES.md "
-                   "session 32); each entry records it")
+                   "context), or several of them comma-separated (e.g. full,191: a candidate wins on the geometric "
+                   "mean and must not lose at any of them); the plan that wins at full context need not win where a "
+                   "model is served (bench/NOTES.md session 32); each entry records it")
 def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed, positions):
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
     from generator import compile as gcompile, report as greport, tune as gtune, variants as gvariants
@@ -191,9 +216,16 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         fail("--build-dir: empty (give a directory, or leave it out for a temporary one)")
     if build_dir is not None and Path(build_dir).exists() and not Path(build_dir).is_dir():
         fail(f"--build-dir {build_dir}: exists and is not a directory")
-    row = int(positions) if positions.isdigit() else None
-    if positions not in ("full", "mixed") and row is None:
-        fail(f"--positions {positions}: full, mixed or a row number (0 or more)")
+    specs = [p.strip() for p in positions.split(",")]
+    row_spec = re.compile(r"[0-9]+")  # (ASCII: str.isdigit takes "²", which int() refuses)
+    if bad := [p for p in specs if p not in ("full", "mixed") and not row_spec.fullmatch(p)]:
+        fail(f"--positions {positions}: full, mixed or a row number (0 or more), or several comma-separated; "
+             f"not {bad[0]!r}")
+    specs = [str(int(p)) if row_spec.fullmatch(p) else p for p in specs]  # (row 0191 is row 191)
+    if len(set(specs)) < len(specs):
+        fail(f"--positions {positions}: a position set named twice")
+    rows_at = [int(p) for p in specs if row_spec.fullmatch(p)]
+    label = ", ".join(f"row {p}" if row_spec.fullmatch(p) else p for p in specs)  # what each entry records
     try:
         vs = gvariants.load(variants_file)
     except gvariants.VariantError as exc:
@@ -204,10 +236,11 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         sel = f" matches --only {' '.join(only)}" if only else ""
         fail(f"{variants_file}: no single-GPU variant{sel} (the tuner times one GPU; a tensor-parallel variant's plan "
              "is its default or a hand-written tuning entry)")
-    if row is not None and (short := [v for v in vs if v.mode == "decode" and v.seq_len <= row]):
-        fail(f"--positions {row}: past the cache of {short[0].name} (seq_len {short[0].seq_len}; rows 0 .. "
-             f"{short[0].seq_len - 1})")
-    if positions != "full":  # prefill candidates time a whole chunk from position 0: --positions does not apply
+    if rows_at and (short := [v for v in vs if v.mode == "decode" and v.seq_len <= max(rows_at)]):
+        which = "" if len(specs) == 1 else f"row {max(rows_at)} is "
+        fail(f"--positions {positions}: {which}past the cache of {short[0].name} (seq_len {short[0].seq_len}; rows "
+             f"0 .. {short[0].seq_len - 1})")
+    if specs != ["full"]:  # prefill candidates time a whole chunk from position 0: --positions does not apply
         pre = [v.name for v in vs if v.mode != "decode"]
         chosen = "--only selects" if only else f"{variants_file} holds"
         if len(pre) == len(vs):
@@ -225,10 +258,11 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
 
     from bench.measure import mixed_positions
 
-    def at(v) -> list[int] | None:  # the decode positions a variant's candidates are timed at (None: full context)
-        if v.mode != "decode" or positions == "full":
+    def at(v) -> list[list[int] | None] | None:  # the decode position sets a variant's candidates are timed at
+        if v.mode != "decode" or specs == ["full"]:  # (None: full context alone, as measure times by default)
             return None
-        return mixed_positions(v.batch, v.seq_len) if row is None else [row] * v.batch
+        return [None if p == "full" else mixed_positions(v.batch, v.seq_len) if p == "mixed"
+                else [int(p)] * v.batch for p in specs]
     import torch
     if not torch.cuda.is_available():
         fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")
@@ -244,7 +278,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         cands = {}
         for v in vs:
             cands[v.name] = [(renamed(v, f"c{i:02d}"), ov)
-                             for i, ov in enumerate(gtune.candidates(v, arch, limit, positions))]
+                             for i, ov in enumerate(gtune.candidates(v, arch, limit,
+                                                                     "full" if specs == ["full"] else positions))]
 
         def compile_all(pairs):
             t = time.time()
@@ -271,7 +306,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             t = time.time()
             ok = [(c.name, ov) for c, ov in cands[v.name] if c.name not in bad]
             failed = [f"{ov or 'default'}: {bad[c.name]}" for c, ov in cands[v.name] if c.name in bad]
-            rows = (measure(v, ok, bdir, seed, reps, rounds, positions=at(v))
+            rows = (measure(v, ok, bdir, seed, reps, rounds, sets=at(v))
                     if ok and cands[v.name][0][0].name not in bad else [])
             failed += [f"{r['overrides'] or 'default'}: {r['error']}" for r in rows if not r["pass"]]
             results[v.name] = {"rows": rows, "failed": failed, "tried": len(cands[v.name])}
@@ -288,8 +323,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                 if not rows or rows[0]["us"] is None:
                     continue
                 best_by_group = {}
-                for r in rows[1:]:
-                    if r["us"] is not None and r["us"] < rows[0]["us"] * (1 - MIN_GAIN):
+                for r in rows[1:]:  # (a stage's winner: as pick() would take it, losing at no position set)
+                    if r["us"] is not None and r["us"] < rows[0]["us"] * (1 - MIN_GAIN) and (
+                            rows[0]["name"] in spills or not loses(r, rows[0])):
                         g = group_of(r["overrides"])
                         if g not in best_by_group or r["us"] < best_by_group[g]["us"]:
                             best_by_group[g] = r
@@ -308,7 +344,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                 if single is not None and single is not rows[0]:
                     again.append((single["name"], single["overrides"]))
                 again.append((second[v.name][0].name, second[v.name][1]))
-                rows2 = measure(v, again, bdir, seed + 7, reps, rounds, positions=at(v))
+                rows2 = measure(v, again, bdir, seed + 7, reps, rounds, sets=at(v))
                 results[v.name]["tried"] += 1
                 if not rows2[-1]["pass"]:
                     results[v.name]["failed"].append(f"{rows2[-1]['overrides']}: {rows2[-1].get('error')}")
@@ -332,8 +368,11 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                                "candidates": results[v.name]["tried"], "failed": len(results[v.name]["failed"]),
                                "identity": identity(v.params(), arch), "gpu": gpu, "date": date,
                                "knobs": gtune.knob_dict(render_plan(v, arch, overrides=w["overrides"] or None))}
-            if at(v) is not None:  # timed where it is served, not at full context: said in the entry
-                entries[v.name]["positions"] = positions if row is None else f"row {row}"
+            if at(v) is not None:  # timed where it is served, not at full context alone: said in the entry
+                entries[v.name]["positions"] = label
+                if len(specs) > 1:  # (default_us and tuned_us: the geometric means over them)
+                    entries[v.name]["us_at"] = {p: {"default": a, "tuned": b} for p, a, b in
+                                                zip(label.split(", "), rows[0]["us_at"], w["us_at"])}
             click.echo(f"{v.name}: {w['overrides'] or 'default plan'}  {rows[0]['us']:.2f} -> {w['us']:.2f} us "
                        f"(x{rows[0]['us'] / w['us']:.3f})")
         if entries:

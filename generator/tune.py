@@ -8,7 +8,9 @@ bad or stale entry in a tuning file is ignored with a one-line warning, never an
 tuning/<gpu-slug>.json = {variant: {"overrides": {...}, "default_us", "tuned_us", "candidates": n, "failed": n,
                                     "identity": sha256 of the variant's parameters and arch, "gpu", "date",
                                     "knobs": the measured plan's knobs, and where the decode candidates were not
-                                    timed at full context "positions": "mixed" or "row N" (`tune --positions`)}}
+                                    timed at full context alone "positions": "mixed", "row N" or several of
+                                    them ("full, row 191": default_us and tuned_us their geometric means, "us_at"
+                                    each one's {"default", "tuned"}) (`tune --positions`)}}
 
 This module imports neither torch nor bench: `bench/tune.py` compiles, verifies and times the candidates.
 """

@@ -1208,7 +1208,15 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
     value or a row past a selected variant's cache is one line; a good one gets as far as the GPU."""
     base = ["tune", "--variants", ROOT / "variants.yaml", "--only", "llama3.2-1b_decode_b1_s1024*"]
     for val, want in (("bogus", "--positions bogus: full, mixed or a row number"),
-                      ("1024", "--positions 1024: past the cache of llama3.2-1b_decode_b1_s1024_bf16 (seq_len 1024")):
+                      ("1024", "--positions 1024: past the cache of llama3.2-1b_decode_b1_s1024_bf16 (seq_len 1024"),
+                      ("full,bogus", "--positions full,bogus: full, mixed or a row number (0 or more), or several "
+                                     "comma-separated; not 'bogus'"),
+                      ("full,", "--positions full,: full, mixed or a row number (0 or more), or several "
+                                "comma-separated; not ''"),
+                      ("191,full,0191", "--positions 191,full,0191: a position set named twice"),
+                      ("full,\u00b2", "--positions full,\u00b2: full, mixed or a row number"),  # (str.isdigit's)
+                      ("full,191,1024", "--positions full,191,1024: row 1024 is past the cache of "
+                                        "llama3.2-1b_decode_b1_s1024_bf16")):
         r = cli(base + ["--positions", val], cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith(f"error: {want}") and r.stderr.count("\n") == 1, r.stderr
     # prefill candidates are timed on their whole chunk: --positions alone on them is refused, in a mix a warning
@@ -1228,7 +1236,7 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
         assert r.stderr.startswith("warning: --positions mixed: decode variants only; prefill variants (1 selected) "
                                    "are timed"), r.stderr
         assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
-        for val in ("mixed", "191", "full"):
+        for val in ("mixed", "191", "full", "full,191", "191, mixed"):
             r = cli(base + ["--positions", val], cwd=tmp_path)
             assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
 
@@ -1291,7 +1299,8 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name,positions", [("qwen2.5-0.5b_decode_b1_s1024_bf16", "full"),
                                             ("llama3.2-1b_prefill_b1_s16_bf16", "full"),
-                                            ("qwen2.5-0.5b_decode_b4_s1024_bf16", "mixed")])
+                                            ("qwen2.5-0.5b_decode_b4_s1024_bf16", "mixed"),
+                                            ("qwen2.5-0.5b_decode_b1_s1024_bf16", "full,191")])
 def test_tune_one_small_variant(tmp_path, name, positions):
     from conftest import cli_env
     import subprocess
@@ -1302,8 +1311,13 @@ def test_tune_one_small_variant(tmp_path, name, positions):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     e = json.loads(out.read_text())[name]
-    assert e.get("positions") == (None if positions == "full" else positions)  # where it was timed, recorded
+    want = {"full": None, "mixed": "mixed", "full,191": "full, row 191"}[positions]
+    assert e.get("positions") == want  # where it was timed, recorded
     assert e["tuned_us"] <= e["default_us"] * 1.03
+    if "," in positions:  # each set's default and tuned timings; the winner loses at none of them beyond the margin
+        assert list(e["us_at"]) == ["full", "row 191"], e
+        assert all(t["tuned"] <= t["default"] * 1.0101 for t in e["us_at"].values()), e
+        assert e["us_at"]["row 191"]["default"] < e["us_at"]["full"]["default"], e  # a short context is cheaper
     v = next(v for v in declared() + prefill_declared() if v.name == name)
     ov, src, _, warn = gtune.resolve(v, "90", out)
     # (where the default plan won, or the winner plans what the default does, the build takes the default plan)
@@ -2804,6 +2818,28 @@ def test_the_tuner_never_records_a_spilling_default_and_still_times_against_it()
     assert pick(rows, {"c00"})["name"] == "c01"  # a spilling default: the fastest other, whatever its gain
     assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": None}], {"c00"}) is None
     assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": 8.0}])["name"] == "c01"
+
+
+def test_the_tuner_at_several_positions_picks_on_the_mean_and_never_a_plan_that_loses_at_one():
+    """bench/tune.pick over candidates timed at several position sets (`tune --positions full,191`: "us" the
+    geometric mean, "us_at" each set's): the fastest mean wins only where it is no slower than the default by more
+    than MIN_GAIN at any set (a short-context plan must not lose at full context); a spilling default, only a
+    baseline, does not hold the others back."""
+    import math
+    from bench.tune import MIN_GAIN, loses, pick
+
+    def row(name, *at):
+        return {"name": name, "us": math.exp(sum(map(math.log, at)) / len(at)), "us_at": list(at)}
+    d = row("c00", 50.0, 40.0)
+    short = row("c01", 50.0 * (1 + 2 * MIN_GAIN), 36.0)  # the best mean, but 2 % slower at full context
+    both = row("c02", 50.0 * (1 + MIN_GAIN / 2), 38.0)  # a smaller gain, within the margin at full context
+    assert short["us"] < both["us"] < d["us"] * (1 - MIN_GAIN)
+    assert pick([d, short, both])["name"] == "c02"
+    assert pick([d, short])["name"] == "c00"
+    assert pick([d, short, both], {"c00"})["name"] == "c01"  # a spilling default: the fastest other
+    assert loses(short, d) and not loses(both, d) and not loses(d, d)
+    # one set: the rule of one position as before (no us_at)
+    assert pick([{"name": "c00", "us": 10.0}, {"name": "c01", "us": 9.0, "us_at": [9.0]}])["name"] == "c01"
 
 
 @pytest.mark.gpu
