@@ -263,6 +263,12 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
             return None
         return [None if p == "full" else mixed_positions(v.batch, v.seq_len) if p == "mixed"
                 else [int(p)] * v.batch for p in specs]
+    for v in vs:  # sets that are the same positions for a variant (mixed at batch 1 is full): timed twice, said
+        got = [[v.seq_len - 1] * v.batch if s is None else s for s in at(v) or []]
+        if same := next(((a, b) for a in range(len(got)) for b in range(a + 1, len(got)) if got[a] == got[b]), None):
+            names = label.split(", ")
+            click.echo(f"warning: --positions {positions}: {names[same[0]]} and {names[same[1]]} are the same "
+                       f"positions for {v.name}: timed twice, they weigh twice in its mean", err=True)
     import torch
     if not torch.cuda.is_available():
         fail(f"no CUDA GPU visible to torch {torch.__version__}: `megakernel tune` times candidates on the GPU")

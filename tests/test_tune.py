@@ -1238,7 +1238,11 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
         assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
         for val in ("mixed", "191", "full", "full,191", "191, mixed"):
             r = cli(base + ["--positions", val], cwd=tmp_path)
-            assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr, r.stderr
+            assert r.returncode == 2 and "no CUDA GPU visible" in r.stderr and "warning" not in r.stderr, r.stderr
+        for val, same in (("full,mixed", "full and mixed"), ("1023,full", "row 1023 and full")):  # (batch 1, s1024)
+            r = cli(base + ["--positions", val], cwd=tmp_path)
+            assert r.stderr.startswith(f"warning: --positions {val}: {same} are the same positions for "
+                                       "llama3.2-1b_decode_b1_s1024_bf16") and "no CUDA GPU visible" in r.stderr, r.stderr
 
 
 def test_tune_out_build_dir_and_shard_are_checked_before_the_gpu(tmp_path, cli):
