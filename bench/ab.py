@@ -107,8 +107,8 @@ def main(argv=None):
     for v, ps in plans:
         for r in rows:
             got = measure(v, [(c.name, ov) for c, ov in ps], Path(args.build_dir), 1234, 50, 5,
-                          positions=None if r == "full" else mixed_positions(v.batch, v.seq_len) if r == "mix"
-                          else [r] * v.batch, queued=args.queued)
+                          sets=[None if r == "full" else mixed_positions(v.batch, v.seq_len) if r == "mix"
+                                else [r] * v.batch], queued=args.queued)
             t0 = got[0]["us"]
             for g in got:
                 g.update(variant=v.name, where=r,

@@ -49,14 +49,13 @@ def group_of(ov: dict) -> str:
 
 
 def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: int, rounds: int,
-            positions: list[int] | None = None, queued: bool = False,
-            sets: list[list[int] | None] | None = None) -> list[dict]:
+            sets: list[list[int] | None] | None = None, queued: bool = False) -> list[dict]:
     """Verify and time candidates [(built name, overrides)] of variant `v`; one dict per candidate: name,
-    overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at full context
-    (every sequence at row seq_len - 1), or at `positions` (one a sequence: e.g. bench.measure.mixed_positions, a
-    serving mix). `sets` (decode; instead of `positions`): several such position lists (None: full context), each
-    timed on the same graphs (the kernels read the positions from the device); then "us_at" holds the median at
-    each set, in order, and "us" their geometric mean. queued: GPU time only (bench.timing.time_samples)."""
+    overrides, pass, rel_err, error, us (median per layer; None where it failed). Decode is timed at each of `sets`
+    (default [None]): None is full context (every sequence at row seq_len - 1), a list one position a sequence (e.g.
+    bench.measure.mixed_positions, a serving mix), each set timed on the same graphs (the kernels read the positions
+    from the device); with several, "us_at" holds the median at each, in order, and "us" their geometric mean.
+    queued: GPU time only (bench.timing.time_samples)."""
     import torch
 
     from bench.measure import PREFILL_CACHE, n_layers_for
@@ -89,7 +88,7 @@ def measure(v, cands: list[tuple[str, dict]], build_dir: Path, seed: int, reps: 
 
     # decode: every sequence at full context; prefill: a prompt's first chunk (start 0), as gpu_check times them
     at = []
-    for ps in (sets if sets is not None and not prefill else [positions if not prefill else None]):
+    for ps in (sets if sets is not None and not prefill else [None]):
         if ps is not None and (len(ps) != v.batch or not all(0 <= q < v.seq_len for q in ps)):
             raise ValueError(f"positions: {v.batch} rows in [0, {v.seq_len}), got {ps}")
         at.append(torch.full((v.batch,), 0 if prefill else v.seq_len - 1, dtype=torch.int32) if ps is None
@@ -224,8 +223,9 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     specs = [str(int(p)) if row_spec.fullmatch(p) else p for p in specs]  # (row 0191 is row 191)
     if len(set(specs)) < len(specs):
         fail(f"--positions {positions}: a position set named twice")
-    rows_at = [int(p) for p in specs if row_spec.fullmatch(p)]
-    label = ", ".join(f"row {p}" if row_spec.fullmatch(p) else p for p in specs)  # what each entry records
+    rows_at = [int(p) for p in specs if p not in ("full", "mixed")]
+    names = [p if p in ("full", "mixed") else f"row {p}" for p in specs]  # what each entry records
+    label = ", ".join(names)
     try:
         vs = gvariants.load(variants_file)
     except gvariants.VariantError as exc:
@@ -266,7 +266,6 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
     for v in vs:  # sets that are the same positions for a variant (mixed at batch 1 is full): timed twice, said
         got = [[v.seq_len - 1] * v.batch if s is None else s for s in at(v) or []]
         if same := next(((a, b) for a in range(len(got)) for b in range(a + 1, len(got)) if got[a] == got[b]), None):
-            names = label.split(", ")
             click.echo(f"warning: --positions {positions}: {names[same[0]]} and {names[same[1]]} are the same "
                        f"positions for {v.name}: timed twice, they weigh twice in its mean", err=True)
     import torch
@@ -378,7 +377,7 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
                 entries[v.name]["positions"] = label
                 if len(specs) > 1:  # (default_us and tuned_us: the geometric means over them)
                     entries[v.name]["us_at"] = {p: {"default": a, "tuned": b} for p, a, b in
-                                                zip(label.split(", "), rows[0]["us_at"], w["us_at"])}
+                                                zip(names, rows[0]["us_at"], w["us_at"])}
             click.echo(f"{v.name}: {w['overrides'] or 'default plan'}  {rows[0]['us']:.2f} -> {w['us']:.2f} us "
                        f"(x{rows[0]['us'] / w['us']:.3f})")
         if entries:
