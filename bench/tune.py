@@ -181,7 +181,7 @@ def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None
               help="where decode candidates are timed: full (every sequence at the cache's last row), mixed (a "
                    "serving mix: the batch spread evenly over the cache) or a row N (every sequence at N: a short "
                    "context), or several of them comma-separated (e.g. full,191: a candidate wins on the geometric "
-                   "mean and must not lose at any of them); the plan that wins at full context need not win where a "
+                   "mean and must not be slower than the default by more than 1 % at any of them); the plan that wins at full context need not win where a "
                    "model is served (bench/NOTES.md session 32); each entry records it")
 def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed, positions):
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
@@ -221,8 +221,8 @@ def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, rep
         fail(f"--positions {positions}: full, mixed or a row number (0 or more), or several comma-separated; "
              f"not {bad[0]!r}")
     specs = [str(int(p)) if row_spec.fullmatch(p) else p for p in specs]  # (row 0191 is row 191)
-    if len(set(specs)) < len(specs):
-        fail(f"--positions {positions}: a position set named twice")
+    if twice := next((p for i, p in enumerate(specs) if p in specs[:i]), None):
+        fail(f"--positions {positions}: {twice if twice in ('full', 'mixed') else 'row ' + twice} named twice")
     rows_at = [int(p) for p in specs if p not in ("full", "mixed")]
     names = [p if p in ("full", "mixed") else f"row {p}" for p in specs]  # what each entry records
     label = ", ".join(names)

@@ -1213,7 +1213,7 @@ def test_tune_positions_are_checked_before_the_gpu(tmp_path, cli):
                                      "comma-separated; not 'bogus'"),
                       ("full,", "--positions full,: full, mixed or a row number (0 or more), or several "
                                 "comma-separated; not ''"),
-                      ("191,full,0191", "--positions 191,full,0191: a position set named twice"),
+                      ("191,full,0191", "--positions 191,full,0191: row 191 named twice"),
                       ("full,\u00b2", "--positions full,\u00b2: full, mixed or a row number"),  # (str.isdigit's)
                       ("full,191,1024", "--positions full,191,1024: row 1024 is past the cache of "
                                         "llama3.2-1b_decode_b1_s1024_bf16")):
