@@ -755,8 +755,12 @@ def generate_cmd(model_dir, prompts, ids, max_new_tokens, batch, temperature, to
     import torch
     if bool(prompts) == bool(ids):
         fail("generate: give --prompt TEXT or --ids 1,2,3 (one of them, repeatable)")
-    if not Path(model_dir).exists():  # before the GPU check: the path is what the user typed
+    try:  # before the GPU check: the path is what the user typed (a symlink loop's own reason, not "no such")
+        os.stat(model_dir)
+    except FileNotFoundError:
         fail(f"{model_dir}: no such file or directory (a Hugging Face model directory: config.json and weights)")
+    except OSError as exc:
+        fail(f"{model_dir}: cannot read: {exc.strerror}")
     if Path(model_dir).is_dir() and not (Path(model_dir) / "config.json").exists():
         fail(f"{model_dir}: no config.json (a Hugging Face model directory: config.json and weights)")
     if device == "auto":  # the GPU where torch sees one; else the CPU's unfused layers, said (not a silent fallback)

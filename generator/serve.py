@@ -621,7 +621,7 @@ class Model:
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
         from .hf.config import check_positions, check_window, config_dtype
-        from .hf.yaml_edit import variant_entry_yaml
+        from .hf.yaml_edit import trained_positions, variant_entry_yaml
 
         # numpy's integers as Python's (the checks below take ints; a bool stays refused)
         cache_len, max_batch, default_cache_len = (int(v) if _int(v) else v
@@ -843,7 +843,7 @@ class Model:
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
                    route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp, build_dir=build_dir,
-                   max_positions=trained if _int(trained := ck.cfg.get("max_position_embeddings")) else None)
+                   max_positions=trained_positions(ck.cfg))
 
     # -- reports --
     def stats(self) -> list[dict]:

@@ -379,6 +379,9 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
         raise VariantError(f"{path}: empty (a mapping with keys 'models' and 'matrix'; see README: variants.yaml)")
     if not isinstance(doc, dict):
         raise VariantError(f"{path}: top level must be a mapping with keys 'models' and 'matrix'")
+    if "model_type" in doc and "models" not in doc:  # (JSON is YAML)
+        raise VariantError(f"{path}: a Hugging Face config.json, not a variants file (`megakernel from-hf {path} "
+                           "--write variants.yaml` declares its variants)")
     for key in doc:
         if key not in ("models", "matrix"):
             raise VariantError(f"{path}: unknown top-level field '{key}' (allowed: models, matrix)")
@@ -411,7 +414,13 @@ def parse(text: str, path: str = "variants.yaml") -> list[Variant]:
 
 
 def load(path: str | Path) -> list[Variant]:
+    """A variants file (variants.yaml's format, README) -> its variants. VariantError, one line: unreadable, a model
+    directory or config.json given in its place (from-hf turns those into an entry), or what `parse` refuses."""
     path = Path(path)
+    if path.is_dir():
+        hint = (f": a Hugging Face model directory (`megakernel from-hf {path} --write variants.yaml` declares its "
+                "variants)") if (path / "config.json").is_file() else ""
+        raise VariantError(f"{path}: a directory, not a variants file{hint}")
     try:
         text = path.read_text()
     except FileNotFoundError:

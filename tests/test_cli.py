@@ -73,6 +73,22 @@ def test_missing_variants_file(workdir):
     assert snapshot(workdir / "build") == before
 
 
+def test_model_directory_given_as_variants_file(workdir):
+    """A Hugging Face model directory or its config.json passed as --variants is named as such, with from-hf's
+    command (a trial got "Is a directory" and "unknown top-level field 'architectures'"); nothing is built."""
+    model = workdir / "llama-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    (workdir / "empty").mkdir()
+    before = snapshot(workdir / "build")
+    for command in ("build", "report"):
+        for arg, want in ((model, "a Hugging Face model directory"), (model / "config.json", "a Hugging Face config.json"),
+                          (workdir / "empty", "a directory, not a variants file")):
+            r = run_cli([command, "--variants", arg], cwd=workdir)
+            assert_bad_input(r, str(arg), want, *(["from-hf"] if "Hugging" in want else []))
+    assert snapshot(workdir / "build") == before
+
+
 def test_bad_arch(workdir):
     (workdir / "variants.yaml").write_text(GOOD_TEXT)
     before = snapshot(workdir / "build")

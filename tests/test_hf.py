@@ -217,6 +217,28 @@ def test_from_hf_default_cache_stops_at_max_position_embeddings(tmp_path):
     assert r.returncode == 2 and "default 128" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_absent_max_position_embeddings_is_transformers_default(tmp_path, model_type):
+    """A config.json without max_position_embeddings is read with the config class's default, as transformers reads
+    it (a trial found it taken as unknown): the limit dynamic RoPE is exact up to, yarn's original length, from-hf's
+    default cache, and a note that says where the number came from."""
+    import transformers as T
+    cfg = {"model_type": model_type, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 128, "rope_theta": 1e4,
+           "torch_dtype": "bfloat16", "sliding_window": None, "use_sliding_window": False}
+    d = write_config(tmp_path, "plain", cfg)
+    want = T.AutoConfig.from_pretrained(d).max_position_embeddings
+    m = hf.map_config(d)
+    assert f"no max_position_embeddings in config.json: {want}, transformers' default for {model_type}" in m.notes
+    assert hf.trained_positions(m.cfg) == want
+    r = run_cli("from-hf", d, "--batch", "1")
+    assert r.returncode == 0 and f"seq_len: [{min(4096, want)}]" in r.stdout, r.stderr + r.stdout
+    dyn = hf.map_config(write_config(tmp_path, "dyn", {**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    assert dyn.limit.size == want
+    yarn = write_config(tmp_path, "yarn", {**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    assert hf.model_entry(yarn)[1]["rope_scaling"]["original_max_position_embeddings"] == want
+
+
 def test_transformers5_rope_parameters_layout(tmp_path):
     old = hf.model_entry(write_config(tmp_path, "a", LLAMA_3_1_8B))[1]
     cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
@@ -401,8 +423,8 @@ REFUSED = [
     ("rope_scaling.factor", {**QWEN2_5_7B, "rope_scaling": {"rope_type": "linear", "factor": "2"}}),
     ("rope_parameters.factor", {**_without(LLAMA_3_1_8B, "rope_scaling"),  # (dynamic: its factor needed)
                                 "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5}}),
-    ("max_position_embeddings", {**_without(LLAMA_3_1_8B, "rope_scaling", "max_position_embeddings"),
-                                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    ("max_position_embeddings", {**_without(LLAMA_3_1_8B, "rope_scaling"), "max_position_embeddings": None,
+                                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),  # (absent: the default)
     ("rope_scaling.low_freq_factor", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                                         "high_freq_factor": 4.0}}),
     ("partial_rotary_factor", {**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}),

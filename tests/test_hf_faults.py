@@ -112,7 +112,7 @@ def test_attention_chunk_size_is_the_window_generates_cache_keeps(tmp_path, mode
     before = bad.read_text()
     with pytest.raises(hf.HFConfigError) as exc:
         hf.append_entry(bad, text)
-    assert "chunked attention" in one_line(exc) and "seq_len 16" in one_line(exc)
+    assert "chunked attention" in one_line(exc) and "seq_len 16 is longer than attention_chunk_size 8" in one_line(exc)
     assert bad.read_text() == before
     # layer_types given: the cache follows it (full attention), as does a sliding_window's branch for llama
     lt = write_config(tmp_path, f"{model_type}-chunk8-lt", {**base, "layer_types": ["full_attention"] * 32})

@@ -923,6 +923,11 @@ def test_cli_generate_on_the_cpu(tiny, cli, tmp_path):
     assert r.returncode == 0 and "257 positions" in r.stderr and "max_position_embeddings 256" in r.stderr, r.stderr
     r = cli(["generate", tmp_path / "nonexist", "--ids", "1"], cwd=tmp_path)  # the path first, on any machine
     assert r.returncode == 2 and "no such file or directory" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")  # a symlink loop: its own reason, not "no such"
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    r = cli(["generate", tmp_path / "loop-a", "--ids", "1"], cwd=tmp_path)
+    assert r.returncode == 2 and "cannot read: Too many levels of symbolic links" in r.stderr \
+        and r.stderr.count("\n") == 1, r.stderr
     (tmp_path / "empty").mkdir()
     r = cli(["generate", tmp_path / "empty", "--ids", "1"], cwd=tmp_path)
     assert r.returncode == 2 and "no config.json" in r.stderr and r.stderr.count("\n") == 1

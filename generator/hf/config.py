@@ -34,6 +34,7 @@ UNSUPPORTED_WHY = {
     "gemma3_text": "RMSNorm scaled by (1 + weight), norms after attention and the MLP, two RoPE bases",
     "granite": "embedding, residual and attention multipliers and a logit divisor",
     "phi3": "fused qkv_proj and gate_up_proj weights",
+    "gpt2": "LayerNorm, learned absolute positions instead of RoPE and a GELU MLP that is not gated",
     "olmo": "LayerNorm without weights",
     "olmo2": "norms after attention and the MLP, q/k norms over whole projections",
     "stablelm": "LayerNorm and a partial rotary embedding",
@@ -48,6 +49,9 @@ KV_HEADS_ABSENT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 # vocab_size where config.json has no such key: the config class's default (transformers then refuses an embedding of
 # another size)
 VOCAB_ABSENT = {"llama": 32000, "mistral": 32000, "qwen2": 151936, "qwen3": 151936}
+# max_position_embeddings where config.json has no such key: the config class's default (what transformers' RoPE
+# scaling and generate then read)
+MAX_POSITIONS_ABSENT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 # hidden_act -> our activation; only functions the kernel computes exactly ("gelu" is HF's exact erf GELU)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16", "float64": "bf16"}
@@ -149,12 +153,21 @@ def config_dtype(cfg: dict) -> tuple[str, str | None]:
     return field, None if raw is None else str(raw).removeprefix("torch.")
 
 
+def max_positions(cfg: dict):
+    """config.json's max_position_embeddings as transformers reads it (tokens): the field's value where present (any
+    JSON value, checked by the caller), the model_type's config class default where absent (MAX_POSITIONS_ABSENT;
+    None for a model_type not supported)."""
+    return cfg["max_position_embeddings"] if "max_position_embeddings" in cfg else \
+        MAX_POSITIONS_ABSENT.get(cfg.get("model_type"))
+
+
 def _check_int(cfg_path, cfg, field, *, default=None, required=True):
     v = cfg.get(field)
     if v is None:
         if default is not None or not required:
             return default
-        raise HFConfigError(f"{cfg_path}: missing field '{field}'")
+        raise HFConfigError(f"{cfg_path}: missing field '{field}' (transformers would take its config class's "
+                            "default, a shape the file does not state: give the field)")
     if isinstance(v, bool) or not isinstance(v, int):
         raise HFConfigError(f"{cfg_path}: field '{field}' must be an integer, got {v!r}")
     if v <= 0:
@@ -236,7 +249,7 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
         if params.get("factor") is None:
             raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by dynamic RoPE scaling)")
         _check_number(cfg_path, f"{where}.factor", params["factor"])
-        top = cfg.get("max_position_embeddings")
+        top = max_positions(cfg)
         if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
             raise HFConfigError(f"{cfg_path}: field 'max_position_embeddings' must be a positive integer (dynamic "
                                 f"RoPE scales past it), got {top!r}")
@@ -262,7 +275,7 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
         v = params.get(key)
         if key == "original_max_position_embeddings":
             # transformers' precedence: a top-level value, then the rope dict's, then max_position_embeddings
-            v = cfg.get(key, v if v is not None else cfg.get("max_position_embeddings"))
+            v = cfg.get(key, v if v is not None else max_positions(cfg))
             if v is None:
                 raise HFConfigError(f"{cfg_path}: missing field '{where}.{key}'")
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -358,7 +371,7 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict
     key = "original_max_position_embeddings"
     if key in params and params[key] is None and key not in cfg:  # (transformers fails on it: a division by None)
         raise HFConfigError(f"{cfg_path}: field '{where}.{key}' is null: give the pretraining length")
-    old = cfg.get(key, params.get(key, cfg.get("max_position_embeddings")))
+    old = cfg.get(key, params.get(key, max_positions(cfg)))
     if isinstance(old, bool) or not isinstance(old, int) or old <= 0:
         raise HFConfigError(f"{cfg_path}: field '{where}.{key}' must be a positive integer (else "
                             f"max_position_embeddings), got {'nothing' if old is None else repr(old)}")
@@ -366,7 +379,7 @@ def _map_yarn(cfg_path, cfg, where: str, params: dict, notes: list[str]) -> dict
         raise HFConfigError(f"{cfg_path}: missing field '{where}.factor' (needed by yarn RoPE scaling)")
     factor = params["factor"]
     if factor is None:
-        top = cfg.get("max_position_embeddings")
+        top = max_positions(cfg)
         if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
             raise HFConfigError(f"{cfg_path}: field '{where}.factor' is null and max_position_embeddings, from which "
                                 f"yarn derives it, is {'absent' if top is None else repr(top)}")
@@ -414,7 +427,8 @@ def check_window(window: Window | None, seq_len: int, where: str, n_layers: int 
     what = {"llama": "llama's window, which transformers' forward ignores while generate()'s cache applies it",
             "chunk": "chunked attention, which transformers' forward ignores while generate()'s cache keeps only "
                      "that many keys"}.get(window.why, "a window on some layers only")
-    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than sliding_window {window.size} ({covers}): "
+    kind = "attention_chunk_size" if window.why == "chunk" else "sliding_window"
+    raise HFConfigError(f"{where}: seq_len {seq_len} is longer than {kind} {window.size} ({covers}): "
                         f"{what}, is not supported (every layer attends to the whole cache; seq_len <= {window.size} "
                         "is exact)")
 
@@ -464,6 +478,9 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         raise HFConfigError(f"{cfg_path}: field 'model_type' is {model_type!r}: supported are "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}{why}")
     notes: list[str] = []
+    if "max_position_embeddings" not in cfg:  # (what the cache and RoPE scaling are then checked against)
+        notes.append(f"no max_position_embeddings in config.json: {MAX_POSITIONS_ABSENT[model_type]}, transformers' "
+                     f"default for {model_type}")
     hidden = _check_int(cfg_path, cfg, "hidden_size")
     heads = _check_int(cfg_path, cfg, "num_attention_heads")
     # absent: the config class's default, as transformers reads it (MistralConfig 8, Qwen2Config and Qwen3Config 32,

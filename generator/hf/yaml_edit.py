@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from .. import variants as gvariants
-from .config import HFConfigError, PositionLimit, Window, check_positions, check_window, map_config
+from .config import (HFConfigError, PositionLimit, Window, check_positions, check_window, map_config,
+                     max_positions)
 
 FIELD_ORDER = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "norm", "norm_eps",
                "rope_theta", "rope_scaling", "sliding_window", "activation", "qkv_bias", "qk_norm", "dtype")
@@ -88,9 +89,10 @@ DEFAULT_SEQ_LEN = 4096  # a decode variant's KV rows a sequence where from-hf is
 
 
 def trained_positions(cfg: dict) -> int | None:
-    """config.json's max_position_embeddings (positions the model was trained on) where it is a positive integer,
-    else None (absent, null or not a count: nothing to compare a cache with)."""
-    trained = cfg.get("max_position_embeddings")
+    """config.json's max_position_embeddings (positions the model was trained on; where absent, the config class's
+    default, as transformers reads it: config.max_positions) where it is a positive integer, else None (null or not
+    a count: nothing to compare a cache with)."""
+    trained = max_positions(cfg)
     return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None
 
 
