@@ -17,6 +17,8 @@
 #                                 # 16 and 8 (~2 min; `bash bench/queue.sh build` compiles them here first: carry build-tl)
 #   bash bench/queue.sh big       # batch 64-128 held-out rows against FlashInfer and the serving-style layer (carry
 #                                 # .whl; ~3 min): never timed past batch 64 against a baseline
+#   bash bench/queue.sh downgemm  # down_proj on the GEMM engine (DOWN_GEMM): its GPU test, then the A/B at b64-128 (~2 min; `build`
+#                                 # compiles the A/B here first: carry build-ab)
 #   bash bench/queue.sh tune191   # on an H200: the batch-1 entries of 0.5B and 1B tuned at full context and row 191
 #                                 # together (`tune --positions full,191`; ~4 min), into $OUT/tune-191.json
 #   bash bench/queue.sh tests     # the sampler's and the LM head's GPU tests
@@ -155,6 +157,20 @@ part_big() {  # session 70: past batch 64 the decode kernel runs qkv, o_proj and
     --out "$OUT/big"
 }
 
+part_downgemm() {  # session 71: past batch 64 down_proj ran as a GEMV in batch slices at 42-47 % of the copy bandwidth
+  # (H100: Qwen2.5-7B-like b96 109.7 us for 136 MB, 1B-shape b128 26.9 us for 33.5 MB), the rows 0.82x / 0.96x
+  # FlashInfer's layer; down_proj on the GEMM engine (DOWN_GEMM 1, built, an override until this runs; then the default
+  # past one token tile: decode.DOWN_GEMM_BY_DEFAULT). First the engine's GPU test (its DOWN_GEMM cases), then
+  # DOWN_GEMM 1 against the default at b64-128. Prediction: down_proj at ~80 % of the bandwidth, -12 ... -16 % a layer
+  # at Qwen2.5-7B-like b96, -4 ... -6 % at 1B b128; b64 level
+  [ -n "$BUILD" ] || step gputests-downgemm timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
+    -k "gemm_projections_match"
+  local on='{"DOWN_GEMM": 1}'
+  ab downgemm full,mix --variants bench/heldout.yaml --case ho-q7b-b96_decode_b96_s1024_bf16 "$on" \
+    --case ho-l1b-b128_decode_b128_s2048_bf16 "$on" --case ho-l1b-b64_decode_b64_s1024_bf16 "$on" \
+    --case ho-l8b-b64_decode_b64_s1024_bf16 "$on"
+}
+
 part_tune191() {  # session 70: e2e serves its b1 steps at rows ~128-160 with the KV-4096 variant, whose tuned plan
   # was timed at full context only (session 55's retune); a plan for both (the mean of full and row 191, losing at
   # neither by more than 1 %). The entries come back in $OUT/tune-191.json, merged by hand into tuning/<gpu>.json
@@ -182,9 +198,9 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tune191|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|downgemm|tune191|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl ;;  # (afresh: old builds would outgrow a
+  build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl; part_downgemm ;;  # (afresh: old builds would outgrow a
     # device call's 64 MiB carry)
   dsmem) part_dsmem ;;
   opre) part_opre ;;
@@ -195,6 +211,7 @@ case "${1:-}" in
   seventh) part_seventh ;;
   second) part_second ;;
   big) part_big ;;
+  downgemm) part_downgemm ;;
   tune191) part_tune191 ;;
   tests) part_tests ;;
   serving) part_serving ;;

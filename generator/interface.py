@@ -48,9 +48,9 @@ TIMELINE_ATT_PHASES = ("task start", "position loaded", "qkv in", "queries ready
 
 def on_engine(c: dict, prefix: str) -> bool:
     """Whether a decode plan's constants `c` run projection `prefix` ("QKV", "O", "GU", "DOWN") on the GEMM engine:
-    under GEMM_PROJ gate_up always, qkv_proj and o_proj by <P>_GEMM (a plan from before those knobs: all three),
-    down_proj never (generator.modes.decode GEMM_PROJECTIONS, GEMM_OPTIONAL)."""
-    return bool(c.get("GEMM_PROJ")) and prefix != "DOWN" and bool(c.get(f"{prefix}_GEMM", 1))
+    under GEMM_PROJ gate_up always, qkv_proj, o_proj and down_proj by <P>_GEMM (a plan from before those knobs: qkv,
+    o and gate_up on it, down_proj a GEMV; generator.modes.decode GEMM_PROJECTIONS, GEMM_OPTIONAL)."""
+    return bool(c.get("GEMM_PROJ")) and bool(c.get(f"{prefix}_GEMM", int(prefix != "DOWN")))
 
 
 def _gemm_cols(c: dict, k: int) -> int:
@@ -85,11 +85,13 @@ WORKSPACE: tuple[Buffer, ...] = (
            "decode HB_COPY (tp = 1, bf16): h rounded to T, what the second norm reads (half the bytes, no registers); "
            "with H_STATS times the second norm's gain; H_LL: each a 32-bit word, the value in its low half, the "
            "launch's epoch in the high"),
-    Buffer("act", "T", lambda c: (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ: down_proj's GEMV reads it, not tiled)
-                                  (c["INTER"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["INTER"]))
-                                  * (1 + (c.get("DOWN_FLOW") == 2))),
+    Buffer("act", "T", lambda c: ((c["GEMM_XROWS"], _gemm_cols(c, c["INTER"])) if on_engine(c, "DOWN")
+                                  else (c.get("XF_ROWS", c["ROWS"]),  # (decode GEMM_PROJ, DOWN_GEMM 0: not tiled)
+                                        (c["INTER"] if c.get("GEMM_PROJ") else _gemm_cols(c, c["INTER"]))
+                                        * (1 + (c.get("DOWN_FLOW") == 2)))),
            "act(gate) * up (decode X_FRAG: in fragment order, from_frag; DOWN_FLOW 2: each element a 32-bit word, its "
-           "value in the low half, the launch's epoch in the high; sm_90a prefill: tiled, from_tiles)"),
+           "value in the low half, the launch's epoch in the high; sm_90a prefill and decode GEMM_PROJ's down_proj on "
+           "the engine (DOWN_GEMM): tiled, from_tiles)"),
     Buffer("xn", "T", lambda c: (c["XN_ROWS"], _gemm_cols(c, c["HIDDEN"])),
            "normalised token rows (prefill: the GEMMs read them; sm_90a: tiled, from_tiles; decode NORM_GLOBAL: in "
            "fragment order, from_frag; decode GEMM_PROJ: tiled, from_tiles: gate_up's rows, sharing the buffer with the "

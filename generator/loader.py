@@ -478,9 +478,9 @@ class FusedDecoderLayer:
             ks, rows = consts.get("QKV_KSPLIT", 1), self.plan["rows"]
             return from_ll(raw, ks * rows, consts["QKV_DIM"], frag=False).view(ks, rows, -1).sum(0)
         # the GEMM engine's inputs (decode GEMM_PROJ: xn holds gate_up's rows last; attn o_proj's where O_GEMM)
-        consumer = {"xn": "GU", "attn": "O"}.get(name)  # (the projection that reads it last)
+        consumer = {"xn": "GU", "attn": "O", "act": "DOWN"}.get(name)  # (the projection that reads it last)
         if self.mode == "decode" and consumer and on_engine(consts, consumer):
-            k = {"attn": consts["Q_DIM"], "xn": consts["HIDDEN"]}[name]
+            k = {"attn": consts["Q_DIM"], "xn": consts["HIDDEN"], "act": consts["INTER"]}[name]
             return from_tiles(raw, self.plan["rows"], k, consts["GEMM_XROWS"])
         if (name in ("attn", "act") and consts.get("X_FRAG")) or (name == "xn" and consts.get("NORM_GLOBAL")):
             return from_frag(raw, self.plan["rows"], b["shape"][1])

@@ -103,8 +103,8 @@ def path_cell(c: dict) -> str | None:
     COOP=0 (launched without the cooperative attribute); None where it takes none (or a prefill plan)."""
     parts = ["NORM_GLOBAL"] if c.get("NORM_GLOBAL") else []
     parts += ["H_STATS"] if c.get("NORM_GLOBAL") and c.get("H_STATS") else []
-    engine = [p for p in ("QKV", "O", "GU") if decode.on_engine(c, p)]
-    parts += (["GEMM_PROJ"] if len(engine) == 3 else [f"GEMM_PROJ={'+'.join(p.lower() for p in engine)}"]
+    engine = [p for p in ("QKV", "O", "GU", "DOWN") if decode.on_engine(c, p)]
+    parts += (["GEMM_PROJ"] if engine == ["QKV", "O", "GU"] else [f"GEMM_PROJ={'+'.join(p.lower() for p in engine)}"]
               if engine else [])
     gemv = [p for p in ("QKV", "O", "GU", "DOWN") if not decode.on_engine(c, p)]  # (the projections the GEMVs run)
     tm = max([c.get(f"{p}_TM", 1) for p in gemv])

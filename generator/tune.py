@@ -468,7 +468,8 @@ def knob_dict(p: dict) -> dict:
 KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 1, "DOWN_TM": 1, "ATT_TMA": 0,
                 "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1,
                 "QKV_BS": 1, "O_BS": 1, "GU_BS": 1, "DOWN_BS": 1,  # (<P>_BS: session 58, from batch 41)
-                "GEMM_PROJ": 0, "QKV_GSPLIT": 1, "O_GSPLIT": 1, "GU_GSPLIT": 1}  # (session 62, from batch 64)
+                "GEMM_PROJ": 0, "QKV_GSPLIT": 1, "O_GSPLIT": 1, "GU_GSPLIT": 1,  # (session 62, from batch 64)
+                "DOWN_GEMM": 0, "DOWN_GSPLIT": 1}  # (session 71, from batch 65)
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}
@@ -482,7 +483,7 @@ def knobs_differ(recorded: dict, now: dict) -> list[str]:
     if not recorded:
         return []
     rec = {**{k: val for k, val in KNOBS_BEFORE.items() if k in now}, **recorded}
-    for p in decode.GEMM_OPTIONAL:  # (<P>_GEMM: session 64; a record from before ran all three as GEMM_PROJ said)
+    for p in ("QKV", "O"):  # (<P>_GEMM: session 64; a record from before ran all three as GEMM_PROJ said)
         if f"{p}_GEMM" in now:
             rec.setdefault(f"{p}_GEMM", rec.get("GEMM_PROJ", 0))
     inert = {"ATT_PIECE_TILES"} if now.get("ATT_DYN") != 2 else set()  # read by stream-K's kernel only

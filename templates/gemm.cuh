@@ -1,5 +1,5 @@
-// ---- GEMM engine of the prefill projections and of decode's GEMM_PROJ (gate_up, qkv_proj / o_proj where QKV_GEMM /
-// O_GEMM; not a stage) ----
+// ---- GEMM engine of the prefill projections and of decode's GEMM_PROJ (gate_up, qkv_proj / o_proj / down_proj where
+// QKV_GEMM / O_GEMM / DOWN_GEMM; not a stage) ----
 // C[n][t] = sum_k W[n][k] * X[t][k] for N weight rows and `rows` tokens on the tensor cores (mma.sync m16n8k16):
 // weight rows are M, tokens are N. A block task is a GEMM_BM x GEMM_BN tile (weight rows x tokens) over the whole
 // of K, walked in GEMM_BK-wide chunks through a GEMM_STAGES-deep ring in shared memory (cp.async; on sm_90a the
@@ -387,4 +387,22 @@ __device__ __forceinline__ void gemm(const T* __restrict__ W, const unsigned cha
         if constexpr (GEMM_WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
     }
+}
+
+// down_proj on the engine (prefill's; decode's DOWN_GEMM): out = h + act @ Wd^T for `rows` tokens, act tiled (gemm_x),
+// h the fp32 residual after o_proj
+template <int KSPLIT, int FULL>
+__device__ __forceinline__ void down_gemm(const T* ws_act, const T* w_down, const unsigned char* w_tmaps,
+                                          const float* ws_h, T* out, unsigned* ws_status, int rows, float* ws_split,
+                                          unsigned* ws_count, unsigned char* smem) {
+    gemm<HIDDEN, INTER, KSPLIT, FULL>(w_down, w_tmaps + TMAP_DOWN * TMAP_BYTES, ws_act, rows, smem, ws_split, ws_count,
+        [&](int n, int t) { return *reinterpret_cast<const float4*>(ws_h + (size_t)t * HIDDEN + n); },
+        [&](int n, int t, float4 v, float4 res) {
+            const float4 o = res + v;
+            count_overflow(o.x, ws_status);
+            count_overflow(o.y, ws_status);
+            count_overflow(o.z, ws_status);
+            count_overflow(o.w, ws_status);
+            store4(out + (size_t)t * HIDDEN + n, o);
+        });
 }

@@ -964,6 +964,29 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
     assert (c["GEMM_PROJ"], c["DOWN_FLOW"], c["ATT_LL"], c["H_LL"], c["QKV_FLOW"]) == (1, 0, 0, 0, 0)
     hd80 = _decode_layer("gpd", 64, 1024, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
     assert render.plan(hd80)["consts"]["GEMM_PROJ"] == 0  # (head_dim 80 spills with it: not by default)
+    # down_proj on the engine (DOWN_GEMM; an override until its GPU test runs: decode.DOWN_GEMM_BY_DEFAULT): asked, it
+    # brings GEMM_PROJ and tiles act; its split from the planner's rule, or DOWN_GSPLIT; a GEMV knob of down_proj
+    # beside it is one line
+    for v in (b64, b100):
+        assert render.plan(v)["consts"]["DOWN_GEMM"] == 0
+        p = render.plan(v, overrides={"DOWN_GEMM": 1})
+        c = p["consts"]
+        assert (c["GEMM_PROJ"], c["DOWN_GEMM"]) == (1, 1) and interface.on_engine(c, "DOWN")
+        assert (c["DOWN_GSPLIT"], c["DOWN_GFULL"]) == (p["gemm"]["down"]["KSPLIT"], p["gemm"]["down"]["FULL"])
+        if c["DOWN_GSPLIT"] > 1:
+            assert p["sizes"]["COUNTERS"] >= p["gemm"]["down"]["tiles"]
+        buf = interface.workspace_layout({**c, "ROWS": v.batch, **p["sizes"]})["buffers"]
+        assert buf["act"]["shape"] == [c["GEMM_XROWS"], 8192]
+        assert "gate_up, down_proj on the wgmma GEMM engine" in render.render(v, p)
+    assert render.plan(b100, overrides={"DOWN_GSPLIT": 2})["consts"]["DOWN_GEMM"] == 1
+    with pytest.raises(PlanError, match="DOWN_GEMM") as exc:
+        render.plan(b100, overrides={"DOWN_GEMM": 1, "DOWN_U": 4})
+    assert "\n" not in str(exc.value) and "DOWN_U" in str(exc.value)
+    with pytest.raises(PlanError, match="DOWN_GEMM=2: must be 0 or 1"):
+        render.plan(b100, overrides={"DOWN_GEMM": 2})
+    monkeypatch.setattr(decode, "DOWN_GEMM_BY_DEFAULT", True)  # (the rule as it will be: past one token tile)
+    assert [render.plan(v)["consts"]["DOWN_GEMM"] for v in (b64, b100)] == [0, 1]
+    monkeypatch.undo()
     # its static shared memory counted: Llama-3-8B b227 (the GEMVs' 227 KB exactly) planned without it, asked: refused
     b227 = _decode_layer("gpd", 227, 1024, "hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, intermediate: 14336")
     p = render.plan(b227)
@@ -1509,8 +1532,11 @@ def test_gemm_projections_match_the_reference(tmp_path):
     tiled ones); all three on the engine at: a Qwen2.5-1.5B-like batch 48 (qkv bias, token tiles of 48); hidden 1440
     with head_dim 80 (K and q dim not multiples of 64: zero columns of the tiled inputs and weight k-tiles past K);
     LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16 (its norm from fp32
-    h; and with gate_up alone on it: the second norm's step writing its tiled rows): against the fp32 reference at two
-    seeds, a second launch bit-equal; then three launches back to back against the reference step by step."""
+    h; and with gate_up alone on it: the second norm's step writing its tiled rows); down_proj on the engine too
+    (DOWN_GEMM, act tiled; an override until this test has run): batch 100 (split-K), whole (DOWN_GSPLIT 1: the staged
+    epilogue), batch 64, hidden 1440 (a partial 256-row tile) and fp16: against
+    the fp32 reference at two seeds, a second launch bit-equal; then three launches back to back against the reference
+    step by step."""
     from bench.tune import renamed
     from generator import reference
     from generator.loader import load
@@ -1525,10 +1551,14 @@ def test_gemm_projections_match_the_reference(tmp_path):
     cases = [(b64, every), (b64, {}), (b48, every),
              (b64, {"QKV_GEMM": 0, "O_GSPLIT": 3, "GU_GSPLIT": 2}), (b64, {"QKV_GEMM": 0, "O_GEMM": 0, "QKV_FLOW": 1}),
              (b100, {}),
-             (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1})]
+             (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1}),
+             (b100, {"DOWN_GEMM": 1}), (b100, {"DOWN_GSPLIT": 1}), (b64, {"DOWN_GEMM": 1}),
+             (hd80, {**every, "DOWN_GEMM": 1}), (half, {**every, "DOWN_GEMM": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
-    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"]) == (1, 0, 0)
+    assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["DOWN_GEMM"]) == (1, 0, 0, 0)
+    c = render.plan(b100, overrides={"DOWN_GEMM": 1})["consts"]
+    assert (c["DOWN_GEMM"], c["GEMM_PROJ"]) == (1, 1) and c["DOWN_GSPLIT"] > 1
     assert render.plan(b64, overrides=every)["consts"]["O_GSPLIT"] > 1
     for i in (0, 1, 2):
         v = cases[i][0]

@@ -39,8 +39,8 @@ STEPS = (
     Step("gate_up", "gate_up(ws_h, ws_hb, ws_hsq, ln2_w, ln2_b, ws_xn, w_gu, w_tmaps, w_down, ws_act, ws_status, ws_split, "
                     "ws_count, ws_ready, ws_epoch, gu_pre, smem)",
          flow="DOWN_FLOW"),
-    Step("down_proj", "down_proj(ws_act, w_down, ws_h, out, ws_status, tp_rank, ws_split, ws_count, ws_ready, "
-                      "ws_epoch, down_pre, smem)",
+    Step("down_proj", "down_proj(ws_act, w_down, w_tmaps, ws_h, out, ws_status, tp_rank, ws_split, ws_count, "
+                      "ws_ready, ws_epoch, down_pre, smem)",
          then="none", reduce="out", pre="const auto down_pre = down_proj_pre(w_down)"),
 )
 
@@ -97,9 +97,9 @@ STEPS = (
 assert 2 + 2 * len(STEPS) <= TIMELINE_ATT and TIMELINE_ATT + len(TIMELINE_ATT_PHASES) <= TIMELINE_SLOTS, \
     "TIMELINE: a block's row holds entry, wait, each step's end and barrier, then attention's phases"
 PROJECTIONS = (("QKV", "qkv"), ("O", "o"), ("GU", "gate_up"), ("DOWN", "down"))
-GEMM_PROJECTIONS = ("QKV", "O", "GU")  # GEMM_PROJ: the projections on the GEMM engine (down_proj stays a GEMV)
-GEMM_OPTIONAL = ("QKV", "O")  # ... of which these each by a knob of their own (<P>_GEMM 0: a GEMV; gate_up always;
-# interface.on_engine reads a plan's)
+GEMM_PROJECTIONS = ("QKV", "O", "GU", "DOWN")  # GEMM_PROJ: the projections that can run on the GEMM engine
+GEMM_OPTIONAL = ("QKV", "O", "DOWN")  # ... of which these each by a knob of their own (<P>_GEMM 0: a GEMV; gate_up
+# always; interface.on_engine reads a plan's)
 
 
 # GEMM_PROJ: the knobs it cannot run beside (on: refused with it asked for, and it is off by default), and why (QKV_FLOW
@@ -190,7 +190,7 @@ def _check_overrides(name: str, ov: dict) -> dict:
         if k == "GEMV_PF" and val not in (0, 1, 2):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1 or 2")
         on_off = ("X_FRAG", "TIMELINE", "H_STATS", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "COOP", "DOWN_SMEM",
-                  "GU_SKIP", "QKV_GEMM", "O_GEMM", "QKV_QFIRST", "ATT_ROT", "ATT_KVLAST")
+                  "GU_SKIP", *(f"{p}_GEMM" for p in GEMM_OPTIONAL), "QKV_QFIRST", "ATT_ROT", "ATT_KVLAST")
         if k == "NORM_FOLD" and val not in (0, 1, 2, 3):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0, 1, 2 or 3")
         if k == "ATT_DYN" and val not in (0, 1, 2):
@@ -261,6 +261,12 @@ GEMM_UNSPLIT_SHARE = 0.45
 # +1.2 %. (A rule on K chunks a task, 6, was predicted and missed: the 3B's o_proj has 4 a task and wins on the
 # engine.) The tuner flips both either way
 GEMM_TASKS_MIN_SHARE = 0.8
+# DOWN_GEMM (down_proj on the engine, act tiled): past one token tile (GEMM_BN_MAX) the down_proj GEMV runs the batch
+# in slices and falls away (H100, session 71: Qwen2.5-7B-like b96 down_proj 109.7 us for 136 MB, 42 % of the copy
+# bandwidth, the layer 0.82x FlashInfer's; 1B-shape b128 26.9 us for 33.5 MB), level with the engine at batch 64
+# (session 61). Built in session 71 without a GPU run: an override and a tuner candidate (verified per candidate)
+# until its GPU test and A/B have run (bench/queue.sh downgemm), then the default past GEMM_BN_MAX
+DOWN_GEMM_BY_DEFAULT = False
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
 # thread of the 128 that 16 warps leave; 128 rows would take 64)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
@@ -873,8 +879,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # GEMM_TASKS_MIN_SHARE), on the wgmma GEMM engine that prefill's projections run on (templates/gemm.cuh: the
     # batch's rows tiled in shared memory by bulk copies, read once a 256-row tile instead of once a 16-row GEMV task
     # from L2), the inputs of those (the first norm's rows, attention's output, o_proj's H_STATS rows or the second
-    # norm's) written in its tiled layout (gemv.cuh gemm_x, xg_at); down_proj stays a GEMV (level at batch 64 on both
-    # engines, session 61). By default from GEMM_BATCH_MIN and GEMM_HIDDEN_MIN
+    # norm's) written in its tiled layout (gemv.cuh gemm_x, xg_at); down_proj past one token tile (DOWN_GEMM: level
+    # with its GEMV at batch 64, session 61), act then tiled too. By default from GEMM_BATCH_MIN and GEMM_HIDDEN_MIN
     # (measured there) at a head_dim a multiple of 32 (head_dim 80 spills 224-252 B with it at batch 64-128, 0-100 B
     # without: not timed)
     wgmma = arch.sm.startswith("90")  # (sm_90 builds as sm_90a, compile.py)
@@ -883,7 +889,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                   for g in GEMM_PROJECTIONS}
     # (engine_asked, the engine's own knobs, a projection on it or a split of its: GEMM_PROJ 1 unless asked off)
     # QKV_FLOW's counters (1) beside it where qkv_proj and o_proj are both asked to stay GEMVs (o_proj's GEMV resets them)
-    flow_ok = all(ov.get(f"{p}_GEMM") == 0 for p in GEMM_OPTIONAL) and ov.get("QKV_FLOW", 0) <= 1
+    flow_ok = all(ov.get(f"{p}_GEMM") == 0 for p in ("QKV", "O")) and ov.get("QKV_FLOW", 0) <= 1
     gemm_off = {k: why for k, why in GEMM_OFF.items() if k != "QKV_FLOW" or not flow_ok}
     gemm_proj = ov.get("GEMM_PROJ", 1 if engine_asked else int(not gemm_rule_off and wgmma and v.tp == 1 and norm_global
                                         and v.batch >= GEMM_BATCH_MIN
@@ -930,9 +936,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
             # fragment-ordered rows would land in the tiled layout's padding columns, which gate_up's GEMM reads from
             # the shared xn (times zero weights: a NaN of one sequence would cross to the others)
             whole = prefix != "QKV" or m.hidden % 64 == 0
+            auto = (DOWN_GEMM_BY_DEFAULT and v.batch > GEMM_BN_MAX if prefix == "DOWN" else
+                    v.batch > GEMM_BN_MAX or tiles >= GEMM_UNSPLIT_SHARE * sms
+                    or full + (tiles - full) * ks >= GEMM_TASKS_MIN_SHARE * sms)
             on = ov.get(f"{prefix}_GEMM", int(gemm_proj and (not whole or not gemv_knobs[prefix] and (
-                f"{prefix}_GSPLIT" in ov or v.batch > GEMM_BN_MAX or tiles >= GEMM_UNSPLIT_SHARE * sms
-                or full + (tiles - full) * ks >= GEMM_TASKS_MIN_SHARE * sms))))
+                f"{prefix}_GSPLIT" in ov or auto))))
             if on:
                 _needs(v.name, f"{prefix}_GEMM", on, [
                     (not gemv_knobs[prefix], f"no GEMV knob of {key} ({', '.join(gemv_knobs[prefix])}: it runs on the "

@@ -3,6 +3,8 @@
 #pragma once
 // (gate_up.cuh: DOWN_FLOW's counters and act_known)
 #include "../gemv.cuh"
+// (after gemv.cuh: opened alone, the decode example config, not gemm.cuh's prefill one)
+#include "../gemm.cuh"
 #include "gate_up.cuh"
 __device__ __forceinline__ GemvPre<DOWN_U * DOWN_TM> down_proj_pre(const T* w_down) {  // DOWN_PRE: before gate_up's barrier
     return gemv_pre<DOWN_PRE, HIDDEN, INTER, DOWN_NWG, DOWN_U, DOWN_KSPLIT, 0, DOWN_TM>(w_down);
@@ -71,9 +73,16 @@ struct DownStaged {
     __device__ void wait() const { mbar_wait(bar, 0u); }
     __device__ uint4 load(int k, int lane) const { return w[k * 32 + lane]; }
 };
-__device__ void down_proj(const T* ws_act, const T* w_down, const float* ws_h, T* out, unsigned* ws_status,
-                          int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready, unsigned* ws_epoch,
-                          const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
+__device__ void down_proj(const T* ws_act, const T* w_down, const unsigned char* w_tmaps, const float* ws_h, T* out,
+                          unsigned* ws_status, int tp_rank, float* ws_split, unsigned* ws_count, unsigned* ws_ready,
+                          unsigned* ws_epoch, const GemvPre<DOWN_U * DOWN_TM>& pre, unsigned char* smem) {
+    if constexpr (DOWN_GEMM) {  // (GEMM_PROJ, one GPU: gate_up's grid barrier before it; act tiled, gate_up.cuh)
+        static_assert(!DOWN_GEMM || (GEMM_PROJ && DOWN_FLOW == 0 && !H_LL && !DOWN_SMEM && TP == 1),
+                      "DOWN_GEMM: the engine (GEMM_PROJ), a grid barrier after gate_up, one GPU");
+        down_gemm<DOWN_GSPLIT, DOWN_GFULL>(ws_act, w_down, w_tmaps, ws_h, out, ws_status, BATCH, ws_split, ws_count,
+                                           smem);
+        return;
+    }
     const bool residual = TP == 1 || tp_rank == 0;
     // DOWN_FLOW 2: no grid barrier and no per-round barrier of ActReady's: the block's own gate_up epilogue must be
     // done with the partial sums' shared memory (SMEM_RED) before down_proj's first round writes it (as o_proj under

@@ -97,7 +97,8 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
     }
     if (DOWN_FLOW == 1 && threadIdx.x == 0) act_known = 0u;  // (gemv's block barriers order it before down_proj's
                                                               // reads)
-    if constexpr (GEMM_PROJ) {  // on the GEMM engine (gemm.cuh): xn in its tiled layout, act in down_proj's order
+    if constexpr (GEMM_PROJ) {  // on the GEMM engine (gemm.cuh): xn in its tiled layout, act in down_proj's (tiled
+                                // where DOWN_GEMM)
         static_assert(!GEMM_PROJ || (NORM_GLOBAL && DOWN_FLOW == 0), "GEMM_PROJ: NORM_GLOBAL's rows, a grid barrier");
         // H_STATS: each row's 1/rms past the GEMM's ring (SMEM_RS), before the ring's first copy
         float* rs = reinterpret_cast<float*>(smem + SMEM_RS);
@@ -109,7 +110,8 @@ __device__ void gate_up(const float* ws_h, const T* ws_hb, const float* ws_hsq, 
                 const float a0 = activation(v.x * r) * (v.y * r), a1 = activation(v.z * r) * (v.w * r);
                 count_overflow(a0, ws_status);
                 count_overflow(a1, ws_status);
-                *reinterpret_cast<T2*>(ws_act + x_at<X_FRAG>(t, n / 2, INTER)) = from_f2(a0, a1);
+                *reinterpret_cast<T2*>(ws_act + (DOWN_GEMM ? gemm_x(t, n / 2, INTER) : x_at<X_FRAG>(t, n / 2, INTER))) =
+                    from_f2(a0, a1);
             });
         return;
     }
