@@ -161,14 +161,18 @@ part_downgemm() {  # session 71: past batch 64 down_proj ran as a GEMV in batch 
   # (H100: Qwen2.5-7B-like b96 109.7 us for 136 MB, 1B-shape b128 26.9 us for 33.5 MB), the rows 0.82x / 0.96x
   # FlashInfer's layer; down_proj on the GEMM engine (DOWN_GEMM 1, built, an override until this runs; then the default
   # past one token tile: decode.DOWN_GEMM_BY_DEFAULT). First the engine's GPU test (its DOWN_GEMM cases), then
-  # DOWN_GEMM 1 against the default at b64-128. Prediction: down_proj at ~80 % of the bandwidth, -12 ... -16 % a layer
-  # at Qwen2.5-7B-like b96, -4 ... -6 % at 1B b128; b64 level
+  # DOWN_GEMM 1 against the default at b64-128, and with the batch in one token tile (GEMM_TOKEN_TILE: each weight tile
+  # read once, not twice; gate_up ran at 75 % at b96). Prediction: down_proj at ~80 % of the bandwidth, -12 ... -16 % a
+  # layer at Qwen2.5-7B-like b96, -4 ... -6 % at 1B b128; b64 level; one token tile a further -2 ... -5 % at b96-128
   [ -n "$BUILD" ] || step gputests-downgemm timeout 240 python3 -m pytest -q -m gpu tests/test_tune.py \
     -k "gemm_projections_match"
   local on='{"DOWN_GEMM": 1}'
   ab downgemm full,mix --variants bench/heldout.yaml --case ho-q7b-b96_decode_b96_s1024_bf16 "$on" \
-    --case ho-l1b-b128_decode_b128_s2048_bf16 "$on" --case ho-l1b-b64_decode_b64_s1024_bf16 "$on" \
-    --case ho-l8b-b64_decode_b64_s1024_bf16 "$on"
+    --case ho-q7b-b96_decode_b96_s1024_bf16 '{"DOWN_GEMM": 1, "GEMM_TOKEN_TILE": 96}' \
+    --case ho-q7b-b96_decode_b96_s1024_bf16 '{"GEMM_TOKEN_TILE": 96}' \
+    --case ho-l1b-b128_decode_b128_s2048_bf16 "$on" \
+    --case ho-l1b-b128_decode_b128_s2048_bf16 '{"DOWN_GEMM": 1, "GEMM_TOKEN_TILE": 128}' \
+    --case ho-l1b-b64_decode_b64_s1024_bf16 "$on" --case ho-l8b-b64_decode_b64_s1024_bf16 "$on"
 }
 
 part_tune191() {  # session 70: e2e serves its b1 steps at rows ~128-160 with the KV-4096 variant, whose tuned plan

@@ -92,7 +92,8 @@ def path_cell(c: dict) -> str | None:
     """The decode paths a plan takes that change the kernel's shape, named by their knobs: NORM_GLOBAL (the norms'
     rows in global memory, two more grid barriers; H_STATS with it: the second norm from o_proj's epilogue, one
     barrier), GEMM_PROJ (qkv_proj, o_proj and gate_up on the GEMM engine; GEMM_PROJ=qkv+gu and the like where some
-    stay GEMVs: QKV_GEMM, O_GEMM), TM=n (n tiles a GEMV task, the largest of
+    stay GEMVs: QKV_GEMM, O_GEMM, or with +down where down_proj is on it too: DOWN_GEMM; TOKEN_TILE=n where its
+    token tiles are not the planner's 64 rows: GEMM_TOKEN_TILE), TM=n (n tiles a GEMV task, the largest of
     the GEMV projections'), BS=n (the GEMV's warp groups in n batch slices, the most of the projections'),
     ATT_DYN=2 (stream-K attention), ATT_TMA (attention's K/V tiles by TMA tensor copies), ATT_COMBINE=3 or 4
     (every split's block waits for its peers and combines a slice), LL (the hand-offs qkv -> attention -> o_proj ->
@@ -106,6 +107,8 @@ def path_cell(c: dict) -> str | None:
     engine = [p for p in ("QKV", "O", "GU", "DOWN") if decode.on_engine(c, p)]
     parts += (["GEMM_PROJ"] if engine == ["QKV", "O", "GU"] else [f"GEMM_PROJ={'+'.join(p.lower() for p in engine)}"]
               if engine else [])
+    tt = c.get("GEMM_TOKEN_TILE", decode.GEMM_BN_MAX)
+    parts += [f"TOKEN_TILE={tt}"] if engine and tt != decode.GEMM_BN_MAX else []
     gemv = [p for p in ("QKV", "O", "GU", "DOWN") if not decode.on_engine(c, p)]  # (the projections the GEMVs run)
     tm = max([c.get(f"{p}_TM", 1) for p in gemv])
     parts += [f"TM={tm}"] if tm > 1 else []

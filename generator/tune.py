@@ -209,8 +209,9 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     of the last others where the limit would cut them.
 
     Neighbours: per projection U in the fewest steps where the planner took full steps (plan.plan_gemv: the first
-    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 32; where planned, QKV_GEMM and
-    O_GEMM flipped, each GEMM's split-K halved and doubled, and no GEMV knob of the projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
+    re-plan of a default that spills), GEMM_PROJ flipped (sm_90, one GPU, batch >= 32; where planned, QKV_GEMM,
+    O_GEMM and DOWN_GEMM flipped, each GEMM's split-K halved and doubled, GEMM_TOKEN_TILE at the batch where it takes
+    several token tiles, up to 128, and no GEMV knob of the projections it moves), split-K (where it has fewer tiles than SMs: plan.gemv_split_k; where a split fills
     the last round of tasks better: plan.gemv_balance_split; qkv's under QKV_FLOW 2 whose words attention sums, last
     of all: level to +3 % a layer at batch 1, bench/NOTES.md session 54, so a limited tune cuts them); X_FRAG
     (o_proj's and down_proj's input in fragment order), QKV_FLOW flipped, DOWN_FLOW 1 where not planned (0 where planned, right after the U above: a spilling
@@ -266,13 +267,17 @@ def candidates(v: Variant, arch: str = DEFAULT_ARCH, limit: int = 32, positions:
     last: list[dict] = []  # ... and after those (untimed beyond the shapes they were built for)
     # GEMM_PROJ flipped (gate_up, and qkv_proj / o_proj by the planner's rule, on the GEMM engine or the GEMVs; sm_90,
     # one GPU, from batch 32: +3.5 ... +8.7 % a layer there, the default from decode.GEMM_BATCH_MIN), and where planned
-    # QKV_GEMM and O_GEMM flipped and each engine GEMM's split-K halved and doubled; the GEMV knobs of the projections
+    # QKV_GEMM, O_GEMM and DOWN_GEMM flipped, the batch in one token tile and each engine GEMM's split-K halved and
+    # doubled; the GEMV knobs of the projections
     # on the engine plan nothing
     gemm_on = base["mode"] == "decode" and d.get("GEMM_PROJ")
     if base["mode"] == "decode" and get_arch(arch).number == 90 and v.tp == 1 and v.batch >= 32:
         tries.append({"GEMM_PROJ": 1 - d["GEMM_PROJ"]})
-    if gemm_on:  # (qkv_proj's and o_proj's engine flipped: decode.GEMM_TASKS_MIN_SHARE's rule)
+    if gemm_on:  # (qkv_proj's, o_proj's and down_proj's engine flipped: decode.GEMM_TASKS_MIN_SHARE's rule)
         tries += [{f"{prefix}_GEMM": 1 - d[f"{prefix}_GEMM"]} for prefix in decode.GEMM_OPTIONAL]
+        one = -(-v.batch // 16) * 16  # (the batch in one token tile: each weight tile read once; session 71)
+        if d["GEMM_TN"] * 8 < v.batch and one <= 128:
+            tries.append({"GEMM_TOKEN_TILE": one})
         for prefix in (p for p in decode.GEMM_PROJECTIONS if decode.on_engine(d, p)):
             ks, chunks = d[f"{prefix}_GSPLIT"], -(-base["gemm"][dict(decode.PROJECTIONS)[prefix]]["K"] // d["GEMM_BK"])
             tries += [{f"{prefix}_GSPLIT": s} for s in dict.fromkeys((max(1, ks // 2), ks * 2 if ks > 1 else 2))

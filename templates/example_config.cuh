@@ -58,6 +58,7 @@ constexpr int GEMM_TN = 2;
 constexpr int GEMM_BK = 64;
 constexpr int GEMM_STAGES = 5;
 constexpr int GEMM_XROWS = 16;
+constexpr int GEMM_TOKEN_TILE = 64;
 constexpr int GEMM_GM = 3;
 constexpr int QKV_GSPLIT = 1;
 constexpr int QKV_GFULL = 0;

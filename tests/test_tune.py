@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from generator import manifest as gmanifest, render, tune as gtune, variants as gvariants
+from generator import manifest as gmanifest, render, report as greport, tune as gtune, variants as gvariants
 from generator.manifest import identity
 from generator.modes import decode
 from generator.modes.decode import KNOBS
@@ -984,6 +984,18 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
     assert "\n" not in str(exc.value) and "DOWN_U" in str(exc.value)
     with pytest.raises(PlanError, match="DOWN_GEMM=2: must be 0 or 1"):
         render.plan(b100, overrides={"DOWN_GEMM": 2})
+    # the token tile (GEMM_TOKEN_TILE): batch 100 in one tile of 112 rows (12 padding), not two of 64; it brings the
+    # engine; a size wgmma has no n for is one line
+    p = render.plan(b100, overrides={"GEMM_TOKEN_TILE": 112})
+    c = p["consts"]
+    assert (c["GEMM_PROJ"], c["GEMM_TN"] * 8, c["GEMM_XROWS"], c["GEMM_TOKEN_TILE"]) == (1, 112, 112, 112)
+    assert p["gemm"]["gate_up"]["tiles"] == 8192 * 2 // 256 and render.plan(b100)["gemm"]["gate_up"]["tiles"] == 128
+    assert "TOKEN_TILE=112" in greport.path_cell(c)
+    assert "TOKEN_TILE" not in greport.path_cell(render.plan(b100)["consts"])
+    assert render.plan(b32, overrides={"GEMM_TOKEN_TILE": 32})["consts"]["GEMM_PROJ"] == 1
+    for bad in (100, 8, 144):
+        with pytest.raises(PlanError, match=f"GEMM_TOKEN_TILE={bad}: must be a multiple of 16 in 16..128"):
+            render.plan(b100, overrides={"GEMM_TOKEN_TILE": bad})
     monkeypatch.setattr(decode, "DOWN_GEMM_BY_DEFAULT", True)  # (the rule as it will be: past one token tile)
     assert [render.plan(v)["consts"]["DOWN_GEMM"] for v in (b64, b100)] == [0, 1]
     monkeypatch.undo()
@@ -1534,7 +1546,8 @@ def test_gemm_projections_match_the_reference(tmp_path):
     LayerNorm (no H_STATS: the second norm a step of its own, o_proj writing h's T copy) and fp16 (its norm from fp32
     h; and with gate_up alone on it: the second norm's step writing its tiled rows); down_proj on the engine too
     (DOWN_GEMM, act tiled; an override until this test has run): batch 100 (split-K), whole (DOWN_GSPLIT 1: the staged
-    epilogue), batch 64, hidden 1440 (a partial 256-row tile) and fp16: against
+    epilogue), batch 64, hidden 1440 (a partial 256-row tile) and fp16; batch 100 in one token tile of 112 rows
+    (GEMM_TOKEN_TILE), with and without DOWN_GEMM: against
     the fp32 reference at two seeds, a second launch bit-equal; then three launches back to back against the reference
     step by step."""
     from bench.tune import renamed
@@ -1553,7 +1566,8 @@ def test_gemm_projections_match_the_reference(tmp_path):
              (b100, {}),
              (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1}),
              (b100, {"DOWN_GEMM": 1}), (b100, {"DOWN_GSPLIT": 1}), (b64, {"DOWN_GEMM": 1}),
-             (hd80, {**every, "DOWN_GEMM": 1}), (half, {**every, "DOWN_GEMM": 1})]
+             (hd80, {**every, "DOWN_GEMM": 1}), (half, {**every, "DOWN_GEMM": 1}),
+             (b100, {"GEMM_TOKEN_TILE": 112}), (b100, {"GEMM_TOKEN_TILE": 112, "DOWN_GEMM": 1})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
     assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["DOWN_GEMM"]) == (1, 0, 0, 0)

@@ -112,7 +112,7 @@ KNOBS = (tuple(f"{p}_{k}" for p, _ in PROJECTIONS for k in ("NWG", "U", "KSPLIT"
          + ("ATT_WARPS", "ATT_C", "ATT_STAGES", "ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "NORM_FOLD",
             "H_STATS", "DOWN_FLOW", "ATT_DYN", "RED_DB", "NORM_CLUSTER", "NORM_GLOBAL", "ATT_TMA", "ATT_PIECE_TILES",
             "ATT_LL", "H_LL", "TIMELINE", "COOP", "DOWN_SMEM", "GU_SKIP", "GEMM_PROJ", "QKV_QFIRST", "ATT_ROT",
-            "ATT_KVLAST")
+            "ATT_KVLAST", "GEMM_TOKEN_TILE")
          + tuple(f"{p}_GSPLIT" for p in GEMM_PROJECTIONS) + tuple(f"{p}_GEMM" for p in GEMM_OPTIONAL))
 NWG_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if (THREADS // 32) % n == 0)
 U_RANGE = (1, 8)
@@ -209,6 +209,9 @@ def _check_overrides(name: str, ov: dict) -> dict:
                 " (clusters of 4: 30 resident on the H200, 120 of its 132 SMs)" if val == 4 else ""))
         if k == "GEMM_PROJ" and val not in (0, 1):
             raise PlanError(f"{name}: plan override {k}={val}: must be 0 or 1")
+        if k == "GEMM_TOKEN_TILE" and (val % 16 or not 16 <= val <= 128):
+            raise PlanError(f"{name}: plan override {k}={val}: must be a multiple of 16 in 16..128 (the GEMM engine's "
+                            "token tile rows; wgmma's n)")
         if k.endswith("_GSPLIT") and not 1 <= val <= MAX_SPLIT:
             raise PlanError(f"{name}: plan override {k}={val}: must be in 1..{MAX_SPLIT}")
         if k == "ATT_PIECE_TILES" and not 0 <= val <= 1024:
@@ -835,7 +838,8 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # L1; without ATT_TMA, session 23: -0.7 ... +2.8 %)
     # (and wherever GEMM_PROJ is asked for, or the engine's own knobs, which bring it: its GEMMs read the rows from
     # global memory)
-    engine_asked = [k for k in ov if k.endswith("_GSPLIT") or k in (f"{p}_GEMM" for p in GEMM_OPTIONAL) and ov[k]]
+    engine_asked = [k for k in ov if k.endswith("_GSPLIT") or k == "GEMM_TOKEN_TILE"
+                    or k in (f"{p}_GEMM" for p in GEMM_OPTIONAL) and ov[k]]
     norm_global = ov.get("NORM_GLOBAL", int(ov.get("GEMM_PROJ", 1 if engine_asked else 0) == 1 or v.tp == 1 and not pinned and (local_l1 == 0 or (
         arch.unified_kb >= 256 and global_l1 >= L1_ENOUGH and (
             local_l1 < L1_ENOUGH or (att_tma and v.batch >= NORM_GLOBAL_MIN_BATCH))))))
@@ -908,7 +912,11 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
                         "which needs GEMM_PROJ 1 (asked: 0)")
     # its tiling: 4 warpgroups of 64 weight rows (256 a tile), the batch in token tiles of <= GEMM_BN_MAX; where off,
     # the same numbers stand in (GEMM_WGMMA 0: the constants are declared, no GEMM is compiled)
-    g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, GEMM_BN_MAX)
+    # (GEMM_TOKEN_TILE, an override and a tuner candidate: token tiles of up to 128 rows, one tile for a batch of up
+    # to 128, so that each weight tile is read once, not once a token tile; 96 and 128 compile without spills at 512
+    # threads, session 71, not yet timed)
+    bn_max = ov.get("GEMM_TOKEN_TILE", GEMM_BN_MAX)
+    g_wm, g_tm, g_tn, g_bk = wgmma_tile(v.batch, THREADS, bn_max)
     g_bm, g_bn = g_wm * 16, g_tn * 8
     g_stage = (g_bm + g_bn) * g_bk * esize
     # (the ring, then with H_STATS gate_up's 1/rms of each row; 1 KB left for the static shared memory, padded to
@@ -1197,6 +1205,7 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
         "GEMM_PROJ": gemm_proj, **{f"{p}_GEMM": on_gemm[p] for p in GEMM_OPTIONAL},
         "GEMM_WGMMA": gemm_proj, "GEMM_WM": g_wm, "GEMM_TM": g_tm, "GEMM_TN": g_tn,
         "GEMM_BK": g_bk, "GEMM_STAGES": g_stages, "GEMM_XROWS": -(-v.batch // g_bn) * g_bn,
+        "GEMM_TOKEN_TILE": bn_max,
         "GEMM_GM": gemm_group(sms, g_bm, g_bn),
         **{f"{p}_{x}": g[y] for p, g in gemm_tiles.items() for x, y in (("GSPLIT", "KSPLIT"), ("GFULL", "FULL"))},
         **smem,
