@@ -110,9 +110,9 @@ def path_cell(c: dict) -> str | None:
     tt = c.get("GEMM_TOKEN_TILE", decode.GEMM_BN_MAX)
     parts += [f"TOKEN_TILE={tt}"] if engine and tt != decode.GEMM_BN_MAX else []
     gemv = [p for p in ("QKV", "O", "GU", "DOWN") if not decode.on_engine(c, p)]  # (the projections the GEMVs run)
-    tm = max([c.get(f"{p}_TM", 1) for p in gemv])
+    tm = max([c.get(f"{p}_TM", 1) for p in gemv], default=1)  # (none: every projection on the engine)
     parts += [f"TM={tm}"] if tm > 1 else []
-    bs = max([c.get(f"{p}_BS", 1) for p in gemv])
+    bs = max([c.get(f"{p}_BS", 1) for p in gemv], default=1)
     parts += [f"BS={bs}"] if bs > 1 else []
     parts += ["ATT_DYN=2"] if c.get("ATT_DYN") == 2 else []
     parts += ["ATT_TMA"] if c.get("ATT_TMA") else []

@@ -194,8 +194,8 @@ def _half(n: int) -> int:
 
 BINARY_KNOBS = ("ATT_COMBINE", "X_FRAG", "GEMV_PF", "QKV_FLOW", "DOWN_FLOW", "ATT_INLINE", "NORM_FOLD", "QKV_PRE",
                 "O_PRE", "GU_PRE", "DOWN_PRE", "H_STATS", "ATT_DYN", "RED_DB", "NORM_GLOBAL", "ATT_TMA", "ATT_LL", "H_LL",
-                "COOP", "GU_SKIP", "GEMM_PROJ", "QKV_GEMM", "O_GEMM", "ATT_ROT", "QKV_QFIRST",
-                "ATT_KVLAST")  # on/off knobs: 0 is a setting, not a size
+                "COOP", "GU_SKIP", "GEMM_PROJ", *(f"{p}_GEMM" for p in decode.GEMM_OPTIONAL), "ATT_ROT",
+                "QKV_QFIRST", "ATT_KVLAST")  # on/off knobs: 0 is a setting, not a size
 
 
 ATT_WALK_KNOBS = ("ATT_WARPS", "ATT_C", "ATT_TMA", "ATT_STAGES")  # candidates kept past the limit (candidates)

@@ -972,9 +972,11 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
         p = render.plan(v, overrides={"DOWN_GEMM": 1})
         c = p["consts"]
         assert (c["GEMM_PROJ"], c["DOWN_GEMM"]) == (1, 1) and interface.on_engine(c, "DOWN")
-        assert (c["DOWN_GSPLIT"], c["DOWN_GFULL"]) == (p["gemm"]["down"]["KSPLIT"], p["gemm"]["down"]["FULL"])
-        if c["DOWN_GSPLIT"] > 1:
-            assert p["sizes"]["COUNTERS"] >= p["gemm"]["down"]["tiles"]
+        # 8 weight tiles of 256 rows x the token tiles (1 at b64, 2 at b100), split 16 / 8 ways: 128 tasks either way
+        tiles = 8 * -(-v.batch // 64)
+        assert p["gemm"]["down"]["tiles"] == tiles and (c["DOWN_GSPLIT"], c["DOWN_GFULL"]) == (128 // tiles, 0)
+        assert p["sizes"]["COUNTERS"] >= p["gemm"]["down"]["tiles"]
+        assert p["sizes"]["SPLIT_FLOATS"] >= 128 * 256 * c["GEMM_TN"] * 8
         buf = interface.workspace_layout({**c, "ROWS": v.batch, **p["sizes"]})["buffers"]
         assert buf["act"]["shape"] == [c["GEMM_XROWS"], 8192]
         assert "gate_up, down_proj on the wgmma GEMM engine" in render.render(v, p)
@@ -996,8 +998,21 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
     for bad in (100, 8, 144):
         with pytest.raises(PlanError, match=f"GEMM_TOKEN_TILE={bad}: must be a multiple of 16 in 16..128"):
             render.plan(b100, overrides={"GEMM_TOKEN_TILE": bad})
+    # every projection on the engine: the plan column names them all (no GEMV left to take TM or BS from)
+    c = render.plan(b100, overrides={"DOWN_GEMM": 1})["consts"]
+    assert greport.path_cell(c).startswith("NORM_GLOBAL H_STATS GEMM_PROJ=qkv+o+gu+down")
+    assert "GEMM_PROJ=gu+down" in greport.path_cell(render.plan(b64, overrides={"DOWN_GEMM": 1})["consts"])
+    # the tuner flips it where GEMM_PROJ is on (either way: 0 is a setting), tries the batch in one token tile, and a
+    # record from before the knob ran down_proj as a GEMV
+    assert {"DOWN_GEMM": 1} in gtune.candidates(b100, limit=200) and {"GEMM_TOKEN_TILE": 112} in gtune.candidates(
+        b100, limit=200) and {"GEMM_TOKEN_TILE": 64} not in gtune.candidates(b64, limit=200)
+    now = gtune.knob_dict(render.plan(b100, overrides={"DOWN_GEMM": 1}))
+    before = {k: x for k, x in gtune.knob_dict(render.plan(b100)).items() if k not in ("DOWN_GEMM", "DOWN_GSPLIT")}
+    assert gtune.knobs_differ(before, gtune.knob_dict(render.plan(b100))) == []
+    assert "DOWN_GEMM" in gtune.knobs_differ(before, now)
     monkeypatch.setattr(decode, "DOWN_GEMM_BY_DEFAULT", True)  # (the rule as it will be: past one token tile)
     assert [render.plan(v)["consts"]["DOWN_GEMM"] for v in (b64, b100)] == [0, 1]
+    assert {"DOWN_GEMM": 0} in gtune.candidates(b100, limit=200)
     monkeypatch.undo()
     # its static shared memory counted: Llama-3-8B b227 (the GEMVs' 227 KB exactly) planned without it, asked: refused
     b227 = _decode_layer("gpd", 227, 1024, "hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128, intermediate: 14336")
@@ -1007,6 +1022,9 @@ def test_gemm_projections_from_batch_64_on_sm_90(monkeypatch):
                                      "intermediate: 14336"))["consts"]["GEMM_PROJ"] == 1
     with pytest.raises(PlanError, match=r"GEMM_PROJ=1: needs 232448 B .* 1 KB more for the GEMMs' static"):
         render.plan(b227, overrides={"GEMM_PROJ": 1})
+    for knob in ("DOWN_GEMM", "QKV_GEMM"):  # (an engine knob asked brings the engine: refused, not re-planned)
+        with pytest.raises(PlanError, match=rf"{knob}=1: needs 232448 B .* 1 KB more for the GEMMs' static"):
+            render.plan(b227, overrides={knob: 1})
     small = _decode_layer("gpd", 128, 1024, "hidden: 896, heads: 14, kv_heads: 2, head_dim: 64, intermediate: 4864")
     assert render.plan(small)["consts"]["GEMM_PROJ"] == 0  # (hidden under GEMM_HIDDEN_MIN: lost there)
     assert render.plan(small, overrides={"GEMM_PROJ": 1})["consts"]["GEMM_PROJ"] == 1
@@ -1547,7 +1565,8 @@ def test_gemm_projections_match_the_reference(tmp_path):
     h; and with gate_up alone on it: the second norm's step writing its tiled rows); down_proj on the engine too
     (DOWN_GEMM, act tiled; an override until this test has run): batch 100 (split-K), whole (DOWN_GSPLIT 1: the staged
     epilogue), batch 64, hidden 1440 (a partial 256-row tile) and fp16; batch 100 in one token tile of 112 rows
-    (GEMM_TOKEN_TILE), with and without DOWN_GEMM: against
+    (GEMM_TOKEN_TILE), with and without DOWN_GEMM; intermediate 3872 (act's zero columns past K meet the weights'
+    zero k-tiles) and batch 100 split 16 ways (256 tasks on 132 SMs: the last split to finish sums the tile): against
     the fp32 reference at two seeds, a second launch bit-equal; then three launches back to back against the reference
     step by step."""
     from bench.tune import renamed
@@ -1557,6 +1576,7 @@ def test_gemm_projections_match_the_reference(tmp_path):
     b64, b100 = (_decode_layer("gp", b, 512, l1b) for b in (64, 100))
     b48, = _qwen15_like("gpq", [48])
     hd80 = _decode_layer("gph", 48, 512, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3840")
+    hd80k = _decode_layer("gpk", 48, 512, "hidden: 1440, heads: 18, kv_heads: 6, head_dim: 80, intermediate: 3872")
     ln = _decode_layer("gpl", 48, 512, f"{l1b}, norm: layernorm")
     half = _decode_layer("gpf", 48, 512, "hidden: 1024, heads: 16, kv_heads: 4, head_dim: 64, intermediate: 2816, "
                          "dtype: fp16")
@@ -1567,14 +1587,15 @@ def test_gemm_projections_match_the_reference(tmp_path):
              (b100, {"QKV_GEMM": 0, "O_GEMM": 0}), (hd80, every), (ln, every), (half, every), (half, {"GEMM_PROJ": 1}),
              (b100, {"DOWN_GEMM": 1}), (b100, {"DOWN_GSPLIT": 1}), (b64, {"DOWN_GEMM": 1}),
              (hd80, {**every, "DOWN_GEMM": 1}), (half, {**every, "DOWN_GEMM": 1}),
-             (b100, {"GEMM_TOKEN_TILE": 112}), (b100, {"GEMM_TOKEN_TILE": 112, "DOWN_GEMM": 1})]
+             (b100, {"GEMM_TOKEN_TILE": 112}), (b100, {"GEMM_TOKEN_TILE": 112, "DOWN_GEMM": 1}),
+             (hd80k, {**every, "DOWN_GEMM": 1}), (b100, {"DOWN_GSPLIT": 16})]
     _overrides_match_the_reference(tmp_path, cases, "gp", 41, {"GEMM_PROJ": 1, "QKV_FLOW": 0}, repeat=True)
     c = render.plan(b64)["consts"]
     assert (c["GEMM_PROJ"], c["QKV_GEMM"], c["O_GEMM"], c["DOWN_GEMM"]) == (1, 0, 0, 0)
     c = render.plan(b100, overrides={"DOWN_GEMM": 1})["consts"]
     assert (c["DOWN_GEMM"], c["GEMM_PROJ"]) == (1, 1) and c["DOWN_GSPLIT"] > 1
     assert render.plan(b64, overrides=every)["consts"]["O_GSPLIT"] > 1
-    for i in (0, 1, 2):
+    for i in (0, 1, 2, 11):  # (11: down_proj on the engine too)
         v = cases[i][0]
         W = reference.random_weights(v.model, seed=42, device="cuda")
         steps_track_the_reference(load(renamed(v, f"gp{i}").name, W, build_dir=tmp_path), W, v, 43)

@@ -1150,12 +1150,13 @@ def plan(v: Variant, arch: Arch, overrides: dict | None = None, *, skip_rule_off
     # GEMM_PROJ: the GEMMs' static shared memory (their mbarriers; with ATT_TMA padded to 1 KB) beside the dynamic: where
     # they would not fit, planned without it (asked for: refused)
     if gemm_proj and smem_bytes > arch.smem_per_block - 1024:
-        if "GEMM_PROJ" not in ov:
+        if "GEMM_PROJ" not in ov and not engine_asked:  # (an engine knob asked brings it: refused, not re-planned)
             return plan(v, arch, overrides, skip_rule_off=skip_rule_off, gemm_rule_off=True,
                         kvlast_rule_off=kvlast_rule_off)
-        raise PlanError(f"{v.name}: plan override GEMM_PROJ=1: needs {smem_bytes} B of shared memory per block and 1 KB "
-                        f"more for the GEMMs' static shared memory: over sm_{arch.sm}'s {arch.smem_per_block} B "
-                        "(GEMM_PROJ=0 plans the GEMVs)")
+        asked = "GEMM_PROJ" if "GEMM_PROJ" in ov else engine_asked[0]
+        raise PlanError(f"{v.name}: plan override {asked}={ov[asked]}: needs {smem_bytes} B of shared memory per "
+                        f"block and 1 KB more for the GEMMs' static shared memory: over sm_{arch.sm}'s "
+                        f"{arch.smem_per_block} B (GEMM_PROJ=0 plans the GEMVs)")
     if att_tma and (norm_cluster > 1 or down_flow or any(g["KSPLIT"] > 1 for g in gemv.values())) \
             and smem_bytes > arch.smem_per_block - 1024:
         raise PlanError(f"{v.name}: needs {smem_bytes} B of shared memory per block and, with ATT_TMA 1 and split-K, "
