@@ -271,7 +271,8 @@ GEMM_TASKS_MIN_SHARE = 0.8
 # until its GPU test and A/B have run (bench/queue.sh downgemm), then the default past GEMM_BN_MAX
 DOWN_GEMM_BY_DEFAULT = False
 GEMM_BN_MAX = 64  # GEMM_PROJ's token tiles: at most this many rows (64 x 64 accumulators a warpgroup: 32 registers a
-# thread of the 128 that 16 warps leave; 128 rows would take 64)
+# thread of the 128 that 16 warps leave; 128 rows take 64, yet one tile of 96 or 128 compiled without spills in
+# session 71: GEMM_TOKEN_TILE, not yet timed)
 NORM_GLOBAL_MIN_BATCH = 16  # NORM_GLOBAL by default from this batch (one GPU of 256 KB L1 + shared memory; see plan)
 
 
