@@ -181,8 +181,9 @@ def pick(rows: list[dict], spills: frozenset | set = frozenset()) -> dict | None
               help="where decode candidates are timed: full (every sequence at the cache's last row), mixed (a "
                    "serving mix: the batch spread evenly over the cache) or a row N (every sequence at N: a short "
                    "context), or several of them comma-separated (e.g. full,191: a candidate wins on the geometric "
-                   "mean and must not be slower than the default by more than 1 % at any of them); the plan that wins at full context need not win where a "
-                   "model is served (bench/NOTES.md session 32); each entry records it")
+                   "mean and must not be slower than the default by more than 1 % at any of them); the plan that "
+                   "wins at full context need not win where a model is served (bench/NOTES.md session 32); each "
+                   "entry records it")
 def cli(variants_file, only, build_dir, out, shard, jobs, limit, no_combine, reps, rounds, seed, positions):
     """Sweep plan candidates per variant (decode and prefill) on this GPU; write the winners to tuning/<gpu>.json."""
     from generator import compile as gcompile, report as greport, tune as gtune, variants as gvariants

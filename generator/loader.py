@@ -459,9 +459,9 @@ class FusedDecoderLayer:
         fp32, "unsigned" int32) and shape, rows = the launch's token rows (decode: batch; prefill: batch x chunk,
         sequence-major), e.g. "qkv" fp32 [rows, q_dim + 2 kv_dim], "attn" [rows, q_dim], "h" fp32 [rows, hidden],
         "act" [rows, intermediate] ("attn" and "act" of a decode plan with X_FRAG, "xn" of one with GEMM_PROJ,
-        "attn" where its o_proj is on the engine (O_GEMM) and "act" where its down_proj is (DOWN_GEMM), and "attn", "act", "xn" of an sm_90a prefill plan: a
-        row-major copy of the fragment-ordered or tiled buffer, [rows, columns]). Raises ValueError naming the buffers
-        for an unknown name."""
+        "attn" where its o_proj is on the engine (O_GEMM) and "act" where its down_proj is (DOWN_GEMM), and "attn",
+        "act", "xn" of an sm_90a prefill plan: a row-major copy of the fragment-ordered or tiled buffer, [rows,
+        columns]). Raises ValueError naming the buffers for an unknown name."""
         if name not in self._buffers:
             raise ValueError(f"buffer: no workspace buffer {name!r}; there are {', '.join(self._buffers)}")
         b = self._buffers[name]

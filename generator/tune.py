@@ -474,7 +474,7 @@ KNOBS_BEFORE = {"RED_DB": 1, "NORM_GLOBAL": 0, "QKV_TM": 1, "O_TM": 1, "GU_TM": 
                 "ATT_PIECE_TILES": 0, "ATT_LL": 0, "H_LL": 0, "COOP": 1,
                 "QKV_BS": 1, "O_BS": 1, "GU_BS": 1, "DOWN_BS": 1,  # (<P>_BS: session 58, from batch 41)
                 "GEMM_PROJ": 0, "QKV_GSPLIT": 1, "O_GSPLIT": 1, "GU_GSPLIT": 1,  # (session 62, from batch 64)
-                "DOWN_GEMM": 0, "DOWN_GSPLIT": 1}  # (session 71, from batch 65)
+                "DOWN_GEMM": 0, "DOWN_GSPLIT": 1}  # (session 71: an override, no default yet)
 # knobs the planner no longer has, at the value that built the kernel as it is (L2_PF: the L2 prefetch, measured and
 # removed in session 25; records of that session carry it at 0)
 KNOBS_RETIRED = {"L2_PF": 0}
