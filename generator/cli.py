@@ -700,11 +700,11 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
                 entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
                 mine = [v for v in gvariants.load(write_file) if v.model.name == entry]
                 warn_refused(mine)
-                trained = hf.trained_positions(cfg)
+                trained = hf.trained_positions(cfg, mine[0].model.rope_scaling if mine else None)
                 longest = max((v.seq_len for v in mine if v.mode == "decode"), default=0)
                 if trained is not None and longest > trained and ("# " + hf.WARNING_MARK) not in text:
                     err_console.print(f"warning: seq_len {longest} (the matrix of {write_file}) is longer than "
-                                      f"max_position_embeddings {trained}: positions past it were never trained",
+                                      f"{hf.context_words(cfg, trained)}: positions past it were never trained",
                                       markup=False, highlight=False, soft_wrap=True)
         else:
             click.echo(text, nl=False)

@@ -542,7 +542,7 @@ class Model:
 
     def __init__(self, *, shape, embed, norm_weight, lm_head, fused, unfused, k_caches, v_caches, routes,
                  route_why, cache_len, entry_yaml, checkpoint_bytes=0, eos=(), route_costs=None, tp=1,
-                 build_dir=None, max_positions=None):
+                 build_dir=None, max_positions=None, positions_words=None):
         self.shape = shape
         self.embed, self.norm_weight, self.lm_head = embed, norm_weight, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -560,7 +560,10 @@ class Model:
         self.entry_yaml = entry_yaml
         self.checkpoint_bytes = checkpoint_bytes
         self.eos = tuple(eos)
-        self.max_positions = max_positions  # config.json's max_position_embeddings (None: not an int there)
+        # the positions the model is meant to run at (hf.trained_positions; None: not an int in config.json), and
+        # how the warning past them names them (hf.context_words)
+        self.max_positions = max_positions
+        self.positions_words = positions_words or f"max_position_embeddings {max_positions}"
         self.use_graphs = self.device.type == "cuda"
         self.max_unfused_chunk = 2048
         self._warned: set = set()
@@ -621,7 +624,7 @@ class Model:
         from .hf import model as hfm
         from .hf.checkpoint import _Checkpoint
         from .hf.config import check_positions, check_window, config_dtype
-        from .hf.yaml_edit import trained_positions, variant_entry_yaml
+        from .hf.yaml_edit import context_words, trained_positions, variant_entry_yaml
 
         # numpy's integers as Python's (the checks below take ints; a bool stays refused)
         cache_len, max_batch, default_cache_len = (int(v) if _int(v) else v
@@ -843,7 +846,8 @@ class Model:
                    unfused=unf, k_caches=kcs, v_caches=vcs, routes=routes, route_why=why, cache_len=cache_len,
                    entry_yaml=entry, checkpoint_bytes=checkpoint_bytes(ck.files.values()), eos=eos,
                    route_costs={v.name: costs[v.name] for v in vs if v.name in costs}, tp=tp, build_dir=build_dir,
-                   max_positions=trained_positions(ck.cfg))
+                   max_positions=(trained := trained_positions(ck.cfg, ck.model.rope_scaling)),
+                   positions_words=trained and context_words(ck.cfg, trained))
 
     # -- reports --
     def stats(self) -> list[dict]:
@@ -1383,8 +1387,8 @@ class Model:
                 and "positions" not in self._warned):
             self._warned.add("positions")  # (once a model, as the other warnings of a call)
             warnings.warn(PositionWarning(f"up to {longest} positions (the longest prompt + max_new_tokens - 1), past "
-                                          f"max_position_embeddings {self.max_positions}: positions past it were "
-                                          "never trained"), stacklevel=4 + _depth)  # (once the call is accepted)
+                                          f"{self.positions_words}: positions past it were never trained"),
+                          stacklevel=4 + _depth)  # (once the call is accepted)
         # the draw's shape, fixed for the generation (Draw; None: greedy): a graph each
         sampled = self._draw_shape(temps, ks, ps)
         t0 = time.perf_counter()  # the time to first token counts the planning too

@@ -239,6 +239,29 @@ def test_absent_max_position_embeddings_is_transformers_default(tmp_path, model_
     assert hf.model_entry(yarn)[1]["rope_scaling"]["original_max_position_embeddings"] == want
 
 
+def test_yarn_context_is_factor_times_the_original_length(tmp_path):
+    """yarn RoPE scaling extends the pretraining length by its factor, and Qwen2.5's model cards leave
+    max_position_embeddings at the original length beside it: a cache within factor x original is not warned of
+    (a trial found "never trained" said of a yarn model's whole extended context), one past it is, naming that
+    context; without yarn the limit stays max_position_embeddings."""
+    cfg = {"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 128, "rope_theta": 1e6,
+           "torch_dtype": "bfloat16", "max_position_embeddings": 32768, "use_sliding_window": False,
+           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    d = write_config(tmp_path, "yarn", cfg)
+    m = hf.map_config(d)
+    assert hf.trained_positions(m.cfg, m.fields["rope_scaling"]) == 131072
+    assert hf.trained_positions(m.cfg) == 32768  # (the field alone)
+    r = run_cli("from-hf", d, "--seq-len", "65536,131072")
+    assert r.returncode == 0 and "never trained" not in r.stderr + r.stdout, r.stderr
+    r = run_cli("from-hf", d, "--seq-len", "262144")
+    warn = ("seq_len 262144 is longer than the 131072 positions yarn RoPE scaling extends max_position_embeddings "
+            "32768 to: positions past it were never trained")
+    assert r.returncode == 0 and warn in r.stderr and f"# warning: {warn}" in r.stdout, r.stderr
+    plain = write_config(tmp_path, "plain", {**cfg, "rope_scaling": None})
+    assert "longer than max_position_embeddings 32768" in run_cli("from-hf", plain, "--seq-len", "65536").stderr
+
+
 def test_transformers5_rope_parameters_layout(tmp_path):
     old = hf.model_entry(write_config(tmp_path, "a", LLAMA_3_1_8B))[1]
     cfg = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}

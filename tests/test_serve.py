@@ -401,6 +401,17 @@ def test_positions_past_max_position_embeddings_are_warned_through_the_api(tmp_p
     assert r.returncode == 0 and r.stderr.count("never trained") == 1 and "--max-new-tokens - 1" in r.stderr, r.stderr
     r = run_cli(["generate", d, "--ids", "1,2,200", "--max-new-tokens", "14", "--device", "cpu"], cwd=tmp_path)
     assert r.returncode != 0 and "never trained" not in r.stderr and r.stderr.startswith("error: --ids"), r.stderr
+    # yarn extends the pretraining length by its factor: its context is factor x original (hf.trained_positions)
+    y = tmp_path / "yarn-llama"
+    make_llama(y, max_position_embeddings=8, **rope_kwargs(transformers.LlamaConfig, 10000.0, {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8}))
+    m = cpu_model(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", serve.PositionWarning)
+        m.generate([[1, 2, 3]], 14)  # positions up to 16 = 2 x 8
+    with pytest.warns(serve.PositionWarning, match=r"up to 17 positions .*past the 16 positions yarn RoPE scaling "
+                                                   r"extends max_position_embeddings 8 to"):
+        m.generate([[1, 2, 3, 4]], 14)
 
 
 def test_a_cache_over_cpu_memory_is_refused_in_one_line(tiny):

@@ -14,11 +14,12 @@ from .config import (HFConfigError, Mapped, Window, check_positions, check_windo
                      default_name,
                      map_config, model_entry, model_from_hf, read_config)
 from .model import FusedModel, HFDowncastWarning, HFPrecisionWarning, HFUnusedTensorsWarning, load_hf
-from .yaml_edit import (DEFAULT_SEQ_LEN, WARNING_MARK, append_entry, default_seq_len, trained_positions,
-                        variant_entry_yaml)
+from .yaml_edit import (DEFAULT_SEQ_LEN, WARNING_MARK, append_entry, context_words, default_seq_len,
+                        trained_positions, variant_entry_yaml)
 
 __all__ = ["DEFAULT_SEQ_LEN", "FusedModel", "HFCheckpointError", "HFConfigError", "HFDowncastWarning",
            "HFPrecisionWarning", "HFUnusedTensorsWarning", "Mapped", "WARNING_MARK", "Window", "append_entry",
-           "check_positions", "check_window", "config_dtype", "config_path", "default_name", "default_seq_len",
+           "check_positions", "check_window", "config_dtype", "config_path", "context_words", "default_name",
+           "default_seq_len",
            "load_hf", "map_config", "model_entry", "model_from_hf", "read_config", "trained_positions",
            "variant_entry_yaml", "_Checkpoint"]

@@ -50,10 +50,10 @@ def variant_entry_yaml(path, name=None, matrix: list[dict] | None = None) -> str
         expanded = gvariants.parse(NEW_FILE.format(seq_len=DEFAULT_SEQ_LEN) + text,
                                    f"{cfg_path}: --batch/--seq-len/--prefill-chunks")
         _check_windows(text, name, expanded, f"{cfg_path}")
-        trained = trained_positions(cfg)
+        trained = trained_positions(cfg, fields.get("rope_scaling"))
         longest = max((n for m in matrix if "decode" in m.get("mode", ()) for n in m.get("seq_len", ())), default=0)
         if trained is not None and longest > trained:  # built and run as asked, but past what the model learned
-            text += (f"    # {WARNING_MARK} seq_len {longest} is longer than max_position_embeddings {trained}: "
+            text += (f"    # {WARNING_MARK} seq_len {longest} is longer than {context_words(cfg, trained)}: "
                      "positions past it were never trained\n")
     return text
 
@@ -88,12 +88,28 @@ _EMPTY_MODELS_LINE = re.compile(r"^models:\s*\{\s*\}\s*(#.*)?$")
 DEFAULT_SEQ_LEN = 4096  # a decode variant's KV rows a sequence where from-hf is given none
 
 
-def trained_positions(cfg: dict) -> int | None:
-    """config.json's max_position_embeddings (positions the model was trained on; where absent, the config class's
-    default, as transformers reads it: config.max_positions) where it is a positive integer, else None (null or not
-    a count: nothing to compare a cache with)."""
+def trained_positions(cfg: dict, rope_scaling=None) -> int | None:
+    """The positions (tokens) the model is meant to run at: config.json's max_position_embeddings (where absent, the
+    config class's default, as transformers reads it: config.max_positions) where it is a positive integer, else None
+    (null or not a count: nothing to compare a cache with). With yarn RoPE scaling (`rope_scaling` as the entry maps
+    it, a dict or Model.rope_scaling's pairs) the longer of that and factor x original_max_position_embeddings: yarn
+    extends the pretraining length by its factor (Peng et al. 2023, arXiv:2309.00071), and Qwen2.5's model cards
+    keep max_position_embeddings at the original length beside it."""
     trained = max_positions(cfg)
-    return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None
+    if isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0:
+        return None
+    rs = dict(rope_scaling or ())
+    if rs.get("rope_type") == "yarn":
+        trained = max(trained, int(rs["factor"] * rs["original_max_position_embeddings"]))
+    return trained
+
+
+def context_words(cfg: dict, positions: int) -> str:
+    """How a message names trained_positions' `positions`: config.json's max_position_embeddings, or yarn's extended
+    context beside it."""
+    mpe = max_positions(cfg)
+    return (f"max_position_embeddings {positions}" if positions == mpe
+            else f"the {positions} positions yarn RoPE scaling extends max_position_embeddings {mpe} to")
 
 
 def default_seq_len(cfg: dict) -> int:
