@@ -3,7 +3,8 @@
 # checkout has them (a session's .dbg/ does not survive one). Not the check: bench/gpu_check.py is that. Parts that
 # ran are taken out (git history keeps them; their results are in bench/NOTES.md).
 #
-#   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/
+#   bash bench/queue.sh build     # on the CPU: every A/B plan queued compiled into build-ab/<tag>/ (`build tl
+#                                 # downgemm`: those parts' only)
 #   bash bench/queue.sh dsmem     # one call (~3 min): DOWN_SMEM's and GU_SKIP's GPU tests, then their A/B at batch 1
 #   bash bench/queue.sh first     # a session's first call (~5 min on an H100, timeout_s 600, carry .whl): serve's
 #                                 # GPU tests of the fallback, then the whole check in the time left (BUDGET s, 560)
@@ -11,8 +12,6 @@
 #   bash bench/queue.sh seventh   # a seventh held-out set, default plans (carry .whl; ~1 min after `first`)
 #   bash bench/queue.sh second    # the call after it (carry .whl): e2e (and on an undeclared yarn checkpoint), then
 #                                 # the main GPU tests
-#   bash bench/queue.sh opre      # O_PRE 1 under ATT_DYN (KV >= 8192, or stream-K pairs) at batch 2-12 (~1 min)
-#   bash bench/queue.sh coop      # COOP 0 + QKV_PRE 1 at batch 1 where a grid barrier stays (~30 s)
 #   bash bench/queue.sh tl        # four timelines at KV 4096: Yi-9B-like and Llama-3-8B b1, Llama-3.2-1B b1 at QKV_NWG
 #                                 # 16 and 8 (~2 min; `bash bench/queue.sh build` compiles them here first: carry build-tl)
 #   bash bench/queue.sh big       # batch 64-128 held-out rows against FlashInfer and the serving-style layer (carry
@@ -114,27 +113,6 @@ T.Qwen2ForCausalLM(c).to(torch.bfloat16).save_pretrained('/tmp/qwen2-yarn-ckpt')
     tests/test_serve.py tests/test_hf_gpu.py
 }
 
-part_opre() {  # session 69: o_proj's first weight step before attention's grid barrier (O_PRE 1) is the default at
-  # batch 2-8 but not under ATT_DYN ("not timed", session 27). Held-out OLMo-1B-like b5 (ATT_DYN 2) ran at 88.1 % of
-  # the copy bandwidth on the H100, o_proj 9.3 us for 8.4 MB; Llama-3.2-3B-like b7 KV 16384 at 89.9 %.
-  # Prediction: -0.5 ... -2 % where o_proj is a small part behind a long attention
-  local o='{"O_PRE": 1}'
-  ab opre full,mix --variants bench/queue-variants.yaml --variants bench/results/gpu_check-s60-variants.yaml \
-    --case ho-mha-b5_decode_b5_s4096_bf16 "$o" --case ho-l3b-b7_decode_b7_s16384_bf16 "$o" \
-    --case llama3.2-1b_decode_b8_s32768_bf16 "$o" --case llama3-8b_decode_b8_s32768_bf16 "$o" \
-    --case ho-l8b-b12_decode_b12_s8192_bf16 "$o" --case ho-linrope_decode_b2_s8192_bf16 "$o"
-}
-
-part_coop() {  # session 69: COOP 0 (PDL's early start) with QKV_PRE 1 is the batch-1 default only where no grid
-  # barrier is left; where one stays (a partial last act chunk keeps gate_up's: Yi-9B-like, Llama-2-7B-like,
-  # Qwen2.5-14B-like) the launch is cooperative and qkv's first loads wait for the previous layer's end. COOP 0's
-  # barrier counts in ws_gridbar (one block an SM). Session 51: COOP 0 alone 0.0 ... +1.3 %, with QKV_PRE -0.8 ...
-  # -2.9 % where barrier-free. Prediction: -0.5 ... -2 %
-  local c='{"COOP": 0, "QKV_PRE": 1}'
-  ab coop full,191 --variants bench/queue-variants.yaml --case ho-yi-9b_decode_b1_s4096_bf16 "$c" \
-    --case ho-l2-7b_decode_b1_s2048_bf16 "$c" --case q-q25-14b_decode_b1_s4096_bf16 "$c"
-}
-
 part_tl() {  # session 69: where Yi-9B-like b1's 5 us over its floor go (qkv -> attention 22.4 us against 16.9;
   # Llama-3-8B 25.1 / 22.4), and why QKV_NWG 16 pays at Llama-3.2-1B b1 (session 68: -3.1 ... -3.4 % at KV 1024,
   # not established). Each timeline verifies its plan against the reference first. $BUILD: compile only
@@ -202,13 +180,15 @@ part_tp() {  # 2 GPUs: the TP layers against the whole layer's reference, NORM_G
   step gputests-tp python3 -m pytest -q -m gpu tests/test_tp.py
 }
 
-case "${1:-}" in build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|downgemm|tune191|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
+case "${1:-}" in build|dsmem|tl|first|keyrows|seventh|second|big|downgemm|tune191|tests|serving|tp1|tp) mkdir -p "$OUT" ;; esac
 case "${1:-}" in
-  build) BUILD=--compile-only; rm -rf build-ab build-tl; part_dsmem; part_opre; part_coop; part_tl; part_downgemm ;;  # (afresh: old builds would outgrow a
-    # device call's 64 MiB carry)
+  build) BUILD=--compile-only; shift  # the parts named (all that compile, by default), each afresh: old builds would
+    # outgrow a device call's 64 MiB carry
+    for p in "${@:-dsmem tl downgemm}"; do for p in $p; do
+      case $p in dsmem|downgemm) rm -rf "build-ab/$p" ;; tl) rm -rf build-tl ;;
+        *) echo "build: $p compiles nothing here (one of dsmem, tl, downgemm)" >&2; exit 2 ;; esac
+      "part_$p"; done; done ;;
   dsmem) part_dsmem ;;
-  opre) part_opre ;;
-  coop) part_coop ;;
   tl) part_tl ;;
   first) part_first ;;
   keyrows) part_keyrows ;;
@@ -221,5 +201,5 @@ case "${1:-}" in
   serving) part_serving ;;
   tp1) part_tp1 ;;
   tp) part_tp ;;
-  *) echo "usage: bash bench/queue.sh build|dsmem|opre|coop|tl|first|keyrows|seventh|second|big|tune191|tests|serving|tp1|tp" >&2; exit 2 ;;
+  *) echo "usage: bash bench/queue.sh build [PART...]|dsmem|tl|first|keyrows|seventh|second|big|downgemm|tune191|tests|serving|tp1|tp" >&2; exit 2 ;;
 esac
