@@ -448,6 +448,12 @@ REFUSED = [
                                 "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5}}),
     ("max_position_embeddings", {**_without(LLAMA_3_1_8B, "rope_scaling"), "max_position_embeddings": None,
                                  "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),  # (absent: the default)
+    # (transformers 5's config classes refuse a null or a non-integer: a null was read as no limit, a trial found)
+    ("'max_position_embeddings' is null: transformers refuses it (give an integer, or leave the field out for "
+     "llama's default 2048)", {**LLAMA_3_2_1B, "max_position_embeddings": None}),
+    ("'max_position_embeddings' must be an integer, got '4096'", {**QWEN2_5_7B, "max_position_embeddings": "4096"}),
+    ("'rope_parameters.rope_theta' is null: transformers fails on it", {
+        **_without(LLAMA_3_2_1B, "rope_scaling"), "rope_parameters": {"rope_type": "default", "rope_theta": None}}),
     ("rope_scaling.low_freq_factor", {**LLAMA_3_1_8B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                                         "high_freq_factor": 4.0}}),
     ("partial_rotary_factor", {**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}),
@@ -460,6 +466,10 @@ REFUSED = [
     ("use_mrope", {**QWEN2_5_7B, "use_mrope": True}),
     ("hidden_size", _without(LLAMA_3_2_1B, "hidden_size")),
     ("num_hidden_layers", {**LLAMA_3_2_1B, "num_hidden_layers": "16"}),
+    # variants.yaml's field named with config.json's beside it; a shape only the fused kernels refuse: where it runs
+    ("field 'intermediate' (config.json's intermediate_size) must be a multiple of 16 (tensor-core tiles), got 700; "
+     "`megakernel generate` serves this checkpoint with the unfused PyTorch layers",
+     {**LLAMA_3_2_1B, "intermediate_size": 700}),
     ("head_dim", {**LLAMA_3_2_1B, "head_dim": 72}),      # the variants.yaml rule (multiple of 16), via parse_model
     # no head_dim: derived as transformers does, and the message says from what
     ("hidden_size 2000 // num_attention_heads 16", {**_without(LLAMA_3_2_1B, "head_dim"), "hidden_size": 2000,

@@ -522,6 +522,10 @@ def test_weights_files_that_are_there_but_not_readable_are_named_as_such(tmp_pat
         torch.save(obj, d / "pytorch_model.bin")
         with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable PyTorch checkpoint .*: " + why):
             hf._Checkpoint(d)
+    (d / "pytorch_model.bin").write_text("hello")  # (torch.load's own error: a bare KeyError 101, the "e")
+    with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable .*: neither a zip archive "
+                                                   r"\(torch.save's format\) nor a pickle: it starts b'hello'$"):
+        hf._Checkpoint(d)
     (d / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
     with pytest.raises(hf.HFCheckpointError, match="pytorch_model.bin: not a readable .*: a Git LFS pointer, not the "
                                                    "weights \\(fetch them: git lfs pull\\)$"):

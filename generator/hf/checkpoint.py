@@ -130,12 +130,17 @@ def _why_unreadable(file: Path, exc: Exception) -> str:
             return "an empty file (0 bytes)"
         if head.startswith(b"version https://git-lfs"):
             return "a Git LFS pointer, not the weights (fetch them: git lfs pull)"
+        if file.suffix != ".safetensors" and not head.startswith((b"PK\x03\x04", b"\x80")):
+            # (torch.save writes a zip archive, or before torch 1.6 a pickle, protocol 2+: torch.load's own error
+            # on anything else can be a bare KeyError of the first byte)
+            return f"neither a zip archive (torch.save's format) nor a pickle: it starts {head[:8]!r}"
     except OSError:
         pass
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
     if m := re.search(r"Unsupported .*?(?: by default|$)", text, re.M):  # (torch's WeightsUnpickler line)
         return m.group(0)
-    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {line}" if len(line) < 12 else line  # (a bare "101" says nothing alone)
 
 
 class _Checkpoint:

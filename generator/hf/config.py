@@ -56,6 +56,10 @@ MAX_POSITIONS_ABSENT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16", "float64": "bf16"}
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# variants.yaml's model fields that config.json names otherwise (for messages)
+CONFIG_FIELDS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+                 "intermediate": "intermediate_size", "layers": "num_hidden_layers", "norm_eps": "rms_norm_eps",
+                 "activation": "hidden_act"}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # transformers 5.24's config defaults where config.json omits the field (MistralConfig, Qwen2Config, Qwen3Config)
 MISTRAL_DEFAULT_WINDOW = 4096
@@ -216,6 +220,9 @@ def _map_rope(cfg_path, cfg, notes: list[str]) -> tuple[float, dict | None, Posi
                             "are not supported (one RoPE for every layer only)")
 
     top = cfg.get("rope_theta")
+    if "rope_theta" in params and params["rope_theta"] is None:  # (transformers' rotary embedding: None ** x)
+        raise HFConfigError(f"{cfg_path}: field '{where}.rope_theta' is null: transformers fails on it (give a number, "
+                            "or leave the field out for the top-level rope_theta or the default 10000)")
     if "rope_theta" in params:
         theta = _check_number(cfg_path, f"{where}.rope_theta", params["rope_theta"])
         if top is not None and top != params["rope_theta"]:
@@ -478,6 +485,12 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         raise HFConfigError(f"{cfg_path}: field 'model_type' is {model_type!r}: supported are "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}{why}")
     notes: list[str] = []
+    mpe = cfg.get("max_position_embeddings")
+    if "max_position_embeddings" in cfg and (isinstance(mpe, bool) or not isinstance(mpe, int)):
+        # (transformers 5's config classes refuse it: StrictDataclassFieldValidationError, expected int)
+        raise HFConfigError(f"{cfg_path}: field 'max_position_embeddings' " + (
+            "is null" if mpe is None else f"must be an integer, got {mpe!r}") + ": transformers refuses it (give an "
+            f"integer, or leave the field out for {model_type}'s default {MAX_POSITIONS_ABSENT[model_type]})")
     if "max_position_embeddings" not in cfg:  # (what the cache and RoPE scaling are then checked against)
         notes.append(f"no max_position_embeddings in config.json: {MAX_POSITIONS_ABSENT[model_type]}, transformers' "
                      f"default for {model_type}")
@@ -583,7 +596,13 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         if derived and "'head_dim'" in str(exc):  # a field the config does not have: say where it came from
             raise HFConfigError(f"{exc} (head_dim {head_dim} = hidden_size {hidden} // num_attention_heads "
                                 f"{heads}: the config has no head_dim)") from None
-        raise
+        # the message names variants.yaml's field: config.json's name beside it, and for a shape only the fused
+        # kernels refuse, that the unfused layers serve it
+        text = re.sub(r"field '(\w+)'", lambda m: m.group(0) + (f" (config.json's {CONFIG_FIELDS[m.group(1)]})"
+                                                               if m.group(1) in CONFIG_FIELDS else ""), str(exc), 1)
+        if kernel and (why := gvariants.tile_problem(fields)) and why in str(exc):
+            text += "; `megakernel generate` serves this checkpoint with the unfused PyTorch layers"
+        raise type(exc)(text) from None
     return Mapped(name, fields, notes, cfg_path, cfg, window, limit)
 
 
