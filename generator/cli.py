@@ -349,7 +349,8 @@ def build_cmd(variants_file, build_dir, only, exclude, jobs, arch, strict, no_re
 
             def progress(n, ok, names=(), cached=False, refused=False):
                 done[0] += n
-                what = "refused:" if refused else "up to date:" if cached else "built" if ok else "failed to compile"
+                # ("compiled": the build is recorded (sources, cubins, manifest) only once every object is done)
+                what = "refused:" if refused else "up to date:" if cached else "compiled" if ok else "failed to compile"
                 shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
                 # (a closed stdout, `| head`, does not stop the build: run() makes its writes no-ops)
                 click.echo(f"{what} {shown or greport.counted(n, 'variant')} ({done[0]}/{len(vs)} variants "
@@ -694,7 +695,8 @@ def from_hf_cmd(path, write_file, name, batches, seq_lens, prefill_chunks):
             except (OSError, UnicodeDecodeError):
                 started = False  # append_entry says what is wrong with it
             hf.append_entry(write_file, text, seq_len=seq_len)
-            err_console.print(f"started {write_file} (a default matrix) with the entry" if started
+            err_console.print((f"started {write_file} (a default matrix) with the entry"
+                               + (" (its own matrix)" if matrix is not None else "")) if started
                               else f"appended to {write_file}", highlight=False)
             if matrix is None:  # the file's matrix applies: its variants of this entry
                 entry = next(iter(yaml.safe_load("models:\n" + text)["models"]))
@@ -1112,7 +1114,7 @@ def run():
     (_PipeSafe)."""
     sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     try:
-        rv = main(standalone_mode=False)
+        rv = main(standalone_mode=False, prog_name="megakernel")  # (`python -m generator.cli` is the same command)
     except click.UsageError as exc:
         ctx = exc.ctx
         if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())) and ctx:  # bare `megakernel`

@@ -563,7 +563,8 @@ def print_fitted(console: Console, make_table, cols: list[tuple], drop_order: li
     drop, hidden = list(drop_order), []
     while drop and natural(t) > console.width:
         key = drop.pop(0)
-        hidden += [c[1].replace("\n", " ") for c in cols if c[0] == key]
+        # (a header's lines joined: "TFLOP\n/s" as TFLOP/s, "blk/\nSM" as blk/SM, "×\nbest" as × best)
+        hidden += [re.sub(r"\n(?=/)|(?<=/)\n", "", c[1]).replace("\n", " ") for c in cols if c[0] == key]
         cols = [c for c in cols if c[0] != key]
         t = make_table(cols)
     console.print(t)

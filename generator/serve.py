@@ -1324,11 +1324,18 @@ class Model:
 
     def stream(self, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_tokens: Iterable[int] | int | None = None,
-               output_logits: bool = False, _result: list | None = None, _depth: int = 0) -> Iterator[tuple[int, int]]:
+               output_logits: bool = False) -> Iterator[tuple[int, int]]:
         """generate() as an iterator of (sequence index, token id), in order as they are produced (a step's tokens
         are read while the next step runs on the GPU). Arguments as generate(). One generation at a time per model
         (they share its KV caches): a second stream() or generate() started before this one is exhausted or closed
         raises ServeError."""
+        return self._held(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits, None,
+                          0)
+
+    def _held(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits, _result,
+              _depth) -> Iterator[tuple[int, int]]:
+        """stream()'s generator, holding the model for its generation; generate() passes `_result` (a list the
+        Generation is appended to) and `_depth` (its frame, for the warnings' stacklevel)."""
         if not self._busy.acquire(blocking=False):
             raise ServeError("another generate() or stream() is under way on this model (they share its KV caches): "
                              "exhaust or close() that stream first")
@@ -1528,9 +1535,8 @@ class Model:
         if callback is not None and not callable(callback):
             raise ServeError(f"callback: a function callback(seq, token), got {callback!r:.60}")
         res: list = []
-        for b, t in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop_tokens=stop_tokens, output_logits=output_logits, _result=res,
-                                _depth=1):
+        for b, t in self._held(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, output_logits,
+                               res, 1):
             if callback is not None:
                 callback(b, t)
         return res[0]

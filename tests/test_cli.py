@@ -721,7 +721,7 @@ def test_build_prints_progress_lines_when_stdout_is_not_a_tty(tiny_build, copy_b
     r = run_cli(["build", "--variants", tiny_build["variants"], "--build-dir", d], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     # a copied build is up to date: one line per binary, naming its variants (tiny-a and tiny-b share one)
-    progress = [ln for ln in r.stdout.splitlines() if ln.startswith(("built ", "up to date: "))]
+    progress = [ln for ln in r.stdout.splitlines() if ln.startswith(("compiled ", "up to date: "))]
     assert progress and f"({len(TINY_NAMES)}/{len(TINY_NAMES)} variants done" in progress[-1], r.stdout
     assert len(progress) == 2 and all(ln.startswith("up to date: ") for ln in progress), progress
     assert all(any(n in ln for ln in progress) for n in TINY_NAMES), progress
