@@ -599,7 +599,7 @@ def map_config(path, name=None, kernel: bool = True) -> Mapped:
         # the message names variants.yaml's field: config.json's name beside it, and for a shape only the fused
         # kernels refuse, that the unfused layers serve it
         text = re.sub(r"field '(\w+)'", lambda m: m.group(0) + (f" (config.json's {CONFIG_FIELDS[m.group(1)]})"
-                                                               if m.group(1) in CONFIG_FIELDS else ""), str(exc), 1)
+                                                               if m.group(1) in CONFIG_FIELDS else ""), str(exc), count=1)
         if kernel and (why := gvariants.tile_problem(fields)) and why in str(exc):
             text += "; `megakernel generate` serves this checkpoint with the unfused PyTorch layers"
         raise type(exc)(text) from None
